@@ -1,0 +1,67 @@
+"""Relocation of instructions to a new address, and out-of-line slot contents.
+
+iced-x86's BlockEncoder re-encodes RIP-relative operands and branches for the new address; we
+check the result by decoding it again, because an encoding that silently changes what an operand
+refers to (e.g. an addr32 form) is worse than a refusal.
+"""
+
+from __future__ import annotations
+
+import iced_x86 as iced
+
+from dynprobe.arch.x86_64.decode import decode_one, iter_instructions
+
+REL32_REACH = 1 << 31
+
+
+def in_rel32_reach(source_next_ip: int, target: int) -> bool:
+    delta = target - source_next_ip
+    return -REL32_REACH <= delta < REL32_REACH
+
+
+def _refers_to(insn: iced.Instruction) -> tuple[int | None, int | None]:
+    mem = int(insn.ip_rel_memory_address) if insn.is_ip_rel_memory_operand else None
+    branch = int(insn.near_branch_target) if insn.op0_kind in (
+        iced.OpKind.NEAR_BRANCH16, iced.OpKind.NEAR_BRANCH32, iced.OpKind.NEAR_BRANCH64) else None  # fmt: skip
+    return mem, branch
+
+
+def relocate(insn: iced.Instruction, new_ip: int) -> bytes | None:
+    """`insn` re-encoded to run at `new_ip` with the same effect, or None if that cannot be done."""
+    encoder = iced.BlockEncoder(64)
+    encoder.add(insn)
+    try:
+        code = bytes(encoder.encode(new_ip))
+    except ValueError:
+        return None
+    moved = decode_one(code, new_ip)
+    if moved is None:
+        return None
+    mem, branch = _refers_to(insn)
+    new_mem, _ = _refers_to(moved)
+    if mem is not None and (new_mem != mem or moved.memory_displ_size == 0 or code[0] == 0x67):
+        return None
+    if branch is not None:
+        # A far-away branch target may become a short jcc over an indirect jmp; check every target.
+        targets = {t for i in iter_instructions(code, new_ip) for t in [_refers_to(i)[1]] if t is not None}
+        if branch not in targets:
+            return None
+    return code
+
+
+def jump_to(source: int, target: int) -> bytes:
+    """A `jmp target` placed at `source`: rel32 when in reach, else `jmp [rip+0]; dq target`."""
+    if in_rel32_reach(source + 5, target):
+        return b"\xe9" + ((target - source - 5) & 0xFFFFFFFF).to_bytes(4, "little")
+    return b"\xff\x25\x00\x00\x00\x00" + target.to_bytes(8, "little")
+
+
+def out_of_line(insn: iced.Instruction, slot: int) -> tuple[bytes, int] | None:
+    """Slot contents for running `insn` at `slot`: the relocated instruction, then `jmp` back.
+
+    Returns (code, length of the relocated instruction), or None when it cannot be relocated.
+    """
+    moved = relocate(insn, slot)
+    if moved is None:
+        return None
+    return moved + jump_to(slot + len(moved), int(insn.next_ip)), len(moved)

@@ -1,0 +1,1 @@
+"""The arch-independent engine: probes, sites, slots, the session and its event loop."""

@@ -1,0 +1,975 @@
+"""A tracing session: the traced processes, their probes, and the event loop that serves them.
+
+The session owns the one wait loop (every ptrace call happens on the thread that runs it) and the
+one teardown path (`detach`, reached from `close()` and the context manager). Threads that do not
+hit a probe never stop: a breakpoint stops only the thread that hit it, and the world is stopped
+only to patch memory other threads may be executing or to leave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+
+from dynprobe.arch.x86_64 import (
+    FLAG_TF,
+    INT3,
+    EmulationFault,
+    Fixup,
+    Regs,
+    ResumeKind,
+    ResumePlan,
+    decode_one,
+    emulate,
+    instruction_starts,
+    needs_step_for_post_handler,
+    out_of_line,
+    plan_resume,
+)
+from dynprobe.core.probe import Handler, Hit, Probe, Site
+from dynprobe.core.slots import SlotCache
+from dynprobe.errors import ParseError, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
+from dynprobe.ptrace import syscalls as sc
+from dynprobe.ptrace.events import Event, EventKind, decode_status
+from dynprobe.ptrace.process import Tracee, ThreadState
+from dynprobe.ptrace.process import attach as ptrace_attach
+from dynprobe.ptrace.process import spawn as ptrace_spawn
+from dynprobe.spec.fetch import FetchContext
+from dynprobe.spec.model import FetchArg, ProbeSpec
+from dynprobe.spec.parser import parse_spec
+from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
+from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
+
+LOADER_HOOK = "_dl_debug_state"
+_FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+
+
+class _WaitInterrupted(Exception):
+    """Raised by our signal handlers, only while the loop blocks in waitpid."""
+
+
+@dataclass
+class StepState:
+    """A thread single-stepping a probed instruction in its slot."""
+
+    site: Site
+    probes: list[Probe]
+    user_tf: bool  # the target itself had TF set: it expects a SIGTRAP after the instruction
+    held_signals: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class TracedProcess:
+    tracee: Tracee
+    exe: str
+    follow: bool = True  # False: an unfollowed vfork child, traced only until it execs or exits
+    sites: dict[int, Site] = field(default_factory=dict)
+    stepping: dict[int, StepState] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)  # addresses where we removed an int3
+    comms: dict[int, str] = field(default_factory=dict)
+    status: int | None = None  # exit status once it ended (128+N for a signal)
+    slots: SlotCache = field(init=False)
+    world_stopped: bool = False
+
+    def __post_init__(self) -> None:
+        self.slots = SlotCache(self._map_region)
+        self._map_tid: int | None = None
+        self._scratch: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.tracee.pid
+
+    def _map_region(self, hint: int, size: int) -> int | None:
+        assert self._map_tid is not None and self._scratch is not None
+        scratch = self.slots.stub() or self._scratch
+        return self.tracee.mmap_exec_near(self._map_tid, scratch, hint, size)
+
+    def comm(self, tid: int) -> str:
+        name = self.comms.get(tid)
+        if name is None:
+            name = self.comms[tid] = self.tracee.comm(tid)
+        return name
+
+
+def _exe_of(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError as exc:
+        raise ProcessError(f"cannot read the executable of pid {pid}: {exc.strerror}") from exc
+
+
+class _MemoryReader:
+    """The memory of one traced process, as handlers and fetch arguments read it."""
+
+    def __init__(self, tracee: Tracee) -> None:
+        self._tracee = tracee
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self._tracee.read(addr, size)
+
+    def read_upto(self, addr: int, size: int) -> bytes:
+        return self._tracee.read_upto(addr, size)
+
+    def read_u64(self, addr: int) -> int:
+        return self._tracee.read_u64(addr)
+
+    def read_string(self, addr: int, limit: int = 4096) -> str:
+        data = self._tracee.read_upto(addr, limit)
+        return data.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+class Session:
+    """Traced processes and their probes. Use `spawn()` or `attach()` to make one."""
+
+    def __init__(self, tracee: Tracee, spawned: bool, follow_fork: bool = False) -> None:
+        self.spawned = spawned
+        self.follow_fork = follow_fork
+        self.probes: list[Probe] = []
+        self.warnings: list[str] = []
+        self.on_warning: Callable[[str], None] | None = None
+        self.main_pid = tracee.pid
+        self.exit_status: int | None = None
+        self._processes: dict[int, TracedProcess] = {}
+        self._owner: dict[int, TracedProcess] = {}
+        self._orphans: dict[int, Event] = {}
+        self._pending: deque[Event] = deque()
+        self._in_wait = False
+        self._stop_requested = False
+        self._closed = False
+        self._started = False
+        self.stats = {"stops": 0}
+        proc = TracedProcess(tracee, _exe_of(tracee.pid))
+        self._add_process(proc)
+        self._sync_process(proc)
+
+    # --- context management -------------------------------------------------------------------
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Detach from every process, restoring every byte dynprobe wrote. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.detach()
+
+    # --- probes ---------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        return self.main_pid
+
+    def probe(
+        self,
+        spec_or_address: str | int | ProbeSpec,
+        pre: Handler | None = None,
+        post: Handler | None = None,
+        enabled: bool = True,
+    ) -> Probe:
+        """Place a trap probe. `spec_or_address` is a probe spec ('p:grp/ev libc:malloc size=%di'),
+        a bare location ('main', 'main+4', '/path/lib.so:0x1139') or an absolute address."""
+        self._check_open()
+        main = self._processes.get(self.main_pid) or next(iter(self._processes.values()), None)
+        if main is None:
+            raise SessionError("the target has exited; no probe can be placed")
+        maps = read_maps(main.pid)
+        if isinstance(spec_or_address, int):
+            location = self._wrap_symbol_error(lambda: resolve_address(spec_or_address, maps))
+            spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
+        else:
+            if isinstance(spec_or_address, ProbeSpec):
+                spec = spec_or_address
+            else:
+                text = spec_or_address.strip()
+                spec = parse_spec(text if text[:1] in ("p", "r") and " " in text else f"p {text}")
+            if spec.kind == "r":
+                raise ParseError("RETPROBE_UNSUPPORTED", "return probes are not supported yet", spec.text, 0)
+            location = self._wrap_symbol_error(lambda: resolve(spec.location, main.exe, maps))
+        refusal = check_location(location)
+        if refusal is not None:
+            raise ProbeRefused(refusal, f"{location.basename}:{location.label}")
+        self._check_fetch_symbols(spec.args, location)
+        probe = Probe(
+            self, location, spec.group or "uprobes", spec.event or default_event_name(location),
+            spec.args, pre, post, enabled,
+        )  # fmt: skip
+        self.probes.append(probe)
+        try:
+            for proc in list(self._processes.values()):
+                if proc.follow:
+                    self._sync_process(proc, only=probe, strict=proc.pid == main.pid)
+        except ProbeRefused:
+            self.remove_probe(probe)
+            raise
+        return probe
+
+    def probes_from(self, specs: list[str], pre: Handler | None = None, post: Handler | None = None) -> list[Probe]:
+        return [self.probe(s, pre=pre, post=post) for s in specs]
+
+    @staticmethod
+    def _wrap_symbol_error(fn: Callable[[], Location]) -> Location:
+        return fn()
+
+    @staticmethod
+    def _check_fetch_symbols(args: tuple[FetchArg, ...], location: Location) -> None:
+        from dynprobe.spec.model import Deref, SymbolAddr
+
+        image = load_elf(location.path)
+        names = {f.name for f in image.functions}
+        for arg in args:
+            fetch = arg.fetch
+            while isinstance(fetch, Deref):
+                fetch = fetch.inner
+            if isinstance(fetch, SymbolAddr) and fetch.symbol not in names and fetch.symbol not in image.objects:
+                raise SymbolError(f"no symbol {fetch.symbol!r} in {location.path} (for @{fetch.symbol})")
+
+    def addresses_of(self, probe: Probe) -> list[int]:
+        return [a for p in self._processes.values() for a, s in p.sites.items() if probe in s.probes and s.armed]
+
+    def sync_probe(self, probe: Probe) -> None:
+        for proc in self._processes.values():
+            for site in proc.sites.values():
+                if probe in site.probes:
+                    self._set_armed(proc, site, site.wanted)
+
+    def remove_probe(self, probe: Probe) -> None:
+        probe.removed = True
+        probe.enabled = False
+        if probe in self.probes:
+            self.probes.remove(probe)
+        for proc in self._processes.values():
+            for addr, site in list(proc.sites.items()):
+                if probe in site.probes:
+                    site.probes.remove(probe)
+                    if not site.probes and site.internal is None:
+                        self._drop_site(proc, addr)
+                    else:
+                        self._set_armed(proc, site, site.wanted)
+
+    # --- running ----------------------------------------------------------------------------------
+    def run(self, timeout: float | None = None) -> int | None:
+        """Run the target until every traced process has exited; return the exit status of the
+        first one (128+N if a signal killed it), or None if `timeout` seconds passed first."""
+        self._check_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        old = None
+        if deadline is not None:
+            old = signal.signal(signal.SIGALRM, self._alarm)
+            signal.setitimer(signal.ITIMER_REAL, max(timeout or 0, 0.001))
+        try:
+            self._start()
+            while self._processes and not self._stop_requested:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                event = self._next_event()
+                if event is None:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return None
+                    if not self._processes or not self._any_thread():
+                        break
+                    continue
+                self._handle(event)
+        finally:
+            if deadline is not None:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+        return self.exit_status
+
+    def stop(self) -> None:
+        """Ask `run()` to return after the event at hand (call from a handler)."""
+        self._stop_requested = True
+
+    def interrupt_wait(self, signum: int, frame: FrameType | None) -> None:
+        """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()` return promptly."""
+        self._stop_requested = True
+        if self._in_wait:
+            raise _WaitInterrupted
+
+    def _alarm(self, signum: int, frame: FrameType | None) -> None:
+        if self._in_wait:
+            raise _WaitInterrupted
+
+    def _any_thread(self) -> bool:
+        return any(p.tracee.threads for p in self._processes.values())
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for proc in list(self._processes.values()):
+            for state in list(proc.tracee.threads.values()):
+                self._release(proc, state)
+
+    def _release(self, proc: TracedProcess, state: ThreadState) -> None:
+        """Resume a stopped thread, or queue the events it collected while the world was stopped."""
+        if state.deferred:
+            self._pending.extend(state.deferred)
+            state.deferred = []
+        elif state.stopped:
+            proc.tracee.resume(state.tid)
+
+    def _next_event(self) -> Event | None:
+        if self._pending:
+            return self._pending.popleft()
+        self._in_wait = True
+        try:
+            pid, status = os.waitpid(-1, sc.WALL)
+        except _WaitInterrupted:
+            return None
+        except ChildProcessError:
+            self._processes.clear()
+            return None
+        finally:
+            self._in_wait = False
+        return decode_status(pid, status)
+
+    # --- events -------------------------------------------------------------------------------------
+    def _handle(self, event: Event) -> None:
+        proc = self._owner.get(event.tid)
+        if proc is None:
+            if event.kind not in (EventKind.EXITED, EventKind.KILLED):
+                self._orphans[event.tid] = event
+            return
+        tracee = proc.tracee
+        state = tracee.threads.get(event.tid)
+        if state is None:
+            state = tracee.threads[event.tid] = ThreadState(event.tid)
+        state.stopped = event.kind not in (EventKind.EXITED, EventKind.KILLED)
+        kind = event.kind
+        if kind in (EventKind.EXITED, EventKind.KILLED):
+            self._on_exit(proc, event)
+        elif kind == EventKind.SIGNAL:
+            self._on_signal(proc, event)
+        elif kind == EventKind.STOP:
+            tracee.resume(event.tid)
+        elif kind == EventKind.GROUP_STOP:
+            with contextlib.suppress(ProcessLookupError):
+                sc.listen(event.tid)
+            state.stopped = False
+        elif kind == EventKind.CLONE:
+            self._adopt_thread(proc, event.msg)
+            tracee.resume(event.tid)
+        elif kind in (EventKind.FORK, EventKind.VFORK):
+            self._on_fork(proc, event)
+        elif kind == EventKind.EXEC:
+            self._on_exec(proc, event)
+        else:  # VFORK_DONE
+            tracee.resume(event.tid)
+
+    def _on_exit(self, proc: TracedProcess, event: Event) -> None:
+        proc.tracee.threads.pop(event.tid, None)
+        proc.stepping.pop(event.tid, None)
+        self._owner.pop(event.tid, None)
+        if event.tid != proc.pid:
+            return
+        proc.status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
+        if proc.pid == self.main_pid:
+            self.exit_status = proc.status
+        for tid in list(proc.tracee.threads):
+            self._owner.pop(tid, None)
+        proc.tracee.close_memory()
+        self._processes.pop(proc.pid, None)
+
+    def _adopt_thread(self, proc: TracedProcess, tid: int) -> None:
+        proc.tracee.threads[tid] = ThreadState(tid)
+        self._owner[tid] = proc
+        orphan = self._orphans.pop(tid, None)
+        if orphan is not None:
+            self._pending.append(orphan)
+
+    def _add_process(self, proc: TracedProcess) -> None:
+        self._processes[proc.pid] = proc
+        for tid in proc.tracee.threads:
+            self._owner[tid] = proc
+
+    def _on_fork(self, parent: TracedProcess, event: Event) -> None:
+        child_pid = event.msg
+        vfork = event.kind == EventKind.VFORK
+        child = TracedProcess(Tracee(child_pid, [child_pid]), parent.exe, follow=self.follow_fork)
+        child.sites = {a: Site(s.addr, s.insn, s.original, s.plan, list(s.probes), s.internal, s.slot,
+                               s.slot_insn_len, s.armed) for a, s in parent.sites.items()}  # fmt: skip
+        child.slots.regions = list(parent.slots.regions)
+        child.slots._next = dict(parent.slots._next)
+        self._add_process(child)
+        orphan = self._orphans.pop(child_pid, None)
+        if not self.follow_fork and not vfork:
+            # A copy of our int3s is in the child: take them out before it runs a single instruction.
+            if orphan is None:
+                while True:
+                    ev = self._wait_for(child_pid)
+                    if ev is None or ev.kind in (EventKind.STOP, EventKind.SIGNAL, EventKind.EXITED, EventKind.KILLED):
+                        orphan = ev
+                        break
+            if orphan is not None and orphan.kind not in (EventKind.EXITED, EventKind.KILLED):
+                for site in child.sites.values():
+                    if site.armed:
+                        with contextlib.suppress(OSError):
+                            child.tracee.write(site.addr, site.original[:1])
+                with contextlib.suppress(OSError):
+                    sc.detach(child_pid, orphan.sig if orphan.kind == EventKind.SIGNAL else 0)
+            child.tracee.close_memory()
+            self._owner.pop(child_pid, None)
+            self._processes.pop(child_pid, None)
+        else:
+            # Followed, or a vfork child: it shares our memory (vfork) or has its own copy of the
+            # armed probes (fork); either way it is served like any traced process.
+            if orphan is not None:
+                self._pending.append(orphan)
+        parent.tracee.resume(event.tid)
+
+    def _wait_for(self, tid: int) -> Event | None:
+        try:
+            pid, status = os.waitpid(tid, sc.WALL)
+        except ChildProcessError:
+            return None
+        return decode_status(pid, status)
+
+    def _on_exec(self, proc: TracedProcess, event: Event) -> None:
+        pid = proc.pid
+        for tid in list(proc.tracee.threads):
+            if tid != pid:
+                proc.tracee.threads.pop(tid)
+                self._owner.pop(tid, None)
+        if event.tid != pid:  # a non-leader thread exec'd: it now has the leader's tid
+            self._owner[pid] = proc
+        proc.tracee.threads.setdefault(pid, ThreadState(pid))
+        proc.tracee.threads[pid].stopped = True
+        proc.sites.clear()
+        proc.stepping.clear()
+        proc.retired.clear()
+        proc.comms.clear()
+        proc.slots.forget()
+        if not proc.follow:
+            # An unfollowed vfork child leaves our shared memory: let it go.
+            with contextlib.suppress(OSError):
+                sc.detach(pid)
+            self._owner.pop(pid, None)
+            self._processes.pop(pid, None)
+            return
+        proc.tracee.open_memory()
+        proc.exe = _exe_of(pid)
+        self._sync_process(proc)
+        proc.tracee.resume(pid)
+
+    def _on_signal(self, proc: TracedProcess, event: Event) -> None:
+        tid, sig = event.tid, event.sig
+        step = proc.stepping.get(tid)
+        if sig == signal.SIGTRAP:
+            info = sc.get_siginfo(tid)
+            if step is not None and info.si_code != sc.SI_KERNEL:
+                self._finish_step(proc, tid, step)
+                return
+            if info.si_code == sc.SI_KERNEL:
+                regs = sc.get_regs(tid)
+                site = proc.sites.get(regs.rip - 1)
+                if site is not None and site.armed:
+                    self._on_breakpoint(proc, tid, site, regs)
+                    return
+                if (regs.rip - 1) in proc.retired and proc.tracee.read(regs.rip - 1, 1)[0] != INT3:
+                    # It hit our int3 just before we took it out: run the original instruction.
+                    regs.rip -= 1
+                    sc.set_regs(tid, regs)
+                    proc.tracee.resume(tid)
+                    return
+        if step is not None:
+            if sig in _FAULT_SIGNALS:  # the instruction itself faulted in its slot
+                proc.stepping.pop(tid)
+                self._deliver_fault(proc, tid, sig)
+                return
+            step.held_signals.append(sig)  # asynchronous: deliver once the step is done
+            proc.tracee.resume(tid, 0, step=True)
+            return
+        if sig in _FAULT_SIGNALS:
+            self._deliver_fault(proc, tid, sig)
+            return
+        proc.tracee.resume(tid, sig)
+
+    def _slot_site(self, proc: TracedProcess, addr: int) -> Site | None:
+        if not proc.slots.contains(addr):
+            return None
+        for site in proc.sites.values():
+            if site.slot is not None and site.slot <= addr < site.slot + 64:
+                return site
+        return None
+
+    def _deliver_fault(self, proc: TracedProcess, tid: int, sig: int) -> None:
+        """Deliver a fault; if it happened in a slot, make it look as if it was at the site."""
+        regs = sc.get_regs(tid)
+        site = self._slot_site(proc, int(regs.rip))
+        if site is not None and site.slot is not None:
+            slot_rip = int(regs.rip)
+            regs.rip = site.addr if slot_rip < site.slot + site.slot_insn_len else site.next_ip
+            sc.set_regs(tid, regs)
+            info = sc.get_siginfo(tid)
+            if info.si_addr == slot_rip:  # SIGFPE, SIGILL, SIGTRAP: si_addr is the instruction's
+                info.si_addr = int(regs.rip)
+                sc.set_siginfo(tid, info)
+        proc.tracee.resume(tid, sig)
+
+    def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site) -> FetchContext:
+        location = next((p.location for p in site.probes), None)
+
+        def symbol_address(name: str) -> int | None:
+            if location is None:
+                return None
+            image = load_elf(location.path)
+            vaddr = image.objects.get(name)
+            if vaddr is None:
+                func = image.by_name.get(name)
+                vaddr = func.addr if func else None
+            if vaddr is None:
+                return None
+            return site.addr - location.vaddr + vaddr
+
+        def symbolize(addr: int) -> str | None:
+            m = mapping_at(read_maps(proc.pid), addr)
+            if m is None or not m.path.startswith("/"):
+                return None
+            try:
+                image = load_elf(m.path)
+            except SymbolError:
+                return None
+            file_off = addr - m.start + m.offset
+            vaddr = image.offset_to_vaddr(file_off)
+            return image.symbolize(vaddr) if vaddr is not None else None
+
+        return FetchContext(regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), symbol_address, symbolize)
+
+    def _on_breakpoint(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> None:
+        self.stats["stops"] += 1
+        regs.rip = site.addr
+        if site.internal is not None:
+            site.internal(tid, regs)
+        probes = [p for p in site.probes if p.enabled] if proc.follow else []
+        context = self._context(proc, tid, regs, site)
+        now = time.monotonic()
+        for probe in probes:
+            probe.hits += 1
+            if probe.pre is not None and probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, context)):
+                # The handler moved rip itself: the instruction is skipped, no post-handler runs.
+                sc.set_regs(tid, regs)
+                proc.tracee.resume(tid)
+                return
+        post = [p for p in probes if p.post is not None]
+        user_tf = bool(regs.eflags & FLAG_TF)
+        plan = site.plan
+        if post or user_tf:
+            plan = needs_step_for_post_handler(plan)
+        if plan.kind == ResumeKind.EMULATE:
+            before = regs.copy()
+            try:
+                writes = emulate(site.insn, regs, proc.tracee.read)
+                for addr, data in writes:
+                    proc.tracee.write(addr, data)
+            except (EmulationFault, OSError):
+                regs = before
+                plan = ResumePlan(ResumeKind.STEP if post or user_tf else ResumeKind.BOOST, plan.fixup)
+            else:
+                self._count_resume(probes, ResumeKind.EMULATE)
+                self._run_post(proc, tid, post, regs, site, context)
+                sc.set_regs(tid, regs)
+                if user_tf:
+                    self._deliver_step_trap(proc, tid)
+                else:
+                    proc.tracee.resume(tid)
+                return
+        if site.slot is None:
+            raise ProcessError(f"no out-of-line slot for {site.addr:#x}")
+        self._count_resume(probes, plan.kind)
+        regs.rip = site.slot
+        sc.set_regs(tid, regs)
+        if plan.kind == ResumeKind.BOOST:
+            proc.tracee.resume(tid)
+        else:
+            proc.stepping[tid] = StepState(site, post, user_tf)
+            proc.tracee.resume(tid, step=True)
+
+    @staticmethod
+    def _count_resume(probes: list[Probe], kind: ResumeKind) -> None:
+        for probe in probes:
+            probe.resumes[kind] += 1
+
+    def _run_post(
+        self, proc: TracedProcess, tid: int, post: list[Probe], regs: Regs, site: Site, context: FetchContext
+    ) -> None:
+        now = time.monotonic()
+        for probe in post:
+            assert probe.post is not None
+            probe.post(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
+
+    def _finish_step(self, proc: TracedProcess, tid: int, step: StepState) -> None:
+        proc.stepping.pop(tid)
+        site = step.site
+        regs = sc.get_regs(tid)
+        assert site.slot is not None
+        after = site.slot + site.slot_insn_len
+        if regs.rip == after:
+            regs.rip = site.next_ip
+            if site.plan.fixup & Fixup.RCX_NEXT_IP and regs.rcx == after:
+                regs.rcx = site.next_ip
+        if step.probes:
+            self._run_post(proc, tid, step.probes, regs, site, self._context(proc, tid, regs, site))
+        sc.set_regs(tid, regs)
+        for extra in step.held_signals[1:]:
+            with contextlib.suppress(OSError):
+                sc.tgkill(proc.pid, tid, extra)
+        if step.user_tf:
+            self._deliver_step_trap(proc, tid)  # the hardware trap the target asked for
+            for sig in step.held_signals[:1]:
+                with contextlib.suppress(OSError):
+                    sc.tgkill(proc.pid, tid, sig)
+        else:
+            proc.tracee.resume(tid, step.held_signals[0] if step.held_signals else 0)
+
+    def _deliver_step_trap(self, proc: TracedProcess, tid: int) -> None:
+        info = sc.get_siginfo(tid)
+        info.si_signo = signal.SIGTRAP
+        info.si_code = sc.TRAP_TRACE
+        info.si_addr = int(sc.get_regs(tid).rip)
+        sc.set_siginfo(tid, info)
+        proc.tracee.resume(tid, signal.SIGTRAP)
+
+    # --- sites ---------------------------------------------------------------------------------------
+    def _sync_process(self, proc: TracedProcess, only: Probe | None = None, strict: bool = False) -> None:
+        """Make the process's sites match the probes and what is mapped now: arm probes whose file
+        is mapped, forget sites whose module went away (dlclose)."""
+        maps = read_maps(proc.pid)
+        if only is None:
+            for addr, site in list(proc.sites.items()):
+                m = mapping_at(maps, addr)
+                if m is None or not m.executable or not any(
+                    maps_file(m, file_key(p.location.path), p.location.path) for p in site.probes
+                ) and site.internal is None:
+                    self._forget_site(proc, addr)
+            self._install_loader_hook(proc, maps)
+        keys: dict[str, tuple[int, int] | None] = {}
+        for probe in [only] if only else list(self.probes):
+            if probe.removed:
+                continue
+            loc = probe.location
+            key = keys.setdefault(loc.path, file_key(loc.path))
+            addr = address_of_offset(maps, key, loc.path, loc.offset)
+            if addr is None:
+                continue
+            site = proc.sites.get(addr)
+            if site is not None and probe in site.probes:
+                continue
+            try:
+                self._install(proc, probe, addr)
+            except ProbeRefused as refused:
+                if strict:
+                    raise
+                self._warn(f"{probe.name}: {refused} (pid {proc.pid})")
+
+    def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        if any(s.internal is not None for s in proc.sites.values()):
+            return
+        try:
+            interp = load_elf(proc.exe).interp
+        except SymbolError:
+            return
+        if not interp:
+            return  # static binary: nothing is loaded later
+        path = os.path.realpath(interp)
+        try:
+            func = load_elf(path).by_name.get(LOADER_HOOK)
+        except SymbolError:
+            return
+        if func is None:
+            self._warn(f"{path} has no {LOADER_HOOK}: libraries loaded later will not be probed")
+            return
+        image = load_elf(path)
+        offset = image.vaddr_to_offset(func.addr)
+        addr = address_of_offset(maps, file_key(path), path, offset) if offset is not None else None
+        if addr is None:
+            return
+        location = Location(path, offset or 0, func.addr, func, LOADER_HOOK)
+        site = self._make_site(proc, location, addr)
+        site.internal = lambda tid, regs: self._sync_process(proc)
+        proc.sites[addr] = site
+        self._set_armed(proc, site, True)
+
+    def _make_site(self, proc: TracedProcess, location: Location, addr: int) -> Site:
+        image = load_elf(location.path)
+        code = image.code(location.vaddr, 15)
+        insn = decode_one(code, addr)
+        where = f"{location.basename}:{location.label}"
+        if insn is None:
+            raise ProbeRefused(Refusal.UNDECODABLE, where)
+        original = code[: insn.len]
+        try:
+            current = proc.tracee.read(addr, insn.len)
+        except OSError as exc:
+            raise ProbeRefused(Refusal.NOT_EXECUTABLE, where) from exc
+        if current != original:
+            reason = Refusal.FOREIGN_INT3 if current[0] == INT3 else Refusal.BYTES_MISMATCH
+            raise ProbeRefused(reason, where)
+        plan = plan_resume(insn)
+        if isinstance(plan, Refusal):
+            raise ProbeRefused(plan, where)
+        site = Site(addr, insn, original, plan)
+        slot = self._allocate_slot(proc, addr)
+        if slot is not None:
+            built = out_of_line(insn, slot)
+            if built is not None:
+                proc.tracee.write(slot, built[0])
+                site.slot, site.slot_insn_len = slot, built[1]
+            else:
+                proc.slots.free(slot)
+        if site.slot is None and plan.kind != ResumeKind.EMULATE:
+            raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
+        return site
+
+    def _install(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
+        site = proc.sites.get(addr)
+        if site is None:
+            site = self._make_site(proc, probe.location, addr)
+            proc.sites[addr] = site
+        site.probes.append(probe)
+        self._set_armed(proc, site, site.wanted)
+
+    def _allocate_slot(self, proc: TracedProcess, near: int) -> int | None:
+        if proc.slots.stub() is None:
+            with self._world_stopped(proc) as tid:
+                proc._map_tid, proc._scratch = tid, near
+                return proc.slots.allocate(near)
+        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+        if tid is None:
+            with self._world_stopped(proc) as tid:
+                proc._map_tid = tid
+                return proc.slots.allocate(near)
+        proc._map_tid = tid
+        return proc.slots.allocate(near)
+
+    def _set_armed(self, proc: TracedProcess, site: Site, armed: bool) -> None:
+        if site.armed == armed or proc.status is not None:
+            return
+        try:
+            proc.tracee.write(site.addr, bytes([INT3]) if armed else site.original[:1])
+        except OSError as exc:
+            raise ProcessError(f"cannot write at {site.addr:#x} in pid {proc.pid}: {exc.strerror}") from exc
+        site.armed = armed
+        if armed:
+            proc.retired.discard(site.addr)
+        else:
+            proc.retired.add(site.addr)
+
+    def _drop_site(self, proc: TracedProcess, addr: int) -> None:
+        site = proc.sites.get(addr)
+        if site is None:
+            return
+        self._set_armed(proc, site, False)
+        del proc.sites[addr]
+        # The slot is not reused: a thread may still be inside it until the next quiescent point.
+
+    def _forget_site(self, proc: TracedProcess, addr: int) -> None:
+        """The module holding `addr` is gone: nothing to restore, just forget it."""
+        proc.sites.pop(addr, None)
+
+    def _warn(self, message: str) -> None:
+        self.warnings.append(message)
+        if self.on_warning is not None:
+            self.on_warning(message)
+
+    # --- stop the world, detach -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _world_stopped(self, proc: TracedProcess) -> Iterator[int]:
+        """Every thread of `proc` stopped; yields one tid usable for remote syscalls."""
+        interrupted = self._stop_all(proc)
+        try:
+            tid = next(t for t, s in proc.tracee.threads.items() if s.stopped)
+            yield tid
+        finally:
+            if self._started and not self._closed:
+                for t in interrupted:
+                    state = proc.tracee.threads.get(t)
+                    if state is not None:
+                        self._release(proc, state)
+
+    def _stop_all(self, proc: TracedProcess) -> list[int]:
+        running = [t for t, s in proc.tracee.threads.items() if not s.stopped]
+        for tid in running:
+            with contextlib.suppress(ProcessLookupError):
+                sc.interrupt(tid)
+        waiting = set(running)
+        while waiting:
+            try:
+                pid, status = os.waitpid(-1, sc.WALL)
+            except ChildProcessError:
+                break
+            event = decode_status(pid, status)
+            if pid not in waiting:
+                self._pending.append(event)
+                continue
+            state = proc.tracee.threads[pid]
+            if event.kind in (EventKind.EXITED, EventKind.KILLED):
+                waiting.discard(pid)
+                self._pending.append(event)
+                continue
+            state.stopped = True
+            if event.kind != EventKind.STOP:
+                state.deferred.append(event)
+            waiting.discard(pid)
+        return running
+
+    def detach(self) -> None:
+        """Restore every byte written, move threads out of slots and traps, and let all go."""
+        for proc in list(self._processes.values()):
+            with contextlib.suppress(ProcessError, OSError):
+                self._detach_process(proc)
+        self._processes.clear()
+        self._owner.clear()
+
+    def _detach_process(self, proc: TracedProcess) -> None:
+        self._stop_all(proc)
+        # Events that arrived for this process but were not handled yet belong to its threads.
+        for event in [e for e in self._pending if self._owner.get(e.tid) is proc]:
+            self._pending.remove(event)
+            state = proc.tracee.threads.get(event.tid)
+            if state is not None:
+                state.deferred.append(event)
+        for site in proc.sites.values():
+            if site.armed:
+                with contextlib.suppress(OSError):
+                    proc.tracee.write(site.addr, site.original[:1])
+                site.armed = False
+        for tid, state in list(proc.tracee.threads.items()):
+            if not state.stopped:
+                continue
+            self._detach_thread(proc, tid, state)
+        proc.tracee.close_memory()
+
+    def _detach_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
+        try:
+            regs = sc.get_regs(tid)
+        except OSError:
+            return
+        sig = 0
+        for event in state.deferred:
+            if event.kind == EventKind.SIGNAL and event.sig != signal.SIGTRAP:
+                sig = event.sig
+        rip = int(regs.rip)
+        step = proc.stepping.pop(tid, None)
+        site = self._slot_site(proc, rip) or (step.site if step else None)
+        if site is not None and site.slot is not None and site.slot <= rip < site.slot + 64:
+            regs.rip = site.addr if rip < site.slot + site.slot_insn_len else site.next_ip
+            sc.set_regs(tid, regs)
+        elif (rip - 1) in proc.sites and any(
+            e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred
+        ):
+            regs.rip = rip - 1  # stopped on our int3, now gone: run the original instruction
+            sc.set_regs(tid, regs)
+        elif (rip - 1) in proc.sites and self._last_stop_was_breakpoint(tid, rip, proc):
+            regs.rip = rip - 1
+            sc.set_regs(tid, regs)
+        if step is not None:
+            sig = step.held_signals[0] if step.held_signals else sig
+        with contextlib.suppress(OSError):
+            sc.detach(tid, sig)
+
+    @staticmethod
+    def _last_stop_was_breakpoint(tid: int, rip: int, proc: TracedProcess) -> bool:
+        try:
+            info = sc.get_siginfo(tid)
+        except OSError:
+            return False
+        return info.si_signo == signal.SIGTRAP and info.si_code == sc.SI_KERNEL
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionError("the session is closed")
+
+    # --- introspection ----------------------------------------------------------------------------------
+    def processes(self) -> list[int]:
+        return sorted(self._processes)
+
+    def slot_bytes(self) -> int:
+        return sum(p.slots.bytes_mapped() for p in self._processes.values())
+
+
+def check_location(location: Location) -> Refusal | None:
+    """Whether a location can take a trap probe, judged from the file alone."""
+    image = load_elf(location.path)
+    func = location.function
+    if func is None or func.size == 0:
+        func = image.function_at(location.vaddr)
+    if func is None:
+        return Refusal.UNKNOWN_FUNCTION
+    if location.vaddr not in _starts(location.path, func.addr, func.size):
+        return Refusal.NOT_INSN_BOUNDARY
+    insn = decode_one(image.code(location.vaddr, 15), location.vaddr)
+    if insn is None:
+        return Refusal.UNDECODABLE
+    if insn.mnemonic == 0 or image.code(location.vaddr, 1) == bytes([INT3]):
+        return Refusal.FOREIGN_INT3
+    plan = plan_resume(insn)
+    return plan if isinstance(plan, Refusal) else None
+
+
+_STARTS_CACHE: dict[tuple[str, int, int], frozenset[int]] = {}
+
+
+def _starts(path: str, addr: int, size: int) -> frozenset[int]:
+    key = (path, addr, size)
+    if key not in _STARTS_CACHE:
+        _STARTS_CACHE[key] = frozenset(instruction_starts(load_elf(path).code(addr, size), addr))
+    return _STARTS_CACHE[key]
+
+
+def default_event_name(location: Location) -> str:
+    """tracefs-like default event names: p_main, p_main_4, p_libc_so_6_0x1139."""
+    if location.label.startswith("0x"):
+        raw = f"p_{location.basename}_{location.label}"
+    else:
+        raw = "p_" + location.label.replace("+0x", "_").replace("+", "_")
+    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in raw)
+    return clean[:64]
+
+
+def spawn(argv: list[str], follow_fork: bool = False, env: dict[str, str] | None = None) -> Session:
+    """Start `argv` under dynprobe, stopped before its first instruction; returns the session."""
+    if argv and "/" not in argv[0]:
+        import shutil
+
+        found = shutil.which(argv[0])
+        if found is None:
+            raise ProcessError(f"command not found: {argv[0]}")
+    elif argv and not os.path.exists(argv[0]):
+        raise ProcessError(f"no such file: {argv[0]}")
+    if argv:
+        exe = argv[0] if "/" in argv[0] else (__import__("shutil").which(argv[0]) or argv[0])
+        load_elf(exe)  # a non-ELF or 32-bit command is refused before it runs
+    tracee = ptrace_spawn(argv, env)
+    try:
+        return Session(tracee, spawned=True, follow_fork=follow_fork)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.kill(tracee.pid, signal.SIGKILL)
+            os.waitpid(tracee.pid, 0)
+        raise
+
+
+def attach(pid: int, follow_fork: bool = False) -> Session:
+    """Attach to every thread of a running process; returns the session (threads stopped)."""
+    tracee = ptrace_attach(pid)
+    session = Session(tracee, spawned=False, follow_fork=follow_fork)
+    return session
+
+
+def find_library(name: str, pid: int | None = None) -> str:
+    return find_file(name, read_maps(pid) if pid else None)
+
+
+def print_warning(message: str) -> None:
+    print(f"dynprobe: warning: {message}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""Out-of-line slots: small pieces of executable memory near each module, carved from pages.
+
+Slots are `SLOT_SIZE` bytes; a page holds many (a page per probe would waste memory, the seed's
+complaint about ftrace trampolines). Pages are mapped in the target with a remote mmap at a fixed
+hint within +-2 GB of the module, so RIP-relative operands and `jmp rel32` reach. The first bytes
+of each page are kept for the `syscall; int3` stub remote syscalls run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dynprobe.arch.x86_64 import SLOT_SIZE
+
+PAGE = 4096
+REGION = 16 * PAGE
+STUB_BYTES = SLOT_SIZE  # the first slot of a region holds the remote-syscall stub
+REACH = (1 << 31) - REGION
+
+
+class SlotCache:
+    """Slot allocator of one process. `map_near(hint, size)` maps memory in the target."""
+
+    def __init__(self, map_near: Callable[[int, int], int | None]) -> None:
+        self._map_near = map_near
+        self.regions: list[int] = []
+        self._free: list[int] = []
+        self._next: dict[int, int] = {}
+
+    def stub(self) -> int | None:
+        """An address in our own executable memory where a remote syscall stub may go."""
+        return self.regions[0] if self.regions else None
+
+    def allocate(self, near: int) -> int | None:
+        """A free slot within rel32 reach of `near`, mapping a new region if needed."""
+        for slot in self._free:
+            if abs(slot - near) < REACH:
+                self._free.remove(slot)
+                return slot
+        for region in self.regions:
+            offset = self._next[region]
+            if offset + SLOT_SIZE <= REGION and abs(region - near) < REACH:
+                self._next[region] = offset + SLOT_SIZE
+                return region + offset
+        region = self._new_region(near)
+        if region is None:
+            return None
+        self._next[region] = STUB_BYTES + SLOT_SIZE
+        return region + STUB_BYTES
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def contains(self, addr: int) -> bool:
+        return any(r <= addr < r + REGION for r in self.regions)
+
+    def _new_region(self, near: int) -> int | None:
+        base = near & ~(REGION - 1)
+        # Try below the module first (heap and stacks usually lie above), then above.
+        for step in range(1, 64):
+            for hint in (base - step * (1 << 24), base + step * (1 << 24)):
+                if hint <= 0x10000 or hint >= (1 << 47) - REGION:
+                    continue
+                got = self._map_near(hint, REGION)
+                if got is not None:
+                    self.regions.append(got)
+                    return got
+        return None
+
+    def bytes_mapped(self) -> int:
+        return len(self.regions) * REGION
+
+    def forget(self) -> None:
+        """After exec the regions are gone with the old image."""
+        self.regions.clear()
+        self._free.clear()
+        self._next.clear()

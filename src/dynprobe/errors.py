@@ -1,0 +1,81 @@
+"""The one exception tree of dynprobe.
+
+Faults are exceptions from this tree; expected refusals (a site that cannot be probed, an
+instruction that cannot be boosted) are values of reason enums, wrapped in `ProbeRefused` only
+where the API has to raise. Errors of other libraries (OSError from ptrace, ELFError from
+pyelftools, ValueError from iced-x86) are wrapped where they enter dynprobe, so a caller catches
+`DynprobeError` and gets one clear line from `str(exc)`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class DynprobeError(Exception):
+    """Base of every error dynprobe raises on purpose."""
+
+
+class ProcessError(DynprobeError):
+    """The target process could not be started, attached, read or written."""
+
+
+class NoSuchProcess(ProcessError):
+    """The pid does not exist (or exited while we worked on it)."""
+
+
+class PermissionDenied(ProcessError):
+    """ptrace is not permitted on the target."""
+
+
+class AlreadyTraced(ProcessError):
+    """Another tracer (a debugger, strace, ...) already traces the target."""
+
+
+class SymbolError(DynprobeError):
+    """A file, symbol or address could not be resolved."""
+
+
+class ElfError(SymbolError):
+    """A file is not an ELF object dynprobe can use (not ELF, not x86-64, corrupt)."""
+
+
+class ParseError(DynprobeError):
+    """A probe specification does not parse; carries a code and the column of the fault."""
+
+    def __init__(self, code: str, message: str, spec: str, column: int) -> None:
+        super().__init__(f"{code}: {message} (column {column + 1})")
+        self.code = code
+        self.message = message
+        self.spec = spec
+        self.column = column
+
+    def caret(self) -> str:
+        """The spec with a caret under the offending column, as tracefs' error_log shows it."""
+        return f"{self.spec}\n{' ' * self.column}^"
+
+
+class Refusal(enum.Enum):
+    """Why a probe cannot be placed at a site. Each value's text is the user-facing reason."""
+
+    NOT_INSN_BOUNDARY = "the address is not on an instruction boundary"
+    UNKNOWN_FUNCTION = "no function (symbol or unwind entry) contains the address"
+    FOREIGN_INT3 = "the site already holds an int3 that dynprobe did not write"
+    BYTES_MISMATCH = "the bytes in memory differ from the file (was the binary replaced?)"
+    UNDECODABLE = "the instruction at the site cannot be decoded"
+    UNSUPPORTED_INSN = "the instruction cannot be run out of line or emulated"
+    RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the out-of-line slot"
+    NOT_EXECUTABLE = "the address is not in an executable mapping"
+
+
+class ProbeRefused(DynprobeError):
+    """A probe was refused for an expected reason (see `Refusal`)."""
+
+    def __init__(self, reason: Refusal, where: str) -> None:
+        super().__init__(f"cannot probe {where}: {reason.value} [{reason.name}]")
+        self.reason = reason
+        self.where = where
+
+
+class SessionError(DynprobeError):
+    """The session was used wrongly (probe after detach, run twice, ...)."""

@@ -1,0 +1,79 @@
+"""The wait loop's output: every waitpid status turned into a typed event."""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import signal
+from dataclasses import dataclass
+
+from dynprobe.ptrace import syscalls as sc
+
+
+class EventKind(enum.Enum):
+    EXITED = "exited"  # the thread (or process, for the leader) ended with exit status `code`
+    KILLED = "killed"  # ended by signal `sig`
+    SIGNAL = "signal"  # signal-delivery-stop of `sig`
+    STOP = "stop"  # PTRACE_EVENT_STOP: PTRACE_INTERRUPT or a new tracee's first stop
+    GROUP_STOP = "group-stop"  # job-control stop (SIGSTOP, SIGTSTP, ...)
+    CLONE = "clone"
+    FORK = "fork"
+    VFORK = "vfork"
+    VFORK_DONE = "vfork-done"
+    EXEC = "exec"
+
+
+_PTRACE_EVENTS = {
+    sc.PTRACE_EVENT_CLONE: EventKind.CLONE,
+    sc.PTRACE_EVENT_FORK: EventKind.FORK,
+    sc.PTRACE_EVENT_VFORK: EventKind.VFORK,
+    sc.PTRACE_EVENT_VFORK_DONE: EventKind.VFORK_DONE,
+    sc.PTRACE_EVENT_EXEC: EventKind.EXEC,
+}
+_STOP_SIGNALS = {signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
+
+
+@dataclass
+class Event:
+    kind: EventKind
+    tid: int
+    sig: int = 0
+    code: int = 0  # exit status for EXITED
+    msg: int = 0  # PTRACE_GETEVENTMSG: new tid/pid for clone/fork, former tid for exec
+
+
+def decode_status(tid: int, status: int) -> Event:
+    if os.WIFEXITED(status):
+        return Event(EventKind.EXITED, tid, code=os.WEXITSTATUS(status))
+    if os.WIFSIGNALED(status):
+        return Event(EventKind.KILLED, tid, sig=os.WTERMSIG(status))
+    sig = os.WSTOPSIG(status)
+    event = status >> 16
+    if event == sc.PTRACE_EVENT_STOP:
+        kind = EventKind.GROUP_STOP if sig in _STOP_SIGNALS else EventKind.STOP
+        return Event(kind, tid, sig=sig)
+    if event in _PTRACE_EVENTS:
+        kind = _PTRACE_EVENTS[event]
+        try:
+            msg = sc.get_event_msg(tid)
+        except OSError:
+            msg = 0
+        return Event(kind, tid, sig=sig, msg=msg)
+    return Event(EventKind.SIGNAL, tid, sig=sig)
+
+
+def wait_event(tid: int = -1, block: bool = True) -> Event | None:
+    """The next event of any tracee (or of `tid`); None if none is ready (non-blocking) or none exist."""
+    flags = sc.WALL | (0 if block else os.WNOHANG)
+    try:
+        pid, status = os.waitpid(tid, flags)
+    except ChildProcessError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ECHILD:
+            return None
+        raise
+    if pid == 0:
+        return None
+    return decode_status(pid, status)

@@ -1,0 +1,294 @@
+"""One traced process: its threads, its memory, remote syscalls; spawn and attach.
+
+Memory goes through /proc/PID/mem, which lets a tracer write read-only text (no mprotect dance,
+no PTRACE_POKETEXT word loop). The file must be reopened after exec (it names the old mm).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import signal
+import struct
+from dataclasses import dataclass, field
+
+from dynprobe.arch.x86_64 import REMOTE_SYSCALL, Regs
+from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError
+from dynprobe.ptrace import syscalls as sc
+from dynprobe.ptrace.events import Event, EventKind, wait_event
+
+TRACE_OPTIONS = (
+    sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEEXEC
+    | sc.PTRACE_O_TRACEVFORKDONE
+)  # fmt: skip
+
+SYS_MMAP = 9
+SYS_MUNMAP = 11
+PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
+MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED_NOREPLACE = 0x02, 0x20, 0x100000
+
+
+@dataclass
+class ThreadState:
+    tid: int
+    stopped: bool = True
+    # Events seen while stopping the world, handled once the world runs again.
+    deferred: list[Event] = field(default_factory=list)
+
+
+def tracer_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _ptrace_error(exc: OSError, pid: int) -> ProcessError:
+    if exc.errno == errno.ESRCH:
+        return NoSuchProcess(f"no process with pid {pid}")
+    if exc.errno == errno.EPERM:
+        other = tracer_of(pid)
+        if other and other != os.getpid():
+            return AlreadyTraced(f"pid {pid} is already traced by pid {other}; detach that tracer first")
+        return PermissionDenied(
+            f"not permitted to trace pid {pid}: run as its owner or root, or check /proc/sys/kernel/yama/ptrace_scope"
+        )
+    return ProcessError(f"cannot trace pid {pid}: {exc.strerror}")
+
+
+class Tracee:
+    """A traced process (thread group): its threads' stop states and its address space."""
+
+    def __init__(self, pid: int, threads: list[int]) -> None:
+        self.pid = pid
+        self.threads: dict[int, ThreadState] = {t: ThreadState(t) for t in threads}
+        self._mem_fd = -1
+        self.open_memory()
+
+    # --- memory -----------------------------------------------------------------------------
+    def open_memory(self) -> None:
+        self.close_memory()
+        try:
+            self._mem_fd = os.open(f"/proc/{self.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ProcessError(f"cannot open the memory of pid {self.pid}: {exc.strerror}") from exc
+
+    def close_memory(self) -> None:
+        if self._mem_fd >= 0:
+            os.close(self._mem_fd)
+            self._mem_fd = -1
+
+    def read(self, addr: int, size: int) -> bytes:
+        """Exactly `size` bytes at `addr`; OSError (EIO/EFAULT) if any is unmapped."""
+        data = os.pread(self._mem_fd, size, addr)
+        if len(data) != size:
+            raise OSError(errno.EFAULT, f"short read at {addr:#x}")
+        return data
+
+    def read_upto(self, addr: int, size: int) -> bytes:
+        """As many of `size` bytes at `addr` as are readable (stops at the first unmapped page)."""
+        out = b""
+        while size > 0:
+            chunk = min(size, 4096 - (addr & 4095))
+            try:
+                data = os.pread(self._mem_fd, chunk, addr)
+            except OSError:
+                break
+            out += data
+            if len(data) < chunk:
+                break
+            addr += chunk
+            size -= chunk
+        return out
+
+    def write(self, addr: int, data: bytes) -> None:
+        written = os.pwrite(self._mem_fd, data, addr)
+        if written != len(data):
+            raise OSError(errno.EFAULT, f"short write at {addr:#x}")
+
+    def read_u64(self, addr: int) -> int:
+        return int(struct.unpack("<Q", self.read(addr, 8))[0])
+
+    # --- threads ----------------------------------------------------------------------------
+    def resume(self, tid: int, sig: int = 0, step: bool = False) -> None:
+        state = self.threads[tid]
+        try:
+            (sc.singlestep if step else sc.cont)(tid, sig)
+        except ProcessLookupError:
+            pass  # killed under us (SIGKILL, exit of another thread's exec); its exit event follows
+        state.stopped = False
+
+    def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
+        """Run syscall `nr` in stopped thread `tid`, using `scratch` (3 executable bytes we own or
+        may borrow: the caller saves and restores them) for `syscall; int3`. Returns rax."""
+        saved = sc.get_regs(tid)
+        regs = saved.copy()
+        regs.rax = nr
+        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+            setattr(regs, name, value & ((1 << 64) - 1))
+        regs.rip = scratch
+        regs.orig_rax = (1 << 64) - 1  # not inside a syscall: no restart logic on resume
+        original = self.read(scratch, len(REMOTE_SYSCALL))
+        self.write(scratch, REMOTE_SYSCALL)
+        try:
+            sc.set_regs(tid, regs)
+            sc.cont(tid)
+            while True:
+                event = wait_event(tid)
+                if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
+                    raise ProcessError(f"pid {self.pid} ended during a remote syscall")
+                if event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP:
+                    break
+                # Anything else (a signal arriving meanwhile): hold it back by re-queueing
+                # it to the thread once we are done; keep running the syscall.
+                if event.kind == EventKind.SIGNAL:
+                    self.threads[tid].deferred.append(event)
+                sc.cont(tid)
+            result = int(sc.get_regs(tid).rax)
+        finally:
+            self.write(scratch, original)
+            sc.set_regs(tid, saved)
+        if result >= (1 << 64) - 4095:
+            result -= 1 << 64
+        return result
+
+    def mmap_exec_near(self, tid: int, scratch: int, hint: int, size: int) -> int | None:
+        """An rwx anonymous mapping of `size` bytes at `hint` exactly, or None if that range is taken."""
+        addr = self.remote_syscall(
+            tid, scratch, SYS_MMAP, hint, size, PROT_READ | PROT_WRITE | PROT_EXEC,
+            MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, (1 << 64) - 1, 0,
+        )  # fmt: skip
+        if addr < 0:
+            return None
+        if addr != hint:  # kernels before 4.17 ignore MAP_FIXED_NOREPLACE and treat it as a hint
+            self.remote_syscall(tid, scratch, SYS_MUNMAP, addr, size)
+            return None
+        return addr
+
+    def comm(self, tid: int) -> str:
+        try:
+            with open(f"/proc/{self.pid}/task/{tid}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return "<...>"
+
+
+def _spawn_child(argv: list[str], env: dict[str, str] | None, go_r: int, err_w: int) -> None:
+    """In the forked child: wait until the tracer has seized us, then exec. Never returns."""
+    try:
+        os.read(go_r, 1)
+        os.close(go_r)
+        if env is None:
+            os.execvp(argv[0], argv)
+        else:
+            os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        os.write(err_w, f"{exc.errno}".encode())
+    finally:
+        os._exit(127)
+
+
+def spawn(argv: list[str], env: dict[str, str] | None = None) -> Tracee:
+    """Start `argv` traced; it is stopped at its first instruction after exec (in the loader)."""
+    if not argv:
+        raise ProcessError("no command given")
+    go_r, go_w = os.pipe()
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_w)
+        os.close(err_r)
+        _spawn_child(argv, env, go_r, err_w)
+    os.close(go_r)
+    os.close(err_w)
+    try:
+        sc.seize(pid, TRACE_OPTIONS)
+    except OSError as exc:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise _ptrace_error(exc, pid) from exc
+    os.write(go_w, b"g")
+    os.close(go_w)
+    while True:
+        event = wait_event(pid)
+        if event is None:
+            raise ProcessError(f"cannot start {argv[0]}")
+        if event.kind == EventKind.EXEC:
+            break
+        if event.kind in (EventKind.EXITED, EventKind.KILLED):
+            failure = os.read(err_r, 64).decode()
+            os.close(err_r)
+            reason = os.strerror(int(failure)) if failure else f"exit status {event.code}"
+            raise ProcessError(f"cannot run {argv[0]}: {reason}")
+        sc.cont(pid, event.sig if event.kind == EventKind.SIGNAL else 0)
+    os.close(err_r)
+    return Tracee(pid, [pid])
+
+
+def list_threads(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError as exc:
+        raise NoSuchProcess(f"no process with pid {pid}") from exc
+    except PermissionError as exc:
+        raise PermissionDenied(f"not permitted to read /proc/{pid}") from exc
+
+
+def attach(pid: int) -> Tracee:
+    """Seize every thread of `pid` and stop them all (threads created meanwhile included)."""
+    if pid <= 0:
+        raise NoSuchProcess(f"no process with pid {pid}")
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            tgid = next(int(line.split()[1]) for line in f if line.startswith("Tgid:"))
+    except FileNotFoundError as exc:
+        raise NoSuchProcess(f"no process with pid {pid}") from exc
+    if tgid != pid:
+        pid = tgid
+    if pid == os.getpid():
+        raise ProcessError("dynprobe cannot trace itself")
+    seized: list[int] = []
+    try:
+        while True:
+            new = [t for t in list_threads(pid) if t not in seized]
+            if not new:
+                break
+            for tid in new:
+                try:
+                    sc.seize(tid, TRACE_OPTIONS)
+                except ProcessLookupError:
+                    continue  # exited meanwhile
+                sc.interrupt(tid)
+                seized.append(tid)
+    except OSError as exc:
+        for tid in seized:
+            try:
+                sc.detach(tid)
+            except OSError:
+                pass
+        raise _ptrace_error(exc, pid) from exc
+    tracee = Tracee(pid, [])
+    pending = set(seized)
+    while pending:
+        event = wait_event(-1)
+        if event is None:
+            break
+        if event.kind in (EventKind.EXITED, EventKind.KILLED):
+            pending.discard(event.tid)
+            if event.tid == pid:
+                raise NoSuchProcess(f"pid {pid} exited while attaching")
+            continue
+        tracee.threads[event.tid] = ThreadState(event.tid)
+        if event.kind not in (EventKind.STOP, EventKind.GROUP_STOP):
+            tracee.threads[event.tid].deferred.append(event)
+        if event.kind == EventKind.CLONE:
+            pending.add(event.msg)
+        pending.discard(event.tid)
+    return tracee
+
+

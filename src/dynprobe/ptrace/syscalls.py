@@ -1,0 +1,134 @@
+"""Raw ptrace(2) and friends through ctypes. Errors come back as OSError with errno set."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+from dynprobe.arch.x86_64.regs import Regs
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_ptrace = _libc.ptrace
+_ptrace.restype = ctypes.c_long
+_ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+
+PTRACE_PEEKUSER = 3
+PTRACE_CONT = 7
+PTRACE_KILL = 8
+PTRACE_SINGLESTEP = 9
+PTRACE_GETREGS = 12
+PTRACE_SETREGS = 13
+PTRACE_DETACH = 17
+PTRACE_SETOPTIONS = 0x4200
+PTRACE_GETEVENTMSG = 0x4201
+PTRACE_GETSIGINFO = 0x4202
+PTRACE_SETSIGINFO = 0x4203
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_LISTEN = 0x4208
+
+PTRACE_O_TRACESYSGOOD = 0x01
+PTRACE_O_TRACEFORK = 0x02
+PTRACE_O_TRACEVFORK = 0x04
+PTRACE_O_TRACECLONE = 0x08
+PTRACE_O_TRACEEXEC = 0x10
+PTRACE_O_TRACEVFORKDONE = 0x20
+
+PTRACE_EVENT_FORK = 1
+PTRACE_EVENT_VFORK = 2
+PTRACE_EVENT_CLONE = 3
+PTRACE_EVENT_EXEC = 4
+PTRACE_EVENT_VFORK_DONE = 5
+PTRACE_EVENT_EXIT = 6
+PTRACE_EVENT_STOP = 128
+
+WALL = 0x40000000
+
+SI_KERNEL = 0x80
+TRAP_BRKPT = 1
+TRAP_TRACE = 2
+
+
+class SigInfo(ctypes.Structure):
+    """`siginfo_t` as far as we read it; the union is kept as raw words."""
+
+    _fields_ = [
+        ("si_signo", ctypes.c_int),
+        ("si_errno", ctypes.c_int),
+        ("si_code", ctypes.c_int),
+        ("_pad0", ctypes.c_int),
+        ("si_addr", ctypes.c_uint64),  # first union word: si_addr for faults, pid/uid for kill
+        ("_rest", ctypes.c_uint8 * (128 - 24)),
+    ]
+
+
+def _check(result: int, what: str) -> int:
+    if result == -1:
+        err = ctypes.get_errno()
+        if err:
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+    return result
+
+
+def ptrace(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
+    ctypes.set_errno(0)
+    return _check(_ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data)), f"ptrace({request:#x}, {tid})")
+
+
+def seize(tid: int, options: int) -> None:
+    ptrace(PTRACE_SEIZE, tid, 0, options)
+
+
+def interrupt(tid: int) -> None:
+    ptrace(PTRACE_INTERRUPT, tid)
+
+
+def cont(tid: int, sig: int = 0) -> None:
+    ptrace(PTRACE_CONT, tid, 0, sig)
+
+
+def singlestep(tid: int, sig: int = 0) -> None:
+    ptrace(PTRACE_SINGLESTEP, tid, 0, sig)
+
+
+def listen(tid: int) -> None:
+    ptrace(PTRACE_LISTEN, tid)
+
+
+def detach(tid: int, sig: int = 0) -> None:
+    ptrace(PTRACE_DETACH, tid, 0, sig)
+
+
+def set_options(tid: int, options: int) -> None:
+    ptrace(PTRACE_SETOPTIONS, tid, 0, options)
+
+
+def get_regs(tid: int) -> Regs:
+    regs = Regs()
+    ptrace(PTRACE_GETREGS, tid, 0, ctypes.addressof(regs))
+    return regs
+
+
+def set_regs(tid: int, regs: Regs) -> None:
+    ptrace(PTRACE_SETREGS, tid, 0, ctypes.addressof(regs))
+
+
+def get_siginfo(tid: int) -> SigInfo:
+    info = SigInfo()
+    ptrace(PTRACE_GETSIGINFO, tid, 0, ctypes.addressof(info))
+    return info
+
+
+def set_siginfo(tid: int, info: SigInfo) -> None:
+    ptrace(PTRACE_SETSIGINFO, tid, 0, ctypes.addressof(info))
+
+
+def get_event_msg(tid: int) -> int:
+    msg = ctypes.c_ulong()
+    ptrace(PTRACE_GETEVENTMSG, tid, 0, ctypes.addressof(msg))
+    return msg.value
+
+
+def tgkill(tgid: int, tid: int, sig: int) -> None:
+    _check(_libc.syscall(234, tgid, tid, sig), f"tgkill({tid}, {sig})")

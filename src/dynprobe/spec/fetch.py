@@ -1,0 +1,153 @@
+"""Evaluation of fetch arguments on a stopped thread (trap probes): registers, stack, memory.
+
+A dereference that hits unmapped memory yields `FAULT`, never an exception: the event still
+prints, with `(fault)` where the value would be, as tracefs does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynprobe.arch.x86_64 import Regs
+from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.spec.model import (
+    Absolute,
+    Arg,
+    ArgType,
+    Comm,
+    Deref,
+    Fetch,
+    FetchArg,
+    Reg,
+    RetVal,
+    Stack,
+    StackPointer,
+    SymbolAddr,
+)
+
+MAX_STRING = 4096
+
+
+class _Fault:
+    def __repr__(self) -> str:
+        return "FAULT"
+
+
+FAULT = _Fault()
+
+
+@dataclass(frozen=True)
+class StringValue:
+    text: str
+    truncated: bool = False
+
+
+Value = int | StringValue | _Fault
+
+
+class Memory(Protocol):
+    def read(self, addr: int, size: int) -> bytes: ...
+    def read_upto(self, addr: int, size: int) -> bytes: ...
+
+
+@dataclass
+class FetchContext:
+    regs: Regs
+    memory: Memory
+    comm: Callable[[], str]
+    symbol_address: Callable[[str], int | None]  # @SYM: absolute address of a symbol of the probed file
+    symbolize: Callable[[int], str | None]
+
+
+class _Faulted(Exception):
+    pass
+
+
+def _address(fetch: Fetch, ctx: FetchContext) -> int:
+    """The address a memory fetch reads from."""
+    if isinstance(fetch, Absolute):
+        return fetch.addr
+    if isinstance(fetch, SymbolAddr):
+        base = ctx.symbol_address(fetch.symbol)
+        if base is None:
+            raise _Faulted
+        return base + fetch.offset
+    if isinstance(fetch, Deref):
+        return (_word(fetch.inner, ctx) + fetch.offset) & ((1 << 64) - 1)
+    raise _Faulted
+
+
+def _read(ctx: FetchContext, addr: int, size: int) -> int:
+    try:
+        return int.from_bytes(ctx.memory.read(addr, size), "little")
+    except OSError as exc:
+        raise _Faulted from exc
+
+
+def _word(fetch: Fetch, ctx: FetchContext, size: int = 8) -> int:
+    regs = ctx.regs
+    if isinstance(fetch, Reg):
+        return regs[fetch.name]
+    if isinstance(fetch, Arg):
+        return int(getattr(regs, ARG_REGS[fetch.index - 1]))
+    if isinstance(fetch, StackPointer):
+        return int(regs.rsp)
+    if isinstance(fetch, Stack):
+        return _read(ctx, int(regs.rsp) + 8 * fetch.index, 8)
+    if isinstance(fetch, RetVal):
+        return int(regs.rax)
+    return _read(ctx, _address(fetch, ctx), size)
+
+
+def _string(fetch: Fetch, ctx: FetchContext) -> StringValue:
+    if isinstance(fetch, Comm):
+        return StringValue(ctx.comm())
+    addr = _address(fetch, ctx)
+    data = ctx.memory.read_upto(addr, MAX_STRING + 1)
+    nul = data.find(b"\0")
+    if nul >= 0:
+        return StringValue(data[:nul].decode("utf-8", "replace"))
+    if len(data) <= MAX_STRING:  # ran into unmapped memory before a NUL
+        if not data:
+            raise _Faulted
+        return StringValue(data.decode("utf-8", "replace"), truncated=True)
+    return StringValue(data[:MAX_STRING].decode("utf-8", "replace"), truncated=True)
+
+
+def evaluate(arg: FetchArg, ctx: FetchContext) -> Value:
+    try:
+        if arg.type.is_string:
+            return _string(arg.fetch, ctx)
+        size = arg.type.bits // 8
+        value = _word(arg.fetch, ctx, size) & ((1 << arg.type.bits) - 1)
+        if arg.type.kind == "s" and value >> (arg.type.bits - 1):
+            value -= 1 << arg.type.bits
+        return value
+    except _Faulted:
+        return FAULT
+
+
+def format_value(value: Value, arg_type: ArgType, symbolize: Callable[[int], str | None] | None = None) -> str:
+    """A value as tracefs prints it: 0x.. for x types, decimal for u/s, "..." for strings."""
+    if value is FAULT:
+        return "(fault)"
+    if isinstance(value, StringValue):
+        text = value.text.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{text}"' + ("..." if value.truncated else "")
+    assert isinstance(value, int)
+    if arg_type.kind == "x":
+        return f"{value:#x}"
+    if arg_type.kind == "symbol":
+        name = symbolize(value) if symbolize else None
+        return name if name else f"{value:#x}"
+    return str(value)
+
+
+def json_value(value: Value) -> object:
+    if value is FAULT:
+        return None
+    if isinstance(value, StringValue):
+        return value.text
+    return value

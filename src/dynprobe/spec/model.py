@@ -1,0 +1,87 @@
+"""What a parsed probe specification is: the probe point and its fetch arguments as a small tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Reg:
+    name: str  # canonical: rax, rdi, rip, eflags, ...
+
+
+@dataclass(frozen=True)
+class Arg:
+    index: int  # $argN, 1-based, System V integer argument registers
+
+
+@dataclass(frozen=True)
+class Absolute:
+    addr: int  # @0xADDR: the value stored at this address
+
+
+@dataclass(frozen=True)
+class SymbolAddr:
+    symbol: str  # @SYM+off: the value stored at a symbol of the probed file
+    offset: int
+
+
+@dataclass(frozen=True)
+class Stack:
+    index: int  # $stackN: the N-th word on the stack
+
+
+@dataclass(frozen=True)
+class StackPointer:
+    pass
+
+
+@dataclass(frozen=True)
+class RetVal:
+    pass
+
+
+@dataclass(frozen=True)
+class Comm:
+    pass
+
+
+@dataclass(frozen=True)
+class Deref:
+    offset: int  # +|-OFFS(INNER): the value stored at INNER + OFFS
+    inner: Fetch
+
+
+Fetch = Reg | Arg | Absolute | SymbolAddr | Stack | StackPointer | RetVal | Comm | Deref
+
+
+@dataclass(frozen=True)
+class ArgType:
+    kind: str  # 'u', 's', 'x', 'string', 'ustring', 'symbol'
+    bits: int = 64
+
+    @property
+    def is_string(self) -> bool:
+        return self.kind in ("string", "ustring")
+
+    def __str__(self) -> str:
+        return self.kind if self.kind in ("string", "ustring", "symbol") else f"{self.kind}{self.bits}"
+
+
+@dataclass(frozen=True)
+class FetchArg:
+    name: str
+    fetch: Fetch
+    type: ArgType
+    text: str  # as written, for listings
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    kind: str  # 'p' or 'r'
+    group: str | None
+    event: str | None
+    location: str
+    args: tuple[FetchArg, ...] = field(default_factory=tuple)
+    maxactive: int | None = None
+    text: str = ""

@@ -1,0 +1,1 @@
+"""ELF symbols and sections, /proc/PID/maps, and probe location resolution."""

@@ -1,0 +1,202 @@
+"""An ELF file as dynprobe needs it: functions with sizes, load segments, build-id, code bytes.
+
+Function ranges come from .symtab and .dynsym (FUNC symbols with a size); for addresses no symbol
+covers (stripped binaries), the .eh_frame unwind table gives function ranges too.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import os
+from dataclasses import dataclass
+
+from elftools.common.exceptions import ELFError, ELFParseError
+from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
+
+from dynprobe.errors import ElfError, SymbolError
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    addr: int  # link-time virtual address
+    size: int
+
+    @property
+    def end(self) -> int:
+        return self.addr + self.size
+
+
+@dataclass(frozen=True)
+class Segment:
+    vaddr: int
+    offset: int
+    filesz: int
+    memsz: int
+    executable: bool
+
+
+class ElfImage:
+    """One ELF file on disk, parsed once (use `load_elf` for the cached instance)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                self.data = f.read()
+        except FileNotFoundError as exc:
+            raise SymbolError(f"no such file: {path}") from exc
+        except IsADirectoryError as exc:
+            raise SymbolError(f"{path} is a directory, not an ELF file") from exc
+        except PermissionError as exc:
+            raise SymbolError(f"cannot read {path}: permission denied") from exc
+        if self.data[:4] != b"\x7fELF":
+            raise ElfError(f"{path} is not an ELF file")
+        if self.data[4] != 2:
+            raise ElfError(f"{path} is a 32-bit ELF file; dynprobe traces x86-64 programs only")
+        try:
+            import io
+
+            elf = ELFFile(io.BytesIO(self.data))
+            if elf["e_machine"] != "EM_X86_64":
+                raise ElfError(f"{path} is built for {elf['e_machine']}, not x86-64")
+            self.is_pie = elf["e_type"] == "ET_DYN"
+            self.segments = [
+                Segment(s["p_vaddr"], s["p_offset"], s["p_filesz"], s["p_memsz"], bool(s["p_flags"] & 1))
+                for s in elf.iter_segments()
+                if s["p_type"] == "PT_LOAD"
+            ]
+            self.interp = next(
+                (s.get_interp_name() for s in elf.iter_segments() if s["p_type"] == "PT_INTERP"), None
+            )
+            self.build_id = self._build_id(elf)
+            self.functions = self._functions(elf)
+            self.objects = self._objects(elf)
+            self._eh_ranges: list[tuple[int, int]] | None = None
+            self._elf = elf
+        except (ELFError, ELFParseError, KeyError, ValueError) as exc:
+            raise ElfError(f"{path} is not a valid ELF file: {exc}") from exc
+        self._starts = [f.addr for f in self.functions]
+        self.by_name: dict[str, Function] = {}
+        for func in self.functions:
+            self.by_name.setdefault(func.name, func)
+
+    @staticmethod
+    def _build_id(elf: ELFFile) -> str | None:
+        for section in elf.iter_sections():
+            if section["sh_type"] == "SHT_NOTE":
+                for note in section.iter_notes():
+                    if note["n_type"] == "NT_GNU_BUILD_ID":
+                        return str(note["n_desc"])
+        return None
+
+    @staticmethod
+    def _functions(elf: ELFFile) -> list[Function]:
+        seen: dict[tuple[str, int], Function] = {}
+        for name in (".symtab", ".dynsym"):
+            section = elf.get_section_by_name(name)
+            if not isinstance(section, SymbolTableSection):
+                continue
+            for sym in section.iter_symbols():
+                if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or sym["st_shndx"] == "SHN_UNDEF":
+                    continue
+                if sym["st_value"] == 0:
+                    continue
+                clean = sym.name.split("@", 1)[0]
+                key = (clean, sym["st_value"])
+                if key not in seen:
+                    seen[key] = Function(clean, sym["st_value"], sym["st_size"])
+        return sorted(seen.values(), key=lambda f: (f.addr, -f.size, f.name))
+
+    @staticmethod
+    def _objects(elf: ELFFile) -> dict[str, int]:
+        """Data symbols (for @SYM fetch arguments): name -> link-time address."""
+        out: dict[str, int] = {}
+        for name in (".symtab", ".dynsym"):
+            section = elf.get_section_by_name(name)
+            if not isinstance(section, SymbolTableSection):
+                continue
+            for sym in section.iter_symbols():
+                if sym["st_info"]["type"] in ("STT_OBJECT", "STT_TLS") and sym["st_shndx"] != "SHN_UNDEF":
+                    out.setdefault(sym.name.split("@", 1)[0], sym["st_value"])
+        return out
+
+    # --- address arithmetic -----------------------------------------------------------------
+    def vaddr_to_offset(self, vaddr: int) -> int | None:
+        for seg in self.segments:
+            if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:
+                return vaddr - seg.vaddr + seg.offset
+        return None
+
+    def offset_to_vaddr(self, offset: int) -> int | None:
+        for seg in self.segments:
+            if seg.offset <= offset < seg.offset + seg.filesz:
+                return offset - seg.offset + seg.vaddr
+        return None
+
+    def is_executable(self, vaddr: int) -> bool:
+        return any(s.executable and s.vaddr <= vaddr < s.vaddr + s.filesz for s in self.segments)
+
+    def code(self, vaddr: int, size: int) -> bytes:
+        off = self.vaddr_to_offset(vaddr)
+        if off is None:
+            return b""
+        return self.data[off : off + size]
+
+    # --- functions ----------------------------------------------------------------------------
+    def function_at(self, vaddr: int) -> Function | None:
+        """The function (symbol with a size, else an unwind-table range) containing `vaddr`."""
+        i = bisect.bisect_right(self._starts, vaddr)
+        while i > 0:
+            func = self.functions[i - 1]
+            if func.addr <= vaddr < func.end:
+                return func
+            if vaddr - func.addr > (1 << 24):
+                break
+            i -= 1
+        for start, end in self.eh_frame_ranges():
+            if start <= vaddr < end:
+                return Function(f"fde_{start:x}", start, end - start)
+        return None
+
+    def eh_frame_ranges(self) -> list[tuple[int, int]]:
+        if self._eh_ranges is None:
+            ranges: list[tuple[int, int]] = []
+            try:
+                if self._elf.has_dwarf_info() or self._elf.get_section_by_name(".eh_frame"):
+                    dwarf = self._elf.get_dwarf_info()
+                    if dwarf.has_EH_CFI():
+                        for entry in dwarf.EH_CFI_entries():
+                            header = getattr(entry, "header", {})
+                            if "initial_location" in header:
+                                start = header["initial_location"]
+                                ranges.append((start, start + header["address_range"]))
+            except (ELFError, ELFParseError, KeyError, ValueError, AssertionError):
+                ranges = []
+            self._eh_ranges = sorted(ranges)
+        return self._eh_ranges
+
+    def symbolize(self, vaddr: int) -> str | None:
+        func = self.function_at(vaddr)
+        if func is None:
+            return None
+        off = vaddr - func.addr
+        return f"{func.name}+{off:#x}" if off else func.name
+
+
+@functools.lru_cache(maxsize=64)
+def _load(path: str, mtime_ns: int, size: int) -> ElfImage:
+    return ElfImage(path)
+
+
+def load_elf(path: str) -> ElfImage:
+    """The parsed ELF at `path`, cached while the file is unchanged."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as exc:
+        raise SymbolError(f"no such file: {path}") from exc
+    except PermissionError as exc:
+        raise SymbolError(f"cannot read {path}: permission denied") from exc
+    return _load(os.path.realpath(path), st.st_mtime_ns, st.st_size)

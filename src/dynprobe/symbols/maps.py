@@ -1,0 +1,73 @@
+"""/proc/PID/maps: which file is mapped where, and where a file offset lives in memory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: int
+    inode: int
+    path: str
+
+    @property
+    def executable(self) -> bool:
+        return "x" in self.perms
+
+    @property
+    def file_key(self) -> tuple[int, int]:
+        return (self.dev, self.inode)
+
+
+def read_maps(pid: int) -> list[Mapping]:
+    out: list[Mapping] = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) < 5:
+            continue
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        major, minor = (int(x, 16) for x in parts[3].split(":"))
+        path = parts[5] if len(parts) > 5 else ""
+        out.append(Mapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor), int(parts[4]), path))
+    return out
+
+
+def file_key(path: str) -> tuple[int, int] | None:
+    """(device, inode) of a file, which is how /proc/PID/maps identifies it whatever the path."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def maps_file(m: Mapping, key: tuple[int, int] | None, path: str) -> bool:
+    """Whether mapping `m` maps the file with (dev, inode) `key` at `path`. On overlay file
+    systems maps may show the underlying inode, so a matching path counts too."""
+    return (key is not None and m.file_key == key) or (m.path == path and bool(path))
+
+
+def address_of_offset(maps: list[Mapping], key: tuple[int, int] | None, path: str, offset: int) -> int | None:
+    """Where file offset `offset` of the file (`key`, `path`) is mapped executable, or None."""
+    for m in maps:
+        if m.executable and maps_file(m, key, path) and m.offset <= offset < m.offset + (m.end - m.start):
+            return m.start + (offset - m.offset)
+    return None
+
+
+def mapping_at(maps: list[Mapping], addr: int) -> Mapping | None:
+    for m in maps:
+        if m.start <= addr < m.end:
+            return m
+    return None

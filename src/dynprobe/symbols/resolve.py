@@ -1,0 +1,121 @@
+"""Probe locations: 'SYMBOL[+OFF]', 'PATH:SYMBOL[+OFF]', 'PATH:0xOFF' -> a file and a file offset.
+
+A location names a place in a file, as uprobe_events does, so it stays valid wherever the file is
+mapped, in every process that maps it, and again after exec or dlopen.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+
+from dynprobe.errors import SymbolError
+from dynprobe.symbols.elf import ElfImage, Function, load_elf
+from dynprobe.symbols.maps import Mapping
+
+
+@dataclass(frozen=True)
+class Location:
+    path: str  # real path of the ELF file
+    offset: int  # file offset of the probed instruction
+    vaddr: int  # its link-time virtual address
+    function: Function | None  # the function containing it
+    label: str  # how to print it: 'main', 'main+0x4', '0x1139'
+
+    @property
+    def basename(self) -> str:
+        return os.path.basename(self.path)
+
+
+def _ldconfig_paths() -> dict[str, str]:
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    paths: dict[str, str] = {}
+    for line in out.splitlines()[1:]:
+        if "=>" in line and "x86-64" in line:
+            name = line.split()[0]
+            paths.setdefault(name, line.split("=>")[1].strip())
+    return paths
+
+
+def find_file(name: str, maps: list[Mapping] | None = None) -> str:
+    """A path for `name`: an existing file, else a library mapped in the target ('libc' matches
+    libc.so.6), else one the dynamic linker's cache knows. SymbolError if none."""
+    if os.path.exists(name):
+        return os.path.realpath(name)
+    if "/" not in name:
+        candidates = [name, f"{name}.so", f"lib{name}.so"]
+        for m in maps or []:
+            base = os.path.basename(m.path)
+            if m.path.startswith("/") and any(base == c or base.startswith(c + ".") for c in candidates):
+                return os.path.realpath(m.path)
+        cache = _ldconfig_paths()
+        for so, path in cache.items():
+            if any(so == c or so.startswith(c + ".") for c in candidates):
+                return os.path.realpath(path)
+    raise SymbolError(f"no such file: {name}")
+
+
+def parse_symbol_offset(text: str) -> tuple[str, int]:
+    """'main+0x10' -> ('main', 16); 'main' -> ('main', 0)."""
+    if "+" in text:
+        sym, _, off = text.rpartition("+")
+        try:
+            return sym, int(off, 0)
+        except ValueError as exc:
+            raise SymbolError(f"bad offset {off!r} in {text!r}") from exc
+    return text, 0
+
+
+def resolve_symbol(image: ElfImage, symbol: str, offset: int) -> Location:
+    func = image.by_name.get(symbol)
+    if func is None:
+        raise SymbolError(f"no function {symbol!r} in {image.path}")
+    vaddr = func.addr + offset
+    if func.size and offset >= func.size:
+        raise SymbolError(f"{symbol}+{offset:#x} is past the end of {symbol} ({func.size} bytes)")
+    file_off = image.vaddr_to_offset(vaddr)
+    if file_off is None or not image.is_executable(vaddr):
+        raise SymbolError(f"{symbol}+{offset:#x} is not in executable code of {image.path}")
+    label = f"{symbol}+{offset:#x}" if offset else symbol
+    return Location(image.path, file_off, vaddr, func, label)
+
+
+def resolve_file_offset(image: ElfImage, file_off: int) -> Location:
+    vaddr = image.offset_to_vaddr(file_off)
+    if vaddr is None or not image.is_executable(vaddr):
+        raise SymbolError(f"offset {file_off:#x} is not in executable code of {image.path}")
+    return Location(image.path, file_off, vaddr, image.function_at(vaddr), f"{file_off:#x}")
+
+
+def resolve(text: str, main_exe: str, maps: list[Mapping] | None = None) -> Location:
+    """Resolve a location string. Bare symbols refer to `main_exe`."""
+    if ":" in text:
+        path_part, _, what = text.rpartition(":")
+        path = find_file(path_part, maps)
+    else:
+        path, what = main_exe, text
+    image = load_elf(path)
+    if what.lower().startswith("0x") or what.isdigit():
+        try:
+            return resolve_file_offset(image, int(what, 0))
+        except ValueError as exc:
+            raise SymbolError(f"bad offset {what!r}") from exc
+    symbol, offset = parse_symbol_offset(what)
+    if not symbol:
+        raise SymbolError(f"no symbol in {text!r}")
+    return resolve_symbol(image, symbol, offset)
+
+
+def resolve_address(addr: int, maps: list[Mapping]) -> Location:
+    """An absolute address in the target -> the file location it maps."""
+    for m in maps:
+        if m.start <= addr < m.end:
+            if not m.path.startswith("/") or not m.executable:
+                raise SymbolError(f"{addr:#x} is not in executable code mapped from a file")
+            image = load_elf(m.path)
+            return resolve_file_offset(image, addr - m.start + m.offset)
+    raise SymbolError(f"{addr:#x} is not mapped in the target")
