@@ -38,12 +38,12 @@ from dynprobe.core.slots import SlotCache
 from dynprobe.errors import ParseError, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, decode_status
-from dynprobe.ptrace.process import Tracee, ThreadState
+from dynprobe.ptrace.process import ThreadState, Tracee
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.spec.model import FetchArg, ProbeSpec
-from dynprobe.spec.parser import parse_spec
+from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
@@ -159,11 +159,30 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        """Detach from every process, restoring every byte dynprobe wrote. Idempotent."""
+        """Detach from every process, restoring every byte dynprobe wrote. Idempotent.
+
+        A command this session spawned that never ran (`run()` was not called) is killed
+        instead: it has not executed a single instruction of its own."""
         if self._closed:
             return
         self._closed = True
+        if self.spawned and not self._started:
+            self._kill_unstarted()
+            return
         self.detach()
+
+    def _kill_unstarted(self) -> None:
+        for proc in list(self._processes.values()):
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                while True:
+                    pid, _ = os.waitpid(-1, sc.WALL)
+                    if pid == proc.pid:
+                        break
+            proc.tracee.close_memory()
+        self._processes.clear()
+        self._owner.clear()
 
     # --- probes ---------------------------------------------------------------------------------
     @property
@@ -188,11 +207,7 @@ class Session:
             location = self._wrap_symbol_error(lambda: resolve_address(spec_or_address, maps))
             spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
         else:
-            if isinstance(spec_or_address, ProbeSpec):
-                spec = spec_or_address
-            else:
-                text = spec_or_address.strip()
-                spec = parse_spec(text if text[:1] in ("p", "r") and " " in text else f"p {text}")
+            spec = spec_or_address if isinstance(spec_or_address, ProbeSpec) else parse_probe(spec_or_address)
             if spec.kind == "r":
                 raise ParseError("RETPROBE_UNSUPPORTED", "return probes are not supported yet", spec.text, 0)
             location = self._wrap_symbol_error(lambda: resolve(spec.location, main.exe, maps))
@@ -408,7 +423,12 @@ class Session:
             if orphan is None:
                 while True:
                     ev = self._wait_for(child_pid)
-                    if ev is None or ev.kind in (EventKind.STOP, EventKind.SIGNAL, EventKind.EXITED, EventKind.KILLED):
+                    if ev is None or ev.kind in (
+                        EventKind.STOP,
+                        EventKind.SIGNAL,
+                        EventKind.EXITED,
+                        EventKind.KILLED,
+                    ):
                         orphan = ev
                         break
             if orphan is not None and orphan.kind not in (EventKind.EXITED, EventKind.KILLED):
@@ -648,9 +668,14 @@ class Session:
         if only is None:
             for addr, site in list(proc.sites.items()):
                 m = mapping_at(maps, addr)
-                if m is None or not m.executable or not any(
-                    maps_file(m, file_key(p.location.path), p.location.path) for p in site.probes
-                ) and site.internal is None:
+                if (
+                    m is None
+                    or not m.executable
+                    or (
+                        not any(maps_file(m, file_key(p.location.path), p.location.path) for p in site.probes)
+                        and site.internal is None
+                    )
+                ):
                     self._forget_site(proc, addr)
             self._install_loader_hook(proc, maps)
         keys: dict[str, tuple[int, int] | None] = {}
@@ -659,14 +684,14 @@ class Session:
                 continue
             loc = probe.location
             key = keys.setdefault(loc.path, file_key(loc.path))
-            addr = address_of_offset(maps, key, loc.path, loc.offset)
-            if addr is None:
+            where = address_of_offset(maps, key, loc.path, loc.offset)
+            if where is None:
                 continue
-            site = proc.sites.get(addr)
-            if site is not None and probe in site.probes:
+            existing = proc.sites.get(where)
+            if existing is not None and probe in existing.probes:
                 continue
             try:
-                self._install(proc, probe, addr)
+                self._install(proc, probe, where)
             except ProbeRefused as refused:
                 if strict:
                     raise
@@ -744,12 +769,12 @@ class Session:
             with self._world_stopped(proc) as tid:
                 proc._map_tid, proc._scratch = tid, near
                 return proc.slots.allocate(near)
-        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
-        if tid is None:
+        stopped = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+        if stopped is None:
             with self._world_stopped(proc) as tid:
                 proc._map_tid = tid
                 return proc.slots.allocate(near)
-        proc._map_tid = tid
+        proc._map_tid = stopped
         return proc.slots.allocate(near)
 
     def _set_armed(self, proc: TracedProcess, site: Site, armed: bool) -> None:
@@ -884,7 +909,7 @@ class Session:
             info = sc.get_siginfo(tid)
         except OSError:
             return False
-        return info.si_signo == signal.SIGTRAP and info.si_code == sc.SI_KERNEL
+        return bool(info.si_signo == signal.SIGTRAP and info.si_code == sc.SI_KERNEL)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -42,11 +42,11 @@ class SlotCache:
             if offset + SLOT_SIZE <= REGION and abs(region - near) < REACH:
                 self._next[region] = offset + SLOT_SIZE
                 return region + offset
-        region = self._new_region(near)
-        if region is None:
+        fresh = self._new_region(near)
+        if fresh is None:
             return None
-        self._next[region] = STUB_BYTES + SLOT_SIZE
-        return region + STUB_BYTES
+        self._next[fresh] = STUB_BYTES + SLOT_SIZE
+        return fresh + STUB_BYTES
 
     def free(self, slot: int) -> None:
         self._free.append(slot)

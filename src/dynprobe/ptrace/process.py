@@ -6,14 +6,14 @@ no PTRACE_POKETEXT word loop). The file must be reopened after exec (it names th
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import errno
 import os
 import signal
 import struct
 from dataclasses import dataclass, field
 
-from dynprobe.arch.x86_64 import REMOTE_SYSCALL, Regs
+from dynprobe.arch.x86_64 import REMOTE_SYSCALL
 from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, wait_event
@@ -117,10 +117,9 @@ class Tracee:
     # --- threads ----------------------------------------------------------------------------
     def resume(self, tid: int, sig: int = 0, step: bool = False) -> None:
         state = self.threads[tid]
-        try:
+        # ESRCH: killed under us (SIGKILL, another thread's exec); its exit event follows.
+        with contextlib.suppress(ProcessLookupError):
             (sc.singlestep if step else sc.cont)(tid, sig)
-        except ProcessLookupError:
-            pass  # killed under us (SIGKILL, exit of another thread's exec); its exit event follows
         state.stopped = False
 
     def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
@@ -267,10 +266,8 @@ def attach(pid: int) -> Tracee:
                 seized.append(tid)
     except OSError as exc:
         for tid in seized:
-            try:
+            with contextlib.suppress(OSError):
                 sc.detach(tid)
-            except OSError:
-                pass
         raise _ptrace_error(exc, pid) from exc
     tracee = Tracee(pid, [])
     pending = set(seized)
@@ -290,5 +287,3 @@ def attach(pid: int) -> Tracee:
             pending.add(event.msg)
         pending.discard(event.tid)
     return tracee
-
-

@@ -288,3 +288,11 @@ def parse_spec(spec: str) -> ProbeSpec:
         names.add(arg.name)
         args.append(arg)
     return ProbeSpec(kind, group, event, location, tuple(args), maxactive, spec)
+
+
+def parse_probe(text: str) -> ProbeSpec:
+    """A full spec ('p:ev main a=%di'), or a bare location ('main+4', 'libc:malloc') as 'p LOCATION'."""
+    stripped = text.strip()
+    head = stripped.split(None, 1)[0] if stripped else ""
+    is_spec = head[:1] in ("p", "r") and (head[1:2] in ("", ":") or head[1:].isdigit()) and " " in stripped
+    return parse_spec(text if is_spec or not stripped else f"p {stripped}")

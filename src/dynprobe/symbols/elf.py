@@ -69,7 +69,8 @@ class ElfImage:
                 if s["p_type"] == "PT_LOAD"
             ]
             self.interp = next(
-                (s.get_interp_name() for s in elf.iter_segments() if s["p_type"] == "PT_INTERP"), None
+                (s.get_interp_name() for s in elf.iter_segments() if s["p_type"] == "PT_INTERP"),  # type: ignore[attr-defined]
+                None,
             )
             self.build_id = self._build_id(elf)
             self.functions = self._functions(elf)
@@ -87,7 +88,7 @@ class ElfImage:
     def _build_id(elf: ELFFile) -> str | None:
         for section in elf.iter_sections():
             if section["sh_type"] == "SHT_NOTE":
-                for note in section.iter_notes():
+                for note in section.iter_notes():  # type: ignore[attr-defined]
                     if note["n_type"] == "NT_GNU_BUILD_ID":
                         return str(note["n_desc"])
         return None

@@ -6,7 +6,13 @@ on a `Regs` value, relocation to an out-of-line slot.
 
 from __future__ import annotations
 
-from dynprobe.arch.x86_64.analysis import Fixup, ResumeKind, ResumePlan, needs_step_for_post_handler, plan_resume
+from dynprobe.arch.x86_64.analysis import (
+    Fixup,
+    ResumeKind,
+    ResumePlan,
+    needs_step_for_post_handler,
+    plan_resume,
+)
 from dynprobe.arch.x86_64.decode import (
     INT3,
     MAX_INSN_LEN,

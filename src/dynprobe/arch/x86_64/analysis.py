@@ -48,8 +48,13 @@ _REFUSED = {
 
 def plan_resume(insn: iced.Instruction) -> ResumePlan | Refusal:
     """The cheapest correct way to resume past `insn` in trap mode (without a post-handler)."""
-    if insn.mnemonic in _REFUSED or insn.is_jmp_far or insn.is_call_far or insn.is_jmp_far_indirect \
-            or insn.is_call_far_indirect:
+    if (
+        insn.mnemonic in _REFUSED
+        or insn.is_jmp_far
+        or insn.is_call_far
+        or insn.is_jmp_far_indirect
+        or insn.is_call_far_indirect
+    ):
         return Refusal.UNSUPPORTED_INSN
     if can_emulate(insn):
         return ResumePlan(ResumeKind.EMULATE)

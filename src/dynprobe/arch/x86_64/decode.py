@@ -56,4 +56,4 @@ def condition_holds(cc: int, eflags: int) -> bool:
         _CC.NP: not pf, _CC.L: sf != of, _CC.GE: sf == of, _CC.LE: zf or sf != of,
         _CC.G: not zf and sf == of,
     }  # fmt: skip
-    return table[cc]
+    return table[cc]  # type: ignore[index]  # iced passes its enums as plain ints

@@ -1,0 +1,51 @@
+# dynprobe: `make demo` sets up and runs the demonstration, `make test` sets up and runs the tests,
+# `make bench` runs the benchmark harness. Each creates .venv and installs what it needs.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+CC     ?= gcc
+
+EXAMPLES := examples/bin/wordcount
+
+.PHONY: all venv demo test lint typecheck unit bench tracefs clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	@command -v $(CC) >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+examples/bin/%: examples/%.c
+	@mkdir -p examples/bin
+	$(CC) -O1 -g -fno-omit-frame-pointer -o $@ $<
+
+demo: venv $(EXAMPLES)
+	@bash examples/demo.sh
+
+# Kernel uprobes (tracefs) are used by comparison tests and the benchmark; mount it if we may.
+tracefs:
+	@[ -e /sys/kernel/tracing/uprobe_events ] || mount -t tracefs nodev /sys/kernel/tracing 2>/dev/null || \
+	  echo "note: tracefs not available; kernel-uprobe comparisons will be skipped"
+
+lint: venv
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src
+
+typecheck: venv
+	$(VENV)/bin/mypy src
+
+test: venv tracefs lint typecheck
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+bench: venv tracefs
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) examples/bin bench/build tests/.build

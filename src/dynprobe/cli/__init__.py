@@ -1,0 +1,1 @@
+"""The `dynprobe` command: one module per subcommand."""

@@ -1,0 +1,66 @@
+"""What the subcommands share: target selection, error printing, signal handling."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dynprobe.core.session import Session, attach, spawn
+from dynprobe.errors import DynprobeError, ParseError
+
+
+class UsageError(DynprobeError):
+    """Wrong command-line use."""
+
+
+def fail(message: str, code: int = 1) -> int:
+    print(f"dynprobe: error: {message}", file=sys.stderr)
+    return code
+
+
+def report_error(exc: DynprobeError) -> int:
+    if isinstance(exc, ParseError):
+        print(f"dynprobe: error: {exc}", file=sys.stderr)
+        for line in exc.caret().splitlines():
+            print(f"    {line}", file=sys.stderr)
+        return 2
+    return fail(str(exc), 2 if isinstance(exc, UsageError) else 1)
+
+
+def add_target_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-p", "--pid", type=int, help="attach to this running process (every thread)")
+    parser.add_argument("--follow-fork", action="store_true",
+                        help="trace children created by fork/vfork too (default: they run unprobed)")  # fmt: skip
+
+
+def open_session(args: argparse.Namespace, command: list[str]) -> Session:
+    if args.pid is not None and command:
+        raise UsageError("give either -p PID or -- COMMAND, not both")
+    if args.pid is None and not command:
+        raise UsageError("give a process: -p PID, or -- COMMAND [ARGS...]")
+    if args.pid is not None:
+        return attach(args.pid, follow_fork=args.follow_fork)
+    return spawn(command, follow_fork=args.follow_fork)
+
+
+@contextmanager
+def interruptible(session: Session) -> Iterator[None]:
+    """Ctrl-C / SIGTERM make `session.run()` return so the session detaches cleanly."""
+    old_int = signal.signal(signal.SIGINT, session.interrupt_wait)
+    old_term = signal.signal(signal.SIGTERM, session.interrupt_wait)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split at the first '--': (dynprobe's arguments, the command to run)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []

@@ -1,0 +1,93 @@
+"""`dynprobe list`: the probe-able functions of a binary or a running process."""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import sys
+
+from dynprobe.arch.x86_64 import ResumeKind, decode_one, plan_resume
+from dynprobe.cli.common import UsageError, report_error
+from dynprobe.errors import DynprobeError, Refusal
+from dynprobe.symbols.elf import ElfImage, load_elf
+from dynprobe.symbols.maps import read_maps
+
+EXAMPLES = """\
+examples:
+  dynprobe list ./app                 every function of ./app
+  dynprobe list ./app 'parse_*'       those matching a glob
+  dynprobe list -p 1234 'malloc*'     functions of a running process and its libraries
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "list", help="list probe-able functions", description="List functions that can be probed.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("binary", nargs="?", help="an ELF file")
+    p.add_argument("glob", nargs="?", default="*", help="only functions matching this glob")
+    p.add_argument("-p", "--pid", type=int, help="a running process: its executable and libraries")
+    p.set_defaults(run=run)
+
+
+def entry_verdict(image: ElfImage, addr: int) -> str:
+    insn = decode_one(image.code(addr, 15), addr)
+    if insn is None:
+        return f"refused: {Refusal.UNDECODABLE.name}"
+    plan = plan_resume(insn)
+    if isinstance(plan, Refusal):
+        return f"refused: {plan.name}"
+    return "emulated" if plan.kind == ResumeKind.EMULATE else "boosted"
+
+
+def _modules(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(path, load bias) of each module to list."""
+    if args.pid is not None:
+        if args.binary is not None and args.glob == "*":
+            args.glob = args.binary
+        maps = read_maps(args.pid)
+        if not maps and not os.path.exists(f"/proc/{args.pid}"):
+            raise DynprobeError(f"no process with pid {args.pid}")
+        seen: dict[str, int] = {}
+        for m in maps:
+            if m.path.startswith("/") and m.path not in seen and m.offset == 0:
+                seen[m.path] = m.start
+        out = []
+        for path, start in seen.items():
+            try:
+                image = load_elf(path)
+            except DynprobeError:
+                continue
+            first = min((s.vaddr for s in image.segments), default=0) & ~0xFFF
+            out.append((path, start - first if image.is_pie else 0))
+        return out
+    if args.binary is None:
+        raise UsageError("give a BINARY or -p PID")
+    return [(os.path.realpath(args.binary), 0)]
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    try:
+        rows = []
+        for path, bias in _modules(args):
+            image = load_elf(path)
+            for func in image.functions:
+                if func.size and fnmatch.fnmatchcase(func.name, args.glob):
+                    rows.append((func.addr + bias, func.size, func.name, os.path.basename(path),
+                                 entry_verdict(image, func.addr)))  # fmt: skip
+    except DynprobeError as exc:
+        return report_error(exc)
+    if not rows:
+        print(f"dynprobe: no function matches {args.glob!r}", file=sys.stderr)
+        return 1
+    name_w = min(max(len(r[2]) for r in rows), 48)
+    mod_w = max(len(r[3]) for r in rows)
+    print(f"{'ADDRESS':<18} {'SIZE':>7}  {'FUNCTION':<{name_w}}  {'MODULE':<{mod_w}}  ENTRY PROBE")
+    try:
+        for addr, size, name, module, verdict in rows:
+            print(f"{addr:#018x} {size:>7}  {name:<{name_w}}  {module:<{mod_w}}  {verdict}")
+    except BrokenPipeError:
+        pass
+    return 0

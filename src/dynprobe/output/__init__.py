@@ -1,0 +1,1 @@
+"""Output formats: ftrace-style text lines and JSON lines."""
