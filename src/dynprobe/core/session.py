@@ -43,7 +43,7 @@ from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.spec.model import FetchArg, ProbeSpec
-from dynprobe.spec.parser import parse_probe
+from dynprobe.spec.parser import ERRORS, parse_probe
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
@@ -209,7 +209,7 @@ class Session:
         else:
             spec = spec_or_address if isinstance(spec_or_address, ProbeSpec) else parse_probe(spec_or_address)
             if spec.kind == "r":
-                raise ParseError("RETPROBE_UNSUPPORTED", "return probes are not supported yet", spec.text, 0)
+                raise ParseError("RETPROBE_UNSUPPORTED", ERRORS["RETPROBE_UNSUPPORTED"], spec.text, 0)
             location = self._wrap_symbol_error(lambda: resolve(spec.location, main.exe, maps))
         refusal = check_location(location)
         if refusal is not None:
@@ -636,8 +636,10 @@ class Session:
         after = site.slot + site.slot_insn_len
         if regs.rip == after:
             regs.rip = site.next_ip
-            if site.plan.fixup & Fixup.RCX_NEXT_IP and regs.rcx == after:
+            if site.plan.fixup & Fixup.SYSCALL_REGS and regs.rcx == after:
                 regs.rcx = site.next_ip
+                if not step.user_tf:
+                    regs.r11 &= ~FLAG_TF
         if step.probes:
             self._run_post(proc, tid, step.probes, regs, site, self._context(proc, tid, regs, site))
         sc.set_regs(tid, regs)

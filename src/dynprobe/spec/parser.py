@@ -63,8 +63,7 @@ ERRORS: dict[str, str] = {
     "BAD_TYPE": "unknown type (u8..u64, s8..s64, x8..x64, string, ustring, symbol)",
     "BAD_STRING": "string types need a memory argument (@ADDR, +OFFS(ARG)) or $comm",
     "BAD_COMM_TYPE": "$comm is a string; it takes no other type",
-    "BAD_SYMBOL_TYPE": "the symbol type takes a 64-bit value, not a string",
-    "TRAILING_GARBAGE": "unexpected text after the fetch argument",
+    "RETPROBE_UNSUPPORTED": "return probes are not supported yet",
 }
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

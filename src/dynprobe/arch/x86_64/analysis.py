@@ -28,8 +28,9 @@ class ResumeKind(enum.Enum):
 
 class Fixup(enum.Flag):
     NONE = 0
-    # `syscall` leaves the address after itself in rcx: the slot's, which must read as the site's.
-    RCX_NEXT_IP = enum.auto()
+    # `syscall` leaves the address after itself in rcx (the slot's, which must read as the site's)
+    # and rflags in r11 (with the TF of our single-step, which the target did not set).
+    SYSCALL_REGS = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def plan_resume(insn: iced.Instruction) -> ResumePlan | Refusal:
     if can_emulate(insn):
         return ResumePlan(ResumeKind.EMULATE)
     if insn.mnemonic == _M.SYSCALL:
-        return ResumePlan(ResumeKind.STEP, Fixup.RCX_NEXT_IP)
+        return ResumePlan(ResumeKind.STEP, Fixup.SYSCALL_REGS)
     if insn.mnemonic in (_M.CALL, _M.RET):  # forms not emulated (16-bit operand size, ...)
         return Refusal.UNSUPPORTED_INSN
     return ResumePlan(ResumeKind.BOOST)

@@ -1,0 +1,61 @@
+"""Shared fixtures: C/asm targets compiled at test time into tests/.build (cached by content)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TARGETS = Path(__file__).parent / "targets"
+BUILD = Path(__file__).parent / ".build"
+
+
+def build_target(name: str, *sources: str, flags: tuple[str, ...] = (), output: str | None = None) -> str:
+    """Compile tests/targets/<sources> into tests/.build/<output or name>; rebuilt when anything changes."""
+    BUILD.mkdir(exist_ok=True)
+    srcs = [TARGETS / s for s in (sources or (f"{name}.c",))]
+    digest = hashlib.sha256()
+    for src in srcs:
+        digest.update(src.read_bytes())
+    digest.update(" ".join(flags).encode())
+    out = BUILD / (output or name)
+    stamp = BUILD / f".{output or name}.sha"
+    if out.exists() and stamp.exists() and stamp.read_text() == digest.hexdigest():
+        return str(out)
+    cmd = ["gcc", "-g", "-o", str(out), *map(str, srcs), *flags]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    stamp.write_text(digest.hexdigest())
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def build() -> object:
+    return build_target
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_children() -> object:
+    """Every test must leave no traced or stopped process behind."""
+    yield
+    leftovers = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields.get("PPid", "0").strip()) == os.getpid() and "zombie" not in fields.get("State", ""):
+            leftovers.append(pid)
+    for pid in leftovers:
+        try:
+            os.kill(int(pid), 9)
+            os.waitpid(int(pid), 0)
+        except OSError:
+            pass
+    assert not leftovers, f"test left processes running: {leftovers}"

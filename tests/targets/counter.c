@@ -1,0 +1,31 @@
+/* counter N T: T threads each call work() N times; prints the total. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static long total;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+__attribute__((noinline)) long work(long i) {
+    __asm__ volatile("" ::: "memory");
+    return i * 2 + 1;
+}
+
+static void *loop(void *arg) {
+    long n = (long)arg, sum = 0;
+    for (long i = 0; i < n; i++) sum += work(i);
+    pthread_mutex_lock(&lock);
+    total += sum;
+    pthread_mutex_unlock(&lock);
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    long n = argc > 1 ? atol(argv[1]) : 10;
+    int t = argc > 2 ? atoi(argv[2]) : 1;
+    pthread_t th[64];
+    for (int i = 0; i < t; i++) pthread_create(&th[i], NULL, loop, (void *)n);
+    for (int i = 0; i < t; i++) pthread_join(th[i], NULL);
+    printf("total=%ld\n", total);
+    return 0;
+}

@@ -1,0 +1,94 @@
+"""The probe syntax: accepted forms, and one case per error code with its column."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynprobe.errors import ParseError
+from dynprobe.spec.model import Absolute, Arg, ArgType, Comm, Deref, Reg, Stack, StackPointer, SymbolAddr
+from dynprobe.spec.parser import ERRORS, parse_probe, parse_spec
+
+# code -> (spec, column of the fault)
+ERROR_TABLE: dict[str, tuple[str, int]] = {
+    "EMPTY_SPEC": ("   ", 0),
+    "BAD_PROBE_TYPE": ("x main", 0),
+    "BAD_MAXACT": ("r0 main", 1),
+    "MAXACT_NO_PROBE": ("p5 main", 1),
+    "NO_GROUP_NAME": ("p:/ev main", 2),
+    "GROUP_TOO_LONG": ("p:" + "g" * 65 + "/ev main", 2),
+    "BAD_GROUP_NAME": ("p:9g/ev main", 2),
+    "NO_EVENT_NAME": ("p:grp/ main", 6),
+    "EVENT_TOO_LONG": ("p:" + "e" * 65 + " main", 2),
+    "BAD_EVENT_NAME": ("p:ev-1 main", 2),
+    "NO_PROBE_POINT": ("p:ev", 4),
+    "BAD_PROBE_ADDR": ("p /bin/ls:main+zz", 15),
+    "TOO_MANY_ARGS": ("p main " + " ".join("%di" for _ in range(129)), 7 + 4 * 128),
+    "BAD_ARG_NAME": ("p main 1a=%di", 7),
+    "USED_ARG_NAME": ("p main a=%di a=%si", 13),
+    "NO_ARG_BODY": ("p main a=", 9),
+    "BAD_FETCH_ARG": ("p main foo", 7),
+    "BAD_REG_NAME": ("p main %xyz", 7),
+    "BAD_STACK_NUM": ("p main $stackx", 13),
+    "BAD_ARG_NUM": ("p main $arg9", 11),
+    "RETVAL_ON_PROBE": ("p main $retval", 7),
+    "BAD_VAR": ("p main $foo", 7),
+    "BAD_MEM_ADDR": ("p main @", 7),
+    "BAD_DEREF_OFFS": ("p main +(%di)", 7),
+    "DEREF_NEED_BRACE": ("p main +8%di", 9),
+    "DEREF_OPEN_BRACE": ("p main +8(%di", 13),
+    "TOO_MANY_DEREF": ("p main " + "+0(" * 9 + "%di" + ")" * 9, 7 + 3 * 8),
+    "COMM_CANT_DEREF": ("p main +0($comm)", 10),
+    "BAD_TYPE": ("p main %di:u128", 11),
+    "BAD_STRING": ("p main %di:string", 11),
+    "BAD_COMM_TYPE": ("p main $comm:u32", 13),
+}
+
+# Raised by the session when the spec is used (tests/cli/test_cli.py checks it).
+RAISED_ELSEWHERE = {"RETPROBE_UNSUPPORTED"}
+
+
+@pytest.mark.parametrize(("code", "case"), ERROR_TABLE.items(), ids=list(ERROR_TABLE))
+def test_error_code_and_column(code: str, case: tuple[str, int]) -> None:
+    spec, column = case
+    with pytest.raises(ParseError) as info:
+        parse_spec(spec)
+    assert info.value.code == code, info.value
+    assert info.value.column == column, info.value.caret()
+    assert info.value.caret().splitlines()[1] == " " * column + "^"
+
+
+def test_every_error_code_is_tested() -> None:
+    assert set(ERRORS) - RAISED_ELSEWHERE == set(ERROR_TABLE)
+
+
+def test_full_spec() -> None:
+    spec = parse_spec("p:grp/ev /bin/true:main+4 a=%di b=+8(%sp):u32 s=+0(%si):string $comm $stack2 @0x1000 @v+8:s32")
+    assert (spec.kind, spec.group, spec.event, spec.location) == ("p", "grp", "ev", "/bin/true:main+4")
+    fetches = [a.fetch for a in spec.args]
+    assert fetches == [
+        Reg("rdi"), Deref(8, Reg("rsp")), Deref(0, Reg("rsi")), Comm(), Stack(2), Absolute(0x1000), SymbolAddr("v", 8)
+    ]
+    assert [a.name for a in spec.args] == ["a", "b", "s", "arg4", "arg5", "arg6", "arg7"]
+    assert [str(a.type) for a in spec.args] == ["x64", "u32", "string", "string", "x64", "x64", "s32"]
+
+
+def test_kernel_register_names_and_args() -> None:
+    spec = parse_spec("p f %ax %r8 %rip %flags $arg3 $stack -0x10(+8(%bp)):s8")
+    assert [a.fetch for a in spec.args] == [
+        Reg("rax"), Reg("r8"), Reg("rip"), Reg("eflags"), Arg(3), StackPointer(), Deref(-16, Deref(8, Reg("rbp")))
+    ]
+    assert spec.args[-1].type == ArgType("s", 8)
+
+
+def test_return_probe_form() -> None:
+    spec = parse_spec("r10:g/e lib.so:f ret=$retval:s32")
+    assert (spec.kind, spec.maxactive, spec.group, spec.event) == ("r", 10, "g", "e")
+
+
+@pytest.mark.parametrize(
+    ("text", "location"),
+    [("main", "main"), ("main+4", "main+4"), ("libc:malloc", "libc:malloc"), ("/a/b.so:0x1139", "/a/b.so:0x1139"),
+     ("p main", "main"), ("p:ev main %di", "main"), ("puts", "puts"), ("r5 f", "f")],
+)  # fmt: skip
+def test_parse_probe_accepts_bare_locations(text: str, location: str) -> None:
+    assert parse_probe(text).location == location
