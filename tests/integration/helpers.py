@@ -19,3 +19,28 @@ def symbols(path: str) -> dict[str, int]:
 
 def run_plain(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def traced(argv: list[str], setup: object, follow_fork: bool = False, timeout: float = 60) -> tuple[int | None, str, list[object]]:
+    """Spawn `argv` under dynprobe, call `setup(session)` (returns probes), run to the end.
+    Returns (exit status, the command's stdout, what setup returned)."""
+    import tempfile
+
+    import dynprobe
+
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn(argv, follow_fork=follow_fork, stdout=out.fileno()) as session:
+            made = setup(session)  # type: ignore[operator]
+            status = session.run(timeout=timeout)
+            assert status is not None, "the target did not finish in time"
+        out.seek(0)
+        return status, out.read(), made
+
+
+def at(path: str, vaddr: int) -> str:
+    """A 'PATH:0xFILEOFFSET' spec for a link-time address of `path` (works for PIE and non-PIE)."""
+    from dynprobe.symbols.elf import load_elf
+
+    offset = load_elf(path).vaddr_to_offset(vaddr)
+    assert offset is not None
+    return f"{path}:{offset:#x}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import time
@@ -964,20 +965,25 @@ def default_event_name(location: Location) -> str:
     return clean[:64]
 
 
-def spawn(argv: list[str], follow_fork: bool = False, env: dict[str, str] | None = None) -> Session:
-    """Start `argv` under dynprobe, stopped before its first instruction; returns the session."""
-    if argv and "/" not in argv[0]:
-        import shutil
-
-        found = shutil.which(argv[0])
-        if found is None:
-            raise ProcessError(f"command not found: {argv[0]}")
-    elif argv and not os.path.exists(argv[0]):
-        raise ProcessError(f"no such file: {argv[0]}")
-    if argv:
-        exe = argv[0] if "/" in argv[0] else (__import__("shutil").which(argv[0]) or argv[0])
-        load_elf(exe)  # a non-ELF or 32-bit command is refused before it runs
-    tracee = ptrace_spawn(argv, env)
+def spawn(
+    argv: list[str],
+    follow_fork: bool = False,
+    env: dict[str, str] | None = None,
+    stdin: int | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+) -> Session:
+    """Start `argv` under dynprobe, stopped before its first instruction; returns the session.
+    `stdin`/`stdout`/`stderr` are file descriptors for the command (default: ours)."""
+    if not argv:
+        raise ProcessError("no command given")
+    exe = argv[0] if "/" in argv[0] else shutil.which(argv[0])
+    if exe is None:
+        raise ProcessError(f"command not found: {argv[0]}")
+    if not os.path.exists(exe):
+        raise ProcessError(f"no such file: {exe}")
+    load_elf(exe)  # a non-ELF or 32-bit command is refused before it runs
+    tracee = ptrace_spawn(argv, env, stdin, stdout, stderr)
     try:
         return Session(tracee, spawned=True, follow_fork=follow_fork)
     except BaseException:

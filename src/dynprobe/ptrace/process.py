@@ -177,11 +177,16 @@ class Tracee:
             return "<...>"
 
 
-def _spawn_child(argv: list[str], env: dict[str, str] | None, go_r: int, err_w: int) -> None:
+def _spawn_child(
+    argv: list[str], env: dict[str, str] | None, go_r: int, err_w: int, fds: tuple[int | None, ...]
+) -> None:
     """In the forked child: wait until the tracer has seized us, then exec. Never returns."""
     try:
         os.read(go_r, 1)
         os.close(go_r)
+        for target, fd in enumerate(fds):
+            if fd is not None:
+                os.dup2(fd, target)
         if env is None:
             os.execvp(argv[0], argv)
         else:
@@ -192,8 +197,15 @@ def _spawn_child(argv: list[str], env: dict[str, str] | None, go_r: int, err_w: 
         os._exit(127)
 
 
-def spawn(argv: list[str], env: dict[str, str] | None = None) -> Tracee:
-    """Start `argv` traced; it is stopped at its first instruction after exec (in the loader)."""
+def spawn(
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    stdin: int | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+) -> Tracee:
+    """Start `argv` traced; it is stopped at its first instruction after exec (in the loader).
+    `stdin`/`stdout`/`stderr` are file descriptors to give the command instead of ours."""
     if not argv:
         raise ProcessError("no command given")
     go_r, go_w = os.pipe()
@@ -202,7 +214,7 @@ def spawn(argv: list[str], env: dict[str, str] | None = None) -> Tracee:
     if pid == 0:
         os.close(go_w)
         os.close(err_r)
-        _spawn_child(argv, env, go_r, err_w)
+        _spawn_child(argv, env, go_r, err_w, (stdin, stdout, stderr))
     os.close(go_r)
     os.close(err_w)
     try:

@@ -1,0 +1,122 @@
+"""Trap probes on live processes: exact counts, handlers, registers, aggregation, enable/disable."""
+
+from __future__ import annotations
+
+import pytest
+
+import dynprobe
+from dynprobe.arch.x86_64 import ResumeKind
+from dynprobe.core.probe import Hit
+from dynprobe.errors import ProbeRefused, Refusal, SymbolError
+from tests.conftest import build_target
+
+from .helpers import run_plain, traced
+
+
+@pytest.fixture(scope="module")
+def counter() -> str:
+    return build_target("counter", flags=("-O1", "-pthread"))
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+def test_exact_hit_counts(counter: str, threads: int) -> None:
+    status, out, (entry, inner) = traced(
+        [counter, "2000", str(threads)], lambda s: (s.probe("work"), s.probe("work+7"))
+    )
+    assert status == 0
+    assert out == run_plain([counter, "2000", str(threads)]).stdout
+    assert entry.hits == 2000 * threads
+    assert inner.hits == 2000 * threads
+    assert dict(entry.resumes) == {ResumeKind.BOOST: 2000 * threads}  # mov rax,[rip+seed]
+    assert dict(inner.resumes) == {ResumeKind.EMULATE: 2000 * threads}  # lea
+
+
+def test_handler_reads_arguments_and_changes_registers(counter: str) -> None:
+    seen: list[int] = []
+
+    def pre(hit: Hit) -> None:
+        seen.append(hit.regs.arg(1))
+        hit.regs.rdi = 0  # every call now computes work(0) == 1
+
+    status, out, _ = traced([counter, "10", "1"], lambda s: s.probe("work", pre=pre))
+    assert status == 0
+    assert seen == list(range(10))
+    assert out == "total=10\n"
+
+
+def test_pre_handler_returning_true_skips_the_instruction(counter: str) -> None:
+    def pre(hit: Hit) -> bool:
+        # Emulate 'return 1' ourselves: rax = 1, pop the return address.
+        hit.regs.rax = 1
+        hit.regs.rip = int.from_bytes(hit.read(int(hit.regs.rsp), 8), "little")
+        hit.regs.rsp += 8
+        return True
+
+    status, out, _ = traced([counter, "7", "1"], lambda s: s.probe("work", pre=pre))
+    assert status == 0 and out == "total=7\n"
+
+
+def test_aggregate_probes_run_in_order_and_disable_independently(counter: str) -> None:
+    order: list[str] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        a = session.probe("p:t/a work", pre=lambda h: order.append("a"))
+        b = session.probe("p:t/b work", pre=lambda h: order.append("b"))
+        c = session.probe("p:t/c work", pre=lambda h: order.append("c"), enabled=False)
+        b.disable()
+        return [a, b, c]
+
+    status, _, (a, b, c) = traced([counter, "3", "1"], setup)
+    assert status == 0
+    assert order == ["a"] * 3
+    assert (a.hits, b.hits, c.hits) == (3, 0, 0)
+
+
+def test_post_handler_sees_state_after_the_instruction(counter: str) -> None:
+    after: list[int] = []
+
+    def setup(session: dynprobe.Session) -> dynprobe.Probe:
+        return session.probe("work", post=lambda h: after.append(int(h.regs.rip)))
+
+    status, _, probe = traced([counter, "4", "1"], setup)
+    assert status == 0 and probe.hits == 4
+    # 'work' starts with a boosted load: a post-handler makes it single-step.
+    assert dict(probe.resumes) == {ResumeKind.STEP: 4}
+    assert len(after) == 4 and len(set(after)) == 1
+
+
+def test_enable_disable_from_a_handler(counter: str) -> None:
+    def setup(session: dynprobe.Session) -> tuple[dynprobe.Probe, dynprobe.Probe]:
+        watched = session.probe("p:t/watched work")
+        switch = session.probe(
+            "p:t/switch work", pre=lambda h: watched.disable() if watched.hits >= 5 else None
+        )
+        return watched, switch
+
+    status, _, (watched, switch) = traced([counter, "20", "1"], setup)
+    assert status == 0
+    assert watched.hits == 5 and switch.hits == 20
+
+
+def test_probe_on_main_and_constructor_hits(build: object) -> None:
+    ctor = build_target("ctor", "ctor.c")
+    status, out, (c, m) = traced([ctor], lambda s: (s.probe("init_early"), s.probe("main")))
+    assert status == 0 and out == "ctor ran\n"
+    assert (c.hits, m.hits) == (1, 1)
+
+
+def test_library_probe_arms_when_loaded(counter: str) -> None:
+    status, _, probe = traced([counter, "1", "1"], lambda s: s.probe("p libc:printf fmt=+0(%di):string"))
+    assert status == 0 and probe.hits == 1
+
+
+def test_refusals(counter: str) -> None:
+    with dynprobe.spawn([counter, "1"]) as session:
+        with pytest.raises(ProbeRefused) as info:
+            session.probe("work+1")  # inside 'mov rax,[rip+seed]'
+        assert info.value.reason == Refusal.NOT_INSN_BOUNDARY
+        with pytest.raises(SymbolError):
+            session.probe("no_such_function")
+        with pytest.raises(SymbolError):
+            session.probe("/nonexistent/lib.so:f")
+    # the spawned command was never started: it is gone, not left stopped

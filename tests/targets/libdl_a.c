@@ -1,0 +1,1 @@
+__attribute__((noinline)) int lib_func(int x) { return x * 10; }
