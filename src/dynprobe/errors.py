@@ -62,6 +62,7 @@ class Refusal(enum.Enum):
     UNKNOWN_FUNCTION = "no function (symbol or unwind entry) contains the address"
     FOREIGN_INT3 = "the site already holds an int3 that dynprobe did not write"
     BYTES_MISMATCH = "the bytes in memory differ from the file (was the binary replaced?)"
+    FILE_REPLACED = "the file was replaced on disk since the process mapped it; restart the process to probe it"
     UNDECODABLE = "the instruction at the site cannot be decoded"
     UNSUPPORTED_INSN = "the instruction cannot be run out of line or emulated"
     RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the out-of-line slot"

@@ -6,7 +6,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-__attribute__((noinline)) int probed(int x) { return x + 1; }
+static volatile int sink;
+__attribute__((noinline)) int probed(int x) { sink += x; return x + 1; }
 
 static void *spin(void *arg) { (void)arg; for (int i = 0; i < 100; i++) probed(i); return NULL; }
 

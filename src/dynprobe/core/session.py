@@ -39,7 +39,7 @@ from dynprobe.core.slots import SlotCache
 from dynprobe.errors import ParseError, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, decode_status
-from dynprobe.ptrace.process import ThreadState, Tracee
+from dynprobe.ptrace.process import EVENT_STOPS, ThreadState, Tracee, list_threads, tracer_of
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.spec.fetch import FetchContext
@@ -53,8 +53,36 @@ LOADER_HOOK = "_dl_debug_state"
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 
 
-class _WaitInterrupted(Exception):
-    """Raised by our signal handlers, only while the loop blocks in waitpid."""
+# Longest sleep between polls for events. SIGCHLD wakes the sleep at once; the slice only matters
+# when another thread of the tracer took the SIGCHLD, or to notice stop() from a signal handler.
+_WAIT_SLICE = 0.05
+
+
+@contextlib.contextmanager
+def _sigchld_blocked() -> Iterator[None]:
+    """SIGCHLD blocked in this thread, so it stays pending for sigtimedwait."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _poll_event(tid: int = -1) -> Event | None:
+    try:
+        pid, status = os.waitpid(tid, sc.WALL | os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return decode_status(pid, status) if pid else None
+
+
+def _in_tracing_stop(pid: int, tid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # gone: nothing to wait for
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"t"
 
 
 @dataclass
@@ -103,7 +131,7 @@ class TracedProcess:
 
 def _exe_of(pid: int) -> str:
     try:
-        return os.readlink(f"/proc/{pid}/exe")
+        return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
     except OSError as exc:
         raise ProcessError(f"cannot read the executable of pid {pid}: {exc.strerror}") from exc
 
@@ -143,7 +171,6 @@ class Session:
         self._owner: dict[int, TracedProcess] = {}
         self._orphans: dict[int, Event] = {}
         self._pending: deque[Event] = deque()
-        self._in_wait = False
         self._stop_requested = False
         self._closed = False
         self._started = False
@@ -276,19 +303,15 @@ class Session:
     # --- running ----------------------------------------------------------------------------------
     def run(self, timeout: float | None = None) -> int | None:
         """Run the target until every traced process has exited; return the exit status of the
-        first one (128+N if a signal killed it), or None if `timeout` seconds passed first."""
+        first one (128+N if a signal killed it), or None if `timeout` seconds passed first or
+        `stop()` was called."""
         self._check_open()
+        self._stop_requested = False
         deadline = None if timeout is None else time.monotonic() + timeout
-        old = None
-        if deadline is not None:
-            old = signal.signal(signal.SIGALRM, self._alarm)
-            signal.setitimer(signal.ITIMER_REAL, max(timeout or 0, 0.001))
-        try:
+        with _sigchld_blocked():
             self._start()
             while self._processes and not self._stop_requested:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return None
-                event = self._next_event()
+                event = self._next_event(deadline)
                 if event is None:
                     if deadline is not None and time.monotonic() >= deadline:
                         return None
@@ -296,25 +319,15 @@ class Session:
                         break
                     continue
                 self._handle(event)
-        finally:
-            if deadline is not None:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, old)
-        return self.exit_status
+        return self.exit_status if not self._processes else None
 
     def stop(self) -> None:
-        """Ask `run()` to return after the event at hand (call from a handler)."""
+        """Make `run()` return after the event at hand (from a handler, or a signal handler)."""
         self._stop_requested = True
 
     def interrupt_wait(self, signum: int, frame: FrameType | None) -> None:
         """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()` return promptly."""
         self._stop_requested = True
-        if self._in_wait:
-            raise _WaitInterrupted
-
-    def _alarm(self, signum: int, frame: FrameType | None) -> None:
-        if self._in_wait:
-            raise _WaitInterrupted
 
     def _any_thread(self) -> bool:
         return any(p.tracee.threads for p in self._processes.values())
@@ -335,20 +348,27 @@ class Session:
         elif state.stopped:
             proc.tracee.resume(state.tid)
 
-    def _next_event(self) -> Event | None:
+    def _next_event(self, deadline: float | None = None) -> Event | None:
+        """The next event, or None once `deadline` passed or a stop was requested.
+
+        Events are only ever collected by waitpid(WNOHANG); between polls we sleep in
+        sigtimedwait(SIGCHLD), which a tracee's stop wakes. A signal handler that interrupts the
+        sleep therefore can never lose an event that waitpid had already taken."""
         if self._pending:
             return self._pending.popleft()
-        self._in_wait = True
-        try:
-            pid, status = os.waitpid(-1, sc.WALL)
-        except _WaitInterrupted:
-            return None
-        except ChildProcessError:
-            self._processes.clear()
-            return None
-        finally:
-            self._in_wait = False
-        return decode_status(pid, status)
+        while True:
+            event = _poll_event()
+            if event is not None:
+                return event
+            if not self._processes:
+                return None
+            if self._stop_requested:
+                return None
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            wait = _WAIT_SLICE if deadline is None else min(_WAIT_SLICE, deadline - now)
+            signal.sigtimedwait([signal.SIGCHLD], wait)
 
     # --- events -------------------------------------------------------------------------------------
     def _handle(self, event: Event) -> None:
@@ -362,6 +382,7 @@ class Session:
         if state is None:
             state = tracee.threads[event.tid] = ThreadState(event.tid)
         state.stopped = event.kind not in (EventKind.EXITED, EventKind.KILLED)
+        state.in_event_stop = event.kind in EVENT_STOPS
         kind = event.kind
         if kind in (EventKind.EXITED, EventKind.KILLED):
             self._on_exit(proc, event)
@@ -398,7 +419,8 @@ class Session:
         self._processes.pop(proc.pid, None)
 
     def _adopt_thread(self, proc: TracedProcess, tid: int) -> None:
-        proc.tracee.threads[tid] = ThreadState(tid)
+        # Already known when attach saw the thread before its creator's clone event.
+        proc.tracee.threads.setdefault(tid, ThreadState(tid))
         self._owner[tid] = proc
         orphan = self._orphans.pop(tid, None)
         if orphan is not None:
@@ -689,6 +711,11 @@ class Session:
             key = keys.setdefault(loc.path, file_key(loc.path))
             where = address_of_offset(maps, key, loc.path, loc.offset)
             if where is None:
+                if any(m.path == f"{loc.path} (deleted)" for m in maps):
+                    refused = ProbeRefused(Refusal.FILE_REPLACED, f"{loc.basename}:{loc.label}")
+                    if strict:
+                        raise refused
+                    self._warn(f"{probe.name}: {refused} (pid {proc.pid})")
                 continue
             existing = proc.sites.get(where)
             if existing is not None and probe in existing.probes:
@@ -826,29 +853,40 @@ class Session:
                         self._release(proc, state)
 
     def _stop_all(self, proc: TracedProcess) -> list[int]:
+        """Interrupt every running thread of `proc` and wait until each has stopped. Events of
+        other threads seen meanwhile are queued; those of interrupted threads are kept on them."""
         running = [t for t, s in proc.tracee.threads.items() if not s.stopped]
         for tid in running:
             with contextlib.suppress(ProcessLookupError):
                 sc.interrupt(tid)
         waiting = set(running)
-        while waiting:
-            try:
-                pid, status = os.waitpid(-1, sc.WALL)
-            except ChildProcessError:
-                break
-            event = decode_status(pid, status)
-            if pid not in waiting:
-                self._pending.append(event)
-                continue
-            state = proc.tracee.threads[pid]
-            if event.kind in (EventKind.EXITED, EventKind.KILLED):
-                waiting.discard(pid)
-                self._pending.append(event)
-                continue
-            state.stopped = True
-            if event.kind != EventKind.STOP:
-                state.deferred.append(event)
-            waiting.discard(pid)
+        quiet_slices = 0
+        with _sigchld_blocked():
+            while waiting:
+                event = _poll_event()
+                if event is None:
+                    signal.sigtimedwait([signal.SIGCHLD], _WAIT_SLICE)
+                    quiet_slices += 1
+                    if quiet_slices >= 4:
+                        # A stop whose event was already taken (it cannot be reported twice):
+                        # believe /proc when it says the thread is in a tracing stop.
+                        for tid in [t for t in waiting if _in_tracing_stop(proc.pid, t)]:
+                            waiting.discard(tid)
+                            proc.tracee.threads[tid].stopped = True
+                    continue
+                quiet_slices = 0
+                if event.tid not in waiting:
+                    self._pending.append(event)
+                    continue
+                waiting.discard(event.tid)
+                if event.kind in (EventKind.EXITED, EventKind.KILLED):
+                    self._pending.append(event)
+                    continue
+                state = proc.tracee.threads[event.tid]
+                state.stopped = True
+                state.in_event_stop = event.kind in EVENT_STOPS
+                if event.kind != EventKind.STOP:
+                    state.deferred.append(event)
         return running
 
     def detach(self) -> None:
@@ -867,6 +905,7 @@ class Session:
             state = proc.tracee.threads.get(event.tid)
             if state is not None:
                 state.deferred.append(event)
+        self._adopt_unseen_threads(proc)
         for site in proc.sites.values():
             if site.armed:
                 with contextlib.suppress(OSError):
@@ -877,6 +916,27 @@ class Session:
                 continue
             self._detach_thread(proc, tid, state)
         proc.tracee.close_memory()
+
+    def _adopt_unseen_threads(self, proc: TracedProcess) -> None:
+        """Threads born while we worked, whose clone event we have not matched yet: PTRACE_O_TRACECLONE
+        attached them, so they sit in their first stop and must be let go too."""
+        try:
+            tids = list_threads(proc.pid)
+        except ProcessError:
+            return
+        me = os.getpid()
+        for tid in tids:
+            if tid in proc.tracee.threads or tracer_of(proc.pid, tid) != me:
+                continue
+            event = self._orphans.pop(tid, None)
+            for queued in [e for e in self._pending if e.tid == tid]:
+                self._pending.remove(queued)
+                event = event or queued
+            if event is None:
+                event = self._wait_for(tid)  # its first stop is imminent: it is born stopped
+            state = proc.tracee.threads[tid] = ThreadState(tid)
+            if event is not None and event.kind not in (EventKind.STOP, EventKind.EXITED, EventKind.KILLED):
+                state.deferred.append(event)
 
     def _detach_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
         try:

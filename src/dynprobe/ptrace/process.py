@@ -29,17 +29,24 @@ PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED_NOREPLACE = 0x02, 0x20, 0x100000
 
 
+EVENT_STOPS = {EventKind.CLONE, EventKind.FORK, EventKind.VFORK, EventKind.VFORK_DONE, EventKind.EXEC}
+
+
 @dataclass
 class ThreadState:
     tid: int
     stopped: bool = True
+    # Stopped in a ptrace event stop (clone, fork, exec, ...): inside a syscall that has not
+    # returned yet. Resuming finishes that syscall, which then writes its result to rax.
+    in_event_stop: bool = False
     # Events seen while stopping the world, handled once the world runs again.
     deferred: list[Event] = field(default_factory=list)
 
 
-def tracer_of(pid: int) -> int:
+def tracer_of(pid: int, tid: int | None = None) -> int:
+    """The pid tracing `pid` (or its thread `tid`); 0 if none."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(f"/proc/{pid}/task/{tid}/status" if tid else f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith("TracerPid:"):
                     return int(line.split()[1])
@@ -121,10 +128,48 @@ class Tracee:
         with contextlib.suppress(ProcessLookupError):
             (sc.singlestep if step else sc.cont)(tid, sig)
         state.stopped = False
+        state.in_event_stop = False
 
     def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
         """Run syscall `nr` in stopped thread `tid`, using `scratch` (3 executable bytes we own or
         may borrow: the caller saves and restores them) for `syscall; int3`. Returns rax."""
+        state = self.threads[tid]
+        original = self.read(scratch, len(REMOTE_SYSCALL))
+        self.write(scratch, REMOTE_SYSCALL)
+        try:
+            if state.in_event_stop:
+                self._leave_event_stop(tid, scratch + len(REMOTE_SYSCALL) - 1)
+            return self._run_syscall(tid, scratch, nr, args)
+        finally:
+            self.write(scratch, original)
+
+    def _leave_event_stop(self, tid: int, int3_addr: int) -> None:
+        """Let the syscall the thread is stopped in return, straight onto an int3 of ours, so the
+        thread is in a signal stop with the syscall's real result in rax and rip back in place."""
+        regs = sc.get_regs(tid)
+        resume_at = int(regs.rip)
+        regs.rip = int3_addr
+        sc.set_regs(tid, regs)
+        sc.cont(tid)
+        self._wait_trap(tid)
+        regs = sc.get_regs(tid)
+        regs.rip = resume_at
+        sc.set_regs(tid, regs)
+        self.threads[tid].in_event_stop = False
+
+    def _wait_trap(self, tid: int) -> None:
+        """Wait for `tid` to stop on our int3; signals arriving meanwhile are kept for later."""
+        while True:
+            event = wait_event(tid)
+            if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
+                raise ProcessError(f"pid {self.pid} ended during a remote syscall")
+            if event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP:
+                return
+            if event.kind == EventKind.SIGNAL:
+                self.threads[tid].deferred.append(event)
+            sc.cont(tid)
+
+    def _run_syscall(self, tid: int, scratch: int, nr: int, args: tuple[int, ...]) -> int:
         saved = sc.get_regs(tid)
         regs = saved.copy()
         regs.rax = nr
@@ -132,25 +177,12 @@ class Tracee:
             setattr(regs, name, value & ((1 << 64) - 1))
         regs.rip = scratch
         regs.orig_rax = (1 << 64) - 1  # not inside a syscall: no restart logic on resume
-        original = self.read(scratch, len(REMOTE_SYSCALL))
-        self.write(scratch, REMOTE_SYSCALL)
         try:
             sc.set_regs(tid, regs)
             sc.cont(tid)
-            while True:
-                event = wait_event(tid)
-                if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
-                    raise ProcessError(f"pid {self.pid} ended during a remote syscall")
-                if event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP:
-                    break
-                # Anything else (a signal arriving meanwhile): hold it back by re-queueing
-                # it to the thread once we are done; keep running the syscall.
-                if event.kind == EventKind.SIGNAL:
-                    self.threads[tid].deferred.append(event)
-                sc.cont(tid)
+            self._wait_trap(tid)
             result = int(sc.get_regs(tid).rax)
         finally:
-            self.write(scratch, original)
             sc.set_regs(tid, saved)
         if result >= (1 << 64) - 4095:
             result -= 1 << 64
@@ -238,7 +270,9 @@ def spawn(
             raise ProcessError(f"cannot run {argv[0]}: {reason}")
         sc.cont(pid, event.sig if event.kind == EventKind.SIGNAL else 0)
     os.close(err_r)
-    return Tracee(pid, [pid])
+    tracee = Tracee(pid, [pid])
+    tracee.threads[pid].in_event_stop = True  # the exec event stop
+    return tracee
 
 
 def list_threads(pid: int) -> list[int]:
@@ -274,6 +308,12 @@ def attach(pid: int) -> Tracee:
                     sc.seize(tid, TRACE_OPTIONS)
                 except ProcessLookupError:
                     continue  # exited meanwhile
+                except PermissionError:
+                    if tracer_of(pid, tid) != os.getpid():
+                        raise
+                    # Created by a thread we had seized: PTRACE_O_TRACECLONE attached it already.
+                    seized.append(tid)
+                    continue
                 sc.interrupt(tid)
                 seized.append(tid)
     except OSError as exc:
@@ -292,7 +332,7 @@ def attach(pid: int) -> Tracee:
             if event.tid == pid:
                 raise NoSuchProcess(f"pid {pid} exited while attaching")
             continue
-        tracee.threads[event.tid] = ThreadState(event.tid)
+        tracee.threads[event.tid] = ThreadState(event.tid, in_event_stop=event.kind in EVENT_STOPS)
         if event.kind not in (EventKind.STOP, EventKind.GROUP_STOP):
             tracee.threads[event.tid].deferred.append(event)
         if event.kind == EventKind.CLONE:

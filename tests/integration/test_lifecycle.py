@@ -1,0 +1,53 @@
+"""HAZARDS 19-20: fork, vfork+exec, fork in a threaded program, exec of a probed binary, dlopen."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import BUILD, build_target
+
+from .helpers import run_plain, traced
+
+
+@pytest.fixture(scope="module")
+def forks() -> str:
+    return build_target("forks", flags=("-O1", "-pthread"))
+
+
+@pytest.mark.parametrize("mode", ["fork", "vfork", "threads", "exec"])
+def test_children_exit_normally_without_following(forks: str, mode: str) -> None:
+    plain = run_plain([forks, mode]).stdout
+    status, out, probe = traced([forks, mode], lambda s: s.probe("probed"))
+    assert status == 0 and out == plain, out
+    # main calls probed(0) first; exec of the same binary: the path-based probe re-arms in the new
+    # image, where the leaf calls it 1 + 3 times.
+    parent_calls = {"fork": 2, "vfork": 2, "threads": 402, "exec": 1 + 4}[mode]
+    assert probe.hits == parent_calls
+
+
+@pytest.mark.parametrize(("mode", "total"), [("fork", 2 + 5), ("threads", 402 + 2), ("vfork", 2 + 4)])
+def test_follow_fork_counts_children(forks: str, mode: str, total: int) -> None:
+    plain = run_plain([forks, mode]).stdout
+    status, out, probe = traced([forks, mode], lambda s: s.probe("probed"), follow_fork=True)
+    assert status == 0 and out == plain
+    assert probe.hits == total
+
+
+@pytest.fixture(scope="module")
+def dl_target() -> tuple[str, str, str]:
+    lib_a = build_target("libdl_a", "libdl_a.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_a.so")
+    lib_b = build_target("libdl_b", "libdl_b.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_b.so")
+    main = build_target("dl", flags=("-O1", "-ldl"))
+    return main, lib_a, lib_b
+
+
+def test_probe_in_library_loaded_later_and_closed(dl_target: tuple[str, str, str]) -> None:
+    main, lib_a, lib_b = dl_target
+    argv = [main, lib_a, lib_b]
+    plain = run_plain(argv).stdout
+    status, out, (pa, pb) = traced(argv, lambda s: (s.probe(f"{lib_a}:lib_func"), s.probe(f"{lib_b}:other_func")))
+    assert status == 0 and out == plain
+    # Each round: lib_a loaded (3 calls), closed; lib_b loaded (likely at the same address), 1 call.
+    assert pa.hits == 6
+    assert pb.hits == 2
+    assert BUILD.exists()
