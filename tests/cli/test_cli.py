@@ -1,0 +1,180 @@
+"""Smoke tests of every CLI command and of the bad-input promises (one line, non-zero, target unharmed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BUILD, build_target
+
+DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
+
+
+def dp(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*DYNPROBE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sigs() -> str:
+    return build_target("sigs", flags=("-O1",))
+
+
+@pytest.fixture(scope="module")
+def wordcount() -> str:
+    return build_target("wordcount", "../../examples/wordcount.c", flags=("-O1",))
+
+
+def test_trace_prints_ftrace_lines_and_summary(wordcount: str) -> None:
+    r = dp("trace", "p:demo/add add_word w=+0(%di):string len=%si:s32", "--", wordcount, "a b a")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if "demo/add" in line]
+    assert len(lines) == 3
+    assert lines[0].split()[0] == f"wordcount-{lines[0].split('-')[1].split()[0]}"
+    assert lines[0].endswith('w="a" len=1') and lines[1].endswith('w="b" len=1')
+    assert "demo/add" in r.stderr and "hits=3" in r.stderr
+    assert r.stdout.strip().endswith("2 distinct words")
+
+
+def test_trace_json_to_file_and_spec_file(wordcount: str, tmp_path: Path) -> None:
+    specs = tmp_path / "specs.txt"
+    specs.write_text("# comment\np:t/h hash\n\np:t/a add_word n=%si:u32  # trailing comment\n")
+    out = tmp_path / "events.jsonl"
+    r = dp("trace", "--json", "-o", str(out), "-f", str(specs), "--", wordcount, "x y")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["a", "h", "a", "h"]  # add_word calls hash
+    assert [e["args"] for e in events if e["event"] == "a"] == [{"n": 1}, {"n": 1}]
+    assert all(e["comm"] == "wordcount" and e["pid"] == e["tid"] for e in events)
+
+
+def test_exit_status_is_the_commands(sigs: str) -> None:
+    r = dp("trace", "probed", "--", sigs, "exit", "7")
+    assert r.returncode == 7 and "usr1=50" in r.stdout and "hits=50" in r.stderr
+    r = dp("trace", "probed", "--", sigs, "kill", str(int(signal.SIGTERM)))
+    assert r.returncode == 128 + signal.SIGTERM
+    assert "usr1=50" in r.stdout
+
+
+def test_list_binary_and_pid(wordcount: str) -> None:
+    r = dp("list", wordcount)
+    assert r.returncode == 0
+    names = {line.split()[2] for line in r.stdout.splitlines()[1:]}
+    assert {"main", "hash", "add_word"} <= names
+    nm = subprocess.run(["nm", "--defined-only", wordcount], capture_output=True, text=True).stdout
+    nm_funcs = {line.split()[2] for line in nm.splitlines() if line.split()[1] in "tT"}
+    assert names <= nm_funcs  # every listed function is a function symbol nm knows
+    r = dp("list", wordcount, "add_*")
+    assert [line.split()[2] for line in r.stdout.splitlines()[1:]] == ["add_word"]
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        r = dp("list", "-p", str(proc.pid), "nanosleep")
+        assert r.returncode == 0 and "libc.so.6" in r.stdout
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_help_of_each_command_has_examples() -> None:
+    for cmd in ("trace", "list"):
+        r = dp(cmd, "--help")
+        assert r.returncode == 0 and "examples:" in r.stdout
+
+
+def test_malformed_spec_prints_a_caret(wordcount: str) -> None:
+    r = dp("trace", "p add_word %bogus", "--", wordcount)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "dynprobe: error: BAD_REG_NAME: unknown register: %bogus (column 12)",
+        "    p add_word %bogus",
+        "               ^",
+    ]
+    assert r.stdout == ""  # the command never ran
+
+
+def test_return_probe_is_not_supported_yet(wordcount: str) -> None:
+    r = dp("trace", "r add_word", "--", wordcount)
+    assert r.returncode == 2 and "RETPROBE_UNSUPPORTED: return probes are not supported yet" in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["p no_such_symbol"], "no function 'no_such_symbol'"),
+        (["p /no/such/file:f"], "no such file: /no/such/file"),
+        (["p add_word+1"], "not on an instruction boundary [NOT_INSN_BOUNDARY]"),
+    ],
+)
+def test_bad_probe_one_line_and_target_not_run(wordcount: str, args: list[str], message: str) -> None:
+    r = dp("trace", *args, "--", wordcount)
+    assert r.returncode == 1
+    assert len(r.stderr.splitlines()) == 1 and message in r.stderr
+    assert r.stdout == ""
+
+
+def test_bad_targets(tmp_path: Path) -> None:
+    notelf = tmp_path / "script"
+    notelf.write_text("#!/bin/sh\necho hi\n")
+    notelf.chmod(0o755)
+    r = dp("trace", "main", "--", str(notelf))
+    assert r.returncode == 1 and r.stderr.strip() == f"dynprobe: error: {notelf} is not an ELF file"
+    elf32 = tmp_path / "elf32"
+    data = bytearray(Path(shutil.which("true") or "/bin/true").read_bytes())
+    data[4] = 1  # ELFCLASS32
+    elf32.write_bytes(bytes(data))
+    elf32.chmod(0o755)
+    r = dp("trace", "main", "--", str(elf32))
+    assert r.returncode == 1 and "32-bit ELF file" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = dp("trace", "main", "--", "/no/such/command")
+    assert r.returncode == 1 and "no such file" in r.stderr
+    r = dp("trace", "main", "-p", str(2**22 + 4321))
+    assert r.returncode == 1 and r.stderr.strip().endswith(f"no process with pid {2**22 + 4321}")
+    r = dp("trace", "main")
+    assert r.returncode == 2 and "give a process" in r.stderr
+
+
+def test_attach_already_traced_is_one_line(sigs: str) -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import dynprobe,time; s=dynprobe.attach({sleeper.pid}); print(1, flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "1\n"
+        r = dp("trace", "libc:nanosleep", "-p", str(sleeper.pid))
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
+        assert f"already traced by pid {holder.pid}" in r.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_ctrl_c_detaches_from_attached_process(wordcount: str) -> None:
+    spinner = build_target("spinner", flags=("-O1", "-pthread"))
+    target = subprocess.Popen([spinner, "2"], stdout=subprocess.PIPE, text=True)
+    assert target.stdout is not None and target.stdout.readline() == "ready\n"
+    tracer = subprocess.Popen([*DYNPROBE, "trace", "p:s/tick tick", "-p", str(target.pid)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert tracer.stdout is not None and "s/tick" in tracer.stdout.readline()
+        tracer.send_signal(signal.SIGINT)
+        _, err = tracer.communicate(timeout=30)
+        assert tracer.returncode == 0 and "s/tick" in err
+        target.send_signal(signal.SIGTERM)
+        out, _ = target.communicate(timeout=30)
+        assert target.returncode == 0 and "ticks=" in out
+    finally:
+        for p in (tracer, target):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert os.path.isdir(BUILD)
