@@ -11,7 +11,8 @@ from dynprobe.cli.common import add_target_options, interruptible, open_session,
 from dynprobe.core.probe import Hit, Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
-from dynprobe.output.ftrace import EventLine, ftrace_line, json_line, thread_cpu
+from dynprobe.output.ftrace import EventLine, ftrace_line, json_line
+from dynprobe.ptrace.process import thread_cpu
 from dynprobe.spec.fetch import json_value
 from dynprobe.spec.parser import parse_probe
 

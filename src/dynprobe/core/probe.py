@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dynprobe.arch.x86_64 import Instruction, Regs, ResumeKind, ResumePlan
+from dynprobe.arch.x86_64 import Emulator, Instruction, Regs, ResumeKind, ResumePlan
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value
 from dynprobe.spec.model import FetchArg
 from dynprobe.symbols.resolve import Location
@@ -114,6 +114,7 @@ class Site:
     insn: Instruction
     original: bytes  # the instruction's bytes as found
     plan: ResumePlan
+    emulator: Emulator | None = None  # prepared once when the plan is to emulate
     probes: list[Probe] = field(default_factory=list)
     internal: Callable[[int, Regs], None] | None = None  # dynprobe's own hooks (dlopen tracking)
     slot: int | None = None

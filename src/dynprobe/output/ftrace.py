@@ -40,17 +40,3 @@ def json_line(ev: EventLine) -> str:
         },
         separators=(",", ":"),
     )  # fmt: skip
-
-
-def thread_cpu(pid: int, tid: int) -> int:
-    """The CPU the thread last ran on (field 39 of /proc/PID/task/TID/stat); -1 if unknown."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return -1
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[36])
-    except (IndexError, ValueError):
-        return -1

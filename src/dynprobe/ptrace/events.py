@@ -23,6 +23,9 @@ class EventKind(enum.Enum):
     VFORK_DONE = "vfork-done"
     EXEC = "exec"
 
+    # Members are singletons: identity hashing is exact, and C-fast (looked up on every event).
+    __hash__ = object.__hash__
+
 
 _PTRACE_EVENTS = {
     sc.PTRACE_EVENT_CLONE: EventKind.CLONE,

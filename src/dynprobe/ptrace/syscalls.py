@@ -66,14 +66,17 @@ class SigInfo(ctypes.Structure):
 def _check(result: int, what: str) -> int:
     if result == -1:
         err = ctypes.get_errno()
-        if err:
-            raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise OSError(err, f"{what}: {os.strerror(err)}")
     return result
 
 
 def ptrace(request: int, tid: int, addr: int = 0, data: int = 0) -> int:
-    ctypes.set_errno(0)
-    return _check(_ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data)), f"ptrace({request:#x}, {tid})")
+    # Hot path (several calls per probe hit): no errno reset; PEEK requests, whose result can
+    # legitimately be -1, are not used.
+    result: int = _ptrace(request, tid, addr, data)
+    if result == -1:
+        _check(result, f"ptrace({request:#x}, {tid})")
+    return result
 
 
 def seize(tid: int, options: int) -> None:

@@ -21,7 +21,7 @@ from dynprobe.arch.x86_64.decode import (
     format_insn,
     instruction_starts,
 )
-from dynprobe.arch.x86_64.emulate import EmulationFault, MemoryWrite, can_emulate, emulate
+from dynprobe.arch.x86_64.emulate import EmulationFault, Emulator, MemoryWrite, can_emulate, emulate, prepare
 from dynprobe.arch.x86_64.regs import FLAG_TF, Regs, canonical_name
 from dynprobe.arch.x86_64.relocate import jump_to, out_of_line, relocate
 
@@ -35,6 +35,7 @@ __all__ = [
     "REMOTE_SYSCALL",
     "SLOT_SIZE",
     "EmulationFault",
+    "Emulator",
     "Fixup",
     "Instruction",
     "MemoryWrite",
@@ -51,5 +52,6 @@ __all__ = [
     "needs_step_for_post_handler",
     "out_of_line",
     "plan_resume",
+    "prepare",
     "relocate",
 ]

@@ -93,13 +93,14 @@ def _branch_target(insn: iced.Instruction, regs: Regs, read: ReadMemory) -> int:
     return _read_u64(read, effective_address(insn, regs))
 
 
-def emulate(insn: iced.Instruction, regs: Regs, read: ReadMemory) -> list[MemoryWrite]:
+def emulate(insn: iced.Instruction, regs: Regs, read: ReadMemory, checked: bool = False) -> list[MemoryWrite]:
     """Execute `insn` (decoded at its real address) on `regs` in place; return its memory writes.
 
-    rip ends where the hardware would leave it. Raises EmulationFault when `can_emulate` is False
-    or a memory read fails.
+    rip ends where the hardware would leave it. Raises EmulationFault for an instruction
+    `can_emulate` refuses (`checked=True` skips that test, for callers whose resume plan already
+    made it), and when a memory read fails, before changing any register.
     """
-    if not can_emulate(insn):
+    if not checked and not can_emulate(insn):
         raise EmulationFault(f"{insn} is not emulated")
     writes: list[MemoryWrite] = []
     next_ip = int(insn.next_ip)
@@ -143,4 +144,47 @@ def emulate(insn: iced.Instruction, regs: Regs, read: ReadMemory) -> list[Memory
     elif m == _M.LEA:
         write_reg(regs, insn.op0_register, effective_address(insn, regs, with_segment=False))
         regs.rip = next_ip
+    else:
+        raise EmulationFault(f"{insn} is not emulated")
     return writes
+
+
+Emulator = Callable[[Regs, ReadMemory], list[MemoryWrite]]
+
+
+def prepare(insn: iced.Instruction) -> Emulator | None:
+    """A function emulating `insn` with everything it needs read out of the decoder once; None if
+    `can_emulate` refuses it. Specialized forms for the instructions probes meet most (function
+    entries: push reg, nops, mov reg,reg; exits: ret); the general `emulate` for the rest."""
+    if not can_emulate(insn):
+        return None
+    next_ip = int(insn.next_ip)
+    m = insn.mnemonic
+    if m in _NOPS:
+
+        def nop(regs: Regs, read: ReadMemory) -> list[MemoryWrite]:
+            regs.rip = next_ip
+            return []
+
+        return nop
+    if m == _M.PUSH and insn.op0_kind == _OK.REGISTER:
+        reg = insn.op0_register
+
+        def push(regs: Regs, read: ReadMemory) -> list[MemoryWrite]:
+            value = read_reg(regs, reg)
+            rsp = (regs.rsp - 8) & MASK64
+            regs.rsp = rsp
+            regs.rip = next_ip
+            return [(rsp, value.to_bytes(8, "little"))]
+
+        return push
+    if m == _M.RET and insn.code == iced.Code.RETNQ:
+
+        def ret(regs: Regs, read: ReadMemory) -> list[MemoryWrite]:
+            target = _read_u64(read, int(regs.rsp))
+            regs.rsp = (regs.rsp + 8) & MASK64
+            regs.rip = target
+            return []
+
+        return ret
+    return lambda regs, read: emulate(insn, regs, read, checked=True)
