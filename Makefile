@@ -36,7 +36,7 @@ tracefs:
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench
-	$(VENV)/bin/ruff format --check src
+	$(VENV)/bin/ruff format --check src tests bench
 
 typecheck: venv
 	$(VENV)/bin/mypy src

@@ -143,7 +143,8 @@ def test_bad_targets(tmp_path: Path) -> None:
 def test_attach_already_traced_is_one_line(sigs: str) -> None:
     sleeper = subprocess.Popen(["sleep", "30"])
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import dynprobe,time; s=dynprobe.attach({sleeper.pid}); print(1, flush=True); time.sleep(30)"],
+        [sys.executable, "-c",
+         f"import dynprobe,time; s=dynprobe.attach({sleeper.pid}); print(1, flush=True); time.sleep(30)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -21,7 +21,9 @@ def run_plain(argv: list[str], timeout: float = 30) -> subprocess.CompletedProce
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
 
 
-def traced(argv: list[str], setup: object, follow_fork: bool = False, timeout: float = 60) -> tuple[int | None, str, list[object]]:
+def traced(
+    argv: list[str], setup: object, follow_fork: bool = False, timeout: float = 60
+) -> tuple[int | None, str, list[object]]:
     """Spawn `argv` under dynprobe, call `setup(session)` (returns probes), run to the end.
     Returns (exit status, the command's stdout, what setup returned)."""
     import tempfile

@@ -102,7 +102,8 @@ def test_attach_errors(running: subprocess.Popen[str]) -> None:
     with pytest.raises(NoSuchProcess):
         dynprobe.attach(2**22 + 12345)
     other = subprocess.Popen(
-        [sys.executable, "-c", f"import dynprobe, time; s = dynprobe.attach({running.pid}); print('in', flush=True); time.sleep(30)"],
+        [sys.executable, "-c",
+         f"import dynprobe, time; s = dynprobe.attach({running.pid}); print('in', flush=True); time.sleep(30)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -117,7 +118,10 @@ def test_attach_errors(running: subprocess.Popen[str]) -> None:
 def test_attach_not_permitted(running: subprocess.Popen[str]) -> None:
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run dynprobe as an unprivileged user")
-    code = f"import dynprobe\ntry:\n dynprobe.attach({running.pid})\nexcept dynprobe.errors.PermissionDenied as e:\n print(e)"
+    code = (
+        f"import dynprobe\ntry:\n dynprobe.attach({running.pid})\n"
+        "except dynprobe.errors.PermissionDenied as e:\n print(e)"
+    )
     out = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
         capture_output=True, text=True, timeout=30,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_corpus_is_complete(corpus: str) -> None:
 
 @pytest.mark.parametrize("post", [False, True], ids=["pre-only", "with-post-handler"])
 def test_snapshots_identical_with_probe(corpus: str, post: bool) -> None:
-    if "bmi2" not in open("/proc/cpuinfo").read():
+    if "bmi2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU lacks BMI2 (mulx, andn): the corpus needs it")
     plain = snapshot_lines(subprocess.run([corpus], capture_output=True, text=True, check=True).stdout)
     sys.stdout.flush()

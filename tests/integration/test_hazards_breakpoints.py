@@ -72,41 +72,38 @@ def test_offset_inside_an_instruction_is_refused(wordcount: str) -> None:
     assert info.value.reason == Refusal.NOT_INSN_BOUNDARY
 
 
-def test_fault_in_slot_is_reported_at_the_original_address(faults: str) -> None:
+@pytest.mark.parametrize("post", [False, True], ids=["boosted", "single-stepped"])
+def test_fault_in_slot_is_reported_at_the_original_address(faults: str, post: bool) -> None:
     """HAZARDS 9: divide by zero, bad load and ud2 run out of line; the target's SA_SIGINFO handler
     sees the original rip and si_addr."""
     plain = run_plain([faults]).stdout
     syms = symbols(faults)
-    for post in (False, True):
-        status, out, probes = traced(
-            [faults],
-            lambda s: [s.probe(at(faults, syms[n]), post=(lambda h: None) if post else None)
-                       for n in ("fault_div", "fault_load", "fault_ud2")],  # fmt: skip
-        )
-        assert status == 0 and out == plain, out
-        assert [p.hits for p in probes] == [2, 1, 1]
+    handler = (lambda h: None) if post else None
+    status, out, probes = traced(
+        [faults],
+        lambda s: [s.probe(at(faults, syms[n]), post=handler) for n in ("fault_div", "fault_load", "fault_ud2")],
+    )
+    assert status == 0 and out == plain, out
+    assert [p.hits for p in probes] == [2, 1, 1]
 
 
-def test_signal_storm_over_probed_loop(signals: str) -> None:
+@pytest.mark.parametrize("post", [False, True], ids=["emulated", "with-post-handler"])
+def test_signal_storm_over_probed_loop(signals: str, post: bool) -> None:
     """HAZARDS 10: SIGALRM every 200 us while every call of a probed function traps."""
     plain = run_plain([signals, "storm", "3000"]).stdout.split(" alarms")[0]
-    for post in (False, True):
-        status, out, probe = traced(
-            [signals, "storm", "3000"], lambda s: s.probe("step_me", post=(lambda h: None) if post else None)
-        )
-        assert status == 0
-        assert out.split(" alarms")[0] == plain
-        assert "alarms>0=1" in out  # the storm really hit the traced run
-        assert probe.hits == 3000
+    handler = (lambda h: None) if post else None
+    status, out, probe = traced([signals, "storm", "3000"], lambda s: s.probe("step_me", post=handler))
+    assert status == 0
+    assert out.split(" alarms")[0] == plain
+    assert "alarms>0=1" in out  # the storm really hit the traced run
+    assert probe.hits == 3000
 
 
 def test_target_that_single_steps_itself(signals: str) -> None:
     """HAZARDS 10: TF set by the target: its SIGTRAP count is the same with probes on the stepped code."""
     plain = run_plain([signals, "selfstep"]).stdout
     addrs = every_instruction(signals, ["step_me"])
-    status, out, probes = traced(
-        [signals, "selfstep"], lambda s: [s.probe(at(signals, a)) for a in addrs]
-    )
+    status, out, probes = traced([signals, "selfstep"], lambda s: [s.probe(at(signals, a)) for a in addrs])
     assert status == 0 and out == plain
     assert all(p.hits == 1 for p in probes)
 

@@ -88,9 +88,7 @@ def test_post_handler_sees_state_after_the_instruction(counter: str) -> None:
 def test_enable_disable_from_a_handler(counter: str) -> None:
     def setup(session: dynprobe.Session) -> tuple[dynprobe.Probe, dynprobe.Probe]:
         watched = session.probe("p:t/watched work")
-        switch = session.probe(
-            "p:t/switch work", pre=lambda h: watched.disable() if watched.hits >= 5 else None
-        )
+        switch = session.probe("p:t/switch work", pre=lambda h: watched.disable() if watched.hits >= 5 else None)
         return watched, switch
 
     status, _, (watched, switch) = traced([counter, "20", "1"], setup)

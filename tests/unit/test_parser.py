@@ -66,7 +66,13 @@ def test_full_spec() -> None:
     assert (spec.kind, spec.group, spec.event, spec.location) == ("p", "grp", "ev", "/bin/true:main+4")
     fetches = [a.fetch for a in spec.args]
     assert fetches == [
-        Reg("rdi"), Deref(8, Reg("rsp")), Deref(0, Reg("rsi")), Comm(), Stack(2), Absolute(0x1000), SymbolAddr("v", 8)
+        Reg("rdi"),
+        Deref(8, Reg("rsp")),
+        Deref(0, Reg("rsi")),
+        Comm(),
+        Stack(2),
+        Absolute(0x1000),
+        SymbolAddr("v", 8),
     ]
     assert [a.name for a in spec.args] == ["a", "b", "s", "arg4", "arg5", "arg6", "arg7"]
     assert [str(a.type) for a in spec.args] == ["x64", "u32", "string", "string", "x64", "x64", "s32"]
@@ -75,7 +81,13 @@ def test_full_spec() -> None:
 def test_kernel_register_names_and_args() -> None:
     spec = parse_spec("p f %ax %r8 %rip %flags $arg3 $stack -0x10(+8(%bp)):s8")
     assert [a.fetch for a in spec.args] == [
-        Reg("rax"), Reg("r8"), Reg("rip"), Reg("eflags"), Arg(3), StackPointer(), Deref(-16, Deref(8, Reg("rbp")))
+        Reg("rax"),
+        Reg("r8"),
+        Reg("rip"),
+        Reg("eflags"),
+        Arg(3),
+        StackPointer(),
+        Deref(-16, Deref(8, Reg("rbp"))),
     ]
     assert spec.args[-1].type == ArgType("s", 8)
 

@@ -719,6 +719,7 @@ class Session:
             probe.post(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
 
     def _finish_step(self, proc: TracedProcess, tid: int, step: StepState) -> None:
+        self.stats["stops"] += 1
         proc.stepping.pop(tid)
         site = step.site
         regs = sc.get_regs(tid)

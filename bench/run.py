@@ -1,0 +1,208 @@
+"""dynprobe benchmark harness (`make bench`): the seed's loop of N calls of an empty -O0 function,
+timed by the program itself, untraced and under each probe mechanism, in one run; plus attach time
+for many probes. Prints a table and writes bench/results/latest.json.
+
+Ratios are only meaningful within one run: this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+import dynprobe
+from dynprobe.core.probe import Hit
+from dynprobe.symbols.elf import load_elf
+
+HERE = Path(__file__).parent
+BUILD = HERE / "build"
+RESULTS = HERE / "results"
+TRACEFS = Path("/sys/kernel/tracing")
+GROUP = "dynprobe_bench"
+
+
+def compile_c(source: Path, output: Path, *flags: str) -> str:
+    BUILD.mkdir(exist_ok=True)
+    if not output.exists() or output.stat().st_mtime < source.stat().st_mtime:
+        subprocess.run(["gcc", *flags, "-o", str(output), str(source)], check=True)
+    return str(output)
+
+
+def seed_binary() -> str:
+    return compile_c(HERE / "targets" / "seed.c", BUILD / "seed", "-O0")
+
+
+def run_seed(argv: list[str]) -> int:
+    """Elapsed microseconds the program reports."""
+    return int(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
+
+
+def traced_seed(
+    argv: list[str], spec: str, pin: bool = True, **handlers: Callable[[Hit], object]
+) -> tuple[int, dict[str, Any]]:
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn(argv, stdout=out.fileno()) as session:
+            session.pin_tracer = pin
+            probe = session.probe(spec, **handlers)  # type: ignore[arg-type]
+            status = session.run()
+            stops = session.stats["stops"]
+        out.seek(0)
+        elapsed = int(out.read())
+    assert status == 0
+    return elapsed, {"hits": probe.hits, "stops": stops, "resumes": {k.value: v for k, v in probe.resumes.items()}}
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append to a tracefs file (Python's "a" mode seeks to the end, which tracefs refuses)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def kernel_uprobe(path: str, offset: int) -> Iterator[None]:
+    """A kernel uprobe on path:offset, enabled in our own tracing instance; removed afterwards."""
+    instance = TRACEFS / "instances" / GROUP
+    event = f"{GROUP}/seed_test"
+    append_line(TRACEFS / "uprobe_events", f"p:{event} {path}:{offset:#x}")
+    try:
+        instance.mkdir(exist_ok=True)
+        (instance / "events" / GROUP / "seed_test" / "enable").write_text("1\n")
+        try:
+            yield
+        finally:
+            (instance / "events" / GROUP / "seed_test" / "enable").write_text("0\n")
+    finally:
+        with contextlib.suppress(OSError):
+            instance.rmdir()
+        append_line(TRACEFS / "uprobe_events", f"-:{event}")
+
+
+def tracefs_problem() -> str | None:
+    if not (TRACEFS / "uprobe_events").exists():
+        return "tracefs is not mounted (mount -t tracefs nodev /sys/kernel/tracing)"
+    if not os.access(TRACEFS / "uprobe_events", os.W_OK):
+        return "no write access to uprobe_events (needs root)"
+    return None
+
+
+def many_functions_binary(count: int) -> str:
+    source = BUILD / f"many{count}.c"
+    BUILD.mkdir(exist_ok=True)
+    if not source.exists():
+        body = "".join(f"__attribute__((noinline)) int f{i}(int x) {{ return x * {i % 7 + 1} + {i}; }}\n"
+                       for i in range(count))  # fmt: skip
+        calls = "".join(f"    s += f{i}(s);\n" for i in range(count))
+        source.write_text(f"{body}int main(void) {{\n    int s = 1;\n{calls}    return s == 42;\n}}\n")
+    return compile_c(source, BUILD / f"many{count}", "-O1")
+
+
+def attach_many(count: int) -> dict[str, float]:
+    binary = many_functions_binary(count)
+    specs = [f"f{i}" for i in range(count)]
+    t0 = time.perf_counter()
+    with open(os.devnull, "w") as devnull, dynprobe.spawn([binary], stdout=devnull.fileno()) as session:
+        t1 = time.perf_counter()
+        probes = session.probes_from(specs)
+        t2 = time.perf_counter()
+        session.run()
+        t3 = time.perf_counter()
+    assert all(p.hits == 1 for p in probes)
+    return {"probes": count, "spawn_s": t1 - t0, "attach_s": t2 - t1, "run_s": t3 - t2, "total_s": t3 - t0,
+            "slot_bytes_per_probe": 0.0}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    args = parser.parse_args()
+    scale = 0.1 if args.quick else 1.0
+    n_plain, n_trap, n_step, n_free, n_kernel = (int(x * scale) for x in (2_000_000, 20_000, 10_000, 2_000, 200_000))
+    seed = seed_binary()
+    image = load_elf(seed)
+    test_offset = image.vaddr_to_offset(image.by_name["test"].addr)
+    assert test_offset is not None
+    console = Console(stderr=True)
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, calls: int, elapsed_us: int, **extra: Any) -> None:
+        row = {"name": name, "calls": calls, "elapsed_us": elapsed_us, "us_per_call": elapsed_us / calls}
+        rows.append({**row, **extra})
+        console.log(escape(f"{name}: {elapsed_us / calls:.3f} us/call"))
+
+    add("untraced", n_plain, run_seed([seed, str(n_plain)]))
+    baseline = rows[0]["us_per_call"]
+    elapsed, info = traced_seed([seed, str(n_trap)], "test")
+    add("trap, emulated (push rbp)", n_trap, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_trap), "boost"], "test_boost")
+    add("trap, boosted (mov eax,[rip+x])", n_trap, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_step), "boost"], "test_boost", post=lambda hit: None)
+    add("trap, post-handler (single-step)", n_step, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_trap)], "test", pre=lambda hit: None)
+    add("trap, emulated + empty Python pre-handler", n_trap, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_free)], "test", pin=False)
+    add("trap, emulated, tracer not pinned (cross-CPU)", n_free, elapsed, **info)
+    problem = tracefs_problem()
+    if problem is None:
+        try:
+            with kernel_uprobe(seed, test_offset):
+                add("kernel uprobe (tracefs)", n_kernel, run_seed([seed, str(n_kernel)]))
+        except OSError as exc:
+            problem = f"tracefs refused the uprobe: {exc}"
+    if problem:
+        rows.append({"name": "kernel uprobe (tracefs)", "unavailable": problem})
+        console.log(f"kernel uprobe: unavailable: {problem}")
+    kernel_rows = [r for r in rows if r["name"].startswith("kernel") and "us_per_call" in r]
+    kernel = kernel_rows[0]["us_per_call"] - baseline if kernel_rows else None
+
+    attach = attach_many(int(1000 * max(scale, 0.1)) if args.quick else 1000)
+
+    table = Table(title="dynprobe trap probes: the seed loop (N calls of an empty -O0 function)")
+    for col in ("mechanism", "calls", "us/call", "us/hit over untraced", "vs kernel uprobe", "stops/hit", "path"):
+        table.add_column(col, justify="right" if col not in ("mechanism", "path") else "left")
+    for row in rows:
+        if "unavailable" in row:
+            table.add_row(escape(row["name"]), "-", "-", "-", "-", "-", escape(row["unavailable"]))
+            continue
+        per_hit = row["us_per_call"] - baseline
+        row["us_per_hit"] = per_hit if row["name"] != "untraced" else 0.0
+        ratio = f"{per_hit / kernel:.1f}x" if kernel and row["name"] != "untraced" else "-"
+        stops = f"{row['stops'] / row['calls']:.2f}" if "stops" in row else "-"
+        path = ", ".join(row.get("resumes", {})) or "-"
+        table.add_row(escape(row["name"]), f"{row['calls']:,}", f"{row['us_per_call']:.3f}",
+                      f"{row['us_per_hit']:.3f}", ratio, stops, path)  # fmt: skip
+    out = Console(width=150)
+    out.print(table)
+    out.print(f"attach {attach['probes']} trap probes (one per function of a generated program): "
+              f"{attach['attach_s']:.3f} s; spawn {attach['spawn_s']:.3f} s; run {attach['run_s']:.3f} s")  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    result = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": sys.version.split()[0]},
+        "command": "make bench" + (" (--quick)" if args.quick else ""),
+        "seed": rows,
+        "attach": attach,
+    }
+    (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
+    out.print(f"written {RESULTS / 'latest.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
