@@ -170,3 +170,23 @@ def test_tracer_death_does_not_kill_the_target(spinner: str) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sites_whose_bytes_are_not_the_files_are_refused() -> None:
+    """HAZARDS 22 / DESIGN 4: memory that differs from the file, and someone else's int3."""
+    selfmod = build_target("selfmod", flags=("-O1",))
+    proc = start([selfmod])
+    try:
+        with dynprobe.attach(proc.pid) as session:
+            with pytest.raises(ProbeRefused) as info:
+                session.probe("changed")
+            assert info.value.reason == Refusal.BYTES_MISMATCH
+            with pytest.raises(ProbeRefused) as info:
+                session.probe("never_called")
+            assert info.value.reason == Refusal.FOREIGN_INT3
+            assert session.probes == []
+        assert finish(proc) == "done\n"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
