@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import BUILD, build_target
+from tests.integration.helpers import held_by_other_tracer
 
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 
@@ -142,19 +143,12 @@ def test_bad_targets(tmp_path: Path) -> None:
 
 def test_attach_already_traced_is_one_line(sigs: str) -> None:
     sleeper = subprocess.Popen(["sleep", "30"])
-    holder = subprocess.Popen(
-        [sys.executable, "-c",
-         f"import dynprobe,time; s=dynprobe.attach({sleeper.pid}); print(1, flush=True); time.sleep(30)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
     try:
-        assert holder.stdout is not None and holder.stdout.readline() == "1\n"
-        r = dp("trace", "libc:nanosleep", "-p", str(sleeper.pid))
+        with held_by_other_tracer(sleeper.pid) as holder:
+            r = dp("trace", "libc:nanosleep", "-p", str(sleeper.pid))
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1
         assert f"already traced by pid {holder.pid}" in r.stderr
     finally:
-        holder.kill()
-        holder.wait()
         sleeper.kill()
         sleeper.wait()
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+import sys
+from collections.abc import Iterator
 
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
@@ -46,3 +49,16 @@ def at(path: str, vaddr: int) -> str:
     offset = load_elf(path).vaddr_to_offset(vaddr)
     assert offset is not None
     return f"{path}:{offset:#x}"
+
+
+@contextlib.contextmanager
+def held_by_other_tracer(pid: int) -> Iterator[subprocess.Popen[str]]:
+    """Another process (a second dynprobe) traces `pid` for the duration of the block."""
+    code = f"import dynprobe, time; s = dynprobe.attach({pid}); print('in', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "in\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -16,6 +17,8 @@ import dynprobe
 from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProbeRefused, Refusal
 from dynprobe.symbols.maps import read_maps
 from tests.conftest import BUILD, build_target
+
+from .helpers import held_by_other_tracer
 
 
 @pytest.fixture(scope="module")
@@ -101,18 +104,9 @@ def test_attach_while_threads_are_created(spinner: str) -> None:
 def test_attach_errors(running: subprocess.Popen[str]) -> None:
     with pytest.raises(NoSuchProcess):
         dynprobe.attach(2**22 + 12345)
-    other = subprocess.Popen(
-        [sys.executable, "-c",
-         f"import dynprobe, time; s = dynprobe.attach({running.pid}); print('in', flush=True); time.sleep(30)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert other.stdout is not None and other.stdout.readline() == "in\n"
-        with pytest.raises(AlreadyTraced, match="already traced by pid"):
-            dynprobe.attach(running.pid)
-    finally:
-        other.kill()
-        other.wait()
+    with held_by_other_tracer(running.pid) as other, pytest.raises(AlreadyTraced) as info:
+        dynprobe.attach(running.pid)
+    assert f"already traced by pid {other.pid}" in str(info.value)
 
 
 def test_attach_not_permitted(running: subprocess.Popen[str]) -> None:
@@ -190,3 +184,19 @@ def test_sites_whose_bytes_are_not_the_files_are_refused() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_job_control_stop_and_continue_pass_through(spinner: str) -> None:
+    """A SIGSTOP stops the traced process as it would untraced (group-stop, held with PTRACE_LISTEN;
+    /proc shows it as 't (tracing stop)' rather than 'T', as under any ptrace tracer); SIGCONT
+    resumes it; probes keep counting."""
+    times: list[float] = []
+    with open(os.devnull, "w") as devnull, dynprobe.spawn([spinner, "1", "x", "1.5"], stdout=devnull.fileno()) as s:
+        probe = s.probe("tick", pre=lambda hit: times.append(hit.time))
+        helper = subprocess.Popen(["sh", "-c", f"sleep 0.4; kill -STOP {s.pid}; sleep 0.4; kill -CONT {s.pid}"])
+        status = s.run(timeout=30)
+        helper.wait()
+    assert status == 0
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert max(gaps) >= 0.3  # it did not run while stopped (ticks come every millisecond otherwise)
+    assert probe.hits > 100

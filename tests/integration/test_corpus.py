@@ -25,7 +25,8 @@ EXPECTED = {
     "jmp_mem": E, "ret": E, "ret_imm16": E, "pushf": E, "popf": E, "load_riprel": B, "store_riprel": B,
     "vex_load_riprel": B, "vex_andn_riprel": B, "div": B, "cmpxchg16b": B, "mulx": B, "sub_rsp": B,
     "rep_movsb": B, "lock_xadd": B, "xchg": B, "cmovz": B, "adc": B, "bswap": B, "imul3": B, "xor32": B,
-    "movzx": B, "syscall_getuid": S, "stosq": B, "shld": B,
+    "movzx": B, "syscall_getuid": S, "stosq": B, "shld": B, "loop_taken": E, "loope_taken": E,
+    "loopne_not_taken": E, "loop_ecx": E, "jrcxz_not_taken": E,
 }  # fmt: skip
 
 

@@ -132,4 +132,9 @@ insn_\name:
     CASE syscall_getuid, "syscall"
     CASE stosq, "stosq"
     CASE shld, "shld rax, rbx, 13"
+    CASE loop_taken, "loop 1f; ud2"
+    CASE loope_taken, "loope 1f; ud2"
+    CASE loopne_not_taken, "loopne 2f; jmp 1f; 2: ud2"
+    CASE loop_ecx, "addr32 loop 1f; ud2"
+    CASE jrcxz_not_taken, "jrcxz 2f; jmp 1f; 2: ud2"
     .section .note.GNU-stack,"",@progbits

@@ -11,7 +11,8 @@ extern uint64_t init_regs[17], out_regs[22], ripdata2[2];
     X(jmp32) X(jz_taken) X(jnz_not_taken) X(call_rel32) X(call_mem) X(jmp_mem) X(ret) X(ret_imm16) X(pushf) \
     X(popf) X(load_riprel) X(store_riprel) X(vex_load_riprel) X(vex_andn_riprel) X(div) X(cmpxchg16b) X(mulx) \
     X(sub_rsp) X(rep_movsb) X(lock_xadd) X(xchg) X(cmovz) X(adc) X(bswap) X(imul3) X(xor32) X(movzx) \
-    X(syscall_getuid) X(stosq) X(shld)
+    X(syscall_getuid) X(stosq) X(shld) X(loop_taken) X(loope_taken) X(loopne_not_taken) X(loop_ecx) \
+    X(jrcxz_not_taken)
 #define DECLARE(n) void case_##n(void);
 CASES(DECLARE)
 #define ENTRY(n) {#n, case_##n},

@@ -65,6 +65,9 @@ PLANS = [
     ("lock xadd [rdi],eax", "f00fc107", B),
     ("ud2", "0f0b", B),
     ("syscall", "0f05", S),
+    ("loopne to itself", "e0fe", E),
+    ("loop ecx", "67e2fe", E),
+    ("jrcxz", "e3fe", E),
 ]
 
 

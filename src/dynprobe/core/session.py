@@ -45,18 +45,18 @@ from dynprobe.ptrace.process import EVENT_STOPS, ThreadState, Tracee, list_threa
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.spec.fetch import FetchContext
-from dynprobe.spec.model import FetchArg, ProbeSpec
+from dynprobe.spec.model import Deref, FetchArg, ProbeSpec, SymbolAddr
 from dynprobe.spec.parser import ERRORS, parse_probe
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
-from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
+from dynprobe.symbols.resolve import Location, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 
 
-# Longest sleep between polls for events. SIGCHLD wakes the sleep at once; the slice only matters
-# when another thread of the tracer took the SIGCHLD, or to notice stop() from a signal handler.
+# Stop-the-world sleeps between polls for stops. SIGCHLD ends the sleep at once; the slice bounds
+# the wait when another thread of the tracer took the SIGCHLD, or a stop's event was already taken.
 _WAIT_SLICE = 0.05
 
 
@@ -208,10 +208,7 @@ class Session:
             with contextlib.suppress(OSError):
                 os.kill(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
-                while True:
-                    pid, _ = os.waitpid(-1, sc.WALL)
-                    if pid == proc.pid:
-                        break
+                os.waitpid(proc.pid, sc.WALL)
             proc.tracee.close_memory()
         self._processes.clear()
         self._owner.clear()
@@ -236,13 +233,13 @@ class Session:
             raise SessionError("the target has exited; no probe can be placed")
         maps = read_maps(main.pid)
         if isinstance(spec_or_address, int):
-            location = self._wrap_symbol_error(lambda: resolve_address(spec_or_address, maps))
+            location = resolve_address(spec_or_address, maps)
             spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
         else:
             spec = spec_or_address if isinstance(spec_or_address, ProbeSpec) else parse_probe(spec_or_address)
             if spec.kind == "r":
                 raise ParseError("RETPROBE_UNSUPPORTED", ERRORS["RETPROBE_UNSUPPORTED"], spec.text, 0)
-            location = self._wrap_symbol_error(lambda: resolve(spec.location, main.exe, maps))
+            location = resolve(spec.location, main.exe, maps)
         refusal = check_location(location)
         if refusal is not None:
             raise ProbeRefused(refusal, f"{location.basename}:{location.label}")
@@ -265,13 +262,7 @@ class Session:
         return [self.probe(s, pre=pre, post=post) for s in specs]
 
     @staticmethod
-    def _wrap_symbol_error(fn: Callable[[], Location]) -> Location:
-        return fn()
-
-    @staticmethod
     def _check_fetch_symbols(args: tuple[FetchArg, ...], location: Location) -> None:
-        from dynprobe.spec.model import Deref, SymbolAddr
-
         image = load_elf(location.path)
         names = {f.name for f in image.functions}
         for arg in args:
@@ -1126,10 +1117,6 @@ def attach(pid: int, follow_fork: bool = False) -> Session:
     tracee = ptrace_attach(pid)
     session = Session(tracee, spawned=False, follow_fork=follow_fork)
     return session
-
-
-def find_library(name: str, pid: int | None = None) -> str:
-    return find_file(name, read_maps(pid) if pid else None)
 
 
 def print_warning(message: str) -> None:

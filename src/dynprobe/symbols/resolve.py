@@ -107,7 +107,12 @@ def resolve(text: str, main_exe: str, maps: list[Mapping] | None = None) -> Loca
     symbol, offset = parse_symbol_offset(what)
     if not symbol:
         raise SymbolError(f"no symbol in {text!r}")
-    return resolve_symbol(image, symbol, offset)
+    try:
+        return resolve_symbol(image, symbol, offset)
+    except SymbolError as exc:
+        if ":" in text or symbol not in str(exc):
+            raise
+        raise SymbolError(f"{exc} (for a library function, name the library: libc:{symbol})") from exc
 
 
 def resolve_address(addr: int, maps: list[Mapping]) -> Location:

@@ -14,7 +14,7 @@ import iced_x86 as iced
 
 from dynprobe.arch.x86_64.decode import condition_holds
 from dynprobe.arch.x86_64.operands import effective_address, gpr_width, is_gpr, read_reg, write_reg
-from dynprobe.arch.x86_64.regs import FLAG_TF, MASK64, Regs
+from dynprobe.arch.x86_64.regs import FLAG_TF, FLAG_ZF, MASK64, Regs
 
 ReadMemory = Callable[[int, int], bytes]
 MemoryWrite = tuple[int, bytes]
@@ -34,6 +34,15 @@ class EmulationFault(Exception):
 
 
 _NOPS = {_M.NOP, _M.ENDBR64, _M.ENDBR32, _M.PAUSE}
+
+_C = iced.Code
+# loop/loopcc/jrcxz: (counter width in bits, decrements the counter, ZF it needs or None)
+_COUNTER_BRANCHES: dict[int, tuple[int, bool, bool | None]] = {
+    _C.LOOP_REL8_64_RCX: (64, True, None), _C.LOOP_REL8_64_ECX: (32, True, None),
+    _C.LOOPE_REL8_64_RCX: (64, True, True), _C.LOOPE_REL8_64_ECX: (32, True, True),
+    _C.LOOPNE_REL8_64_RCX: (64, True, False), _C.LOOPNE_REL8_64_ECX: (32, True, False),
+    _C.JRCXZ_REL8_64: (64, False, None), _C.JECXZ_REL8_64: (32, False, None),
+}  # fmt: skip
 
 
 def _is_reg(insn: iced.Instruction, op: int) -> bool:
@@ -62,6 +71,8 @@ def can_emulate(insn: iced.Instruction) -> bool:
             return gpr_width(insn.op0_register) == 64
         return bool(insn.op0_kind == _OK.MEMORY and insn.memory_size == iced.MemorySize.QWORD_OFFSET)
     if insn.flow_control == _FC.CONDITIONAL_BRANCH and insn.is_jcc_short_or_near:
+        return True
+    if insn.code in _COUNTER_BRANCHES:
         return True
     if m == _M.MOV and insn.op_count == 2 and _is_reg(insn, 0) and _is_reg(insn, 1):
         return True
@@ -135,6 +146,18 @@ def emulate(insn: iced.Instruction, regs: Regs, read: ReadMemory, checked: bool 
         target = _branch_target(insn, regs, read)
         _push(regs, next_ip, writes)
         regs.rip = target
+    elif insn.code in _COUNTER_BRANCHES:
+        # loop/loopcc decrement rcx (or ecx) without touching flags; jrcxz only tests it.
+        width, decrements, zf_needed = _COUNTER_BRANCHES[insn.code]
+        mask = (1 << width) - 1
+        count = int(regs.rcx) & mask
+        if decrements:
+            count = (count - 1) & mask
+            regs.rcx = count  # with ecx as the counter, the 32-bit write zero-extends
+            taken = count != 0 and (zf_needed is None or bool(regs.eflags & FLAG_ZF) == zf_needed)
+        else:
+            taken = count == 0
+        regs.rip = int(insn.near_branch_target) if taken else next_ip
     elif insn.flow_control == _FC.CONDITIONAL_BRANCH:
         taken = condition_holds(insn.condition_code, int(regs.eflags))
         regs.rip = int(insn.near_branch_target) if taken else next_ip
