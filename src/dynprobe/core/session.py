@@ -52,6 +52,7 @@ from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
+_SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 
 
@@ -305,6 +306,8 @@ class Session:
         with self._deadline(timeout), self._tracer_pinned():
             self._start()
             while self._processes and not self._stop_requested:
+                if not self._pending and self._serve_breakpoint():
+                    continue
                 event = self._next_event()
                 if event is None:
                     if not self._any_thread():
@@ -392,6 +395,28 @@ class Session:
             state.deferred = []
         elif state.stopped:
             proc.tracee.resume(state.tid)
+
+    def _serve_breakpoint(self) -> bool:
+        """The hot path: wait for the next stop and, if it is a thread of ours hitting one of our
+        int3s, serve it without building an Event. False (the stop queued) for anything else."""
+        try:
+            pid, status = os.waitpid(-1, sc.WALL)
+        except ChildProcessError:
+            self._processes.clear()
+            return False
+        if status == _SIGTRAP_STOP:
+            proc = self._owner.get(pid)
+            if proc is not None and pid not in proc.stepping:
+                regs = sc.get_regs(pid)
+                site = proc.sites.get(regs.rip - 1)
+                if site is not None and site.armed:
+                    state = proc.tracee.threads[pid]
+                    state.stopped = True
+                    state.in_event_stop = False
+                    self._on_breakpoint(proc, pid, site, regs)
+                    return True
+        self._pending.append(decode_status(pid, status))
+        return False
 
     def _next_event(self) -> Event | None:
         if self._pending:
