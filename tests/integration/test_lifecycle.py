@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 import pytest
 
+import dynprobe
 from tests.conftest import BUILD, build_target
 
 from .helpers import run_plain, traced
@@ -51,3 +56,25 @@ def test_probe_in_library_loaded_later_and_closed(dl_target: tuple[str, str, str
     assert pa.hits == 6
     assert pb.hits == 2
     assert BUILD.exists()
+
+
+def test_leader_pthread_exit_while_others_run() -> None:
+    target = build_target("leader_exit", flags=("-O1", "-pthread"))
+    status, _, probe = traced([target], lambda s: s.probe("probed"))
+    assert status == 5
+    assert probe.hits == 100
+
+
+def test_target_killed_by_sigkill_is_fully_reaped() -> None:
+    """A multi-threaded target SIGKILLed mid-trace: run() returns 128+9 and every thread is reaped
+    (a traced thread left unreaped keeps its parent's wait() blocked forever)."""
+    spinner = build_target("spinner", flags=("-O1", "-pthread"))
+    with open(os.devnull, "w") as devnull, dynprobe.spawn([spinner, "4"], stdout=devnull.fileno()) as s:
+        probe = s.probe("tick")
+        pid = s.pid
+        killer = subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -9 {pid}"])
+        status = s.run(timeout=30)
+        killer.wait()
+    assert status == 128 + signal.SIGKILL
+    assert probe.hits > 0
+    assert not os.path.exists(f"/proc/{pid}")  # reaped, leader and threads

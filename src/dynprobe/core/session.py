@@ -52,6 +52,15 @@ from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
+# DYNPROBE_DEBUG=1: the session's decisions on stderr (for bug reports; never on a hot path).
+_DEBUG = bool(os.environ.get("DYNPROBE_DEBUG"))
+
+
+def _debug(message: str) -> None:
+    if _DEBUG:
+        print(f"dynprobe[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
+
+
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 
@@ -108,6 +117,7 @@ class TracedProcess:
     retired: set[int] = field(default_factory=set)  # addresses where we removed an int3
     comms: dict[int, str] = field(default_factory=dict)
     status: int | None = None  # exit status once it ended (128+N for a signal)
+    leader_status: int | None = None  # set when the leader thread has ended
     slots: SlotCache = field(init=False)
     world_stopped: bool = False
 
@@ -175,6 +185,7 @@ class Session:
         self._processes: dict[int, TracedProcess] = {}
         self._owner: dict[int, TracedProcess] = {}
         self._orphans: dict[int, Event] = {}
+        self._exited_unknown: set[int] = set()
         self._pending: deque[Event] = deque()
         self._stop_requested = False
         self._closed = False
@@ -432,7 +443,9 @@ class Session:
     def _handle(self, event: Event) -> None:
         proc = self._owner.get(event.tid)
         if proc is None:
-            if event.kind not in (EventKind.EXITED, EventKind.KILLED):
+            if event.kind in (EventKind.EXITED, EventKind.KILLED):
+                self._exited_unknown.add(event.tid)  # a thread whose clone event we have not seen
+            else:
                 self._orphans[event.tid] = event
             return
         tracee = proc.tracee
@@ -463,20 +476,32 @@ class Session:
             tracee.resume(event.tid)
 
     def _on_exit(self, proc: TracedProcess, event: Event) -> None:
+        """A thread ended. The process is gone once its last thread's exit is collected: not at
+        the leader's (the leader may pthread_exit while others run, and in a group exit the
+        tracer still has to reap every thread, or it stays a zombie the parent waits on forever)."""
         proc.tracee.threads.pop(event.tid, None)
         proc.stepping.pop(event.tid, None)
         self._owner.pop(event.tid, None)
-        if event.tid != proc.pid:
+        status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
+        if event.tid == proc.pid or proc.leader_status is not None:
+            proc.leader_status = status  # in a group exit every thread ends with the group's status
+        if proc.leader_status is None:
             return
-        proc.status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
+        for tid in [t for t in proc.tracee.threads if not os.path.exists(f"/proc/{proc.pid}/task/{t}")]:
+            proc.tracee.threads.pop(tid)  # reaped already: nothing more will come from it
+            self._owner.pop(tid, None)
+        if proc.tracee.threads:
+            return
+        proc.status = proc.leader_status
         if proc.pid == self.main_pid:
             self.exit_status = proc.status
-        for tid in list(proc.tracee.threads):
-            self._owner.pop(tid, None)
         proc.tracee.close_memory()
         self._processes.pop(proc.pid, None)
 
     def _adopt_thread(self, proc: TracedProcess, tid: int) -> None:
+        if tid in self._exited_unknown:
+            self._exited_unknown.discard(tid)  # born and gone before its clone event reached us
+            return
         # Already known when attach saw the thread before its creator's clone event.
         proc.tracee.threads.setdefault(tid, ThreadState(tid))
         self._owner[tid] = proc
@@ -976,30 +1001,78 @@ class Session:
     def detach(self) -> None:
         """Restore every byte written, move threads out of slots and traps, and let all go."""
         for proc in list(self._processes.values()):
-            with contextlib.suppress(ProcessError, OSError):
+            try:
                 self._detach_process(proc)
+            except (ProcessError, OSError) as exc:
+                _debug(f"detach of {proc.pid}: {exc}")
         self._processes.clear()
         self._owner.clear()
 
     def _detach_process(self, proc: TracedProcess) -> None:
-        self._stop_all(proc)
-        # Events that arrived for this process but were not handled yet belong to its threads.
-        for event in [e for e in self._pending if self._owner.get(e.tid) is proc]:
-            self._pending.remove(event)
-            state = proc.tracee.threads.get(event.tid)
-            if state is not None:
-                state.deferred.append(event)
-        self._adopt_unseen_threads(proc)
-        for site in proc.sites.values():
-            if site.armed:
+        """Let one process go. Each step stands alone: a thread that fails (it died under us) must
+        not keep the others attached, and the /proc sweep at the end always runs."""
+        try:
+            self._stop_all(proc)
+            # Events that arrived for this process but were not handled yet belong to its threads.
+            for event in [e for e in self._pending if self._owner.get(e.tid) is proc]:
+                self._pending.remove(event)
+                state = proc.tracee.threads.get(event.tid)
+                if state is not None:
+                    state.deferred.append(event)
+            self._adopt_unseen_threads(proc)
+            for site in proc.sites.values():
+                if site.armed:
+                    with contextlib.suppress(OSError):
+                        proc.tracee.write(site.addr, site.original[:1])
+                    site.armed = False
+            for tid, state in list(proc.tracee.threads.items()):
+                if state.stopped:
+                    try:
+                        self._detach_thread(proc, tid, state)
+                    except OSError as exc:
+                        _debug(f"detach: thread {tid}: {exc}")
+        finally:
+            self._detach_stragglers(proc)
+            proc.tracee.close_memory()
+
+    def _detach_stragglers(self, proc: TracedProcess) -> None:
+        """Whatever our bookkeeping believes, no thread may stay traced by us after detach: it
+        would sit in a ptrace stop for as long as this process lives. /proc has the last word."""
+        me = os.getpid()
+        for _ in range(3):
+            try:
+                left = [t for t in list_threads(proc.pid) if tracer_of(proc.pid, t) == me]
+            except ProcessError:
+                return
+            if not left:
+                return
+            for tid in left:
                 with contextlib.suppress(OSError):
-                    proc.tracee.write(site.addr, site.original[:1])
-                site.armed = False
-        for tid, state in list(proc.tracee.threads.items()):
-            if not state.stopped:
-                continue
-            self._detach_thread(proc, tid, state)
-        proc.tracee.close_memory()
+                    sc.interrupt(tid)
+                event = self._wait_stop(tid, timeout=1.0)
+                _debug(f"detach: thread {tid} of {proc.pid} was still traced; its stop: {event}")
+                state = ThreadState(tid)
+                if event is not None and event.kind not in (EventKind.STOP, EventKind.EXITED, EventKind.KILLED):
+                    state.deferred.append(event)
+                try:
+                    self._detach_thread(proc, tid, state)
+                except OSError as exc:
+                    _debug(f"detach: thread {tid}: {exc}")
+
+    @staticmethod
+    def _wait_stop(tid: int, timeout: float) -> Event | None:
+        """The next stop of `tid`, polling up to `timeout` seconds (None if it does not come:
+        then it is stopped already, its event taken earlier)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            event = _poll_event(tid)
+            if event is not None:
+                return event
+            if _in_tracing_stop(tid, tid):
+                time.sleep(0.001)
+                return _poll_event(tid)
+            time.sleep(0.0005)
+        return None
 
     def _adopt_unseen_threads(self, proc: TracedProcess) -> None:
         """Threads born while we worked, whose clone event we have not matched yet: PTRACE_O_TRACECLONE
@@ -1025,7 +1098,8 @@ class Session:
     def _detach_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
         try:
             regs = sc.get_regs(tid)
-        except OSError:
+        except OSError as exc:
+            _debug(f"detach: thread {tid}: no registers ({exc}); deferred {state.deferred}")
             return
         sig = 0
         for event in state.deferred:
