@@ -30,17 +30,25 @@ from dynprobe.arch.x86_64 import (
     ResumeKind,
     ResumePlan,
     decode_one,
-    instruction_starts,
     needs_step_for_post_handler,
     out_of_line,
     plan_resume,
     prepare,
 )
 from dynprobe.core.probe import Handler, Hit, Probe, Site
+from dynprobe.core.sites import check_location, default_event_name
 from dynprobe.core.slots import SlotCache
 from dynprobe.errors import ParseError, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.ptrace import syscalls as sc
-from dynprobe.ptrace.events import Event, EventKind, decode_status
+from dynprobe.ptrace.events import (
+    WAIT_SLICE,
+    Event,
+    EventKind,
+    decode_status,
+    in_tracing_stop,
+    poll_event,
+    sigchld_blocked,
+)
 from dynprobe.ptrace.process import EVENT_STOPS, ThreadState, Tracee, list_threads, thread_cpu, tracer_of
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
@@ -63,38 +71,6 @@ def _debug(message: str) -> None:
 
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
-
-
-# Stop-the-world sleeps between polls for stops. SIGCHLD ends the sleep at once; the slice bounds
-# the wait when another thread of the tracer took the SIGCHLD, or a stop's event was already taken.
-_WAIT_SLICE = 0.05
-
-
-@contextlib.contextmanager
-def _sigchld_blocked() -> Iterator[None]:
-    """SIGCHLD blocked in this thread, so it stays pending for sigtimedwait."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _poll_event(tid: int = -1) -> Event | None:
-    try:
-        pid, status = os.waitpid(tid, sc.WALL | os.WNOHANG)
-    except ChildProcessError:
-        return None
-    return decode_status(pid, status) if pid else None
-
-
-def _in_tracing_stop(pid: int, tid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True  # gone: nothing to wait for
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"t"
 
 
 @dataclass
@@ -970,16 +946,16 @@ class Session:
                 sc.interrupt(tid)
         waiting = set(running)
         quiet_slices = 0
-        with _sigchld_blocked():
+        with sigchld_blocked():
             while waiting:
-                event = _poll_event()
+                event = poll_event()
                 if event is None:
-                    signal.sigtimedwait([signal.SIGCHLD], _WAIT_SLICE)
+                    signal.sigtimedwait([signal.SIGCHLD], WAIT_SLICE)
                     quiet_slices += 1
                     if quiet_slices >= 4:
                         # A stop whose event was already taken (it cannot be reported twice):
                         # believe /proc when it says the thread is in a tracing stop.
-                        for tid in [t for t in waiting if _in_tracing_stop(proc.pid, t)]:
+                        for tid in [t for t in waiting if in_tracing_stop(proc.pid, t)]:
                             waiting.discard(tid)
                             proc.tracee.threads[tid].stopped = True
                     continue
@@ -1065,12 +1041,12 @@ class Session:
         then it is stopped already, its event taken earlier)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            event = _poll_event(tid)
+            event = poll_event(tid)
             if event is not None:
                 return event
-            if _in_tracing_stop(tid, tid):
+            if in_tracing_stop(tid, tid):
                 time.sleep(0.001)
-                return _poll_event(tid)
+                return poll_event(tid)
             time.sleep(0.0005)
         return None
 
@@ -1142,45 +1118,6 @@ class Session:
 
     def slot_bytes(self) -> int:
         return sum(p.slots.bytes_mapped() for p in self._processes.values())
-
-
-def check_location(location: Location) -> Refusal | None:
-    """Whether a location can take a trap probe, judged from the file alone."""
-    image = load_elf(location.path)
-    func = location.function
-    if func is None or func.size == 0:
-        func = image.function_at(location.vaddr)
-    if func is None:
-        return Refusal.UNKNOWN_FUNCTION
-    if location.vaddr not in _starts(location.path, func.addr, func.size):
-        return Refusal.NOT_INSN_BOUNDARY
-    insn = decode_one(image.code(location.vaddr, 15), location.vaddr)
-    if insn is None:
-        return Refusal.UNDECODABLE
-    if insn.mnemonic == 0 or image.code(location.vaddr, 1) == bytes([INT3]):
-        return Refusal.FOREIGN_INT3
-    plan = plan_resume(insn)
-    return plan if isinstance(plan, Refusal) else None
-
-
-_STARTS_CACHE: dict[tuple[str, int, int], frozenset[int]] = {}
-
-
-def _starts(path: str, addr: int, size: int) -> frozenset[int]:
-    key = (path, addr, size)
-    if key not in _STARTS_CACHE:
-        _STARTS_CACHE[key] = frozenset(instruction_starts(load_elf(path).code(addr, size), addr))
-    return _STARTS_CACHE[key]
-
-
-def default_event_name(location: Location) -> str:
-    """tracefs-like default event names: p_main, p_main_4, p_libc_so_6_0x1139."""
-    if location.label.startswith("0x"):
-        raw = f"p_{location.basename}_{location.label}"
-    else:
-        raw = "p_" + location.label.replace("+0x", "_").replace("+", "_")
-    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in raw)
-    return clean[:64]
 
 
 def spawn(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dynprobe.ptrace import syscalls as sc
@@ -80,3 +82,35 @@ def wait_event(tid: int = -1, block: bool = True) -> Event | None:
     if pid == 0:
         return None
     return decode_status(pid, status)
+
+
+# Stop-the-world sleeps between polls for stops. SIGCHLD ends the sleep at once; the slice bounds
+# the wait when another thread of the tracer took the SIGCHLD, or a stop's event was already taken.
+WAIT_SLICE = 0.05
+
+
+@contextlib.contextmanager
+def sigchld_blocked() -> Iterator[None]:
+    """SIGCHLD blocked in this thread, so it stays pending for sigtimedwait."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def poll_event(tid: int = -1) -> Event | None:
+    try:
+        pid, status = os.waitpid(tid, sc.WALL | os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return decode_status(pid, status) if pid else None
+
+
+def in_tracing_stop(pid: int, tid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # gone: nothing to wait for
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"t"

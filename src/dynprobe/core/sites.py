@@ -1,0 +1,49 @@
+"""What can be told about a probe site from the file alone: instruction boundaries, the first
+instruction's resume plan, default event names. Cached per function: attaching thousands of probes
+decodes each function once."""
+
+from __future__ import annotations
+
+from dynprobe.arch.x86_64 import INT3, decode_one, instruction_starts, plan_resume
+from dynprobe.errors import Refusal
+from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.resolve import Location
+
+
+def check_location(location: Location) -> Refusal | None:
+    """Whether a location can take a trap probe, judged from the file alone."""
+    image = load_elf(location.path)
+    func = location.function
+    if func is None or func.size == 0:
+        func = image.function_at(location.vaddr)
+    if func is None:
+        return Refusal.UNKNOWN_FUNCTION
+    if location.vaddr not in _starts(location.path, func.addr, func.size):
+        return Refusal.NOT_INSN_BOUNDARY
+    insn = decode_one(image.code(location.vaddr, 15), location.vaddr)
+    if insn is None:
+        return Refusal.UNDECODABLE
+    if insn.mnemonic == 0 or image.code(location.vaddr, 1) == bytes([INT3]):
+        return Refusal.FOREIGN_INT3
+    plan = plan_resume(insn)
+    return plan if isinstance(plan, Refusal) else None
+
+
+_STARTS_CACHE: dict[tuple[str, int, int], frozenset[int]] = {}
+
+
+def _starts(path: str, addr: int, size: int) -> frozenset[int]:
+    key = (path, addr, size)
+    if key not in _STARTS_CACHE:
+        _STARTS_CACHE[key] = frozenset(instruction_starts(load_elf(path).code(addr, size), addr))
+    return _STARTS_CACHE[key]
+
+
+def default_event_name(location: Location) -> str:
+    """tracefs-like default event names: p_main, p_main_4, p_libc_so_6_0x1139."""
+    if location.label.startswith("0x"):
+        raw = f"p_{location.basename}_{location.label}"
+    else:
+        raw = "p_" + location.label.replace("+0x", "_").replace("+", "_")
+    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in raw)
+    return clean[:64]
