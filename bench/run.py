@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -94,6 +95,49 @@ def kernel_uprobe(path: str, offset: int) -> Iterator[None]:
         append_line(TRACEFS / "uprobe_events", f"-:{event}")
 
 
+def python_floor(seed: str, calls: int) -> int:
+    """The least any CPython tracer can spend per boosted hit: dynprobe places the probe, then a
+    bare loop does only waitpid, GETREGS, SETREGS, CONT and the wake-up placement (no dispatch,
+    no handlers). It reaches into the session's internals on purpose: it is a measuring stick."""
+    from dynprobe.ptrace import syscalls as sc
+
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([seed, str(calls), "boost"], stdout=out.fileno()) as session:
+            session.probe("test_boost")
+            proc = session._processes[session.pid]
+            site = next(s for s in proc.sites.values() if s.probes)
+            assert site.slot is not None
+            tid, home = session.pid, min(os.sched_getaffinity(0))
+            allowed = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {home})
+            session._started = True
+            mask = os.sched_getaffinity(tid)
+            sc.cont(tid)
+            try:
+                while True:
+                    _, status = os.waitpid(tid, sc.WALL)
+                    if os.WIFEXITED(status):
+                        break
+                    regs = sc.get_regs(tid)
+                    other = proc.sites.get(regs.rip - 1)
+                    if status != (signal.SIGTRAP << 8 | 0x7F) or other is None:
+                        sc.cont(tid)
+                        continue
+                    if other is not site:  # the loader's hook at start-up
+                        session._on_breakpoint(proc, tid, other, regs)
+                        continue
+                    regs.rip = site.slot
+                    sc.set_regs(tid, regs)
+                    os.sched_setaffinity(tid, {home})
+                    sc.cont(tid)
+                    os.sched_setaffinity(tid, mask)
+            finally:
+                os.sched_setaffinity(0, allowed)
+                session._processes.clear()
+        out.seek(0)
+        return int(out.read())
+
+
 def tracefs_problem() -> str | None:
     if not (TRACEFS / "uprobe_events").exists():
         return "tracefs is not mounted (mount -t tracefs nodev /sys/kernel/tracing)"
@@ -156,6 +200,7 @@ def main() -> int:
     add("trap, post-handler (single-step)", n_step, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap)], "test", pre=lambda hit: None)
     add("trap, emulated + empty Python pre-handler", n_trap, elapsed, **info)
+    add("floor: bare CPython ptrace loop, boosted, placed", n_trap, python_floor(seed, n_trap))
     elapsed, info = traced_seed([seed, str(n_free)], "test", pin=False)
     add("trap, emulated, tracer not pinned (cross-CPU)", n_free, elapsed, **info)
     problem = tracefs_problem()
