@@ -69,6 +69,21 @@ class Refusal(enum.Enum):
     NOT_EXECUTABLE = "the address is not in an executable mapping"
 
 
+class OptimizeRefusal(enum.Enum):
+    """Why a site stays a trap probe instead of taking a 5-byte jump (DESIGN.md section 5)."""
+
+    FUNCTION_UNKNOWN = "the containing function (symbol with a size) is unknown"
+    TOO_SHORT = "fewer than 5 bytes of whole instructions remain to the end of the function"
+    UNDECODABLE = "the function holds bytes that do not decode as instructions"
+    INDIRECT_JUMP = "the function jumps indirectly (a jump table may target the patched bytes)"
+    JUMP_INTO_REGION = "a jump in the function lands inside the 5 patched bytes"
+    REGION_OVERLAP = "another probe lies inside the 5 patched bytes"
+    UNRELOCATABLE_INSN = "an instruction in the 5 bytes cannot run from a detour (ret, int, syscall, ...)"
+    RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the detour"
+    POST_HANDLER = "a post-handler needs a single-step after the instruction"
+    PYTHON_HANDLER = "a Python pre-handler runs in the tracer, at a stop"
+
+
 class ProbeRefused(DynprobeError):
     """A probe was refused for an expected reason (see `Refusal`)."""
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from dynprobe.arch.x86_64 import ResumeKind, decode_one, plan_resume
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.cli.common import UsageError, report_error
 from dynprobe.errors import DynprobeError, Refusal
 from dynprobe.symbols.elf import ElfImage, load_elf
@@ -30,6 +31,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("glob", nargs="?", default="*", help="only functions matching this glob")
     p.add_argument("-p", "--pid", type=int, help="a running process: its executable and libraries")
     p.set_defaults(run=run)
+
+
+def jump_verdict(image: ElfImage, addr: int, size: int) -> str:
+    """Whether the entry could take a 5-byte jump (optimized probe), or why not."""
+    plan = can_optimize(image.code(addr, size), addr, addr, module_targets=image.branch_targets())
+    return "yes" if isinstance(plan, OptimizePlan) else plan.name
 
 
 def entry_verdict(image: ElfImage, addr: int) -> str:
@@ -75,8 +82,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             image = load_elf(path)
             for func in image.functions:
                 if func.size and fnmatch.fnmatchcase(func.name, args.glob):
-                    rows.append((func.addr + bias, func.size, func.name, os.path.basename(path),
-                                 entry_verdict(image, func.addr)))  # fmt: skip
+                    verdicts = (entry_verdict(image, func.addr), jump_verdict(image, func.addr, func.size))
+                    rows.append((func.addr + bias, func.size, func.name, os.path.basename(path), *verdicts))
     except DynprobeError as exc:
         return report_error(exc)
     if not rows:
@@ -84,10 +91,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return 1
     name_w = min(max(len(r[2]) for r in rows), 48)
     mod_w = max(len(r[3]) for r in rows)
-    print(f"{'ADDRESS':<18} {'SIZE':>7}  {'FUNCTION':<{name_w}}  {'MODULE':<{mod_w}}  ENTRY PROBE")
+    print(f"{'ADDRESS':<18} {'SIZE':>7}  {'FUNCTION':<{name_w}}  {'MODULE':<{mod_w}}  {'TRAP':<16}  JUMP")
     try:
-        for addr, size, name, module, verdict in rows:
-            print(f"{addr:#018x} {size:>7}  {name:<{name_w}}  {module:<{mod_w}}  {verdict}")
+        for addr, size, name, module, verdict, jump in rows:
+            print(f"{addr:#018x} {size:>7}  {name:<{name_w}}  {module:<{mod_w}}  {verdict:<16}  {jump}")
     except BrokenPipeError:
         pass
     return 0

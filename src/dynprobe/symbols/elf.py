@@ -76,6 +76,7 @@ class ElfImage:
             self.functions = self._functions(elf)
             self.objects = self._objects(elf)
             self._eh_ranges: list[tuple[int, int]] | None = None
+            self._branch_targets: frozenset[int] | None = None
             self._elf = elf
         except (ELFError, ELFParseError, KeyError, ValueError) as exc:
             raise ElfError(f"{path} is not a valid ELF file: {exc}") from exc
@@ -178,6 +179,18 @@ class ElfImage:
                 ranges = []
             self._eh_ranges = sorted(ranges)
         return self._eh_ranges
+
+    def branch_targets(self) -> frozenset[int]:
+        """Targets of every direct branch in the file's functions (decoded once, then cached)."""
+        if self._branch_targets is None:
+            from dynprobe.arch.x86_64.optimize import branch_targets
+
+            targets: set[int] = set()
+            for func in self.functions:
+                if func.size:
+                    targets |= branch_targets(self.code(func.addr, func.size), func.addr)
+            self._branch_targets = frozenset(targets)
+        return self._branch_targets
 
     def symbolize(self, vaddr: int) -> str | None:
         func = self.function_at(vaddr)

@@ -1,0 +1,132 @@
+"""Jump optimization (optprobes): may a site's first 5 bytes become a `jmp rel32` to a detour?
+
+The rules are the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for user space:
+the 5 bytes replace whole instructions (the "region"), all of which must run correctly from the
+detour; no jump anywhere in the function may land inside the region (it would land in the middle
+of our jmp); the function must not jump indirectly (a jump table could hold such a target); a
+call can only end the region, and is relocated as "push the original return address; jmp", so no
+return address ever points into a detour.
+
+Pure: function bytes + addresses in, a plan or a reason out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import iced_x86 as iced
+
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.relocate import jump_to, relocate
+from dynprobe.errors import OptimizeRefusal
+
+JMP_REL32_LEN = 5
+
+_M = iced.Mnemonic
+_FC = iced.FlowControl
+
+# Instructions that cannot run from a detour: they leave it (ret, int, syscall: the kernel would
+# return into the detour, which must stay freeable), or trap on purpose.
+_UNRELOCATABLE = {
+    _M.RET, _M.RETF, _M.INT, _M.INT1, _M.INT3, _M.INTO, _M.IRET, _M.IRETD, _M.IRETQ, _M.SYSCALL,
+    _M.SYSENTER, _M.SYSEXIT, _M.SYSRET, _M.SYSRETQ, _M.UD0, _M.UD1, _M.UD2, _M.HLT, _M.XBEGIN,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class OptimizePlan:
+    """The instructions the jump replaces (decoded at their real addresses)."""
+
+    site: int
+    region: tuple[iced.Instruction, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(insn.len for insn in self.region)
+
+    @property
+    def resume_at(self) -> int:
+        return self.site + self.length
+
+
+def _branch_target(insn: iced.Instruction) -> int | None:
+    if insn.op0_kind in (iced.OpKind.NEAR_BRANCH16, iced.OpKind.NEAR_BRANCH32, iced.OpKind.NEAR_BRANCH64):
+        return int(insn.near_branch_target)
+    return None
+
+
+def branch_targets(code: bytes, start: int) -> set[int]:
+    """Targets of the direct jumps, jccs and calls in `code` (one function, placed at `start`)."""
+    return {t for insn in iter_instructions(code, start) if (t := _branch_target(insn)) is not None}
+
+
+def can_optimize(
+    code: bytes,
+    func_start: int,
+    site: int,
+    other_probes: frozenset[int] = frozenset(),
+    module_targets: frozenset[int] = frozenset(),
+) -> OptimizePlan | OptimizeRefusal:
+    """Whether the site at `site`, in the function whose whole code is `code` (at `func_start`),
+    can take a 5-byte jump. `other_probes`: other probes of the module. `module_targets`: branch
+    targets of the module's other functions (glibc's mempcpy jumps to a label inside memmove)."""
+    if not code:
+        return OptimizeRefusal.FUNCTION_UNKNOWN
+    func_end = func_start + len(code)
+    if site + JMP_REL32_LEN > func_end:
+        return OptimizeRefusal.TOO_SHORT
+    insns = list(iter_instructions(code, func_start))
+    if not insns or int(insns[-1].next_ip) < func_end:
+        return OptimizeRefusal.UNDECODABLE  # data or bytes the decoder rejects inside the function
+    starts = {int(i.ip): i for i in insns}
+    if site not in starts:
+        return OptimizeRefusal.UNDECODABLE
+    region: list[iced.Instruction] = []
+    addr = site
+    while addr < site + JMP_REL32_LEN:
+        insn = starts.get(addr)
+        if insn is None:
+            return OptimizeRefusal.TOO_SHORT
+        region.append(insn)
+        addr += insn.len
+    region_end = addr
+    for insn in insns:
+        if insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect:
+            return OptimizeRefusal.INDIRECT_JUMP
+        target = _branch_target(insn)
+        if target is not None and site < target < region_end:
+            return OptimizeRefusal.JUMP_INTO_REGION
+    if any(site < target < region_end for target in module_targets):
+        return OptimizeRefusal.JUMP_INTO_REGION
+    for probe in other_probes:
+        if site < probe < region_end:
+            return OptimizeRefusal.REGION_OVERLAP
+    for insn in region:
+        if insn.mnemonic in _UNRELOCATABLE or insn.is_call_far or insn.is_jmp_far or insn.is_call_near_indirect:
+            return OptimizeRefusal.UNRELOCATABLE_INSN
+    # A direct call (5 bytes or more) always ends the region, which stops at the first instruction
+    # boundary at or past site+5; indirect calls are refused above.
+    return OptimizePlan(site, tuple(region))
+
+
+def relocate_region(plan: OptimizePlan, at: int) -> bytes | None:
+    """The region's instructions re-encoded to run at `at`, then the jump back to `resume_at`.
+    A final `call` becomes: push the original return address (flags untouched), jmp the callee.
+    None if a RIP-relative operand or a branch cannot reach from `at`."""
+    out = b""
+    for insn in plan.region:
+        here = at + len(out)
+        if insn.is_call_near:
+            ret = int(insn.next_ip)
+            out += (
+                b"\x48\x8d\x64\x24\xf8"  # lea rsp, [rsp-8]        (lea: no flags)
+                + b"\xc7\x04\x24" + (ret & 0xFFFFFFFF).to_bytes(4, "little")  # mov dword [rsp], lo
+                + b"\xc7\x44\x24\x04" + (ret >> 32).to_bytes(4, "little")  # mov dword [rsp+4], hi
+            )  # fmt: skip
+            out += jump_to(at + len(out), int(insn.near_branch_target))
+            return out  # a call ends the region: the callee returns to the original code
+        moved = relocate(insn, here)
+        if moved is None:
+            return None
+        out += moved
+    return out + jump_to(at + len(out), plan.resume_at)

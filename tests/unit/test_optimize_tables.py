@@ -1,0 +1,84 @@
+"""can_optimize reasons and region relocation, as byte tables (DESIGN.md section 5, HAZARDS 12-15)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynprobe.arch.x86_64 import decode_one
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region
+from dynprobe.errors import OptimizeRefusal
+
+F = 0x401000  # function start
+
+# name -> (function bytes, site offset, other probe offsets, expected reason or region length)
+TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
+    "prologue push/mov/sub": ("554889e54883ec10" + "90c9c3", 0, (), 1 + 3 + 4),
+    "endbr64 + push": ("f30f1efa55" + "4889e5c9c3", 0, (), 4 + 1),
+    "probe after endbr64": ("f30f1efa554889e5" + "c9c3", 4, (), 1 + 3 + 1),
+    "one-byte ret function": ("c3", 0, (), OptimizeRefusal.TOO_SHORT),
+    "rep ret too short": ("f3c3", 0, (), OptimizeRefusal.TOO_SHORT),
+    "ret inside the region": ("31c0c3" + "90909090", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
+    "jmp back into entry+2": ("554889e5" + "90" * 4 + "ebf8" + "c3", 0, (), OptimizeRefusal.JUMP_INTO_REGION),
+    "jcc into entry+1 (loop head)": ("4883ef01" + "75fb" + "c3" + "90" * 4, 0, (), OptimizeRefusal.JUMP_INTO_REGION),
+    "jump to the site itself is fine": ("4883ef014883c701" + "75f6" + "c3", 0, (), 4 + 4),
+    "indirect jmp rax (tail call)": ("554889e5" + "90" * 4 + "ffe0", 0, (), OptimizeRefusal.INDIRECT_JUMP),
+    "jump table jmp [rax*8+x]": ("554889e5" + "90" * 4 + "ff24c500104000" + "c3", 0, (), OptimizeRefusal.INDIRECT_JUMP),
+    "call alone is the region": ("e8000000005d" + "c3", 0, (), 5),
+    "call ends the region": ("55e800000000" + "5dc3", 0, (), 1 + 5),
+    "call through register": ("ffd0" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
+    "syscall in the region": ("0f05" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
+    "another probe inside": ("554889e5" + "4883ec10c9c3", 0, (1,), OptimizeRefusal.REGION_OVERLAP),
+    "another probe right after is fine": ("554889e54883ec10c9c3", 0, (8,), 8),
+    "rip-relative load": ("488b0510000000" + "c3", 0, (), 7),
+}
+
+
+@pytest.mark.parametrize(("name", "case"), TABLE.items(), ids=list(TABLE))
+def test_can_optimize(name: str, case: tuple[str, int, tuple[int, ...], OptimizeRefusal | int]) -> None:
+    code, site, others, expected = case
+    result = can_optimize(bytes.fromhex(code), F, F + site, frozenset(F + o for o in others))
+    if isinstance(expected, OptimizeRefusal):
+        assert result == expected
+    else:
+        assert isinstance(result, OptimizePlan), result
+        assert result.length == expected and result.resume_at == F + site + expected
+
+
+def test_empty_or_unknown_function() -> None:
+    assert can_optimize(b"", F, F) == OptimizeRefusal.FUNCTION_UNKNOWN
+
+
+def test_relocated_region_jumps_back_and_keeps_rip_relative_targets() -> None:
+    plan = can_optimize(bytes.fromhex("488b0510000000c3"), F, F)
+    assert isinstance(plan, OptimizePlan)
+    detour = F + 0x100000
+    code = relocate_region(plan, detour)
+    assert code is not None
+    load = decode_one(code, detour)
+    assert load is not None and load.ip_rel_memory_address == F + 7 + 0x10
+    back = decode_one(code[load.len :], detour + load.len)
+    assert back is not None and back.near_branch_target == F + 7
+
+
+def test_rip_relative_out_of_reach_cannot_be_relocated() -> None:
+    plan = can_optimize(bytes.fromhex("488b0510000000c3"), F, F)
+    assert isinstance(plan, OptimizePlan)
+    assert relocate_region(plan, F + (1 << 33)) is None
+
+
+def test_final_call_becomes_push_return_address_and_jmp() -> None:
+    code = bytes.fromhex("55e810000000" + "5dc3")
+    plan = can_optimize(code, F, F)
+    assert isinstance(plan, OptimizePlan)
+    detour = F + 0x2000
+    out = relocate_region(plan, detour)
+    assert out is not None
+    assert out[:1] == b"\x55"  # push rbp, as is
+    lea = decode_one(out[1:], detour + 1)
+    assert lea is not None and str(lea) == "lea rsp,[rsp-8]"
+    ret = F + 6
+    assert out[6:13] == b"\xc7\x04\x24" + ret.to_bytes(4, "little")
+    assert out[13:21] == b"\xc7\x44\x24\x04" + (0).to_bytes(4, "little")
+    jmp = decode_one(out[21:], detour + 21)
+    assert jmp is not None and jmp.near_branch_target == F + 6 + 0x10  # the callee; it returns to F+6
+    assert len(out) == 26  # nothing after the jmp: the callee returns to the original code
