@@ -293,14 +293,19 @@ class Session:
         with self._deadline(timeout), self._tracer_pinned():
             self._start()
             while self._processes and not self._stop_requested:
-                if not self._pending and self._serve_breakpoint():
-                    continue
-                event = self._next_event()
-                if event is None:
-                    if not self._any_thread():
-                        break
-                    continue
-                self._handle(event)
+                try:
+                    if not self._pending and self._serve_breakpoint():
+                        continue
+                    event = self._next_event()
+                    if event is None:
+                        if not self._any_thread():
+                            break
+                        continue
+                    self._handle(event)
+                except ProcessLookupError as exc:
+                    # ESRCH: the thread died under us (SIGKILL wakes a stopped tracee); its exit
+                    # event follows and settles the bookkeeping.
+                    _debug(f"thread gone while handled: {exc}")
         return self.exit_status if not self._processes else None
 
     @contextlib.contextmanager

@@ -357,20 +357,20 @@ def attach(pid: int) -> Tracee:
                 sc.detach(tid)
         raise _ptrace_error(exc, pid) from exc
     tracee = Tracee(pid, [])
-    pending = set(seized)
+    # Wait on each seized thread by tid, never waitpid(-1): that would also take events of the
+    # caller's other children, and of other sessions' tracees.
+    pending = list(seized)
     while pending:
-        event = wait_event(-1)
-        if event is None:
-            break
-        if event.kind in (EventKind.EXITED, EventKind.KILLED):
-            pending.discard(event.tid)
-            if event.tid == pid:
+        tid = pending.pop(0)
+        event = wait_event(tid)
+        if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
+            if tid == pid:
                 raise NoSuchProcess(f"pid {pid} exited while attaching")
             continue
-        tracee.threads[event.tid] = ThreadState(event.tid, in_event_stop=event.kind in EVENT_STOPS)
+        tracee.threads[tid] = ThreadState(tid, in_event_stop=event.kind in EVENT_STOPS)
         if event.kind not in (EventKind.STOP, EventKind.GROUP_STOP):
-            tracee.threads[event.tid].deferred.append(event)
-        if event.kind == EventKind.CLONE:
-            pending.add(event.msg)
-        pending.discard(event.tid)
+            tracee.threads[tid].deferred.append(event)
+        if event.kind == EventKind.CLONE and event.msg not in seized:
+            seized.append(event.msg)  # born during attach: auto-attached, stopped at birth
+            pending.append(event.msg)
     return tracee
