@@ -67,7 +67,8 @@ def test_attach_probe_detach_restores_text(running: subprocess.Popen[str]) -> No
     with dynprobe.attach(running.pid) as session:
         tick = session.probe("tick")
         sleep = session.probe("libc:clock_gettime")
-        assert session.run(timeout=0.5) is None  # still running
+        status = session.run(timeout=0.5)
+        assert status is None, f"the target ended while traced, status {status}"
         # dynprobe's own bytes are in place while attached
         assert tick.armed_addresses and sleep.armed_addresses
     assert tick.hits > 0 and sleep.hits > 0
@@ -79,7 +80,8 @@ def test_detach_with_threads_blocked_in_a_probed_call(running: subprocess.Popen[
     with dynprobe.attach(running.pid) as session:
         session.probe("libc:usleep")
         session.probe("libc:clock_nanosleep")  # the threads sleep inside it right now
-        session.run(timeout=0.3)
+        status = session.run(timeout=0.3)
+        assert status is None, f"the target ended while traced, status {status}"
     assert_text_matches_files(running.pid)
     assert "ticks=" in finish(running)
 
@@ -91,7 +93,8 @@ def test_attach_while_threads_are_created(spinner: str) -> None:
         for _ in range(3):
             with dynprobe.attach(proc.pid) as session:
                 tick = session.probe("tick")
-                session.run(timeout=0.3)
+                status = session.run(timeout=0.3)
+                assert status is None, f"the target ended while traced, status {status}"
             assert tick.hits > 0
         assert_text_matches_files(proc.pid)
         assert "ticks=" in finish(proc)
