@@ -603,6 +603,10 @@ class Session:
             proc.tracee.resume(tid, 0, step=True)
             return
         if sig in _FAULT_SIGNALS:
+            if sig == signal.SIGTRAP:
+                regs = sc.get_regs(tid)
+                info = sc.get_siginfo(tid)
+                _debug(f"SIGTRAP of the target's own: tid {tid} rip {regs.rip:#x} code {info.si_code:#x}")
             self._deliver_fault(proc, tid, sig)
             return
         proc.tracee.resume(tid, sig)
