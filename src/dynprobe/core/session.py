@@ -49,7 +49,15 @@ from dynprobe.ptrace.events import (
     poll_event,
     sigchld_blocked,
 )
-from dynprobe.ptrace.process import EVENT_STOPS, ThreadState, Tracee, list_threads, thread_cpu, tracer_of
+from dynprobe.ptrace.process import (
+    EVENT_STOPS,
+    ThreadState,
+    Tracee,
+    list_threads,
+    sigtrap_pending,
+    thread_cpu,
+    tracer_of,
+)
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.spec.fetch import FetchContext
@@ -1081,36 +1089,44 @@ class Session:
                 state.deferred.append(event)
 
     def _detach_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
+        if not any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred) and (
+            sigtrap_pending(proc.pid, tid)
+        ):
+            # It executed our int3 just as our PTRACE_INTERRUPT came: the interrupt stop is reported
+            # before pending signals, so the SIGTRAP still waits in its queue. Detached now, it
+            # would take that SIGTRAP with no tracer and die of it. Let it report the trap first.
+            with contextlib.suppress(OSError):
+                sc.cont(tid)
+            event = self._wait_stop(tid, timeout=1.0)
+            _debug(f"detach: thread {tid} had a SIGTRAP pending; reported as {event}")
+            if event is not None and event.kind == EventKind.SIGNAL:
+                state.deferred.append(event)
         try:
             regs = sc.get_regs(tid)
         except OSError as exc:
             _debug(f"detach: thread {tid}: no registers ({exc}); deferred {state.deferred}")
             return
-        sig = 0
-        for event in state.deferred:
-            if event.kind == EventKind.SIGNAL and event.sig != signal.SIGTRAP:
-                sig = event.sig
+        signals = [e.sig for e in state.deferred if e.kind == EventKind.SIGNAL]
+        trapped = signal.SIGTRAP in signals or self._stopped_on_trap(tid)
+        sig = next((s for s in reversed(signals) if s != signal.SIGTRAP), 0)
         rip = int(regs.rip)
         step = proc.stepping.pop(tid, None)
         site = self._slot_site(proc, rip) or (step.site if step else None)
         if site is not None and site.slot is not None and site.slot <= rip < site.slot + 64:
             regs.rip = site.addr if rip < site.slot + site.slot_insn_len else site.next_ip
             sc.set_regs(tid, regs)
-        elif (rip - 1) in proc.sites and any(
-            e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred
-        ):
+        elif trapped and (rip - 1) in proc.sites:
             regs.rip = rip - 1  # stopped on our int3, now gone: run the original instruction
             sc.set_regs(tid, regs)
-        elif (rip - 1) in proc.sites and self._last_stop_was_breakpoint(tid, rip, proc):
-            regs.rip = rip - 1
-            sc.set_regs(tid, regs)
-        if step is not None:
-            sig = step.held_signals[0] if step.held_signals else sig
+        elif trapped and step is None and not sig:
+            sig = signal.SIGTRAP  # the target's own trap: it is due to it
+        if step is not None and step.held_signals:
+            sig = step.held_signals[0]
         with contextlib.suppress(OSError):
             sc.detach(tid, sig)
 
     @staticmethod
-    def _last_stop_was_breakpoint(tid: int, rip: int, proc: TracedProcess) -> bool:
+    def _stopped_on_trap(tid: int) -> bool:
         try:
             info = sc.get_siginfo(tid)
         except OSError:

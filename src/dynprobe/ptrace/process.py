@@ -310,6 +310,18 @@ def thread_cpu(pid: int, tid: int) -> int:
         return -1
 
 
+def sigtrap_pending(pid: int, tid: int) -> bool:
+    """Whether SIGTRAP waits in the thread's own signal queue (SigPnd of /proc/PID/task/TID/status)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("SigPnd:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTRAP - 1)))
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def list_threads(pid: int) -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
