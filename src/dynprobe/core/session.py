@@ -1106,8 +1106,11 @@ class Session:
         except OSError as exc:
             _debug(f"detach: thread {tid}: no registers ({exc}); deferred {state.deferred}")
             return
+        # Only a SIGTRAP stop we saw counts: GETSIGINFO of a PTRACE_INTERRUPT stop also reads as
+        # SIGTRAP/SI_KERNEL, and a thread interrupted at site+1 (after an emulated push) must not
+        # be rewound.
         signals = [e.sig for e in state.deferred if e.kind == EventKind.SIGNAL]
-        trapped = signal.SIGTRAP in signals or self._stopped_on_trap(tid)
+        trapped = signal.SIGTRAP in signals
         sig = next((s for s in reversed(signals) if s != signal.SIGTRAP), 0)
         rip = int(regs.rip)
         step = proc.stepping.pop(tid, None)
@@ -1124,14 +1127,6 @@ class Session:
             sig = step.held_signals[0]
         with contextlib.suppress(OSError):
             sc.detach(tid, sig)
-
-    @staticmethod
-    def _stopped_on_trap(tid: int) -> bool:
-        try:
-            info = sc.get_siginfo(tid)
-        except OSError:
-            return False
-        return bool(info.si_signo == signal.SIGTRAP and info.si_code == sc.SI_KERNEL)
 
     def _check_open(self) -> None:
         if self._closed:
