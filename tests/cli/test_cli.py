@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BUILD, build_target
+from tests.conftest import build_target
 from tests.integration.helpers import held_by_other_tracer
 
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
@@ -172,4 +171,3 @@ def test_ctrl_c_detaches_from_attached_process(wordcount: str) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert os.path.isdir(BUILD)

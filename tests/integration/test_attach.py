@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 import dynprobe
-from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProbeRefused, Refusal
+from dynprobe.errors import AlreadyTraced, NoSuchProcess, ProbeRefused, Refusal
 from dynprobe.symbols.maps import read_maps
 from tests.conftest import BUILD, build_target
 
@@ -124,7 +124,6 @@ def test_attach_not_permitted(running: subprocess.Popen[str]) -> None:
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert "not permitted to trace" in out.stdout, out.stderr
-    assert PermissionDenied  # the class the message comes from
 
 
 def test_replaced_binary_is_refused(spinner: str) -> None:
