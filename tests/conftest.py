@@ -36,6 +36,18 @@ def build() -> object:
     return build_target
 
 
+@pytest.fixture(scope="session")
+def wordcount() -> str:
+    """The bundled example, optimized (short -O2 code: many instruction kinds per function)."""
+    return build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+
+
+@pytest.fixture(scope="session")
+def spinner() -> str:
+    """A long-running, multi-threaded target for attach, detach and kill tests."""
+    return build_target("spinner", flags=("-O1", "-pthread"))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_children() -> object:
     """Every test must leave no traced or stopped process behind."""

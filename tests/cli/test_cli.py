@@ -26,11 +26,6 @@ def sigs() -> str:
     return build_target("sigs", flags=("-O1",))
 
 
-@pytest.fixture(scope="module")
-def wordcount() -> str:
-    return build_target("wordcount", "../../examples/wordcount.c", flags=("-O1",))
-
-
 def test_trace_prints_ftrace_lines_and_summary(wordcount: str) -> None:
     r = dp("trace", "p:demo/add add_word w=+0(%di):string len=%si:s32", "--", wordcount, "a b a")
     assert r.returncode == 0, r.stderr
@@ -152,8 +147,7 @@ def test_attach_already_traced_is_one_line(sigs: str) -> None:
         sleeper.wait()
 
 
-def test_ctrl_c_detaches_from_attached_process(wordcount: str) -> None:
-    spinner = build_target("spinner", flags=("-O1", "-pthread"))
+def test_ctrl_c_detaches_from_attached_process(spinner: str) -> None:
     target = subprocess.Popen([spinner, "2"], stdout=subprocess.PIPE, text=True)
     assert target.stdout is not None and target.stdout.readline() == "ready\n"
     tracer = subprocess.Popen([*DYNPROBE, "trace", "p:s/tick tick", "-p", str(target.pid)],

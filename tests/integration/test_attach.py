@@ -21,11 +21,6 @@ from tests.conftest import BUILD, build_target
 from .helpers import held_by_other_tracer
 
 
-@pytest.fixture(scope="module")
-def spinner() -> str:
-    return build_target("spinner", flags=("-O1", "-pthread"))
-
-
 def start(argv: list[str]) -> subprocess.Popen[str]:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"

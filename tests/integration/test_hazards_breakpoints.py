@@ -23,11 +23,6 @@ def signals() -> str:
     return build_target("signals", flags=("-O1",))
 
 
-@pytest.fixture(scope="module")
-def wordcount() -> str:
-    return build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
-
-
 def every_instruction(path: str, functions: list[str]) -> list[int]:
     """File-relative addresses of every instruction of the named functions."""
     image = load_elf(path)

@@ -64,10 +64,9 @@ def test_leader_pthread_exit_while_others_run() -> None:
     assert probe.hits == 100
 
 
-def test_target_killed_by_sigkill_is_fully_reaped() -> None:
+def test_target_killed_by_sigkill_is_fully_reaped(spinner: str) -> None:
     """A multi-threaded target SIGKILLed mid-trace: run() returns 128+9 and every thread is reaped
     (a traced thread left unreaped keeps its parent's wait() blocked forever)."""
-    spinner = build_target("spinner", flags=("-O1", "-pthread"))
     with open(os.devnull, "w") as devnull, dynprobe.spawn([spinner, "4"], stdout=devnull.fileno()) as s:
         probe = s.probe("tick")
         pid = s.pid

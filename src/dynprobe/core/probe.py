@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dynprobe.arch.x86_64 import Emulator, Instruction, Regs, ResumeKind, ResumePlan
+from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value
 from dynprobe.spec.model import FetchArg
 from dynprobe.symbols.resolve import Location
@@ -124,6 +124,15 @@ class Site:
     @property
     def next_ip(self) -> int:
         return self.addr + len(self.original)
+
+    def in_slot(self, addr: int) -> bool:
+        return self.slot is not None and self.slot <= addr < self.slot + SLOT_SIZE
+
+    def original_rip(self, slot_rip: int) -> int:
+        """Where a thread at `slot_rip` in this site's slot is in the original code: at the site
+        before the relocated instruction ran, right after it once it has."""
+        assert self.slot is not None
+        return self.addr if slot_rip < self.slot + self.slot_insn_len else self.next_ip
 
     @property
     def wanted(self) -> bool:

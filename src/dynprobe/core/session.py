@@ -48,6 +48,7 @@ from dynprobe.ptrace.events import (
     in_tracing_stop,
     poll_event,
     sigchld_blocked,
+    wait_event,
 )
 from dynprobe.ptrace.process import (
     EVENT_STOPS,
@@ -103,7 +104,6 @@ class TracedProcess:
     status: int | None = None  # exit status once it ended (128+N for a signal)
     leader_status: int | None = None  # set when the leader thread has ended
     slots: SlotCache = field(init=False)
-    world_stopped: bool = False
 
     def __post_init__(self) -> None:
         self.slots = SlotCache(self._map_region)
@@ -260,12 +260,11 @@ class Session:
     @staticmethod
     def _check_fetch_symbols(args: tuple[FetchArg, ...], location: Location) -> None:
         image = load_elf(location.path)
-        names = {f.name for f in image.functions}
         for arg in args:
             fetch = arg.fetch
             while isinstance(fetch, Deref):
                 fetch = fetch.inner
-            if isinstance(fetch, SymbolAddr) and fetch.symbol not in names and fetch.symbol not in image.objects:
+            if isinstance(fetch, SymbolAddr) and image.address_of(fetch.symbol) is None:
                 raise SymbolError(f"no symbol {fetch.symbol!r} in {location.path} (for @{fetch.symbol})")
 
     def addresses_of(self, probe: Probe) -> list[int]:
@@ -304,12 +303,9 @@ class Session:
                 try:
                     if not self._pending and self._serve_breakpoint():
                         continue
-                    event = self._next_event()
-                    if event is None:
-                        if not self._any_thread():
-                            break
-                        continue
-                    self._handle(event)
+                    if not self._pending:
+                        break  # no tracee left at all (ECHILD)
+                    self._handle(self._pending.popleft())
                 except ProcessLookupError as exc:
                     # ESRCH: the thread died under us (SIGKILL wakes a stopped tracee); its exit
                     # event follows and settles the bookkeeping.
@@ -377,9 +373,6 @@ class Session:
                         sc.interrupt(tid)
                     return
 
-    def _any_thread(self) -> bool:
-        return any(p.tracee.threads for p in self._processes.values())
-
     def _start(self) -> None:
         if self._started:
             return
@@ -418,17 +411,6 @@ class Session:
         self._pending.append(decode_status(pid, status))
         return False
 
-    def _next_event(self) -> Event | None:
-        if self._pending:
-            return self._pending.popleft()
-        try:
-            pid, status = os.waitpid(-1, sc.WALL)
-        except ChildProcessError:
-            self._processes.clear()
-            return None
-        return decode_status(pid, status)
-
-    # --- events -------------------------------------------------------------------------------------
     def _handle(self, event: Event) -> None:
         proc = self._owner.get(event.tid)
         if proc is None:
@@ -509,15 +491,14 @@ class Session:
         vfork = event.kind == EventKind.VFORK
         child = TracedProcess(Tracee(child_pid, [child_pid]), parent.exe, follow=self.follow_fork)
         child.sites = {a: dataclasses.replace(s, probes=list(s.probes)) for a, s in parent.sites.items()}
-        child.slots.regions = list(parent.slots.regions)
-        child.slots._next = dict(parent.slots._next)
+        child.slots.inherit(parent.slots)
         self._add_process(child)
         orphan = self._orphans.pop(child_pid, None)
         if not self.follow_fork and not vfork:
             # A copy of our int3s is in the child: take them out before it runs a single instruction.
             if orphan is None:
                 while True:
-                    ev = self._wait_for(child_pid)
+                    ev = wait_event(child_pid)
                     if ev is None or ev.kind in (
                         EventKind.STOP,
                         EventKind.SIGNAL,
@@ -542,13 +523,6 @@ class Session:
             if orphan is not None:
                 self._pending.append(orphan)
         parent.tracee.resume(event.tid)
-
-    def _wait_for(self, tid: int) -> Event | None:
-        try:
-            pid, status = os.waitpid(tid, sc.WALL)
-        except ChildProcessError:
-            return None
-        return decode_status(pid, status)
 
     def _on_exec(self, proc: TracedProcess, event: Event) -> None:
         pid = proc.pid
@@ -611,10 +585,9 @@ class Session:
             proc.tracee.resume(tid, 0, step=True)
             return
         if sig in _FAULT_SIGNALS:
-            if sig == signal.SIGTRAP:
-                regs = sc.get_regs(tid)
+            if sig == signal.SIGTRAP and _DEBUG:
                 info = sc.get_siginfo(tid)
-                _debug(f"SIGTRAP of the target's own: tid {tid} rip {regs.rip:#x} code {info.si_code:#x}")
+                _debug(f"SIGTRAP of the target's own: tid {tid} rip {sc.get_regs(tid).rip:#x} code {info.si_code:#x}")
             self._deliver_fault(proc, tid, sig)
             return
         proc.tracee.resume(tid, sig)
@@ -622,18 +595,15 @@ class Session:
     def _slot_site(self, proc: TracedProcess, addr: int) -> Site | None:
         if not proc.slots.contains(addr):
             return None
-        for site in proc.sites.values():
-            if site.slot is not None and site.slot <= addr < site.slot + 64:
-                return site
-        return None
+        return next((site for site in proc.sites.values() if site.in_slot(addr)), None)
 
     def _deliver_fault(self, proc: TracedProcess, tid: int, sig: int) -> None:
         """Deliver a fault; if it happened in a slot, make it look as if it was at the site."""
         regs = sc.get_regs(tid)
-        site = self._slot_site(proc, int(regs.rip))
-        if site is not None and site.slot is not None:
-            slot_rip = int(regs.rip)
-            regs.rip = site.addr if slot_rip < site.slot + site.slot_insn_len else site.next_ip
+        slot_rip = int(regs.rip)
+        site = self._slot_site(proc, slot_rip)
+        if site is not None:
+            regs.rip = site.original_rip(slot_rip)
             sc.set_regs(tid, regs)
             info = sc.get_siginfo(tid)
             if info.si_addr == slot_rip:  # SIGFPE, SIGILL, SIGTRAP: si_addr is the instruction's
@@ -647,14 +617,8 @@ class Session:
         def symbol_address(name: str) -> int | None:
             if location is None:
                 return None
-            image = load_elf(location.path)
-            vaddr = image.objects.get(name)
-            if vaddr is None:
-                func = image.by_name.get(name)
-                vaddr = func.addr if func else None
-            if vaddr is None:
-                return None
-            return site.addr - location.vaddr + vaddr
+            vaddr = load_elf(location.path).address_of(name)
+            return None if vaddr is None else site.addr - location.vaddr + vaddr
 
         def symbolize(addr: int) -> str | None:
             m = mapping_at(read_maps(proc.pid), addr)
@@ -897,17 +861,14 @@ class Session:
         self._set_armed(proc, site, site.wanted)
 
     def _allocate_slot(self, proc: TracedProcess, near: int) -> int | None:
-        if proc.slots.stub() is None:
-            with self._world_stopped(proc) as tid:
-                proc._map_tid, proc._scratch = tid, near
-                return proc.slots.allocate(near)
         stopped = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
-        if stopped is None:
-            with self._world_stopped(proc) as tid:
-                proc._map_tid = tid
-                return proc.slots.allocate(near)
-        proc._map_tid = stopped
-        return proc.slots.allocate(near)
+        if proc.slots.stub() is not None and stopped is not None:
+            proc._map_tid = stopped  # our own page holds the syscall stub: nothing else is touched
+            return proc.slots.allocate(near)
+        # The first region borrows target code for the stub: no other thread may run meanwhile.
+        with self._world_stopped(proc) as tid:
+            proc._map_tid, proc._scratch = tid, near
+            return proc.slots.allocate(near)
 
     def _set_armed(self, proc: TracedProcess, site: Site, armed: bool) -> None:
         if site.armed == armed or proc.status is not None:
@@ -1028,15 +989,28 @@ class Session:
             self._detach_stragglers(proc)
             proc.tracee.close_memory()
 
+    @staticmethod
+    def _traced_by_us(proc: TracedProcess) -> list[int]:
+        """Threads of `proc` that /proc says we trace, whatever our bookkeeping believes."""
+        me = os.getpid()
+        try:
+            return [t for t in list_threads(proc.pid) if tracer_of(proc.pid, t) == me]
+        except ProcessError:
+            return []
+
+    @staticmethod
+    def _state_from_stop(tid: int, event: Event | None) -> ThreadState:
+        """A stopped thread's state, keeping the stop's event unless it needs no handling."""
+        state = ThreadState(tid)
+        if event is not None and event.kind not in (EventKind.STOP, EventKind.EXITED, EventKind.KILLED):
+            state.deferred.append(event)
+        return state
+
     def _detach_stragglers(self, proc: TracedProcess) -> None:
         """Whatever our bookkeeping believes, no thread may stay traced by us after detach: it
         would sit in a ptrace stop for as long as this process lives. /proc has the last word."""
-        me = os.getpid()
         for _ in range(3):
-            try:
-                left = [t for t in list_threads(proc.pid) if tracer_of(proc.pid, t) == me]
-            except ProcessError:
-                return
+            left = self._traced_by_us(proc)
             if not left:
                 return
             for tid in left:
@@ -1044,11 +1018,8 @@ class Session:
                     sc.interrupt(tid)
                 event = self._wait_stop(tid, timeout=1.0)
                 _debug(f"detach: thread {tid} of {proc.pid} was still traced; its stop: {event}")
-                state = ThreadState(tid)
-                if event is not None and event.kind not in (EventKind.STOP, EventKind.EXITED, EventKind.KILLED):
-                    state.deferred.append(event)
                 try:
-                    self._detach_thread(proc, tid, state)
+                    self._detach_thread(proc, tid, self._state_from_stop(tid, event))
                 except OSError as exc:
                     _debug(f"detach: thread {tid}: {exc}")
 
@@ -1070,23 +1041,16 @@ class Session:
     def _adopt_unseen_threads(self, proc: TracedProcess) -> None:
         """Threads born while we worked, whose clone event we have not matched yet: PTRACE_O_TRACECLONE
         attached them, so they sit in their first stop and must be let go too."""
-        try:
-            tids = list_threads(proc.pid)
-        except ProcessError:
-            return
-        me = os.getpid()
-        for tid in tids:
-            if tid in proc.tracee.threads or tracer_of(proc.pid, tid) != me:
+        for tid in self._traced_by_us(proc):
+            if tid in proc.tracee.threads:
                 continue
             event = self._orphans.pop(tid, None)
             for queued in [e for e in self._pending if e.tid == tid]:
                 self._pending.remove(queued)
                 event = event or queued
             if event is None:
-                event = self._wait_for(tid)  # its first stop is imminent: it is born stopped
-            state = proc.tracee.threads[tid] = ThreadState(tid)
-            if event is not None and event.kind not in (EventKind.STOP, EventKind.EXITED, EventKind.KILLED):
-                state.deferred.append(event)
+                event = wait_event(tid)  # its first stop is imminent: it is born stopped
+            proc.tracee.threads[tid] = self._state_from_stop(tid, event)
 
     def _detach_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
         if not any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred) and (
@@ -1115,8 +1079,8 @@ class Session:
         rip = int(regs.rip)
         step = proc.stepping.pop(tid, None)
         site = self._slot_site(proc, rip) or (step.site if step else None)
-        if site is not None and site.slot is not None and site.slot <= rip < site.slot + 64:
-            regs.rip = site.addr if rip < site.slot + site.slot_insn_len else site.next_ip
+        if site is not None and site.in_slot(rip):
+            regs.rip = site.original_rip(rip)
             sc.set_regs(tid, regs)
         elif trapped and (rip - 1) in proc.sites:
             regs.rip = rip - 1  # stopped on our int3, now gone: run the original instruction
@@ -1171,8 +1135,7 @@ def spawn(
 def attach(pid: int, follow_fork: bool = False) -> Session:
     """Attach to every thread of a running process; returns the session (threads stopped)."""
     tracee = ptrace_attach(pid)
-    session = Session(tracee, spawned=False, follow_fork=follow_fork)
-    return session
+    return Session(tracee, spawned=False, follow_fork=follow_fork)
 
 
 def print_warning(message: str) -> None:

@@ -70,6 +70,12 @@ class SlotCache:
     def bytes_mapped(self) -> int:
         return len(self.regions) * REGION
 
+    def inherit(self, parent: SlotCache) -> None:
+        """A forked child has a copy of the parent's regions, slots and all."""
+        self.regions = list(parent.regions)
+        self._free = list(parent._free)
+        self._next = dict(parent._next)
+
     def forget(self) -> None:
         """After exec the regions are gone with the old image."""
         self.regions.clear()

@@ -180,6 +180,13 @@ class ElfImage:
             self._eh_ranges = sorted(ranges)
         return self._eh_ranges
 
+    def address_of(self, name: str) -> int | None:
+        """Link-time address of a data or function symbol (for @SYM fetch arguments)."""
+        if name in self.objects:
+            return self.objects[name]
+        func = self.by_name.get(name)
+        return func.addr if func else None
+
     def branch_targets(self) -> frozenset[int]:
         """Targets of every direct branch in the file's functions (decoded once, then cached)."""
         if self._branch_targets is None:
