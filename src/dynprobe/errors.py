@@ -82,6 +82,13 @@ class OptimizeRefusal(enum.Enum):
     RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the detour"
     POST_HANDLER = "a post-handler needs a single-step after the instruction"
     PYTHON_HANDLER = "a Python pre-handler runs in the tracer, at a stop"
+    FETCH_UNSUPPORTED = "a fetch argument has no in-process form (segment or orig_rax register, unknown symbol)"
+    RECORD_TOO_LARGE = "the record is larger than the session's record size (set record_size before the first probe)"
+    TOO_MANY_PROBES = "the thread area's counter or histogram table is full"
+    GS_IN_USE = "the target uses the GS segment base itself: no thread area can be installed"
+    NO_MEMORY = "no executable memory within +-2 GB of the site for a detour"
+    DISABLED = "optimization is turned off (--no-optimize, session.optimize = False)"
+    INTERNAL_SITE = "dynprobe's own hook (the loader breakpoint) stays a trap"
 
 
 class ProbeRefused(DynprobeError):

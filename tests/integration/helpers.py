@@ -25,16 +25,17 @@ def run_plain(argv: list[str], timeout: float = 30) -> subprocess.CompletedProce
 
 
 def traced(
-    argv: list[str], setup: object, follow_fork: bool = False, timeout: float = 60
+    argv: list[str], setup: object, follow_fork: bool = False, timeout: float = 60, optimize: bool = False
 ) -> tuple[int | None, str, list[object]]:
     """Spawn `argv` under dynprobe, call `setup(session)` (returns probes), run to the end.
-    Returns (exit status, the command's stdout, what setup returned)."""
+    Returns (exit status, the command's stdout, what setup returned). Trap mode unless `optimize`."""
     import tempfile
 
     import dynprobe
 
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn(argv, follow_fork=follow_fork, stdout=out.fileno()) as session:
+            session.optimize = optimize
             made = setup(session)  # type: ignore[operator]
             status = session.run(timeout=timeout)
             assert status is not None, "the target did not finish in time"

@@ -41,13 +41,14 @@ def snapshot_lines(text: str) -> dict[str, str]:
     return {line.split()[0]: line for line in text.splitlines() if line.strip()}
 
 
-def traced_run(corpus: str, post: bool) -> tuple[dict[str, str], dict[str, dynprobe.Probe]]:
+def traced_run(corpus: str, post: bool, optimize: bool = False) -> tuple[dict[str, str], dict[str, dynprobe.Probe]]:
     syms = symbols(corpus)
     read_fd, write_fd = os.pipe()
     saved = os.dup(1)
     os.dup2(write_fd, 1)  # the target inherits our stdout: capture it through a pipe
     try:
         with dynprobe.spawn([corpus]) as session:
+            session.optimize = optimize
             probes = {
                 name: session.probe(syms[f"insn_{name}"], post=(lambda hit: None) if post else None)
                 for name in EXPECTED
@@ -81,3 +82,22 @@ def test_snapshots_identical_with_probe(corpus: str, post: bool) -> None:
         want = S if post and kind == B else kind
         assert probes[name].hits == 1, name
         assert dict(probes[name].resumes) == {want: 1}, f"{name}: {dict(probes[name].resumes)}"
+
+
+def test_snapshots_identical_at_optimized_sites(corpus: str) -> None:
+    """HAZARDS 8 for jumps: a count probe on each instruction, optimized where the rules allow;
+    the snapshots (registers, flags, xmm, memory outside the scratch below the red zone) are
+    bit-identical, and the instructions that can be relocated were run from a detour."""
+    if "bmi2" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU lacks BMI2 (mulx, andn): the corpus needs it")
+    plain = snapshot_lines(subprocess.run([corpus], capture_output=True, text=True, check=True).stdout)
+    sys.stdout.flush()
+    traced, probes = traced_run(corpus, post=False, optimize=True)
+    for name in EXPECTED:
+        assert traced[name] == plain[name], f"{name}: snapshot differs under an optimized probe"
+        assert probes[name].hits == 1, name
+    modes = {name: p.mode for name, p in probes.items()}
+    optimized = {name for name, mode in modes.items() if mode == dynprobe.ProbeMode.OPTIMIZED}
+    # ret, syscall and jumps out of the region cannot run from a detour; most others must.
+    assert {"ret", "ret_imm16", "syscall_getuid"}.isdisjoint(optimized)
+    assert {"push_rbp", "load_riprel", "vex_load_riprel", "div", "cmpxchg16b", "pushf", "popf", "lea_rip"} <= optimized

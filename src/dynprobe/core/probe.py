@@ -12,8 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dynprobe.actions.model import ActionKind, Field, Filter, Program, record_fields
 from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
-from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.ringbuf.layout import HIST_BUCKETS
+from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
 from dynprobe.spec.model import FetchArg
 from dynprobe.symbols.resolve import Location
 
@@ -23,9 +26,37 @@ if TYPE_CHECKING:
 
 class ProbeMode(enum.Enum):
     TRAP = "trap"
+    OPTIMIZED = "optimized"
 
 
 Handler = Callable[["Hit"], object]
+EventHandler = Callable[["ProbeEvent"], object]
+
+
+@dataclass
+class ProbeEvent:
+    """One hit of a recording probe, as the consumer delivers it (after the fact, in the tracer):
+    the fetch arguments' values, the thread, when (CLOCK_MONOTONIC ns) and on which CPU."""
+
+    probe: Probe
+    pid: int
+    tid: int
+    cpu: int
+    time_ns: int
+    address: int
+    values: dict[str, Value]
+    comm: str
+    symbolize: Callable[[int], str | None] | None = None
+
+    @property
+    def time(self) -> float:
+        return self.time_ns / 1e9
+
+    def formatted(self) -> list[tuple[str, str]]:
+        return [(a.name, format_value(self.values[a.name], a.type, self.symbolize)) for a in self.probe.args]
+
+    def json_values(self) -> dict[str, object]:
+        return {k: json_value(v) for k, v in self.values.items()}
 
 
 @dataclass
@@ -73,14 +104,57 @@ class Probe:
     pre: Handler | None = None
     post: Handler | None = None
     enabled: bool = True
-    hits: int = 0
-    nmissed: int = 0
+    action: ActionKind | None = None  # None: Python handlers, in the tracer, at a stop
+    filter: Filter | None = None
+    value: FetchArg | None = None  # what a histogram counts
+    on_event: EventHandler | None = None
+    index: int = 0  # its counters in every thread area; the probe number in records
+    hist_index: int = 0
+    trap_hits: int = 0  # hits served at a stop; those of the detour are in the thread areas
+    trap_missed: int = 0
     removed: bool = False
     resumes: Counter[ResumeKind] = field(default_factory=Counter)
+    trap_hist: list[int] = field(default_factory=lambda: [0] * HIST_BUCKETS)
+    fields: tuple[Field, ...] = ()
+    jumps: set[tuple[int, int]] = field(default_factory=set)  # (pid, site) where it is optimized
+
+    def __post_init__(self) -> None:
+        self.fields = record_fields(self.args)
+
+    def program(self) -> Program:
+        return Program(
+            self.index, self.action or ActionKind.COUNT, self.fields, self.value, self.hist_index, self.filter
+        )
+
+    @property
+    def hits(self) -> int:
+        """Every hit: at a stop (trap) and in the target (optimized)."""
+        return self.trap_hits + self.session.counters_of(self)[0]
+
+    @property
+    def nmissed(self) -> int:
+        """Hits whose action could not run (a record re-entered from a signal handler)."""
+        return self.trap_missed + self.session.counters_of(self)[1]
+
+    @property
+    def lost(self) -> int:
+        """Records dropped because the thread's ring was full."""
+        return self.session.counters_of(self)[2]
+
+    @property
+    def histogram(self) -> list[int]:
+        """log2 buckets of `value`: [0] zero or negative, [k] in [2^(k-1), 2^k), [65] faulted."""
+        return self.session.histogram_of(self)
 
     @property
     def mode(self) -> ProbeMode:
-        return ProbeMode.TRAP
+        """OPTIMIZED while any of its sites is a jump."""
+        return ProbeMode.OPTIMIZED if self.session.is_optimized(self) else ProbeMode.TRAP
+
+    @property
+    def trap_reason(self) -> OptimizeRefusal | None:
+        """Why a site of this probe is a trap (None when optimized, or not placed yet)."""
+        return self.session.trap_reason_of(self)
 
     @property
     def name(self) -> str:
@@ -119,7 +193,13 @@ class Site:
     internal: Callable[[int, Regs], None] | None = None  # dynprobe's own hooks (dlopen tracking)
     slot: int | None = None
     slot_insn_len: int = 0
-    armed: bool = False
+    armed: bool = False  # our int3 is there
+    optimized: bool = False  # our jmp is there
+    detour: tuple[int, int] | None = None  # (address, size) of the optimized site's code
+    region: bytes = b""  # the original bytes the jmp replaced
+    fixups: tuple[int, ...] = ()  # addresses in the detour of loads that may fault
+    refusal: OptimizeRefusal | None = None  # why it is a trap now
+    static_refusal: OptimizeRefusal | None = None  # why it can never be optimized (found once)
 
     @property
     def next_ip(self) -> int:

@@ -21,9 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
+from dynprobe.actions.filter import filter_args, matches, parse_filter
+from dynprobe.actions.model import ActionKind, payload_size
 from dynprobe.arch.x86_64 import (
     FLAG_TF,
     INT3,
+    SLOT_SIZE,
     EmulationFault,
     Fixup,
     Regs,
@@ -35,10 +38,19 @@ from dynprobe.arch.x86_64 import (
     plan_resume,
     prepare,
 )
-from dynprobe.core.probe import Handler, Hit, Probe, Site
+from dynprobe.core.optimizer import DirtyDetour, Optimizer, new_thread_areas
+from dynprobe.core.probe import EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.sites import check_location, default_event_name
 from dynprobe.core.slots import SlotCache
-from dynprobe.errors import ParseError, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
+from dynprobe.errors import (
+    OptimizeRefusal,
+    ParseError,
+    ProbeRefused,
+    ProcessError,
+    Refusal,
+    SessionError,
+    SymbolError,
+)
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import (
     WAIT_SLICE,
@@ -61,9 +73,12 @@ from dynprobe.ptrace.process import (
 )
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
-from dynprobe.spec.fetch import FetchContext
-from dynprobe.spec.model import Deref, FetchArg, ProbeSpec, SymbolAddr
-from dynprobe.spec.parser import ERRORS, parse_probe
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.areas import ThreadAreas
+from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
+from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
+from dynprobe.spec.model import Comm, Deref, FetchArg, ProbeSpec, SymbolAddr
+from dynprobe.spec.parser import ERRORS, parse_fetch_arg, parse_probe
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
@@ -104,6 +119,11 @@ class TracedProcess:
     status: int | None = None  # exit status once it ended (128+N for a signal)
     leader_status: int | None = None  # set when the leader thread has ended
     slots: SlotCache = field(init=False)
+    areas: ThreadAreas | None = None  # thread areas, once a site of this process is optimized
+    gs_refused: bool = False  # the target uses GS itself: no thread areas, no optimized probes
+    gs_inherited: bool = False  # a forked child: its threads' GS bases are its parent's areas
+    fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
+    dirty: list[DirtyDetour] = field(default_factory=list)  # detours a thread may still be in
 
     def __post_init__(self) -> None:
         self.slots = SlotCache(self._map_region)
@@ -174,7 +194,19 @@ class Session:
         self._stop_requested = False
         self._closed = False
         self._started = False
-        self.stats = {"stops": 0}
+        self.stats = {"stops": 0, "fixups": 0}
+        # Optimized probes (DESIGN.md sections 5, 6). The ring size and record size are fixed
+        # when the first thread area is made; set them before placing probes.
+        self.optimize = True
+        self.ring_bytes = L.DEFAULT_RING_BYTES
+        self.record_size: int | None = None  # None: the smallest that holds every probe's record
+        self._layout: L.AreaLayout | None = None
+        self._optimizer = Optimizer(self)
+        self._consumer: Consumer | None = None
+        self._by_index: list[Probe | None] = []
+        self._hists = 0
+        self._trap_events: list[ProbeEvent] = []
+        self._events_lock = threading.Lock()
         proc = TracedProcess(tracee, _exe_of(tracee.pid))
         self._add_process(proc)
         self._sync_process(proc)
@@ -194,10 +226,13 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        if self.spawned and not self._started:
-            self._kill_unstarted()
-            return
-        self.detach()
+        try:
+            if self.spawned and not self._started:
+                self._kill_unstarted()
+            else:
+                self.detach()
+        finally:
+            self._stop_consumer()
 
     def _kill_unstarted(self) -> None:
         for proc in list(self._processes.values()):
@@ -220,9 +255,19 @@ class Session:
         pre: Handler | None = None,
         post: Handler | None = None,
         enabled: bool = True,
+        action: str | ActionKind | None = None,
+        filter: str | None = None,
+        value: str | None = None,
+        on_event: EventHandler | None = None,
     ) -> Probe:
-        """Place a trap probe. `spec_or_address` is a probe spec ('p:grp/ev libc:malloc size=%di'),
-        a bare location ('main', 'main+4', '/path/lib.so:0x1139') or an absolute address."""
+        """Place a probe. `spec_or_address` is a probe spec ('p:grp/ev libc:malloc size=%di'),
+        a bare location ('main', 'main+4', '/path/lib.so:0x1139') or an absolute address.
+
+        With `pre`/`post` Python handlers it is a trap probe (handlers run at a stop). Otherwise it
+        runs an action in the target once optimized: 'count' (the default), 'record' (the fetch
+        arguments, delivered to `on_event` by the consumer; implied by `on_event`) or 'hist'
+        (a log2 histogram of the fetch argument `value`), behind an optional `filter`
+        ('a == 5 and b > 0' over its fetch arguments)."""
         self._check_open()
         main = self._processes.get(self.main_pid) or next(iter(self._processes.values()), None)
         if main is None:
@@ -240,10 +285,19 @@ class Session:
         if refusal is not None:
             raise ProbeRefused(refusal, f"{location.basename}:{location.label}")
         self._check_fetch_symbols(spec.args, location)
+        kind = self._action_kind(action, pre, post, on_event)
+        parsed_filter = parse_filter(filter, spec.args) if filter is not None else None
+        hist_value = self._hist_value(value, spec.args) if kind == ActionKind.HIST else None
+        if parsed_filter is not None:
+            self._check_fetch_symbols(tuple(filter_args(parsed_filter)), location)
         probe = Probe(
             self, location, spec.group or "uprobes", spec.event or default_event_name(location),
-            spec.args, pre, post, enabled,
+            spec.args, pre, post, enabled, kind, parsed_filter, hist_value, on_event,
+            index=len(self._by_index), hist_index=self._hists,
         )  # fmt: skip
+        self._by_index.append(probe)
+        if kind == ActionKind.HIST:
+            self._hists += 1
         self.probes.append(probe)
         try:
             for proc in list(self._processes.values()):
@@ -258,6 +312,35 @@ class Session:
         return [self.probe(s, pre=pre, post=post) for s in specs]
 
     @staticmethod
+    def _action_kind(
+        action: str | ActionKind | None, pre: Handler | None, post: Handler | None, on_event: EventHandler | None
+    ) -> ActionKind | None:
+        if isinstance(action, str):
+            try:
+                action = ActionKind(action)
+            except ValueError:
+                raise SessionError(f"unknown action {action!r} (count, record, hist)") from None
+        if pre is not None or post is not None:
+            if action is not None or on_event is not None:
+                raise SessionError("a probe runs Python handlers (pre/post) or an action, not both")
+            return None
+        if on_event is not None:
+            if action not in (None, ActionKind.RECORD):
+                raise SessionError("on_event receives records: use action='record'")
+            return ActionKind.RECORD
+        return action or ActionKind.COUNT
+
+    @staticmethod
+    def _hist_value(value: str | None, args: tuple[FetchArg, ...]) -> FetchArg:
+        if value is None:
+            raise SessionError("a histogram needs a value: a fetch argument name or a fetch argument")
+        named = {a.name: a for a in args}.get(value)
+        arg = named or parse_fetch_arg(value, 0, 0, value, "p")
+        if arg.type.is_string:
+            raise SessionError(f"cannot make a histogram of a string ({value})")
+        return arg
+
+    @staticmethod
     def _check_fetch_symbols(args: tuple[FetchArg, ...], location: Location) -> None:
         image = load_elf(location.path)
         for arg in args:
@@ -268,7 +351,12 @@ class Session:
                 raise SymbolError(f"no symbol {fetch.symbol!r} in {location.path} (for @{fetch.symbol})")
 
     def addresses_of(self, probe: Probe) -> list[int]:
-        return [a for p in self._processes.values() for a, s in p.sites.items() if probe in s.probes and s.armed]
+        return [
+            a
+            for p in self._processes.values()
+            for a, s in p.sites.items()
+            if probe in s.probes and (s.armed or s.optimized)
+        ]
 
     def sync_probe(self, probe: Probe) -> None:
         for proc in self._processes.values():
@@ -298,9 +386,18 @@ class Session:
         self._check_open()
         self._stop_requested = False
         with self._deadline(timeout), self._tracer_pinned():
+            if any(p.action is not None for p in self.probes):
+                self._ensure_consumer().start()
+            self._optimizer.flush()  # everything placed so far, before the target runs on
             self._start()
             while self._processes and not self._stop_requested:
                 try:
+                    due = self._optimizer.due_in()
+                    if due == 0:
+                        self._optimizer.flush()
+                        continue
+                    if due is not None and not self._pending and not self._wait_for_stop(due):
+                        continue
                     if not self._pending and self._serve_breakpoint():
                         continue
                     if not self._pending:
@@ -340,6 +437,18 @@ class Session:
             for proc in self._processes.values():
                 proc.tracee.home_cpu = None
             os.sched_setaffinity(0, allowed)
+
+    def _wait_for_stop(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a stop; True (and it is queued) if one came."""
+        with sigchld_blocked():
+            event = poll_event()
+            if event is None:
+                signal.sigtimedwait([signal.SIGCHLD], timeout)
+                event = poll_event()
+        if event is None:
+            return False
+        self._pending.append(event)
+        return True
 
     @contextlib.contextmanager
     def _deadline(self, timeout: float | None) -> Iterator[None]:
@@ -426,6 +535,8 @@ class Session:
         state.stopped = event.kind not in (EventKind.EXITED, EventKind.KILLED)
         state.in_event_stop = event.kind in EVENT_STOPS
         kind = event.kind
+        if state.stopped and (proc.areas is not None or proc.gs_inherited) and self._needs_area(proc, event.tid):
+            self._optimizer.give_area_to(proc, event.tid)  # before it runs: its GS base is its creator's
         if kind in (EventKind.EXITED, EventKind.KILLED):
             self._on_exit(proc, event)
         elif kind == EventKind.SIGNAL:
@@ -453,6 +564,8 @@ class Session:
         proc.tracee.threads.pop(event.tid, None)
         proc.stepping.pop(event.tid, None)
         self._owner.pop(event.tid, None)
+        if proc.areas is not None:
+            proc.areas.retire(event.tid)
         status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
         if event.tid == proc.pid or proc.leader_status is not None:
             proc.leader_status = status  # in a group exit every thread ends with the group's status
@@ -468,6 +581,7 @@ class Session:
             self.exit_status = proc.status
         proc.tracee.close_memory()
         self._processes.pop(proc.pid, None)
+        self._release_areas(proc)
 
     def _adopt_thread(self, proc: TracedProcess, tid: int) -> None:
         if tid in self._exited_unknown:
@@ -492,6 +606,12 @@ class Session:
         child = TracedProcess(Tracee(child_pid, [child_pid]), parent.exe, follow=self.follow_fork)
         child.sites = {a: dataclasses.replace(s, probes=list(s.probes)) for a, s in parent.sites.items()}
         child.slots.inherit(parent.slots)
+        child.fixups = dict(parent.fixups)
+        child.dirty = list(parent.dirty)
+        if vfork:
+            child.areas = parent.areas  # one address space: its thread takes an area of the parent's pools
+        else:
+            child.gs_inherited = parent.areas is not None or parent.gs_inherited
         self._add_process(child)
         orphan = self._orphans.pop(child_pid, None)
         if not self.follow_fork and not vfork:
@@ -508,6 +628,7 @@ class Session:
                         orphan = ev
                         break
             if orphan is not None and orphan.kind not in (EventKind.EXITED, EventKind.KILLED):
+                self._optimizer.restore_all(child)
                 for site in child.sites.values():
                     if site.armed:
                         with contextlib.suppress(OSError):
@@ -539,6 +660,11 @@ class Session:
         proc.retired.clear()
         proc.comms.clear()
         proc.slots.forget()
+        self._release_areas(proc)
+        proc.areas = None
+        proc.gs_inherited = proc.gs_refused = False
+        proc.fixups.clear()
+        proc.dirty.clear()
         if not proc.follow:
             # An unfollowed vfork child leaves our shared memory: let it go.
             with contextlib.suppress(OSError):
@@ -554,6 +680,17 @@ class Session:
     def _on_signal(self, proc: TracedProcess, event: Event) -> None:
         tid, sig = event.tid, event.sig
         step = proc.stepping.get(tid)
+        if proc.fixups and sig in (signal.SIGSEGV, signal.SIGBUS) and step is None:
+            regs = sc.get_regs(tid)
+            fixup = proc.fixups.get(int(regs.rip))
+            if fixup is not None:
+                # A fetch in a detour read a bad address: the value is marked faulted, the
+                # target never sees the signal (the kernel's exception table, in user space).
+                regs.rip = fixup
+                sc.set_regs(tid, regs)
+                self.stats["fixups"] += 1
+                proc.tracee.resume(tid)
+                return
         if sig == signal.SIGTRAP:
             if step is None:
                 # Our int3s are told apart by address (as the kernel's uprobes do): a thread at
@@ -562,6 +699,12 @@ class Session:
                 site = proc.sites.get(regs.rip - 1)
                 if site is not None and site.armed:
                     self._on_breakpoint(proc, tid, site, regs)
+                    return
+                if site is not None and site.optimized and sc.get_siginfo(tid).si_code == sc.SI_KERNEL:
+                    # It hit the int3 just before the jump replaced it: run the jump instead.
+                    regs.rip -= 1
+                    sc.set_regs(tid, regs)
+                    proc.tracee.resume(tid)
                     return
                 if (
                     (regs.rip - 1) in proc.retired
@@ -644,7 +787,12 @@ class Session:
         now = 0.0
         post: list[Probe] = []
         for probe in probes:
-            probe.hits += 1
+            if probe.action is not None:
+                if context is None:
+                    context, now = self._context(proc, tid, regs, site), time.monotonic()
+                self._act_in_tracer(probe, proc, tid, site, context)
+                continue
+            probe.trap_hits += 1
             if probe.post is not None:
                 post.append(probe)
             if probe.pre is None:
@@ -682,6 +830,30 @@ class Session:
         else:
             proc.stepping[tid] = StepState(site, post, user_tf)
             proc.tracee.resume(tid, step=True)
+
+    def _act_in_tracer(self, probe: Probe, proc: TracedProcess, tid: int, site: Site, context: FetchContext) -> None:
+        """What the probe's detour does, done at the stop (the probe is not optimized yet, or
+        cannot be): the same filter, counters, histogram and record."""
+        if probe.filter is not None:
+            values: dict[str, int | None] = {}
+            for arg in filter_args(probe.filter):
+                v = evaluate(arg, context)
+                values[arg.name] = v if isinstance(v, int) else None
+            if not matches(probe.filter, values):
+                return
+        probe.trap_hits += 1
+        if probe.action == ActionKind.HIST:
+            assert probe.value is not None
+            v = evaluate(probe.value, context)
+            bucket = L.HIST_FAULTED if not isinstance(v, int) else 0 if v <= 0 else min(v.bit_length(), 64)
+            probe.trap_hist[bucket] += 1
+        elif probe.action == ActionKind.RECORD and probe.on_event is not None:
+            event = ProbeEvent(
+                probe, proc.pid, tid, thread_cpu(proc.pid, tid), time.monotonic_ns(), site.addr,
+                {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize,
+            )  # fmt: skip
+            with self._events_lock:
+                self._trap_events.append(event)
 
     @staticmethod
     def _emulate(proc: TracedProcess, site: Site, regs: Regs) -> bool:
@@ -840,7 +1012,7 @@ class Session:
         if isinstance(plan, Refusal):
             raise ProbeRefused(plan, where)
         site = Site(addr, insn, original, plan, prepare(insn))
-        slot = self._allocate_slot(proc, addr)
+        slot = self.allocate_slot(proc, addr)
         if slot is not None:
             built = out_of_line(insn, slot)
             if built is not None:
@@ -855,33 +1027,48 @@ class Session:
     def _install(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
         site = proc.sites.get(addr)
         if site is None:
+            for other in list(proc.sites.values()):
+                if other.optimized and other.addr < addr < other.addr + len(other.region):
+                    # The new int3 would land inside the other site's jmp: that one goes back to a trap.
+                    other.static_refusal = OptimizeRefusal.REGION_OVERLAP
+                    self._optimizer.unoptimize(proc, other, arm=True)
+                    other.refusal = OptimizeRefusal.REGION_OVERLAP
             site = self._make_site(proc, probe.location, addr)
             proc.sites[addr] = site
         site.probes.append(probe)
         self._set_armed(proc, site, site.wanted)
 
-    def _allocate_slot(self, proc: TracedProcess, near: int) -> int | None:
+    def allocate_slot(self, proc: TracedProcess, near: int, size: int = SLOT_SIZE) -> int | None:
         stopped = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
         if proc.slots.stub() is not None and stopped is not None:
             proc._map_tid = stopped  # our own page holds the syscall stub: nothing else is touched
-            return proc.slots.allocate(near)
+            return proc.slots.allocate(near, size)
         # The first region borrows target code for the stub: no other thread may run meanwhile.
-        with self._world_stopped(proc) as tid:
+        with self.world_stopped(proc) as tid:
             proc._map_tid, proc._scratch = tid, near
-            return proc.slots.allocate(near)
+            return proc.slots.allocate(near, size)
 
     def _set_armed(self, proc: TracedProcess, site: Site, armed: bool) -> None:
-        if site.armed == armed or proc.status is not None:
+        """Make the site a probe (`armed`) or not. An armed site is a trap, queued for the
+        optimizer when it may take a jump; an optimized site that may not stay one goes back."""
+        if proc.status is not None:
             return
-        try:
-            proc.tracee.write(site.addr, bytes([INT3]) if armed else site.original[:1])
-        except OSError as exc:
-            raise ProcessError(f"cannot write at {site.addr:#x} in pid {proc.pid}: {exc.strerror}") from exc
-        site.armed = armed
+        if site.optimized:
+            if armed and self._optimizer.trap_reason(proc, site) is None:
+                return
+            self._optimizer.unoptimize(proc, site, arm=armed)
+        if site.armed != armed:
+            try:
+                proc.tracee.write(site.addr, bytes([INT3]) if armed else site.original[:1])
+            except OSError as exc:
+                raise ProcessError(f"cannot write at {site.addr:#x} in pid {proc.pid}: {exc.strerror}") from exc
+            site.armed = armed
+            if armed:
+                proc.retired.discard(site.addr)
+            else:
+                proc.retired.add(site.addr)
         if armed:
-            proc.retired.discard(site.addr)
-        else:
-            proc.retired.add(site.addr)
+            self._optimizer.consider(proc, site)
 
     def _drop_site(self, proc: TracedProcess, addr: int) -> None:
         site = proc.sites.get(addr)
@@ -902,7 +1089,7 @@ class Session:
 
     # --- stop the world, detach -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def _world_stopped(self, proc: TracedProcess) -> Iterator[int]:
+    def world_stopped(self, proc: TracedProcess) -> Iterator[int]:
         """Every thread of `proc` stopped; yields one tid usable for remote syscalls."""
         interrupted = self._stop_all(proc)
         try:
@@ -974,6 +1161,8 @@ class Session:
                 if state is not None:
                     state.deferred.append(event)
             self._adopt_unseen_threads(proc)
+            self._optimizer.restore_all(proc)
+            self._reset_thread_areas(proc)
             for site in proc.sites.values():
                 if site.armed:
                     with contextlib.suppress(OSError):
@@ -1095,6 +1284,180 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise SessionError("the session is closed")
+
+    # --- optimized probes: thread areas, the consumer, counters --------------------------------------
+    @property
+    def layout(self) -> L.AreaLayout:
+        """The thread-area layout, fixed by the first call: ring size, and a record size that holds
+        the record of every probe placed so far (later, bigger ones stay traps)."""
+        if self._layout is None:
+            problem = L.check_ring_bytes(self.ring_bytes)
+            if problem is not None:
+                raise SessionError(problem)
+            need = max((payload_size(p.fields) for p in self.probes if p.action == ActionKind.RECORD), default=0)
+            size = self.record_size or L.record_size_for(need)
+            if size & (size - 1) or not L.RECORD_HEADER <= size <= min(L.MAX_RECORD_SIZE, self.ring_bytes):
+                raise SessionError(f"record size {size} is not a power of two from 16 to {L.MAX_RECORD_SIZE}")
+            self._layout = L.AreaLayout(ring_bytes=self.ring_bytes, record_size=size)
+        return self._layout
+
+    def action_refusal(self, probe: Probe) -> OptimizeRefusal | None:
+        """Why a probe's action cannot run in the target (it then runs at a stop)."""
+        layout = self.layout
+        if probe.index >= layout.max_probes or probe.hist_index >= layout.max_hists:
+            return OptimizeRefusal.TOO_MANY_PROBES
+        if probe.action == ActionKind.RECORD and L.RECORD_HEADER + payload_size(probe.fields) > layout.record_size:
+            return OptimizeRefusal.RECORD_TOO_LARGE
+        return None
+
+    def process(self, pid: int) -> TracedProcess | None:
+        return self._processes.get(pid)
+
+    def warn(self, message: str) -> None:
+        self._warn(message)
+
+    def symbol_resolver(self, site: Site) -> Callable[[str], int | None]:
+        """@SYM of fetch arguments, as addresses in the process of `site`."""
+        location = site.probes[0].location
+
+        def address(name: str) -> int | None:
+            vaddr = load_elf(location.path).address_of(name)
+            return None if vaddr is None else site.addr - location.vaddr + vaddr
+
+        return address
+
+    def new_areas(self, proc: TracedProcess) -> ThreadAreas:
+        areas = new_thread_areas(proc, self)
+        self._ensure_consumer().processes.append(areas)
+        return areas
+
+    def _needs_area(self, proc: TracedProcess, tid: int) -> bool:
+        return proc.areas is None or tid not in proc.areas.by_tid
+
+    def _release_areas(self, proc: TracedProcess) -> None:
+        """The process exited or exec'd: what its areas hold is drained and folded into totals."""
+        areas = proc.areas
+        if areas is None:
+            return
+        proc.areas = None
+        if any(p.areas is areas for p in self._processes.values()):
+            areas.retire(proc.pid)  # a vfork child that borrowed an area of its parent's pools
+        elif self._consumer is not None:
+            self._consumer.forget(areas)
+
+    def _reset_thread_areas(self, proc: TracedProcess) -> None:
+        """At detach: GS bases back to 0 (as we found them), except for a thread still running
+        a detour, which needs its area until it is out (the memory stays mapped in the target)."""
+        if proc.areas is None:
+            return
+        for tid, state in proc.tracee.threads.items():
+            if not state.stopped or not proc.areas.owns(tid):
+                continue
+            try:
+                regs = sc.get_regs(tid)
+                if not self._optimizer.in_detour(proc, int(regs.rip)):
+                    regs.gs_base = 0
+                    sc.set_regs(tid, regs)
+            except OSError:
+                continue
+
+    def _ensure_consumer(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = Consumer(
+                self.layout, self._deliver, lambda i: 0 <= i < len(self._by_index) and self._by_index[i] is not None,
+                self._warn,
+            )  # fmt: skip
+            if self._started and not self._closed:
+                self._consumer.start()
+        return self._consumer
+
+    def _stop_consumer(self) -> None:
+        if self._consumer is not None:
+            self._consumer.stop()
+            for areas in list(self._consumer.processes):
+                self._consumer.forget(areas)
+
+    def drain(self) -> None:
+        """Deliver every record written so far to the `on_event` callbacks (in this thread)."""
+        if self._consumer is not None:
+            self._consumer.drain()
+        else:
+            self._deliver([])
+
+    def _deliver(self, batches: list[RecordBatch]) -> None:
+        """Turn record batches (and events served at stops) into ProbeEvents, oldest first."""
+        with self._events_lock:
+            events, self._trap_events = self._trap_events, []
+        for batch in batches:
+            probe = self._by_index[batch.probe_index]
+            if probe is None or probe.on_event is None:
+                continue
+            events.extend(self._events_of(probe, batch))
+        events.sort(key=lambda e: e.time_ns)
+        for event in events:
+            assert event.probe.on_event is not None
+            try:
+                event.probe.on_event(event)
+            except Exception as exc:  # a callback's bug must not stop the consumer
+                self._warn(f"{event.probe.name}: on_event raised {type(exc).__name__}: {exc}")
+
+    def _events_of(self, probe: Probe, batch: RecordBatch) -> list[ProbeEvent]:
+        ints = [(i, f.offset, f.arg.type.kind, f.arg.type.bits) for i, f in enumerate(probe.fields)
+                if f.in_record and not f.arg.type.is_string]  # fmt: skip
+        columns = {i: col.tolist() for i, col in decode_fields(batch, ints).items()}
+        strings = {
+            i: decode_string(batch, f.offset)
+            for i, f in enumerate(probe.fields)
+            if f.arg.type.is_string and f.in_record
+        }
+        faults = batch.faults.tolist()
+        proc = self._processes.get(batch.pid)
+        comm = proc.comm(batch.tid) if proc is not None else "<...>"
+        addresses = self.addresses_of(probe)
+        address = addresses[0] if addresses else 0
+        out = []
+        for row, (t, cpu) in enumerate(zip(batch.time_ns.tolist(), batch.cpu.tolist(), strict=True)):
+            values: dict[str, Value] = {}
+            for i, f in enumerate(probe.fields):
+                if faults[row] >> i & 1:
+                    values[f.arg.name] = FAULT
+                elif isinstance(f.arg.fetch, Comm):
+                    values[f.arg.name] = StringValue(comm)
+                elif i in strings:
+                    data, truncated = strings[i][row]
+                    values[f.arg.name] = StringValue(data.decode("utf-8", "replace"), truncated)
+                else:
+                    values[f.arg.name] = columns[i][row]
+            out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm))
+        return out
+
+    def counters_of(self, probe: Probe) -> tuple[int, int, int]:
+        """(hits, missed, lost) counted in the target's thread areas."""
+        if self._consumer is None or probe.index >= self.layout.max_probes:
+            return 0, 0, 0
+        return self._consumer.counters(probe.index)
+
+    def histogram_of(self, probe: Probe) -> list[int]:
+        buckets = list(probe.trap_hist)
+        if self._consumer is not None and probe.action == ActionKind.HIST and probe.hist_index < self.layout.max_hists:
+            for i, n in enumerate(self._consumer.histogram(probe.hist_index).tolist()):
+                buckets[i] += n
+        return buckets
+
+    def is_optimized(self, probe: Probe) -> bool:
+        """Whether a site of the probe is a jump now, or was when its process ended."""
+        return bool(probe.jumps)
+
+    def trap_reason_of(self, probe: Probe) -> OptimizeRefusal | None:
+        for proc in self._processes.values():
+            for site in proc.sites.values():
+                if probe in site.probes and not site.optimized and site.refusal is not None:
+                    return site.refusal
+        return None
+
+    def optimize_now(self) -> None:
+        """Optimize queued sites at once instead of after the batching delay."""
+        self._optimizer.flush()
 
     # --- introspection ----------------------------------------------------------------------------------
     def processes(self) -> list[int]:

@@ -1,6 +1,7 @@
 """Out-of-line slots: small pieces of executable memory near each module, carved from pages.
 
-Slots are `SLOT_SIZE` bytes; a page holds many (a page per probe would waste memory, the seed's
+Out-of-line slots are `SLOT_SIZE` bytes, detours of optimized probes as long as their code
+(rounded up to `ALIGN`); a page holds many (a page per probe would waste memory, the seed's
 complaint about ftrace trampolines). Pages are mapped in the target with a remote mmap at a fixed
 hint within +-2 GB of the module, so RIP-relative operands and `jmp rel32` reach. The first bytes
 of each page are kept for the `syscall; int3` stub remote syscalls run.
@@ -16,6 +17,7 @@ PAGE = 4096
 REGION = 16 * PAGE
 STUB_BYTES = SLOT_SIZE  # the first slot of a region holds the remote-syscall stub
 REACH = (1 << 31) - REGION
+ALIGN = 16
 
 
 class SlotCache:
@@ -24,32 +26,42 @@ class SlotCache:
     def __init__(self, map_near: Callable[[int, int], int | None]) -> None:
         self._map_near = map_near
         self.regions: list[int] = []
-        self._free: list[int] = []
+        self._free: dict[int, list[int]] = {}  # size -> free slots of that size
         self._next: dict[int, int] = {}
+        self.in_use = 0  # bytes handed out and not freed
 
     def stub(self) -> int | None:
         """An address in our own executable memory where a remote syscall stub may go."""
         return self.regions[0] if self.regions else None
 
-    def allocate(self, near: int) -> int | None:
-        """A free slot within rel32 reach of `near`, mapping a new region if needed."""
-        for slot in self._free:
+    def allocate(self, near: int, size: int = SLOT_SIZE) -> int | None:
+        """`size` free bytes within rel32 reach of `near`, mapping a new region if needed."""
+        size = -(-size // ALIGN) * ALIGN
+        if size > REGION - STUB_BYTES:
+            return None
+        free = self._free.get(size, [])
+        for i, slot in enumerate(free):
             if abs(slot - near) < REACH:
-                self._free.remove(slot)
+                del free[i]
+                self.in_use += size
                 return slot
         for region in self.regions:
             offset = self._next[region]
-            if offset + SLOT_SIZE <= REGION and abs(region - near) < REACH:
-                self._next[region] = offset + SLOT_SIZE
+            if offset + size <= REGION and abs(region - near) < REACH:
+                self._next[region] = offset + size
+                self.in_use += size
                 return region + offset
         fresh = self._new_region(near)
         if fresh is None:
             return None
-        self._next[fresh] = STUB_BYTES + SLOT_SIZE
+        self._next[fresh] = STUB_BYTES + size
+        self.in_use += size
         return fresh + STUB_BYTES
 
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+    def free(self, slot: int, size: int = SLOT_SIZE) -> None:
+        size = -(-size // ALIGN) * ALIGN
+        self._free.setdefault(size, []).append(slot)
+        self.in_use -= size
 
     def contains(self, addr: int) -> bool:
         return any(r <= addr < r + REGION for r in self.regions)
@@ -73,11 +85,13 @@ class SlotCache:
     def inherit(self, parent: SlotCache) -> None:
         """A forked child has a copy of the parent's regions, slots and all."""
         self.regions = list(parent.regions)
-        self._free = list(parent._free)
+        self._free = {size: list(slots) for size, slots in parent._free.items()}
         self._next = dict(parent._next)
+        self.in_use = parent.in_use
 
     def forget(self) -> None:
         """After exec the regions are gone with the old image."""
         self.regions.clear()
         self._free.clear()
         self._next.clear()
+        self.in_use = 0

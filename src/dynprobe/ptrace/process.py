@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import signal
 import struct
@@ -25,6 +26,12 @@ TRACE_OPTIONS = (
 
 SYS_MMAP = 9
 SYS_MUNMAP = 11
+SYS_CLOSE = 3
+SYS_FTRUNCATE = 77
+SYS_MEMFD_CREATE = 319
+MFD_CLOEXEC = 1
+MAP_SHARED = 0x01
+SHARED_NAME = b"dynprobe\0"
 PROT_READ, PROT_WRITE, PROT_EXEC = 1, 2, 4
 MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED_NOREPLACE = 0x02, 0x20, 0x100000
 
@@ -221,6 +228,38 @@ class Tracee:
             self.remote_syscall(tid, scratch, SYS_MUNMAP, addr, size)
             return None
         return addr
+
+    def map_shared(self, tid: int, scratch: int, size: int) -> tuple[int, mmap.mmap]:
+        """Memory shared between the target and us: a memfd the target creates and maps, which we
+        map through /proc/PID/fd before the target closes its descriptor. Nothing is ever named
+        in /dev/shm, and the memory goes away with the last mapping. `scratch` holds the stub
+        (3 bytes) and the memfd's name after it. Returns (address in the target, our mapping)."""
+        name_at = scratch + 8
+        saved = self.read(name_at, len(SHARED_NAME))
+        self.write(name_at, SHARED_NAME)
+        try:
+            fd = self.remote_syscall(tid, scratch, SYS_MEMFD_CREATE, name_at, MFD_CLOEXEC)
+        finally:
+            self.write(name_at, saved)
+        if fd < 0:
+            raise ProcessError(f"memfd_create in pid {self.pid} failed: {os.strerror(-fd)}")
+        try:
+            err = self.remote_syscall(tid, scratch, SYS_FTRUNCATE, fd, size)
+            if err < 0:
+                raise ProcessError(f"cannot size shared memory in pid {self.pid}: {os.strerror(-err)}")
+            addr = self.remote_syscall(
+                tid, scratch, SYS_MMAP, 0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0
+            )  # fmt: skip
+            if -4096 < addr < 0:
+                raise ProcessError(f"cannot map shared memory in pid {self.pid}: {os.strerror(-addr)}")
+            ours = os.open(f"/proc/{self.pid}/fd/{fd}", os.O_RDWR)
+            try:
+                view = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(ours)
+        finally:
+            self.remote_syscall(tid, scratch, SYS_CLOSE, fd)
+        return addr, view
 
     def comm(self, tid: int) -> str:
         try:

@@ -1,0 +1,79 @@
+"""The in-process programs a probe can run instead of a Python handler (DESIGN.md section 6).
+
+An action is arch-independent data: what to fetch, where each value goes in the record, which
+counters and histogram it bumps, and the filter in front of it. `arch/x86_64/codegen.py` turns it
+into machine code; the consumer decodes what that code wrote using the same field layout.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dynprobe.ringbuf.layout import INT_FIELD, RECORD_HEADER, STRING_FIELD
+from dynprobe.spec.model import Comm, FetchArg
+
+MAX_FIELDS = 32  # one fault bit per field in the record header
+
+
+class ActionKind(enum.Enum):
+    COUNT = "count"  # bump the probe's hit counter
+    RECORD = "record"  # write a time-stamped record of the fetch arguments to the thread's ring
+    HIST = "hist"  # bump a log2 bucket of one fetched value
+
+
+@dataclass(frozen=True)
+class Compare:
+    arg: FetchArg
+    op: str  # == != < <= > >=
+    value: int
+
+
+@dataclass(frozen=True)
+class Logical:
+    op: str  # and, or
+    left: Filter
+    right: Filter
+
+
+Filter = Compare | Logical
+
+
+@dataclass(frozen=True)
+class Field:
+    """One fetch argument in a record: where it goes (from the record's start) and how big it is.
+    `$comm` takes no bytes: the consumer knows the thread's name."""
+
+    arg: FetchArg
+    offset: int
+    size: int
+
+    @property
+    def in_record(self) -> bool:
+        return self.size > 0
+
+
+def record_fields(args: tuple[FetchArg, ...]) -> tuple[Field, ...]:
+    fields = []
+    offset = RECORD_HEADER
+    for arg in args:
+        size = 0 if isinstance(arg.fetch, Comm) else STRING_FIELD if arg.type.is_string else INT_FIELD
+        fields.append(Field(arg, offset, size))
+        offset += size
+    return tuple(fields)
+
+
+def payload_size(fields: tuple[Field, ...]) -> int:
+    return sum(f.size for f in fields)
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one probe does at a hit, in the target."""
+
+    probe_index: int
+    kind: ActionKind
+    fields: tuple[Field, ...] = ()
+    value: FetchArg | None = None  # the histogram's value
+    hist_index: int = 0
+    filter: Filter | None = None

@@ -1,0 +1,420 @@
+"""Detours of optimized probes: machine code for the actions of a site, then its relocated region.
+
+A detour runs on the target thread with nothing but its registers and its thread area (GS base):
+
+    lea rsp, [rsp-128]              only away from a function entry: step over the red zone
+    (count only)  push rax; seto al; lahf; inc qword gs:[hits]...; add al, 0x7f; sahf; pop rax
+    (otherwise)   pushfq; push rax, rcx, rdx, rsi, rdi; per probe: filter, counters, histogram,
+                  record; pop ...; popfq
+    lea rsp, [rsp+128]
+    the relocated region (optimize.relocate_region), jmp back
+
+Every counter and histogram update is one `inc` on memory: an instruction is never split by a
+signal, so a signal handler that hits the same probe cannot lose an update. Records take a
+re-entrancy flag instead (a nested hit is counted as missed), as the kernel's kprobes do.
+
+A load from an address the target supplies may fault: each such load is listed in `fixups` with
+the code to continue at; the tracer moves a thread that faults there to it (DESIGN.md section 6).
+
+Pure: programs + layout + addresses in, bytes + fix-up table out. Encoding is iced-x86's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import iced_x86 as iced
+
+from dynprobe.actions.model import ActionKind, Compare, Filter, Program
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
+from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.ringbuf import layout as L
+from dynprobe.spec.model import Absolute, Arg, Deref, Fetch, FetchArg, Reg, Stack, StackPointer, SymbolAddr
+
+if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
+    from iced_x86._iced_x86_py import Code as CodeT
+    from iced_x86._iced_x86_py import Register as RegisterT
+
+C = iced.Code
+R = iced.Register
+RED_ZONE = 128
+L_MASK64 = (1 << 64) - 1
+
+# The full form saves these (after the flags), so fetches of them read the saved copy.
+_SAVED = ("rax", "rcx", "rdx", "rsi", "rdi")
+_SAVED_AT = {name: 8 * (len(_SAVED) - 1 - i) for i, name in enumerate(_SAVED)}  # offsets from rsp
+_FLAGS_AT = 8 * len(_SAVED)
+_FRAME = _FLAGS_AT + 8
+_REG = {name: getattr(R, name.upper()) for name in GPR64}
+_JCC_UNSIGNED = {"==": C.JE_REL32_64, "!=": C.JNE_REL32_64, "<": C.JB_REL32_64, "<=": C.JBE_REL32_64,
+                 ">": C.JA_REL32_64, ">=": C.JAE_REL32_64}  # fmt: skip
+_JCC_SIGNED = {**_JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C.JG_REL32_64, ">=": C.JGE_REL32_64}
+
+
+@dataclass(frozen=True)
+class Detour:
+    code: bytes
+    fixups: dict[int, int]  # address of a load that may fault -> address to continue at
+    action_bytes: int  # the actions' part; the relocated region follows
+
+
+class _Unsupported(Exception):
+    def __init__(self, reason: OptimizeRefusal) -> None:
+        self.reason = reason
+
+
+def _gs(disp: int, base: RegisterT = R.NONE, index: RegisterT = R.NONE) -> iced.MemoryOperand:
+    return iced.MemoryOperand(base, index, 1, disp, 8, False, R.GS)
+
+
+def _mem(base: RegisterT, disp: int = 0, index: RegisterT = R.NONE) -> iced.MemoryOperand:
+    return iced.MemoryOperand(base, index, 1, disp, 8 if disp else 0, False, R.NONE)
+
+
+@dataclass
+class _Asm:
+    """Instructions with labels: a branch names a label; labels are bound to the next instruction."""
+
+    items: list[iced.Instruction | tuple[CodeT, int]] = field(default_factory=list)  # or (jcc code, label)
+    bound: dict[int, int] = field(default_factory=dict)  # label -> index of the instruction
+    may_fault: dict[int, int] = field(default_factory=dict)  # index of a load -> label to resume at
+    labels: int = 0
+    pending: list[int] = field(default_factory=list)
+
+    def label(self) -> int:
+        self.labels += 1
+        return self.labels
+
+    def bind(self, label: int) -> None:
+        self.pending.append(label)
+
+    def add(self, insn: iced.Instruction | tuple[CodeT, int], fault: int | None = None) -> None:
+        for label in self.pending:
+            self.bound[label] = len(self.items)
+        self.pending.clear()
+        if fault is not None:
+            self.may_fault[len(self.items)] = fault
+        self.items.append(insn)
+
+    def jump(self, code: CodeT, label: int) -> None:
+        self.add((code, label))
+
+    def encode(self, at: int) -> tuple[bytes, dict[int, int]]:
+        assert not self.pending, "a label bound past the last instruction"
+        insns = []
+        for i, item in enumerate(self.items):
+            insn = iced.Instruction.create_branch(item[0], self.bound[item[1]] + 1) if isinstance(item, tuple) else item
+            insn.ip = i + 1  # ips double as labels: the block encoder resolves branches between them
+            insns.append(insn)
+        encoder = iced.BlockEncoder(64)
+        encoder.add_many(insns)
+        code = bytes(encoder.encode(at))
+        starts = [int(insn.ip) for insn in iter_instructions(code, at)]
+        assert len(starts) == len(insns), "the block encoder did not keep one instruction per instruction"
+        fixups = {starts[i]: starts[self.bound[label]] for i, label in self.may_fault.items()}
+        return code, fixups
+
+
+def _normalize(asm: _Asm, arg: FetchArg) -> None:
+    """Narrow rax to the argument's type, as the consumer does for records."""
+    bits, signed = arg.type.bits, arg.type.kind == "s"
+    if bits == 64:
+        return
+    if signed:
+        code = {8: C.MOVSX_R64_RM8, 16: C.MOVSX_R64_RM16, 32: C.MOVSXD_R64_RM32}[bits]
+        asm.add(iced.Instruction.create_reg_reg(code, R.RAX, {8: R.AL, 16: R.AX, 32: R.EAX}[bits]))
+    elif bits == 32:
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.EAX))
+    else:
+        code = {8: C.MOVZX_R32_RM8, 16: C.MOVZX_R32_RM16}[bits]
+        asm.add(iced.Instruction.create_reg_reg(code, R.EAX, {8: R.AL, 16: R.AX}[bits]))
+
+
+class _Emitter:
+    """The full form's code, one probe after another."""
+
+    def __init__(self, layout: L.AreaLayout, site: int, frame: int, symbol_address: Callable[[str], int | None]):
+        self.asm = _Asm()
+        self.layout = layout
+        self.site = site
+        self.frame = frame  # bytes between rsp and the thread's rsp at the site
+        self.symbol_address = symbol_address
+
+    def load_reg(self, name: str) -> None:
+        asm = self.asm
+        if name in _SAVED_AT:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT[name])))
+        elif name == "rsp":
+            asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RSP, self.frame)))
+        elif name == "eflags":
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _FLAGS_AT)))
+        elif name == "rip":
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.site))
+        elif name in _REG:
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, _REG[name]))
+        else:
+            raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+    def address(self, fetch: Fetch, fault: int) -> None:
+        """rax = the address a memory fetch reads from (the address of a string)."""
+        asm = self.asm
+        if isinstance(fetch, Absolute | SymbolAddr):
+            addr = fetch.addr if isinstance(fetch, Absolute) else self.symbol_address(fetch.symbol)
+            if addr is None:
+                raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+            if isinstance(fetch, SymbolAddr):
+                addr += fetch.offset
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, addr & L_MASK64))
+        elif isinstance(fetch, Deref):
+            self.value(fetch.inner, 64, fault)
+            if -(1 << 31) <= fetch.offset < (1 << 31):
+                asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RAX, fetch.offset)))
+            else:
+                asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, fetch.offset & L_MASK64))
+                asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RCX))
+        else:
+            raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+    def value(self, fetch: Fetch, bits: int, fault: int) -> None:
+        """rax = the fetched value (a memory load of `bits` bits zero-extended; registers whole)."""
+        asm = self.asm
+        if isinstance(fetch, Reg):
+            self.load_reg(fetch.name)
+            return
+        if isinstance(fetch, Arg):
+            self.load_reg(ARG_REGS[fetch.index - 1])
+            return
+        if isinstance(fetch, StackPointer):
+            self.load_reg("rsp")
+            return
+        if isinstance(fetch, Stack):
+            self.load_reg("rsp")
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RAX, 8 * fetch.index)), fault)
+            return
+        self.address(fetch, fault)
+        src = _mem(R.RAX)
+        if bits == 64:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, src), fault)
+        elif bits == 32:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, src), fault)
+        else:
+            code = C.MOVZX_R32_RM8 if bits == 8 else C.MOVZX_R32_RM16
+            asm.add(iced.Instruction.create_reg_mem(code, R.EAX, src), fault)
+
+    def typed_value(self, arg: FetchArg, fault: int) -> None:
+        self.value(arg.fetch, arg.type.bits, fault)
+        _normalize(self.asm, arg)
+
+    def condition(self, node: Filter, true: int, false: int) -> None:
+        asm = self.asm
+        if isinstance(node, Compare):
+            self.typed_value(node.arg, false)
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, node.value & L_MASK64))
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
+            jcc = (_JCC_SIGNED if node.arg.type.kind == "s" else _JCC_UNSIGNED)[node.op]
+            asm.jump(jcc, true)
+            asm.jump(C.JMP_REL32_64, false)
+            return
+        middle = asm.label()
+        if node.op == "and":
+            self.condition(node.left, middle, false)
+        else:
+            self.condition(node.left, true, middle)
+        asm.bind(middle)
+        self.condition(node.right, true, false)
+
+    def inc(self, disp: int, index: RegisterT = R.NONE) -> None:
+        self.asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(disp, index=index)))
+
+    def program(self, prog: Program) -> None:
+        asm, layout = self.asm, self.layout
+        done = asm.label()
+        if prog.filter is not None:
+            passed = asm.label()
+            self.condition(prog.filter, passed, done)
+            asm.bind(passed)
+        self.inc(layout.counter(prog.probe_index, L.HITS))
+        if prog.kind == ActionKind.HIST:
+            self.histogram(prog)
+        elif prog.kind == ActionKind.RECORD:
+            self.record(prog)
+        asm.bind(done)
+
+    def histogram(self, prog: Program) -> None:
+        asm = self.asm
+        assert prog.value is not None
+        faulted, zero, store = asm.label(), asm.label(), asm.label()
+        self.typed_value(prog.value, faulted)
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+        asm.jump(C.JLE_REL32_64 if prog.value.type.kind == "s" else C.JE_REL32_64, zero)
+        asm.add(iced.Instruction.create_reg_reg(C.BSR_R64_RM64, R.RAX, R.RAX))
+        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM32_IMM8, R.EAX, 1))
+        asm.jump(C.JMP_REL32_64, store)
+        asm.bind(zero)
+        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+        asm.jump(C.JMP_REL32_64, store)
+        asm.bind(faulted)
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, L.HIST_FAULTED))
+        asm.bind(store)
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, iced.MemoryOperand(
+            R.NONE, R.RAX, 8, self.layout.hist(prog.hist_index), 8, False, R.GS)))  # fmt: skip
+
+    def record(self, prog: Program) -> None:
+        asm, layout = self.asm, self.layout
+        full, missed, release, done = asm.label(), asm.label(), asm.label(), asm.label()
+        ring = layout.ring
+        # Re-entrancy: a signal handler hitting a probe while this thread writes a record.
+        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
+        asm.jump(C.JNE_REL32_64, missed)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _gs(L.HEAD)))
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
+        asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots))
+        asm.jump(C.JAE_REL32_64, full)  # also when a scribbled tail is ahead of head
+        asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RSI, layout.ring_slots - 1))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RSI, layout.record_size.bit_length() - 1))
+        # rdtscp: the time-stamp counter, and in ecx the CPU (Linux keeps it in TSC_AUX's low 12 bits)
+        asm.add(iced.Instruction.create(C.RDTSCP))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RSI), R.RAX))
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RSI), prog.probe_index))
+        asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, 0xFFF))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RSI), R.CX))
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 0))
+        for bit, fld in enumerate(prog.fields):
+            if not fld.in_record:
+                continue
+            at = ring + fld.offset
+            after, faulted = asm.label(), asm.label()
+            if fld.arg.type.is_string:
+                self.string(fld.arg, at, bit, faulted)
+            else:
+                self.value(fld.arg.fetch, fld.arg.type.bits, faulted)
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(at, R.RSI), R.RAX))
+                asm.jump(C.JMP_REL32_64, after)
+                asm.bind(faulted)
+                asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(at, R.RSI), 0))
+                asm.add(iced.Instruction.create_mem_u32(
+                    C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 1 << bit))  # fmt: skip
+            asm.bind(after)
+        # Publish: the record's stores are ordered before the head's (x86 keeps stores in order).
+        self.inc(L.HEAD)
+        asm.jump(C.JMP_REL32_64, release)
+        asm.bind(full)
+        self.inc(layout.counter(prog.probe_index, L.LOST))
+        asm.bind(release)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
+        asm.jump(C.JMP_REL32_64, done)
+        asm.bind(missed)
+        self.inc(layout.counter(prog.probe_index, L.MISSED))
+        asm.bind(done)
+
+    def string(self, arg: FetchArg, at: int, bit: int, faulted: int) -> None:
+        """Copy a NUL-terminated string of at most STRING_CAPACITY bytes into the record at `at`
+        (rsi = the record's offset in the ring): u16 length, u16 flags, the bytes."""
+        asm = self.asm
+        loop, truncated, ended = asm.label(), asm.label(), asm.label()
+        after = asm.label()
+        self.address(arg.fetch, faulted)
+        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDI, R.EDI))
+        asm.bind(loop)
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, L.STRING_CAPACITY))
+        asm.jump(C.JAE_REL32_64, truncated)
+        partial = asm.label()
+        asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EDX, _mem(R.RAX, 0, R.RDI)), partial)
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, iced.MemoryOperand(
+            R.RSI, R.RDI, 1, at + 4, 8, False, R.GS), R.DL))  # fmt: skip
+        asm.add(iced.Instruction.create_reg(C.INC_RM32, R.EDI))
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EDX, R.EDX))
+        asm.jump(C.JNE_REL32_64, loop)
+        asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.EDI))  # not counting the NUL
+        asm.jump(C.JMP_REL32_64, ended)
+        asm.bind(partial)  # ran into unmapped memory: what was read, marked truncated; nothing: faulted
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EDI, R.EDI))
+        asm.jump(C.JE_REL32_64, faulted)
+        asm.bind(truncated)
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(at + 2, R.RSI), L.STRING_TRUNCATED))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(at, R.RSI), R.DI))
+        asm.jump(C.JMP_REL32_64, after)
+        asm.bind(ended)
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(at + 2, R.RSI), 0))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(at, R.RSI), R.DI))
+        asm.jump(C.JMP_REL32_64, after)
+        asm.bind(faulted)
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(at, R.RSI), 0))
+        faults = _gs(self.layout.ring + L.RECORD_FAULTS, R.RSI)
+        asm.add(iced.Instruction.create_mem_u32(C.OR_RM32_IMM32, faults, 1 << bit))
+        asm.bind(after)
+
+
+def _count_only(asm: _Asm, programs: Sequence[Program], layout: L.AreaLayout) -> None:
+    """Hit counters without touching the flags: seto/lahf save OF and the arithmetic flags in
+    al/ah (the sequence of Valgrind and DynamoRIO), cheaper than pushfq/popfq."""
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
+    asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
+    asm.add(iced.Instruction.create(C.LAHF))
+    for prog in programs:
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(prog.probe_index, L.HITS))))
+    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
+    asm.add(iced.Instruction.create(C.SAHF))
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RAX))
+
+
+def build_detour(
+    plan: OptimizePlan,
+    programs: Sequence[Program],
+    layout: L.AreaLayout,
+    at: int,
+    function_entry: bool,
+    symbol_address: Callable[[str], int | None] = lambda name: None,
+) -> Detour | OptimizeRefusal:
+    """The detour for a site whose probes run `programs`, placed at `at`."""
+    asm = _Asm()
+    red_zone = 0 if function_entry else RED_ZONE
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
+    if all(p.kind == ActionKind.COUNT and p.filter is None for p in programs):
+        _count_only(asm, programs, layout)
+    else:
+        emitter = _Emitter(layout, plan.site, _FRAME + red_zone, symbol_address)
+        emitter.asm = asm
+        asm.add(iced.Instruction.create(C.PUSHFQ))
+        for name in _SAVED:
+            asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+        try:
+            for prog in programs:
+                _check_fields(prog)
+                emitter.program(prog)
+        except _Unsupported as exc:
+            return exc.reason
+        for name in reversed(_SAVED):
+            asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
+        asm.add(iced.Instruction.create(C.POPFQ))
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
+    code, fixups = asm.encode(at)
+    region = relocate_region(plan, at + len(code))
+    if region is None:
+        return OptimizeRefusal.RIP_REL_OUT_OF_REACH
+    return Detour(code + region, fixups, len(code))
+
+
+def _check_fields(prog: Program) -> None:
+    if len(prog.fields) > 32 or (prog.kind == ActionKind.HIST and prog.value is None):
+        raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+
+def read_tsc_code() -> bytes:
+    """A C-callable `uint64_t f(void)` returning the time-stamp counter (for the consumer's clock)."""
+    asm = _Asm()
+    asm.add(iced.Instruction.create(C.RDTSC))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create(C.RETNQ))
+    return asm.encode(0)[0]

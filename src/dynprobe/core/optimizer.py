@@ -1,0 +1,277 @@
+"""Jump optimization of probe sites (DESIGN.md section 5) and the thread areas it needs (section 6).
+
+A site whose enabled probes all run in-process actions starts as a trap (correct at once) and is
+queued; `flush()` turns queued sites into jumps in one stop-the-world per process: thread areas
+for threads that have none, a detour per site from the slot cache, the 5-byte `jmp`. A site goes
+back to a trap (`unoptimize`) when a Python handler or a probe inside its region arrives, and when
+it is disabled or removed; its detour stays "dirty" until a stop-the-world finds no thread in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dynprobe.arch.x86_64 import INT3, jump_to
+from dynprobe.arch.x86_64.codegen import Detour, build_detour
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
+from dynprobe.errors import OptimizeRefusal, ProcessError
+from dynprobe.ptrace import syscalls as sc
+from dynprobe.ringbuf.areas import ThreadAreas
+from dynprobe.symbols.elf import load_elf
+
+
+def _debug(message: str) -> None:
+    from dynprobe.core.session import _debug as session_debug
+
+    session_debug(message)
+
+
+if TYPE_CHECKING:
+    from dynprobe.core.probe import Site
+    from dynprobe.core.session import Session, TracedProcess
+
+
+@dataclass(frozen=True)
+class DirtyDetour:
+    start: int
+    size: int
+    fixups: tuple[int, ...]
+
+
+class Optimizer:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.delay = 0.01  # seconds between a site's arming and its optimization (batching)
+        self._queue: dict[int, set[int]] = {}  # pid -> site addresses
+        self._due: float | None = None
+
+    # --- policy -------------------------------------------------------------------------------------
+    def trap_reason(self, proc: TracedProcess, site: Site) -> OptimizeRefusal | None:
+        """Why `site` must stay a trap now, or None if it may take a jump."""
+        if not self.session.optimize:
+            return OptimizeRefusal.DISABLED
+        if site.internal is not None:
+            return OptimizeRefusal.INTERNAL_SITE
+        probes = [p for p in site.probes if p.enabled]
+        if any(p.post is not None for p in probes):
+            return OptimizeRefusal.POST_HANDLER
+        if any(p.pre is not None or p.action is None for p in probes):
+            return OptimizeRefusal.PYTHON_HANDLER
+        if proc.gs_refused:
+            return OptimizeRefusal.GS_IN_USE
+        for probe in probes:
+            reason = self.session.action_refusal(probe)
+            if reason is not None:
+                return reason
+        return site.static_refusal
+
+    def consider(self, proc: TracedProcess, site: Site) -> None:
+        """An armed trap site: queue it if it may be optimized."""
+        site.refusal = self.trap_reason(proc, site)
+        _debug(f"site {site.addr:#x}: {site.refusal or 'queued for optimization'}")
+        if site.refusal is None and proc.follow:
+            self._queue.setdefault(proc.pid, set()).add(site.addr)
+            if self._due is None:
+                self._due = time.monotonic() + self.delay
+
+    def due_in(self) -> float | None:
+        """Seconds until the queued batch is due (0: now), or None if nothing is queued."""
+        if self._due is None:
+            return None
+        return max(0.0, self._due - time.monotonic())
+
+    # --- optimizing ----------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Optimize every queued site: one stop-the-world per process."""
+        queue, self._queue, self._due = self._queue, {}, None
+        for pid, addrs in queue.items():
+            proc = self.session.process(pid)
+            if proc is None or proc.status is not None:
+                continue
+            sites = [s for a in sorted(addrs) if (s := proc.sites.get(a)) is not None and not s.optimized]
+            sites = [s for s in sites if s.armed and self.trap_reason(proc, s) is None]
+            if sites:
+                with self.session.world_stopped(proc):
+                    self._optimize_stopped(proc, sites)
+
+    def _optimize_stopped(self, proc: TracedProcess, sites: list[Site]) -> None:
+        if not self._ensure_areas(proc):
+            for site in sites:
+                site.refusal = OptimizeRefusal.GS_IN_USE
+            return
+        rips = self._thread_rips(proc)
+        self._free_dirty(proc, rips)
+        busy: list[Site] = []
+        for site in sites:
+            plan = self._plan(proc, site)
+            if isinstance(plan, OptimizeRefusal):
+                site.refusal = site.static_refusal = plan
+                continue
+            if any(site.addr < rip < plan.resume_at or site.in_slot(rip) for rip in rips):
+                busy.append(site)  # a thread is inside the region or its slot: next batch
+                continue
+            detour = self._place_detour(proc, site, plan)
+            if isinstance(detour, OptimizeRefusal):
+                site.refusal = detour
+                continue
+            start, built = detour
+            proc.tracee.write(site.addr, jump_to(site.addr, start))
+            site.optimized = True
+            site.armed = False
+            site.detour = (start, len(built.code))
+            site.region = load_elf(site.probes[0].location.path).code(site.probes[0].location.vaddr, plan.length)
+            site.fixups = tuple(built.fixups)
+            for probe in site.probes:
+                probe.jumps.add((proc.pid, site.addr))
+            proc.fixups.update(built.fixups)
+            proc.retired.discard(site.addr)
+            _debug(f"optimized {site.addr:#x}: detour {start:#x}, {len(built.code)} bytes")
+        for site in busy:
+            self.consider(proc, site)
+
+    def _plan(self, proc: TracedProcess, site: Site) -> OptimizePlan | OptimizeRefusal:
+        loc = site.probes[0].location
+        image = load_elf(loc.path)
+        func = loc.function if loc.function is not None and loc.function.size else image.function_at(loc.vaddr)
+        if func is None or not func.size:
+            return OptimizeRefusal.FUNCTION_UNKNOWN
+        bias = site.addr - loc.vaddr
+        near = frozenset(a - bias for a in proc.sites if site.addr < a < site.addr + 32)
+        plan = can_optimize(image.code(func.addr, func.size), func.addr, loc.vaddr, near, image.branch_targets())
+        if isinstance(plan, OptimizeRefusal):
+            return plan
+        original = image.code(loc.vaddr, plan.length)
+        if proc.tracee.read(site.addr + 1, plan.length - 1) != original[1:]:
+            return OptimizeRefusal.UNDECODABLE  # the target changed its own code there
+        return OptimizePlan(site.addr, tuple(iter_instructions(original, site.addr)))
+
+    def _place_detour(
+        self, proc: TracedProcess, site: Site, plan: OptimizePlan
+    ) -> tuple[int, Detour] | OptimizeRefusal:
+        session = self.session
+        programs = [p.program() for p in site.probes if p.enabled]
+        loc = site.probes[0].location
+        entry = loc.function is not None and loc.function.addr == loc.vaddr
+        symbols = session.symbol_resolver(site)
+        sized = build_detour(plan, programs, session.layout, site.addr, entry, symbols)
+        if isinstance(sized, OptimizeRefusal):
+            return sized
+        room = len(sized.code) + 16  # branch encodings may differ a little at the real address
+        start = session.allocate_slot(proc, site.addr, room)
+        if start is None:
+            return OptimizeRefusal.NO_MEMORY
+        built = build_detour(plan, programs, session.layout, start, entry, symbols)
+        if isinstance(built, OptimizeRefusal) or len(built.code) > room:
+            proc.slots.free(start, room)
+            return built if isinstance(built, OptimizeRefusal) else OptimizeRefusal.NO_MEMORY
+        proc.tracee.write(start, built.code)
+        return start, Detour(built.code, built.fixups, built.action_bytes)
+
+    # --- back to trap ------------------------------------------------------------------------------------
+    def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:
+        """Put the original bytes back (and the int3 if `arm`); the detour becomes dirty."""
+        with self.session.world_stopped(proc):
+            data = (bytes([INT3]) + site.region[1:]) if arm else site.region
+            proc.tracee.write(site.addr, data)
+            self._retire_detour(proc, site)
+            site.armed = arm
+            if not arm:
+                proc.retired.add(site.addr)
+            self._free_dirty(proc, self._thread_rips(proc))
+
+    def _retire_detour(self, proc: TracedProcess, site: Site) -> None:
+        _debug(f"unoptimized {site.addr:#x}")
+        if site.detour is not None:
+            proc.dirty.append(DirtyDetour(site.detour[0], site.detour[1] + 16, site.fixups))
+        site.optimized = False
+        site.detour = None
+        site.fixups = ()
+        for probe in site.probes:
+            probe.jumps.discard((proc.pid, site.addr))
+
+    def _free_dirty(self, proc: TracedProcess, rips: list[int]) -> None:
+        keep = []
+        for dirty in proc.dirty:
+            if any(dirty.start <= rip < dirty.start + dirty.size for rip in rips):
+                keep.append(dirty)
+                continue
+            for addr in dirty.fixups:
+                proc.fixups.pop(addr, None)
+            proc.slots.free(dirty.start, dirty.size)
+        proc.dirty = keep
+
+    def in_detour(self, proc: TracedProcess, rip: int) -> bool:
+        if any(d.start <= rip < d.start + d.size for d in proc.dirty):
+            return True
+        return any(s.detour is not None and s.detour[0] <= rip < s.detour[0] + s.detour[1] for s in proc.sites.values())
+
+    def restore_all(self, proc: TracedProcess) -> None:
+        """Original bytes at every optimized site (the world is stopped: detach, unfollowed fork)."""
+        for site in proc.sites.values():
+            if site.optimized:
+                try:
+                    proc.tracee.write(site.addr, site.region)
+                except OSError:
+                    continue
+                self._retire_detour(proc, site)
+
+    @staticmethod
+    def _thread_rips(proc: TracedProcess) -> list[int]:
+        rips = []
+        for tid, state in proc.tracee.threads.items():
+            if state.stopped:
+                with contextlib.suppress(OSError):
+                    rips.append(int(sc.get_regs(tid).rip))
+        return rips
+
+    # --- thread areas -------------------------------------------------------------------------------------
+    def _ensure_areas(self, proc: TracedProcess) -> bool:
+        """Every stopped thread of `proc` has a thread area in its GS base. False if the target
+        uses GS itself (then nothing is changed)."""
+        if proc.gs_refused:
+            return False
+        if proc.areas is None:
+            for tid, state in proc.tracee.threads.items():
+                if state.stopped and int(sc.get_regs(tid).gs_base) != 0 and not proc.gs_inherited:
+                    proc.gs_refused = True
+                    self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
+                    return False
+            proc.areas = self.session.new_areas(proc)
+        for tid, state in list(proc.tracee.threads.items()):
+            if state.stopped and tid not in proc.areas.by_tid:
+                self.give_area(proc, tid)
+        return True
+
+    def give_area(self, proc: TracedProcess, tid: int) -> None:
+        """Point a stopped thread's GS base at its own area (a new thread, at its first stop)."""
+        assert proc.areas is not None
+        area = proc.areas.assign(tid)
+        try:
+            regs = sc.get_regs(tid)
+            regs.gs_base = area.target_addr
+            sc.set_regs(tid, regs)
+        except OSError as exc:
+            raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
+
+    def give_area_to(self, proc: TracedProcess, tid: int) -> None:
+        """A thread at its first stop (a new thread, or a forked child's) gets its own area."""
+        if proc.areas is None:
+            proc.areas = self.session.new_areas(proc)
+        self.give_area(proc, tid)
+
+
+def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
+    def map_pool(size: int) -> tuple[int, object]:
+        tid = next(t for t, s in proc.tracee.threads.items() if s.stopped)
+        stub = proc.slots.stub()
+        assert stub is not None
+        return proc.tracee.map_shared(tid, stub, size)
+
+    return ThreadAreas(proc.pid, session.layout, map_pool)  # type: ignore[arg-type]
+
+
+__all__ = ["JMP_REL32_LEN", "DirtyDetour", "Optimizer", "new_thread_areas"]

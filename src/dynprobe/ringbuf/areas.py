@@ -1,0 +1,111 @@
+"""Thread areas in pools of shared memory, as the tracer sees them (layout: ringbuf/layout.py).
+
+A pool is one memfd mapped in the target (at `target_addr`) and in the tracer (`view`). Areas are
+handed to threads as they appear and come back when a thread has ended and its area was drained
+(its counters folded into the totals first): a program that starts threads all the time does not
+grow without bound.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynprobe.ringbuf import layout as L
+
+POOL_AREAS = 8
+
+
+@dataclass(eq=False)
+class Pool:
+    pid: int
+    target_addr: int
+    view: mmap.mmap
+    count: int
+    words: np.ndarray = field(init=False)  # (count, area words) u64 over the shared memory
+
+    def __post_init__(self) -> None:
+        size = len(self.view) // self.count
+        self.words = np.frombuffer(self.view, dtype=np.uint64).reshape(self.count, size // 8)
+
+
+@dataclass(frozen=True)
+class AreaRef:
+    pool: Pool
+    index: int
+
+    @property
+    def offset(self) -> int:
+        return self.index * (len(self.pool.view) // self.pool.count)
+
+    @property
+    def target_addr(self) -> int:
+        return self.pool.target_addr + self.offset
+
+
+class ThreadAreas:
+    """The areas of one process. `map_pool(size)` maps a new pool in the target (remote syscalls
+    through a stopped thread) and returns (its address there, our view)."""
+
+    def __init__(self, pid: int, layout: L.AreaLayout, map_pool: Callable[[int], tuple[int, mmap.mmap]]) -> None:
+        self.pid = pid
+        self.layout = layout
+        self._map_pool = map_pool
+        self.pools: list[Pool] = []
+        self.by_tid: dict[int, AreaRef] = {}
+        self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
+        self._free: list[AreaRef] = []
+        self.lock = threading.Lock()  # the consumer recycles retired areas from its thread
+
+    def assign(self, tid: int) -> AreaRef:
+        with self.lock:
+            area = self.by_tid.get(tid)
+            if area is not None:
+                return area
+            if not self._free:
+                pool = self._new_pool()
+                self._free.extend(AreaRef(pool, i) for i in reversed(range(pool.count)))
+            area = self._free.pop()
+            self.by_tid[tid] = area
+        words = area.pool.words[area.index]
+        words[L.TID // 8] = tid
+        words[L.MAGIC // 8] = L.AREA_MAGIC
+        return area
+
+    def _new_pool(self) -> Pool:
+        count = POOL_AREAS * (1 << min(len(self.pools), 4))
+        addr, view = self._map_pool(count * self.layout.size)
+        pool = Pool(self.pid, addr, view, count)
+        self.pools.append(pool)
+        return pool
+
+    def retire(self, tid: int) -> None:
+        with self.lock:
+            area = self.by_tid.pop(tid, None)
+            if area is not None:
+                self.retired.append((tid, area))
+
+    def recycle(self, area: AreaRef) -> None:
+        """A drained, folded area is clean again (called by the consumer)."""
+        lay = self.layout
+        words = area.pool.words[area.index]
+        words[: lay.ring // 8] = 0
+        with self.lock:
+            self._free.append(area)
+
+    def owns(self, tid: int) -> bool:
+        return tid in self.by_tid
+
+    def live(self) -> list[tuple[int, AreaRef]]:
+        with self.lock:
+            return list(self.by_tid.items())
+
+    def close(self) -> None:
+        for pool in self.pools:
+            pool.words = np.empty((0, 0), dtype=np.uint64)
+            pool.view.close()
+        self.pools.clear()

@@ -1,0 +1,277 @@
+"""The consumer: drains the rings of every thread area, decodes records in bulk, sums counters.
+
+It runs in a thread of the tracer (it only reads shared memory; ptrace stays with the session's
+thread), calls `deliver` with the decoded events of each drain, oldest first per thread. The
+target is untrusted: every index read from shared memory is checked before use; a ring whose
+head and tail make no sense is reported once and skipped, never read out of bounds.
+
+Time: records carry the time-stamp counter; `TscClock` converts it to CLOCK_MONOTONIC
+nanoseconds from pairs of (counter, clock) readings the consumer takes itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dynprobe.arch.x86_64.codegen import read_tsc_code
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
+
+
+class TscClock:
+    """Time-stamp counter -> CLOCK_MONOTONIC ns, calibrated against clock_gettime here."""
+
+    def __init__(self) -> None:
+        self._page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        self._page.write(read_tsc_code())
+        address = ctypes.addressof(ctypes.c_char.from_buffer(self._page))
+        self.read = ctypes.CFUNCTYPE(ctypes.c_uint64)(address)
+        self._tsc0, self._ns0 = self._pair()
+        time.sleep(0.005)
+        self._scale = 1.0
+        self.recalibrate()
+
+    def _pair(self) -> tuple[int, int]:
+        """A (tsc, monotonic ns) reading: the tightest of a few tries."""
+        best = None
+        for _ in range(5):
+            a = self.read()
+            ns = time.monotonic_ns()
+            b = self.read()
+            if best is None or b - a < best[0]:
+                best = (b - a, (a + b) // 2, ns)
+        assert best is not None
+        return best[1], best[2]
+
+    def recalibrate(self) -> None:
+        tsc, ns = self._pair()
+        if tsc > self._tsc0:
+            self._scale = (ns - self._ns0) / (tsc - self._tsc0)
+
+    def to_ns(self, tsc: np.ndarray) -> np.ndarray:
+        delta = tsc.astype(np.int64) - np.int64(self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF)
+        return (delta * self._scale).astype(np.int64) + self._ns0
+
+
+class RingCorrupted(Exception):
+    pass
+
+
+def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
+    """Copy the unread records of one area out of its ring and mark them read.
+
+    `words`: the area as u64s; `view`: the same bytes. Returns an (n, record_size) u8 array."""
+    head = int(words[L.HEAD // 8])
+    tail = int(words[L.TAIL // 8])
+    slots = lay.ring_slots
+    if not tail <= head <= tail + slots:
+        raise RingCorrupted(f"head {head} and tail {tail} of a ring of {slots} records")
+    if head == tail:
+        return np.empty((0, lay.record_size), dtype=np.uint8)
+    ring = np.frombuffer(view, dtype=np.uint8, count=lay.ring_bytes, offset=offset + lay.ring)
+    records = ring.reshape(slots, lay.record_size)
+    first = tail % slots
+    n = head - tail
+    if first + n <= slots:
+        out = records[first : first + n].copy()
+    else:
+        out = np.concatenate((records[first:], records[: first + n - slots]))
+    words[L.TAIL // 8] = head
+    return out
+
+
+@dataclass(frozen=True)
+class RecordBatch:
+    """Records of one probe from one thread: the raw bytes and their decoded header columns."""
+
+    probe_index: int
+    pid: int
+    tid: int
+    raw: np.ndarray  # (n, record_size) u8
+    time_ns: np.ndarray  # CLOCK_MONOTONIC
+    cpu: np.ndarray
+    faults: np.ndarray
+
+
+class Consumer:
+    """Drains the areas of every process; `deliver(batches)` gets what each pass found."""
+
+    def __init__(
+        self,
+        layout: L.AreaLayout,
+        deliver: Callable[[list[RecordBatch]], None],
+        known_probe: Callable[[int], bool],
+        on_error: Callable[[str], None],
+        interval: float = 0.005,
+    ) -> None:
+        self.layout = layout
+        self.deliver = deliver
+        self.known_probe = known_probe
+        self.on_error = on_error
+        self.interval = interval
+        self.clock = TscClock()
+        self.processes: list[ThreadAreas] = []
+        self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
+        self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
+        self.corrupt = 0  # records or rings rejected
+        self.drained = 0
+        self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._reported: set[str] = set()
+
+    # --- lifecycle ---
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dynprobe-consumer", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.drain()
+
+    def _loop(self) -> None:
+        last_calibration = time.monotonic()
+        while not self._stop.is_set():
+            found = self.drain()
+            now = time.monotonic()
+            if now - last_calibration > 1.0:
+                self.clock.recalibrate()
+                last_calibration = now
+            if not found:
+                self._stop.wait(self.interval)
+
+    # --- draining ---
+    def drain(self) -> int:
+        """One pass over every area; returns how many records it delivered."""
+        with self._lock:
+            batches: list[RecordBatch] = []
+            for areas in list(self.processes):
+                for tid, area in areas.live():
+                    batches += self._drain_area(areas, tid, area)
+                with areas.lock:
+                    retired, areas.retired = areas.retired, []
+                for tid, area in retired:
+                    batches += self._drain_area(areas, tid, area)
+                    self._fold(area)
+                    areas.recycle(area)
+            self.deliver(batches)  # also when empty: events served at stops wait there
+            n = sum(len(b.raw) for b in batches)
+            self.drained += n
+            return n
+
+    def _drain_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
+        lay = self.layout
+        words = area.pool.words[area.index]
+        try:
+            records = take_records(words, memoryview(area.pool.view), area.offset, lay)
+        except (RingCorrupted, ValueError) as exc:
+            self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
+            words[L.TAIL // 8] = words[L.HEAD // 8]
+            self.corrupt += 1
+            return []
+        if not len(records):
+            return []
+        probe = records[:, 0:2].copy().view(np.uint16)[:, 0]
+        cpu = records[:, 2:4].copy().view(np.uint16)[:, 0]
+        faults = records[:, 4:8].copy().view(np.uint32)[:, 0]
+        tsc = records[:, 8:16].copy().view(np.uint64)[:, 0]
+        times = self.clock.to_ns(tsc)
+        out = []
+        for index in np.unique(probe):
+            if not self.known_probe(int(index)):
+                bad = int(np.count_nonzero(probe == index))
+                self.corrupt += bad
+                self._error(f"thread {tid} of pid {areas.pid}: {bad} record(s) of unknown probe {int(index)}")
+                continue
+            rows = probe == index
+            out.append(RecordBatch(int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows]))
+        return out
+
+    def _fold(self, area: AreaRef) -> None:
+        words = area.pool.words[area.index]
+        self.folded += self._counter_block(words)
+        self.folded_hists += self._hist_block(words)
+
+    def _counter_block(self, words: np.ndarray) -> np.ndarray:
+        lay = self.layout
+        start = lay.counters // 8
+        return words[start : start + lay.max_probes * L.PROBE_COUNTERS].reshape(lay.max_probes, L.PROBE_COUNTERS)
+
+    def _hist_block(self, words: np.ndarray) -> np.ndarray:
+        lay = self.layout
+        start = lay.hists // 8
+        return words[start : start + lay.max_hists * L.HIST_BUCKETS].reshape(lay.max_hists, L.HIST_BUCKETS)
+
+    def _error(self, message: str) -> None:
+        key = message.split(":", 1)[0]
+        if key not in self._reported:
+            self._reported.add(key)
+            self.on_error(message)
+
+    # --- totals ---
+    def counters(self, probe_index: int) -> tuple[int, int, int]:
+        """(hits, missed, lost) of a probe summed over every thread area, ended threads included."""
+        with self._lock:
+            total = self.folded[probe_index].copy()
+            for areas in self.processes:
+                for _tid, area in areas.live():
+                    total += self._counter_block(area.pool.words[area.index])[probe_index]
+        return int(total[L.HITS]), int(total[L.MISSED]), int(total[L.LOST])
+
+    def histogram(self, hist_index: int) -> np.ndarray:
+        with self._lock:
+            total: np.ndarray = self.folded_hists[hist_index].copy()
+            for areas in self.processes:
+                for _tid, area in areas.live():
+                    total += self._hist_block(area.pool.words[area.index])[hist_index]
+        return total
+
+    def forget(self, areas: ThreadAreas) -> None:
+        """A process is gone: drain and fold what its areas hold, then let go of the memory."""
+        with self._lock:
+            for tid in list(areas.by_tid):
+                areas.retire(tid)
+            self.drain()
+            if areas in self.processes:
+                self.processes.remove(areas)
+            areas.close()
+
+
+def decode_fields(batch: RecordBatch, fields: Iterable[tuple[int, int, str, int]]) -> dict[int, np.ndarray]:
+    """Integer columns of a batch: for each (field number, offset, kind, bits), the values
+    narrowed to the type (s: sign-extended, as int64; otherwise uint64)."""
+    out: dict[int, np.ndarray] = {}
+    for number, offset, kind, bits in fields:
+        raw = batch.raw[:, offset : offset + 8].copy().view(np.uint64)[:, 0]
+        if bits < 64:
+            raw = raw & np.uint64((1 << bits) - 1)
+        if kind == "s":
+            shift = np.uint64(64 - bits)
+            out[number] = ((raw << shift).view(np.int64)) >> np.int64(64 - bits)
+        else:
+            out[number] = raw
+    return out
+
+
+def decode_string(batch: RecordBatch, offset: int) -> list[tuple[bytes, bool]]:
+    """(bytes, truncated) of a string field per record; a length past the capacity is clamped."""
+    raw = batch.raw
+    lengths = raw[:, offset : offset + 2].copy().view(np.uint16)[:, 0]
+    flags = raw[:, offset + 2 : offset + 4].copy().view(np.uint16)[:, 0]
+    data = raw[:, offset + 4 : offset + 4 + L.STRING_CAPACITY]
+    out = []
+    for i in range(len(raw)):
+        n = min(int(lengths[i]), L.STRING_CAPACITY)
+        out.append((bytes(data[i, :n]), bool(flags[i] & L.STRING_TRUNCATED) or int(lengths[i]) > L.STRING_CAPACITY))
+    return out

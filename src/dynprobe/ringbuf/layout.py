@@ -1,0 +1,108 @@
+"""The binary layouts shared by generated code and the consumer, declared once.
+
+A thread area (one per target thread, reached by generated code through the thread's GS base):
+
+    0x0000  header page     magic, tid, re-entrancy flag; ring head and consumer tail on their
+                            own cache lines (the producer writes head, the consumer writes tail)
+    0x1000  counters        PROBE_COUNTERS u64 per probe: hits, missed (re-entered), lost (ring full)
+    ....    histograms      HIST_BUCKETS u64 per histogram
+    ....    ring            `ring_bytes` (a power of two) of fixed-size records
+
+Thread areas live in pools: one shared memory file (memfd) per pool, mapped by the target and by
+the tracer; pages never touched cost nothing, so the counter and histogram tables are generous.
+
+A record is `record_size` bytes (a power of two): a 16-byte header (u16 probe index, u16 CPU
+from rdtscp, u32 bit mask of fetch arguments that faulted, u64 time-stamp counter) then the
+probe's fields: 8 bytes per integer argument (the raw value, narrowed and sign-extended by the
+consumer) and, per string, a u16 length, a u16 flag word (STRING_TRUNCATED) and
+`STRING_CAPACITY` bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AREA_MAGIC = 0x0031_4145_5250_5944  # "DYPREA1\0" little-endian
+PAGE = 4096
+
+# Header offsets.
+MAGIC = 0x00
+TID = 0x08
+BUSY = 0x10
+HEAD = 0x40
+TAIL = 0x80
+HEADER_BYTES = PAGE
+
+PROBE_COUNTERS = 4  # per probe: hits, missed, lost, spare
+HITS, MISSED, LOST = 0, 1, 2
+HIST_BUCKETS = 66  # [0] zero or negative, [k] values in [2^(k-1), 2^k), k = 1..64, [65] faulted
+HIST_FAULTED = 65
+
+RECORD_HEADER = 16
+RECORD_PROBE, RECORD_CPU, RECORD_FAULTS, RECORD_TSC = 0, 2, 4, 8
+INT_FIELD = 8
+STRING_CAPACITY = 64
+STRING_FIELD = 4 + STRING_CAPACITY
+STRING_TRUNCATED = 1
+
+DEFAULT_RING_BYTES = 1 << 20
+MIN_RING_BYTES = 1 << 12
+MAX_RING_BYTES = 1 << 30
+MAX_RECORD_SIZE = 1 << 12
+
+
+def check_ring_bytes(size: int) -> str | None:
+    """Why `size` cannot be a ring size, or None if it can."""
+    if size <= 0 or size & (size - 1):
+        return f"ring size {size} is not a power of two"
+    if not MIN_RING_BYTES <= size <= MAX_RING_BYTES:
+        return f"ring size {size} is out of range ({MIN_RING_BYTES}..{MAX_RING_BYTES} bytes)"
+    return None
+
+
+def record_size_for(payload: int) -> int:
+    """The smallest power-of-two record size that holds the header and `payload` bytes."""
+    size = 16
+    while size < RECORD_HEADER + payload:
+        size *= 2
+    return size
+
+
+@dataclass(frozen=True)
+class AreaLayout:
+    """Where everything is in a thread area, for one session's limits."""
+
+    max_probes: int = 16384  # the record's probe index is a u16
+    max_hists: int = 512
+    ring_bytes: int = DEFAULT_RING_BYTES
+    record_size: int = 64
+
+    @property
+    def counters(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def hists(self) -> int:
+        return _page_up(self.counters + self.max_probes * PROBE_COUNTERS * 8)
+
+    @property
+    def ring(self) -> int:
+        return _page_up(self.hists + self.max_hists * HIST_BUCKETS * 8)
+
+    @property
+    def size(self) -> int:
+        return self.ring + self.ring_bytes
+
+    @property
+    def ring_slots(self) -> int:
+        return self.ring_bytes // self.record_size
+
+    def counter(self, probe_index: int, which: int) -> int:
+        return self.counters + (probe_index * PROBE_COUNTERS + which) * 8
+
+    def hist(self, hist_index: int) -> int:
+        return self.hists + hist_index * HIST_BUCKETS * 8
+
+
+def _page_up(n: int) -> int:
+    return (n + PAGE - 1) & ~(PAGE - 1)
