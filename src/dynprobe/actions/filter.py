@@ -22,6 +22,8 @@ FILTER_ERRORS: dict[str, str] = {
     "FILTER_STRING": "strings cannot be compared in a filter",
     "FILTER_BAD_NUMBER": "not a number (decimal, 0x hex or negative)",
     "FILTER_PAREN": "a '(' has no matching ')'",
+    "VALUE_UNKNOWN": "the histogram value is not a fetch argument of this probe, nor a fetch argument itself",
+    "VALUE_STRING": "cannot make a histogram of a string; give an integer type",
 }
 
 _TOKEN = re.compile(
@@ -151,3 +153,16 @@ def matches(node: Filter, value_of: dict[str, int | None]) -> bool:
         ">": value > node.value,
         ">=": value >= node.value,
     }[node.op]
+
+
+def parse_value(text: str, args: tuple[FetchArg, ...] = ()) -> FetchArg:
+    """A histogram's value: one of the probe's fetch arguments by name, or a fetch argument."""
+    arg = {a.name: a for a in args}.get(text)
+    if arg is None:
+        try:
+            arg = parse_fetch_arg(text, 0, 0, text, "p")
+        except ParseError:
+            raise _fail("VALUE_UNKNOWN", text, 0) from None
+    if arg.type.is_string:
+        raise _fail("VALUE_STRING", text, 0)
+    return arg

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import FrameType
 
 from dynprobe.core.session import Session, attach, spawn
 from dynprobe.errors import DynprobeError, ParseError
@@ -46,13 +46,28 @@ def open_session(args: argparse.Namespace, command: list[str]) -> Session:
     return spawn(command, follow_fork=args.follow_fork)
 
 
-@contextmanager
-def interruptible(session: Session) -> Iterator[None]:
-    """Ctrl-C / SIGTERM make `session.run()` return so the session detaches cleanly."""
-    old_int = signal.signal(signal.SIGINT, session.interrupt_wait)
-    old_term = signal.signal(signal.SIGTERM, session.interrupt_wait)
+def run_target(session: Session, interval: float | None = None, tick: Callable[[], None] | None = None) -> int | None:
+    """Run until the target ends or Ctrl-C / SIGTERM; call `tick` every `interval` seconds.
+    Returns the target's exit status, or None when interrupted (or attached: it runs on)."""
+    interrupted = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupted
+        interrupted = True
+        session.interrupt_wait(signum, frame)
+
+    old_int = signal.signal(signal.SIGINT, on_signal)
+    old_term = signal.signal(signal.SIGTERM, on_signal)
     try:
-        yield
+        while True:
+            try:
+                status = session.run(timeout=interval)
+            except BrokenPipeError:
+                return None
+            if status is not None or interrupted or not session.processes():
+                return status
+            if tick is not None:
+                tick()
     finally:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)

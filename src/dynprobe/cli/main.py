@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from dynprobe import __version__
+from dynprobe.cli import count, hist, trace
 from dynprobe.cli import list as list_cmd
-from dynprobe.cli import trace
 from dynprobe.cli.common import split_command
 
 
@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynprobe {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     trace.add_parser(sub)
+    count.add_parser(sub)
+    hist.add_parser(sub)
     list_cmd.add_parser(sub)
     return parser
 

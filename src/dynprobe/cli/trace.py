@@ -1,32 +1,36 @@
-"""`dynprobe trace`: print one ftrace-format line (or JSON line) per probe hit."""
+"""`dynprobe trace`: print one ftrace-format line (or JSON line) per probe hit.
+
+Each probe records its fetch arguments in the target (optimized: no stop per hit) and the
+consumer prints the records; `--trap` keeps every probe a trap probe instead."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import sys
+import threading
 from typing import TextIO
 
-from dynprobe.cli.common import add_target_options, interruptible, open_session, report_error
-from dynprobe.core.probe import Hit, Probe
+from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
+from dynprobe.cli.probes import ProbeRequest, add_probe_options, check_request, place_all, print_stats
+from dynprobe.core.probe import Probe, ProbeEvent
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
 from dynprobe.output.ftrace import EventLine, ftrace_line, json_line
-from dynprobe.ptrace.process import thread_cpu
-from dynprobe.spec.fetch import json_value
-from dynprobe.spec.parser import parse_probe
 
 EXAMPLES = """\
 examples:
   dynprobe trace 'p:app/add add a=%di b=%si:s32' -- ./app 10
   dynprobe trace 'p libc:malloc size=%di:u64' 'p libc:free ptr=%di' -p 1234
   dynprobe trace 'p /usr/bin/bash:0x5a0d0 cmd=+0(%di):string' --json -o out.jsonl -p $(pgrep -n bash)
-  dynprobe trace -f probes.txt -- ./server --port 8080
+  dynprobe trace 'p:app/rd read_block n=%si:u32' --filter 'n > 4096' -- ./app
+  dynprobe trace -f probes.txt --stats -- ./server --port 8080
 
 Probe syntax (as tracefs uprobe_events):
   p[:[GRP/]EVENT] [PATH:]SYMBOL[+OFFS]|PATH:0xFILEOFFSET [NAME=]FETCHARG[:TYPE] ...
   FETCHARG: %REG  @ADDR  @SYM[+|-OFFS]  $stackN  $stack  $argN  $comm  +|-OFFS(FETCHARG)
   TYPE: u8..u64 s8..s64 x8..x64 string ustring symbol
+Filter: NAME OP NUMBER joined with and/or (OP: == != < <= > >=); NAME is a fetch argument's name.
 """
 
 
@@ -36,74 +40,48 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Place probes and print one line per hit, in the ftrace trace format.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    p.add_argument("specs", nargs="*", metavar="SPEC", help="probe specifications")
-    p.add_argument(
-        "-f",
-        "--file",
-        action="append",
-        default=[],
-        metavar="SPECFILE",
-        help="read probe specifications from a file, one per line ('#' starts a comment)",
-    )
+    add_probe_options(p)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of ftrace lines")
     p.add_argument("-o", "--output", metavar="FILE", help="write events to FILE instead of stdout")
-    p.add_argument("--trap", action="store_true", help="force trap mode (the only mode so far)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")  # fmt: skip
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
     add_target_options(p)
     p.set_defaults(run=run)
 
 
-def read_spec_files(paths: list[str]) -> list[str]:
-    specs: list[str] = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()
-        except OSError as exc:
-            raise DynprobeError(f"cannot read spec file {path}: {exc.strerror}") from exc
-        specs.extend(s for line in lines if (s := line.split("#", 1)[0].strip()))
-    return specs
-
-
 class EventPrinter:
-    """The pre-handler of every traced probe: formats the hit and writes a line."""
+    """The `on_event` callback of every traced probe: one line per event. Called by the consumer
+    thread (optimized probes and trap probes alike), in time order within each drain."""
 
     def __init__(self, out: TextIO, as_json: bool) -> None:
         self.out = out
         self.as_json = as_json
         self.lines = 0
+        self.broken = False
+        self._lock = threading.Lock()
 
-    def __call__(self, hit: Hit) -> None:
-        values = hit.fetch()
-        probe = hit.probe
-        from dynprobe.spec.fetch import format_value
-
-        formatted = [(a.name, format_value(values[a.name], a.type, hit.context.symbolize)) for a in probe.args]
-        event = EventLine(
-            hit.comm(), hit.pid, hit.tid, thread_cpu(hit.pid, hit.tid), hit.time, probe.group, probe.event,
-            hit.address, formatted, {k: json_value(v) for k, v in values.items()},
+    def __call__(self, event: ProbeEvent) -> None:
+        probe = event.probe
+        line = EventLine(
+            event.comm, event.pid, event.tid, event.cpu, event.time, probe.group, probe.event,
+            event.address, event.formatted(), event.json_values(),
         )  # fmt: skip
-        self.out.write((json_line(event) if self.as_json else ftrace_line(event)) + "\n")
-        self.lines += 1
+        with self._lock:
+            if self.broken:
+                return
+            try:
+                self.out.write((json_line(line) if self.as_json else ftrace_line(line)) + "\n")
+            except BrokenPipeError:
+                self.broken = True  # `| head`: keep tracing quietly until the target ends
+            self.lines += 1
 
 
-def print_summary(session: Session, probes: list[Probe]) -> None:
-    if not probes:
-        return
-    width = max(len(p.name) for p in probes)
-    print(f"dynprobe: {len(probes)} probe(s)", file=sys.stderr)
-    for p in probes:
-        paths = ", ".join(f"{k.value} {n}" for k, n in sorted(p.resumes.items(), key=lambda kv: kv[0].value))
-        where = f"{p.location.basename}:{p.location.label}"
-        print(f"  {p.name:<{width}}  {where:<28} mode={p.mode.value} hits={p.hits} missed={p.nmissed}"
-              + (f"  ({paths})" if paths else ""), file=sys.stderr)  # fmt: skip
+def trace(session: Session, request: ProbeRequest, printer: EventPrinter) -> list[Probe]:
+    return place_all(session, request, lambda spec: session.probe(spec, on_event=printer, filter=request.filter))
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
-        specs = [parse_probe(s) for s in list(args.specs) + read_spec_files(args.file)]
-        if not specs:
-            return report_error(DynprobeError("no probe given: add a SPEC or -f SPECFILE"))
+        request = check_request(args)
         out: TextIO = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     except DynprobeError as exc:
         return report_error(exc)
@@ -114,15 +92,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
-            probes = [session.probe(spec, pre=printer) for spec in specs]
-            with interruptible(session):
-                try:
-                    status = session.run()
-                except BrokenPipeError:
-                    status = None
+            probes = trace(session, request, printer)
+            status = run_target(session)
             session.close()
             if not args.quiet:
-                print_summary(session, probes)
+                print_stats(probes, args.stats)
     except DynprobeError as exc:
         return report_error(exc)
     finally:

@@ -250,6 +250,7 @@ class Optimizer:
         """Point a stopped thread's GS base at its own area (a new thread, at its first stop)."""
         assert proc.areas is not None
         area = proc.areas.assign(tid)
+        self.session.comm_of(proc.pid, tid)  # remembered for its events
         try:
             regs = sc.get_regs(tid)
             regs.gs_base = area.target_addr

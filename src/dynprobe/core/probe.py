@@ -117,6 +117,7 @@ class Probe:
     trap_hist: list[int] = field(default_factory=lambda: [0] * HIST_BUCKETS)
     fields: tuple[Field, ...] = ()
     jumps: set[tuple[int, int]] = field(default_factory=set)  # (pid, site) where it is optimized
+    sites: dict[int, int] = field(default_factory=dict)  # pid -> where it was placed (kept after exit)
 
     def __post_init__(self) -> None:
         self.fields = record_fields(self.args)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 
-from dynprobe.actions.filter import filter_args, matches, parse_filter
+from dynprobe.actions.filter import filter_args, matches, parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, payload_size
 from dynprobe.arch.x86_64 import (
     FLAG_TF,
@@ -78,7 +78,7 @@ from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, Deref, FetchArg, ProbeSpec, SymbolAddr
-from dynprobe.spec.parser import ERRORS, parse_fetch_arg, parse_probe
+from dynprobe.spec.parser import ERRORS, parse_probe
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
@@ -206,6 +206,7 @@ class Session:
         self._by_index: list[Probe | None] = []
         self._hists = 0
         self._trap_events: list[ProbeEvent] = []
+        self._comms: dict[tuple[int, int], str] = {}
         self._events_lock = threading.Lock()
         proc = TracedProcess(tracee, _exe_of(tracee.pid))
         self._add_process(proc)
@@ -287,7 +288,11 @@ class Session:
         self._check_fetch_symbols(spec.args, location)
         kind = self._action_kind(action, pre, post, on_event)
         parsed_filter = parse_filter(filter, spec.args) if filter is not None else None
-        hist_value = self._hist_value(value, spec.args) if kind == ActionKind.HIST else None
+        hist_value = None
+        if kind == ActionKind.HIST:
+            if value is None:
+                raise SessionError("a histogram needs a value: a fetch argument's name, or a fetch argument")
+            hist_value = parse_value(value, spec.args)
         if parsed_filter is not None:
             self._check_fetch_symbols(tuple(filter_args(parsed_filter)), location)
         probe = Probe(
@@ -329,16 +334,6 @@ class Session:
                 raise SessionError("on_event receives records: use action='record'")
             return ActionKind.RECORD
         return action or ActionKind.COUNT
-
-    @staticmethod
-    def _hist_value(value: str | None, args: tuple[FetchArg, ...]) -> FetchArg:
-        if value is None:
-            raise SessionError("a histogram needs a value: a fetch argument name or a fetch argument")
-        named = {a.name: a for a in args}.get(value)
-        arg = named or parse_fetch_arg(value, 0, 0, value, "p")
-        if arg.type.is_string:
-            raise SessionError(f"cannot make a histogram of a string ({value})")
-        return arg
 
     @staticmethod
     def _check_fetch_symbols(args: tuple[FetchArg, ...], location: Location) -> None:
@@ -1036,6 +1031,7 @@ class Session:
             site = self._make_site(proc, probe.location, addr)
             proc.sites[addr] = site
         site.probes.append(probe)
+        probe.sites[proc.pid] = addr
         self._set_armed(proc, site, site.wanted)
 
     def allocate_slot(self, proc: TracedProcess, near: int, size: int = SLOT_SIZE) -> int | None:
@@ -1411,10 +1407,8 @@ class Session:
             if f.arg.type.is_string and f.in_record
         }
         faults = batch.faults.tolist()
-        proc = self._processes.get(batch.pid)
-        comm = proc.comm(batch.tid) if proc is not None else "<...>"
-        addresses = self.addresses_of(probe)
-        address = addresses[0] if addresses else 0
+        comm = self.comm_of(batch.pid, batch.tid)
+        address = probe.sites.get(batch.pid, 0)
         out = []
         for row, (t, cpu) in enumerate(zip(batch.time_ns.tolist(), batch.cpu.tolist(), strict=True)):
             values: dict[str, Value] = {}
@@ -1430,6 +1424,16 @@ class Session:
                     values[f.arg.name] = columns[i][row]
             out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm))
         return out
+
+    def comm_of(self, pid: int, tid: int) -> str:
+        """A thread's name; remembered, so events read after it ended still have it."""
+        proc = self._processes.get(pid)
+        if proc is not None and tid in proc.tracee.threads:
+            name = proc.tracee.comm(tid)
+            if name != "<...>":
+                self._comms[pid, tid] = name
+                return name
+        return self._comms.get((pid, tid), "<...>")
 
     def counters_of(self, probe: Probe) -> tuple[int, int, int]:
         """(hits, missed, lost) counted in the target's thread areas."""

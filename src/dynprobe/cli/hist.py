@@ -1,0 +1,79 @@
+"""`dynprobe hist`: a log2 histogram of one fetched value per probe hit, aggregated in the target."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from dynprobe.actions.filter import parse_value
+from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
+from dynprobe.cli.probes import add_probe_options, check_request, place_all, print_stats
+from dynprobe.core.probe import Probe
+from dynprobe.core.session import print_warning
+from dynprobe.errors import DynprobeError
+from dynprobe.output.hist import log2_lines
+
+EXAMPLES = """\
+examples:
+  dynprobe hist 'p libc:malloc' --value %di -- ./app                 malloc sizes
+  dynprobe hist 'p:io/rd read_block n=%si:u32' --value n -i 5 -p 1234
+  dynprobe hist 'p libc:write fd=%di len=%dx' --value len --filter 'fd == 1' -- ./app
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "hist", help="log2 histogram of a fetched value",
+        description="A log2 histogram of one fetch argument per hit, aggregated in the target.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_probe_options(p)
+    p.add_argument("--value", required=True, metavar="FETCHARG",
+                   help="what to count: a fetch argument's name, or a fetch argument (%%di, +8(%%si):u32)")  # fmt: skip
+    p.add_argument("-i", "--interval", type=float, metavar="SECONDS", help="also print the histograms every SECONDS")
+    add_target_options(p)
+    p.set_defaults(run=run)
+
+
+def print_hists(probes: list[Probe], value: str, title: str | None = None) -> None:
+    out = sys.stdout
+    if title:
+        print(title, file=out)
+    for p in probes:
+        print(f"@{p.name}[{value}]:", file=out)
+        lines = log2_lines(p.histogram)
+        print("\n".join(lines) if lines else "  (no hits)", file=out)
+        print(file=out)
+    out.flush()
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    if args.interval is not None and args.interval <= 0:
+        return report_error(DynprobeError("the interval must be a positive number of seconds"))
+    try:
+        request = check_request(args)
+        for spec in request.specs:
+            parse_value(args.value, spec.args)
+        with open_session(args, command) as session:
+            session.on_warning = print_warning
+            probes = place_all(
+                session, request,
+                lambda spec: session.probe(spec, action="hist", value=args.value, filter=request.filter),
+            )  # fmt: skip
+
+            def tick() -> None:
+                print_hists(probes, args.value, time.strftime("%H:%M:%S"))
+
+            status = run_target(session, args.interval, tick)
+            session.close()
+            print_hists(probes, args.value)
+            if args.stats:
+                print_stats(probes, True)
+    except DynprobeError as exc:
+        return report_error(exc)
+    except BrokenPipeError:
+        return 0
+    if args.pid is not None:
+        return 0
+    return status if status is not None else 130

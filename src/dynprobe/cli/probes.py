@@ -1,0 +1,123 @@
+"""What `trace`, `count` and `hist` share: probe options, checking every input before anything is
+patched, placing many probes (with a progress bar on a terminal), and the per-probe statistics."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dynprobe.actions.filter import parse_filter
+from dynprobe.cli.common import UsageError
+from dynprobe.core.probe import Probe
+from dynprobe.core.session import Session
+from dynprobe.errors import DynprobeError
+from dynprobe.ringbuf.layout import check_ring_bytes
+from dynprobe.spec.model import ProbeSpec
+from dynprobe.spec.parser import parse_probe
+
+PROGRESS_FROM = 200  # probes: fewer attach too fast for a bar to help
+
+
+def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits where EXPR holds") -> None:
+    p.add_argument("specs", nargs="*", metavar="SPEC", help="probe specifications")
+    p.add_argument("-f", "--file", action="append", default=[], metavar="SPECFILE",
+                   help="read probe specifications from a file, one per line ('#' starts a comment)")  # fmt: skip
+    p.add_argument("--filter", metavar="EXPR", help=f"{filter_help}, e.g. 'a == 5 and (b > 0 or c != 1)'")
+    p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
+                   help="keep every probe a trap probe (no jump optimization), for comparisons")  # fmt: skip
+    p.add_argument("--ring-size", type=int, default=None, metavar="BYTES",
+                   help="per-thread ring buffer size, a power of two (default 1 MiB)")  # fmt: skip
+    p.add_argument("--stats", action="store_true",
+                   help="at the end, per probe: mode (optimized, or trap and why), hits, missed, lost")  # fmt: skip
+
+
+def read_spec_files(paths: list[str]) -> list[str]:
+    specs: list[str] = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except OSError as exc:
+            raise DynprobeError(f"cannot read spec file {path}: {exc.strerror}") from exc
+        specs.extend(s for line in lines if (s := line.split("#", 1)[0].strip()))
+    return specs
+
+
+@dataclass
+class ProbeRequest:
+    specs: list[ProbeSpec]
+    filter: str | None
+    trap: bool
+    ring_size: int | None
+
+
+def check_request(args: argparse.Namespace) -> ProbeRequest:
+    """Every spec, the filter and the ring size checked before a process is touched."""
+    specs = [parse_probe(s) for s in list(args.specs) + read_spec_files(args.file)]
+    if not specs:
+        raise UsageError("no probe given: add a SPEC or -f SPECFILE")
+    if args.filter is not None:
+        for spec in specs:
+            parse_filter(args.filter, spec.args)
+    if args.ring_size is not None:
+        problem = check_ring_bytes(args.ring_size)
+        if problem is not None:
+            raise UsageError(problem)
+    return ProbeRequest(specs, args.filter, args.trap, args.ring_size)
+
+
+def configure(session: Session, request: ProbeRequest) -> None:
+    session.optimize = not request.trap
+    if request.ring_size is not None:
+        session.ring_bytes = request.ring_size
+
+
+def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpec], Probe]) -> list[Probe]:
+    """Place every probe; a progress bar on a terminal when there are many."""
+    configure(session, request)
+    if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
+        return [place(spec) for spec in request.specs]
+    probes = []
+    with _progress() as progress:
+        task = progress.add_task("placing probes", total=len(request.specs))
+        for spec in request.specs:
+            probes.append(place(spec))
+            progress.advance(task)
+    return probes
+
+
+@contextmanager
+def _progress() -> Iterator[Progress]:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as progress:
+        yield progress
+
+
+def mode_text(probe: Probe) -> str:
+    if probe.mode.value == "optimized":
+        return "optimized"
+    reason = probe.trap_reason
+    return f"trap ({reason.name})" if reason is not None else "trap"
+
+
+def print_stats(probes: list[Probe], stats: bool, out: object = None) -> None:
+    """One line per probe on stderr: where, hits, missed (and with --stats: mode, lost)."""
+    if not probes:
+        return
+    stream = sys.stderr
+    width = max(len(p.name) for p in probes)
+    print(f"dynprobe: {len(probes)} probe(s)", file=stream)
+    for p in probes:
+        where = f"{p.location.basename}:{p.location.label}"
+        line = f"  {p.name:<{width}}  {where:<28} hits={p.hits} missed={p.nmissed}"
+        if stats:
+            line += f" lost={p.lost} mode={mode_text(p)}"
+            paths = ", ".join(f"{k.value} {n}" for k, n in sorted(p.resumes.items(), key=lambda kv: kv[0].value))
+            if paths:
+                line += f"  ({paths})"
+        print(line, file=stream)
