@@ -10,6 +10,7 @@ it is disabled or removed; its detour stays "dirty" until a stop-the-world finds
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,8 +21,11 @@ from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal, ProcessError
 from dynprobe.ptrace import syscalls as sc
+from dynprobe.ptrace.events import EventKind
+from dynprobe.ptrace.process import SHARED_NAME
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.maps import Mapping, mapping_at, read_maps
 
 
 def _debug(message: str) -> None:
@@ -72,6 +76,8 @@ class Optimizer:
     def consider(self, proc: TracedProcess, site: Site) -> None:
         """An armed trap site: queue it if it may be optimized."""
         site.refusal = self.trap_reason(proc, site)
+        for probe in site.probes:
+            probe.refusal = site.refusal
         _debug(f"site {site.addr:#x}: {site.refusal or 'queued for optimization'}")
         if site.refusal is None and proc.follow:
             self._queue.setdefault(proc.pid, set()).add(site.addr)
@@ -94,29 +100,39 @@ class Optimizer:
                 continue
             sites = [s for a in sorted(addrs) if (s := proc.sites.get(a)) is not None and not s.optimized]
             sites = [s for s in sites if s.armed and self.trap_reason(proc, s) is None]
+            _debug(f"optimizing {len(sites)} site(s) of pid {pid}")
             if sites:
-                with self.session.world_stopped(proc):
-                    self._optimize_stopped(proc, sites)
+                with self.session.world_stopped(proc) as tid:
+                    if tid is not None:
+                        self._optimize_stopped(proc, sites)
 
     def _optimize_stopped(self, proc: TracedProcess, sites: list[Site]) -> None:
         if not self._ensure_areas(proc):
             for site in sites:
-                site.refusal = OptimizeRefusal.GS_IN_USE
+                self._refuse(site, OptimizeRefusal.GS_IN_USE)
             return
         rips = self._thread_rips(proc)
-        self._free_dirty(proc, rips)
+        self._free_dirty(proc, list(rips.values()))
+        # A thread that has just hit the int3 (its SIGTRAP not served yet) is at site+1; it will
+        # be moved back to the site and take the jump (Session._on_signal).
+        at_int3 = {int(rip) - 1 for tid, rip in rips.items() if self._trapped(proc, tid)}
         busy: list[Site] = []
         for site in sites:
             plan = self._plan(proc, site)
             if isinstance(plan, OptimizeRefusal):
-                site.refusal = site.static_refusal = plan
+                self._refuse(site, plan, static=True)
                 continue
-            if any(site.addr < rip < plan.resume_at or site.in_slot(rip) for rip in rips):
+            inside = [
+                rip for rip in rips.values()
+                if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in at_int3))
+                or site.in_slot(rip)
+            ]  # fmt: skip
+            if inside:
                 busy.append(site)  # a thread is inside the region or its slot: next batch
                 continue
             detour = self._place_detour(proc, site, plan)
             if isinstance(detour, OptimizeRefusal):
-                site.refusal = detour
+                self._refuse(site, detour)
                 continue
             start, built = detour
             proc.tracee.write(site.addr, jump_to(site.addr, start))
@@ -132,6 +148,15 @@ class Optimizer:
             _debug(f"optimized {site.addr:#x}: detour {start:#x}, {len(built.code)} bytes")
         for site in busy:
             self.consider(proc, site)
+
+    @staticmethod
+    def _refuse(site: Site, reason: OptimizeRefusal, static: bool = False) -> None:
+        _debug(f"site {site.addr:#x} stays a trap: {reason.name}")
+        site.refusal = reason
+        if static:
+            site.static_refusal = reason
+        for probe in site.probes:
+            probe.refusal = reason
 
     def _plan(self, proc: TracedProcess, site: Site) -> OptimizePlan | OptimizeRefusal:
         loc = site.probes[0].location
@@ -176,12 +201,13 @@ class Optimizer:
         """Put the original bytes back (and the int3 if `arm`); the detour becomes dirty."""
         with self.session.world_stopped(proc):
             data = (bytes([INT3]) + site.region[1:]) if arm else site.region
-            proc.tracee.write(site.addr, data)
+            with contextlib.suppress(OSError):  # the process is exiting
+                proc.tracee.write(site.addr, data)
             self._retire_detour(proc, site)
             site.armed = arm
             if not arm:
                 proc.retired.add(site.addr)
-            self._free_dirty(proc, self._thread_rips(proc))
+            self._free_dirty(proc, list(self._thread_rips(proc).values()))
 
     def _retire_detour(self, proc: TracedProcess, site: Site) -> None:
         _debug(f"unoptimized {site.addr:#x}")
@@ -220,13 +246,19 @@ class Optimizer:
                 self._retire_detour(proc, site)
 
     @staticmethod
-    def _thread_rips(proc: TracedProcess) -> list[int]:
-        rips = []
+    def _thread_rips(proc: TracedProcess) -> dict[int, int]:
+        rips = {}
         for tid, state in proc.tracee.threads.items():
             if state.stopped:
                 with contextlib.suppress(OSError):
-                    rips.append(int(sc.get_regs(tid).rip))
+                    rips[tid] = int(sc.get_regs(tid).rip)
         return rips
+
+    @staticmethod
+    def _trapped(proc: TracedProcess, tid: int) -> bool:
+        """Stopped by our int3, its SIGTRAP not handled yet (kept while the world was stopped)."""
+        state = proc.tracee.threads[tid]
+        return any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred)
 
     # --- thread areas -------------------------------------------------------------------------------------
     def _ensure_areas(self, proc: TracedProcess) -> bool:
@@ -235,8 +267,13 @@ class Optimizer:
         if proc.gs_refused:
             return False
         if proc.areas is None:
+            maps = read_maps(proc.pid)
             for tid, state in proc.tracee.threads.items():
-                if state.stopped and int(sc.get_regs(tid).gs_base) != 0 and not proc.gs_inherited:
+                gs = 0
+                if state.stopped:
+                    with contextlib.suppress(ProcessLookupError):  # born, its first stop not reported
+                        gs = int(sc.get_regs(tid).gs_base)
+                if gs and not proc.gs_inherited and not _left_by_dynprobe(maps, gs):
                     proc.gs_refused = True
                     self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
                     return False
@@ -247,13 +284,19 @@ class Optimizer:
         return True
 
     def give_area(self, proc: TracedProcess, tid: int) -> None:
-        """Point a stopped thread's GS base at its own area (a new thread, at its first stop)."""
+        """Point a stopped thread's GS base at its own area. A thread whose first stop has not
+        happened yet (born, not reported) is left for that stop (Session._handle)."""
         assert proc.areas is not None
-        area = proc.areas.assign(tid)
-        self.session.comm_of(proc.pid, tid)  # remembered for its events
         try:
             regs = sc.get_regs(tid)
-            regs.gs_base = area.target_addr
+        except ProcessLookupError:
+            return
+        except OSError as exc:
+            raise ProcessError(f"cannot read the registers of thread {tid}: {exc.strerror}") from exc
+        area = proc.areas.assign(tid)
+        self.session.comm_of(proc.pid, tid)  # remembered for its events
+        regs.gs_base = area.target_addr
+        try:
             sc.set_regs(tid, regs)
         except OSError as exc:
             raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
@@ -263,6 +306,12 @@ class Optimizer:
         if proc.areas is None:
             proc.areas = self.session.new_areas(proc)
         self.give_area(proc, tid)
+
+
+def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:
+    """A GS base in a thread area of an earlier session (one whose tracer was killed)."""
+    m = mapping_at(maps, gs_base)
+    return m is not None and m.path.startswith(f"/memfd:{SHARED_NAME.rstrip(bytes(1)).decode()}")
 
 
 def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:

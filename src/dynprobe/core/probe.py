@@ -118,6 +118,7 @@ class Probe:
     fields: tuple[Field, ...] = ()
     jumps: set[tuple[int, int]] = field(default_factory=set)  # (pid, site) where it is optimized
     sites: dict[int, int] = field(default_factory=dict)  # pid -> where it was placed (kept after exit)
+    refusal: OptimizeRefusal | None = None  # why its site was last left a trap
 
     def __post_init__(self) -> None:
         self.fields = record_fields(self.args)

@@ -380,7 +380,8 @@ class Session:
         `stop()` was called."""
         self._check_open()
         self._stop_requested = False
-        with self._deadline(timeout), self._tracer_pinned():
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._tracer_pinned():
             if any(p.action is not None for p in self.probes):
                 self._ensure_consumer().start()
             self._optimizer.flush()  # everything placed so far, before the target runs on
@@ -391,10 +392,16 @@ class Session:
                     if due == 0:
                         self._optimizer.flush()
                         continue
-                    if due is not None and not self._pending and not self._wait_for_stop(due):
-                        continue
-                    if not self._pending and self._serve_breakpoint():
-                        continue
+                    if not self._pending:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        limits = [t for t in (due, left) if t is not None]
+                        if limits and min(limits) <= 0:
+                            break  # the deadline passed
+                        stop = self._next_stop(min(limits) if limits else None)
+                        if stop is None:
+                            continue  # a time limit came first
+                        if self._serve_breakpoint(*stop):
+                            continue
                     if not self._pending:
                         break  # no tracee left at all (ECHILD)
                     self._handle(self._pending.popleft())
@@ -433,40 +440,29 @@ class Session:
                 proc.tracee.home_cpu = None
             os.sched_setaffinity(0, allowed)
 
-    def _wait_for_stop(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds for a stop; True (and it is queued) if one came."""
-        with sigchld_blocked():
-            event = poll_event()
-            if event is None:
-                signal.sigtimedwait([signal.SIGCHLD], timeout)
-                event = poll_event()
-        if event is None:
-            return False
-        self._pending.append(event)
-        return True
-
-    @contextlib.contextmanager
-    def _deadline(self, timeout: float | None) -> Iterator[None]:
-        """After `timeout` seconds, make `run()` return (a SIGALRM timer; main thread only)."""
-        if timeout is None:
-            yield
-            return
-        if threading.current_thread() is not threading.main_thread():
-            raise SessionError("run(timeout=...) works in the main thread only; call stop() instead")
-        old = signal.signal(signal.SIGALRM, self.interrupt_wait)
-        signal.setitimer(signal.ITIMER_REAL, max(timeout, 1e-6))
+    def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
+        """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`
+        seconds passed first. A timed wait sleeps in sigtimedwait for SIGCHLD: no timer signal
+        has to find this thread inside waitpid (with the consumer thread, process signals could
+        land elsewhere; SIGINT and SIGTERM are blocked there, so Ctrl-C still arrives here)."""
         try:
-            yield
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
+            if timeout is None:
+                return os.waitpid(-1, sc.WALL)
+            with sigchld_blocked():
+                pid, status = os.waitpid(-1, sc.WALL | os.WNOHANG)
+                if pid == 0:
+                    signal.sigtimedwait([signal.SIGCHLD], timeout)
+                    pid, status = os.waitpid(-1, sc.WALL | os.WNOHANG)
+            return (pid, status) if pid else None
+        except ChildProcessError:
+            return -1, 0
 
     def stop(self) -> None:
         """Make `run()` return after the event at hand (call it from a handler)."""
         self._stop_requested = True
 
     def interrupt_wait(self, signum: int, frame: FrameType | None) -> None:
-        """A signal handler (SIGINT/SIGTERM in the CLI, SIGALRM for timeouts) that makes `run()`
+        """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()`
         return promptly: it never raises (an exception in the middle of waitpid could lose an
         event); it sets a flag and PTRACE_INTERRUPTs a running tracee so waitpid wakes up."""
         self._stop_requested = True
@@ -493,13 +489,11 @@ class Session:
         elif state.stopped:
             proc.tracee.resume(state.tid)
 
-    def _serve_breakpoint(self) -> bool:
-        """The hot path: wait for the next stop and, if it is a thread of ours hitting one of our
-        int3s, serve it without building an Event. False (the stop queued) for anything else."""
-        try:
-            pid, status = os.waitpid(-1, sc.WALL)
-        except ChildProcessError:
-            self._processes.clear()
+    def _serve_breakpoint(self, pid: int, status: int) -> bool:
+        """The hot path: if the stop is a thread of ours hitting one of our int3s, serve it
+        without building an Event. False (the stop queued) for anything else."""
+        if pid == -1:
+            self._processes.clear()  # ECHILD: nothing left to wait for
             return False
         if status == _SIGTRAP_STOP:
             proc = self._owner.get(pid)
@@ -1041,6 +1035,8 @@ class Session:
             return proc.slots.allocate(near, size)
         # The first region borrows target code for the stub: no other thread may run meanwhile.
         with self.world_stopped(proc) as tid:
+            if tid is None:
+                return None
             proc._map_tid, proc._scratch = tid, near
             return proc.slots.allocate(near, size)
 
@@ -1085,12 +1081,12 @@ class Session:
 
     # --- stop the world, detach -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def world_stopped(self, proc: TracedProcess) -> Iterator[int]:
-        """Every thread of `proc` stopped; yields one tid usable for remote syscalls."""
+    def world_stopped(self, proc: TracedProcess) -> Iterator[int | None]:
+        """Every thread of `proc` stopped; yields one tid usable for remote syscalls (None when
+        every thread is exiting: the process is going away)."""
         interrupted = self._stop_all(proc)
         try:
-            tid = next(t for t, s in proc.tracee.threads.items() if s.stopped)
-            yield tid
+            yield next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
         finally:
             if self._started and not self._closed:
                 for t in interrupted:
@@ -1103,8 +1099,10 @@ class Session:
         other threads seen meanwhile are queued; those of interrupted threads are kept on them."""
         running = [t for t, s in proc.tracee.threads.items() if not s.stopped]
         for tid in running:
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 sc.interrupt(tid)
+            except ProcessLookupError as exc:
+                _debug(f"stop_all: interrupt {tid}: {exc}")
         waiting = set(running)
         quiet_slices = 0
         with sigchld_blocked():
@@ -1119,6 +1117,13 @@ class Session:
                         for tid in [t for t in waiting if in_tracing_stop(proc.pid, t)]:
                             waiting.discard(tid)
                             proc.tracee.threads[tid].stopped = True
+                        # Rarely, a running thread does not stop for its interrupt (seen once in
+                        # thousands of stop-the-worlds): ask again, it is idempotent.
+                        for tid in waiting:
+                            _debug(f"stop_all: thread {tid} did not stop; interrupting it again")
+                            with contextlib.suppress(ProcessLookupError):
+                                sc.interrupt(tid)
+                        quiet_slices = 0
                     continue
                 quiet_slices = 0
                 if event.tid not in waiting:
@@ -1158,6 +1163,7 @@ class Session:
                     state.deferred.append(event)
             self._adopt_unseen_threads(proc)
             self._optimizer.restore_all(proc)
+            self._leave_detours(proc)
             self._reset_thread_areas(proc)
             for site in proc.sites.values():
                 if site.armed:
@@ -1341,6 +1347,37 @@ class Session:
         elif self._consumer is not None:
             self._consumer.forget(areas)
 
+    def _leave_detours(self, proc: TracedProcess) -> None:
+        """At detach: a thread inside a detour runs to its end one instruction at a time, so no
+        thread needs a detour or its thread area once we are gone (a fetch that faults meanwhile
+        goes to its fix-up; other signals are kept for the detach to deliver)."""
+        for tid, state in list(proc.tracee.threads.items()):
+            if not state.stopped:
+                continue
+            try:
+                rip = int(sc.get_regs(tid).rip)
+                for _ in range(100_000):  # a detour is straight code and one bounded string loop
+                    if not self._optimizer.in_detour(proc, rip):
+                        break
+                    sc.singlestep(tid, 0)
+                    event = wait_event(tid)
+                    if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
+                        proc.tracee.threads.pop(tid, None)
+                        break
+                    regs = sc.get_regs(tid)
+                    if event.kind == EventKind.SIGNAL and event.sig in (signal.SIGSEGV, signal.SIGBUS):
+                        fixup = proc.fixups.get(int(regs.rip))
+                        if fixup is not None:
+                            regs.rip = fixup
+                            sc.set_regs(tid, regs)
+                            rip = fixup
+                            continue
+                    if not (event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP):
+                        state.deferred.append(event)
+                    rip = int(regs.rip)
+            except OSError as exc:
+                _debug(f"detach: thread {tid} could not leave its detour: {exc}")
+
     def _reset_thread_areas(self, proc: TracedProcess) -> None:
         """At detach: GS bases back to 0 (as we found them), except for a thread still running
         a detour, which needs its area until it is out (the memory stays mapped in the target)."""
@@ -1453,11 +1490,13 @@ class Session:
         return bool(probe.jumps)
 
     def trap_reason_of(self, probe: Probe) -> OptimizeRefusal | None:
+        if probe.jumps:
+            return None
         for proc in self._processes.values():
             for site in proc.sites.values():
-                if probe in site.probes and not site.optimized and site.refusal is not None:
+                if probe in site.probes and site.refusal is not None:
                     return site.refusal
-        return None
+        return probe.refusal
 
     def optimize_now(self) -> None:
         """Optimize queued sites at once instead of after the batching delay."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -141,6 +142,9 @@ class Consumer:
         self.drain()
 
     def _loop(self) -> None:
+        # Process-directed signals (Ctrl-C, SIGTERM, the application's own) must reach the
+        # tracing thread blocked in waitpid: delivered here, they would not wake it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         last_calibration = time.monotonic()
         while not self._stop.is_set():
             found = self.drain()

@@ -1,0 +1,245 @@
+"""Optimized probes on live processes: exact counts through mode changes with threads running,
+which mode each probe ends in and why, the red zone, fetches that fault, ring losses, the target's
+own GS, an untrusted target, fork and exec (HAZARDS 12-18, 24-26)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+
+import dynprobe
+from dynprobe.core.probe import ProbeEvent
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.spec.fetch import FAULT, StringValue
+from tests.conftest import build_target
+
+from .helpers import run_plain, traced
+
+OPTIMIZED, TRAP = dynprobe.ProbeMode.OPTIMIZED, dynprobe.ProbeMode.TRAP
+
+
+@pytest.fixture(scope="module")
+def opt() -> str:
+    return build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize("threads", [1, 8])
+def test_exact_counts_across_1000_optimize_unoptimize_cycles(opt: str, threads: int) -> None:
+    """HAZARDS 14: threads hammer the probed function while its site turns from jump to trap and
+    back 1000 times (each change under stop-the-world); the target counts its own calls: no hit
+    is lost or counted twice, in either mode or in between."""
+    stdin_r, stdin_w = os.pipe()
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            with dynprobe.spawn([opt, "forever", str(threads)], stdin=stdin_r, stdout=out.fileno()) as session:
+                os.close(stdin_r)
+                counter = session.probe("hammer")
+                python = session.probe("hammer", pre=lambda hit: None, enabled=False)
+                modes = set()
+                for _ in range(1000):
+                    assert session.run(timeout=0.001) is None
+                    modes.add(counter.mode)
+                    python.enable()  # a Python handler: the site goes back to a trap
+                    modes.add(counter.mode)
+                    assert session.run(timeout=0.0005) is None
+                    python.disable()  # actions only again
+                    session.optimize_now()
+                os.close(stdin_w)
+                stdin_w = -1
+                status = session.run(timeout=60)
+        finally:
+            if stdin_w >= 0:
+                os.close(stdin_w)
+        out.seek(0)
+        ready, done = out.read().splitlines()
+    assert status == 0 and ready == "ready"
+    assert modes == {TRAP, OPTIMIZED}
+    assert python.hits > 0 and counter.hits > python.hits
+    assert done == f"done {counter.hits}"
+    assert counter.nmissed == 0
+
+
+def test_attach_optimize_detach_cycles_leave_the_program_unharmed(opt: str) -> None:
+    """HAZARDS 14/21: 8 threads call the probed function nonstop while dynprobe attaches,
+    optimizes and detaches 30 times; every call returns the right value, text is restored."""
+    proc = subprocess.Popen([opt, "forever", "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        for _ in range(30):
+            with dynprobe.attach(proc.pid) as session:
+                probe = session.probe("hammer")
+                assert session.run(timeout=0.02) is None
+                assert probe.mode == OPTIMIZED and probe.hits > 0
+        assert proc.poll() is None
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0 and proc.stdout.read().startswith("done ")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_which_mode_each_probe_ends_in(opt: str) -> None:
+    """HAZARDS 12, 13, 17: odd shapes are traps with the reason, or jumps that keep results."""
+    rounds = 2000
+
+    def setup(session: dynprobe.Session) -> dict[str, dynprobe.Probe]:
+        names = ["jump_into", "one_ret", "call_first", "add_one", "endbr_func", "endbr_func+4", "redzone_leaf+10"]
+        probes = {name: session.probe(name) for name in names}
+        probes["python"] = session.probe("hammer", pre=lambda hit: None)
+        return probes
+
+    status, out, made = traced([opt, "shapes", "1", str(rounds)], setup, optimize=True)
+    probes: dict[str, dynprobe.Probe] = made  # type: ignore[assignment]
+    assert status == 0 and out == f"shapes ok {rounds}\n"
+    assert probes["jump_into"].mode == TRAP
+    assert probes["jump_into"].trap_reason == OptimizeRefusal.JUMP_INTO_REGION
+    assert probes["one_ret"].trap_reason == OptimizeRefusal.TOO_SHORT
+    assert probes["python"].trap_reason == OptimizeRefusal.PYTHON_HANDLER
+    assert probes["add_one"].trap_reason == OptimizeRefusal.UNRELOCATABLE_INSN  # lea; ret
+    assert probes["endbr_func"].trap_reason == OptimizeRefusal.REGION_OVERLAP  # endbr_func+4 is probed
+    for name in ("call_first", "endbr_func+4", "redzone_leaf+10"):
+        assert probes[name].mode == OPTIMIZED, (name, probes[name].trap_reason)
+    expected = {"jump_into": rounds, "one_ret": 2 * rounds, "call_first": rounds, "add_one": rounds,
+                "endbr_func": rounds, "endbr_func+4": rounds, "redzone_leaf+10": rounds}  # fmt: skip
+    assert {name: probes[name].hits for name in expected} == expected
+
+
+def test_record_of_faulting_fetches_and_strings(opt: str) -> None:
+    """HAZARDS 24: a NULL dereference, a string running into an unmapped page, a 4 KiB string:
+    values marked faulted or truncated; the target never sees a signal."""
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        spec = "p:t/takes takes n=%di s=+0(%si):string first=+0(%si):u8 c=$comm"
+        return [session.probe(spec, on_event=events.append)]
+
+    before = shm_files()
+    status, out, [probe] = traced([opt, "strings"], setup, optimize=True)
+    assert status == 0 and out == "strings ok\n"
+    assert probe.mode == OPTIMIZED  # type: ignore[attr-defined]
+    assert [e.values["n"] for e in events] == [1, 2, 3, 4, 5]
+    s = [e.values["s"] for e in events]
+    assert s[0] == StringValue("hello")
+    assert s[1] is FAULT and events[1].values["first"] is FAULT
+    assert s[2] == StringValue("q" * 10, truncated=True)  # stopped by the unmapped page
+    assert isinstance(s[3], StringValue) and s[3].truncated and set(s[3].text) == {"x"}
+    assert s[4] is FAULT and events[4].values["first"] is FAULT
+    assert events[0].values["first"] == ord("h")
+    assert all(e.values["c"] == StringValue("opt") for e in events)
+    assert shm_files() == before
+
+
+def test_a_million_events_into_a_small_ring_lose_exactly(opt: str) -> None:
+    """HAZARDS 25: what is not delivered is counted lost, exactly; per-thread times increase."""
+    n = 1_000_000
+    got: list[int] = []
+    times: list[int] = []
+
+    def on_event(event: ProbeEvent) -> None:
+        value = event.values["i"]
+        assert isinstance(value, int)
+        got.append(value)
+        times.append(event.time_ns)
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.ring_bytes = 4096  # 128 records of 32 bytes
+        return [session.probe("p:t/ev event i=%di", on_event=on_event)]
+
+    status, out, [probe] = traced([opt, "events", "1", str(n)], setup, optimize=True)
+    assert status == 0 and out == f"events {n}\n"
+    lost = probe.lost  # type: ignore[attr-defined]
+    assert lost > 0 and len(got) + lost == n and probe.hits == n  # type: ignore[attr-defined]
+    assert got == sorted(got) and len(set(got)) == len(got)
+    assert times == sorted(times)
+
+
+def test_target_using_gs_keeps_trap_probes(opt: str) -> None:
+    """A target that sets its own GS base: dynprobe cannot install thread areas and says so; the
+    probe counts every hit as a trap probe."""
+    made: list[dynprobe.Probe] = []
+
+    def place_after_gs_is_set(hit: object) -> None:
+        if not made:
+            made.append(session.probe("hammer"))
+            session.optimize_now()
+
+    def setup(s: dynprobe.Session) -> list[dynprobe.Probe]:
+        nonlocal session
+        session = s
+        s.probe("worker", pre=place_after_gs_is_set)  # main has set GS when it calls worker
+        return made
+
+    session: dynprobe.Session
+    status, out, [probe] = traced([opt, "gs", "1", "500"], setup, optimize=True)
+    assert status == 0 and out == "gs kept\n"
+    assert probe.trap_reason == OptimizeRefusal.GS_IN_USE  # type: ignore[attr-defined]
+    assert probe.hits == 500  # type: ignore[attr-defined]
+
+
+def test_scribbling_target_gets_a_clear_error_not_a_crash(opt: str) -> None:
+    """HAZARDS 26: the target overwrites its thread area (head, tail); the consumer says so."""
+    events: list[ProbeEvent] = []
+    warnings: list[str] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.on_warning = warnings.append
+        return [session.probe("p:t/ev event i=%di", on_event=events.append)]
+
+    status, out, _ = traced([opt, "scribble", "1", "100"], setup, optimize=True)
+    assert status == 0 and out == "scribbled yes\n"
+    assert any("corrupted ring" in w for w in warnings), warnings
+
+
+def test_threaded_malloc_and_clock_gettime(opt: str) -> None:
+    """HAZARDS 18: actions never call anything, so probing malloc cannot recurse; counts are exact
+    for what the program itself calls (at least that many: libc calls malloc too)."""
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe("libc:malloc"), session.probe("libc:free"), session.probe("libc:clock_gettime")]
+
+    status, out, [malloc, free, clock] = traced([opt, "malloc", "4", "20000"], setup, optimize=True)
+    assert status == 0 and out == "malloc ok\n"
+    for probe in (malloc, free, clock):
+        assert probe.mode == OPTIMIZED  # type: ignore[attr-defined]
+    assert malloc.hits >= 80_000 and free.hits >= 80_000  # type: ignore[attr-defined]
+    assert clock.hits == 80_000  # type: ignore[attr-defined]
+
+
+def test_probe_inside_an_optimized_region_turns_it_back(opt: str) -> None:
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        outer = session.probe("redzone_leaf+10")
+        session.optimize_now()
+        assert outer.mode == OPTIMIZED
+        inner = session.probe("redzone_leaf+14")  # the mov rcx,rax inside the 7-byte region
+        assert outer.mode == TRAP and outer.trap_reason == OptimizeRefusal.REGION_OVERLAP
+        return [outer, inner]
+
+    status, out, [outer, inner] = traced([opt, "shapes", "1", "300"], setup, optimize=True)
+    assert status == 0 and out == "shapes ok 300\n"
+    assert outer.hits == inner.hits == 300  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["fork", "vfork", "threads", "exec"])
+@pytest.mark.parametrize("follow", [False, True], ids=["unfollowed", "followed"])
+def test_fork_vfork_exec_with_optimized_probes(mode: str, follow: bool) -> None:
+    """HAZARDS 19 with jumps: a child not followed gets the original bytes back before it runs; a
+    followed child gets thread areas of its own; after exec the probe is optimized again."""
+    forks = build_target("forks", flags=("-O1", "-pthread"))
+    plain = run_plain([forks, mode]).stdout
+    calls = {"fork": (2, 7), "vfork": (2, 6), "threads": (402, 404), "exec": (5, 5)}[mode]
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe("probed")]
+
+    status, out, [probe] = traced([forks, mode], setup, follow_fork=follow, optimize=True)
+    assert status == 0 and out == plain
+    assert probe.mode == OPTIMIZED  # type: ignore[attr-defined]
+    assert probe.hits == calls[follow]  # type: ignore[attr-defined]

@@ -1,0 +1,199 @@
+"""Detour code generation: its shape (byte level), and its actions run natively in this process.
+
+The action part of a detour (everything before the relocated region) is run here as a C function
+(ctypes), with this thread's GS base pointed at a numpy buffer laid out as a thread area:
+the counters, histogram buckets and ring records it writes are checked value by value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+from collections.abc import Iterator
+
+import iced_x86 as iced
+import numpy as np
+import pytest
+
+from dynprobe.actions.filter import parse_filter
+from dynprobe.actions.model import ActionKind, Program, record_fields
+from dynprobe.arch.x86_64.codegen import build_detour, read_tsc_code
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.ringbuf import layout as L
+from dynprobe.spec.parser import parse_spec
+
+FUNC = bytes.fromhex("554889e5897dfc8b45fc5dc3")  # push rbp; mov rbp,rsp; mov [rbp-4],edi; ...; ret
+AT = 0x50_0000  # within rel32 reach of the function at 0x401000
+LAYOUT = L.AreaLayout(max_probes=64, max_hists=4, ring_bytes=1 << 12, record_size=128)
+ARCH_SET_GS, ARCH_GET_GS = 0x1001, 0x1004
+
+
+def plan() -> OptimizePlan:
+    made = can_optimize(FUNC, 0x401000, 0x401000)
+    assert isinstance(made, OptimizePlan)
+    return made
+
+
+def mnemonics(code: bytes) -> list[str]:
+    fmt = iced.Formatter(iced.FormatterSyntax.INTEL)
+    return [fmt.format(i) for i in iter_instructions(code, AT)]
+
+
+def test_count_detour_keeps_flags_without_pushf_and_ends_with_the_region() -> None:
+    detour = build_detour(plan(), [Program(3, ActionKind.COUNT)], LAYOUT, AT, function_entry=True)
+    assert not isinstance(detour, OptimizeRefusal)
+    text = mnemonics(detour.code)
+    hits = LAYOUT.counter(3, L.HITS)
+    assert text == [
+        "push rax", "seto al", "lahf", f"inc qword ptr gs:[{hits:X}h]", "add al,7Fh", "sahf", "pop rax",
+        "push rbp", "mov rbp,rsp", "mov [rbp-4],edi", "jmp 0000000000401007h",
+    ]  # fmt: skip
+    assert detour.fixups == {}
+    assert len(detour.code) <= 64
+
+
+def test_red_zone_is_stepped_over_away_from_a_function_entry() -> None:
+    detour = build_detour(plan(), [Program(0, ActionKind.COUNT)], LAYOUT, AT, function_entry=False)
+    assert not isinstance(detour, OptimizeRefusal)
+    text = mnemonics(detour.code)
+    assert text[0] == "lea rsp,[rsp-80h]" and text[8] == "lea rsp,[rsp+80h]"
+
+
+def test_loads_from_target_addresses_are_listed_as_fixups() -> None:
+    spec = parse_spec("p f a=+8(%di):u32 s=+0(%si):string r=%dx")
+    prog = Program(1, ActionKind.RECORD, record_fields(spec.args))
+    detour = build_detour(plan(), [prog], LAYOUT, AT, function_entry=True)
+    assert not isinstance(detour, OptimizeRefusal)
+    by_addr = {int(i.ip): i for i in iter_instructions(detour.code, AT)}
+    assert len(detour.fixups) == 2  # the u32 load and the string's byte load; %dx needs none
+    for load, fixup in detour.fixups.items():
+        assert by_addr[load].op1_kind == iced.OpKind.MEMORY and by_addr[load].memory_segment == iced.Register.DS
+        assert AT < fixup < AT + detour.action_bytes
+
+
+def test_segment_registers_have_no_in_process_form() -> None:
+    spec = parse_spec("p f x=%fs_base")
+    prog = Program(0, ActionKind.RECORD, record_fields(spec.args))
+    assert build_detour(plan(), [prog], LAYOUT, AT, True) == OptimizeRefusal.FETCH_UNSUPPORTED
+
+
+def test_read_tsc_code() -> None:
+    assert mnemonics(read_tsc_code()) == ["rdtsc", "shl rdx,20h", "or rax,rdx", "ret"]
+
+
+# --- the actions, run natively ---------------------------------------------------------------------
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+
+
+class NativeArea:
+    """A thread area in this process: GS base of this thread -> a numpy buffer."""
+
+    def __init__(self) -> None:
+        self.mem = np.zeros(LAYOUT.size, dtype=np.uint8)
+        self.words = self.mem.view(np.uint64)
+        self.pages: list[mmap.mmap] = []
+
+    def run(self, programs: list[Program], *args: int) -> None:
+        """Run the actions of a detour for `programs` as f(args...) on this thread."""
+        page = mmap.mmap(-1, 1 << 14, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        self.pages.append(page)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True)
+        assert not isinstance(detour, OptimizeRefusal)
+        page.write(detour.code[: detour.action_bytes] + b"\xc3")  # the actions, then ret
+        func = ctypes.CFUNCTYPE(None, *[ctypes.c_uint64] * len(args))(base)
+        old = ctypes.c_uint64()
+        assert libc.syscall(158, ARCH_GET_GS, ctypes.byref(old)) == 0
+        assert libc.syscall(158, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
+        try:
+            func(*args)
+        finally:
+            libc.syscall(158, ARCH_SET_GS, old)
+
+    def counter(self, index: int, which: int) -> int:
+        return int(self.words[LAYOUT.counter(index, which) // 8])
+
+    def records(self) -> list[bytes]:
+        head = int(self.words[L.HEAD // 8])
+        ring = bytes(self.mem[LAYOUT.ring : LAYOUT.ring + LAYOUT.ring_bytes])
+        return [ring[i * LAYOUT.record_size : (i + 1) * LAYOUT.record_size] for i in range(head)]
+
+
+@pytest.fixture
+def area() -> Iterator[NativeArea]:
+    made = NativeArea()
+    yield made
+    for page in made.pages:
+        page.close()
+
+
+def test_native_count_and_filter(area: NativeArea) -> None:
+    spec = parse_spec("p f a=%di b=%si:s32")
+    keep = parse_filter("a == 5 or (b < -2 and a != 7)", spec.args)
+    progs = [Program(0, ActionKind.COUNT), Program(1, ActionKind.COUNT, filter=keep)]
+    calls: list[tuple[int, int]] = [(5, 0), (7, -3), (1, -3), (1, 2), (5, 2**32 - 1)]
+    for a, b in calls:
+        area.run(progs, a, b & (2**64 - 1))
+    assert area.counter(0, L.HITS) == len(calls)
+    # b is s32: 2**32-1 is -1 (not < -2); (5, ...) passes on a == 5
+    assert area.counter(1, L.HITS) == 3  # (5,0), (1,-3), (5,-1)
+
+
+def test_native_histogram(area: NativeArea) -> None:
+    value = parse_spec("p f v=%di:s64").args[0]
+    prog = Program(0, ActionKind.HIST, value=value, hist_index=2)
+    for v in (0, 1, 2, 3, 4, 1000, 2**63 - 1, -5 & (2**64 - 1)):
+        area.run([prog], v)
+    buckets = area.words[LAYOUT.hist(2) // 8 : LAYOUT.hist(2) // 8 + L.HIST_BUCKETS]
+    expected = np.zeros(L.HIST_BUCKETS, dtype=np.uint64)
+    for k in (0, 1, 2, 2, 3, 10, 63, 0):  # zero and negative -> 0; v in [2^(k-1), 2^k) -> k
+        expected[k] += 1
+    assert buckets.tolist() == expected.tolist()
+
+
+def test_native_record(area: NativeArea) -> None:
+    text = ctypes.create_string_buffer(b"hello")
+    long_text = ctypes.create_string_buffer(b"y" * 100)
+    spec = parse_spec("p f n=%di s=+0(%si):string k=+4(%dx):u16 c=$comm")
+    prog = Program(9, ActionKind.RECORD, record_fields(spec.args))
+    words = (ctypes.c_uint16 * 4)(1, 2, 0xBEEF, 4)
+    area.run([prog], 42, ctypes.addressof(text), ctypes.addressof(words))
+    area.run([prog], 2**64 - 1, ctypes.addressof(long_text), ctypes.addressof(words))
+    first, second = area.records()
+    for rec in (first, second):
+        assert int.from_bytes(rec[0:2], "little") == 9
+        assert int.from_bytes(rec[4:8], "little") == 0  # nothing faulted
+    assert int.from_bytes(second[8:16], "little") > int.from_bytes(first[8:16], "little") > 0  # tsc
+    n, s, k = (f.offset for f in prog.fields[:3])
+    assert int.from_bytes(first[n : n + 8], "little") == 42
+    assert first[s : s + 2] == (5).to_bytes(2, "little") and first[s + 2 : s + 4] == b"\0\0"
+    assert first[s + 4 : s + 9] == b"hello"
+    assert int.from_bytes(first[k : k + 8], "little") == 0xBEEF
+    assert int.from_bytes(second[s : s + 2], "little") == L.STRING_CAPACITY
+    assert int.from_bytes(second[s + 2 : s + 4], "little") == L.STRING_TRUNCATED
+    assert prog.fields[3].size == 0  # $comm is the consumer's
+    assert area.counter(9, L.HITS) == 2 and area.counter(9, L.LOST) == 0
+
+
+def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
+    prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
+    slots = LAYOUT.ring_slots
+    for i in range(slots + 5):
+        area.run([prog], i)
+    assert int(area.words[L.HEAD // 8]) == slots
+    assert area.counter(4, L.LOST) == 5 and area.counter(4, L.HITS) == slots + 5
+    area.words[L.TAIL // 8] = 3  # the consumer took three
+    area.run([prog], 777)
+    assert int(area.words[L.HEAD // 8]) == slots + 1
+    rec = area.records()[0]  # slot 0 again (head % slots == 0 before the write)
+    assert int.from_bytes(rec[16:24], "little") == 777
+
+
+def test_native_record_reentry_is_missed(area: NativeArea) -> None:
+    prog = Program(2, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
+    area.words[L.BUSY // 8] = 1  # as if a signal handler interrupted a record being written
+    area.run([prog], 1)
+    assert area.counter(2, L.MISSED) == 1 and int(area.words[L.HEAD // 8]) == 0

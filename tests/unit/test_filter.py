@@ -1,0 +1,70 @@
+"""The filter language and histogram values: accepted forms, precedence, and one case per error code."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynprobe.actions.filter import FILTER_ERRORS, matches, parse_filter, parse_value
+from dynprobe.actions.model import Compare, Logical
+from dynprobe.errors import ParseError
+from dynprobe.spec.model import Arg, ArgType, Deref, Reg
+from dynprobe.spec.parser import parse_spec
+
+ARGS = parse_spec("p main a=%di b=%si:s32 s=+0(%dx):string").args
+
+# code -> (text, column of the fault, parse a value instead of a filter)
+ERROR_TABLE: dict[str, tuple[str, int, bool]] = {
+    "FILTER_EMPTY": ("  ", 0, False),
+    "FILTER_SYNTAX": ("a == 5 b", 7, False),
+    "FILTER_UNKNOWN_NAME": ("a == 1 and zz > 2", 11, False),
+    "FILTER_STRING": ("s == 1", 0, False),
+    "FILTER_BAD_NUMBER": ("a == five", 5, False),
+    "FILTER_PAREN": ("(a == 1 or b == 2", 0, False),
+    "VALUE_UNKNOWN": ("nope", 0, True),
+    "VALUE_STRING": ("s", 0, True),
+}
+
+
+@pytest.mark.parametrize("code", list(ERROR_TABLE))
+def test_error_codes(code: str) -> None:
+    text, column, value = ERROR_TABLE[code]
+    with pytest.raises(ParseError) as info:
+        parse_value(text, ARGS) if value else parse_filter(text, ARGS)
+    assert (info.value.code, info.value.column) == (code, column)
+    assert info.value.message == FILTER_ERRORS[code]
+
+
+def test_every_error_code_has_a_case() -> None:
+    assert set(ERROR_TABLE) == set(FILTER_ERRORS)
+
+
+def test_and_binds_tighter_than_or() -> None:
+    tree = parse_filter("a == 1 or b < 2 and a != 3", ARGS)
+    assert isinstance(tree, Logical) and tree.op == "or"
+    assert isinstance(tree.right, Logical) and tree.right.op == "and"
+    assert parse_filter("(a == 1 || b < 2) && a != 3", ARGS) == Logical(
+        "and", Logical("or", tree.left, tree.right.left), tree.right.right
+    )
+
+
+def test_fetch_arguments_written_in_place() -> None:
+    tree = parse_filter("$arg1 >= 0x10 and +8(%si):u32 != -1", ARGS)
+    assert isinstance(tree, Logical)
+    left, right = tree.left, tree.right
+    assert isinstance(left, Compare) and left.arg.fetch == Arg(1) and left.arg.type == ArgType("s", 64)
+    assert left.value == 16
+    assert isinstance(right, Compare) and right.arg.fetch == Deref(8, Reg("rsi"))
+    assert right.arg.type == ArgType("u", 32) and right.value == -1
+
+
+def test_matches_on_fetched_values() -> None:
+    tree = parse_filter("a == 5 or (b < -2 and a != 7)", ARGS)
+    assert matches(tree, {"a": 5, "b": 0})
+    assert matches(tree, {"a": 1, "b": -3})
+    assert not matches(tree, {"a": 7, "b": -3})
+    assert not matches(tree, {"a": None, "b": 0})  # a faulted fetch fails its comparison
+
+
+def test_value_by_name_or_fetch_argument() -> None:
+    assert parse_value("b", ARGS) == ARGS[1]
+    assert parse_value("%dx:u16", ARGS).type == ArgType("u", 16)
