@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,6 @@ from rich.markup import escape
 from rich.table import Table
 
 import dynprobe
-from dynprobe.core.probe import Hit
 from dynprobe.symbols.elf import load_elf
 
 HERE = Path(__file__).parent
@@ -53,18 +52,28 @@ def run_seed(argv: list[str]) -> int:
 
 
 def traced_seed(
-    argv: list[str], spec: str, pin: bool = True, **handlers: Callable[[Hit], object]
+    argv: list[str], spec: str, pin: bool = True, optimize: bool = False, ring: int | None = None, **kw: Any
 ) -> tuple[int, dict[str, Any]]:
+    """Run the seed under one probe (a trap probe unless `optimize`); `kw` goes to session.probe."""
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn(argv, stdout=out.fileno()) as session:
             session.pin_tracer = pin
-            probe = session.probe(spec, **handlers)  # type: ignore[arg-type]
+            session.optimize = optimize
+            if ring:
+                session.ring_bytes = ring
+            probe = session.probe(spec, **kw)
             status = session.run()
             stops = session.stats["stops"]
+            session.close()
         out.seek(0)
         elapsed = int(out.read())
     assert status == 0
-    return elapsed, {"hits": probe.hits, "stops": stops, "resumes": {k.value: v for k, v in probe.resumes.items()}}
+    info = {"hits": probe.hits, "stops": stops, "resumes": {k.value: v for k, v in probe.resumes.items()}}
+    if optimize:
+        info.update(mode=probe.mode.value, lost=probe.lost, missed=probe.nmissed)
+        if probe.mode.value == "optimized":
+            info["resumes"] = {"jump": probe.hits}
+    return elapsed, info
 
 
 def append_line(path: Path, line: str) -> None:
@@ -157,19 +166,64 @@ def many_functions_binary(count: int) -> str:
     return compile_c(source, BUILD / f"many{count}", "-O1")
 
 
-def attach_many(count: int) -> dict[str, float]:
+def attach_many(count: int, optimize: bool) -> dict[str, float]:
+    """Probes on every function of a generated program: placing, optimizing, running, in-process."""
     binary = many_functions_binary(count)
     specs = [f"f{i}" for i in range(count)]
     t0 = time.perf_counter()
     with open(os.devnull, "w") as devnull, dynprobe.spawn([binary], stdout=devnull.fileno()) as session:
+        session.optimize = optimize
         t1 = time.perf_counter()
         probes = session.probes_from(specs)
         t2 = time.perf_counter()
-        session.run()
+        session.optimize_now()
         t3 = time.perf_counter()
+        optimized = sum(p.mode.value == "optimized" for p in probes)
+        in_use = session.slot_bytes_in_use()
+        session.run()
+        t4 = time.perf_counter()
     assert all(p.hits == 1 for p in probes)
-    return {"probes": count, "spawn_s": t1 - t0, "attach_s": t2 - t1, "run_s": t3 - t2, "total_s": t3 - t0,
-            "slot_bytes_per_probe": 0.0}  # fmt: skip
+    return {"probes": count, "optimized": optimized, "spawn_s": t1 - t0, "attach_s": t2 - t1,
+            "optimize_s": t3 - t2, "run_s": t4 - t3, "total_s": t4 - t0,
+            "exec_bytes_per_probe": in_use / count}  # fmt: skip
+
+
+def count_cli(count: int) -> float:
+    """Wall time of `dynprobe count -f SPECFILE -- PROGRAM` with one probe per function: start,
+    attach, optimize, run, print the counts (the issue's 10,000-probe target)."""
+    binary = many_functions_binary(count)
+    specs = BUILD / f"many{count}.specs"
+    specs.write_text("".join(f"p f{i}\n" for i in range(count)))
+    t0 = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "count", "-f", str(specs), "--", binary],
+                            capture_output=True, text=True)  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    assert result.returncode == 0 and result.stdout.count(" 1\n") == count, result.stderr[-500:]
+    return elapsed
+
+
+def events_binary() -> str:
+    return compile_c(HERE / "targets" / "events.c", BUILD / "events", "-O2")
+
+
+def drain_rate(n: int, rate: int) -> dict[str, Any]:
+    """The consumer draining records to a file: `n` events at `rate` per second (0: as fast as
+    the target can), recorded with a timestamp and 2 arguments, 16 MiB rings."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("wb") as sink:
+        with dynprobe.spawn([events_binary(), str(n), str(rate)], stdout=out.fileno()) as session:
+            session.ring_bytes = 1 << 24
+            probe = session.probe("p:b/ev event i=%di t=%si", action="record")
+            session.write_raw(sink, decode=False)
+            status = session.run()
+            session.close()
+            written = sink.tell()
+        out.seek(0)
+        elapsed_us = int(out.read())
+    assert status == 0
+    drained = session.records_drained
+    assert drained + probe.lost == n, (drained, probe.lost, n)
+    return {"events": n, "rate": rate, "elapsed_s": elapsed_us / 1e6, "lost": probe.lost, "drained": drained,
+            "bytes_written": written, "drained_per_s": drained / (elapsed_us / 1e6)}  # fmt: skip
 
 
 def main() -> int:
@@ -177,7 +231,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
-    n_plain, n_trap, n_step, n_free, n_kernel = (int(x * scale) for x in (2_000_000, 20_000, 10_000, 2_000, 200_000))
+    n_trap, n_step, n_free, n_kernel, n_opt, n_async = (
+        int(x * scale) for x in (20_000, 10_000, 2_000, 200_000, 20_000_000, 1_000_000)
+    )
     seed = seed_binary()
     image = load_elf(seed)
     test_offset = image.vaddr_to_offset(image.by_name["test"].addr)
@@ -190,8 +246,16 @@ def main() -> int:
         rows.append({**row, **extra})
         console.log(escape(f"{name}: {elapsed_us / calls:.3f} us/call"))
 
-    add("untraced", n_plain, run_seed([seed, str(n_plain)]))
+    add("untraced", n_opt, run_seed([seed, str(n_opt)]))
     baseline = rows[0]["us_per_call"]
+    elapsed, info = traced_seed([seed, str(n_opt)], "test", optimize=True, action="count")
+    add("optimized: count", n_opt, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_opt)], "p test a=%di b=%si", optimize=True, ring=1 << 24,
+                                action="record")  # fmt: skip
+    add("optimized: record (tsc + 2 registers)", n_opt, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_async)], "p test a=%di b=%si", optimize=True, ring=1 << 24,
+                                on_event=lambda event: None)  # fmt: skip
+    add("optimized: record + async Python callback", n_async, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap)], "test")
     add("trap, emulated (push rbp)", n_trap, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap), "boost"], "test_boost")
@@ -216,10 +280,19 @@ def main() -> int:
     kernel_rows = [r for r in rows if r["name"].startswith("kernel") and "us_per_call" in r]
     kernel = kernel_rows[0]["us_per_call"] - baseline if kernel_rows else None
 
-    attach = attach_many(int(1000 * max(scale, 0.1)) if args.quick else 1000)
+    attach = attach_many(1000, optimize=False)
+    console.log(f"1000 trap probes: attach {attach['attach_s']:.2f} s")
+    n_many = 2000 if args.quick else 10_000
+    many = attach_many(n_many, optimize=True)
+    console.log(f"{n_many} optimized probes: attach {many['attach_s']:.2f} s, optimize {many['optimize_s']:.2f} s")
+    cli_s = count_cli(n_many)
+    console.log(f"dynprobe count -f ({n_many} probes), whole run: {cli_s:.2f} s")
+    drains = [drain_rate(int(10_000_000 * scale), 10_000_000), drain_rate(int(50_000_000 * scale), 0)]
+    for d in drains:
+        console.log(f"drain: {d}")
 
-    table = Table(title="dynprobe trap probes: the seed loop (N calls of an empty -O0 function)")
-    for col in ("mechanism", "calls", "us/call", "us/hit over untraced", "vs kernel uprobe", "stops/hit", "path"):
+    table = Table(title="dynprobe probes: the seed loop (N calls of an empty -O0 function)")
+    for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel uprobe", "stops/hit", "path"):
         table.add_column(col, justify="right" if col not in ("mechanism", "path") else "left")
     for row in rows:
         if "unavailable" in row:
@@ -227,15 +300,25 @@ def main() -> int:
             continue
         per_hit = row["us_per_call"] - baseline
         row["us_per_hit"] = per_hit if row["name"] != "untraced" else 0.0
-        ratio = f"{per_hit / kernel:.1f}x" if kernel and row["name"] != "untraced" else "-"
+        ratio = f"{per_hit / kernel:.3g}x" if kernel and row["name"] != "untraced" else "-"
         stops = f"{row['stops'] / row['calls']:.2f}" if "stops" in row else "-"
         path = ", ".join(row.get("resumes", {})) or "-"
-        table.add_row(escape(row["name"]), f"{row['calls']:,}", f"{row['us_per_call']:.3f}",
-                      f"{row['us_per_hit']:.3f}", ratio, stops, path)  # fmt: skip
+        if row.get("lost"):
+            path += f" (lost {row['lost']:,})"
+        table.add_row(escape(row["name"]), f"{row['calls']:,}", f"{row['us_per_call']:.4f}",
+                      f"{row['us_per_hit'] * 1000:,.1f}", ratio, stops, path)  # fmt: skip
     out = Console(width=150)
     out.print(table)
     out.print(f"attach {attach['probes']} trap probes (one per function of a generated program): "
               f"{attach['attach_s']:.3f} s; spawn {attach['spawn_s']:.3f} s; run {attach['run_s']:.3f} s")  # fmt: skip
+    out.print(f"{many['probes']} optimized probes: attach {many['attach_s']:.2f} s, "
+              f"optimize {many['optimize_s']:.2f} s ({many['optimized']} optimized), run {many['run_s']:.2f} s; "
+              f"{many['exec_bytes_per_probe']:.0f} executable bytes per probe (trap slot + detour)")  # fmt: skip
+    out.print(f"`dynprobe count -f` with {many['probes']} probes, start to printed counts: {cli_s:.2f} s")
+    for d in drains:
+        pace = f"paced at {d['rate'] / 1e6:.0f} M/s" if d["rate"] else "as fast as the target can"
+        out.print(f"consumer drain to a file, {d['events']:,} events {pace}: {d['drained_per_s'] / 1e6:.1f} M events/s "
+                  f"drained, {d['lost']:,} lost")  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -243,6 +326,9 @@ def main() -> int:
         "command": "make bench" + (" (--quick)" if args.quick else ""),
         "seed": rows,
         "attach": attach,
+        "attach_optimized": many,
+        "count_cli_s": cli_s,
+        "drain": drains,
     }
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"written {RESULTS / 'latest.json'}")

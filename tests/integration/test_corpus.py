@@ -41,7 +41,9 @@ def snapshot_lines(text: str) -> dict[str, str]:
     return {line.split()[0]: line for line in text.splitlines() if line.strip()}
 
 
-def traced_run(corpus: str, post: bool, optimize: bool = False) -> tuple[dict[str, str], dict[str, dynprobe.Probe]]:
+def traced_run(
+    corpus: str, post: bool, optimize: bool = False, **kw: str
+) -> tuple[dict[str, str], dict[str, dynprobe.Probe]]:
     syms = symbols(corpus)
     read_fd, write_fd = os.pipe()
     saved = os.dup(1)
@@ -50,7 +52,7 @@ def traced_run(corpus: str, post: bool, optimize: bool = False) -> tuple[dict[st
         with dynprobe.spawn([corpus]) as session:
             session.optimize = optimize
             probes = {
-                name: session.probe(syms[f"insn_{name}"], post=(lambda hit: None) if post else None)
+                name: session.probe(syms[f"insn_{name}"], post=(lambda hit: None) if post else None, **kw)
                 for name in EXPECTED
             }
             status = session.run(timeout=60)
@@ -84,15 +86,18 @@ def test_snapshots_identical_with_probe(corpus: str, post: bool) -> None:
         assert dict(probes[name].resumes) == {want: 1}, f"{name}: {dict(probes[name].resumes)}"
 
 
-def test_snapshots_identical_at_optimized_sites(corpus: str) -> None:
+@pytest.mark.parametrize("kw", [{}, {"filter": "%ax != 12345 and %flags != 0"}, {"filter": "%cx != 7"}],
+                         ids=["count", "filter-reading-flags", "filter"])  # fmt: skip
+def test_snapshots_identical_at_optimized_sites(corpus: str, kw: dict[str, str]) -> None:
     """HAZARDS 8 for jumps: a count probe on each instruction, optimized where the rules allow;
     the snapshots (registers, flags, xmm, memory outside the scratch below the red zone) are
-    bit-identical, and the instructions that can be relocated were run from a detour."""
+    bit-identical, and the instructions that can be relocated were run from a detour. Each form
+    of detour: count only (seto/lahf), full with flags in r11, full with pushfq."""
     if "bmi2" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU lacks BMI2 (mulx, andn): the corpus needs it")
     plain = snapshot_lines(subprocess.run([corpus], capture_output=True, text=True, check=True).stdout)
     sys.stdout.flush()
-    traced, probes = traced_run(corpus, post=False, optimize=True)
+    traced, probes = traced_run(corpus, post=False, optimize=True, **kw)
     for name in EXPECTED:
         assert traced[name] == plain[name], f"{name}: snapshot differs under an optimized probe"
         assert probes[name].hits == 1, name

@@ -80,15 +80,16 @@ def configure(session: Session, request: ProbeRequest) -> None:
 def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpec], Probe]) -> list[Probe]:
     """Place every probe; a progress bar on a terminal when there are many."""
     configure(session, request)
-    if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
-        return [place(spec) for spec in request.specs]
-    probes = []
-    with _progress() as progress:
-        task = progress.add_task("placing probes", total=len(request.specs))
-        for spec in request.specs:
-            probes.append(place(spec))
-            progress.advance(task)
-    return probes
+    with session.batch():
+        if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
+            return [place(spec) for spec in request.specs]
+        probes = []
+        with _progress() as progress:
+            task = progress.add_task("placing probes", total=len(request.specs))
+            for spec in request.specs:
+                probes.append(place(spec))
+                progress.advance(task)
+        return probes
 
 
 @contextmanager

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
 
 
+DETOUR_ROOM = 512  # first guess of a detour's size: most fit, the rest are placed again
+
+
 @dataclass(frozen=True)
 class DirtyDetour:
     start: int
@@ -165,7 +168,7 @@ class Optimizer:
         if func is None or not func.size:
             return OptimizeRefusal.FUNCTION_UNKNOWN
         bias = site.addr - loc.vaddr
-        near = frozenset(a - bias for a in proc.sites if site.addr < a < site.addr + 32)
+        near = frozenset(a - bias for a in range(site.addr + 1, site.addr + 32) if a in proc.sites)
         plan = can_optimize(image.code(func.addr, func.size), func.addr, loc.vaddr, near, image.branch_targets())
         if isinstance(plan, OptimizeRefusal):
             return plan
@@ -177,24 +180,30 @@ class Optimizer:
     def _place_detour(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan
     ) -> tuple[int, Detour] | OptimizeRefusal:
+        """Build the site's detour in the slot cache near it; the bytes it does not use go back."""
         session = self.session
         programs = [p.program() for p in site.probes if p.enabled]
         loc = site.probes[0].location
         entry = loc.function is not None and loc.function.addr == loc.vaddr
         symbols = session.symbol_resolver(site)
-        sized = build_detour(plan, programs, session.layout, site.addr, entry, symbols)
-        if isinstance(sized, OptimizeRefusal):
-            return sized
-        room = len(sized.code) + 16  # branch encodings may differ a little at the real address
+        room = DETOUR_ROOM
         start = session.allocate_slot(proc, site.addr, room)
         if start is None:
             return OptimizeRefusal.NO_MEMORY
         built = build_detour(plan, programs, session.layout, start, entry, symbols)
+        if not isinstance(built, OptimizeRefusal) and len(built.code) > room:
+            proc.slots.free(start, room)  # a big record: place it again with the room it needs
+            room = len(built.code) + 32
+            start = session.allocate_slot(proc, site.addr, room)
+            if start is None:
+                return OptimizeRefusal.NO_MEMORY
+            built = build_detour(plan, programs, session.layout, start, entry, symbols)
         if isinstance(built, OptimizeRefusal) or len(built.code) > room:
             proc.slots.free(start, room)
             return built if isinstance(built, OptimizeRefusal) else OptimizeRefusal.NO_MEMORY
+        proc.slots.shrink(start, room, len(built.code))
         proc.tracee.write(start, built.code)
-        return start, Detour(built.code, built.fixups, built.action_bytes)
+        return start, built
 
     # --- back to trap ------------------------------------------------------------------------------------
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:
@@ -212,7 +221,7 @@ class Optimizer:
     def _retire_detour(self, proc: TracedProcess, site: Site) -> None:
         _debug(f"unoptimized {site.addr:#x}")
         if site.detour is not None:
-            proc.dirty.append(DirtyDetour(site.detour[0], site.detour[1] + 16, site.fixups))
+            proc.dirty.append(DirtyDetour(site.detour[0], site.detour[1], site.fixups))
         site.optimized = False
         site.detour = None
         site.fixups = ()

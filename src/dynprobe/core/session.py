@@ -20,12 +20,14 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
+from typing import Any, BinaryIO
 
 from dynprobe.actions.filter import filter_args, matches, parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, payload_size
 from dynprobe.arch.x86_64 import (
     FLAG_TF,
     INT3,
+    MAX_INSN_LEN,
     SLOT_SIZE,
     EmulationFault,
     Fixup,
@@ -207,6 +209,7 @@ class Session:
         self._hists = 0
         self._trap_events: list[ProbeEvent] = []
         self._comms: dict[tuple[int, int], str] = {}
+        self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
         self._events_lock = threading.Lock()
         proc = TracedProcess(tracee, _exe_of(tracee.pid))
         self._add_process(proc)
@@ -273,7 +276,7 @@ class Session:
         main = self._processes.get(self.main_pid) or next(iter(self._processes.values()), None)
         if main is None:
             raise SessionError("the target has exited; no probe can be placed")
-        maps = read_maps(main.pid)
+        maps = self._maps_now.get(main.pid) or read_maps(main.pid)
         if isinstance(spec_or_address, int):
             location = resolve_address(spec_or_address, maps)
             spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
@@ -307,14 +310,26 @@ class Session:
         try:
             for proc in list(self._processes.values()):
                 if proc.follow:
-                    self._sync_process(proc, only=probe, strict=proc.pid == main.pid)
+                    self._sync_process(proc, only=probe, strict=proc.pid == main.pid, maps=self._maps_now.get(proc.pid))
         except ProbeRefused:
             self.remove_probe(probe)
             raise
         return probe
 
-    def probes_from(self, specs: list[str], pre: Handler | None = None, post: Handler | None = None) -> list[Probe]:
-        return [self.probe(s, pre=pre, post=post) for s in specs]
+    def probes_from(self, specs: list[str], **kw: Any) -> list[Probe]:
+        """Place many probes (keyword arguments as for `probe`)."""
+        with self.batch():
+            return [self.probe(s, **kw) for s in specs]
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Place many probes at once: the memory maps are read once for all of them (call it
+        while the target is stopped, between runs: nothing is mapped meanwhile)."""
+        self._maps_now = {pid: read_maps(pid) for pid in self._processes}
+        try:
+            yield
+        finally:
+            self._maps_now = {}
 
     @staticmethod
     def _action_kind(
@@ -913,10 +928,12 @@ class Session:
         proc.tracee.resume(tid, signal.SIGTRAP)
 
     # --- sites ---------------------------------------------------------------------------------------
-    def _sync_process(self, proc: TracedProcess, only: Probe | None = None, strict: bool = False) -> None:
+    def _sync_process(
+        self, proc: TracedProcess, only: Probe | None = None, strict: bool = False, maps: list[Mapping] | None = None
+    ) -> None:
         """Make the process's sites match the probes and what is mapped now: arm probes whose file
         is mapped, forget sites whose module went away (dlclose)."""
-        maps = read_maps(proc.pid)
+        maps = maps or read_maps(proc.pid)
         if only is None:
             for addr, site in list(proc.sites.items()):
                 m = mapping_at(maps, addr)
@@ -1016,8 +1033,8 @@ class Session:
     def _install(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
         site = proc.sites.get(addr)
         if site is None:
-            for other in list(proc.sites.values()):
-                if other.optimized and other.addr < addr < other.addr + len(other.region):
+            for other in [proc.sites.get(a) for a in range(addr - MAX_INSN_LEN * 2, addr)]:
+                if other is not None and other.optimized and addr < other.addr + len(other.region):
                     # The new int3 would land inside the other site's jmp: that one goes back to a trap.
                     other.static_refusal = OptimizeRefusal.REGION_OVERLAP
                     self._optimizer.unoptimize(proc, other, arm=True)
@@ -1410,6 +1427,14 @@ class Session:
             for areas in list(self._consumer.processes):
                 self._consumer.forget(areas)
 
+    def write_raw(self, sink: BinaryIO, decode: bool = True) -> None:
+        """Also write every drained record, as is, to `sink`: per chunk a u64 (pid | tid << 32)
+        and a u64 count, then count records of `layout.record_size` bytes. `decode=False` skips
+        the per-event callbacks (the fastest drain, for recording to disk)."""
+        consumer = self._ensure_consumer()
+        consumer.raw_sink = sink
+        consumer.decode = decode
+
     def drain(self) -> None:
         """Deliver every record written so far to the `on_event` callbacks (in this thread)."""
         if self._consumer is not None:
@@ -1422,6 +1447,8 @@ class Session:
         with self._events_lock:
             events, self._trap_events = self._trap_events, []
         for batch in batches:
+            if batch.probe_index < 0:
+                continue  # raw output only
             probe = self._by_index[batch.probe_index]
             if probe is None or probe.on_event is None:
                 continue
@@ -1505,6 +1532,14 @@ class Session:
     # --- introspection ----------------------------------------------------------------------------------
     def processes(self) -> list[int]:
         return sorted(self._processes)
+
+    def slot_bytes_in_use(self) -> int:
+        """Executable bytes handed out (trap slots and detours) in every traced process."""
+        return sum(p.slots.in_use for p in self._processes.values())
+
+    @property
+    def records_drained(self) -> int:
+        return self._consumer.drained if self._consumer is not None else 0
 
     def slot_bytes(self) -> int:
         return sum(p.slots.bytes_mapped() for p in self._processes.values())

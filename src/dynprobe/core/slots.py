@@ -58,6 +58,17 @@ class SlotCache:
         self.in_use += size
         return fresh + STUB_BYTES
 
+    def shrink(self, slot: int, size: int, new_size: int) -> int:
+        """Give back the unused end of the last allocation of its region (a detour sized after
+        its code was built at its address). Returns the size now held."""
+        size, new_size = (-(-n // ALIGN) * ALIGN for n in (size, new_size))
+        for region, offset in self._next.items():
+            if region + offset == slot + size and new_size < size:
+                self._next[region] = slot - region + new_size
+                self.in_use -= size - new_size
+                return new_size
+        return size
+
     def free(self, slot: int, size: int = SLOT_SIZE) -> None:
         size = -(-size // ALIGN) * ALIGN
         self._free.setdefault(size, []).append(slot)

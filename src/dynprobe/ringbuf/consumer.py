@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -59,6 +60,11 @@ class TscClock:
     def to_ns(self, tsc: np.ndarray) -> np.ndarray:
         delta = tsc.astype(np.int64) - np.int64(self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF)
         return (delta * self._scale).astype(np.int64) + self._ns0
+
+
+_EMPTY_I64 = np.empty(0, dtype=np.int64)
+_EMPTY_U16 = np.empty(0, dtype=np.uint16)
+_EMPTY_U32 = np.empty(0, dtype=np.uint32)
 
 
 class RingCorrupted(Exception):
@@ -123,6 +129,9 @@ class Consumer:
         self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
         self.corrupt = 0  # records or rings rejected
         self.drained = 0
+        # Raw output: every drained chunk as (u32 pid, u32 tid, u64 count) + the records, as is.
+        self.raw_sink: BinaryIO | None = None
+        self.decode = True  # False: raw output only, no per-probe batches (fastest drain)
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -186,6 +195,11 @@ class Consumer:
             return []
         if not len(records):
             return []
+        if self.raw_sink is not None:
+            self.raw_sink.write(np.array([areas.pid | tid << 32, len(records)], dtype=np.uint64).tobytes())
+            records.tofile(self.raw_sink)
+            if not self.decode:
+                return [RecordBatch(-1, areas.pid, tid, records, _EMPTY_I64, _EMPTY_U16, _EMPTY_U32)]
         probe = records[:, 0:2].copy().view(np.uint16)[:, 0]
         cpu = records[:, 2:4].copy().view(np.uint16)[:, 0]
         faults = records[:, 4:8].copy().view(np.uint32)[:, 0]

@@ -7,7 +7,6 @@ covers (stripped binaries), the .eh_frame unwind table gives function ranges too
 from __future__ import annotations
 
 import bisect
-import functools
 import os
 from dataclasses import dataclass
 
@@ -207,17 +206,24 @@ class ElfImage:
         return f"{func.name}+{off:#x}" if off else func.name
 
 
-@functools.lru_cache(maxsize=64)
-def _load(path: str, mtime_ns: int, size: int) -> ElfImage:
-    return ElfImage(path)
+_CACHE: dict[tuple[int, int, int, int], ElfImage] = {}
+_CACHE_SIZE = 64
 
 
 def load_elf(path: str) -> ElfImage:
-    """The parsed ELF at `path`, cached while the file is unchanged."""
+    """The parsed ELF at `path`, cached while the file is unchanged (same inode, size and
+    modification time: a replaced or rewritten file is parsed again)."""
     try:
         st = os.stat(path)
     except FileNotFoundError as exc:
         raise SymbolError(f"no such file: {path}") from exc
     except PermissionError as exc:
         raise SymbolError(f"cannot read {path}: permission denied") from exc
-    return _load(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    image = _CACHE.get(key)
+    if image is None:
+        image = ElfImage(os.path.realpath(path))
+        if len(_CACHE) >= _CACHE_SIZE:
+            del _CACHE[next(iter(_CACHE))]
+        _CACHE[key] = image
+    return image

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import iced_x86 as iced
 
+from dynprobe.actions.filter import filter_args
 from dynprobe.actions.model import ActionKind, Compare, Filter, Program
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
@@ -44,11 +45,11 @@ R = iced.Register
 RED_ZONE = 128
 L_MASK64 = (1 << 64) - 1
 
-# The full form saves these (after the flags), so fetches of them read the saved copy.
-_SAVED = ("rax", "rcx", "rdx", "rsi", "rdi")
+# The full form saves these, so fetches of them read the saved copy. r11 keeps the flags (seto/lahf:
+# ~2 ns here, pushfq/popfq ~13 ns); only a probe that fetches %flags makes it push them instead.
+_SAVED = ("rax", "rcx", "rdx", "rsi", "rdi", "r11")
 _SAVED_AT = {name: 8 * (len(_SAVED) - 1 - i) for i, name in enumerate(_SAVED)}  # offsets from rsp
-_FLAGS_AT = 8 * len(_SAVED)
-_FRAME = _FLAGS_AT + 8
+_FLAGS_AT = 8 * len(_SAVED)  # with pushfq, pushed before the registers
 _REG = {name: getattr(R, name.upper()) for name in GPR64}
 _JCC_UNSIGNED = {"==": C.JE_REL32_64, "!=": C.JNE_REL32_64, "<": C.JB_REL32_64, "<=": C.JBE_REL32_64,
                  ">": C.JA_REL32_64, ">=": C.JAE_REL32_64}  # fmt: skip
@@ -137,11 +138,16 @@ def _normalize(asm: _Asm, arg: FetchArg) -> None:
 class _Emitter:
     """The full form's code, one probe after another."""
 
-    def __init__(self, layout: L.AreaLayout, site: int, frame: int, symbol_address: Callable[[str], int | None]):
-        self.asm = _Asm()
+    def __init__(
+        self, asm: _Asm, layout: L.AreaLayout, site: int, red_zone: int, flags_pushed: bool,
+        symbol_address: Callable[[str], int | None],
+    ) -> None:  # fmt: skip
+        self.asm = asm
         self.layout = layout
         self.site = site
-        self.frame = frame  # bytes between rsp and the thread's rsp at the site
+        self.flags_pushed = flags_pushed
+        # bytes between rsp and the thread's rsp at the site
+        self.frame = 8 * len(_SAVED) + (8 if flags_pushed else 0) + red_zone
         self.symbol_address = symbol_address
 
     def load_reg(self, name: str) -> None:
@@ -150,7 +156,7 @@ class _Emitter:
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT[name])))
         elif name == "rsp":
             asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RSP, self.frame)))
-        elif name == "eflags":
+        elif name == "eflags" and self.flags_pushed:
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _FLAGS_AT)))
         elif name == "rip":
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.site))
@@ -382,20 +388,30 @@ def build_detour(
     if all(p.kind == ActionKind.COUNT and p.filter is None for p in programs):
         _count_only(asm, programs, layout)
     else:
-        emitter = _Emitter(layout, plan.site, _FRAME + red_zone, symbol_address)
-        emitter.asm = asm
-        asm.add(iced.Instruction.create(C.PUSHFQ))
+        push_flags = any(_fetches_flags(prog) for prog in programs)
+        emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address)
+        if push_flags:
+            asm.add(iced.Instruction.create(C.PUSHFQ))
         for name in _SAVED:
             asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+        if not push_flags:
+            asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
+            asm.add(iced.Instruction.create(C.LAHF))
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
         try:
             for prog in programs:
                 _check_fields(prog)
                 emitter.program(prog)
         except _Unsupported as exc:
             return exc.reason
+        if not push_flags:
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
+            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
+            asm.add(iced.Instruction.create(C.SAHF))
         for name in reversed(_SAVED):
             asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
-        asm.add(iced.Instruction.create(C.POPFQ))
+        if push_flags:
+            asm.add(iced.Instruction.create(C.POPFQ))
     if red_zone:
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
     code, fixups = asm.encode(at)
@@ -403,6 +419,19 @@ def build_detour(
     if region is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
     return Detour(code + region, fixups, len(code))
+
+
+def _fetches_flags(prog: Program) -> bool:
+    args = [f.arg for f in prog.fields] + ([prog.value] if prog.value else [])
+    if prog.filter is not None:
+        args += filter_args(prog.filter)
+    for arg in args:
+        fetch = arg.fetch
+        while isinstance(fetch, Deref):
+            fetch = fetch.inner
+        if isinstance(fetch, Reg) and fetch.name == "eflags":
+            return True
+    return False
 
 
 def _check_fields(prog: Program) -> None:

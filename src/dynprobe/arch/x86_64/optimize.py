@@ -96,11 +96,11 @@ def can_optimize(
         target = _branch_target(insn)
         if target is not None and site < target < region_end:
             return OptimizeRefusal.JUMP_INTO_REGION
-    if any(site < target < region_end for target in module_targets):
+    inside = range(site + 1, region_end)
+    if any(addr in module_targets for addr in inside):
         return OptimizeRefusal.JUMP_INTO_REGION
-    for probe in other_probes:
-        if site < probe < region_end:
-            return OptimizeRefusal.REGION_OVERLAP
+    if any(addr in other_probes for addr in inside):
+        return OptimizeRefusal.REGION_OVERLAP
     for insn in region:
         if insn.mnemonic in _UNRELOCATABLE or insn.is_call_far or insn.is_jmp_far or insn.is_call_near_indirect:
             return OptimizeRefusal.UNRELOCATABLE_INSN
