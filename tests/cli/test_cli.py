@@ -77,7 +77,7 @@ def test_list_binary_and_pid(wordcount: str) -> None:
 
 
 def test_help_of_each_command_has_examples() -> None:
-    for cmd in ("trace", "list"):
+    for cmd in ("trace", "count", "hist", "list"):
         r = dp(cmd, "--help")
         assert r.returncode == 0 and "examples:" in r.stdout
 
@@ -165,3 +165,51 @@ def test_ctrl_c_detaches_from_attached_process(spinner: str) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_count_with_stats_and_filter(wordcount: str) -> None:
+    r = dp("count", "p:wc/long add_word n=%si:s32", "p:wc/short add_word n=%si:s32", "--filter", "n > 1",
+           "--stats", "--", wordcount, "a bb ccc a")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    counts = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert counts == {"wc/long": 2, "wc/short": 2}  # the filter applies to every spec
+    assert "mode=optimized" in r.stderr and "lost=0" in r.stderr
+
+
+def test_count_trap_mode_says_why(wordcount: str) -> None:
+    r = dp("count", "--trap", "--stats", "p hash", "--", wordcount, "a b")
+    assert r.returncode == 0, r.stderr
+    assert "uprobes/p_hash            2" in r.stdout
+    assert "mode=trap (DISABLED)" in r.stderr
+
+
+def test_hist_of_a_fetched_value(wordcount: str) -> None:
+    r = dp("hist", "p add_word len=%si:s32", "--value", "len", "--", wordcount, "a bb ccc dddd")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("[")]
+    assert [row.split("|")[0].split() for row in rows] == [["[1]", "1"], ["[2,", "4)", "2"], ["[4,", "8)", "1"]]
+
+
+def test_trace_filter_keeps_matching_events(wordcount: str) -> None:
+    r = dp("trace", "p:wc/add add_word w=+0(%di):string n=%si:u32", "--filter", "n == 2", "--",
+           wordcount, "a bb ccc bb")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if "wc/add" in line]
+    assert [line.split("w=")[1] for line in lines] == ['"bb" n=2', '"bb" n=2']
+
+
+@pytest.mark.parametrize(
+    ("args", "first_line"),
+    [
+        (["count", "p add_word n=%si", "--filter", "n === 1"], "dynprobe: error: FILTER_SYNTAX:"),
+        (["count", "p add_word n=%si", "--filter", "m == 1"], "dynprobe: error: FILTER_UNKNOWN_NAME:"),
+        (["hist", "p add_word w=+0(%di):string", "--value", "w"], "dynprobe: error: VALUE_STRING:"),
+        (["count", "p add_word", "--ring-size", "5000"], "dynprobe: error: ring size 5000 is not a power of two"),
+        (["count", "p add_word", "--ring-size", str(1 << 31)], "dynprobe: error: ring size 2147483648 is out of"),
+    ],
+)
+def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str], first_line: str) -> None:
+    r = dp(*args, "--", wordcount)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(first_line)
+    assert r.stdout == ""  # the command never ran

@@ -19,6 +19,8 @@ from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen import Detour, build_detour
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
+from dynprobe.debug import ENABLED as DEBUG
+from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
@@ -26,13 +28,6 @@ from dynprobe.ptrace.process import SHARED_NAME
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, mapping_at, read_maps
-
-
-def _debug(message: str) -> None:
-    from dynprobe.core.session import _debug as session_debug
-
-    session_debug(message)
-
 
 if TYPE_CHECKING:
     from dynprobe.core.probe import Site
@@ -81,7 +76,8 @@ class Optimizer:
         site.refusal = self.trap_reason(proc, site)
         for probe in site.probes:
             probe.refusal = site.refusal
-        _debug(f"site {site.addr:#x}: {site.refusal or 'queued for optimization'}")
+        if DEBUG:
+            _debug(f"site {site.addr:#x}: {site.refusal or 'queued for optimization'}")
         if site.refusal is None and proc.follow:
             self._queue.setdefault(proc.pid, set()).add(site.addr)
             if self._due is None:
@@ -148,7 +144,8 @@ class Optimizer:
                 probe.jumps.add((proc.pid, site.addr))
             proc.fixups.update(built.fixups)
             proc.retired.discard(site.addr)
-            _debug(f"optimized {site.addr:#x}: detour {start:#x}, {len(built.code)} bytes")
+            if DEBUG:
+                _debug(f"optimized {site.addr:#x}: detour {start:#x}, {len(built.code)} bytes")
         for site in busy:
             self.consider(proc, site)
 

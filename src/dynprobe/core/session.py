@@ -44,6 +44,8 @@ from dynprobe.core.optimizer import DirtyDetour, Optimizer, new_thread_areas
 from dynprobe.core.probe import EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.sites import check_location, default_event_name
 from dynprobe.core.slots import SlotCache
+from dynprobe.debug import ENABLED as DEBUG
+from dynprobe.debug import debug as _debug
 from dynprobe.errors import (
     OptimizeRefusal,
     ParseError,
@@ -86,13 +88,6 @@ from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
-# DYNPROBE_DEBUG=1: the session's decisions on stderr (for bug reports; never on a hot path).
-_DEBUG = bool(os.environ.get("DYNPROBE_DEBUG"))
-
-
-def _debug(message: str) -> None:
-    if _DEBUG:
-        print(f"dynprobe[{os.getpid()}]: {message}", file=sys.stderr, flush=True)
 
 
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
@@ -396,9 +391,9 @@ class Session:
         self._check_open()
         self._stop_requested = False
         deadline = None if timeout is None else time.monotonic() + timeout
+        if any(p.action is not None for p in self.probes):
+            self._ensure_consumer().start()  # before the tracer pins itself: it runs elsewhere
         with self._tracer_pinned():
-            if any(p.action is not None for p in self.probes):
-                self._ensure_consumer().start()
             self._optimizer.flush()  # everything placed so far, before the target runs on
             self._start()
             while self._processes and not self._stop_requested:
@@ -732,7 +727,7 @@ class Session:
             proc.tracee.resume(tid, 0, step=True)
             return
         if sig in _FAULT_SIGNALS:
-            if sig == signal.SIGTRAP and _DEBUG:
+            if sig == signal.SIGTRAP and DEBUG:
                 info = sc.get_siginfo(tid)
                 _debug(f"SIGTRAP of the target's own: tid {tid} rip {sc.get_regs(tid).rip:#x} code {info.si_code:#x}")
             self._deliver_fault(proc, tid, sig)

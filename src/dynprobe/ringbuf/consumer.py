@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import signal
 import threading
 import time
@@ -123,6 +124,9 @@ class Consumer:
         self.known_probe = known_probe
         self.on_error = on_error
         self.interval = interval
+        # Where the consumer may run: all the CPUs the tracer may use, even when it is started
+        # by a tracer thread pinned next to the target (it must not share that CPU).
+        self.cpus = os.sched_getaffinity(0)
         self.clock = TscClock()
         self.processes: list[ThreadAreas] = []
         self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
@@ -154,6 +158,7 @@ class Consumer:
         # Process-directed signals (Ctrl-C, SIGTERM, the application's own) must reach the
         # tracing thread blocked in waitpid: delivered here, they would not wake it.
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        os.sched_setaffinity(0, self.cpus)
         last_calibration = time.monotonic()
         while not self._stop.is_set():
             found = self.drain()
