@@ -206,12 +206,13 @@ def events_binary() -> str:
     return compile_c(HERE / "targets" / "events.c", BUILD / "events", "-O2")
 
 
-def drain_rate(n: int, rate: int) -> dict[str, Any]:
-    """The consumer draining records to a file: `n` events at `rate` per second (0: as fast as
-    the target can), recorded with a timestamp and 2 arguments, 16 MiB rings."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("wb") as sink:
+def drain_rate(n: int, rate: int, ring: int = 1 << 26, where: str | None = None) -> dict[str, Any]:
+    """The consumer draining records to a file (in `where`, default the temp directory): `n`
+    events at `rate` per second (0: as fast as the target can), recorded with a timestamp and 2
+    arguments."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("wb", dir=where) as sink:
         with dynprobe.spawn([events_binary(), str(n), str(rate)], stdout=out.fileno()) as session:
-            session.ring_bytes = 1 << 24
+            session.ring_bytes = ring
             probe = session.probe("p:b/ev event i=%di t=%si", action="record")
             session.write_raw(sink, decode=False)
             status = session.run()
@@ -222,7 +223,8 @@ def drain_rate(n: int, rate: int) -> dict[str, Any]:
     assert status == 0
     drained = session.records_drained
     assert drained + probe.lost == n, (drained, probe.lost, n)
-    return {"events": n, "rate": rate, "elapsed_s": elapsed_us / 1e6, "lost": probe.lost, "drained": drained,
+    return {"events": n, "rate": rate, "ring": ring, "where": where or tempfile.gettempdir(),
+            "elapsed_s": elapsed_us / 1e6, "lost": probe.lost, "drained": drained,
             "bytes_written": written, "drained_per_s": drained / (elapsed_us / 1e6)}  # fmt: skip
 
 
@@ -288,7 +290,11 @@ def main() -> int:
     console.log(f"{n_many} optimized probes: attach {many['attach_s']:.2f} s, optimize {many['optimize_s']:.2f} s")
     cli_s = count_cli(n_many)
     console.log(f"dynprobe count -f ({n_many} probes), whole run: {cli_s:.2f} s")
-    drains = [drain_rate(int(10_000_000 * scale), 10_000_000), drain_rate(int(50_000_000 * scale), 0)]
+    drains = [
+        drain_rate(int(10_000_000 * scale), 10_000_000, where="/dev/shm"),  # a file in memory (tmpfs)
+        drain_rate(int(10_000_000 * scale), 10_000_000),  # a file on the disk-backed temp directory
+        drain_rate(int(50_000_000 * scale), 0, where="/dev/shm"),
+    ]
     for d in drains:
         console.log(f"drain: {d}")
 
@@ -318,8 +324,8 @@ def main() -> int:
     out.print(f"`dynprobe count -f` with {many['probes']} probes, start to printed counts: {cli_s:.2f} s")
     for d in drains:
         pace = f"paced at {d['rate'] / 1e6:.0f} M/s" if d["rate"] else "as fast as the target can"
-        out.print(f"consumer drain to a file, {d['events']:,} events {pace}: {d['drained_per_s'] / 1e6:.1f} M events/s "
-                  f"drained, {d['lost']:,} lost")  # fmt: skip
+        out.print(f"consumer drain to a file in {d['where']}, {d['events']:,} events {pace}: "
+                  f"{d['drained_per_s'] / 1e6:.1f} M events/s drained, {d['lost']:,} lost")  # fmt: skip
     RESULTS.mkdir(exist_ok=True)
     result = {
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -11,3 +11,7 @@ step $DP trace 'p:demo/add_word add_word word=+0(%di):string len=%si:s32' -- $AP
 step $DP trace 'p:demo/hash hash' 'p:demo/malloc libc:malloc size=%di:u64' -- $APP "to be or not to be"
 step $DP trace --json 'add_word w=+0(%di):string' -- $APP "hello world"
 step $DP trace 'add_word+2' -- $APP || true
+step $DP trace --stats --filter 'len > 3' 'p:demo/long add_word word=+0(%di):string len=%si:s32' -- $APP
+step $DP count --stats 'p:demo/hash hash' 'p:demo/add add_word' 'p libc:malloc' -- $APP "to be or not to be"
+step $DP hist 'p:demo/len add_word len=%si:s32' --value len -- $APP
+step $DP trace --trap --stats 'p:demo/hash hash' -- $APP "trap mode, for comparison"

@@ -243,3 +243,35 @@ def test_fork_vfork_exec_with_optimized_probes(mode: str, follow: bool) -> None:
     assert status == 0 and out == plain
     assert probe.mode == OPTIMIZED  # type: ignore[attr-defined]
     assert probe.hits == calls[follow]  # type: ignore[attr-defined]
+
+
+def test_probes_added_and_disabled_on_an_optimized_site(opt: str) -> None:
+    """The detour runs exactly the enabled probes: a probe added to an optimized site and one
+    disabled each change the detour (through a trap); a third probe counts every call throughout."""
+    stdin_r, stdin_w = os.pipe()
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            with dynprobe.spawn([opt, "forever", "2"], stdin=stdin_r, stdout=out.fileno()) as session:
+                os.close(stdin_r)
+                always = session.probe("hammer")
+                first = session.probe("hammer")
+                assert session.run(timeout=0.05) is None and first.hits > 0
+                second = session.probe("hammer")
+                session.optimize_now()
+                assert session.run(timeout=0.05) is None
+                first.disable()
+                session.optimize_now()
+                frozen = first.hits
+                assert session.run(timeout=0.05) is None
+                assert always.mode == first.mode == second.mode == OPTIMIZED
+                os.close(stdin_w)
+                stdin_w = -1
+                status = session.run(timeout=60)
+        finally:
+            if stdin_w >= 0:
+                os.close(stdin_w)
+        out.seek(0)
+        done = out.read().splitlines()[-1]
+    assert status == 0 and done == f"done {always.hits}"
+    assert first.hits == frozen and 0 < second.hits < always.hits and first.hits < always.hits
+    assert first.hits + second.hits > always.hits  # both counted while both were enabled

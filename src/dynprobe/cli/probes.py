@@ -103,7 +103,7 @@ def mode_text(probe: Probe) -> str:
     if probe.mode.value == "optimized":
         return "optimized"
     reason = probe.trap_reason
-    return f"trap ({reason.name})" if reason is not None else "trap"
+    return f"trap ({reason.name})" if reason is not None else "trap (not optimized yet when the target ended)"
 
 
 def print_stats(probes: list[Probe], stats: bool, out: object = None) -> None:

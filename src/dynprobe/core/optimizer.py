@@ -83,6 +83,19 @@ class Optimizer:
             if self._due is None:
                 self._due = time.monotonic() + self.delay
 
+    @staticmethod
+    def _programs_key(site: Site) -> tuple[int, ...]:
+        return tuple(p.index for p in site.probes if p.enabled)
+
+    def detour_current(self, site: Site) -> bool:
+        """The site's detour runs exactly the programs of its enabled probes."""
+        return site.detour_probes == self._programs_key(site)
+
+    def expedite(self) -> None:
+        """Optimize what is queued at the next chance, without the batching delay."""
+        if self._queue:
+            self._due = time.monotonic()
+
     def due_in(self) -> float | None:
         """Seconds until the queued batch is due (0: now), or None if nothing is queued."""
         if self._due is None:
@@ -140,6 +153,7 @@ class Optimizer:
             site.detour = (start, len(built.code))
             site.region = load_elf(site.probes[0].location.path).code(site.probes[0].location.vaddr, plan.length)
             site.fixups = tuple(built.fixups)
+            site.detour_probes = self._programs_key(site)
             for probe in site.probes:
                 probe.jumps.add((proc.pid, site.addr))
             proc.fixups.update(built.fixups)

@@ -200,6 +200,7 @@ class Site:
     detour: tuple[int, int] | None = None  # (address, size) of the optimized site's code
     region: bytes = b""  # the original bytes the jmp replaced
     fixups: tuple[int, ...] = ()  # addresses in the detour of loads that may fault
+    detour_probes: tuple[int, ...] = ()  # the probes whose programs the detour runs
     refusal: OptimizeRefusal | None = None  # why it is a trap now
     static_refusal: OptimizeRefusal | None = None  # why it can never be optimized (found once)
 

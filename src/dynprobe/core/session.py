@@ -440,6 +440,8 @@ class Session:
             cpu = min(allowed)
         os.sched_setaffinity(0, {cpu})
         self._home_cpu = cpu
+        if self._consumer is not None:
+            self._consumer.place(allowed - {cpu})  # draining rings never competes with the target
         for proc in self._processes.values():
             proc.tracee.home_cpu = cpu
         try:
@@ -449,6 +451,8 @@ class Session:
             for proc in self._processes.values():
                 proc.tracee.home_cpu = None
             os.sched_setaffinity(0, allowed)
+            if self._consumer is not None:
+                self._consumer.place(allowed)
 
     def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`
@@ -966,6 +970,12 @@ class Session:
                     raise
                 self._warn(f"{probe.name}: {refused} (pid {proc.pid})")
 
+    def _on_modules_changed(self, proc: TracedProcess) -> None:
+        """The loader mapped or unmapped libraries: arm pending probes, and optimize them at
+        once (they arrive as one batch; the program may not run long enough for the delay)."""
+        self._sync_process(proc)
+        self._optimizer.expedite()
+
     def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         if any(s.internal is not None for s in proc.sites.values()):
             return
@@ -990,7 +1000,7 @@ class Session:
             return
         location = Location(path, offset or 0, func.addr, func, LOADER_HOOK)
         site = self._make_site(proc, location, addr)
-        site.internal = lambda tid, regs: self._sync_process(proc)
+        site.internal = lambda tid, regs: self._on_modules_changed(proc)
         proc.sites[addr] = site
         self._set_armed(proc, site, True)
 
@@ -1058,8 +1068,10 @@ class Session:
         if proc.status is not None:
             return
         if site.optimized:
-            if armed and self._optimizer.trap_reason(proc, site) is None:
+            if armed and self._optimizer.trap_reason(proc, site) is None and self._optimizer.detour_current(site):
                 return
+            # A Python handler, a disabled or removed probe, or one more action on the site: the
+            # detour no longer does what the probes ask. Back to a trap; re-optimized if it may.
             self._optimizer.unoptimize(proc, site, arm=armed)
         if site.armed != armed:
             try:

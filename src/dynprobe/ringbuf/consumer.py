@@ -11,6 +11,7 @@ nanoseconds from pairs of (counter, clock) readings the consumer takes itself.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -146,6 +147,14 @@ class Consumer:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dynprobe-consumer", daemon=True)
             self._thread.start()
+
+    def place(self, cpus: set[int]) -> None:
+        """Run on these CPUs (the session keeps the consumer off the target's CPU)."""
+        self.cpus = cpus
+        thread = self._thread
+        if thread is not None and thread.native_id is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(thread.native_id, cpus)
 
     def stop(self) -> None:
         self._stop.set()
