@@ -3,6 +3,7 @@ its shared memory (HAZARDS 26): random contents give clear errors, never a crash
 
 from __future__ import annotations
 
+import io
 import mmap
 
 import numpy as np
@@ -12,7 +13,15 @@ from hypothesis import strategies as st
 
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
-from dynprobe.ringbuf.consumer import Consumer, RecordBatch, RingCorrupted, decode_fields, decode_string, take_records
+from dynprobe.ringbuf.consumer import (
+    Consumer,
+    RecordBatch,
+    RingCorrupted,
+    decode_fields,
+    decode_string,
+    spool_records,
+    take_records,
+)
 
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=2, ring_bytes=1 << 12, record_size=32)
 
@@ -45,6 +54,21 @@ def test_take_records_wraps_around() -> None:
     records = take_records(words, memoryview(area.pool.view), area.offset, LAYOUT)
     assert [int.from_bytes(bytes(r[16:24]), "little") for r in records] == [0, 1, 2, 3, 4]
     assert int(words[L.TAIL // 8]) == int(words[L.HEAD // 8])
+
+
+def test_spool_records_writes_both_pieces_of_a_wrapped_ring() -> None:
+    areas = make_areas()
+    area = areas.assign(7)
+    words = area.pool.words[area.index]
+    words[L.HEAD // 8] = words[L.TAIL // 8] = LAYOUT.ring_slots - 3
+    for v in range(6):
+        write_record(areas, 7, 1, v)
+    sink = io.BytesIO()
+    assert spool_records(words, memoryview(area.pool.view), area.offset, LAYOUT, sink) == 6
+    data = sink.getvalue()
+    assert len(data) == 6 * LAYOUT.record_size
+    values = [int.from_bytes(data[i * 32 + 16 : i * 32 + 24], "little") for i in range(6)]
+    assert values == [0, 1, 2, 3, 4, 5] and int(words[L.TAIL // 8]) == int(words[L.HEAD // 8])
 
 
 @pytest.mark.parametrize(("head", "tail"), [(5, 6), (10_000, 0), (2**64 - 1, 0)])

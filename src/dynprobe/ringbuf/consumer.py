@@ -64,36 +64,58 @@ class TscClock:
         return (delta * self._scale).astype(np.int64) + self._ns0
 
 
-_EMPTY_I64 = np.empty(0, dtype=np.int64)
-_EMPTY_U16 = np.empty(0, dtype=np.uint16)
-_EMPTY_U32 = np.empty(0, dtype=np.uint32)
+def _chunk_header(pid: int, tid: int, count: int) -> bytes:
+    return np.array([pid | tid << 32, count], dtype=np.uint64).tobytes()
 
 
 class RingCorrupted(Exception):
     pass
 
 
-def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
-    """Copy the unread records of one area out of its ring and mark them read.
-
-    `words`: the area as u64s; `view`: the same bytes. Returns an (n, record_size) u8 array."""
+def _unread(words: np.ndarray, lay: L.AreaLayout) -> tuple[int, int, int]:
+    """(first slot, count, head) of the records not read yet; checked against the ring's size."""
     head = int(words[L.HEAD // 8])
     tail = int(words[L.TAIL // 8])
     slots = lay.ring_slots
     if not tail <= head <= tail + slots:
         raise RingCorrupted(f"head {head} and tail {tail} of a ring of {slots} records")
-    if head == tail:
-        return np.empty((0, lay.record_size), dtype=np.uint8)
+    return tail % slots, head - tail, head
+
+
+def _ring(view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
     ring = np.frombuffer(view, dtype=np.uint8, count=lay.ring_bytes, offset=offset + lay.ring)
-    records = ring.reshape(slots, lay.record_size)
-    first = tail % slots
-    n = head - tail
-    if first + n <= slots:
+    return ring.reshape(lay.ring_slots, lay.record_size)
+
+
+def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
+    """Copy the unread records of one area out of its ring and mark them read.
+
+    `words`: the area as u64s; `view`: the same bytes. Returns an (n, record_size) u8 array."""
+    first, n, head = _unread(words, lay)
+    if n == 0:
+        return np.empty((0, lay.record_size), dtype=np.uint8)
+    records = _ring(view, offset, lay)
+    if first + n <= lay.ring_slots:
         out = records[first : first + n].copy()
     else:
-        out = np.concatenate((records[first:], records[: first + n - slots]))
+        out = np.concatenate((records[first:], records[: first + n - lay.ring_slots]))
     words[L.TAIL // 8] = head
     return out
+
+
+def spool_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout, sink: BinaryIO) -> int:
+    """Write the unread records of one area straight from the ring to `sink` (no copy in
+    between), then mark them read; returns how many."""
+    first, n, head = _unread(words, lay)
+    if n == 0:
+        return 0
+    records = _ring(view, offset, lay)
+    end = min(first + n, lay.ring_slots)
+    sink.write(records[first:end].data)
+    if first + n > lay.ring_slots:
+        sink.write(records[: first + n - lay.ring_slots].data)
+    words[L.TAIL // 8] = head
+    return n
 
 
 @dataclass(frozen=True)
@@ -182,6 +204,7 @@ class Consumer:
     def drain(self) -> int:
         """One pass over every area; returns how many records it delivered."""
         with self._lock:
+            before = self.drained
             batches: list[RecordBatch] = []
             for areas in list(self.processes):
                 for tid, area in areas.live():
@@ -193,14 +216,15 @@ class Consumer:
                     self._fold(area)
                     areas.recycle(area)
             self.deliver(batches)  # also when empty: events served at stops wait there
-            n = sum(len(b.raw) for b in batches)
-            self.drained += n
-            return n
+            self.drained += sum(len(b.raw) for b in batches)
+            return self.drained - before
 
     def _drain_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
         lay = self.layout
         words = area.pool.words[area.index]
         try:
+            if self.raw_sink is not None and not self.decode:
+                return self._spool_area(areas, tid, area)
             records = take_records(words, memoryview(area.pool.view), area.offset, lay)
         except (RingCorrupted, ValueError) as exc:
             self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
@@ -210,10 +234,8 @@ class Consumer:
         if not len(records):
             return []
         if self.raw_sink is not None:
-            self.raw_sink.write(np.array([areas.pid | tid << 32, len(records)], dtype=np.uint64).tobytes())
+            self.raw_sink.write(_chunk_header(areas.pid, tid, len(records)))
             records.tofile(self.raw_sink)
-            if not self.decode:
-                return [RecordBatch(-1, areas.pid, tid, records, _EMPTY_I64, _EMPTY_U16, _EMPTY_U32)]
         probe = records[:, 0:2].copy().view(np.uint16)[:, 0]
         cpu = records[:, 2:4].copy().view(np.uint16)[:, 0]
         faults = records[:, 4:8].copy().view(np.uint32)[:, 0]
@@ -229,6 +251,17 @@ class Consumer:
             rows = probe == index
             out.append(RecordBatch(int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows]))
         return out
+
+    def _spool_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
+        """Raw output only: the records go from the ring to the file; nothing is decoded."""
+        assert self.raw_sink is not None
+        words = area.pool.words[area.index]
+        _, n, _ = _unread(words, self.layout)
+        if n:
+            self.raw_sink.write(_chunk_header(areas.pid, tid, n))
+            n = spool_records(words, memoryview(area.pool.view), area.offset, self.layout, self.raw_sink)
+            self.drained += n
+        return []
 
     def _fold(self, area: AreaRef) -> None:
         words = area.pool.words[area.index]
