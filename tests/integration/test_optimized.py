@@ -75,7 +75,10 @@ def test_attach_optimize_detach_cycles_leave_the_program_unharmed(opt: str) -> N
         for _ in range(30):
             with dynprobe.attach(proc.pid) as session:
                 probe = session.probe("hammer")
-                assert session.run(timeout=0.02) is None
+                for _ in range(100):  # the first run may spend its time optimizing
+                    assert session.run(timeout=0.02) is None
+                    if probe.hits:
+                        break
                 assert probe.mode == OPTIMIZED and probe.hits > 0
         assert proc.poll() is None
         assert proc.stdin is not None

@@ -791,6 +791,9 @@ class Session:
         post: list[Probe] = []
         for probe in probes:
             if probe.action is not None:
+                if probe.action == ActionKind.COUNT and probe.filter is None:
+                    probe.trap_hits += 1  # nothing to fetch: no context to build
+                    continue
                 if context is None:
                     context, now = self._context(proc, tid, regs, site), time.monotonic()
                 self._act_in_tracer(probe, proc, tid, site, context)
