@@ -202,6 +202,13 @@ def count_cli(count: int) -> float:
     return elapsed
 
 
+def timestamp_cost() -> tuple[float, float]:
+    """ns per rdtscp and per rdtsc here: the floor of a record's cost (its time stamp)."""
+    binary = compile_c(HERE / "targets" / "tsc.c", BUILD / "tsc", "-O2")
+    rdtscp, rdtsc = subprocess.run([binary], capture_output=True, text=True, check=True).stdout.split()
+    return float(rdtscp), float(rdtsc)
+
+
 def events_binary() -> str:
     return compile_c(HERE / "targets" / "events.c", BUILD / "events", "-O2")
 
@@ -297,6 +304,7 @@ def main() -> int:
     ]
     for d in drains:
         console.log(f"drain: {d}")
+    rdtscp_ns, rdtsc_ns = timestamp_cost()
 
     table = Table(title="dynprobe probes: the seed loop (N calls of an empty -O0 function)")
     for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel uprobe", "stops/hit", "path"):
@@ -322,6 +330,7 @@ def main() -> int:
               f"optimize {many['optimize_s']:.2f} s ({many['optimized']} optimized), run {many['run_s']:.2f} s; "
               f"{many['exec_bytes_per_probe']:.0f} executable bytes per probe (trap slot + detour)")  # fmt: skip
     out.print(f"`dynprobe count -f` with {many['probes']} probes, start to printed counts: {cli_s:.2f} s")
+    out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
     for d in drains:
         pace = f"paced at {d['rate'] / 1e6:.0f} M/s" if d["rate"] else "as fast as the target can"
         out.print(f"consumer drain to a file in {d['where']}, {d['events']:,} events {pace}: "
@@ -336,6 +345,7 @@ def main() -> int:
         "attach_optimized": many,
         "count_cli_s": cli_s,
         "drain": drains,
+        "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
     }
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"written {RESULTS / 'latest.json'}")
