@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
-from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
-from dynprobe.cli.probes import add_probe_options, check_request, place_all, print_stats
+from dynprobe.cli.common import add_target_options, report_error
+from dynprobe.cli.probes import add_probe_options, check_request, run_aggregating
 from dynprobe.core.probe import Probe
-from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError
 
 EXAMPLES = """\
@@ -33,38 +31,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-def print_counts(probes: list[Probe], title: str) -> None:
+def print_counts(probes: list[Probe], title: str | None) -> None:
     width = max(len(p.name) for p in probes)
     out = sys.stdout
-    print(title, file=out)
+    print(title or "hits:", file=out)
     for p in sorted(probes, key=lambda p: -p.hits):
         print(f"  {p.name:<{width}} {p.hits:>12}", file=out)
     out.flush()
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
-    if args.interval is not None and args.interval <= 0:
-        return report_error(DynprobeError("the interval must be a positive number of seconds"))
     try:
         request = check_request(args)
-        with open_session(args, command) as session:
-            session.on_warning = print_warning
-            probes = place_all(
-                session, request, lambda spec: session.probe(spec, action="count", filter=request.filter)
-            )
-
-            def tick() -> None:
-                print_counts(probes, time.strftime("%H:%M:%S"))
-
-            status = run_target(session, args.interval, tick)
-            session.close()
-            print_counts(probes, "total:" if args.interval else "hits:")
-            if args.stats:
-                print_stats(probes, True)
     except DynprobeError as exc:
         return report_error(exc)
-    except BrokenPipeError:
-        return 0
-    if args.pid is not None:
-        return 0
-    return status if status is not None else 130
+    return run_aggregating(
+        args, command, request, lambda session, spec: session.probe(spec, action="count", filter=request.filter),
+        print_counts,
+    )  # fmt: skip

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from dynprobe.actions.filter import parse_value
-from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
-from dynprobe.cli.probes import add_probe_options, check_request, place_all, print_stats
+from dynprobe.cli.common import add_target_options, report_error
+from dynprobe.cli.probes import add_probe_options, check_request, run_aggregating
 from dynprobe.core.probe import Probe
-from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError
 from dynprobe.output.hist import log2_lines
 
@@ -36,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-def print_hists(probes: list[Probe], value: str, title: str | None = None) -> None:
+def print_hists(probes: list[Probe], value: str, title: str | None) -> None:
     out = sys.stdout
     if title:
         print(title, file=out)
@@ -49,31 +47,14 @@ def print_hists(probes: list[Probe], value: str, title: str | None = None) -> No
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
-    if args.interval is not None and args.interval <= 0:
-        return report_error(DynprobeError("the interval must be a positive number of seconds"))
     try:
         request = check_request(args)
         for spec in request.specs:
             parse_value(args.value, spec.args)
-        with open_session(args, command) as session:
-            session.on_warning = print_warning
-            probes = place_all(
-                session, request,
-                lambda spec: session.probe(spec, action="hist", value=args.value, filter=request.filter),
-            )  # fmt: skip
-
-            def tick() -> None:
-                print_hists(probes, args.value, time.strftime("%H:%M:%S"))
-
-            status = run_target(session, args.interval, tick)
-            session.close()
-            print_hists(probes, args.value)
-            if args.stats:
-                print_stats(probes, True)
     except DynprobeError as exc:
         return report_error(exc)
-    except BrokenPipeError:
-        return 0
-    if args.pid is not None:
-        return 0
-    return status if status is not None else 130
+    return run_aggregating(
+        args, command, request,
+        lambda session, spec: session.probe(spec, action="hist", value=args.value, filter=request.filter),
+        lambda probes, title: print_hists(probes, args.value, title),
+    )  # fmt: skip

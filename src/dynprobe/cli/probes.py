@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dynprobe.actions.filter import parse_filter
-from dynprobe.cli.common import UsageError
+from dynprobe.cli.common import UsageError, open_session, report_error, run_target
 from dynprobe.core.probe import Probe
-from dynprobe.core.session import Session
+from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
 from dynprobe.ringbuf.layout import check_ring_bytes
 from dynprobe.spec.model import ProbeSpec
@@ -106,7 +107,7 @@ def mode_text(probe: Probe) -> str:
     return f"trap ({reason.name})" if reason is not None else "trap (not optimized yet when the target ended)"
 
 
-def print_stats(probes: list[Probe], stats: bool, out: object = None) -> None:
+def print_stats(probes: list[Probe], stats: bool) -> None:
     """One line per probe on stderr: where, hits, missed (and with --stats: mode, lost)."""
     if not probes:
         return
@@ -122,3 +123,32 @@ def print_stats(probes: list[Probe], stats: bool, out: object = None) -> None:
             if paths:
                 line += f"  ({paths})"
         print(line, file=stream)
+
+
+def run_aggregating(
+    args: argparse.Namespace,
+    command: list[str],
+    request: ProbeRequest,
+    place: Callable[[Session, ProbeSpec], Probe],
+    report: Callable[[list[Probe], str | None], None],
+) -> int:
+    """`count` and `hist`: place the probes, run the target, `report(probes, title)` every
+    -i seconds (with the time as title) and once at the end (title None)."""
+    if args.interval is not None and args.interval <= 0:
+        return report_error(DynprobeError("the interval must be a positive number of seconds"))
+    try:
+        with open_session(args, command) as session:
+            session.on_warning = print_warning
+            probes = place_all(session, request, lambda spec: place(session, spec))
+            status = run_target(session, args.interval, lambda: report(probes, time.strftime("%H:%M:%S")))
+            session.close()
+            report(probes, None)
+            if args.stats:
+                print_stats(probes, True)
+    except DynprobeError as exc:
+        return report_error(exc)
+    except BrokenPipeError:
+        return 0
+    if args.pid is not None:
+        return 0
+    return status if status is not None else 130
