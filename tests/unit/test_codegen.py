@@ -197,3 +197,19 @@ def test_native_record_reentry_is_missed(area: NativeArea) -> None:
     area.words[L.BUSY // 8] = 1  # as if a signal handler interrupted a record being written
     area.run([prog], 1)
     assert area.counter(2, L.MISSED) == 1 and int(area.words[L.HEAD // 8]) == 0
+
+
+def test_native_filter_agrees_with_the_tracer(area: NativeArea) -> None:
+    """The same filter in the detour and in trap mode (actions.filter.matches) on the same values."""
+    from dynprobe.actions.filter import matches
+
+    spec = parse_spec("p f u=%di:u64 s=%si:s32 b=%dx:u8")
+    text = "u == -1 or (s < -2 and b > 200) or (u < 5 and s >= 0)"
+    keep = parse_filter(text, spec.args)
+    cases = [(2**64 - 1, 0, 0), (7, 2**32 - 3, 201), (7, 2**32 - 3, 200), (4, 0, 0), (4, 2**31, 0), (9, 9, 9)]
+    expected = 0
+    for u, s, b in cases:
+        area.run([Program(0, ActionKind.COUNT, filter=keep)], u, s, b)
+        signed = s - 2**32 if s >> 31 else s
+        expected += matches(keep, {"u": u, "s": signed, "b": b & 0xFF})
+    assert area.counter(0, L.HITS) == expected == 3

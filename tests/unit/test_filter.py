@@ -68,3 +68,10 @@ def test_matches_on_fetched_values() -> None:
 def test_value_by_name_or_fetch_argument() -> None:
     assert parse_value("b", ARGS) == ARGS[1]
     assert parse_value("%dx:u16", ARGS).type == ArgType("u", 16)
+
+
+def test_unsigned_comparisons_see_the_constant_as_the_code_does() -> None:
+    args = parse_spec("p main u=%di:u64 s=%si:s64").args
+    assert matches(parse_filter("u == -1", args), {"u": 2**64 - 1})  # the same 64-bit pattern
+    assert matches(parse_filter("s < 0", args), {"s": -5})
+    assert not matches(parse_filter("u < 0", args), {"u": 5})  # unsigned: 0 is the least

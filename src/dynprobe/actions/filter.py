@@ -32,6 +32,7 @@ _TOKEN = re.compile(
 )
 _OPS = {"==", "!=", "<", "<=", ">", ">="}
 _SIGNED64 = ArgType("s", 64)
+_MASK64 = (1 << 64) - 1
 
 
 def _fail(code: str, text: str, column: int) -> ParseError:
@@ -145,13 +146,17 @@ def matches(node: Filter, value_of: dict[str, int | None]) -> bool:
     value = value_of.get(node.arg.name)
     if value is None:
         return False
+    # As the generated code compares: 64-bit, signed for s types, unsigned otherwise.
+    const = node.value & _MASK64
+    if node.arg.type.kind == "s" and const >> 63:
+        const -= 1 << 64
     return {
-        "==": value == node.value,
-        "!=": value != node.value,
-        "<": value < node.value,
-        "<=": value <= node.value,
-        ">": value > node.value,
-        ">=": value >= node.value,
+        "==": value == const,
+        "!=": value != const,
+        "<": value < const,
+        "<=": value <= const,
+        ">": value > const,
+        ">=": value >= const,
     }[node.op]
 
 
