@@ -111,7 +111,6 @@ class Probe:
     index: int = 0  # its counters in every thread area; the probe number in records
     hist_index: int = 0
     trap_hits: int = 0  # hits served at a stop; those of the detour are in the thread areas
-    trap_missed: int = 0
     removed: bool = False
     resumes: Counter[ResumeKind] = field(default_factory=Counter)
     trap_hist: list[int] = field(default_factory=lambda: [0] * HIST_BUCKETS)
@@ -136,7 +135,7 @@ class Probe:
     @property
     def nmissed(self) -> int:
         """Hits whose action could not run (a record re-entered from a signal handler)."""
-        return self.trap_missed + self.session.counters_of(self)[1]
+        return self.session.counters_of(self)[1]
 
     @property
     def lost(self) -> int:
