@@ -114,6 +114,8 @@ class _Asm:
         encoder = iced.BlockEncoder(64)
         encoder.add_many(insns)
         code = bytes(encoder.encode(at))
+        if not self.may_fault:
+            return code, {}
         starts = [int(insn.ip) for insn in iter_instructions(code, at)]
         assert len(starts) == len(insns), "the block encoder did not keep one instruction per instruction"
         fixups = {starts[i]: starts[self.bound[label]] for i, label in self.may_fault.items()}
