@@ -4,9 +4,11 @@ own GS, an untrusted target, fork and exec (HAZARDS 12-18, 24-26)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,39 +32,61 @@ def shm_files() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
+class Forever:
+    """The target's "forever" mode under a session: threads call hammer() until `finish()`
+    closes their stdin; then the target prints how many calls it made in all."""
+
+    def __init__(self, opt: str, threads: int) -> None:
+        self.opt, self.threads = opt, threads
+        self.calls: int | None = None
+        self.status: int | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[dynprobe.Session]:
+        stdin_r, self._stdin_w = os.pipe()
+        with tempfile.TemporaryFile("w+") as out:
+            try:
+                with dynprobe.spawn([self.opt, "forever", str(self.threads)], stdin=stdin_r,
+                                    stdout=out.fileno()) as session:  # fmt: skip
+                    os.close(stdin_r)
+                    yield session
+                    self.finish(session)
+            finally:
+                if self._stdin_w >= 0:
+                    os.close(self._stdin_w)
+            out.seek(0)
+            lines = out.read().splitlines()
+        assert lines[0] == "ready" and lines[-1].startswith("done ")
+        self.calls = int(lines[-1].split()[1])
+
+    def finish(self, session: dynprobe.Session) -> None:
+        os.close(self._stdin_w)
+        self._stdin_w = -1
+        self.status = session.run(timeout=60)
+
+
 @pytest.mark.parametrize("threads", [1, 8])
 def test_exact_counts_across_1000_optimize_unoptimize_cycles(opt: str, threads: int) -> None:
     """HAZARDS 14: threads hammer the probed function while its site turns from jump to trap and
     back 1000 times (each change under stop-the-world); the target counts its own calls: no hit
     is lost or counted twice, in either mode or in between."""
-    stdin_r, stdin_w = os.pipe()
-    with tempfile.TemporaryFile("w+") as out:
-        try:
-            with dynprobe.spawn([opt, "forever", str(threads)], stdin=stdin_r, stdout=out.fileno()) as session:
-                os.close(stdin_r)
-                counter = session.probe("hammer")
-                python = session.probe("hammer", pre=lambda hit: None, enabled=False)
-                modes = set()
-                for _ in range(1000):
-                    assert session.run(timeout=0.001) is None
-                    modes.add(counter.mode)
-                    python.enable()  # a Python handler: the site goes back to a trap
-                    modes.add(counter.mode)
-                    assert session.run(timeout=0.0005) is None
-                    python.disable()  # actions only again
-                    session.optimize_now()
-                os.close(stdin_w)
-                stdin_w = -1
-                status = session.run(timeout=60)
-        finally:
-            if stdin_w >= 0:
-                os.close(stdin_w)
-        out.seek(0)
-        ready, done = out.read().splitlines()
-    assert status == 0 and ready == "ready"
+    target = Forever(opt, threads)
+    with target.session() as session:
+        counter = session.probe("hammer")
+        python = session.probe("hammer", pre=lambda hit: None, enabled=False)
+        modes = set()
+        for _ in range(1000):
+            assert session.run(timeout=0.001) is None
+            modes.add(counter.mode)
+            python.enable()  # a Python handler: the site goes back to a trap
+            modes.add(counter.mode)
+            assert session.run(timeout=0.0005) is None
+            python.disable()  # actions only again
+            session.optimize_now()
+    assert target.status == 0
     assert modes == {TRAP, OPTIMIZED}
     assert python.hits > 0 and counter.hits > python.hits
-    assert done == f"done {counter.hits}"
+    assert target.calls == counter.hits
     assert counter.nmissed == 0
 
 
@@ -251,31 +275,20 @@ def test_fork_vfork_exec_with_optimized_probes(mode: str, follow: bool) -> None:
 def test_probes_added_and_disabled_on_an_optimized_site(opt: str) -> None:
     """The detour runs exactly the enabled probes: a probe added to an optimized site and one
     disabled each change the detour (through a trap); a third probe counts every call throughout."""
-    stdin_r, stdin_w = os.pipe()
-    with tempfile.TemporaryFile("w+") as out:
-        try:
-            with dynprobe.spawn([opt, "forever", "2"], stdin=stdin_r, stdout=out.fileno()) as session:
-                os.close(stdin_r)
-                always = session.probe("hammer")
-                first = session.probe("hammer")
-                assert session.run(timeout=0.05) is None and first.hits > 0
-                second = session.probe("hammer")
-                session.optimize_now()
-                assert session.run(timeout=0.05) is None
-                first.disable()
-                session.optimize_now()
-                assert session.run(timeout=0.02) is None  # a thread inside the old detour finishes it
-                frozen = first.hits
-                assert session.run(timeout=0.05) is None
-                assert always.mode == first.mode == second.mode == OPTIMIZED
-                os.close(stdin_w)
-                stdin_w = -1
-                status = session.run(timeout=60)
-        finally:
-            if stdin_w >= 0:
-                os.close(stdin_w)
-        out.seek(0)
-        done = out.read().splitlines()[-1]
-    assert status == 0 and done == f"done {always.hits}"
+    target = Forever(opt, 2)
+    with target.session() as session:
+        always = session.probe("hammer")
+        first = session.probe("hammer")
+        assert session.run(timeout=0.05) is None and first.hits > 0
+        second = session.probe("hammer")
+        session.optimize_now()
+        assert session.run(timeout=0.05) is None
+        first.disable()
+        session.optimize_now()
+        assert session.run(timeout=0.02) is None  # a thread inside the old detour finishes it
+        frozen = first.hits
+        assert session.run(timeout=0.05) is None
+        assert always.mode == first.mode == second.mode == OPTIMIZED
+    assert target.status == 0 and target.calls == always.hits
     assert first.hits == frozen and 0 < second.hits < always.hits and first.hits < always.hits
     assert first.hits + second.hits > always.hits  # both counted while both were enabled
