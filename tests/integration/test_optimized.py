@@ -292,3 +292,20 @@ def test_probes_added_and_disabled_on_an_optimized_site(opt: str) -> None:
     assert target.status == 0 and target.calls == always.hits
     assert first.hits == frozen and 0 < second.hits < always.hits and first.hits < always.hits
     assert first.hits + second.hits > always.hits  # both counted while both were enabled
+
+
+def test_records_of_different_sizes_all_fit(opt: str) -> None:
+    """The record size is fixed when the first thread area is made, from every probe placed by
+    then: a small record placed first does not shut out a bigger one placed after it."""
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [
+            session.probe("p:t/small hammer x=%di", on_event=events.append),
+            session.probe("p:t/big takes n=%di s=+0(%si):string c=+0(%si):u8", on_event=events.append),
+        ]
+
+    status, out, [small, big] = traced([opt, "strings"], setup, optimize=True)
+    assert status == 0 and out == "strings ok\n"
+    assert small.mode == big.mode == OPTIMIZED  # type: ignore[attr-defined]
+    assert len([e for e in events if e.probe is big]) == 5

@@ -1331,11 +1331,13 @@ class Session:
         return self._layout
 
     def action_refusal(self, probe: Probe) -> OptimizeRefusal | None:
-        """Why a probe's action cannot run in the target (it then runs at a stop)."""
-        layout = self.layout
-        if probe.index >= layout.max_probes or probe.hist_index >= layout.max_hists:
+        """Why a probe's action cannot run in the target (it then runs at a stop). Asking does not
+        fix the layout: until the first thread area exists, every record will fit."""
+        limits = self._layout or L.AreaLayout()
+        if probe.index >= limits.max_probes or probe.hist_index >= limits.max_hists:
             return OptimizeRefusal.TOO_MANY_PROBES
-        if probe.action == ActionKind.RECORD and L.RECORD_HEADER + payload_size(probe.fields) > layout.record_size:
+        record = L.RECORD_HEADER + payload_size(probe.fields)
+        if probe.action == ActionKind.RECORD and self._layout is not None and record > self._layout.record_size:
             return OptimizeRefusal.RECORD_TOO_LARGE
         return None
 
