@@ -1442,7 +1442,8 @@ class Session:
     def write_raw(self, sink: BinaryIO, decode: bool = True) -> None:
         """Also write every drained record, as is, to `sink`: per chunk a u64 (pid | tid << 32)
         and a u64 count, then count records of `layout.record_size` bytes. `decode=False` skips
-        the per-event callbacks (the fastest drain, for recording to disk)."""
+        the per-event callbacks (the fastest drain, for recording to disk). Call it once the
+        probes are placed: it fixes the record size."""
         consumer = self._ensure_consumer()
         consumer.raw_sink = sink
         consumer.decode = decode
