@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -213,3 +214,13 @@ def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str],
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(first_line)
     assert r.stdout == ""  # the command never ran
+
+
+@pytest.mark.parametrize("mode", [[], ["--trap"]], ids=["optimized", "trap"])
+def test_symbol_type_after_the_target_ended(wordcount: str, mode: list[str]) -> None:
+    """Events are formatted by the consumer, possibly after the target exited: `symbol` values
+    still name the function (the maps dynprobe saw last)."""
+    r = dp("trace", *mode, "p add_word ret=+0(%sp):symbol", "--", wordcount, "x y")
+    assert r.returncode == 0, r.stderr
+    values = [line.split("ret=")[1] for line in r.stdout.splitlines() if "ret=" in line]
+    assert len(values) == 2 and all(re.fullmatch(r"(main|count_text)\+0x[0-9a-f]+", v) for v in values), values

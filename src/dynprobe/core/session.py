@@ -150,6 +150,19 @@ def _exe_of(pid: int) -> str:
         raise ProcessError(f"cannot read the executable of pid {pid}: {exc.strerror}") from exc
 
 
+def symbolize_in(maps: list[Mapping], addr: int) -> str | None:
+    """`function+0xoff` for an address of a process with these maps (`symbol`-typed fetches)."""
+    m = mapping_at(maps, addr)
+    if m is None or not m.path.startswith("/"):
+        return None
+    try:
+        image = load_elf(m.path)
+    except SymbolError:
+        return None
+    vaddr = image.offset_to_vaddr(addr - m.start + m.offset)
+    return image.symbolize(vaddr) if vaddr is not None else None
+
+
 class _MemoryReader:
     """The memory of one traced process, as handlers and fetch arguments read it."""
 
@@ -204,6 +217,7 @@ class Session:
         self._hists = 0
         self._trap_events: list[ProbeEvent] = []
         self._comms: dict[tuple[int, int], str] = {}
+        self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
         self._events_lock = threading.Lock()
         proc = TracedProcess(tracee, _exe_of(tracee.pid))
@@ -758,27 +772,10 @@ class Session:
         proc.tracee.resume(tid, sig)
 
     def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site) -> FetchContext:
-        location = next((p.location for p in site.probes), None)
-
-        def symbol_address(name: str) -> int | None:
-            if location is None:
-                return None
-            vaddr = load_elf(location.path).address_of(name)
-            return None if vaddr is None else site.addr - location.vaddr + vaddr
-
-        def symbolize(addr: int) -> str | None:
-            m = mapping_at(read_maps(proc.pid), addr)
-            if m is None or not m.path.startswith("/"):
-                return None
-            try:
-                image = load_elf(m.path)
-            except SymbolError:
-                return None
-            file_off = addr - m.start + m.offset
-            vaddr = image.offset_to_vaddr(file_off)
-            return image.symbolize(vaddr) if vaddr is not None else None
-
-        return FetchContext(regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), symbol_address, symbolize)
+        return FetchContext(
+            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver(site),
+            self._symbolizer(proc.pid),
+        )  # fmt: skip
 
     def _on_breakpoint(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> None:
         self.stats["stops"] += 1
@@ -936,6 +933,7 @@ class Session:
         """Make the process's sites match the probes and what is mapped now: arm probes whose file
         is mapped, forget sites whose module went away (dlclose)."""
         maps = maps or read_maps(proc.pid)
+        self._last_maps[proc.pid] = maps
         if only is None:
             for addr, site in list(proc.sites.items()):
                 m = mapping_at(maps, addr)
@@ -1486,6 +1484,7 @@ class Session:
         faults = batch.faults.tolist()
         comm = self.comm_of(batch.pid, batch.tid)
         address = probe.sites.get(batch.pid, 0)
+        symbolize = self._symbolizer(batch.pid)
         out = []
         for row, (t, cpu) in enumerate(zip(batch.time_ns.tolist(), batch.cpu.tolist(), strict=True)):
             values: dict[str, Value] = {}
@@ -1499,7 +1498,7 @@ class Session:
                     values[f.arg.name] = StringValue(data.decode("utf-8", "replace"), truncated)
                 else:
                     values[f.arg.name] = columns[i][row]
-            out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm))
+            out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm, symbolize))
         return out
 
     def comm_of(self, pid: int, tid: int) -> str:
@@ -1511,6 +1510,16 @@ class Session:
                 self._comms[pid, tid] = name
                 return name
         return self._comms.get((pid, tid), "<...>")
+
+    def _symbolizer(self, pid: int) -> Callable[[int], str | None]:
+        """Symbolizes addresses of `pid` when asked, which may be after it exited (events are
+        formatted by the consumer): then with the maps dynprobe saw last."""
+
+        def symbolize(addr: int) -> str | None:
+            maps = read_maps(pid) or self._last_maps.get(pid, [])
+            return symbolize_in(maps, addr)
+
+        return symbolize
 
     def counters_of(self, probe: Probe) -> tuple[int, int, int]:
         """(hits, missed, lost) counted in the target's thread areas."""
