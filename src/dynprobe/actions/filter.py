@@ -8,6 +8,7 @@ A name is one of the probe's fetch arguments, or a fetch argument written in pla
 
 from __future__ import annotations
 
+import operator
 import re
 
 from dynprobe.actions.model import Compare, Filter, Logical
@@ -30,7 +31,9 @@ _TOKEN = re.compile(
     r"\s*(?:(?P<op>==|!=|<=|>=|<|>|&&|\|\||\(|\))"
     r"|(?P<word>[+-](?:0x)?[0-9a-fA-F]+\([^)\s]*\)+(?::\w+)?|[^\s()=!<>&|]+))"
 )
-_OPS = {"==", "!=", "<", "<=", ">", ">="}
+_COMPARE = {"==": operator.eq, "!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+            ">=": operator.ge}  # fmt: skip
+_OPS = set(_COMPARE)
 _SIGNED64 = ArgType("s", 64)
 _MASK64 = (1 << 64) - 1
 
@@ -150,14 +153,7 @@ def matches(node: Filter, value_of: dict[str, int | None]) -> bool:
     const = node.value & _MASK64
     if node.arg.type.kind == "s" and const >> 63:
         const -= 1 << 64
-    return {
-        "==": value == const,
-        "!=": value != const,
-        "<": value < const,
-        "<=": value <= const,
-        ">": value > const,
-        ">=": value >= const,
-    }[node.op]
+    return bool(_COMPARE[node.op](value, const))
 
 
 def parse_value(text: str, args: tuple[FetchArg, ...] = ()) -> FetchArg:

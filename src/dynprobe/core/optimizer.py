@@ -73,9 +73,7 @@ class Optimizer:
 
     def consider(self, proc: TracedProcess, site: Site) -> None:
         """An armed trap site: queue it if it may be optimized."""
-        site.refusal = self.trap_reason(proc, site)
-        for probe in site.probes:
-            probe.refusal = site.refusal
+        self._set_refusal(site, self.trap_reason(proc, site))
         if DEBUG:
             _debug(f"site {site.addr:#x}: {site.refusal or 'queued for optimization'}")
         if site.refusal is None and proc.follow:
@@ -164,13 +162,17 @@ class Optimizer:
             self.consider(proc, site)
 
     @staticmethod
-    def _refuse(site: Site, reason: OptimizeRefusal, static: bool = False) -> None:
-        _debug(f"site {site.addr:#x} stays a trap: {reason.name}")
+    def _set_refusal(site: Site, reason: OptimizeRefusal | None) -> None:
+        """Why the site is a trap (None: it may be optimized), told to its probes too."""
         site.refusal = reason
-        if static:
-            site.static_refusal = reason
         for probe in site.probes:
             probe.refusal = reason
+
+    def _refuse(self, site: Site, reason: OptimizeRefusal, static: bool = False) -> None:
+        _debug(f"site {site.addr:#x} stays a trap: {reason.name}")
+        self._set_refusal(site, reason)
+        if static:
+            site.static_refusal = reason
 
     def _plan(self, proc: TracedProcess, site: Site) -> OptimizePlan | OptimizeRefusal:
         loc = site.probes[0].location
@@ -321,11 +323,13 @@ class Optimizer:
         except OSError as exc:
             raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
 
-    def give_area_to(self, proc: TracedProcess, tid: int) -> None:
-        """A thread at its first stop (a new thread, or a forked child's) gets its own area."""
-        if proc.areas is None:
+    def thread_stopped(self, proc: TracedProcess, tid: int) -> None:
+        """A thread without an area of its own, in a process that uses areas (a new thread, a
+        forked child's whose GS base is its parent's), gets one before it runs."""
+        if proc.areas is None and proc.gs_inherited:
             proc.areas = self.session.new_areas(proc)
-        self.give_area(proc, tid)
+        if proc.areas is not None and tid not in proc.areas.by_tid:
+            self.give_area(proc, tid)
 
 
 def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:

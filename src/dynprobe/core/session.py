@@ -552,8 +552,8 @@ class Session:
         state.stopped = event.kind not in (EventKind.EXITED, EventKind.KILLED)
         state.in_event_stop = event.kind in EVENT_STOPS
         kind = event.kind
-        if state.stopped and (proc.areas is not None or proc.gs_inherited) and self._needs_area(proc, event.tid):
-            self._optimizer.give_area_to(proc, event.tid)  # before it runs: its GS base is its creator's
+        if state.stopped:
+            self._optimizer.thread_stopped(proc, event.tid)
         if kind in (EventKind.EXITED, EventKind.KILLED):
             self._on_exit(proc, event)
         elif kind == EventKind.SIGNAL:
@@ -1359,9 +1359,6 @@ class Session:
         areas = new_thread_areas(proc, self)
         self._ensure_consumer().processes.append(areas)
         return areas
-
-    def _needs_area(self, proc: TracedProcess, tid: int) -> bool:
-        return proc.areas is None or tid not in proc.areas.by_tid
 
     def _release_areas(self, proc: TracedProcess) -> None:
         """The process exited or exec'd: what its areas hold is drained and folded into totals."""

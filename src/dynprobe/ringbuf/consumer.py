@@ -103,12 +103,15 @@ def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLa
     return out
 
 
-def spool_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout, sink: BinaryIO) -> int:
+def spool_records(
+    words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout, sink: BinaryIO, header: Callable[[int], bytes]
+) -> int:
     """Write the unread records of one area straight from the ring to `sink` (no copy in
-    between), then mark them read; returns how many."""
+    between), after `header(count)`; then mark them read. Returns how many."""
     first, n, head = _unread(words, lay)
     if n == 0:
         return 0
+    sink.write(header(n))
     records = _ring(view, offset, lay)
     end = min(first + n, lay.ring_slots)
     sink.write(records[first:end].data)
@@ -224,7 +227,8 @@ class Consumer:
         words = area.pool.words[area.index]
         try:
             if self.raw_sink is not None and not self.decode:
-                return self._spool_area(areas, tid, area)
+                self._spool_area(areas, tid, area)
+                return []
             records = take_records(words, memoryview(area.pool.view), area.offset, lay)
         except (RingCorrupted, ValueError) as exc:
             self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
@@ -252,16 +256,14 @@ class Consumer:
             out.append(RecordBatch(int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows]))
         return out
 
-    def _spool_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
+    def _spool_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> None:
         """Raw output only: the records go from the ring to the file; nothing is decoded."""
         assert self.raw_sink is not None
-        words = area.pool.words[area.index]
-        _, n, _ = _unread(words, self.layout)
-        if n:
-            self.raw_sink.write(_chunk_header(areas.pid, tid, n))
-            n = spool_records(words, memoryview(area.pool.view), area.offset, self.layout, self.raw_sink)
-            self.drained += n
-        return []
+        view = memoryview(area.pool.view)
+        self.drained += spool_records(
+            area.pool.words[area.index], view, area.offset, self.layout, self.raw_sink,
+            lambda n: _chunk_header(areas.pid, tid, n),
+        )  # fmt: skip
 
     def _fold(self, area: AreaRef) -> None:
         words = area.pool.words[area.index]
@@ -285,22 +287,23 @@ class Consumer:
             self.on_error(message)
 
     # --- totals ---
-    def counters(self, probe_index: int) -> tuple[int, int, int]:
-        """(hits, missed, lost) of a probe summed over every thread area, ended threads included."""
+    def _total(self, folded: np.ndarray, block: Callable[[np.ndarray], np.ndarray], index: int) -> np.ndarray:
+        """Row `index` of a per-thread table, summed over every live area plus the folded rows
+        of ended threads."""
         with self._lock:
-            total = self.folded[probe_index].copy()
+            total: np.ndarray = folded[index].copy()
             for areas in self.processes:
                 for _tid, area in areas.live():
-                    total += self._counter_block(area.pool.words[area.index])[probe_index]
+                    total += block(area.pool.words[area.index])[index]
+        return total
+
+    def counters(self, probe_index: int) -> tuple[int, int, int]:
+        """(hits, missed, lost) of a probe summed over every thread area, ended threads included."""
+        total = self._total(self.folded, self._counter_block, probe_index)
         return int(total[L.HITS]), int(total[L.MISSED]), int(total[L.LOST])
 
     def histogram(self, hist_index: int) -> np.ndarray:
-        with self._lock:
-            total: np.ndarray = self.folded_hists[hist_index].copy()
-            for areas in self.processes:
-                for _tid, area in areas.live():
-                    total += self._hist_block(area.pool.words[area.index])[hist_index]
-        return total
+        return self._total(self.folded_hists, self._hist_block, hist_index)
 
     def forget(self, areas: ThreadAreas) -> None:
         """A process is gone: drain and fold what its areas hold, then let go of the memory."""
