@@ -67,6 +67,10 @@ class Refusal(enum.Enum):
     UNSUPPORTED_INSN = "the instruction cannot be run out of line or emulated"
     RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the out-of-line slot"
     NOT_EXECUTABLE = "the address is not in an executable mapping"
+    NOT_FUNCTION_ENTRY = "a return probe goes on a function's first instruction (SYMBOL, not SYMBOL+OFFS)"
+    SHADOW_STACK = "the process runs with a CET shadow stack: a replaced return address would be a fault"
+    MOVING_STACKS = "the program's runtime moves stacks (Go): a replaced return address would be lost"
+    GS_IN_USE = "the target uses the GS segment base itself: return probes need a thread area there"
 
 
 class OptimizeRefusal(enum.Enum):

@@ -68,6 +68,18 @@ def payload_size(fields: tuple[Field, ...]) -> int:
 
 
 @dataclass(frozen=True)
+class ReturnEntry:
+    """What a return probe does at its function's entry: take a shadow-stack entry (unless
+    `maxactive` instances of the probe are pending on the thread), fill it, and point the return
+    address at the trampoline. Its program runs at the return, from `handler`."""
+
+    maxactive: int
+    handler: int  # the address of the probe's return code
+    arg_indices: tuple[int, ...]  # the $argN kept for the return (N, 1-based)
+    timestamp: bool  # the entry's time stamp is kept ($latency)
+
+
+@dataclass(frozen=True)
 class Program:
     """What one probe does at a hit, in the target."""
 
@@ -77,3 +89,4 @@ class Program:
     value: FetchArg | None = None  # the histogram's value
     hist_index: int = 0
     filter: Filter | None = None
+    entry: ReturnEntry | None = None  # a return probe: at the entry this, the rest at the return

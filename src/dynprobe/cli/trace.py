@@ -63,7 +63,7 @@ class EventPrinter:
         probe = event.probe
         line = EventLine(
             event.comm, event.pid, event.tid, event.cpu, event.time, probe.group, probe.event,
-            event.address, event.formatted(), event.json_values(),
+            event.address, event.formatted(), event.json_values(), event.caller,
         )  # fmt: skip
         with self._lock:
             if self.broken:

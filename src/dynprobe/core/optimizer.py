@@ -195,22 +195,23 @@ class Optimizer:
     ) -> tuple[int, Detour] | OptimizeRefusal:
         """Build the site's detour in the slot cache near it; the bytes it does not use go back."""
         session = self.session
-        programs = [p.program() for p in site.probes if p.enabled]
+        programs = [session.program_for(proc, p, site) for p in site.probes if p.enabled]
         loc = site.probes[0].location
         entry = loc.function is not None and loc.function.addr == loc.vaddr
         symbols = session.symbol_resolver(site)
+        trampoline = proc.returns.trampoline if proc.returns is not None else None
         room = DETOUR_ROOM
         start = session.allocate_slot(proc, site.addr, room)
         if start is None:
             return OptimizeRefusal.NO_MEMORY
-        built = build_detour(plan, programs, session.layout, start, entry, symbols)
+        built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline)
         if not isinstance(built, OptimizeRefusal) and len(built.code) > room:
             proc.slots.free(start, room)  # a big record: place it again with the room it needs
             room = len(built.code) + 32
             start = session.allocate_slot(proc, site.addr, room)
             if start is None:
                 return OptimizeRefusal.NO_MEMORY
-            built = build_detour(plan, programs, session.layout, start, entry, symbols)
+            built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline)
         if isinstance(built, OptimizeRefusal) or len(built.code) > room:
             proc.slots.free(start, room)
             return built if isinstance(built, OptimizeRefusal) else OptimizeRefusal.NO_MEMORY
@@ -322,6 +323,7 @@ class Optimizer:
             sc.set_regs(tid, regs)
         except OSError as exc:
             raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
+        self.session.returns.thread_area_given(proc, tid)
 
     def thread_stopped(self, proc: TracedProcess, tid: int) -> None:
         """A thread without an area of its own, in a process that uses areas (a new thread, a

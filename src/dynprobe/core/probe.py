@@ -17,7 +17,7 @@ from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeK
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf.layout import HIST_BUCKETS
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
-from dynprobe.spec.model import FetchArg
+from dynprobe.spec.model import ArgType, Caller, FetchArg
 from dynprobe.symbols.resolve import Location
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ class ProbeMode(enum.Enum):
 
 
 Handler = Callable[["Hit"], object]
+CALLER_ARG = FetchArg("__caller", Caller(), ArgType("x", 64), "")  # first in a return probe's records
 EventHandler = Callable[["ProbeEvent"], object]
 
 
@@ -47,6 +48,7 @@ class ProbeEvent:
     values: dict[str, Value]
     comm: str
     symbolize: Callable[[int], str | None] | None = None
+    caller: int | None = None  # a return event: where the function returned to
 
     @property
     def time(self) -> float:
@@ -70,6 +72,13 @@ class Hit:
     address: int
     time: float  # CLOCK_MONOTONIC seconds
     context: FetchContext
+    data: object = None  # a return probe's instance data: set by the entry handler, read at return
+    caller: int | None = None  # at a return: where the function returns to
+
+    @property
+    def retval(self) -> int:
+        """At a return: the return value (rax; writable through `regs`)."""
+        return int(self.regs.rax)
 
     @property
     def memory(self) -> object:
@@ -118,9 +127,21 @@ class Probe:
     jumps: set[tuple[int, int]] = field(default_factory=set)  # (pid, site) where it is optimized
     sites: dict[int, int] = field(default_factory=dict)  # pid -> where it was placed (kept after exit)
     refusal: OptimizeRefusal | None = None  # why its site was last left a trap
+    # Return probes (DESIGN.md section 7): `pre` is unused; `on_entry` runs at the entry (a
+    # true result vetoes the instance), `on_return` at the return.
+    is_return: bool = False
+    maxactive: int = 0
+    on_entry: Handler | None = None
+    on_return: Handler | None = None
+    data_size: int = 0
+    trap_missed: int = 0  # entries refused at a stop (maxactive reached, shadow stack full)
 
     def __post_init__(self) -> None:
-        self.fields = record_fields(self.args)
+        self.fields = record_fields(((CALLER_ARG,) if self.is_return else ()) + self.args)
+
+    @property
+    def python_handlers(self) -> bool:
+        return self.pre is not None or self.post is not None or self.on_entry is not None or self.on_return is not None
 
     def program(self) -> Program:
         return Program(
@@ -134,8 +155,9 @@ class Probe:
 
     @property
     def nmissed(self) -> int:
-        """Hits whose action could not run (a record re-entered from a signal handler)."""
-        return self.session.counters_of(self)[1]
+        """Hits whose action could not run (a record re-entered from a signal handler); for a
+        return probe, entries with `maxactive` instances pending on the thread."""
+        return self.trap_missed + self.session.counters_of(self)[1]
 
     @property
     def lost(self) -> int:

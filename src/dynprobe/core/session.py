@@ -23,7 +23,7 @@ from types import FrameType, TracebackType
 from typing import Any, BinaryIO
 
 from dynprobe.actions.filter import filter_args, matches, parse_filter, parse_value
-from dynprobe.actions.model import ActionKind, payload_size
+from dynprobe.actions.model import ActionKind, Program, payload_size
 from dynprobe.arch.x86_64 import (
     FLAG_TF,
     INT3,
@@ -41,14 +41,14 @@ from dynprobe.arch.x86_64 import (
     prepare,
 )
 from dynprobe.core.optimizer import DirtyDetour, Optimizer, new_thread_areas
-from dynprobe.core.probe import EventHandler, Handler, Hit, Probe, ProbeEvent, Site
+from dynprobe.core.probe import CALLER_ARG, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
+from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name
 from dynprobe.core.slots import SlotCache
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import (
     OptimizeRefusal,
-    ParseError,
     ProbeRefused,
     ProcessError,
     Refusal,
@@ -82,7 +82,7 @@ from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, Deref, FetchArg, ProbeSpec, SymbolAddr
-from dynprobe.spec.parser import ERRORS, parse_probe
+from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
@@ -121,6 +121,8 @@ class TracedProcess:
     gs_inherited: bool = False  # a forked child: its threads' GS bases are its parent's areas
     fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
     dirty: list[DirtyDetour] = field(default_factory=list)  # detours a thread may still be in
+    returns: ProcessReturns | None = None  # the return trampoline, once a return probe needs it
+    loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
 
     def __post_init__(self) -> None:
         self.slots = SlotCache(self._map_region)
@@ -212,6 +214,7 @@ class Session:
         self.record_size: int | None = None  # None: the smallest that holds every probe's record
         self._layout: L.AreaLayout | None = None
         self._optimizer = Optimizer(self)
+        self.returns = ReturnProbes(self)
         self._consumer: Consumer | None = None
         self._by_index: list[Probe | None] = []
         self._hists = 0
@@ -272,9 +275,15 @@ class Session:
         filter: str | None = None,
         value: str | None = None,
         on_event: EventHandler | None = None,
+        *,
+        on_entry: Handler | None = None,
+        on_return: Handler | None = None,
+        maxactive: int | None = None,
+        data_size: int = 0,
     ) -> Probe:
-        """Place a probe. `spec_or_address` is a probe spec ('p:grp/ev libc:malloc size=%di'),
-        a bare location ('main', 'main+4', '/path/lib.so:0x1139') or an absolute address.
+        """Place a probe (a return probe for an 'r' spec; see `retprobe`). `spec_or_address` is a
+        probe spec ('p:grp/ev libc:malloc size=%di'), a bare location ('main', 'main+4',
+        '/path/lib.so:0x1139') or an absolute address.
 
         With `pre`/`post` Python handlers it is a trap probe (handlers run at a stop). Otherwise it
         runs an action in the target once optimized: 'count' (the default), 'record' (the fetch
@@ -291,14 +300,21 @@ class Session:
             spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
         else:
             spec = spec_or_address if isinstance(spec_or_address, ProbeSpec) else parse_probe(spec_or_address)
-            if spec.kind == "r":
-                raise ParseError("RETPROBE_UNSUPPORTED", ERRORS["RETPROBE_UNSUPPORTED"], spec.text, 0)
             location = resolve(spec.location, main.exe, maps)
+        is_return = spec.kind == "r"
         refusal = check_location(location)
+        if refusal is None and is_return:
+            refusal = self._return_refusal(main, location)
         if refusal is not None:
             raise ProbeRefused(refusal, f"{location.basename}:{location.label}")
+        if not is_return and (on_entry or on_return or maxactive or data_size):
+            raise SessionError("on_entry, on_return, maxactive and data_size are for return probes")
+        if is_return and (pre or post):
+            raise SessionError("a return probe takes on_entry/on_return handlers, not pre/post")
+        active = self._check_maxactive(maxactive if maxactive is not None else spec.maxactive) if is_return else 0
         self._check_fetch_symbols(spec.args, location)
-        kind = self._action_kind(action, pre, post, on_event)
+        python = any(h is not None for h in (pre, post, on_entry, on_return))
+        kind = self._action_kind(action, python, on_event)
         parsed_filter = parse_filter(filter, spec.args) if filter is not None else None
         hist_value = None
         if kind == ActionKind.HIST:
@@ -308,10 +324,13 @@ class Session:
         if parsed_filter is not None:
             self._check_fetch_symbols(tuple(filter_args(parsed_filter)), location)
         probe = Probe(
-            self, location, spec.group or "uprobes", spec.event or default_event_name(location),
+            self, location, spec.group or "uprobes", spec.event or default_event_name(location, is_return),
             spec.args, pre, post, enabled, kind, parsed_filter, hist_value, on_event,
-            index=len(self._by_index), hist_index=self._hists,
+            index=len(self._by_index), hist_index=self._hists, is_return=is_return, maxactive=active,
+            on_entry=on_entry, on_return=on_return, data_size=data_size,
         )  # fmt: skip
+        if is_return and kind is not None:
+            self._check_data_size(probe)
         self._by_index.append(probe)
         if kind == ActionKind.HIST:
             self._hists += 1
@@ -324,6 +343,51 @@ class Session:
             self.remove_probe(probe)
             raise
         return probe
+
+    def retprobe(
+        self,
+        function: str,
+        handler: Handler | None = None,
+        entry: Handler | None = None,
+        data_size: int = 0,
+        maxactive: int | None = None,
+        **kw: Any,
+    ) -> Probe:
+        """Place a return probe on `function` ('SYMBOL' or 'PATH:SYMBOL', or an 'r' spec with
+        fetch arguments). With Python handlers: `entry(hit)` runs at the entry (a true result
+        vetoes the instance: no return handler runs, nothing is counted missed; `hit.data = obj`
+        keeps any object for the return), `handler(hit)` at the return (`hit.retval`,
+        `hit.data`, `hit.caller`; changing `hit.regs.rax` changes the return value). Without
+        them, an action as for `probe` (keyword arguments), run in the target, where `$argN`
+        are the entry's arguments and `$latency` the nanoseconds since the entry; `data_size`
+        (if given) is checked to hold what the entry keeps. `maxactive`: pending instances per
+        thread (default max(10, 2 x CPUs)); entries beyond it are counted in `nmissed`."""
+        spec = function if function.lstrip().startswith("r") and " " in function.strip() else f"r {function}"
+        parsed = parse_probe(spec)
+        if parsed.kind != "r":
+            raise SessionError(f"{function!r} is not a return probe spec")
+        return self.probe(parsed, on_entry=entry, on_return=handler, maxactive=maxactive, data_size=data_size, **kw)
+
+    @staticmethod
+    def _check_maxactive(maxactive: int | None) -> int:
+        if maxactive is None:
+            return default_maxactive()
+        if not 1 <= maxactive <= L.SHADOW_CAPACITY:
+            raise SessionError(f"maxactive {maxactive} is out of range (1..{L.SHADOW_CAPACITY})")
+        return maxactive
+
+    def _check_data_size(self, probe: Probe) -> None:
+        kept = 8 * len(self.returns.entry_of(probe).arg_indices)
+        room = L.SHADOW_ENTRY - L.ENTRY_DATA
+        if not 0 <= probe.data_size <= room:
+            raise SessionError(f"data_size {probe.data_size} is out of range (0..{room} bytes)")
+        if probe.data_size and probe.data_size < kept:
+            raise SessionError(f"data_size {probe.data_size} is too small: the entry keeps {kept} bytes of $argN")
+
+    def _return_refusal(self, proc: TracedProcess, location: Location) -> Refusal | None:
+        if location.function is None or location.function.addr != location.vaddr:
+            return Refusal.NOT_FUNCTION_ENTRY
+        return self.returns.refusal(proc, location.path)
 
     def probes_from(self, specs: list[str], **kw: Any) -> list[Probe]:
         """Place many probes (keyword arguments as for `probe`)."""
@@ -341,17 +405,15 @@ class Session:
             self._maps_now = {}
 
     @staticmethod
-    def _action_kind(
-        action: str | ActionKind | None, pre: Handler | None, post: Handler | None, on_event: EventHandler | None
-    ) -> ActionKind | None:
+    def _action_kind(action: str | ActionKind | None, python: bool, on_event: EventHandler | None) -> ActionKind | None:
         if isinstance(action, str):
             try:
                 action = ActionKind(action)
             except ValueError:
                 raise SessionError(f"unknown action {action!r} (count, record, hist)") from None
-        if pre is not None or post is not None:
+        if python:
             if action is not None or on_event is not None:
-                raise SessionError("a probe runs Python handlers (pre/post) or an action, not both")
+                raise SessionError("a probe runs Python handlers or an action, not both")
             return None
         if on_event is not None:
             if action not in (None, ActionKind.RECORD):
@@ -627,8 +689,10 @@ class Session:
         child.dirty = list(parent.dirty)
         if vfork:
             child.areas = parent.areas  # one address space: its thread takes an area of the parent's pools
+            child.returns = parent.returns
         else:
             child.gs_inherited = parent.areas is not None or parent.gs_inherited
+            self.returns.snapshot(parent, event.tid, child)
         self._add_process(child)
         orphan = self._orphans.pop(child_pid, None)
         if not self.follow_fork and not vfork:
@@ -646,6 +710,7 @@ class Session:
                         break
             if orphan is not None and orphan.kind not in (EventKind.EXITED, EventKind.KILLED):
                 self._optimizer.restore_all(child)
+                self.returns.restore_child(child)
                 for site in child.sites.values():
                     if site.armed:
                         with contextlib.suppress(OSError):
@@ -682,6 +747,8 @@ class Session:
         proc.gs_inherited = proc.gs_refused = False
         proc.fixups.clear()
         proc.dirty.clear()
+        proc.returns = None
+        proc.loader_hook = None
         if not proc.follow:
             # An unfollowed vfork child leaves our shared memory: let it go.
             with contextlib.suppress(OSError):
@@ -771,11 +838,11 @@ class Session:
                 sc.set_siginfo(tid, info)
         proc.tracee.resume(tid, sig)
 
-    def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site) -> FetchContext:
+    def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site | None) -> FetchContext:
+        resolve = self.symbol_resolver(site) if site is not None and site.probes else (lambda name: None)
         return FetchContext(
-            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver(site),
-            self._symbolizer(proc.pid),
-        )  # fmt: skip
+            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), resolve, self._symbolizer(proc.pid)
+        )
 
     def _on_breakpoint(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> None:
         self.stats["stops"] += 1
@@ -787,13 +854,18 @@ class Session:
         now = 0.0
         post: list[Probe] = []
         for probe in probes:
+            if probe.is_return:
+                if context is None:
+                    context, now = self._context(proc, tid, regs, site), time.monotonic()
+                self.returns.on_entry(proc, tid, site, probe, regs, context)
+                continue
             if probe.action is not None:
                 if probe.action == ActionKind.COUNT and probe.filter is None:
                     probe.trap_hits += 1  # nothing to fetch: no context to build
                     continue
                 if context is None:
                     context, now = self._context(proc, tid, regs, site), time.monotonic()
-                self._act_in_tracer(probe, proc, tid, site, context)
+                self.act_in_tracer(probe, proc, tid, site.addr, context)
                 continue
             probe.trap_hits += 1
             if probe.post is not None:
@@ -834,9 +906,17 @@ class Session:
             proc.stepping[tid] = StepState(site, post, user_tf)
             proc.tracee.resume(tid, step=True)
 
-    def _act_in_tracer(self, probe: Probe, proc: TracedProcess, tid: int, site: Site, context: FetchContext) -> None:
-        """What the probe's detour does, done at the stop (the probe is not optimized yet, or
-        cannot be): the same filter, counters, histogram and record."""
+    def act_in_tracer(
+        self,
+        probe: Probe,
+        proc: TracedProcess,
+        tid: int,
+        address: int,
+        context: FetchContext,
+        caller: int | None = None,
+    ) -> None:
+        """What the probe's detour (or return code) does, done at the stop (the probe is not
+        optimized yet, or cannot be): the same filter, counters, histogram and record."""
         if probe.filter is not None:
             values: dict[str, int | None] = {}
             for arg in filter_args(probe.filter):
@@ -852,8 +932,8 @@ class Session:
             probe.trap_hist[bucket] += 1
         elif probe.action == ActionKind.RECORD and probe.on_event is not None:
             event = ProbeEvent(
-                probe, proc.pid, tid, thread_cpu(proc.pid, tid), time.monotonic_ns(), site.addr,
-                {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize,
+                probe, proc.pid, tid, thread_cpu(proc.pid, tid), time.monotonic_ns(), address,
+                {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
             )  # fmt: skip
             with self._events_lock:
                 self._trap_events.append(event)
@@ -975,10 +1055,11 @@ class Session:
         """The loader mapped or unmapped libraries: arm pending probes, and optimize them at
         once (they arrive as one batch; the program may not run long enough for the delay)."""
         self._sync_process(proc)
+        self.returns.hook_unwinders(proc, self._last_maps[proc.pid])
         self._optimizer.expedite()
 
     def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
-        if any(s.internal is not None for s in proc.sites.values()):
+        if proc.loader_hook in proc.sites:
             return
         try:
             interp = load_elf(proc.exe).interp
@@ -1000,9 +1081,21 @@ class Session:
         if addr is None:
             return
         location = Location(path, offset or 0, func.addr, func, LOADER_HOOK)
-        site = self._make_site(proc, location, addr)
-        site.internal = lambda tid, regs: self._on_modules_changed(proc)
-        proc.sites[addr] = site
+        self.add_internal_site(proc, location, addr, lambda tid, regs: self._on_modules_changed(proc))
+        proc.loader_hook = addr
+
+    def add_internal_site(
+        self, proc: TracedProcess, location: Location, addr: int, callback: Callable[[int, Regs], None]
+    ) -> None:
+        """A trap of dynprobe's own at `addr` (a function of a mapped file): `callback(tid,
+        regs)` runs at each hit, before any probe of the same site."""
+        site = proc.sites.get(addr)
+        if site is None:
+            site = proc.sites[addr] = self._make_site(proc, location, addr)
+        site.internal = callback
+        self._set_armed(proc, site, True)
+
+    def arm_site(self, proc: TracedProcess, site: Site) -> None:
         self._set_armed(proc, site, True)
 
     def _make_site(self, proc: TracedProcess, location: Location, addr: int) -> Site:
@@ -1188,8 +1281,9 @@ class Session:
                     state.deferred.append(event)
             self._adopt_unseen_threads(proc)
             self._optimizer.restore_all(proc)
+            self.returns.before_detach(proc)
             self._leave_detours(proc)
-            self._reset_thread_areas(proc)
+            self._reset_thread_areas(proc, keep=self.returns.keep_areas_at_detach(proc))
             for site in proc.sites.values():
                 if site.armed:
                     with contextlib.suppress(OSError):
@@ -1355,6 +1449,39 @@ class Session:
 
         return address
 
+    def symbol_resolver_for(self, probe: Probe, proc: TracedProcess) -> Callable[[str], int | None]:
+        return self.fetch_context(proc, 0, Regs(), probe).symbol_address
+
+    def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext:
+        """What the probe's fetches read on thread `tid` of `proc`."""
+        return self._context(proc, tid, regs, proc.sites.get(probe.sites.get(proc.pid, -1)))
+
+    def probe_by_index(self, index: int) -> Probe | None:
+        return self._by_index[index] if 0 <= index < len(self._by_index) else None
+
+    def give_area(self, proc: TracedProcess, tid: int) -> None:
+        self._optimizer.give_area(proc, tid)
+
+    def read_tsc(self) -> int:
+        return int(self._ensure_consumer().clock.read())
+
+    def tsc_to_ns(self, ticks: int) -> int:
+        return self._ensure_consumer().clock.ticks_to_ns(ticks)
+
+    def tsc_mult(self) -> int:
+        """ns = ticks * tsc_mult >> 32, for $latency computed in the target."""
+        return self._ensure_consumer().clock.mult
+
+    def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program:
+        """What the probe runs in `proc`'s detour at `site`."""
+        if probe.is_return:
+            return self.returns.entry_program(proc, probe, site.addr)
+        return probe.program()
+
+    def in_own_code(self, proc: TracedProcess, rip: int) -> bool:
+        """In a detour or in return-probe code: a thread there needs its thread area."""
+        return self._optimizer.in_detour(proc, rip) or (proc.returns is not None and proc.returns.owns(rip))
+
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         areas = new_thread_areas(proc, self)
         self._ensure_consumer().processes.append(areas)
@@ -1381,7 +1508,7 @@ class Session:
             try:
                 rip = int(sc.get_regs(tid).rip)
                 for _ in range(100_000):  # a detour is straight code and one bounded string loop
-                    if not self._optimizer.in_detour(proc, rip):
+                    if not self.in_own_code(proc, rip):
                         break
                     sc.singlestep(tid, 0)
                     event = wait_event(tid)
@@ -1402,17 +1529,18 @@ class Session:
             except OSError as exc:
                 _debug(f"detach: thread {tid} could not leave its detour: {exc}")
 
-    def _reset_thread_areas(self, proc: TracedProcess) -> None:
+    def _reset_thread_areas(self, proc: TracedProcess, keep: set[int]) -> None:
         """At detach: GS bases back to 0 (as we found them), except for a thread still running
-        a detour, which needs its area until it is out (the memory stays mapped in the target)."""
+        a detour, which needs its area until it is out, and the threads in `keep` (frames that
+        still return through the trampoline). The memory stays mapped in the target."""
         if proc.areas is None:
             return
         for tid, state in proc.tracee.threads.items():
-            if not state.stopped or not proc.areas.owns(tid):
+            if not state.stopped or not proc.areas.owns(tid) or tid in keep:
                 continue
             try:
                 regs = sc.get_regs(tid)
-                if not self._optimizer.in_detour(proc, int(regs.rip)):
+                if not self.in_own_code(proc, int(regs.rip)):
                     regs.gs_base = 0
                     sc.set_regs(tid, regs)
             except OSError:
@@ -1495,7 +1623,9 @@ class Session:
                     values[f.arg.name] = StringValue(data.decode("utf-8", "replace"), truncated)
                 else:
                     values[f.arg.name] = columns[i][row]
-            out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm, symbolize))
+            caller = values.pop(CALLER_ARG.name, None) if probe.is_return else None
+            out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm, symbolize,
+                                  caller if isinstance(caller, int) else None))  # fmt: skip
         return out
 
     def comm_of(self, pid: int, tid: int) -> str:

@@ -39,11 +39,12 @@ def _starts(path: str, addr: int, size: int) -> frozenset[int]:
     return _STARTS_CACHE[key]
 
 
-def default_event_name(location: Location) -> str:
-    """tracefs-like default event names: p_main, p_main_4, p_libc_so_6_0x1139."""
+def default_event_name(location: Location, is_return: bool = False) -> str:
+    """tracefs-like default event names: p_main, p_main_4, p_libc_so_6_0x1139, r_main."""
+    kind = "r" if is_return else "p"
     if location.label.startswith("0x"):
-        raw = f"p_{location.basename}_{location.label}"
+        raw = f"{kind}_{location.basename}_{location.label}"
     else:
-        raw = "p_" + location.label.replace("+0x", "_").replace("+", "_")
+        raw = f"{kind}_" + location.label.replace("+0x", "_").replace("+", "_")
     clean = "".join(c if c.isalnum() or c == "_" else "_" for c in raw)
     return clean[:64]

@@ -59,6 +59,14 @@ class TscClock:
         if tsc > self._tsc0:
             self._scale = (ns - self._ns0) / (tsc - self._tsc0)
 
+    @property
+    def mult(self) -> int:
+        """ns = ticks * mult >> 32 (for code in the target, which has no floating point)."""
+        return round(self._scale * (1 << 32))
+
+    def ticks_to_ns(self, ticks: int) -> int:
+        return round(ticks * self._scale)
+
     def to_ns(self, tsc: np.ndarray) -> np.ndarray:
         delta = tsc.astype(np.int64) - np.int64(self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF)
         return (delta * self._scale).astype(np.int64) + self._ns0

@@ -7,9 +7,17 @@ A thread area (one per target thread, reached by generated code through the thre
     0x1000  counters        PROBE_COUNTERS u64 per probe: hits, missed (re-entered), lost (ring full)
     ....    histograms      HIST_BUCKETS u64 per histogram
     ....    ring            `ring_bytes` (a power of two) of fixed-size records
+    ....    shadow stack    SHADOW_CAPACITY entries of SHADOW_ENTRY bytes: the thread's pending
+                            return-probe instances (DESIGN.md section 7)
 
 Thread areas live in pools: one shared memory file (memfd) per pool, mapped by the target and by
 the tracer; pages never touched cost nothing, so the counter and histogram tables are generous.
+
+A shadow-stack entry: the address of the hijacked return-address slot (0: the entry is free),
+the original return address, the address of the code that runs the probe's return part, the
+probe index (u32), the time stamp at entry and the entry's data (the probe's `$argN` values at
+entry, at DATA + 8 * (N - 1)). Entry k is returned through trampoline entry point k, so a frame
+finds its entry even if the stack under it was copied elsewhere.
 
 A record is `record_size` bytes (a power of two): a 16-byte header (u16 probe index, u16 CPU
 from rdtscp, u32 bit mask of fetch arguments that faulted, u64 time-stamp counter) then the
@@ -31,10 +39,12 @@ TID = 0x08
 BUSY = 0x10
 HEAD = 0x40
 TAIL = 0x80
+SHADOW_TOP = 0xC0  # entries [0, top) of the shadow stack are in use or free (slot 0)
+SHADOW_BUSY = 0xC8  # the thread is changing its shadow stack (a signal handler's probes miss)
 HEADER_BYTES = PAGE
 
-PROBE_COUNTERS = 4  # per probe: hits, missed, lost, spare
-HITS, MISSED, LOST = 0, 1, 2
+PROBE_COUNTERS = 4  # per probe: hits, missed, lost, pending return instances
+HITS, MISSED, LOST, PENDING = 0, 1, 2, 3
 HIST_BUCKETS = 66  # [0] zero or negative, [k] values in [2^(k-1), 2^k), k = 1..64, [65] faulted
 HIST_FAULTED = 65
 
@@ -44,6 +54,11 @@ INT_FIELD = 8
 STRING_CAPACITY = 64
 STRING_FIELD = 4 + STRING_CAPACITY
 STRING_TRUNCATED = 1
+
+SHADOW_ENTRY = 128
+SHADOW_CAPACITY = 4096  # also the largest maxactive
+ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 32, 40
+TRAMPOLINE_STRIDE = 8  # bytes per trampoline entry point: `call common` and padding
 
 DEFAULT_RING_BYTES = 1 << 20
 MIN_RING_BYTES = 1 << 12
@@ -90,8 +105,12 @@ class AreaLayout:
         return _page_up(self.hists + self.max_hists * HIST_BUCKETS * 8)
 
     @property
-    def size(self) -> int:
+    def shadow(self) -> int:
         return self.ring + self.ring_bytes
+
+    @property
+    def size(self) -> int:
+        return self.shadow + SHADOW_CAPACITY * SHADOW_ENTRY
 
     @property
     def ring_slots(self) -> int:

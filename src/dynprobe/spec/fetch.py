@@ -16,10 +16,12 @@ from dynprobe.spec.model import (
     Absolute,
     Arg,
     ArgType,
+    Caller,
     Comm,
     Deref,
     Fetch,
     FetchArg,
+    Latency,
     Reg,
     RetVal,
     Stack,
@@ -52,6 +54,15 @@ class Memory(Protocol):
     def read_upto(self, addr: int, size: int) -> bytes: ...
 
 
+@dataclass(frozen=True)
+class ReturnValues:
+    """What a return probe's fetches see besides the registers at the return."""
+
+    args: tuple[int, ...]  # $arg1..$arg6 as they were at the entry
+    caller: int  # the original return address
+    latency_ns: int
+
+
 @dataclass
 class FetchContext:
     regs: Regs
@@ -59,6 +70,7 @@ class FetchContext:
     comm: Callable[[], str]
     symbol_address: Callable[[str], int | None]  # @SYM: absolute address of a symbol of the probed file
     symbolize: Callable[[int], str | None]
+    returning: ReturnValues | None = None
 
 
 class _Faulted(Exception):
@@ -91,7 +103,13 @@ def _word(fetch: Fetch, ctx: FetchContext, size: int = 8) -> int:
     if isinstance(fetch, Reg):
         return regs[fetch.name]
     if isinstance(fetch, Arg):
+        if ctx.returning is not None:
+            return ctx.returning.args[fetch.index - 1]
         return int(getattr(regs, ARG_REGS[fetch.index - 1]))
+    if isinstance(fetch, Latency | Caller):
+        if ctx.returning is None:
+            raise _Faulted
+        return ctx.returning.latency_ns if isinstance(fetch, Latency) else ctx.returning.caller
     if isinstance(fetch, StackPointer):
         return int(regs.rsp)
     if isinstance(fetch, Stack):

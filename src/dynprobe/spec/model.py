@@ -42,6 +42,16 @@ class RetVal:
 
 
 @dataclass(frozen=True)
+class Latency:
+    pass  # $latency: nanoseconds from the function's entry to its return (return probes)
+
+
+@dataclass(frozen=True)
+class Caller:
+    pass  # where a return probe's function returns to (every return event carries it)
+
+
+@dataclass(frozen=True)
 class Comm:
     pass
 
@@ -52,7 +62,7 @@ class Deref:
     inner: Fetch
 
 
-Fetch = Reg | Arg | Absolute | SymbolAddr | Stack | StackPointer | RetVal | Comm | Deref
+Fetch = Reg | Arg | Absolute | SymbolAddr | Stack | StackPointer | RetVal | Latency | Caller | Comm | Deref
 
 
 @dataclass(frozen=True)

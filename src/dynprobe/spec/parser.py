@@ -18,6 +18,7 @@ from dynprobe.spec.model import (
     Deref,
     Fetch,
     FetchArg,
+    Latency,
     ProbeSpec,
     Reg,
     RetVal,
@@ -48,12 +49,14 @@ ERRORS: dict[str, str] = {
     "BAD_ARG_NAME": "an argument name is letters, digits and '_', not starting with a digit",
     "USED_ARG_NAME": "this argument name is used twice",
     "NO_ARG_BODY": "nothing to fetch after 'NAME='",
-    "BAD_FETCH_ARG": "not a fetch argument (%REG, @ADDR, @SYM, $stackN, $stack, $argN, $retval, $comm, +|-OFFS(ARG))",
+    "BAD_FETCH_ARG": "not a fetch argument (%REG, @ADDR, @SYM, $stackN, $stack, $argN, $retval, $latency, $comm, "
+    "+|-OFFS(ARG))",
     "BAD_REG_NAME": "unknown register",
     "BAD_STACK_NUM": "the stack index must be a number",
     "BAD_ARG_NUM": "$argN takes N from 1 to 6 (integer register arguments)",
     "RETVAL_ON_PROBE": "$retval is only available in return probes ('r')",
-    "BAD_VAR": "unknown variable (known: $stackN, $stack, $argN, $retval, $comm)",
+    "LATENCY_ON_PROBE": "$latency is only available in return probes ('r')",
+    "BAD_VAR": "unknown variable (known: $stackN, $stack, $argN, $retval, $latency, $comm)",
     "BAD_MEM_ADDR": "@ takes an address (@0x1234) or a symbol (@sym, @sym+8)",
     "BAD_DEREF_OFFS": "a dereference offset must be a number (+8, -0x10)",
     "DEREF_NEED_BRACE": "a dereference offset must be followed by '('",
@@ -63,7 +66,6 @@ ERRORS: dict[str, str] = {
     "BAD_TYPE": "unknown type (u8..u64, s8..s64, x8..x64, string, ustring, symbol)",
     "BAD_STRING": "string types need a memory argument (@ADDR, +OFFS(ARG)) or $comm",
     "BAD_COMM_TYPE": "$comm is a string; it takes no other type",
-    "RETPROBE_UNSUPPORTED": "return probes are not supported yet",
 }
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -197,6 +199,10 @@ class _FetchParser:
             if self.kind != "r":
                 raise _fail("RETVAL_ON_PROBE", self.spec, col)
             return RetVal()
+        if name == "latency":
+            if self.kind != "r":
+                raise _fail("LATENCY_ON_PROBE", self.spec, col)
+            return Latency()
         if name == "comm":
             return Comm()
         raise _fail("BAD_VAR", self.spec, col)
@@ -293,5 +299,6 @@ def parse_probe(text: str) -> ProbeSpec:
     """A full spec ('p:ev main a=%di'), or a bare location ('main+4', 'libc:malloc') as 'p LOCATION'."""
     stripped = text.strip()
     head = stripped.split(None, 1)[0] if stripped else ""
-    is_spec = head[:1] in ("p", "r") and (head[1:2] in ("", ":") or head[1:].isdigit()) and " " in stripped
+    kind = head.split(":", 1)[0]
+    is_spec = kind[:1] in ("p", "r") and (len(kind) == 1 or kind[1:].isdigit()) and " " in stripped
     return parse_spec(text if is_spec or not stripped else f"p {stripped}")

@@ -77,6 +77,8 @@ class ElfImage:
                 None,
             )
             self.build_id = self._build_id(elf)
+            # Go's runtime moves goroutine stacks: return probes are refused on its programs
+            self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.functions, self.objects = self._symbols(elf)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: frozenset[int] | None = None

@@ -28,13 +28,26 @@ from typing import TYPE_CHECKING
 import iced_x86 as iced
 
 from dynprobe.actions.filter import filter_args
-from dynprobe.actions.model import ActionKind, Compare, Filter, Program
+from dynprobe.actions.model import ActionKind, Compare, Filter, Program, ReturnEntry
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
 from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
-from dynprobe.spec.model import Absolute, Arg, Deref, Fetch, FetchArg, Reg, Stack, StackPointer, SymbolAddr
+from dynprobe.spec.model import (
+    Absolute,
+    Arg,
+    Caller,
+    Deref,
+    Fetch,
+    FetchArg,
+    Latency,
+    Reg,
+    RetVal,
+    Stack,
+    StackPointer,
+    SymbolAddr,
+)
 
 if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
     from iced_x86._iced_x86_py import Code as CodeT
@@ -54,6 +67,26 @@ _REG = {name: getattr(R, name.upper()) for name in GPR64}
 _JCC_UNSIGNED = {"==": C.JE_REL32_64, "!=": C.JNE_REL32_64, "<": C.JB_REL32_64, "<=": C.JBE_REL32_64,
                  ">": C.JA_REL32_64, ">=": C.JAE_REL32_64}  # fmt: skip
 _JCC_SIGNED = {**_JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C.JG_REL32_64, ">=": C.JGE_REL32_64}
+
+
+_ENTRY_SHIFT = L.SHADOW_ENTRY.bit_length() - L.TRAMPOLINE_STRIDE.bit_length()  # entry offset -> table offset
+
+
+@dataclass(frozen=True)
+class Trampoline:
+    """Where a process's return trampoline is: entry point k at `table + k * TRAMPOLINE_STRIDE`;
+    a probe's return code ends with a jump to `finish`."""
+
+    table: int
+    finish: int
+    end: int
+
+
+@dataclass(frozen=True)
+class _Returning:
+    table: int
+    tsc_mult: int  # ns = ticks * tsc_mult >> 32
+    at_return: bool  # the code runs at the return (False: at the entry)
 
 
 @dataclass(frozen=True)
@@ -142,15 +175,17 @@ class _Emitter:
 
     def __init__(
         self, asm: _Asm, layout: L.AreaLayout, site: int, red_zone: int, flags_pushed: bool,
-        symbol_address: Callable[[str], int | None],
+        symbol_address: Callable[[str], int | None], returning: _Returning | None = None,
     ) -> None:  # fmt: skip
         self.asm = asm
         self.layout = layout
         self.site = site
         self.flags_pushed = flags_pushed
-        # bytes between rsp and the thread's rsp at the site
-        self.frame = 8 * len(_SAVED) + (8 if flags_pushed else 0) + red_zone
+        # bytes between rsp and the thread's rsp at the site (at a return: the trampoline's
+        # entry point address pushed where the return address was, then the saved registers)
+        self.frame = 8 * len(_SAVED) + (8 if flags_pushed else 0) + red_zone + (8 if returning and returning.at_return else 0)
         self.symbol_address = symbol_address
+        self.returning = returning
 
     def load_reg(self, name: str) -> None:
         asm = self.asm
@@ -187,9 +222,48 @@ class _Emitter:
         else:
             raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
 
+    def entry_word(self, offset: int) -> None:
+        """rax = a word of the shadow-stack entry being returned through (its offset in the
+        shadow stack is in the saved rsi slot: rsi is dead at a return)."""
+        asm = self.asm
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT["rsi"])))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(self.layout.shadow + offset, R.RAX)))
+
+    def return_value(self, fetch: Fetch) -> bool:
+        """The fetches of a return: entry arguments kept at the entry, $retval, $latency, the
+        caller. False for any other fetch."""
+        asm = self.asm
+        if self.returning is None or not self.returning.at_return:
+            if isinstance(fetch, RetVal | Latency | Caller):
+                raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+            return False
+        if isinstance(fetch, Arg):
+            self.entry_word(L.ENTRY_DATA + 8 * (fetch.index - 1))
+        elif isinstance(fetch, RetVal):
+            self.load_reg("rax")
+        elif isinstance(fetch, Caller):
+            self.entry_word(L.ENTRY_RET)
+        elif isinstance(fetch, Latency):
+            # ns = ticks * mult >> 32 (the consumer's calibration), in 128 bits: no overflow
+            asm.add(iced.Instruction.create(C.RDTSC))
+            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT["rsi"])))
+            asm.add(
+                iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RDX, _gs(self.layout.shadow + L.ENTRY_TSC, R.RAX))
+            )
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.returning.tsc_mult))
+            asm.add(iced.Instruction.create_reg(C.MUL_RM64, R.RDX))
+            asm.add(iced.Instruction.create_reg_reg_u32(C.SHRD_RM64_R64_IMM8, R.RAX, R.RDX, 32))
+        else:
+            return False
+        return True
+
     def value(self, fetch: Fetch, bits: int, fault: int) -> None:
         """rax = the fetched value (a memory load of `bits` bits zero-extended; registers whole)."""
         asm = self.asm
+        if self.return_value(fetch):
+            return
         if isinstance(fetch, Reg):
             self.load_reg(fetch.name)
             return
@@ -250,6 +324,85 @@ class _Emitter:
             self.histogram(prog)
         elif prog.kind == ActionKind.RECORD:
             self.record(prog)
+        asm.bind(done)
+
+    def return_entry(self, prog: Program, entry: ReturnEntry) -> None:
+        """At a return probe's function entry (rsp + frame: the return address): take a
+        shadow-stack entry and point the return address at the trampoline entry point of the
+        same number. An entry whose slot is the new slot belongs to a frame that is gone
+        (longjmp): it is reused. Otherwise the first free one, or a new one on top."""
+        asm, lay = self.asm, self.layout
+        assert self.returning is not None
+        shadow, size = lay.shadow, L.SHADOW_ENTRY
+        missed, full, done = asm.label(), asm.label(), asm.label()
+        loop, step, dup, scanned, fill = asm.label(), asm.label(), asm.label(), asm.label(), asm.label()
+        pending = lay.counter(prog.probe_index, L.PENDING)
+        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.SHADOW_BUSY), 0))
+        asm.jump(C.JNE_REL32_64, missed)
+        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(pending), entry.maxactive))
+        asm.jump(C.JAE_REL32_64, missed)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, _mem(R.RSP, self.frame)))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _gs(L.SHADOW_TOP)))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, size.bit_length() - 1))
+        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ESI, R.ESI))
+        asm.add(iced.Instruction.create_reg_i32(C.MOV_RM64_IMM32, R.RDI, -1))
+        asm.bind(loop)
+        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RSI, R.RDX))
+        asm.jump(C.JAE_REL32_64, scanned)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_SLOT, R.RSI)))
+        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
+        asm.jump(C.JE_REL32_64, dup)
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+        asm.jump(C.JNE_REL32_64, step)
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RDI, -1))
+        asm.jump(C.JNE_REL32_64, step)
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RSI))  # the first free entry
+        asm.bind(step)
+        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM32, R.RSI, size))
+        asm.jump(C.JMP_REL32_64, loop)
+        asm.bind(dup)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
+        asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(lay.counter(0, L.PENDING), R.RAX)))
+        asm.jump(C.JMP_REL32_64, fill)
+        asm.bind(scanned)
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDI))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RSI, -1))
+        asm.jump(C.JNE_REL32_64, fill)
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDX))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RSI, L.SHADOW_CAPACITY * size))
+        asm.jump(C.JAE_REL32_64, full)
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.SHADOW_TOP)))
+        asm.bind(fill)
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_SLOT, R.RSI), R.RCX))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_RET, R.RSI), R.RAX))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, entry.handler))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_HANDLER, R.RSI), R.RAX))
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(shadow + L.ENTRY_PROBE, R.RSI), prog.probe_index))
+        if entry.timestamp:
+            asm.add(iced.Instruction.create(C.RDTSC))
+            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_TSC, R.RSI), R.RAX))
+        for n in entry.arg_indices:
+            self.load_reg(ARG_REGS[n - 1])
+            asm.add(iced.Instruction.create_mem_reg(
+                C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA + 8 * (n - 1), R.RSI), R.RAX))  # fmt: skip
+        self.inc(pending)
+        # entry k (at offset k * SHADOW_ENTRY) returns through table + k * TRAMPOLINE_STRIDE
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
+        asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, _ENTRY_SHIFT))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, self.returning.table))
+        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RCX), R.RAX))
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
+        asm.jump(C.JMP_REL32_64, done)
+        asm.bind(full)  # every entry is taken
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
+        asm.bind(missed)
+        self.inc(lay.counter(prog.probe_index, L.MISSED))
         asm.bind(done)
 
     def histogram(self, prog: Program) -> None:
@@ -381,17 +534,22 @@ def build_detour(
     at: int,
     function_entry: bool,
     symbol_address: Callable[[str], int | None] = lambda name: None,
+    trampoline: Trampoline | None = None,
 ) -> Detour | OptimizeRefusal:
-    """The detour for a site whose probes run `programs`, placed at `at`."""
+    """The detour for a site whose probes run `programs`, placed at `at` (return probes among
+    them need the process's `trampoline`)."""
     asm = _Asm()
     red_zone = 0 if function_entry else RED_ZONE
     if red_zone:
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
-    if all(p.kind == ActionKind.COUNT and p.filter is None for p in programs):
+    if any(p.entry is not None for p in programs) and (trampoline is None or not function_entry):
+        return OptimizeRefusal.FETCH_UNSUPPORTED
+    if all(p.kind == ActionKind.COUNT and p.filter is None and p.entry is None for p in programs):
         _count_only(asm, programs, layout)
     else:
-        push_flags = any(_fetches_flags(prog) for prog in programs)
-        emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address)
+        push_flags = any(_fetches_flags(prog) for prog in programs if prog.entry is None)
+        returning = _Returning(trampoline.table, 0, at_return=False) if trampoline is not None else None
+        emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning)
         if push_flags:
             asm.add(iced.Instruction.create(C.PUSHFQ))
         for name in _SAVED:
@@ -403,7 +561,10 @@ def build_detour(
         try:
             for prog in programs:
                 _check_fields(prog)
-                emitter.program(prog)
+                if prog.entry is not None:
+                    emitter.return_entry(prog, prog.entry)
+                else:
+                    emitter.program(prog)
         except _Unsupported as exc:
             return exc.reason
         if not push_flags:
@@ -439,6 +600,91 @@ def _fetches_flags(prog: Program) -> bool:
 def _check_fields(prog: Program) -> None:
     if len(prog.fields) > 32 or (prog.kind == ActionKind.HIST and prog.value is None):
         raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+
+def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
+    """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entry points, each a
+    `call common` (the pushed address says which entry; it lands where the return address was),
+    then the common part, which saves the registers a probe's return code may use (rsi is dead
+    at a return: it carries the entry's offset) and jumps to that code; the code jumps back to
+    `finish`, which puts the original return address in place, frees the entry, and returns.
+    Flags are not kept: no caller expects them to survive a call."""
+    asm = _Asm()
+    common, finish, popping, popped = asm.label(), asm.label(), asm.label(), asm.label()
+    shadow, shift = layout.shadow, L.SHADOW_ENTRY.bit_length() - 1
+    pad = L.TRAMPOLINE_STRIDE - 5
+    for _ in range(L.SHADOW_CAPACITY):
+        asm.jump(C.CALL_REL32_64, common)
+        for _ in range(pad):
+            asm.add(iced.Instruction.create(C.INT3))
+    ret_at = 8 * len(_SAVED)  # the trampoline's pushed entry point, where the return address was
+
+    def entry_offset(table: int) -> None:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, ret_at)))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, table + 5))
+        asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RSI, R.RCX))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RSI, _ENTRY_SHIFT))
+
+    asm.bind(common)
+    for name in _SAVED:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+    entry_offset(at)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, _SAVED_AT["rsi"]), R.RSI))
+    asm.add(iced.Instruction.create_mem(C.JMP_RM64, _gs(shadow + L.ENTRY_HANDLER, R.RSI)))
+    asm.bind(finish)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, _SAVED_AT["rsi"])))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RSI)))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, ret_at), R.RAX))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
+    asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(layout.counter(0, L.PENDING), R.RAX)))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_SLOT, R.RSI), 0))
+    # Free entries on top go: the stack shrinks back as frames return in order.
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _gs(L.SHADOW_TOP)))
+    asm.bind(popping)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
+    asm.jump(C.JE_REL32_64, popped)
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDX, _mem(R.RCX, -1)))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, shift))
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(shadow + L.ENTRY_SLOT, R.RDX), 0))
+    asm.jump(C.JNE_REL32_64, popped)
+    asm.add(iced.Instruction.create_reg(C.DEC_RM64, R.RCX))
+    asm.jump(C.JMP_REL32_64, popping)
+    asm.bind(popped)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.SHADOW_TOP), R.RCX))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
+    for name in reversed(_SAVED):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
+    asm.add(iced.Instruction.create(C.RETNQ))
+    finish_index = asm.bound[finish]
+    code, _ = asm.encode(at)
+    starts = [int(insn.ip) for insn in iter_instructions(code, at)]
+    return code, Trampoline(at, starts[finish_index], at + len(code))
+
+
+def build_return_code(
+    prog: Program, layout: L.AreaLayout, at: int, trampoline: Trampoline, tsc_mult: int,
+    symbol_address: Callable[[str], int | None] = lambda name: None,
+) -> bytes | OptimizeRefusal:  # fmt: skip
+    """The return part of a return probe, placed at `at`: its filter, counters, histogram or
+    record, run by the trampoline (registers saved as a detour saves them), then back to it."""
+    asm = _Asm()
+    emitter = _Emitter(asm, layout, 0, 0, False, symbol_address, _Returning(trampoline.table, tsc_mult, at_return=True))
+    try:
+        _check_fields(prog)
+        emitter.program(prog)
+    except _Unsupported as exc:
+        return exc.reason
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
+    return asm.encode(at)[0]
+
+
+def return_stub_code(at: int, trampoline: Trampoline) -> bytes:
+    """The return code of probes whose return part runs in the tracer: an int3 goes here."""
+    asm = _Asm()
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
+    return asm.encode(at)[0]
 
 
 def read_tsc_code() -> bytes:

@@ -1,0 +1,488 @@
+"""Return probes: kretprobes for user space (DESIGN.md section 7).
+
+A return probe sits on its function's first instruction. There it takes an entry of the thread's
+shadow stack (in the thread area), keeps what the return needs in it (the original return
+address, where the return address was, the entry's `$argN`, a time stamp) and replaces the return
+address with entry point k of the process's return trampoline, k being the entry's number. The
+function returns into the trampoline, which runs the probe's return code and returns to the
+original address. The return address names its entry, not the stack pointer: a frame whose stack
+was copied elsewhere still finds its entry.
+
+Who does what:
+- the entry: the site's detour (optimized, `codegen.return_entry`), or `on_entry` here at a trap
+  stop (a Python entry handler, a site that cannot take a jump), with the same shadow-stack rules;
+- the return: always the trampoline, in the target, so a tracer that dies or detaches never
+  leaves a return address that leads nowhere. A probe's return code runs its action in the
+  target; probes with Python handlers share a trap stub whose stop runs `on_return` here;
+- unwinding (C++ exceptions, backtrace()): the unwinder reads return addresses, so a trap on its
+  entry points puts the thread's original return addresses back first;
+- detach and a fork child let go: original return addresses back wherever a frame still points
+  at the trampoline; threads with entries left keep their thread area and the trampoline.
+
+Stale entries (frames left by longjmp) are reused when a new frame takes the same return-address
+slot: a slot holds one return address, so the older frame is gone. Entries are never dropped by
+comparing stack pointers: coroutines (swapcontext) keep live frames on other stacks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dynprobe.actions.filter import filter_args
+from dynprobe.actions.model import Program, ReturnEntry
+from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
+from dynprobe.arch.x86_64.codegen import Trampoline, build_return_code, build_trampoline, return_stub_code
+from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.core.probe import Hit, Probe, Site
+from dynprobe.debug import debug as _debug
+from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal, SymbolError
+from dynprobe.ptrace import syscalls as sc
+from dynprobe.ptrace.events import EventKind
+from dynprobe.ringbuf import layout as L
+from dynprobe.spec.fetch import FetchContext, ReturnValues
+from dynprobe.spec.model import Arg, Deref, Fetch, FetchArg, Latency
+from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
+from dynprobe.symbols.resolve import Location
+
+if TYPE_CHECKING:
+    from dynprobe.core.session import Session, TracedProcess
+
+# Where the unwinder starts reading return addresses: exceptions (throw, rethrow, forced unwind
+# of pthread_cancel) and backtrace().
+UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind", "_Unwind_Backtrace")
+RETURN_CODE_ROOM = 512
+_SAVED_REGS = 6  # what the trampoline pushes: rax, rcx, rdx, rsi, rdi, r11 (rax deepest)
+_SAVED_RAX, _SAVED_RDX = 8 * 5, 8 * 3  # their offsets from rsp in the return code
+_WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
+
+
+def default_maxactive() -> int:
+    return max(10, 2 * (os.cpu_count() or 1))
+
+
+@dataclass
+class Instance:
+    """A pending instance of a probe with Python handlers (the shadow entry is in the target)."""
+
+    probe: Probe
+    data: object
+    time: float
+
+
+@dataclass(eq=False)
+class ProcessReturns:
+    """The return-probe machinery of one process."""
+
+    trampoline: Trampoline
+    stub: int  # the return code of probes whose return part runs in the tracer
+    code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
+    instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
+    snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
+
+    def entry_point(self, k: int) -> int:
+        return self.trampoline.table + k * L.TRAMPOLINE_STRIDE
+
+    def owns(self, rip: int) -> bool:
+        """Whether `rip` is in code a thread must leave before the thread area goes."""
+        if self.trampoline.table <= rip < self.trampoline.end or self.stub <= rip < self.stub + 16:
+            return True
+        return any(a <= rip < a + n for a, n in self.code.values())
+
+
+def _fetches(args: list[FetchArg]) -> Iterator[Fetch]:
+    for arg in args:
+        fetch = arg.fetch
+        yield fetch
+        while isinstance(fetch, Deref):
+            fetch = fetch.inner
+            yield fetch
+
+
+def _probe_fetch_args(probe: Probe) -> list[FetchArg]:
+    args = list(probe.args)
+    if probe.value is not None:
+        args.append(probe.value)
+    if probe.filter is not None:
+        args += filter_args(probe.filter)
+    return args
+
+
+def shadow_stack_enabled(pid: int) -> bool:
+    """CET shadow stack active in the process (Linux 6.6+ reports it in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("x86_Thread_features:"):
+                    return "shstk" in line.split()
+    except OSError:
+        pass
+    return False
+
+
+class ReturnProbes:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    # --- policy -------------------------------------------------------------------------------------
+    @staticmethod
+    def refusal(proc: TracedProcess, path: str) -> Refusal | None:
+        """Why return probes cannot be safe in `proc` (for a function of `path`), or None."""
+        if proc.gs_refused:
+            return Refusal.GS_IN_USE
+        if load_elf(path).is_go or load_elf(proc.exe).is_go:
+            return Refusal.MOVING_STACKS
+        if shadow_stack_enabled(proc.pid):
+            return Refusal.SHADOW_STACK
+        return None
+
+    @staticmethod
+    def entry_of(probe: Probe) -> ReturnEntry:
+        """What the entry keeps for the probe's return (its handler filled in per process)."""
+        fetches = list(_fetches(_probe_fetch_args(probe)))
+        indices = sorted({f.index for f in fetches if isinstance(f, Arg)})
+        return ReturnEntry(probe.maxactive, 0, tuple(indices), any(isinstance(f, Latency) for f in fetches))
+
+    # --- set-up ---------------------------------------------------------------------------------------
+    def setup(self, proc: TracedProcess, near: int) -> ProcessReturns:
+        """The process's trampoline, trap stub and unwinder hooks, made once (a thread of
+        `proc` is stopped)."""
+        if proc.returns is not None:
+            return proc.returns
+        session = self.session
+        layout = session.layout
+        size = len(build_trampoline(layout, 0)[0])
+        at = session.allocate_slot(proc, near, size + 16)
+        if at is None:
+            raise ProcessError(f"no executable memory for the return trampoline in pid {proc.pid}")
+        code, trampoline = build_trampoline(layout, at)
+        assert len(code) == size
+        stub = at + size
+        stub_code = return_stub_code(stub, trampoline)
+        proc.tracee.write(at, code + stub_code)
+        proc.returns = ProcessReturns(trampoline, stub)
+        self._add_stub(proc, stub, stub_code)
+        self.hook_unwinders(proc, read_maps(proc.pid))
+        _debug(f"pid {proc.pid}: return trampoline at {at:#x}, {size} bytes")
+        return proc.returns
+
+    def _add_stub(self, proc: TracedProcess, addr: int, code: bytes) -> None:
+        """The trap stub: an internal site on our own `jmp finish` (emulated at each stop)."""
+        insn = decode_one(code, addr)
+        assert insn is not None
+        plan = plan_resume(insn)
+        assert not isinstance(plan, Refusal) and plan.kind == ResumeKind.EMULATE
+        site = Site(addr, insn, code, plan, prepare(insn), internal=lambda tid, regs: self.on_return(proc, tid, regs))
+        proc.sites[addr] = site
+        self.session.arm_site(proc, site)
+
+    def hook_unwinders(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """Trap the unwinder's entry points in every mapped module that has them."""
+        if proc.returns is None:
+            return
+        for path in sorted({m.path for m in maps if m.executable and m.path.startswith("/")}):
+            try:
+                image = load_elf(path)
+            except SymbolError:
+                continue
+            for name in UNWINDER_ENTRIES:
+                func = image.by_name.get(name)
+                offset = image.vaddr_to_offset(func.addr) if func is not None else None
+                addr = address_of_offset(maps, file_key(path), path, offset) if offset is not None else None
+                if func is None or offset is None or addr is None or addr in proc.sites:
+                    continue
+                location = Location(path, offset, func.addr, func, name)
+                try:
+                    self.session.add_internal_site(proc, location, addr, lambda tid, regs: self.on_unwind(proc, tid))
+                except (ProbeRefused, OSError) as exc:
+                    self.session.warn(f"cannot watch {name} in {path} for C++ exceptions: {exc}")
+
+    def return_code(self, proc: TracedProcess, probe: Probe) -> int:
+        """Where the probe's return part runs in `proc`: its generated code, or the trap stub
+        (Python handlers, or an action with no in-process form)."""
+        returns = proc.returns
+        assert returns is not None
+        if probe.action is None:
+            return returns.stub
+        if probe.index in returns.code:
+            return returns.code[probe.index][0]
+        session = self.session
+        at = session.allocate_slot(proc, returns.trampoline.table, RETURN_CODE_ROOM)
+        if at is None:
+            return returns.stub
+        mult = session.tsc_mult()
+        resolver = session.symbol_resolver_for(probe, proc)
+        code = build_return_code(probe.program(), session.layout, at, returns.trampoline, mult, resolver)
+        if isinstance(code, OptimizeRefusal) or len(code) > RETURN_CODE_ROOM:
+            proc.slots.free(at, RETURN_CODE_ROOM)
+            _debug(f"{probe.name}: return part at a stop ({code if isinstance(code, OptimizeRefusal) else 'too big'})")
+            return returns.stub
+        proc.slots.shrink(at, RETURN_CODE_ROOM, len(code))
+        proc.tracee.write(at, code)
+        returns.code[probe.index] = (at, len(code))
+        return at
+
+    def entry_program(self, proc: TracedProcess, probe: Probe, near: int) -> Program:
+        """The probe's program for its entry site's detour."""
+        self.setup(proc, near)
+        entry = dataclasses.replace(self.entry_of(probe), handler=self.return_code(proc, probe))
+        return dataclasses.replace(probe.program(), entry=entry)
+
+    # --- the shadow stack, from the tracer --------------------------------------------------------------
+    def _words(self, proc: TracedProcess, tid: int) -> np.ndarray | None:
+        if proc.areas is None:
+            return None
+        area = proc.areas.by_tid.get(tid)
+        return None if area is None else area.pool.words[area.index]
+
+    def _area_for(self, proc: TracedProcess, tid: int, regs: Regs) -> np.ndarray | None:
+        """The stopped thread's area, made now if it has none (None: the target uses GS);
+        `regs`, to be written back by the caller, get its GS base too."""
+        if proc.areas is None:
+            if regs.gs_base and not proc.gs_inherited:
+                proc.gs_refused = True
+                self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its return probes miss")
+                return None
+            proc.areas = self.session.new_areas(proc)
+        if not proc.areas.owns(tid):
+            self.session.give_area(proc, tid)
+            regs.gs_base = proc.areas.by_tid[tid].target_addr
+        return self._words(proc, tid)
+
+    def _take(self, words: np.ndarray, slot: int) -> int | None:
+        """The entry a new frame at `slot` takes, as the detour chooses it."""
+        lay = self.session.layout
+        base = lay.shadow // 8
+        top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
+        slots = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY]
+        same = np.flatnonzero(slots == slot)
+        if len(same):
+            k = int(same[0])
+            old = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
+            if old < lay.max_probes:
+                words[lay.counter(old, L.PENDING) // 8] -= np.uint64(1)
+            return k
+        free = np.flatnonzero(slots == 0)
+        if len(free):
+            return int(free[0])
+        if top >= L.SHADOW_CAPACITY:
+            return None
+        words[L.SHADOW_TOP // 8] = top + 1
+        return top
+
+    def _free(self, proc: TracedProcess, tid: int, words: np.ndarray, k: int) -> None:
+        lay = self.session.layout
+        at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+        probe = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
+        if probe < lay.max_probes:
+            words[lay.counter(probe, L.PENDING) // 8] -= np.uint64(1)
+        words[at + L.ENTRY_SLOT // 8] = 0
+        top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
+        while top and words[lay.shadow // 8 + (top - 1) * _WORDS_PER_ENTRY] == 0:
+            top -= 1
+        words[L.SHADOW_TOP // 8] = top
+        assert proc.returns is not None
+        proc.returns.instances.pop((tid, k), None)
+
+    # --- trap mode --------------------------------------------------------------------------------------
+    def on_entry(
+        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs, context: FetchContext
+    ) -> None:
+        """A return probe's entry at a trap stop: the entry handler, then the shadow entry."""
+        returns = self.setup(proc, site.addr)
+        words = self._area_for(proc, tid, regs)
+        lay = self.session.layout
+        pending = lay.counter(probe.index, L.PENDING) // 8
+        if words is None or words[L.SHADOW_BUSY // 8] or int(words[pending]) >= probe.maxactive:
+            probe.trap_missed += 1
+            return
+        now = time.monotonic()
+        hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
+        if probe.on_entry is not None and probe.on_entry(hit):
+            return  # vetoed: no return handler, nothing missed
+        slot = int(regs.rsp)
+        try:
+            ret = proc.tracee.read_u64(slot)
+        except OSError:
+            probe.trap_missed += 1
+            return
+        k = self._take(words, slot)
+        if k is None:
+            probe.trap_missed += 1
+            return
+        at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+        words[at + L.ENTRY_SLOT // 8] = slot
+        words[at + L.ENTRY_RET // 8] = ret
+        words[at + L.ENTRY_HANDLER // 8] = self.return_code(proc, probe)
+        words[at + L.ENTRY_PROBE // 8] = probe.index
+        words[at + L.ENTRY_TSC // 8] = self.session.read_tsc()
+        for n, name in enumerate(ARG_REGS, start=1):
+            words[at + L.ENTRY_DATA // 8 + n - 1] = int(getattr(regs, name)) & ((1 << 64) - 1)
+        words[pending] += np.uint64(1)
+        if probe.action is None:
+            returns.instances[tid, k] = Instance(probe, hit.data, now)
+        proc.tracee.write(slot, returns.entry_point(k).to_bytes(8, "little"))
+
+    def on_return(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
+        """The trap stub: a return whose part runs here. rsi holds the entry's offset; the
+        trampoline's saved registers are on the stack (rax, rdx: the return value)."""
+        returns = proc.returns
+        words = self._words(proc, tid)
+        offset = int(regs.rsi)
+        if returns is None or words is None or offset % L.SHADOW_ENTRY or offset >= L.SHADOW_CAPACITY * L.SHADOW_ENTRY:
+            return
+        k = offset // L.SHADOW_ENTRY
+        lay = self.session.layout
+        at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+        index = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
+        probe = self.session.probe_by_index(index)
+        if probe is None:
+            return
+        caller = int(words[at + L.ENTRY_RET // 8])
+        latency = self.session.tsc_to_ns(self.session.read_tsc() - int(words[at + L.ENTRY_TSC // 8]))
+        args = tuple(int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS)))
+        base = int(regs.rsp)
+        tracee = proc.tracee
+        view = Regs.from_buffer_copy(regs)
+        view.rax, view.rdx = tracee.read_u64(base + _SAVED_RAX), tracee.read_u64(base + _SAVED_RDX)
+        view.rsp = base + 8 * (_SAVED_REGS + 1)
+        view.rip = caller
+        function = probe.sites.get(proc.pid, 0)
+        context = dataclasses.replace(
+            self.session.fetch_context(proc, tid, view, probe), returning=ReturnValues(args, caller, latency)
+        )
+        instance = returns.instances.pop((tid, k), None)
+        if probe.action is not None:
+            self.session.act_in_tracer(probe, proc, tid, function, context, caller)
+        elif probe.on_return is not None and probe.enabled:
+            probe.trap_hits += 1
+            hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
+                      instance.data if instance else None, caller)  # fmt: skip
+            rax, rdx = int(view.rax), int(view.rdx)
+            probe.on_return(hit)
+            if int(view.rax) != rax:
+                tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
+            if int(view.rdx) != rdx:
+                tracee.write(base + _SAVED_RDX, (int(view.rdx) & ((1 << 64) - 1)).to_bytes(8, "little"))
+        else:
+            probe.trap_hits += 1
+
+    # --- putting return addresses back ------------------------------------------------------------------
+    def on_unwind(self, proc: TracedProcess, tid: int) -> None:
+        """The thread enters the unwinder, which reads its return addresses: the originals."""
+        self.restore(proc, tid)
+
+    def restore(self, proc: TracedProcess, tid: int) -> bool:
+        """Put the thread's original return addresses back wherever its frames still return into
+        the trampoline, freeing those entries (unwinding, detach). True if no entry is left."""
+        words = self._words(proc, tid)
+        if words is None or proc.returns is None:
+            return True
+        return self._restore_entries(proc, tid, words)
+
+    def _restore_entries(self, proc: TracedProcess, tid: int, words: np.ndarray) -> bool:
+        assert proc.returns is not None
+        lay = self.session.layout
+        left = False
+        top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
+        for k in range(top):
+            at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+            slot = int(words[at + L.ENTRY_SLOT // 8])
+            if not slot:
+                continue
+            try:
+                held = proc.tracee.read_u64(slot)
+                if held == proc.returns.entry_point(k):
+                    proc.tracee.write(slot, int(words[at + L.ENTRY_RET // 8]).to_bytes(8, "little"))
+                    self._free(proc, tid, words, k)
+                    continue
+            except OSError:
+                pass
+            left = True
+        return not left
+
+    def restore_child(self, child: TracedProcess) -> None:
+        """A fork child let go: its copy of the forking thread's frames returns to the original
+        addresses (its copy of the trampoline would use its parent's thread area)."""
+        returns = child.returns
+        if returns is None or returns.snapshot is None:
+            return
+        words = returns.snapshot.copy()
+        child.returns = dataclasses.replace(returns, instances={})
+        self._restore_entries(child, child.pid, words)
+
+    def snapshot(self, parent: TracedProcess, tid: int, child: TracedProcess) -> None:
+        """At a fork: the child's thread returns through copies of the forking thread's frames,
+        so it gets a copy of that thread's shadow stack (applied when its area is made)."""
+        returns = parent.returns
+        words = self._words(parent, tid)
+        if returns is None:
+            return
+        child.returns = dataclasses.replace(
+            returns,
+            code=dict(returns.code),
+            instances={(child.pid, k): i for (t, k), i in returns.instances.items() if t == tid},
+            snapshot=None if words is None else words.copy(),
+        )
+
+    def thread_area_given(self, proc: TracedProcess, tid: int) -> None:
+        """A fork child's thread has its own area now: its shadow stack is the copy."""
+        returns = proc.returns
+        if returns is None or returns.snapshot is None or tid != proc.pid:
+            return
+        words = self._words(proc, tid)
+        if words is None:
+            return
+        lay = self.session.layout
+        snap, returns.snapshot = returns.snapshot, None
+        words[L.SHADOW_TOP // 8] = snap[L.SHADOW_TOP // 8]
+        words[lay.shadow // 8 :] = snap[lay.shadow // 8 :]
+        top = min(int(snap[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
+        for k in range(top):
+            at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+            index = int(snap[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
+            if snap[at] and index < lay.max_probes:
+                words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
+
+    # --- detach -----------------------------------------------------------------------------------------
+    def before_detach(self, proc: TracedProcess) -> None:
+        """The trap stub becomes a plain jump (a return served at a stop now just returns); a
+        thread stopped on it is moved back to run that jump."""
+        returns = proc.returns
+        if returns is None:
+            return
+        site = proc.sites.get(returns.stub)
+        if site is None:
+            return
+        with contextlib.suppress(OSError):
+            proc.tracee.write(site.addr, site.original)
+        site.armed = False
+        for tid, state in proc.tracee.threads.items():
+            if not state.stopped:
+                continue
+            traps = [e for e in state.deferred if e.kind == EventKind.SIGNAL and e.sig == 5]
+            with contextlib.suppress(OSError):
+                regs = sc.get_regs(tid)
+                if traps and int(regs.rip) == returns.stub + 1:
+                    regs.rip = returns.stub
+                    sc.set_regs(tid, regs)
+                    state.deferred.remove(traps[0])
+
+    def keep_areas_at_detach(self, proc: TracedProcess) -> set[int]:
+        """Original return addresses back in every thread; the threads that still have entries
+        (a frame whose slot moved, or one left by longjmp) keep their thread area."""
+        if proc.returns is None or proc.areas is None:
+            return set()
+        keep = set()
+        for tid, state in proc.tracee.threads.items():
+            if state.stopped and proc.areas.owns(tid) and not self.restore(proc, tid):
+                keep.add(tid)
+        return keep
