@@ -29,8 +29,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,18 +52,26 @@ from dynprobe.spec.fetch import FetchContext, ReturnValues
 from dynprobe.spec.model import Arg, Deref, Fetch, FetchArg, Latency
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
-from dynprobe.symbols.resolve import Location
+from dynprobe.symbols.resolve import Location, resolve_address
 
 if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
 
-# Where the unwinder starts reading return addresses: exceptions (throw, rethrow, forced unwind
-# of pthread_cancel) and backtrace().
-UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind", "_Unwind_Backtrace")
+# Where the unwinder starts reading return addresses: exceptions (throw, rethrow, the forced unwind
+# of pthread_cancel/pthread_exit) and backtrace(); and where an exception has been caught.
+UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind")
+BACKTRACE_ENTRY = "_Unwind_Backtrace"
+CATCH_ENTRY = "__cxa_begin_catch"
 RETURN_CODE_ROOM = 512
 _SAVED_REGS = 6  # what the trampoline pushes: rax, rcx, rdx, rsi, rdi, r11 (rax deepest)
 _SAVED_RAX, _SAVED_RDX = 8 * 5, 8 * 3  # their offsets from rsp in the return code
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
+_STUB_BYTES = 16
+
+
+def _return_rsp(regs: Regs) -> int:
+    """The stack pointer after the return, from a trap stub (the trampoline's frame below it)."""
+    return int(regs.rsp) + 8 * (_SAVED_REGS + 1)
 
 
 def default_maxactive() -> int:
@@ -93,7 +102,7 @@ class ProcessReturns:
 
     def owns(self, rip: int) -> bool:
         """Whether `rip` is in code a thread must leave before the thread area goes."""
-        if self.trampoline.table <= rip < self.trampoline.end or self.stub <= rip < self.stub + 16:
+        if self.trampoline.table <= rip < self.trampoline.end or self.stub <= rip < self.stub + _STUB_BYTES:
             return True
         return any(a <= rip < a + n for a, n in self.code.values())
 
@@ -160,7 +169,7 @@ class ReturnProbes:
         session = self.session
         layout = session.layout
         size = len(build_trampoline(layout, 0)[0])
-        at = session.allocate_slot(proc, near, size + 16)
+        at = session.allocate_slot(proc, near, size + _STUB_BYTES)
         if at is None:
             raise ProcessError(f"no executable memory for the return trampoline in pid {proc.pid}")
         code, trampoline = build_trampoline(layout, at)
@@ -193,7 +202,12 @@ class ReturnProbes:
                 image = load_elf(path)
             except SymbolError:
                 continue
-            for name in UNWINDER_ENTRIES:
+            hooks: list[tuple[str, Callable[[int, Regs], None]]] = [
+                *((name, lambda tid, regs: self.on_unwind(proc, tid, regs)) for name in UNWINDER_ENTRIES),
+                (BACKTRACE_ENTRY, lambda tid, regs: self.on_backtrace(proc, tid, regs)),
+                (CATCH_ENTRY, lambda tid, regs: self.rehijack(proc, tid, int(regs.rsp))),
+            ]
+            for name, callback in hooks:
                 func = image.by_name.get(name)
                 offset = image.vaddr_to_offset(func.addr) if func is not None else None
                 addr = address_of_offset(maps, file_key(path), path, offset) if offset is not None else None
@@ -201,7 +215,7 @@ class ReturnProbes:
                     continue
                 location = Location(path, offset, func.addr, func, name)
                 try:
-                    self.session.add_internal_site(proc, location, addr, lambda tid, regs: self.on_unwind(proc, tid))
+                    self.session.add_internal_site(proc, location, addr, callback)
                 except (ProbeRefused, OSError) as exc:
                     self.session.warn(f"cannot watch {name} in {path} for C++ exceptions: {exc}")
 
@@ -308,28 +322,36 @@ class ReturnProbes:
         hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
         if probe.on_entry is not None and probe.on_entry(hit):
             return  # vetoed: no return handler, nothing missed
+        k = self._push(proc, words, regs, self.return_code(proc, probe), probe.index)
+        if k is None:
+            probe.trap_missed += 1
+        elif probe.action is None:
+            returns.instances[tid, k] = Instance(probe, hit.data, now)
+
+    def _push(self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int) -> int | None:
+        """At a function entry (rsp: the return address): a shadow entry for the frame, as the
+        detour makes it, and the return address pointed at its trampoline entry point."""
+        assert proc.returns is not None
+        lay = self.session.layout
         slot = int(regs.rsp)
         try:
             ret = proc.tracee.read_u64(slot)
         except OSError:
-            probe.trap_missed += 1
-            return
+            return None
         k = self._take(words, slot)
         if k is None:
-            probe.trap_missed += 1
-            return
+            return None
         at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
         words[at + L.ENTRY_SLOT // 8] = slot
         words[at + L.ENTRY_RET // 8] = ret
-        words[at + L.ENTRY_HANDLER // 8] = self.return_code(proc, probe)
-        words[at + L.ENTRY_PROBE // 8] = probe.index
+        words[at + L.ENTRY_HANDLER // 8] = handler
+        words[at + L.ENTRY_PROBE // 8] = index  # and the flags, cleared
         words[at + L.ENTRY_TSC // 8] = self.session.read_tsc()
         for n, name in enumerate(ARG_REGS, start=1):
             words[at + L.ENTRY_DATA // 8 + n - 1] = int(getattr(regs, name)) & ((1 << 64) - 1)
-        words[pending] += np.uint64(1)
-        if probe.action is None:
-            returns.instances[tid, k] = Instance(probe, hit.data, now)
-        proc.tracee.write(slot, returns.entry_point(k).to_bytes(8, "little"))
+        words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
+        proc.tracee.write(slot, proc.returns.entry_point(k).to_bytes(8, "little"))
+        return k
 
     def on_return(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
         """The trap stub: a return whose part runs here. rsi holds the entry's offset; the
@@ -353,7 +375,7 @@ class ReturnProbes:
         tracee = proc.tracee
         view = Regs.from_buffer_copy(regs)
         view.rax, view.rdx = tracee.read_u64(base + _SAVED_RAX), tracee.read_u64(base + _SAVED_RDX)
-        view.rsp = base + 8 * (_SAVED_REGS + 1)
+        view.rsp = _return_rsp(regs)
         view.rip = caller
         function = probe.sites.get(proc.pid, 0)
         context = dataclasses.replace(
@@ -375,11 +397,72 @@ class ReturnProbes:
         else:
             probe.trap_hits += 1
 
-    # --- putting return addresses back ------------------------------------------------------------------
-    def on_unwind(self, proc: TracedProcess, tid: int) -> None:
-        """The thread enters the unwinder, which reads its return addresses: the originals."""
-        self.restore(proc, tid)
+    # --- unwinding -----------------------------------------------------------------------------------------
+    def on_unwind(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
+        """The thread enters the unwinder, which reads the return addresses of the frames above:
+        the originals go back for it, and their entries are marked. The frames it unwinds are
+        gone; those it does not (above the catch) get the trampoline back at `rehijack`."""
+        words = self._words(proc, tid)
+        returns = proc.returns
+        if words is None or returns is None:
+            return
+        rsp = int(regs.rsp)
+        for k, at, slot in self._entries(words):
+            if slot <= rsp:
+                continue
+            with contextlib.suppress(OSError):
+                if proc.tracee.read_u64(slot) == returns.entry_point(k):
+                    proc.tracee.write(slot, int(words[at + L.ENTRY_RET // 8]).to_bytes(8, "little"))
+                    words[at + L.ENTRY_PROBE // 8] |= np.uint64(L.ENTRY_RESTORED << 32)
 
+    def on_backtrace(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
+        """backtrace() walks the frames without unwinding them: the originals go back while it
+        runs, and a trap where it returns to puts the trampoline back (its own return address
+        is read too, so it cannot return through the trampoline)."""
+        self.on_unwind(proc, tid, regs)
+        try:
+            back = proc.tracee.read_u64(int(regs.rsp))
+        except OSError:
+            return
+        if back not in proc.sites:
+            try:
+                location = resolve_address(back, read_maps(proc.pid))
+                self.session.add_internal_site(
+                    proc, location, back, lambda tid, regs: self.rehijack(proc, tid, int(regs.rsp))
+                )
+            except (ProbeRefused, SymbolError, OSError) as exc:
+                _debug(f"no trap after {BACKTRACE_ENTRY} at {back:#x}: {exc}")
+
+    def rehijack(self, proc: TracedProcess, tid: int, rsp: int) -> None:
+        """Unwinding is over (an exception was caught; backtrace() returned) with the thread at
+        `rsp`: frames above it that were left alone return through the trampoline again; the
+        entries of frames it unwound are freed."""
+        words = self._words(proc, tid)
+        returns = proc.returns
+        if words is None or returns is None:
+            return
+        for k, at, slot in self._entries(words):
+            if not int(words[at + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_RESTORED:
+                continue
+            words[at + L.ENTRY_PROBE // 8] &= np.uint64(0xFFFF_FFFF)
+            try:
+                if slot > rsp and proc.tracee.read_u64(slot) == int(words[at + L.ENTRY_RET // 8]):
+                    proc.tracee.write(slot, returns.entry_point(k).to_bytes(8, "little"))
+                    continue
+            except OSError:
+                pass
+            self._free(proc, tid, words, k)
+
+    def _entries(self, words: np.ndarray) -> Iterator[tuple[int, int, int]]:
+        """(number, word index, slot) of the entries in use."""
+        base = self.session.layout.shadow // 8
+        for k in range(min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)):
+            at = base + k * _WORDS_PER_ENTRY
+            slot = int(words[at + L.ENTRY_SLOT // 8])
+            if slot:
+                yield k, at, slot
+
+    # --- putting return addresses back ------------------------------------------------------------------
     def restore(self, proc: TracedProcess, tid: int) -> bool:
         """Put the thread's original return addresses back wherever its frames still return into
         the trampoline, freeing those entries (unwinding, detach). True if no entry is left."""
@@ -390,14 +473,8 @@ class ReturnProbes:
 
     def _restore_entries(self, proc: TracedProcess, tid: int, words: np.ndarray) -> bool:
         assert proc.returns is not None
-        lay = self.session.layout
         left = False
-        top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
-        for k in range(top):
-            at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
-            slot = int(words[at + L.ENTRY_SLOT // 8])
-            if not slot:
-                continue
+        for k, at, slot in list(self._entries(words)):
             try:
                 held = proc.tracee.read_u64(slot)
                 if held == proc.returns.entry_point(k):
@@ -454,8 +531,8 @@ class ReturnProbes:
 
     # --- detach -----------------------------------------------------------------------------------------
     def before_detach(self, proc: TracedProcess) -> None:
-        """The trap stub becomes a plain jump (a return served at a stop now just returns); a
-        thread stopped on it is moved back to run that jump."""
+        """The trap stubs become plain jumps (a return served at a stop now just returns); a
+        thread stopped on one is moved back to run that jump."""
         returns = proc.returns
         if returns is None:
             return
@@ -466,13 +543,13 @@ class ReturnProbes:
             proc.tracee.write(site.addr, site.original)
         site.armed = False
         for tid, state in proc.tracee.threads.items():
-            if not state.stopped:
+            traps = [e for e in state.deferred if e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP]
+            if not state.stopped or not traps:
                 continue
-            traps = [e for e in state.deferred if e.kind == EventKind.SIGNAL and e.sig == 5]
             with contextlib.suppress(OSError):
                 regs = sc.get_regs(tid)
-                if traps and int(regs.rip) == returns.stub + 1:
-                    regs.rip = returns.stub
+                if int(regs.rip) == site.addr + 1:
+                    regs.rip = site.addr
                     sc.set_regs(tid, regs)
                     state.deferred.remove(traps[0])
 

@@ -15,7 +15,7 @@ the tracer; pages never touched cost nothing, so the counter and histogram table
 
 A shadow-stack entry: the address of the hijacked return-address slot (0: the entry is free),
 the original return address, the address of the code that runs the probe's return part, the
-probe index (u32), the time stamp at entry and the entry's data (the probe's `$argN` values at
+probe index (u32), the tracer's flags (u32), the time stamp at entry and the entry's data (the probe's `$argN` values at
 entry, at DATA + 8 * (N - 1)). Entry k is returned through trampoline entry point k, so a frame
 finds its entry even if the stack under it was copied elsewhere.
 
@@ -57,7 +57,8 @@ STRING_TRUNCATED = 1
 
 SHADOW_ENTRY = 128
 SHADOW_CAPACITY = 4096  # also the largest maxactive
-ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 32, 40
+ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_FLAGS, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 28, 32, 40
+ENTRY_RESTORED = 1  # flag: the tracer put the original return address back while the unwinder ran
 TRAMPOLINE_STRIDE = 8  # bytes per trampoline entry point: `call common` and padding
 
 DEFAULT_RING_BYTES = 1 << 20

@@ -183,7 +183,9 @@ class _Emitter:
         self.flags_pushed = flags_pushed
         # bytes between rsp and the thread's rsp at the site (at a return: the trampoline's
         # entry point address pushed where the return address was, then the saved registers)
-        self.frame = 8 * len(_SAVED) + (8 if flags_pushed else 0) + red_zone + (8 if returning and returning.at_return else 0)
+        self.frame = (
+            8 * len(_SAVED) + (8 if flags_pushed else 0) + red_zone + (8 if returning and returning.at_return else 0)
+        )
         self.symbol_address = symbol_address
         self.returning = returning
 
@@ -380,7 +382,8 @@ class _Emitter:
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_RET, R.RSI), R.RAX))
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, entry.handler))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_HANDLER, R.RSI), R.RAX))
-        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(shadow + L.ENTRY_PROBE, R.RSI), prog.probe_index))
+        # the probe index (u32) and the tracer's flags (u32, cleared)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_PROBE, R.RSI), prog.probe_index))
         if entry.timestamp:
             asm.add(iced.Instruction.create(C.RDTSC))
             asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))

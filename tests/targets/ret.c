@@ -1,0 +1,227 @@
+/* Return-probe scenarios (tests/integration/test_returns.py), one per mode:
+ *   fact N          recursion to depth N; prints N! (mod 2^64)
+ *   loop N          N calls of add(i, 1); prints the sum
+ *   threads T N     T threads, N calls of add each; prints the total
+ *   longjmp N D     N times: dive D probed frames deep, longjmp out of the deepest; then fact(5)
+ *   signal N US     N calls of add while SIGALRM fires every US us; its handler calls add too
+ *   exit C          a probed function calls exit(C)
+ *   swap N          two contexts ping-pong N times through swapcontext, each inside a probed call
+ *   move            a probed call chain whose stack is copied elsewhere mid-way (as Go's runtime does)
+ *   backtrace       a probed call chain calls backtrace(); prints the frames' function names
+ *   forever         calls add(i, 1) until killed; prints "ready" first
+ */
+#define _GNU_SOURCE
+#include <execinfo.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#define NOINLINE __attribute__((noinline))
+
+NOINLINE unsigned long fact(unsigned long n) {
+    if (n <= 1)
+        return 1;
+    unsigned long r = n * fact(n - 1);
+    __asm__ volatile("" ::: "memory");  /* no tail call */
+    return r;
+}
+
+static long add_calls;
+NOINLINE long add(long a, long b) {
+    add_calls++;  /* long enough for a jump */
+    __asm__ volatile("" ::: "memory");
+    return a + b;
+}
+
+/* longjmp */
+static jmp_buf env;
+NOINLINE long dive(long d) {
+    if (d == 0)
+        longjmp(env, 1);
+    long r = dive(d - 1) + 1;
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+
+/* threads */
+static long per_thread;
+static void *worker(void *arg) {
+    long s = 0;
+    for (long i = 0; i < per_thread; i++)
+        s += add(i, 1);
+    *(long *)arg = s;
+    return NULL;
+}
+
+/* signal */
+static volatile long handler_calls, handler_sum;
+static void on_alarm(int sig) {
+    (void)sig;
+    handler_sum += add(handler_calls, 1);
+    handler_calls++;
+}
+
+NOINLINE void leave(int code) {
+    fflush(stdout);
+    exit(code);
+}
+
+/* swapcontext ping-pong */
+static ucontext_t main_ctx, co_ctx;
+static long rounds;
+NOINLINE long ping(long i) {
+    swapcontext(&main_ctx, &co_ctx);
+    __asm__ volatile("" ::: "memory");
+    return i * 2;
+}
+NOINLINE long pong(long i) {
+    swapcontext(&co_ctx, &main_ctx);
+    __asm__ volatile("" ::: "memory");
+    return i * 3;
+}
+static long pong_sum;
+static void coroutine(void) {
+    for (long i = 0;; i++)
+        pong_sum += pong(i);
+}
+
+/* a stack that moves: run on stack_a, copy the live part to stack_b and go on there */
+static char stack_a[1 << 16] __attribute__((aligned(16)));
+static char stack_b[1 << 16] __attribute__((aligned(16)));
+void move_stack(char *from_top, char *to_top);
+__asm__(".text\n.globl move_stack\nmove_stack:\n"
+        "  mov %rdi, %rcx\n  sub %rsp, %rcx\n"        /* rcx = bytes in use */
+        "  mov %rsi, %rax\n  sub %rcx, %rax\n"        /* rax = the new rsp */
+        "  mov %rax, %r8\n  sub %rsp, %r8\n"          /* r8 = the distance */
+        "  mov %rsp, %rsi\n  mov %rax, %rdi\n  cld\n  rep movsb\n"
+        "  add %r8, %rsp\n"
+        /* frame pointers into the old stack move too (the chain, as Go adjusts it) */
+        "  lea stack_a(%rip), %r9\n  lea 65536(%r9), %r10\n"
+        "  mov %rbp, %rax\n"
+        "1: cmp %r9, %rax\n  jb 2f\n  cmp %r10, %rax\n  jae 2f\n"
+        "  add %r8, %rax\n  mov (%rax), %rdx\n"
+        "  cmp %r9, %rdx\n  jb 3f\n  cmp %r10, %rdx\n  jae 3f\n"
+        "  add %r8, %rdx\n  mov %rdx, (%rax)\n"
+        "3: mov %rdx, %rax\n  jmp 1b\n"
+        "2: cmp %r9, %rbp\n  jb 4f\n  cmp %r10, %rbp\n  jae 4f\n  add %r8, %rbp\n"
+        "4: ret\n");
+NOINLINE long moving_leaf(long x) {
+    move_stack(stack_a + sizeof stack_a, stack_b + sizeof stack_b);
+    __asm__ volatile("" ::: "memory");
+    return x * 3;
+}
+NOINLINE long moving_middle(long x) {
+    long r = moving_leaf(x + 1) + 1;
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+NOINLINE long moving_outer(long x) {
+    long r = moving_middle(x * 2) * 2;
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+static long moved_result;
+static void run_moving(void) { moved_result = moving_outer(5); }
+
+/* backtrace */
+NOINLINE int bt_leaf(void) {
+    void *frames[32];
+    int n = backtrace(frames, 32);
+    char **names = backtrace_symbols(frames, n);
+    for (int i = 0; i < n; i++) {
+        const char *open = strchr(names[i], '('), *plus = open ? strchr(open, '+') : NULL;
+        if (open && plus && plus > open + 1)
+            printf("%.*s\n", (int)(plus - open - 1), open + 1);
+    }
+    free(names);
+    __asm__ volatile("" ::: "memory");
+    return n;
+}
+NOINLINE int bt_middle(void) {
+    int r = bt_leaf() + 1;
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    const char *mode = argc > 1 ? argv[1] : "loop";
+    long n = argc > 2 ? atol(argv[2]) : 10;
+    if (!strcmp(mode, "fact")) {
+        printf("%lu\n", fact(n));
+    } else if (!strcmp(mode, "loop")) {
+        long s = 0;
+        for (long i = 0; i < n; i++)
+            s += add(i, 1);
+        printf("%ld\n", s);
+    } else if (!strcmp(mode, "threads")) {
+        long t = n;
+        per_thread = argc > 3 ? atol(argv[3]) : 1000;
+        pthread_t th[64];
+        long sums[64];
+        for (long i = 0; i < t; i++)
+            pthread_create(&th[i], NULL, worker, &sums[i]);
+        long total = 0;
+        for (long i = 0; i < t; i++) {
+            pthread_join(th[i], NULL);
+            total += sums[i];
+        }
+        printf("%ld\n", total);
+    } else if (!strcmp(mode, "longjmp")) {
+        long depth = argc > 3 ? atol(argv[3]) : 5, jumps = 0;
+        for (long i = 0; i < n; i++) {
+            if (!setjmp(env))
+                dive(depth);
+            else
+                jumps++;
+        }
+        printf("%ld %lu\n", jumps, fact(5));
+    } else if (!strcmp(mode, "signal")) {
+        signal(SIGALRM, on_alarm);
+        long us = argc > 3 ? atol(argv[3]) : 50;
+        struct itimerval it = {{0, us}, {0, us}};
+        setitimer(ITIMER_REAL, &it, NULL);
+        long s = 0;
+        for (long i = 0; i < n; i++)
+            s += add(i, 1);
+        struct itimerval off = {{0, 0}, {0, 0}};
+        setitimer(ITIMER_REAL, &off, NULL);
+        printf("%ld %ld %ld\n", s, handler_calls, handler_sum);
+    } else if (!strcmp(mode, "exit")) {
+        printf("leaving\n");
+        leave((int)n);
+    } else if (!strcmp(mode, "swap")) {
+        static char co_stack[1 << 16];
+        getcontext(&co_ctx);
+        co_ctx.uc_stack.ss_sp = co_stack;
+        co_ctx.uc_stack.ss_size = sizeof co_stack;
+        co_ctx.uc_link = NULL;
+        makecontext(&co_ctx, coroutine, 0);
+        long ping_sum = 0;
+        for (rounds = 0; rounds < n; rounds++)
+            ping_sum += ping(rounds);
+        printf("%ld %ld\n", ping_sum, pong_sum);
+    } else if (!strcmp(mode, "move")) {
+        ucontext_t back, there;
+        getcontext(&there);
+        there.uc_stack.ss_sp = stack_a;
+        there.uc_stack.ss_size = sizeof stack_a;
+        there.uc_link = &back;
+        makecontext(&there, run_moving, 0);
+        swapcontext(&back, &there);
+        printf("%ld\n", moved_result);
+    } else if (!strcmp(mode, "backtrace")) {
+        printf("%d\n", bt_middle());
+    } else if (!strcmp(mode, "forever")) {
+        printf("ready\n");
+        for (long i = 0;; i++)
+            add(i, 1);
+    }
+    return 0;
+}
