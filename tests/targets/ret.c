@@ -8,7 +8,8 @@
  *   swap N          two contexts ping-pong N times through swapcontext, each inside a probed call
  *   move            a probed call chain whose stack is copied elsewhere mid-way (as Go's runtime does)
  *   backtrace       a probed call chain calls backtrace(); prints the frames' function names
- *   forever         calls add(i, 1) until killed; prints "ready" first
+ *   fork            a probed function forks; parent and child both return through it
+ *   sleep           prints "ready", then naps in a probed function forever, a line per return
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -19,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
+#include <sys/wait.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -149,6 +151,23 @@ NOINLINE int bt_middle(void) {
     return r;
 }
 
+NOINLINE int forking(int x) {
+    pid_t pid = fork();
+    __asm__ volatile("" ::: "memory");
+    return pid == 0 ? x + 1 : x + 2;
+}
+NOINLINE int fork_outer(int x) {
+    int r = forking(x) * 10;
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+
+NOINLINE long nap(long ms) {
+    usleep(ms * 1000);
+    __asm__ volatile("" ::: "memory");
+    return ms;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *mode = argc > 1 ? argv[1] : "loop";
@@ -218,10 +237,19 @@ int main(int argc, char **argv) {
         printf("%ld\n", moved_result);
     } else if (!strcmp(mode, "backtrace")) {
         printf("%d\n", bt_middle());
-    } else if (!strcmp(mode, "forever")) {
+    } else if (!strcmp(mode, "fork")) {
+        int r = fork_outer(1);
+        if (r == 20) {  /* the child */
+            printf("child %d\n", r);
+            fflush(stdout);
+            _exit(0);
+        }
+        wait(NULL);
+        printf("parent %d\n", r);
+    } else if (!strcmp(mode, "sleep")) {
         printf("ready\n");
         for (long i = 0;; i++)
-            add(i, 1);
+            printf("%ld\n", nap(20) + i);
     }
     return 0;
 }

@@ -1,0 +1,312 @@
+"""Return probes on live processes: recursion, longjmp, C++ exceptions, coroutines, threads,
+signals, exit(), fork, stacks that move, backtrace(), Python handlers, detach and a killed tracer
+with instances pending (HAZARDS 1-6). Each scenario runs with optimized entries and with traps."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import dynprobe
+from dynprobe.core.probe import Hit, ProbeEvent
+from dynprobe.core.returns import shadow_stack_enabled
+from dynprobe.errors import ProbeRefused, Refusal, SessionError
+from tests.conftest import BUILD, build_target
+
+from .helpers import run_plain, traced
+
+MODES = [pytest.param(True, id="optimized"), pytest.param(False, id="trap")]
+MASK = (1 << 64) - 1
+
+
+@pytest.fixture(scope="module")
+def ret() -> str:
+    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
+
+
+@pytest.fixture(scope="module")
+def ret_cxx() -> str:
+    build_target("libret_lib.so", "ret_lib.cpp", flags=("-O1", "-fPIC", "-shared", "-lstdc++"))
+    return build_target(
+        "ret_cxx", "ret_cxx.cpp", flags=("-O1", "-lstdc++", f"-L{BUILD}", "-lret_lib", f"-Wl,-rpath,{BUILD}")
+    )
+
+
+def counting(*functions: str, maxactive: int = 1000) -> object:
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe(f"r{maxactive}:t/{f} {f} r=$retval", action="count") for f in functions]
+
+    return setup
+
+
+def factorial(n: int) -> int:
+    r = 1
+    for i in range(2, n + 1):
+        r = r * i & MASK
+    return r
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_recursion_each_return_sees_its_own_entry(ret: str, optimize: bool) -> None:
+    depth = 1000 if optimize else 300
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe(f"r{depth}:t/fact fact n=$arg1:u64 r=$retval:u64", on_event=events.append)]
+
+    status, out, (probe,) = traced([ret, "fact", str(depth)], setup, optimize=optimize)
+    assert status == 0 and out == f"{factorial(depth)}\n"
+    assert probe.hits == depth and probe.nmissed == 0
+    assert probe.mode == (dynprobe.ProbeMode.OPTIMIZED if optimize else dynprobe.ProbeMode.TRAP)
+    assert sorted(e.values["n"] for e in events) == list(range(1, depth + 1))  # type: ignore[type-var]
+    for e in events:
+        assert e.values["r"] == factorial(e.values["n"])  # type: ignore[arg-type]
+    # innermost first, and every return but the outermost goes back into fact itself
+    assert [e.values["n"] for e in events] == list(range(1, depth + 1))
+    assert len({e.caller for e in events}) == 2
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_maxactive_limits_pending_instances_and_counts_the_rest(ret: str, optimize: bool) -> None:
+    status, out, (probe,) = traced([ret, "fact", "20"], counting("fact", maxactive=5), optimize=optimize)
+    assert status == 0 and out == f"{factorial(20)}\n"
+    assert (probe.hits, probe.nmissed) == (5, 15)
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_longjmp_over_probed_frames_does_not_grow(ret: str, optimize: bool) -> None:
+    # 5 probed frames left by each longjmp; a leaking shadow stack would hit maxactive (100).
+    jumps = 100_000 if optimize else 300
+    status, out, (dive, fact) = traced(
+        [ret, "longjmp", str(jumps), "5"], counting("dive", "fact", maxactive=100), optimize=optimize
+    )
+    assert status == 0 and out == f"{jumps} 120\n"
+    assert (dive.hits, dive.nmissed) == (0, 0)
+    assert (fact.hits, fact.nmissed) == (5, 0)
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_cxx_throw_catch_rethrow_through_probed_frames(ret_cxx: str, optimize: bool) -> None:
+    plain = run_plain([ret_cxx, "300"])
+    lib = str(BUILD / "libret_lib.so")
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        probes = counting("thrower", "middle", "rethrower", "catcher", "via_lib")(session)  # type: ignore[operator]
+        return probes + [session.probe(f"r1000 {lib}:{f}", action="count") for f in ("lib_outer", "lib_inner")]
+
+    status, out, probes = traced([ret_cxx, "300"], setup, optimize=optimize)
+    assert status == 0 and out == plain.stdout
+    # n % 3 == 0 throws through thrower, middle (a destructor runs), rethrower (caught, rethrown)
+    # up to catcher; n % 4 == 0 throws out of the library's two frames up to via_lib.
+    assert [p.hits for p in probes] == [200, 200, 200, 300, 300, 225, 225]
+    assert all(p.nmissed == 0 for p in probes)
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_swapcontext_ping_pong_with_both_sides_probed(ret: str, optimize: bool) -> None:
+    rounds = 1000 if optimize else 100
+    status, out, (ping, pong) = traced([ret, "swap", str(rounds)], counting("ping", "pong"), optimize=optimize)
+    expected = run_plain([ret, "swap", str(rounds)]).stdout
+    assert status == 0 and out == expected
+    assert (ping.hits, pong.hits) == (rounds, rounds - 1)  # the last pong never returns
+    assert ping.nmissed == pong.nmissed == 0
+
+
+def test_eight_threads_exact_entry_and_return_counts(ret: str) -> None:
+    status, out, (add,) = traced([ret, "threads", "8", "20000"], counting("add"), optimize=True)
+    assert status == 0 and out == f"{8 * sum(range(1, 20001))}\n"
+    assert add.mode == dynprobe.ProbeMode.OPTIMIZED
+    assert (add.hits, add.nmissed) == (160_000, 0)
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_signal_handler_calls_the_probed_function(ret: str, optimize: bool) -> None:
+    calls, period = (200_000, "50") if optimize else (3000, "2000")
+    status, out, (add,) = traced([ret, "signal", str(calls), period], counting("add"), optimize=optimize)
+    total, handler_calls, handler_sum = map(int, out.split())
+    assert status == 0 and total == sum(range(1, calls + 1)) and handler_calls > 0
+    assert handler_sum == sum(range(1, handler_calls + 1))
+    # A handler's call that interrupts the shadow-stack bookkeeping is missed, never lost.
+    assert add.hits + add.nmissed == calls + handler_calls
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_exit_inside_a_probed_function(ret: str, optimize: bool) -> None:
+    status, out, (leave,) = traced([ret, "exit", "7"], counting("leave"), optimize=optimize)
+    assert status == 7 and out == "leaving\n"
+    assert leave.hits == 0
+
+
+@pytest.mark.parametrize("optimize", MODES)
+@pytest.mark.parametrize("follow", [False, True], ids=["child-let-go", "child-followed"])
+def test_fork_inside_probed_frames(ret: str, optimize: bool, follow: bool) -> None:
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe(f"r:t/{f} {f} r=$retval:s32", on_event=events.append) for f in ("forking", "fork_outer")]
+
+    status, out, probes = traced([ret, "fork"], setup, follow_fork=follow, optimize=optimize)
+    assert status == 0 and sorted(out.split("\n")) == ["", "child 20", "parent 30"]
+    seen = sorted((e.probe.event, e.values["r"]) for e in events)
+    child = [("fork_outer", 20), ("forking", 2)] if follow else []
+    assert seen == sorted([("fork_outer", 30), ("forking", 3), *child])
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_a_stack_copied_elsewhere_still_returns(ret: str, optimize: bool) -> None:
+    """HAZARD 1 without Go: frames whose stack is copied to another address mid-call (what Go's
+    runtime does) return through entries named by their return address, not their place."""
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        names = ("moving_leaf", "moving_middle", "moving_outer")
+        return [session.probe(f"r:t/{f} {f} r=$retval:s64", on_event=events.append) for f in names]
+
+    status, out, probes = traced([ret, "move"], setup, optimize=optimize)
+    assert status == 0 and out == "68\n"
+    assert [(e.probe.event, e.values["r"]) for e in events] == [
+        ("moving_leaf", 33), ("moving_middle", 34), ("moving_outer", 68),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_backtrace_is_the_same_with_return_probes(ret: str, optimize: bool) -> None:
+    """HAZARD 5: backtrace() sees the original return addresses while it runs; the frames above
+    still report their returns. (__builtin_return_address(0) in a probed function does not: it
+    reads the trampoline's address, as with kernel uretprobes.)"""
+    plain = run_plain([ret, "backtrace"]).stdout
+    assert plain.splitlines()[:3] == ["bt_leaf", "bt_middle", "main"]
+    status, out, probes = traced([ret, "backtrace"], counting("bt_leaf", "bt_middle", "main"), optimize=optimize)
+    assert status == 0 and out == plain
+    assert [p.hits for p in probes] == [1, 1, 1]
+
+
+def test_python_handlers_entry_veto_data_and_return_value(ret: str) -> None:
+    """Entry handler vetoes odd first arguments and keeps a Python object; the return handler
+    sees it with the return value, and changes the return value of every tenth call."""
+    seen: list[tuple[object, int]] = []
+
+    def entry(hit: Hit) -> bool:
+        a = int(hit.regs.rdi)
+        if a % 2:
+            return True
+        hit.data = {"a": a, "b": int(hit.regs.rsi)}
+        return False
+
+    def handler(hit: Hit) -> None:
+        seen.append((hit.data, hit.retval))
+        if hit.data["a"] % 10 == 0:  # type: ignore[index]
+            hit.regs.rax = 0
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.retprobe("add", handler=handler, entry=entry)]
+
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([ret, "loop", "100"], stdout=out.fileno()) as session:
+            (probe,) = setup(session)
+            assert session.run(timeout=60) == 0
+            stops = session.stats["stops"]
+        out.seek(0)
+        total = int(out.read())
+    assert probe.hits == 50 and probe.nmissed == 0  # vetoed instances are not missed
+    assert seen == [({"a": a, "b": 1}, a + 1) for a in range(0, 100, 2)]
+    assert total == sum(range(1, 101)) - sum(a + 1 for a in range(0, 100, 10))
+    # One stop at the entry, one at the return (and the loader's few) per call.
+    assert stops <= 2 * 100 + 10
+
+
+def test_detach_with_instances_pending_returns_to_the_real_caller(ret: str) -> None:
+    with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            for optimize in (True, False):
+                with dynprobe.attach(proc.pid) as session:
+                    session.optimize = optimize
+                    probe = session.probe("r:t/nap nap", action="count")
+                    session.run(timeout=0.3)
+                    assert probe.hits >= 3
+                # nap is in usleep now, its return address the trampoline's: after the detach
+                # it returns where it was called from and the loop goes on.
+                before = proc.stdout.readline()
+                after = [proc.stdout.readline() for _ in range(3)]
+                assert [int(x) for x in after] == [int(before) + i + 1 for i in range(3)]
+            assert proc.poll() is None
+        finally:
+            proc.kill()
+
+
+def test_killed_tracer_leaves_returns_working(ret: str) -> None:
+    """HAZARD 21 for return probes: SIGKILL the tracer while nap() is pending: the target's
+    trampoline and shadow stack need no tracer."""
+    with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            code = (
+                f"import dynprobe, sys; s = dynprobe.attach({proc.pid}); s.probe('r:t/nap nap', action='count');"
+                "s.run(timeout=0.5); print(s.probes[0].hits, s.probes[0].mode.value, flush=True); s.run()"
+            )
+            tracer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            assert tracer.stdout is not None
+            hits, mode = tracer.stdout.readline().split()
+            assert int(hits) > 0 and mode == "optimized"
+            tracer.send_signal(signal.SIGKILL)
+            tracer.wait()
+            time.sleep(0.1)
+            lines = [int(proc.stdout.readline()) for _ in range(4)]
+            assert lines == list(range(lines[0], lines[0] + 4)) and proc.poll() is None
+        finally:
+            proc.kill()
+
+
+def test_return_probe_placement_errors(ret: str) -> None:
+    with dynprobe.spawn([ret, "loop", "1"]) as session:
+        with pytest.raises(ProbeRefused) as refused:
+            session.probe("r add+8")
+        assert refused.value.reason == Refusal.NOT_FUNCTION_ENTRY
+        with pytest.raises(SessionError, match="maxactive 5000 is out of range"):
+            session.retprobe("add", maxactive=5000)
+        with pytest.raises(SessionError, match="data_size 8 is too small"):
+            session.retprobe("r add a=$arg1 b=$arg2", data_size=8)
+        with pytest.raises(SessionError, match="for return probes"):
+            session.probe("p add", on_return=lambda hit: None)
+        with pytest.raises(SessionError, match="Python handlers or an action"):
+            session.retprobe("add", handler=lambda hit: None, action="count")
+
+
+def test_go_program_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """HAZARD 1: Go moves goroutine stacks (copying frames, checking return addresses)."""
+    go = shutil.which("go") or ("/usr/lib/go/bin/go" if os.path.exists("/usr/lib/go/bin/go") else None)
+    if go is None:
+        pytest.skip("no Go toolchain (Debian package golang-go; `make test` installs it where it can)")
+    (tmp_path / "main.go").write_text(
+        'package main\nimport "fmt"\n//go:noinline\nfunc work(n int) int { return n * 2 }\n'
+        "func main() { s := 0; for i := 0; i < 1000; i++ { s += work(i) }; fmt.Println(s) }\n"
+    )
+    env = {**os.environ, "GOCACHE": str(tmp_path / "cache"), "GOPATH": str(tmp_path / "gopath"), "GO111MODULE": "off"}
+    subprocess.run([go, "build", "-o", str(tmp_path / "gowork"), str(tmp_path / "main.go")], check=True, env=env)
+    with dynprobe.spawn([str(tmp_path / "gowork")]) as session:
+        with pytest.raises(ProbeRefused) as refused:
+            session.probe("r main.work")
+        assert refused.value.reason == Refusal.MOVING_STACKS
+        probe = session.probe("p main.work", action="count")  # entry probes are fine
+        assert session.run(timeout=60) == 0
+        assert probe.hits == 1000
+
+
+def test_cet_shadow_stack_is_refused() -> None:
+    """HAZARD 6: with a CET shadow stack a replaced return address is a fault: refused."""
+    if not shadow_stack_enabled(os.getpid()):
+        with open("/proc/cpuinfo") as f:
+            has_cpu = " user_shstk" in f.read()
+        pytest.skip(
+            "no process here runs with a CET shadow stack "
+            + ("(glibc.cpu.x86_shstk tunable not in effect)" if has_cpu else "(the CPU or kernel lacks user_shstk)")
+        )
