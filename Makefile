@@ -9,12 +9,12 @@ CC     ?= gcc
 
 EXAMPLES := examples/bin/wordcount
 
-.PHONY: all venv demo test lint typecheck unit bench tracefs clean
+.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains clean
 
 all: test
 
 $(STAMP): pyproject.toml
-	@command -v $(CC) >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc)
+	@command -v $(CC) >/dev/null && command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc g++)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -41,7 +41,13 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy src
 
-test: venv tracefs lint typecheck
+# A Go toolchain lets the return-probe tests check that Go programs are refused (HAZARDS.md 1).
+toolchains:
+	@command -v go >/dev/null || (apt-get install -y -qq golang-go >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq golang-go >/dev/null 2>&1)) || \
+	  echo "note: no Go toolchain; the Go refusal test will be skipped"
+
+test: venv tracefs toolchains lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 bench: venv tracefs

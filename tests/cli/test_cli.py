@@ -18,6 +18,11 @@ from tests.integration.helpers import held_by_other_tracer
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 
 
+@pytest.fixture(scope="module")
+def ret_target() -> str:
+    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
+
+
 def dp(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*DYNPROBE, *args], capture_output=True, text=True, timeout=timeout)
 
@@ -94,9 +99,44 @@ def test_malformed_spec_prints_a_caret(wordcount: str) -> None:
     assert r.stdout == ""  # the command never ran
 
 
-def test_return_probe_is_not_supported_yet(wordcount: str) -> None:
-    r = dp("trace", "r add_word", "--", wordcount)
-    assert r.returncode == 2 and "RETPROBE_UNSUPPORTED: return probes are not supported yet" in r.stderr
+def test_return_probe_events_print_caller_and_function(ret_target: str) -> None:
+    r = dp(
+        "trace", "r:app/add add a=$arg1:s64 ret=$retval:s64 ns=$latency:u64", "r fact", "--", ret_target, "loop", "3"
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if "app/add" in line]
+    assert len(lines) == 3
+    for a, line in enumerate(lines):
+        m = re.search(r"app/add: \((0x[0-9a-f]+) <- (0x[0-9a-f]+)\) a=(\d+) ret=(\d+) ns=(\d+)$", line)
+        assert m is not None, line
+        assert int(m.group(1), 16) != int(m.group(2), 16) and (int(m.group(3)), int(m.group(4))) == (a, a + 1)
+    assert "uprobes/r_fact" in r.stderr and "hits=0" in r.stderr
+
+
+def test_latency_histogram_per_function(ret_target: str) -> None:
+    r = dp("latency", "add", "nap", "--stats", "--", ret_target, "loop", "1000")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    assert out[0] == "500500"
+    assert "@latency_ns[add]: 1000 calls" in out and "@latency_ns[nap]: 0 calls" in out
+    rows = [line for line in out if line.startswith("[")]
+    assert sum(int(row.split("|")[0].split()[-1]) for row in rows) == 1000
+    assert "latency/add" in r.stderr and "mode=optimized" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["trace", "r add+8"], "a return probe goes on a function's first instruction"),
+        (["trace", "p add r=$retval"], "RETVAL_ON_PROBE"),
+        (["trace", "r5000 add"], "BAD_MAXACT: maxactive must be a number from 1 to 4096"),
+        (["latency", "add", "--maxactive", "0"], "--maxactive 0 is out of range (1..4096)"),
+        (["latency", "nosuchfunction"], "no function 'nosuchfunction'"),
+    ],
+)
+def test_bad_return_probe_input_one_line(ret_target: str, args: list[str], message: str) -> None:
+    r = dp(*args, "--", ret_target, "loop", "3")
+    assert r.returncode != 0 and message in r.stderr.splitlines()[0], r.stderr
     assert r.stdout == ""
 
 

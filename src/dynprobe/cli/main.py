@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from dynprobe import __version__
-from dynprobe.cli import count, hist, trace
+from dynprobe.cli import count, hist, latency, trace
 from dynprobe.cli import list as list_cmd
 from dynprobe.cli.common import split_command
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_parser(sub)
     count.add_parser(sub)
     hist.add_parser(sub)
+    latency.add_parser(sub)
     list_cmd.add_parser(sub)
     return parser
 

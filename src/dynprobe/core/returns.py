@@ -125,16 +125,20 @@ def _probe_fetch_args(probe: Probe) -> list[FetchArg]:
     return args
 
 
+def shadow_stack_in(status: str) -> bool:
+    """Whether a /proc/PID/status text says a CET shadow stack is on (Linux 6.6+)."""
+    for line in status.splitlines():
+        if line.startswith("x86_Thread_features:"):
+            return "shstk" in line.split()[1:]
+    return False
+
+
 def shadow_stack_enabled(pid: int) -> bool:
-    """CET shadow stack active in the process (Linux 6.6+ reports it in /proc/PID/status)."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("x86_Thread_features:"):
-                    return "shstk" in line.split()
+            return shadow_stack_in(f.read())
     except OSError:
-        pass
-    return False
+        return False
 
 
 class ReturnProbes:

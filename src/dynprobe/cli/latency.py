@@ -1,0 +1,84 @@
+"""`dynprobe latency`: a log2 histogram of each function's latency, aggregated in the target
+(like bcc's funclatency): a return probe per function whose return code buckets `$latency`."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from dynprobe.cli.common import UsageError, add_target_options, report_error
+from dynprobe.cli.probes import ProbeRequest, run_aggregating
+from dynprobe.core.probe import Probe
+from dynprobe.errors import DynprobeError
+from dynprobe.output.hist import log2_lines
+from dynprobe.ringbuf.layout import SHADOW_CAPACITY
+from dynprobe.spec.parser import parse_probe
+
+EXAMPLES = """\
+examples:
+  dynprobe latency compress -- ./app input.txt            one function of the program
+  dynprobe latency libc:malloc libc:free -i 5 -p 1234      every 5 seconds and at the end
+  dynprobe latency /usr/lib/libz.so.1:deflate --maxactive 64 -- ./app
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "latency", help="log2 histogram of function latencies",
+        description="A log2 histogram of each function's latency (entry to return, in nanoseconds), "
+        "aggregated in the target by return probes.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("functions", nargs="+", metavar="FUNC", help="SYMBOL or PATH:SYMBOL (a function's entry)")
+    p.add_argument("-i", "--interval", type=float, metavar="SECONDS", help="also print the histograms every SECONDS")
+    p.add_argument("--maxactive", type=int, metavar="N",
+                   help="pending calls per thread and function (default max(10, 2 x CPUs))")  # fmt: skip
+    p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
+                   help="keep the entries trap probes (no jump optimization), for comparisons")  # fmt: skip
+    p.add_argument("--stats", action="store_true", help="at the end, per function: mode, calls, missed")
+    add_target_options(p)
+    p.set_defaults(run=run)
+
+
+def _event_name(function: str) -> str:
+    name = re.sub(r"\W", "_", function.rsplit(":", 1)[-1])
+    return ("f_" + name if name[:1].isdigit() else name)[:64] or "function"
+
+
+def request_for(args: argparse.Namespace) -> ProbeRequest:
+    if args.maxactive is not None and not 1 <= args.maxactive <= SHADOW_CAPACITY:
+        raise UsageError(f"--maxactive {args.maxactive} is out of range (1..{SHADOW_CAPACITY})")
+    maxactive = str(args.maxactive) if args.maxactive is not None else ""
+    specs = []
+    for function in args.functions:
+        if function.split(None, 1)[0][:1] in ("p", "r") and " " in function:
+            raise UsageError(f"give a function, not a probe spec: {function!r}")
+        specs.append(parse_probe(f"r{maxactive}:latency/{_event_name(function)} {function} ns=$latency:u64"))
+    return ProbeRequest(specs, None, args.trap, None)
+
+
+def print_latencies(probes: list[Probe], title: str | None) -> None:
+    out = sys.stdout
+    if title:
+        print(title, file=out)
+    for p in probes:
+        calls = sum(p.histogram)
+        missed = f", {p.nmissed} missed" if p.nmissed else ""
+        print(f"@latency_ns[{p.location.label}]: {calls} calls{missed}", file=out)
+        lines = log2_lines(p.histogram)
+        print("\n".join(lines) if lines else "  (no returns)", file=out)
+        print(file=out)
+    out.flush()
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    try:
+        request = request_for(args)
+    except DynprobeError as exc:
+        return report_error(exc)
+    return run_aggregating(
+        args, command, request,
+        lambda session, spec: session.probe(spec, action="hist", value="ns"),
+        print_latencies,
+    )  # fmt: skip

@@ -1,0 +1,67 @@
+"""Return-probe code as bytes: the trampoline's entry points and common part, the entry part of
+a detour, and what /proc says about CET shadow stacks."""
+
+from __future__ import annotations
+
+import iced_x86 as iced
+
+from dynprobe.actions.model import ActionKind, Program, ReturnEntry, record_fields
+from dynprobe.arch.x86_64.codegen import build_detour, build_return_code, build_trampoline, return_stub_code
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.optimize import OptimizePlan
+from dynprobe.core.returns import shadow_stack_in
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.ringbuf import layout as L
+from dynprobe.spec.parser import parse_probe
+
+AT = 0x7F00_0000_0000
+LAYOUT = L.AreaLayout()
+
+
+def test_each_trampoline_entry_point_calls_the_common_part() -> None:
+    code, tramp = build_trampoline(LAYOUT, AT)
+    assert tramp.table == AT and tramp.end == AT + len(code)
+    common = AT + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
+    for k in (0, 1, 2, L.SHADOW_CAPACITY - 1):
+        at = AT + k * L.TRAMPOLINE_STRIDE
+        insn = next(iter_instructions(code[at - AT : at - AT + 5], at))
+        assert insn.code == iced.Code.CALL_REL32_64 and insn.near_branch_target == common
+    tail = list(iter_instructions(code[common - AT :], common))
+    # common: six pushes, the entry's offset, an indirect jump through the entry's handler
+    assert [i.mnemonic for i in tail[:6]] == [iced.Mnemonic.PUSH] * 6
+    jump = next(i for i in tail if i.mnemonic == iced.Mnemonic.JMP)
+    assert jump.segment_prefix == iced.Register.GS and jump.memory_displacement == LAYOUT.shadow + L.ENTRY_HANDLER
+    assert tail[-1].mnemonic == iced.Mnemonic.RET and any(i.ip == tramp.finish for i in tail)
+
+
+def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:
+    _, tramp = build_trampoline(LAYOUT, AT)
+    spec = parse_probe("r add a=$arg1 r=$retval ns=$latency:u64")
+    prog = Program(3, ActionKind.RECORD, record_fields(spec.args))
+    code = build_return_code(prog, LAYOUT, AT + 0x10000, tramp, 1 << 32)
+    assert isinstance(code, bytes)
+    last = list(iter_instructions(code, AT + 0x10000))[-1]
+    assert last.mnemonic == iced.Mnemonic.JMP and last.near_branch_target == tramp.finish
+    stub = list(iter_instructions(return_stub_code(AT + 0x20000, tramp), AT + 0x20000))
+    assert len(stub) == 1 and stub[0].near_branch_target == tramp.finish
+
+
+def test_entry_part_needs_a_function_entry_and_the_trampoline() -> None:
+    _, tramp = build_trampoline(LAYOUT, AT)
+    insns = tuple(iter_instructions(bytes.fromhex("554889e54883ec10"), 0x1000))
+    plan = OptimizePlan(0x1000, insns)
+    prog = Program(1, ActionKind.COUNT, entry=ReturnEntry(10, AT + 0x10000, (1,), True))
+    assert build_detour(plan, [prog], LAYOUT, AT + 0x3000, True) == OptimizeRefusal.FETCH_UNSUPPORTED
+    assert build_detour(plan, [prog], LAYOUT, AT + 0x3000, False, trampoline=tramp) == OptimizeRefusal.FETCH_UNSUPPORTED
+    built = build_detour(plan, [prog], LAYOUT, AT + 0x3000, True, trampoline=tramp)
+    assert not isinstance(built, OptimizeRefusal)
+    insns = list(iter_instructions(built.code, AT + 0x3000))
+    assert any(i.mnemonic == iced.Mnemonic.RDTSC for i in insns)  # $latency needs the entry's time
+    # the table's address: the return address becomes table + k * TRAMPOLINE_STRIDE
+    assert any(i.code == iced.Code.MOV_R64_IMM64 and i.immediate(1) == AT for i in insns)
+
+
+def test_cet_shadow_stack_from_proc_status() -> None:
+    assert shadow_stack_in("Name:\tx\nx86_Thread_features:\tshstk wrss\nx86_Thread_features_locked:\tshstk\n")
+    assert not shadow_stack_in("Name:\tx\nx86_Thread_features:\t\nx86_Thread_features_locked:\tshstk wrss\n")
+    assert not shadow_stack_in("Name:\tx\n")  # an older kernel: no line, no shadow stacks
