@@ -158,6 +158,7 @@ def test_fork_inside_probed_frames(ret: str, optimize: bool, follow: bool) -> No
     seen = sorted((e.probe.event, e.values["r"]) for e in events)
     child = [("fork_outer", 20), ("forking", 2)] if follow else []
     assert seen == sorted([("fork_outer", 30), ("forking", 3), *child])
+    assert [p.hits for p in probes] == [2 if follow else 1] * 2
 
 
 @pytest.mark.parametrize("optimize", MODES)
@@ -175,6 +176,7 @@ def test_a_stack_copied_elsewhere_still_returns(ret: str, optimize: bool) -> Non
     assert [(e.probe.event, e.values["r"]) for e in events] == [
         ("moving_leaf", 33), ("moving_middle", 34), ("moving_outer", 68),
     ]  # fmt: skip
+    assert [p.nmissed for p in probes] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("optimize", MODES)
