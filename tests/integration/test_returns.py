@@ -94,6 +94,21 @@ def test_longjmp_over_probed_frames_does_not_grow(ret: str, optimize: bool) -> N
 
 
 @pytest.mark.parametrize("optimize", MODES)
+def test_two_return_probes_on_one_function(ret: str, ret_cxx: str, optimize: bool) -> None:
+    """Both hijack the same return address (one returns into the other's entry point); neither
+    takes the other's entry for a stale one, through longjmp, recursion and exceptions."""
+    jumps = 20_000 if optimize else 200
+    status, out, probes = traced(
+        [ret, "longjmp", str(jumps), "3"], counting("dive", "dive", "fact", "fact", maxactive=50), optimize=optimize
+    )
+    assert status == 0 and out == f"{jumps} 120\n"
+    assert [(p.hits, p.nmissed) for p in probes] == [(0, 0), (0, 0), (5, 0), (5, 0)]
+    status, out, probes = traced([ret_cxx, "30"], counting("middle", "middle", "catcher"), optimize=optimize)
+    assert status == 0 and out == run_plain([ret_cxx, "30"]).stdout
+    assert [p.hits for p in probes] == [20, 20, 30]
+
+
+@pytest.mark.parametrize("optimize", MODES)
 def test_cxx_throw_catch_rethrow_through_probed_frames(ret_cxx: str, optimize: bool) -> None:
     plain = run_plain([ret_cxx, "300"])
     lib = str(BUILD / "libret_lib.so")
@@ -243,6 +258,29 @@ def test_detach_with_instances_pending_returns_to_the_real_caller(ret: str) -> N
             assert proc.poll() is None
         finally:
             proc.kill()
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_latency_is_the_time_from_entry_to_return(ret: str, optimize: bool) -> None:
+    """nap(20) sleeps 20 ms: $latency in records (in the target, from the record's time stamp)
+    and in a histogram (the [16M, 32M) ns bucket) says so."""
+    events: list[ProbeEvent] = []
+    with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            with dynprobe.attach(proc.pid) as session:
+                session.optimize = optimize
+                rec = session.probe("r:t/nap nap ms=$arg1 ns=$latency:u64", on_event=events.append)
+                hist = session.probe("r:t/nap2 nap ns=$latency:u64", action="hist", value="ns")
+                session.run(timeout=0.5)
+                session.drain()
+                assert rec.mode == hist.mode == (dynprobe.ProbeMode.OPTIMIZED if optimize else dynprobe.ProbeMode.TRAP)
+                buckets = hist.histogram
+        finally:
+            proc.kill()
+    assert len(events) >= 5 and all(e.values["ms"] == 20 for e in events)
+    assert all(20e6 <= e.values["ns"] < 40e6 for e in events), [e.values["ns"] for e in events]  # type: ignore[operator]
+    assert sum(buckets) >= 5 and sum(buckets) - buckets[25] <= 1  # [2^24, 2^25) ns holds 16.8-33.6 ms
 
 
 def test_killed_tracer_leaves_returns_working(ret: str) -> None:

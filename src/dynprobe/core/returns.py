@@ -275,15 +275,22 @@ class ReturnProbes:
             regs.gs_base = proc.areas.by_tid[tid].target_addr
         return self._words(proc, tid)
 
-    def _take(self, words: np.ndarray, slot: int) -> int | None:
-        """The entry a new frame at `slot` takes, as the detour chooses it."""
+    def _take(self, table: int, words: np.ndarray, slot: int, held: int) -> int | None:
+        """The entry a new frame at `slot` (holding `held`) takes, as the detour chooses it."""
         lay = self.session.layout
         base = lay.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         slots = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY]
-        same = np.flatnonzero(slots == slot)
-        if len(same):
-            k = int(same[0])
+        chained: set[int] = set()  # entries of other return probes of this very call
+        while 0 <= held - table < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE:
+            k = (held - table) // L.TRAMPOLINE_STRIDE
+            if k in chained:
+                break
+            chained.add(k)
+            held = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_RET // 8])
+        same = [int(k) for k in np.flatnonzero(slots == slot) if int(k) not in chained]
+        if same:
+            k = same[0]
             old = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if old < lay.max_probes:
                 words[lay.counter(old, L.PENDING) // 8] -= np.uint64(1)
@@ -298,7 +305,7 @@ class ReturnProbes:
 
     def _free(self, proc: TracedProcess, tid: int, words: np.ndarray, k: int) -> None:
         lay = self.session.layout
-        at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+        at = self._at(k)
         probe = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
         if probe < lay.max_probes:
             words[lay.counter(probe, L.PENDING) // 8] -= np.uint64(1)
@@ -342,10 +349,10 @@ class ReturnProbes:
             ret = proc.tracee.read_u64(slot)
         except OSError:
             return None
-        k = self._take(words, slot)
+        k = self._take(proc.returns.trampoline.table, words, slot, ret)
         if k is None:
             return None
-        at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+        at = self._at(k)
         words[at + L.ENTRY_SLOT // 8] = slot
         words[at + L.ENTRY_RET // 8] = ret
         words[at + L.ENTRY_HANDLER // 8] = handler
@@ -366,8 +373,7 @@ class ReturnProbes:
         if returns is None or words is None or offset % L.SHADOW_ENTRY or offset >= L.SHADOW_CAPACITY * L.SHADOW_ENTRY:
             return
         k = offset // L.SHADOW_ENTRY
-        lay = self.session.layout
-        at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+        at = self._at(k)
         index = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
         probe = self.session.probe_by_index(index)
         if probe is None:
@@ -410,14 +416,9 @@ class ReturnProbes:
         returns = proc.returns
         if words is None or returns is None:
             return
-        rsp = int(regs.rsp)
-        for k, at, slot in self._entries(words):
-            if slot <= rsp:
-                continue
-            with contextlib.suppress(OSError):
-                if proc.tracee.read_u64(slot) == returns.entry_point(k):
-                    proc.tracee.write(slot, int(words[at + L.ENTRY_RET // 8]).to_bytes(8, "little"))
-                    words[at + L.ENTRY_PROBE // 8] |= np.uint64(L.ENTRY_RESTORED << 32)
+        above = [e for e in self._entries(words) if e[2] > int(regs.rsp)]
+        for k in self._swap(proc, words, above, restore=True):
+            words[self._at(k) + L.ENTRY_PROBE // 8] |= np.uint64(L.ENTRY_RESTORED << 32)
 
     def on_backtrace(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
         """backtrace() walks the frames without unwinding them: the originals go back while it
@@ -445,17 +446,41 @@ class ReturnProbes:
         returns = proc.returns
         if words is None or returns is None:
             return
-        for k, at, slot in self._entries(words):
-            if not int(words[at + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_RESTORED:
-                continue
+        restored = [e for e in self._entries(words) if int(words[e[1] + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_RESTORED]
+        back = self._swap(proc, words, [e for e in restored if e[2] > rsp], restore=False)
+        for k, at, _ in restored:
             words[at + L.ENTRY_PROBE // 8] &= np.uint64(0xFFFF_FFFF)
-            try:
-                if slot > rsp and proc.tracee.read_u64(slot) == int(words[at + L.ENTRY_RET // 8]):
-                    proc.tracee.write(slot, returns.entry_point(k).to_bytes(8, "little"))
+            if k not in back:
+                self._free(proc, tid, words, k)
+
+    def _at(self, k: int) -> int:
+        return self.session.layout.shadow // 8 + k * _WORDS_PER_ENTRY
+
+    def _swap(
+        self, proc: TracedProcess, words: np.ndarray, entries: list[tuple[int, int, int]], restore: bool
+    ) -> set[int]:
+        """Original return addresses back into the slots of `entries` that hold their entry
+        points (`restore`), or entry points back where the originals are. Several return probes
+        of one call chain through each other, so this goes round until nothing changes; returns
+        the entries done."""
+        assert proc.returns is not None
+        done: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for k, at, slot in entries:
+                if k in done:
                     continue
-            except OSError:
-                pass
-            self._free(proc, tid, words, k)
+                point, original = proc.returns.entry_point(k), int(words[at + L.ENTRY_RET // 8])
+                old, new = (point, original) if restore else (original, point)
+                try:
+                    if proc.tracee.read_u64(slot) == old:
+                        proc.tracee.write(slot, new.to_bytes(8, "little"))
+                        done.add(k)
+                        changed = True
+                except OSError:
+                    continue
+        return done
 
     def _entries(self, words: np.ndarray) -> Iterator[tuple[int, int, int]]:
         """(number, word index, slot) of the entries in use."""
@@ -476,19 +501,11 @@ class ReturnProbes:
         return self._restore_entries(proc, tid, words)
 
     def _restore_entries(self, proc: TracedProcess, tid: int, words: np.ndarray) -> bool:
-        assert proc.returns is not None
-        left = False
-        for k, at, slot in list(self._entries(words)):
-            try:
-                held = proc.tracee.read_u64(slot)
-                if held == proc.returns.entry_point(k):
-                    proc.tracee.write(slot, int(words[at + L.ENTRY_RET // 8]).to_bytes(8, "little"))
-                    self._free(proc, tid, words, k)
-                    continue
-            except OSError:
-                pass
-            left = True
-        return not left
+        entries = list(self._entries(words))
+        done = self._swap(proc, words, entries, restore=True)
+        for k in done:
+            self._free(proc, tid, words, k)
+        return len(done) == len(entries)
 
     def restore_child(self, child: TracedProcess) -> None:
         """A fork child let go: its copy of the forking thread's frames returns to the original
@@ -528,7 +545,7 @@ class ReturnProbes:
         words[lay.shadow // 8 :] = snap[lay.shadow // 8 :]
         top = min(int(snap[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         for k in range(top):
-            at = lay.shadow // 8 + k * _WORDS_PER_ENTRY
+            at = self._at(k)
             index = int(snap[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if snap[at] and index < lay.max_probes:
                 words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)

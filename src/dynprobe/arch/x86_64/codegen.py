@@ -188,6 +188,7 @@ class _Emitter:
         )
         self.symbol_address = symbol_address
         self.returning = returning
+        self.in_record = False  # rsi: the record's offset, its time stamp written
 
     def load_reg(self, name: str) -> None:
         asm = self.asm
@@ -246,10 +247,16 @@ class _Emitter:
         elif isinstance(fetch, Caller):
             self.entry_word(L.ENTRY_RET)
         elif isinstance(fetch, Latency):
-            # ns = ticks * mult >> 32 (the consumer's calibration), in 128 bits: no overflow
-            asm.add(iced.Instruction.create(C.RDTSC))
-            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
+            # ns = ticks * mult >> 32 (the consumer's calibration), in 128 bits: no overflow. In a
+            # record, the record's time stamp is the return's: one rdtsc less.
+            if self.in_record:
+                asm.add(
+                    iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _gs(self.layout.ring + L.RECORD_TSC, R.RSI))
+                )
+            else:
+                asm.add(iced.Instruction.create(C.RDTSC))
+                asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+                asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT["rsi"])))
             asm.add(
                 iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RDX, _gs(self.layout.shadow + L.ENTRY_TSC, R.RAX))
@@ -364,6 +371,26 @@ class _Emitter:
         asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM32, R.RSI, size))
         asm.jump(C.JMP_REL32_64, loop)
         asm.bind(dup)
+        # Another return probe of this call may have taken the slot already: the return address
+        # then leads, through entry points and their entries' return addresses, to this entry.
+        chain, live, stale = asm.label(), asm.label(), asm.label()
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
+        asm.bind(chain)
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -self.returning.table & L_MASK64))
+        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
+        asm.jump(C.JAE_REL32_64, stale)
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, _ENTRY_SHIFT))
+        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RDX, R.RSI))
+        asm.jump(C.JE_REL32_64, live)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RDX)))
+        asm.jump(C.JMP_REL32_64, chain)
+        asm.bind(live)
+        asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+        asm.jump(C.JMP_REL32_64, step)
+        asm.bind(stale)  # a frame that is gone (longjmp): its entry is taken over
+        asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
         asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
         asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(lay.counter(0, L.PENDING), R.RAX)))
@@ -451,6 +478,7 @@ class _Emitter:
         asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, 0xFFF))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RSI), R.CX))
         asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 0))
+        self.in_record = True
         for bit, fld in enumerate(prog.fields):
             if not fld.in_record:
                 continue
@@ -467,6 +495,7 @@ class _Emitter:
                 asm.add(iced.Instruction.create_mem_u32(
                     C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 1 << bit))  # fmt: skip
             asm.bind(after)
+        self.in_record = False
         # Publish: the record's stores are ordered before the head's (x86 keeps stores in order).
         self.inc(L.HEAD)
         asm.jump(C.JMP_REL32_64, release)
