@@ -86,11 +86,12 @@ def append_line(path: Path, line: str) -> None:
 
 
 @contextlib.contextmanager
-def kernel_uprobe(path: str, offset: int) -> Iterator[None]:
-    """A kernel uprobe on path:offset, enabled in our own tracing instance; removed afterwards."""
+def kernel_uprobe(path: str, offset: int, kind: str = "p") -> Iterator[None]:
+    """A kernel uprobe (`kind` "r": uretprobe) on path:offset, enabled in our own tracing
+    instance; removed afterwards."""
     instance = TRACEFS / "instances" / GROUP
     event = f"{GROUP}/seed_test"
-    append_line(TRACEFS / "uprobe_events", f"p:{event} {path}:{offset:#x}")
+    append_line(TRACEFS / "uprobe_events", f"{kind}:{event} {path}:{offset:#x}")
     try:
         instance.mkdir(exist_ok=True)
         (instance / "events" / GROUP / "seed_test" / "enable").write_text("1\n")
@@ -240,8 +241,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
-    n_trap, n_step, n_free, n_kernel, n_opt, n_rec, n_async = (
-        int(x * scale) for x in (20_000, 10_000, 2_000, 200_000, 20_000_000, 2_000_000, 1_000_000)
+    n_trap, n_step, n_free, n_kernel, n_opt, n_rec, n_async, n_ret = (
+        int(x * scale) for x in (20_000, 10_000, 2_000, 200_000, 20_000_000, 2_000_000, 1_000_000, 5_000_000)
     )
     seed = seed_binary()
     image = load_elf(seed)
@@ -266,6 +267,14 @@ def main() -> int:
     elapsed, info = traced_seed([seed, str(n_async)], "p test a=%di b=%si", optimize=True, ring=1 << 26,
                                 on_event=lambda event: None)  # fmt: skip
     add("optimized: record + async Python callback", n_async, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_rec)], "r test ns=$latency:u64", optimize=True, ring=1 << 26,
+                                action="record")  # fmt: skip
+    add("optimized return: latency recorded (entry + return)", n_rec, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_ret)], "r test ns=$latency:u64", optimize=True, action="hist",
+                                value="ns")  # fmt: skip
+    add("optimized return: latency histogram (dynprobe latency)", n_ret, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_step)], "r test", on_entry=lambda hit: None, on_return=lambda hit: None)
+    add("trap return: Python entry + return handlers", n_step, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap)], "test")
     add("trap, emulated (push rbp)", n_trap, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap), "boost"], "test_boost")
@@ -282,13 +291,20 @@ def main() -> int:
         try:
             with kernel_uprobe(seed, test_offset):
                 add("kernel uprobe (tracefs)", n_kernel, run_seed([seed, str(n_kernel)]))
+            with kernel_uprobe(seed, test_offset, "r"):
+                add("kernel uretprobe (tracefs)", n_kernel, run_seed([seed, str(n_kernel)]))
         except OSError as exc:
             problem = f"tracefs refused the uprobe: {exc}"
     if problem:
         rows.append({"name": "kernel uprobe (tracefs)", "unavailable": problem})
         console.log(f"kernel uprobe: unavailable: {problem}")
-    kernel_rows = [r for r in rows if r["name"].startswith("kernel") and "us_per_call" in r]
-    kernel = kernel_rows[0]["us_per_call"] - baseline if kernel_rows else None
+    kernel_cost = {
+        r["name"]: r["us_per_call"] - baseline for r in rows if r["name"].startswith("kernel") and "us_per_call" in r
+    }
+
+    def kernel_for(name: str) -> float | None:
+        """Return probes compare with the kernel's uretprobe, the rest with its uprobe."""
+        return kernel_cost.get("kernel uretprobe (tracefs)" if "return" in name else "kernel uprobe (tracefs)")
 
     attach = attach_many(1000, optimize=False)
     console.log(f"1000 trap probes: attach {attach['attach_s']:.2f} s")
@@ -307,7 +323,7 @@ def main() -> int:
     rdtscp_ns, rdtsc_ns = timestamp_cost()
 
     table = Table(title="dynprobe probes: the seed loop (N calls of an empty -O0 function)")
-    for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel uprobe", "stops/hit", "path"):
+    for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel u(ret)probe", "stops/hit", "path"):
         table.add_column(col, justify="right" if col not in ("mechanism", "path") else "left")
     for row in rows:
         if "unavailable" in row:
@@ -315,6 +331,7 @@ def main() -> int:
             continue
         per_hit = row["us_per_call"] - baseline
         row["us_per_hit"] = per_hit if row["name"] != "untraced" else 0.0
+        kernel = kernel_for(row["name"])
         ratio = f"{per_hit / kernel:.3g}x" if kernel and row["name"] != "untraced" else "-"
         stops = f"{row['stops'] / row['calls']:.2f}" if "stops" in row else "-"
         path = ", ".join(row.get("resumes", {})) or "-"

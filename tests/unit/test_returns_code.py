@@ -24,14 +24,17 @@ def test_each_trampoline_entry_point_calls_the_common_part() -> None:
     common = AT + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
     for k in (0, 1, 2, L.SHADOW_CAPACITY - 1):
         at = AT + k * L.TRAMPOLINE_STRIDE
-        insn = next(iter_instructions(code[at - AT : at - AT + 5], at))
-        assert insn.code == iced.Code.CALL_REL32_64 and insn.near_branch_target == common
+        push, jump = iter_instructions(code[at - AT : at - AT + L.TRAMPOLINE_STRIDE], at)
+        assert push.code == iced.Code.PUSHQ_IMM32 and push.immediate(0) == k * L.SHADOW_ENTRY
+        assert jump.code == iced.Code.JMP_REL32_64 and jump.near_branch_target == common
     tail = list(iter_instructions(code[common - AT :], common))
     # common: six pushes, the entry's offset, an indirect jump through the entry's handler
     assert [i.mnemonic for i in tail[:6]] == [iced.Mnemonic.PUSH] * 6
     jump = next(i for i in tail if i.mnemonic == iced.Mnemonic.JMP)
     assert jump.segment_prefix == iced.Register.GS and jump.memory_displacement == LAYOUT.shadow + L.ENTRY_HANDLER
-    assert tail[-1].mnemonic == iced.Mnemonic.RET and any(i.ip == tramp.finish for i in tail)
+    # finish ends in a jump to the original return address, no `ret` (return predictions stay right)
+    assert not any(i.mnemonic == iced.Mnemonic.RET for i in tail) and any(i.ip == tramp.finish for i in tail)
+    assert tail[-1].mnemonic == iced.Mnemonic.JMP and tail[-1].memory_base == iced.Register.RSP
 
 
 def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:

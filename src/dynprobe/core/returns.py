@@ -283,8 +283,8 @@ class ReturnProbes:
         slots = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY]
         chained: set[int] = set()  # entries of other return probes of this very call
         while 0 <= held - table < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE:
-            k = (held - table) // L.TRAMPOLINE_STRIDE
-            if k in chained:
+            k, off = divmod(held - table, L.TRAMPOLINE_STRIDE)
+            if off or k in chained:
                 break
             chained.add(k)
             held = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_RET // 8])

@@ -59,7 +59,7 @@ SHADOW_ENTRY = 128
 SHADOW_CAPACITY = 4096  # also the largest maxactive
 ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_FLAGS, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 28, 32, 40
 ENTRY_RESTORED = 1  # flag: the tracer put the original return address back while the unwinder ran
-TRAMPOLINE_STRIDE = 8  # bytes per trampoline entry point: `call common` and padding
+TRAMPOLINE_STRIDE = 10  # bytes per trampoline entry point: `push OFFSET; jmp common`
 
 DEFAULT_RING_BYTES = 1 << 20
 MIN_RING_BYTES = 1 << 12

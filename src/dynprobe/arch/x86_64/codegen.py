@@ -69,9 +69,6 @@ _JCC_UNSIGNED = {"==": C.JE_REL32_64, "!=": C.JNE_REL32_64, "<": C.JB_REL32_64, 
 _JCC_SIGNED = {**_JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C.JG_REL32_64, ">=": C.JGE_REL32_64}
 
 
-_ENTRY_SHIFT = L.SHADOW_ENTRY.bit_length() - L.TRAMPOLINE_STRIDE.bit_length()  # entry offset -> table offset
-
-
 @dataclass(frozen=True)
 class Trampoline:
     """Where a process's return trampoline is: entry point k at `table + k * TRAMPOLINE_STRIDE`;
@@ -381,7 +378,7 @@ class _Emitter:
         asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
         asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
         asm.jump(C.JAE_REL32_64, stale)
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, _ENTRY_SHIFT))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, _mem(R.RAX, 1)))  # the point's push: an offset
         asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RDX, R.RSI))
         asm.jump(C.JE_REL32_64, live)
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RDX)))
@@ -421,9 +418,11 @@ class _Emitter:
             asm.add(iced.Instruction.create_mem_reg(
                 C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA + 8 * (n - 1), R.RSI), R.RAX))  # fmt: skip
         self.inc(pending)
-        # entry k (at offset k * SHADOW_ENTRY) returns through table + k * TRAMPOLINE_STRIDE
+        # entry k (at offset k * SHADOW_ENTRY) returns through table + k * TRAMPOLINE_STRIDE (10)
         asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
-        asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, _ENTRY_SHIFT))
+        asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, L.SHADOW_ENTRY.bit_length() - 1))
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, iced.MemoryOperand(R.RAX, R.RAX, 4)))
+        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RAX))
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, self.returning.table))
         asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RCX), R.RAX))
@@ -635,38 +634,35 @@ def _check_fields(prog: Program) -> None:
 
 
 def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
-    """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entry points, each a
-    `call common` (the pushed address says which entry; it lands where the return address was),
-    then the common part, which saves the registers a probe's return code may use (rsi is dead
-    at a return: it carries the entry's offset) and jumps to that code; the code jumps back to
-    `finish`, which puts the original return address in place, frees the entry, and returns.
-    Flags are not kept: no caller expects them to survive a call."""
+    """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entry points, entry
+    point k a `push OFFSET; jmp common` (OFFSET: entry k's offset in the shadow stack; the push
+    lands where the return address was), then the common part, which saves the registers a
+    probe's return code may use (rsi is dead at a return: it carries the entry's offset) and
+    jumps to that code; the code jumps back to `finish`, which frees the entry and jumps to the
+    original return address. No `call`/`ret` pair: the CPU's return-address predictions stay
+    in step with the program's calls. Flags are not kept: no caller expects them to survive a
+    call."""
+    common_at = at + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
+    encoder = iced.Encoder(64)  # entry points one by one: the near jump keeps its 5 bytes
+    for k in range(L.SHADOW_CAPACITY):
+        point = at + k * L.TRAMPOLINE_STRIDE
+        encoder.encode(iced.Instruction.create_i32(C.PUSHQ_IMM32, k * L.SHADOW_ENTRY), point)
+        encoder.encode(iced.Instruction.create_branch(C.JMP_REL32_64, common_at), point + 5)
+    table = bytes(encoder.take_buffer())
+    assert len(table) == common_at - at
     asm = _Asm()
-    common, finish, popping, popped = asm.label(), asm.label(), asm.label(), asm.label()
+    finish, popping, popped = asm.label(), asm.label(), asm.label()
     shadow, shift = layout.shadow, L.SHADOW_ENTRY.bit_length() - 1
-    pad = L.TRAMPOLINE_STRIDE - 5
-    for _ in range(L.SHADOW_CAPACITY):
-        asm.jump(C.CALL_REL32_64, common)
-        for _ in range(pad):
-            asm.add(iced.Instruction.create(C.INT3))
-    ret_at = 8 * len(_SAVED)  # the trampoline's pushed entry point, where the return address was
-
-    def entry_offset(table: int) -> None:
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, ret_at)))
-        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, table + 5))
-        asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RSI, R.RCX))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RSI, _ENTRY_SHIFT))
-
-    asm.bind(common)
+    slot_at = 8 * len(_SAVED)  # the pushed offset, where the return address was
     for name in _SAVED:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-    entry_offset(at)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, slot_at)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, _SAVED_AT["rsi"]), R.RSI))
     asm.add(iced.Instruction.create_mem(C.JMP_RM64, _gs(shadow + L.ENTRY_HANDLER, R.RSI)))
     asm.bind(finish)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, _SAVED_AT["rsi"])))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RSI)))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, ret_at), R.RAX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, slot_at), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
     asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
@@ -688,11 +684,13 @@ def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
     for name in reversed(_SAVED):
         asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
-    asm.add(iced.Instruction.create(C.RETNQ))
+    # A signal delivered between these two does not touch [rsp-8]: its frame skips the red zone.
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, 8)))
+    asm.add(iced.Instruction.create_mem(C.JMP_RM64, _mem(R.RSP, -8)))
     finish_index = asm.bound[finish]
-    code, _ = asm.encode(at)
-    starts = [int(insn.ip) for insn in iter_instructions(code, at)]
-    return code, Trampoline(at, starts[finish_index], at + len(code))
+    code, _ = asm.encode(common_at)
+    starts = [int(insn.ip) for insn in iter_instructions(code, common_at)]
+    return table + code, Trampoline(at, starts[finish_index], common_at + len(code))
 
 
 def build_return_code(
