@@ -280,7 +280,7 @@ class ReturnProbes:
         lay = self.session.layout
         base = lay.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
-        slots = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY]
+        slots: list[int] = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY].tolist()
         chained: set[int] = set()  # entries of other return probes of this very call
         while 0 <= held - table < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE:
             k, off = divmod(held - table, L.TRAMPOLINE_STRIDE)
@@ -288,16 +288,15 @@ class ReturnProbes:
                 break
             chained.add(k)
             held = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_RET // 8])
-        same = [int(k) for k in np.flatnonzero(slots == slot) if int(k) not in chained]
+        same = [k for k, s in enumerate(slots) if s == slot and k not in chained]
         if same:
             k = same[0]
             old = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if old < lay.max_probes:
                 words[lay.counter(old, L.PENDING) // 8] -= np.uint64(1)
             return k
-        free = np.flatnonzero(slots == 0)
-        if len(free):
-            return int(free[0])
+        if 0 in slots:
+            return slots.index(0)
         if top >= L.SHADOW_CAPACITY:
             return None
         words[L.SHADOW_TOP // 8] = top + 1
@@ -384,7 +383,9 @@ class ReturnProbes:
         base = int(regs.rsp)
         tracee = proc.tracee
         view = Regs.from_buffer_copy(regs)
-        view.rax, view.rdx = tracee.read_u64(base + _SAVED_RAX), tracee.read_u64(base + _SAVED_RDX)
+        saved = tracee.read(base, 8 * _SAVED_REGS)
+        view.rax = int.from_bytes(saved[_SAVED_RAX : _SAVED_RAX + 8], "little")
+        view.rdx = int.from_bytes(saved[_SAVED_RDX : _SAVED_RDX + 8], "little")
         view.rsp = _return_rsp(regs)
         view.rip = caller
         function = probe.sites.get(proc.pid, 0)

@@ -29,6 +29,7 @@ consumer) and, per string, a u16 length, a u16 flag word (STRING_TRUNCATED) and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 AREA_MAGIC = 0x0031_4145_5250_5944  # "DYPREA1\0" little-endian
 PAGE = 4096
@@ -97,23 +98,23 @@ class AreaLayout:
     def counters(self) -> int:
         return HEADER_BYTES
 
-    @property
+    @cached_property
     def hists(self) -> int:
         return _page_up(self.counters + self.max_probes * PROBE_COUNTERS * 8)
 
-    @property
+    @cached_property
     def ring(self) -> int:
         return _page_up(self.hists + self.max_hists * HIST_BUCKETS * 8)
 
-    @property
+    @cached_property
     def shadow(self) -> int:
         return self.ring + self.ring_bytes
 
-    @property
+    @cached_property
     def size(self) -> int:
         return self.shadow + SHADOW_CAPACITY * SHADOW_ENTRY
 
-    @property
+    @cached_property
     def ring_slots(self) -> int:
         return self.ring_bytes // self.record_size
 
