@@ -14,4 +14,6 @@ step $DP trace 'add_word+2' -- $APP || true
 step $DP trace --stats --filter 'len > 3' 'p:demo/long add_word word=+0(%di):string len=%si:s32' -- $APP
 step $DP count --stats 'p:demo/hash hash' 'p:demo/add add_word' 'p libc:malloc' -- $APP "to be or not to be"
 step $DP hist 'p:demo/len add_word len=%si:s32' --value len -- $APP
+step $DP trace 'r:demo/hash hash s=+0($arg1):string ret=$retval:u32 ns=$latency:u64' -- $APP "to be or not"
+step $DP latency hash add_word --stats -- $APP "to be or not to be that is the question"
 step $DP trace --trap --stats 'p:demo/hash hash' -- $APP "trap mode, for comparison"
