@@ -26,6 +26,7 @@ from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ptrace.process import SHARED_NAME
 from dynprobe.ringbuf.areas import ThreadAreas
+from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, mapping_at, read_maps
 
@@ -112,7 +113,7 @@ class Optimizer:
             sites = [s for s in sites if s.armed and self.trap_reason(proc, s) is None]
             _debug(f"optimizing {len(sites)} site(s) of pid {pid}")
             if sites:
-                with self.session.world_stopped(proc) as tid:
+                with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
                     if tid is not None:
                         self._optimize_stopped(proc, sites)
 

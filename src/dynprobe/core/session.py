@@ -83,6 +83,7 @@ from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, deco
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, Deref, FetchArg, ProbeSpec, SymbolAddr
 from dynprobe.spec.parser import parse_probe
+from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, resolve, resolve_address
@@ -400,7 +401,10 @@ class Session:
         while the target is stopped, between runs: nothing is mapped meanwhile)."""
         self._maps_now = {pid: read_maps(pid) for pid in self._processes}
         try:
-            yield
+            with files.unchanged(), contextlib.ExitStack() as stack:
+                for proc in list(self._processes.values()):
+                    stack.enter_context(proc.tracee.batched())
+                yield
         finally:
             self._maps_now = {}
 
@@ -943,6 +947,8 @@ class Session:
         """Emulate the site's instruction on `regs` and apply its memory writes. False (regs as
         they were) when it cannot be done here, e.g. the stack is unmapped: the hardware will
         then run it out of line and fault as it should."""
+        if site.emulator is None:
+            site.emulator = prepare(site.insn)
         try:
             assert site.emulator is not None
             writes = site.emulator(regs, proc.tracee.read)
@@ -1012,7 +1018,10 @@ class Session:
     ) -> None:
         """Make the process's sites match the probes and what is mapped now: arm probes whose file
         is mapped, forget sites whose module went away (dlclose)."""
-        maps = maps or read_maps(proc.pid)
+        with files.unchanged():
+            self._sync_sites(proc, only, strict, maps or read_maps(proc.pid))
+
+    def _sync_sites(self, proc: TracedProcess, only: Probe | None, strict: bool, maps: list[Mapping]) -> None:
         self._last_maps[proc.pid] = maps
         if only is None:
             for addr, site in list(proc.sites.items()):
@@ -1031,9 +1040,13 @@ class Session:
         for probe in [only] if only else list(self.probes):
             if probe.removed:
                 continue
+            placed = proc.sites.get(probe.sites.get(proc.pid, -1))
+            if only is None and placed is not None and probe in placed.probes:
+                continue  # armed already (its module's mapping was checked above)
             loc = probe.location
-            key = keys.setdefault(loc.path, file_key(loc.path))
-            where = address_of_offset(maps, key, loc.path, loc.offset)
+            if loc.path not in keys:
+                keys[loc.path] = file_key(loc.path)
+            where = address_of_offset(maps, keys[loc.path], loc.path, loc.offset)
             if where is None:
                 if any(m.path == f"{loc.path} (deleted)" for m in maps):
                     refused = ProbeRefused(Refusal.FILE_REPLACED, f"{loc.basename}:{loc.label}")
@@ -1116,7 +1129,7 @@ class Session:
         plan = plan_resume(insn)
         if isinstance(plan, Refusal):
             raise ProbeRefused(plan, where)
-        site = Site(addr, insn, original, plan, prepare(insn))
+        site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
         slot = self.allocate_slot(proc, addr)
         if slot is not None:
             built = out_of_line(insn, slot)

@@ -12,6 +12,7 @@ import mmap
 import os
 import signal
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dynprobe.arch.x86_64 import REMOTE_SYSCALL
@@ -75,6 +76,10 @@ def _ptrace_error(exc: OSError, pid: int) -> ProcessError:
     return ProcessError(f"cannot trace pid {pid}: {exc.strerror}")
 
 
+_PAGE = 4096
+_MERGE_GAP = 64  # held writes this close are written out as one
+
+
 class Tracee:
     """A traced process (thread group): its threads' stop states and its address space."""
 
@@ -84,6 +89,9 @@ class Tracee:
         # The tracer's CPU while it serves stops: resumed threads wake up there (see resume).
         self.home_cpu: int | None = None
         self._mem_fd = -1
+        # Within batched(): pages read so far, and the byte ranges written but not written out.
+        self._pages: dict[int, bytearray] | None = None
+        self._dirty: list[tuple[int, int]] = []
         self.open_memory()
 
     # --- memory -----------------------------------------------------------------------------
@@ -101,13 +109,68 @@ class Tracee:
 
     def read(self, addr: int, size: int) -> bytes:
         """Exactly `size` bytes at `addr`; OSError (EIO/EFAULT) if any is unmapped."""
+        if self._pages is not None:
+            return bytes(self._cached(addr, size))
         data = os.pread(self._mem_fd, size, addr)
         if len(data) != size:
             raise OSError(errno.EFAULT, f"short read at {addr:#x}")
         return data
 
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Many small reads and writes while the process is stopped (placing thousands of
+        probes): reads come from pages read once; writes are held and written out at the end,
+        writes a few bytes apart as one (the bytes between as they were read). A remote
+        syscall writes out first and forgets the pages (it may change the memory map)."""
+        if self._pages is not None:
+            yield
+            return
+        self._pages = {}
+        try:
+            yield
+        finally:
+            try:
+                self._write_out()
+            finally:
+                self._pages = None
+
+    def _page(self, index: int) -> bytearray:
+        assert self._pages is not None
+        page = self._pages.get(index)
+        if page is None:
+            data = os.pread(self._mem_fd, _PAGE, index * _PAGE)
+            if len(data) != _PAGE:
+                raise OSError(errno.EFAULT, f"short read at {index * _PAGE:#x}")
+            page = self._pages[index] = bytearray(data)
+        return page
+
+    def _cached(self, addr: int, size: int) -> bytearray:
+        out = bytearray()
+        while size > 0:
+            index, offset = divmod(addr, _PAGE)
+            chunk = min(size, _PAGE - offset)
+            out += self._page(index)[offset : offset + chunk]
+            addr += chunk
+            size -= chunk
+        return out
+
+    def _write_out(self) -> None:
+        dirty, self._dirty = sorted(self._dirty), []
+        runs: list[list[int]] = []
+        for start, end in dirty:
+            if runs and start <= runs[-1][1] + _MERGE_GAP:
+                runs[-1][1] = max(runs[-1][1], end)
+            else:
+                runs.append([start, end])
+        for start, end in runs:
+            data = self._cached(start, end - start)
+            if os.pwrite(self._mem_fd, data, start) != len(data):
+                raise OSError(errno.EFAULT, f"short write at {start:#x}")
+
     def read_upto(self, addr: int, size: int) -> bytes:
         """As many of `size` bytes at `addr` as are readable (stops at the first unmapped page)."""
+        if self._pages is not None:
+            self._write_out()
         out = b""
         while size > 0:
             chunk = min(size, 4096 - (addr & 4095))
@@ -123,6 +186,16 @@ class Tracee:
         return out
 
     def write(self, addr: int, data: bytes) -> None:
+        if self._pages is not None:
+            at, rest = addr, memoryview(data)
+            while rest:
+                index, offset = divmod(at, _PAGE)
+                chunk = min(len(rest), _PAGE - offset)
+                self._page(index)[offset : offset + chunk] = rest[:chunk]
+                at += chunk
+                rest = rest[chunk:]
+            self._dirty.append((addr, addr + len(data)))
+            return
         written = os.pwrite(self._mem_fd, data, addr)
         if written != len(data):
             raise OSError(errno.EFAULT, f"short write at {addr:#x}")
@@ -198,6 +271,9 @@ class Tracee:
             sc.cont(tid)
 
     def _run_syscall(self, tid: int, scratch: int, nr: int, args: tuple[int, ...]) -> int:
+        if self._pages is not None:
+            self._write_out()  # the stub and everything before it, in memory before it runs
+            self._pages.clear()
         saved = sc.get_regs(tid)
         regs = saved.copy()
         regs.rax = nr

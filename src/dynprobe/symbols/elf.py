@@ -16,6 +16,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
 from dynprobe.errors import ElfError, SymbolError
+from dynprobe.symbols import files
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def load_elf(path: str) -> ElfImage:
     """The parsed ELF at `path`, cached while the file is unchanged (same inode, size and
     modification time: a replaced or rewritten file is parsed again)."""
     try:
-        st = os.stat(path)
+        st = files.stat(path)
     except FileNotFoundError as exc:
         raise SymbolError(f"no such file: {path}") from exc
     except PermissionError as exc:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from dynprobe.symbols import files
+
 
 @dataclass(frozen=True)
 class Mapping:
@@ -46,7 +48,7 @@ def read_maps(pid: int) -> list[Mapping]:
 def file_key(path: str) -> tuple[int, int] | None:
     """(device, inode) of a file, which is how /proc/PID/maps identifies it whatever the path."""
     try:
-        st = os.stat(path)
+        st = files.stat(path)
     except OSError:
         return None
     return (st.st_dev, st.st_ino)
