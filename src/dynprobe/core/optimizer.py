@@ -345,6 +345,13 @@ def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
     def map_pool(size: int) -> tuple[int, object]:
         tid = next(t for t, s in proc.tracee.threads.items() if s.stopped)
         stub = proc.slots.stub()
+        if stub is None:  # no slot yet (emulated traps need none): a region for the stub
+            near = next(iter(proc.sites), None) or int(sc.get_regs(tid).rip)
+            slot = session.allocate_slot(proc, near)
+            if slot is None:
+                raise ProcessError(f"no memory for dynprobe's code in pid {proc.pid}")
+            proc.slots.free(slot)
+            stub = proc.slots.stub()
         assert stub is not None
         return proc.tracee.map_shared(tid, stub, size)
 

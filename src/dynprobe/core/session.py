@@ -899,7 +899,7 @@ class Session:
                     proc.tracee.resume(tid)
                 return
             plan = ResumePlan(ResumeKind.STEP if post or user_tf else ResumeKind.BOOST, plan.fixup)
-        if site.slot is None:
+        if not self._give_slot(proc, site):
             raise ProcessError(f"no out-of-line slot for {site.addr:#x}")
         self._count_resume(probes, plan.kind)
         regs.rip = site.slot
@@ -1130,17 +1130,26 @@ class Session:
         if isinstance(plan, Refusal):
             raise ProbeRefused(plan, where)
         site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
-        slot = self.allocate_slot(proc, addr)
-        if slot is not None:
-            built = out_of_line(insn, slot)
-            if built is not None:
-                proc.tracee.write(slot, built[0])
-                site.slot, site.slot_insn_len = slot, built[1]
-            else:
-                proc.slots.free(slot)
-        if site.slot is None and plan.kind != ResumeKind.EMULATE:
+        if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
             raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
         return site
+
+    def _give_slot(self, proc: TracedProcess, site: Site) -> bool:
+        """The site's out-of-line slot: made at placement, or for an emulated instruction at the
+        first hit that needs it (emulation refused, a post-handler): most function entries are
+        emulated, and a probe optimized at once never needs one."""
+        if site.slot is not None:
+            return True
+        slot = self.allocate_slot(proc, site.addr)
+        if slot is None:
+            return False
+        built = out_of_line(site.insn, slot)
+        if built is None:
+            proc.slots.free(slot)
+            return False
+        proc.tracee.write(slot, built[0])
+        site.slot, site.slot_insn_len = slot, built[1]
+        return True
 
     def _install(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
         site = proc.sites.get(addr)

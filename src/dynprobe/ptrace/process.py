@@ -237,6 +237,9 @@ class Tracee:
         state = self.threads[tid]
         original = self.read(scratch, len(REMOTE_SYSCALL))
         self.write(scratch, REMOTE_SYSCALL)
+        if self._pages is not None:
+            self._write_out()  # the stub and everything before it, in memory before it runs
+            self._pages.clear()  # the syscall may change the memory map
         try:
             if state.in_event_stop:
                 self._leave_event_stop(tid, scratch + len(REMOTE_SYSCALL) - 1)
@@ -271,9 +274,6 @@ class Tracee:
             sc.cont(tid)
 
     def _run_syscall(self, tid: int, scratch: int, nr: int, args: tuple[int, ...]) -> int:
-        if self._pages is not None:
-            self._write_out()  # the stub and everything before it, in memory before it runs
-            self._pages.clear()
         saved = sc.get_regs(tid)
         regs = saved.copy()
         regs.rax = nr
