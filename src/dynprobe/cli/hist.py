@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from dynprobe.actions.filter import parse_value
 from dynprobe.cli.common import add_target_options, report_error
@@ -34,14 +35,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-def print_hists(probes: list[Probe], value: str, title: str | None) -> None:
+def print_histograms(
+    probes: list[Probe], title: str | None, heading: Callable[[Probe], str], empty: str = "(no hits)"
+) -> None:
+    """Each probe's histogram under its `heading`, after `title` (the time, every -i seconds)."""
     out = sys.stdout
     if title:
         print(title, file=out)
     for p in probes:
-        print(f"@{p.name}[{value}]:", file=out)
+        print(heading(p), file=out)
         lines = log2_lines(p.histogram)
-        print("\n".join(lines) if lines else "  (no hits)", file=out)
+        print("\n".join(lines) if lines else f"  {empty}", file=out)
         print(file=out)
     out.flush()
 
@@ -56,5 +60,5 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value=args.value, filter=request.filter),
-        lambda probes, title: print_hists(probes, args.value, title),
+        lambda probes, title: print_histograms(probes, title, lambda p: f"@{p.name}[{args.value}]:"),
     )  # fmt: skip

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 
 from dynprobe.cli.common import UsageError, add_target_options, report_error
+from dynprobe.cli.hist import print_histograms
 from dynprobe.cli.probes import ProbeRequest, run_aggregating
 from dynprobe.core.probe import Probe
 from dynprobe.errors import DynprobeError
-from dynprobe.output.hist import log2_lines
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY
 from dynprobe.spec.parser import parse_probe
 
@@ -58,18 +57,9 @@ def request_for(args: argparse.Namespace) -> ProbeRequest:
     return ProbeRequest(specs, None, args.trap, None)
 
 
-def print_latencies(probes: list[Probe], title: str | None) -> None:
-    out = sys.stdout
-    if title:
-        print(title, file=out)
-    for p in probes:
-        calls = sum(p.histogram)
-        missed = f", {p.nmissed} missed" if p.nmissed else ""
-        print(f"@latency_ns[{p.location.label}]: {calls} calls{missed}", file=out)
-        lines = log2_lines(p.histogram)
-        print("\n".join(lines) if lines else "  (no returns)", file=out)
-        print(file=out)
-    out.flush()
+def _heading(p: Probe) -> str:
+    missed = f", {p.nmissed} missed" if p.nmissed else ""
+    return f"@latency_ns[{p.location.label}]: {sum(p.histogram)} calls{missed}"
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
@@ -80,5 +70,5 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value="ns"),
-        print_latencies,
+        lambda probes, title: print_histograms(probes, title, _heading, "(no returns)"),
     )  # fmt: skip
