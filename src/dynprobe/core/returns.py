@@ -15,7 +15,9 @@ Who does what:
   leaves a return address that leads nowhere. A probe's return code runs its action in the
   target; probes with Python handlers share a trap stub whose stop runs `on_return` here;
 - unwinding (C++ exceptions, backtrace()): the unwinder reads return addresses, so a trap on its
-  entry points puts the thread's original return addresses back first;
+  entry points puts the thread's original return addresses back first, and a trap where the
+  exception is caught (or where backtrace() returns to) puts the trampoline's back in the frames
+  that live on;
 - detach and a fork child let go: original return addresses back wherever a frame still points
   at the trampoline; threads with entries left keep their thread area and the trampoline.
 
@@ -84,7 +86,6 @@ class Instance:
 
     probe: Probe
     data: object
-    time: float
 
 
 @dataclass(eq=False)
@@ -336,7 +337,7 @@ class ReturnProbes:
         if k is None:
             probe.trap_missed += 1
         elif probe.action is None:
-            returns.instances[tid, k] = Instance(probe, hit.data, now)
+            returns.instances[tid, k] = Instance(probe, hit.data)
 
     def _push(self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int) -> int | None:
         """At a function entry (rsp: the return address): a shadow entry for the frame, as the
