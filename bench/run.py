@@ -273,6 +273,8 @@ def main() -> int:
     elapsed, info = traced_seed([seed, str(n_ret)], "r test ns=$latency:u64", optimize=True, action="hist",
                                 value="ns")  # fmt: skip
     add("optimized return: latency histogram (dynprobe latency)", n_ret, elapsed, **info)
+    elapsed, info = traced_seed([seed, str(n_ret)], "r test", optimize=True, action="count")
+    add("optimized return: count (no time stamps)", n_ret, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_step)], "r test", on_entry=lambda hit: None, on_return=lambda hit: None)
     add("trap return: Python entry + return handlers", n_step, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap)], "test")
