@@ -333,106 +333,25 @@ class _Emitter:
         asm.bind(done)
 
     def return_entry(self, prog: Program, entry: ReturnEntry) -> None:
-        """At a return probe's function entry (rsp + frame: the return address): take a
-        shadow-stack entry and point the return address at the trampoline entry point of the
-        same number. An entry whose slot is the new slot belongs to a frame that is gone
-        (longjmp): it is reused. Otherwise the first free one, or a new one on top."""
-        asm, lay = self.asm, self.layout
+        """At a return probe's function entry (rsp + frame: the return address): a shadow-stack
+        entry keeping the time stamp and the arguments the return needs (see `shadow_push`)."""
+        asm = self.asm
         assert self.returning is not None
-        shadow, size = lay.shadow, L.SHADOW_ENTRY
-        missed, full, done = asm.label(), asm.label(), asm.label()
-        loop, step, dup, scanned, fill = asm.label(), asm.label(), asm.label(), asm.label(), asm.label()
-        pending = lay.counter(prog.probe_index, L.PENDING)
-        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.SHADOW_BUSY), 0))
-        asm.jump(C.JNE_REL32_64, missed)
-        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(pending), entry.maxactive))
-        asm.jump(C.JAE_REL32_64, missed)
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
+        shadow = self.layout.shadow
+
+        def fill() -> None:
+            if entry.timestamp:
+                asm.add(iced.Instruction.create(C.RDTSC))
+                asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+                asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_TSC, R.RSI), R.RAX))
+            for n in entry.arg_indices:
+                self.load_reg(ARG_REGS[n - 1])
+                asm.add(iced.Instruction.create_mem_reg(
+                    C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA + 8 * (n - 1), R.RSI), R.RAX))  # fmt: skip
+
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, _mem(R.RSP, self.frame)))
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _gs(L.SHADOW_TOP)))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, size.bit_length() - 1))
-        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ESI, R.ESI))
-        asm.add(iced.Instruction.create_reg_i32(C.MOV_RM64_IMM32, R.RDI, -1))
-        asm.bind(loop)
-        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RSI, R.RDX))
-        asm.jump(C.JAE_REL32_64, scanned)
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_SLOT, R.RSI)))
-        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
-        asm.jump(C.JE_REL32_64, dup)
-        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
-        asm.jump(C.JNE_REL32_64, step)
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RDI, -1))
-        asm.jump(C.JNE_REL32_64, step)
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RSI))  # the first free entry
-        asm.bind(step)
-        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM32, R.RSI, size))
-        asm.jump(C.JMP_REL32_64, loop)
-        asm.bind(dup)
-        # Another return probe of this call may have taken the slot already: the return address
-        # then leads, through entry points and their entries' return addresses, to this entry.
-        chain, live, stale = asm.label(), asm.label(), asm.label()
-        asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
-        asm.bind(chain)
-        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -self.returning.table & L_MASK64))
-        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
-        asm.jump(C.JAE_REL32_64, stale)
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, _mem(R.RAX, 1)))  # the point's push: an offset
-        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RDX, R.RSI))
-        asm.jump(C.JE_REL32_64, live)
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RDX)))
-        asm.jump(C.JMP_REL32_64, chain)
-        asm.bind(live)
-        asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
-        asm.jump(C.JMP_REL32_64, step)
-        asm.bind(stale)  # a frame that is gone (longjmp): its entry is taken over
-        asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
-        asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(lay.counter(0, L.PENDING), R.RAX)))
-        asm.jump(C.JMP_REL32_64, fill)
-        asm.bind(scanned)
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDI))
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RSI, -1))
-        asm.jump(C.JNE_REL32_64, fill)
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDX))
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RSI, L.SHADOW_CAPACITY * size))
-        asm.jump(C.JAE_REL32_64, full)
-        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.SHADOW_TOP)))
-        asm.bind(fill)
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_SLOT, R.RSI), R.RCX))
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_RET, R.RSI), R.RAX))
-        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, entry.handler))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_HANDLER, R.RSI), R.RAX))
-        # the probe index (u32) and the tracer's flags (u32, cleared)
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_PROBE, R.RSI), prog.probe_index))
-        if entry.timestamp:
-            asm.add(iced.Instruction.create(C.RDTSC))
-            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_TSC, R.RSI), R.RAX))
-        for n in entry.arg_indices:
-            self.load_reg(ARG_REGS[n - 1])
-            asm.add(iced.Instruction.create_mem_reg(
-                C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA + 8 * (n - 1), R.RSI), R.RAX))  # fmt: skip
-        self.inc(pending)
-        # entry k (at offset k * SHADOW_ENTRY) returns through table + k * TRAMPOLINE_STRIDE (10)
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
-        asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, L.SHADOW_ENTRY.bit_length() - 1))
-        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, iced.MemoryOperand(R.RAX, R.RAX, 4)))
-        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RAX))
-        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, self.returning.table))
-        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RCX), R.RAX))
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
-        asm.jump(C.JMP_REL32_64, done)
-        asm.bind(full)  # every entry is taken
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
-        asm.bind(missed)
-        self.inc(lay.counter(prog.probe_index, L.MISSED))
-        asm.bind(done)
+        shadow_push(asm, self.layout, self.returning.table, prog.probe_index, entry.maxactive, entry.handler, fill)
 
     def histogram(self, prog: Program) -> None:
         asm = self.asm
@@ -543,6 +462,104 @@ class _Emitter:
         faults = _gs(self.layout.ring + L.RECORD_FAULTS, R.RSI)
         asm.add(iced.Instruction.create_mem_u32(C.OR_RM32_IMM32, faults, 1 << bit))
         asm.bind(after)
+
+
+def shadow_push(
+    asm: _Asm, lay: L.AreaLayout, table: int, probe_index: int, maxactive: int, handler: int,
+    fill: Callable[[], None],
+) -> None:  # fmt: skip
+    """rcx: a return-address slot at a function entry. Take a shadow-stack entry for it (unless
+    `maxactive` instances of the probe are pending on the thread: missed), call `fill` to store
+    the entry's data (rsi: the entry's offset; rax, rdx free), and point the return address at
+    the trampoline's entry point of the same number. An entry whose slot is the new slot belongs
+    to a frame that is gone (longjmp) and is reused, unless the return address leads to it
+    (another return probe of this very call); otherwise the first free entry, or a new one on top.
+    Uses rax, rcx, rdx, rsi, rdi."""
+    shadow, size = lay.shadow, L.SHADOW_ENTRY
+    missed, full, done = asm.label(), asm.label(), asm.label()
+    loop, step, dup, scanned, take = asm.label(), asm.label(), asm.label(), asm.label(), asm.label()
+    pending = lay.counter(probe_index, L.PENDING)
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.SHADOW_BUSY), 0))
+    asm.jump(C.JNE_REL32_64, missed)
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(pending), maxactive))
+    asm.jump(C.JAE_REL32_64, missed)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _gs(L.SHADOW_TOP)))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, size.bit_length() - 1))
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ESI, R.ESI))
+    asm.add(iced.Instruction.create_reg_i32(C.MOV_RM64_IMM32, R.RDI, -1))
+    asm.bind(loop)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RSI, R.RDX))
+    asm.jump(C.JAE_REL32_64, scanned)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_SLOT, R.RSI)))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
+    asm.jump(C.JE_REL32_64, dup)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+    asm.jump(C.JNE_REL32_64, step)
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RDI, -1))
+    asm.jump(C.JNE_REL32_64, step)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RSI))  # the first free entry
+    asm.bind(step)
+    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM32, R.RSI, size))
+    asm.jump(C.JMP_REL32_64, loop)
+    asm.bind(dup)
+    # Another return probe of this call may have taken the slot already: the return address
+    # then leads, through entry points and their entries' return addresses, to this entry.
+    chain, live, stale = asm.label(), asm.label(), asm.label()
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
+    asm.bind(chain)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -table & L_MASK64))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
+    asm.jump(C.JAE_REL32_64, stale)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, _mem(R.RAX, 1)))  # the point's push: an offset
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RDX, R.RSI))
+    asm.jump(C.JE_REL32_64, live)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RDX)))
+    asm.jump(C.JMP_REL32_64, chain)
+    asm.bind(live)
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.jump(C.JMP_REL32_64, step)
+    asm.bind(stale)  # a frame that is gone (longjmp): its entry is taken over
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
+    asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(lay.counter(0, L.PENDING), R.RAX)))
+    asm.jump(C.JMP_REL32_64, take)
+    asm.bind(scanned)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDI))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RSI, -1))
+    asm.jump(C.JNE_REL32_64, take)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDX))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RSI, L.SHADOW_CAPACITY * size))
+    asm.jump(C.JAE_REL32_64, full)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.SHADOW_TOP)))
+    asm.bind(take)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_SLOT, R.RSI), R.RCX))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_RET, R.RSI), R.RAX))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, handler))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_HANDLER, R.RSI), R.RAX))
+    # the probe index (u32) and the tracer's flags (u32, cleared)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_PROBE, R.RSI), probe_index))
+    fill()
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(pending)))
+    # entry k (at offset k * SHADOW_ENTRY) returns through table + k * TRAMPOLINE_STRIDE (10)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
+    asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, L.SHADOW_ENTRY.bit_length() - 1))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, iced.MemoryOperand(R.RAX, R.RAX, 4)))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RAX))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, table))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RCX), R.RAX))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
+    asm.jump(C.JMP_REL32_64, done)
+    asm.bind(full)  # every entry is taken
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
+    asm.bind(missed)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(lay.counter(probe_index, L.MISSED))))
+    asm.bind(done)
 
 
 def _count_only(asm: _Asm, programs: Sequence[Program], layout: L.AreaLayout) -> None:
