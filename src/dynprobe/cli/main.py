@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from dynprobe import __version__
-from dynprobe.cli import count, hist, latency, trace
+from dynprobe.cli import count, hist, latency, record, trace
 from dynprobe.cli import list as list_cmd
 from dynprobe.cli.common import split_command
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     hist.add_parser(sub)
     latency.add_parser(sub)
     list_cmd.add_parser(sub)
+    record.add_parsers(sub)
     return parser
 
 

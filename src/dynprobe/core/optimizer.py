@@ -118,11 +118,11 @@ class Optimizer:
                         self._optimize_stopped(proc, sites)
 
     def _optimize_stopped(self, proc: TracedProcess, sites: list[Site]) -> None:
-        if not self._ensure_areas(proc):
+        if not self.ensure_areas(proc):
             for site in sites:
                 self._refuse(site, OptimizeRefusal.GS_IN_USE)
             return
-        rips = self._thread_rips(proc)
+        rips = self.thread_rips(proc)
         self._free_dirty(proc, list(rips.values()))
         # A thread that has just hit the int3 (its SIGTRAP not served yet) is at site+1; it will
         # be moved back to the site and take the jump (Session._on_signal).
@@ -231,7 +231,7 @@ class Optimizer:
             site.armed = arm
             if not arm:
                 proc.retired.add(site.addr)
-            self._free_dirty(proc, list(self._thread_rips(proc).values()))
+            self._free_dirty(proc, list(self.thread_rips(proc).values()))
 
     def _retire_detour(self, proc: TracedProcess, site: Site) -> None:
         _debug(f"unoptimized {site.addr:#x}")
@@ -270,7 +270,7 @@ class Optimizer:
                 self._retire_detour(proc, site)
 
     @staticmethod
-    def _thread_rips(proc: TracedProcess) -> dict[int, int]:
+    def thread_rips(proc: TracedProcess) -> dict[int, int]:
         rips = {}
         for tid, state in proc.tracee.threads.items():
             if state.stopped:
@@ -285,7 +285,7 @@ class Optimizer:
         return any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred)
 
     # --- thread areas -------------------------------------------------------------------------------------
-    def _ensure_areas(self, proc: TracedProcess) -> bool:
+    def ensure_areas(self, proc: TracedProcess) -> bool:
         """Every stopped thread of `proc` has a thread area in its GS base. False if the target
         uses GS itself (then nothing is changed)."""
         if proc.gs_refused:

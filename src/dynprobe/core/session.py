@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any, BinaryIO
@@ -40,6 +40,7 @@ from dynprobe.arch.x86_64 import (
     plan_resume,
     prepare,
 )
+from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tracing
 from dynprobe.core.optimizer import DirtyDetour, Optimizer, new_thread_areas
 from dynprobe.core.probe import CALLER_ARG, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
@@ -86,7 +87,7 @@ from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
-from dynprobe.symbols.resolve import Location, resolve, resolve_address
+from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
 
@@ -123,6 +124,7 @@ class TracedProcess:
     fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
     dirty: list[DirtyDetour] = field(default_factory=list)  # detours a thread may still be in
     returns: ProcessReturns | None = None  # the return trampoline, once a return probe needs it
+    tracing: ProcessTracing = field(default_factory=ProcessTracing)  # function tracer sites and code
     loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
 
     def __post_init__(self) -> None:
@@ -216,6 +218,7 @@ class Session:
         self._layout: L.AreaLayout | None = None
         self._optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
+        self.tracing = Tracing(self)
         self._consumer: Consumer | None = None
         self._by_index: list[Probe | None] = []
         self._hists = 0
@@ -390,6 +393,48 @@ class Session:
             return Refusal.NOT_FUNCTION_ENTRY
         return self.returns.refusal(proc, location.path)
 
+    def function_tracer(
+        self,
+        functions: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        libraries: Iterable[str] = (),
+        graph: bool = True,
+        on_event: Callable[[TracerEvent], object] | None = None,
+    ) -> FunctionTracer:
+        """A function tracer over the functions of the main executable (and of `libraries`, by
+        name or path, as mapped) whose names match a glob of `functions` (all if none) and none
+        of `exclude`. Graph mode records entries and exits (the return-probe mechanism), else
+        entries only. Call `start()` on it; events go to `on_event` or, spooled raw, to
+        `write_raw` (`dynprobe record`)."""
+        self._check_open()
+        main = self._processes.get(self.main_pid)
+        if main is None:
+            raise SessionError("the target has exited; nothing can be traced")
+        maps = read_maps(main.pid)
+        paths = [main.exe] + [find_file(name, maps) for name in libraries]
+        return self.tracing.new_tracer(self.tracing.select(paths, functions, exclude), graph, on_event)
+
+    def reserve_index(self) -> int:
+        """A counters-and-records index for something that is not a probe (a function tracer)."""
+        self._by_index.append(None)
+        return len(self._by_index) - 1
+
+    def counters_of_index(self, index: int) -> tuple[int, int, int]:
+        if self._consumer is None or index >= self.layout.max_probes:
+            return 0, 0, 0
+        return self._consumer.counters(index)
+
+    def traced_processes(self) -> list[TracedProcess]:
+        return [p for p in self._processes.values() if p.follow and p.status is None]
+
+    def ensure_thread_areas(self, proc: TracedProcess) -> bool:
+        """Every stopped thread of `proc` has its thread area (False: the target uses GS)."""
+        self._ensure_consumer()
+        return self._optimizer.ensure_areas(proc)
+
+    def thread_rips(self, proc: TracedProcess) -> list[int]:
+        return list(self._optimizer.thread_rips(proc).values())
+
     def probes_from(self, specs: list[str], **kw: Any) -> list[Probe]:
         """Place many probes (keyword arguments as for `probe`)."""
         with self.batch():
@@ -471,7 +516,7 @@ class Session:
         self._check_open()
         self._stop_requested = False
         deadline = None if timeout is None else time.monotonic() + timeout
-        if any(p.action is not None for p in self.probes):
+        if any(p.action is not None for p in self.probes) or self.tracing.tracers:
             self._ensure_consumer().start()  # before the tracer pins itself: it runs elsewhere
         with self._tracer_pinned():
             self._optimizer.flush()  # everything placed so far, before the target runs on
@@ -691,6 +736,9 @@ class Session:
         child.slots.inherit(parent.slots)
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
+        child.tracing = ProcessTracing(
+            dict(parent.tracing.sites), list(parent.tracing.code), list(parent.tracing.lists)
+        )
         if vfork:
             child.areas = parent.areas  # one address space: its thread takes an area of the parent's pools
             child.returns = parent.returns
@@ -714,6 +762,7 @@ class Session:
                         break
             if orphan is not None and orphan.kind not in (EventKind.EXITED, EventKind.KILLED):
                 self._optimizer.restore_all(child)
+                self.tracing.restore(child)
                 self.returns.restore_child(child)
                 for site in child.sites.values():
                     if site.armed:
@@ -752,6 +801,7 @@ class Session:
         proc.fixups.clear()
         proc.dirty.clear()
         proc.returns = None
+        proc.tracing = ProcessTracing()
         proc.loader_hook = None
         if not proc.follow:
             # An unfollowed vfork child leaves our shared memory: let it go.
@@ -1069,6 +1119,7 @@ class Session:
         once (they arrive as one batch; the program may not run long enough for the delay)."""
         self._sync_process(proc)
         self.returns.hook_unwinders(proc, self._last_maps[proc.pid])
+        self.tracing.modules_changed(proc)
         self._optimizer.expedite()
 
     def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
@@ -1303,6 +1354,7 @@ class Session:
                     state.deferred.append(event)
             self._adopt_unseen_threads(proc)
             self._optimizer.restore_all(proc)
+            self.tracing.restore(proc)
             self.returns.before_detach(proc)
             self._leave_detours(proc)
             self._reset_thread_areas(proc, keep=self.returns.keep_areas_at_detach(proc))
@@ -1501,8 +1553,12 @@ class Session:
         return probe.program()
 
     def in_own_code(self, proc: TracedProcess, rip: int) -> bool:
-        """In a detour or in return-probe code: a thread there needs its thread area."""
-        return self._optimizer.in_detour(proc, rip) or (proc.returns is not None and proc.returns.owns(rip))
+        """In a detour, return-probe or tracer code: a thread there needs its thread area."""
+        return (
+            self._optimizer.in_detour(proc, rip)
+            or (proc.returns is not None and proc.returns.owns(rip))
+            or proc.tracing.owns(rip)
+        )
 
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         areas = new_thread_areas(proc, self)
@@ -1571,7 +1627,8 @@ class Session:
     def _ensure_consumer(self) -> Consumer:
         if self._consumer is None:
             self._consumer = Consumer(
-                self.layout, self._deliver, lambda i: 0 <= i < len(self._by_index) and self._by_index[i] is not None,
+                self.layout, self._deliver,
+                lambda i: 0 <= i < len(self._by_index) and (self._by_index[i] is not None or i in self.tracing.tracers),
                 self._warn,
             )  # fmt: skip
             if self._started and not self._closed:
@@ -1607,6 +1664,10 @@ class Session:
         for batch in batches:
             if batch.probe_index < 0:
                 continue  # raw output only
+            tracer = self.tracing.tracers.get(batch.probe_index)
+            if tracer is not None:
+                self.tracing.deliver(tracer, batch)
+                continue
             probe = self._by_index[batch.probe_index]
             if probe is None or probe.on_event is None:
                 continue
@@ -1649,6 +1710,14 @@ class Session:
             out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm, symbolize,
                                   caller if isinstance(caller, int) else None))  # fmt: skip
         return out
+
+    def thread_names(self) -> dict[int, str]:
+        """The name of every thread seen in a thread area (tid -> comm), still known after it ended."""
+        return {tid: name for (_, tid), name in self._comms.items()}
+
+    def clock(self) -> dict[str, float]:
+        """The time-stamp counter's calibration: ns = (tsc - tsc0) * scale + ns0 (CLOCK_MONOTONIC)."""
+        return self._ensure_consumer().clock.params()
 
     def comm_of(self, pid: int, tid: int) -> str:
         """A thread's name; remembered, so events read after it ended still have it."""

@@ -59,6 +59,10 @@ class TscClock:
         if tsc > self._tsc0:
             self._scale = (ns - self._ns0) / (tsc - self._tsc0)
 
+    def params(self) -> dict[str, float]:
+        """ns = (tsc - tsc0) * scale + ns0, as `to_ns` computes it."""
+        return {"tsc0": self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF, "ns0": self._ns0, "scale": self._scale}
+
     @property
     def mult(self) -> int:
         """ns = ticks * mult >> 32 (for code in the target, which has no floating point)."""

@@ -734,6 +734,167 @@ def return_stub_code(at: int, trampoline: Trampoline) -> bytes:
     return asm.encode(at)[0]
 
 
+# --- the function tracer (DESIGN.md section 8) ---------------------------------------------------------
+TRACE_ENTRY, TRACE_EXIT = 0, 1  # a tracer record's kind (in the record header's CPU field)
+SITE_CALL_AT = 5  # a tracer site's `call rel32` starts here (after `push imm32`)
+
+
+@dataclass(frozen=True)
+class OpsCode:
+    """Where one tracer instance's generated code is: `entry` is called from a site (after
+    `push FUNCTION_ID`), `body` from a list trampoline (esi: the function's id, rdi: its
+    return-address slot), `exit` is the return code of its graph-mode shadow entries."""
+
+    entry: int
+    body: int
+    exit: int
+
+
+def build_tracer_site(plan: OptimizePlan, function_id: int, target: int, at: int) -> bytes | OptimizeRefusal:
+    """A traced function's detour at `at`: `push FUNCTION_ID; call target` (an ops' entry or a
+    list trampoline: re-pointed by rewriting the call), drop the id, the relocated prologue, and
+    the jump back."""
+    encoder = iced.Encoder(64)
+    encoder.encode(iced.Instruction.create_i32(C.PUSHQ_IMM32, function_id), at)
+    encoder.encode(iced.Instruction.create_branch(C.CALL_REL32_64, target), at + SITE_CALL_AT)
+    encoder.encode(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, 8)), at + SITE_CALL_AT + 5)
+    head = bytes(encoder.take_buffer())
+    region = relocate_region(plan, at + len(head))
+    if region is None:
+        return OptimizeRefusal.RIP_REL_OUT_OF_REACH
+    return head + region
+
+
+def call_to(site_detour: int, target: int) -> bytes:
+    """The `call rel32` of a tracer site whose detour is at `site_detour`, calling `target`."""
+    encoder = iced.Encoder(64)
+    encoder.encode(iced.Instruction.create_branch(C.CALL_REL32_64, target), site_detour + SITE_CALL_AT)
+    return bytes(encoder.take_buffer())
+
+
+def _trace_record(asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int) -> None:
+    """A 16-byte record (esi: the function's id): u16 ops, u16 kind, u32 function, u64 time
+    stamp (rdtsc). Uses rax, rcx, rdx."""
+    ring = layout.ring
+    missed, full, release, done = asm.label(), asm.label(), asm.label(), asm.label()
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
+    asm.jump(C.JNE_REL32_64, missed)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _gs(L.HEAD)))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RCX))
+    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots))
+    asm.jump(C.JAE_REL32_64, full)
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RCX, layout.ring_slots - 1))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RCX, layout.record_size.bit_length() - 1))
+    asm.add(iced.Instruction.create(C.RDTSC))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RCX), R.RAX))
+    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RCX), ops_index))
+    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RCX), kind))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RCX), R.ESI))
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.HEAD)))
+    asm.jump(C.JMP_REL32_64, release)
+    asm.bind(full)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.LOST))))
+    asm.bind(release)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
+    asm.jump(C.JMP_REL32_64, done)
+    asm.bind(missed)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.MISSED))))
+    asm.bind(done)
+
+
+def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None = None) -> None:
+    """An entry called from a site (after `push FUNCTION_ID`): save what the bodies use (flags
+    in r11, as detours keep them), esi = the id, rdi = the traced function's return-address
+    slot, call each body, restore, return."""
+    for name in _SAVED:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+    asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
+    asm.add(iced.Instruction.create(C.LAHF))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
+    frame = 8 * len(_SAVED)  # then our return address, the id, the slot
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _mem(R.RSP, frame + 8)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, _mem(R.RSP, frame + 16)))
+    for body in bodies:
+        if body is None:
+            assert own_body is not None
+            asm.jump(C.CALL_REL32_64, own_body)
+        else:
+            asm.add(iced.Instruction.create_branch(C.CALL_REL32_64, body))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
+    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
+    asm.add(iced.Instruction.create(C.SAHF))
+    for name in reversed(_SAVED):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
+    asm.add(iced.Instruction.create(C.RETNQ))
+
+
+def build_ops_code(
+    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, maxactive: int = L.SHADOW_CAPACITY
+) -> tuple[bytes, OpsCode]:
+    """One tracer instance's code at `at`: its entry, its body (an entry record; with a
+    `trampoline`, graph mode: a shadow entry whose return code, `exit`, writes the exit
+    record) and that exit. Bodies keep rsi, rdi and r11 (a list trampoline calls several)."""
+
+    def assemble(exit_at: int) -> tuple[bytes, dict[int, int]]:
+        asm = _Asm()
+        body, exit_ = asm.label(), asm.label()
+        _save_and_call(asm, [None], body)
+        asm.bind(body)
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS))))
+        _trace_record(asm, layout, ops_index, TRACE_ENTRY)
+        if trampoline is not None:
+            shadow = layout.shadow
+            asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
+            asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDI))
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RDI))
+
+            def fill() -> None:  # the function's id, from the pushed rsi
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _mem(R.RSP, 8)))
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RAX))
+
+            shadow_push(asm, layout, trampoline.table, ops_index, maxactive, exit_at, fill)
+            asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDI))
+            asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
+        asm.add(iced.Instruction.create(C.RETNQ))
+        asm.bind(exit_)
+        if trampoline is not None:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RSP, _SAVED_AT["rsi"])))
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _gs(shadow + L.ENTRY_DATA, R.RCX)))
+            _trace_record(asm, layout, ops_index, TRACE_EXIT)
+            asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
+        else:
+            asm.add(iced.Instruction.create(C.INT3))
+        return _encode_with(asm, at, (body, exit_))
+
+    # The shadow entries name the exit's address, known once encoded: a second pass with it (an
+    # imm64 either way, so nothing moves).
+    _, first = assemble(0)
+    exit_at = list(first.values())[1]
+    code, addresses = assemble(exit_at)
+    body_at, check = addresses.values()
+    assert check == exit_at
+    return code, OpsCode(at, body_at, exit_at)
+
+
+def build_list_trampoline(bodies: Sequence[int], at: int) -> bytes:
+    """A site traced by several instances calls this: each one's body in turn."""
+    asm = _Asm()
+    _save_and_call(asm, list(bodies))
+    return asm.encode(at)[0]
+
+
+def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict[int, int]]:
+    """Encode, and say where the instructions bound to `labels` landed."""
+    indices = {label: asm.bound[label] for label in labels}
+    code, _ = asm.encode(at)
+    starts = [int(insn.ip) for insn in iter_instructions(code, at)]
+    return code, {label: starts[i] for label, i in indices.items()}
+
+
 def read_tsc_code() -> bytes:
     """A C-callable `uint64_t f(void)` returning the time-stamp counter (for the consumer's clock)."""
     asm = _Asm()

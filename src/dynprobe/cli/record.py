@@ -1,0 +1,161 @@
+"""`dynprobe record` (the function tracer into a trace directory) and the commands that read one
+back: `replay` (call graph), `report` (time per function), `dump --chrome | --flame`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from dynprobe.cli.common import UsageError, add_target_options, open_session, report_error, run_target
+from dynprobe.core.session import print_warning
+from dynprobe.errors import DynprobeError
+from dynprobe.output import callgraph
+from dynprobe.tracefile import EVENTS, INFO, Trace, write_info
+
+DEFAULT_DIR = "dynprobe.data"
+RECORD_EXAMPLES = """\
+examples:
+  dynprobe record -- ./app input.txt                 every function of ./app, into dynprobe.data/
+  dynprobe record -F 'parse_*' -N 'parse_debug*' -o parse.data -- ./app
+  dynprobe record --lib libz -F 'deflate*' -F main -p 1234      Ctrl-C stops, the program runs on
+then: dynprobe replay | report | dump --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
+"""
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "record", help="trace every function's entry and exit into a trace directory",
+        description="The function tracer: entries and exits of the functions of the program (and the "
+        "named libraries), recorded in the target and written to a trace directory.",
+        epilog=RECORD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument(
+        "-F", "--filter", action="append", default=[], metavar="GLOB", help="trace only functions matching GLOB"
+    )
+    p.add_argument(
+        "-N", "--notrace", action="append", default=[], metavar="GLOB", help="do not trace functions matching GLOB"
+    )
+    p.add_argument(
+        "--lib",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="trace this library's functions too (libz, /path/lib.so)",
+    )
+    p.add_argument(
+        "-o", "--output", default=DEFAULT_DIR, metavar="DIR", help=f"the trace directory (default {DEFAULT_DIR})"
+    )
+    p.add_argument("--ring-size", type=int, default=1 << 24, metavar="BYTES", help="per-thread ring (default 16 MiB)")
+    add_target_options(p)
+    p.set_defaults(run=run_record)
+    for name, help_text in (("replay", "print the call graph of a trace"), ("report", "time per function of a trace")):
+        q = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
+        if name == "report":
+            q.add_argument("-s", "--sort", choices=["total", "self", "calls", "avg", "name"], default="total")
+        q.set_defaults(run=run_replay if name == "replay" else run_report)
+    d = sub.add_parser("dump", help="convert a trace for other tools", description="Convert a trace directory.")
+    d.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
+    form = d.add_mutually_exclusive_group(required=True)
+    form.add_argument("--chrome", action="store_true", help="Trace Event JSON (Perfetto UI, chrome://tracing)")
+    form.add_argument("--flame", action="store_true", help="folded stacks with self time in ns (flamegraph.pl)")
+    d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    d.set_defaults(run=run_dump)
+
+
+def _prepare_directory(path: str) -> None:
+    """An empty directory at `path`; an earlier trace there is replaced, anything else refused."""
+    if os.path.exists(path):
+        if not os.path.isdir(path) or (os.listdir(path) and not os.path.exists(os.path.join(path, INFO))):
+            raise UsageError(f"{path} exists and is not a trace directory; choose another with -o")
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def run_record(args: argparse.Namespace, command: list[str]) -> int:
+    out = args.output
+    status: int | None = None
+    try:
+        with open_session(args, command) as session:
+            session.on_warning = print_warning
+            session.ring_bytes = args.ring_size
+            tracer = session.function_tracer(args.filter, args.notrace, args.lib, graph=True)
+            _prepare_directory(out)
+            info = {
+                "command": command or [f"(pid {session.pid})"],
+                "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
+                "functions": [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in session.tracing.functions],
+                "clock": session.clock(),
+            }  # fmt: skip
+            with open(os.path.join(out, EVENTS), "wb") as events:
+                session.write_raw(events, decode=False)
+                write_info(out, info)
+                tracer.start()
+                reasons = ", ".join(f"{r} {n}" for r, n in tracer.not_patched.most_common())
+                left = sum(tracer.not_patched.values())
+                skipped = f"; not patched: {left} ({reasons})" if left else ""
+                print(f"dynprobe: tracing {tracer.patched} functions{skipped}", file=sys.stderr)
+                status = run_target(session)
+                calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
+                session.close()
+            info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
+                        clock=session.clock())  # fmt: skip
+            write_info(out, info)
+            dropped = f" ({lost} lost: a larger --ring-size keeps them)" if lost else ""
+            print(f"dynprobe: {calls} calls recorded in {out}{dropped}", file=sys.stderr)
+    except DynprobeError as exc:
+        return report_error(exc)
+    if args.pid is not None:
+        return 0
+    return status if status is not None else 130
+
+
+@contextlib.contextmanager
+def _trace(args: argparse.Namespace) -> Iterator[Trace]:
+    trace = Trace(args.directory)
+    if not trace.complete:
+        print(f"dynprobe: warning: {args.directory} was not closed (the recording was cut short)", file=sys.stderr)
+    yield trace
+    if trace.truncated_at is not None:
+        print(
+            f"dynprobe: warning: {args.directory}/{EVENTS} is truncated: read up to byte {trace.truncated_at}",
+            file=sys.stderr,
+        )
+
+
+def run_replay(args: argparse.Namespace, command: list[str]) -> int:
+    return _read(args, command, lambda trace, out: callgraph.replay(trace, out))
+
+
+def run_report(args: argparse.Namespace, command: list[str]) -> int:
+    return _read(args, command, lambda trace, out: callgraph.report(trace, out, args.sort))
+
+
+def run_dump(args: argparse.Namespace, command: list[str]) -> int:
+    write = callgraph.dump_chrome if args.chrome else callgraph.dump_flame
+    return _read(args, command, write, args.output)
+
+
+def _read(args: argparse.Namespace, command: list[str], show: object, output: str | None = None) -> int:
+    if command:
+        return report_error(UsageError("reading a trace runs no command"))
+    try:
+        with _trace(args) as trace:
+            out: TextIO = open(output, "w") if output else sys.stdout  # noqa: SIM115
+            try:
+                show(trace, out)  # type: ignore[operator]
+            finally:
+                if out is not sys.stdout:
+                    out.close()
+    except DynprobeError as exc:
+        return report_error(exc)
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        return report_error(DynprobeError(f"cannot write {output}: {exc.strerror}"))
+    return 0

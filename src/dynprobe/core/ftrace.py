@@ -1,0 +1,343 @@
+"""The function tracer: ftrace for user space (DESIGN.md section 8).
+
+A tracer instance ("ops": which functions, graph mode or not) gets its own generated code in each
+process (`codegen.build_ops_code`): an entry record, and in graph mode a shadow-stack entry whose
+return code writes the exit record (the return-probe mechanism, core/returns.py). Each traced
+function's entry takes a 5-byte jump (the optimizer's checks and relocation) to a small site
+detour, `push ID; call TARGET`, TARGET being the one ops that traces the function, or a list
+trampoline that calls every ops tracing it in turn. Starting or stopping an ops patches or
+re-points only its own sites, under one stop-the-world per process; the others keep tracing.
+
+Records are 16 bytes in the thread's ring: u16 ops, u16 kind (entry/exit), u32 function id, u64
+time stamp; `session.write_raw` spools them to disk (`dynprobe record`), or `on_event` gets them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dynprobe.arch.x86_64 import jump_to
+from dynprobe.arch.x86_64.codegen import (
+    SITE_CALL_AT,
+    TRACE_EXIT,
+    OpsCode,
+    build_list_trampoline,
+    build_ops_code,
+    build_tracer_site,
+    call_to,
+)
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
+from dynprobe.core.optimizer import DirtyDetour
+from dynprobe.errors import OptimizeRefusal, SessionError
+from dynprobe.ringbuf.consumer import RecordBatch
+from dynprobe.symbols import files
+from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
+
+if TYPE_CHECKING:
+    from dynprobe.core.session import Session, TracedProcess
+
+OPS_CODE_ROOM = 2048
+SITE_ROOM = 96
+REACH = (1 << 31) - (1 << 24)  # a rel32 call from a site detour reaches code this close
+
+
+@dataclass(frozen=True)
+class TracedFunction:
+    id: int
+    path: str
+    vaddr: int
+    size: int
+    name: str
+
+
+@dataclass(frozen=True)
+class TracerEvent:
+    """One entry or exit, as `on_event` gets it (CLOCK_MONOTONIC ns)."""
+
+    pid: int
+    tid: int
+    time_ns: int
+    exit: bool
+    function: TracedFunction
+
+
+@dataclass(eq=False)
+class TracerSite:
+    function: TracedFunction
+    addr: int  # the function's entry in the process
+    detour: int
+    size: int
+    region: bytes  # the original bytes under the jump
+    ops: list[FunctionTracer] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ProcessTracing:
+    sites: dict[int, TracerSite] = field(default_factory=dict)  # function id -> site
+    code: list[tuple[int, OpsCode, int]] = field(default_factory=list)  # (ops index, code, size)
+    lists: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)  # (ops, address, size)
+
+    def owns(self, rip: int) -> bool:
+        """A thread at `rip` runs tracer code (it must leave it before the thread area goes)."""
+        if any(s.detour <= rip < s.detour + s.size for s in self.sites.values()):
+            return True
+        return any(c.entry <= rip < c.entry + n for _, c, n in self.code) or any(
+            a <= rip < a + n for _, a, n in self.lists
+        )
+
+
+class FunctionTracer:
+    """One tracer instance: a set of functions, graph mode (entries and exits) or entries only.
+    `start()` patches its functions in every traced process, `stop()` takes them back."""
+
+    def __init__(
+        self, tracing: Tracing, index: int, functions: list[TracedFunction], graph: bool,
+        on_event: Callable[[TracerEvent], object] | None,
+    ) -> None:  # fmt: skip
+        self.tracing = tracing
+        self.index = index
+        self.functions = functions
+        self.graph = graph
+        self.on_event = on_event
+        self.started = False
+        self.patched = 0
+        self.not_patched: Counter[str] = Counter()  # reason -> functions
+
+    def start(self) -> None:
+        if not self.started:
+            self.tracing.start(self)
+
+    def stop(self) -> None:
+        if self.started:
+            self.tracing.stop(self)
+
+    @property
+    def calls(self) -> int:
+        """Entries traced (in the target's counters)."""
+        return self.tracing.session.counters_of_index(self.index)[0]
+
+    @property
+    def missed(self) -> int:
+        return self.tracing.session.counters_of_index(self.index)[1]
+
+    @property
+    def lost(self) -> int:
+        return self.tracing.session.counters_of_index(self.index)[2]
+
+
+class Tracing:
+    """The function tracers of a session."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.functions: list[TracedFunction] = []
+        self._ids: dict[tuple[str, int], TracedFunction] = {}
+        self.tracers: dict[int, FunctionTracer] = {}
+
+    # --- choosing functions ---------------------------------------------------------------------------
+    def select(
+        self, paths: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = ()
+    ) -> list[TracedFunction]:
+        """The functions (symbols with a size) of the files at `paths` whose names match a glob
+        of `include` (all if none) and none of `exclude`."""
+        include, exclude = list(include), list(exclude)
+        chosen = []
+        for path in paths:
+            image = load_elf(path)
+            for func in image.functions:
+                if not func.size or not image.is_executable(func.addr):
+                    continue
+                if include and not any(fnmatch.fnmatchcase(func.name, g) for g in include):
+                    continue
+                if any(fnmatch.fnmatchcase(func.name, g) for g in exclude):
+                    continue
+                chosen.append(self._function(image.path, func.addr, func.size, func.name))
+        return chosen
+
+    def _function(self, path: str, vaddr: int, size: int, name: str) -> TracedFunction:
+        key = (path, vaddr)
+        func = self._ids.get(key)
+        if func is None:
+            func = self._ids[key] = TracedFunction(len(self.functions), path, vaddr, size, name)
+            self.functions.append(func)
+        return func
+
+    def new_tracer(
+        self, functions: list[TracedFunction], graph: bool, on_event: Callable[[TracerEvent], object] | None
+    ) -> FunctionTracer:
+        if not functions:
+            raise SessionError("no function to trace: the filters match nothing")
+        tracer = FunctionTracer(self, self.session.reserve_index(), functions, graph, on_event)
+        self.tracers[tracer.index] = tracer
+        return tracer
+
+    # --- starting and stopping -----------------------------------------------------------------------
+    def start(self, tracer: FunctionTracer) -> None:
+        tracer.started = True
+        tracer.patched = 0
+        tracer.not_patched.clear()
+        for proc in self.session.traced_processes():
+            with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
+                if tid is not None:
+                    self._start_in(proc, tracer)
+
+    def _start_in(
+        self, proc: TracedProcess, tracer: FunctionTracer, functions: list[TracedFunction] | None = None
+    ) -> None:
+        session = self.session
+        functions = tracer.functions if functions is None else functions
+        if not session.ensure_thread_areas(proc):
+            tracer.not_patched["GS_IN_USE"] += len(functions)
+            return
+        maps = read_maps(proc.pid)
+        if tracer.graph:
+            near = next((m.start for m in maps if m.executable and m.path == proc.exe), maps[0].start)
+            session.returns.setup(proc, near)
+        state = proc.tracing
+        rips = session.thread_rips(proc)
+        for func in functions:
+            site = state.sites.get(func.id)
+            if site is not None:
+                site.ops.append(tracer)
+                self._point(proc, site)
+                tracer.patched += 1
+                continue
+            reason = self._patch(proc, func, tracer, maps, rips)
+            if reason is None:
+                tracer.patched += 1
+            else:
+                tracer.not_patched[reason] += 1
+
+    def _patch(
+        self, proc: TracedProcess, func: TracedFunction, tracer: FunctionTracer, maps: list[Mapping], rips: list[int]
+    ) -> str | None:
+        """Patch `func` in `proc` for `tracer` alone; the reason if it cannot be."""
+        image = load_elf(func.path)
+        offset = image.vaddr_to_offset(func.vaddr)
+        addr = address_of_offset(maps, file_key(func.path), func.path, offset) if offset is not None else None
+        if addr is None:
+            return "NOT_MAPPED"
+        plan = can_optimize(
+            image.code(func.vaddr, func.size), func.vaddr, func.vaddr, frozenset(), image.branch_targets()
+        )
+        if isinstance(plan, OptimizeRefusal):
+            return plan.name
+        if any(addr <= a < addr + plan.length for a in proc.sites):
+            return "PROBED"  # a probe's int3 or jump is there
+        original = image.code(func.vaddr, plan.length)
+        if proc.tracee.read(addr, plan.length) != original:
+            return "BYTES_MISMATCH"
+        if any(addr < rip < addr + plan.length for rip in rips):
+            return "BUSY"  # a thread is inside the patched bytes now
+        plan = OptimizePlan(addr, tuple(iter_instructions(original, addr)))
+        at = self.session.allocate_slot(proc, addr, SITE_ROOM)
+        if at is None:
+            return OptimizeRefusal.NO_MEMORY.name
+        code = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at)
+        if isinstance(code, OptimizeRefusal) or len(code) > SITE_ROOM:
+            proc.slots.free(at, SITE_ROOM)
+            return code.name if isinstance(code, OptimizeRefusal) else "TOO_LARGE"
+        proc.slots.shrink(at, SITE_ROOM, len(code))
+        proc.tracee.write(at, code)
+        proc.tracee.write(addr, jump_to(addr, at))
+        proc.tracing.sites[func.id] = TracerSite(func, addr, at, len(code), original, [tracer])
+        return None
+
+    def modules_changed(self, proc: TracedProcess) -> None:
+        """Libraries were mapped: their functions that started tracers wait for get patched."""
+        waiting = [t for t in self.tracers.values() if t.started and t.not_patched.get("NOT_MAPPED")]
+        if not waiting or not proc.follow:
+            return
+        with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
+            if tid is None:
+                return
+            for tracer in waiting:
+                missing = [f for f in tracer.functions if f.id not in proc.tracing.sites]
+                tracer.not_patched["NOT_MAPPED"] = 0
+                self._start_in(proc, tracer, missing)
+                tracer.not_patched += Counter()  # drop zero counts
+
+    def stop(self, tracer: FunctionTracer) -> None:
+        tracer.started = False
+        for proc in self.session.traced_processes():
+            with self.session.world_stopped(proc), proc.tracee.batched():
+                for site in list(proc.tracing.sites.values()):
+                    if tracer in site.ops:
+                        site.ops.remove(tracer)
+                        self._point(proc, site)
+
+    def _point(self, proc: TracedProcess, site: TracerSite) -> None:
+        """The site calls its one ops directly, a list trampoline for several, or goes (none)."""
+        if not site.ops:
+            proc.tracee.write(site.addr, site.region)
+            proc.dirty.append(DirtyDetour(site.detour, site.size, ()))
+            del proc.tracing.sites[site.function.id]
+            return
+        if len(site.ops) == 1:
+            target = self._ops_entry(proc, site.ops[0], site.detour)
+        else:
+            target = self._list(proc, site.ops, site.detour)
+        proc.tracee.write(site.detour + SITE_CALL_AT, call_to(site.detour, target))
+
+    # --- generated code ------------------------------------------------------------------------------
+    def _ops_code(self, proc: TracedProcess, tracer: FunctionTracer, near: int) -> OpsCode:
+        for index, placed, _ in proc.tracing.code:
+            if index == tracer.index and abs(placed.entry - near) < REACH:
+                return placed
+        session = self.session
+        at = session.allocate_slot(proc, near, OPS_CODE_ROOM)
+        if at is None:
+            raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
+        trampoline = proc.returns.trampoline if tracer.graph and proc.returns is not None else None
+        code, where = build_ops_code(session.layout, tracer.index, trampoline, at)
+        assert len(code) <= OPS_CODE_ROOM
+        proc.slots.shrink(at, OPS_CODE_ROOM, len(code))
+        proc.tracee.write(at, code)
+        proc.tracing.code.append((tracer.index, where, len(code)))
+        return where
+
+    def _ops_entry(self, proc: TracedProcess, tracer: FunctionTracer, near: int) -> int:
+        return self._ops_code(proc, tracer, near).entry
+
+    def _list(self, proc: TracedProcess, tracers: list[FunctionTracer], near: int) -> int:
+        key = tuple(t.index for t in tracers)
+        for ops, addr, _ in proc.tracing.lists:
+            if ops == key and abs(addr - near) < REACH:
+                return addr
+        bodies = [self._ops_code(proc, t, near).body for t in tracers]
+        at = self.session.allocate_slot(proc, near, 64 + 8 * len(bodies))
+        if at is None:
+            raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
+        code = build_list_trampoline(bodies, at)
+        proc.tracee.write(at, code)
+        proc.tracing.lists.append((key, at, len(code)))
+        return at
+
+    # --- the process's life ----------------------------------------------------------------------------
+    def restore(self, proc: TracedProcess) -> None:
+        """Original bytes at every traced function (detach, a fork child let go)."""
+        for site in proc.tracing.sites.values():
+            try:
+                proc.tracee.write(site.addr, site.region)
+            except OSError:
+                continue
+        proc.tracing.sites.clear()
+
+    # --- events ---------------------------------------------------------------------------------------
+    def deliver(self, tracer: FunctionTracer, batch: RecordBatch) -> None:
+        if tracer.on_event is None:
+            return
+        raw = batch.raw
+        kinds = raw[:, 2:4].copy().view(np.uint16).ravel().tolist()
+        ids = raw[:, 4:8].copy().view(np.uint32).ravel().tolist()
+        for t, kind, fid in zip(batch.time_ns.tolist(), kinds, ids, strict=True):
+            if fid < len(self.functions):
+                tracer.on_event(TracerEvent(batch.pid, batch.tid, t, kind == TRACE_EXIT, self.functions[fid]))

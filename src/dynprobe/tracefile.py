@@ -1,0 +1,124 @@
+"""Trace directories (`dynprobe record`): what was traced, and the records, read back in a stream.
+
+    DIR/info.json    format name and version, command, pid, the clock (time-stamp counter ->
+                     CLOCK_MONOTONIC ns), the functions (index = id: name, file, address, size),
+                     the threads' names, counts (calls, missed, lost), "complete" once written out
+    DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
+                     records of `record_size` bytes), each record u16 ops, u16 kind (0 entry,
+                     1 exit), u32 function id, u64 time stamp
+
+Readers never load the events whole: `Trace.chunks()` yields one chunk at a time (numpy), and a
+truncated file yields what it holds and says where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dynprobe.errors import DynprobeError
+
+FORMAT = "dynprobe-trace"
+VERSION = 1
+INFO, EVENTS = "info.json", "events.raw"
+_CHUNK_HEADER = np.dtype([("who", "<u8"), ("count", "<u8")])
+
+
+class TraceError(DynprobeError):
+    """A trace directory that cannot be read."""
+
+
+def record_dtype(record_size: int) -> np.dtype[Any]:
+    fields: list[tuple[str, str]] = [("ops", "<u2"), ("kind", "<u2"), ("func", "<u4"), ("tsc", "<u8")]
+    if record_size > 16:
+        fields.append(("pad", f"V{record_size - 16}"))
+    return np.dtype(fields)
+
+
+def write_info(directory: str, info: dict[str, Any]) -> None:
+    """info.json, replaced whole (a reader never sees half of it)."""
+    path = os.path.join(directory, INFO)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"format": FORMAT, "version": VERSION, **info}, f)
+    os.replace(path + ".tmp", path)
+
+
+@dataclass
+class Chunk:
+    pid: int
+    tid: int
+    kind: np.ndarray  # u16: 0 entry, 1 exit
+    func: np.ndarray  # u32 function ids
+    time_ns: np.ndarray  # i64 CLOCK_MONOTONIC
+
+
+class Trace:
+    """A trace directory, checked: its info, and its events in chunks."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        path = os.path.join(directory, INFO)
+        if not os.path.isdir(directory):
+            raise TraceError(f"no trace directory {directory}")
+        try:
+            with open(path) as f:
+                info = json.load(f)
+        except FileNotFoundError:
+            raise TraceError(f"{directory} is not a trace: {INFO} is missing") from None
+        except (OSError, ValueError) as exc:
+            raise TraceError(f"{path} cannot be read: {exc}") from None
+        if not isinstance(info, dict) or info.get("format") != FORMAT:
+            raise TraceError(f"{path} is not a dynprobe trace")
+        version = info.get("version")
+        if not isinstance(version, int) or version > VERSION:
+            raise TraceError(
+                f"{directory} was written by a newer dynprobe (format {version}; this one reads {VERSION})"
+            )
+        self.info = info
+        self.functions: list[str] = [f[0] for f in info.get("functions", [])]
+        self.threads: dict[int, str] = {int(k): v for k, v in info.get("threads", {}).items()}
+        clock = info["clock"]
+        self._tsc0, self._ns0, self._scale = int(clock["tsc0"]), int(clock["ns0"]), float(clock["scale"])
+        self.record = record_dtype(int(info["record_size"]))
+        self.truncated_at: int | None = None  # the byte offset where a truncated file stops
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.info.get("complete"))
+
+    def name(self, func: int) -> str:
+        return self.functions[func] if 0 <= func < len(self.functions) else f"<function {func}>"
+
+    def chunks(self) -> Iterator[Chunk]:
+        path = os.path.join(self.directory, EVENTS)
+        try:
+            f = open(path, "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            offset = 0
+            while offset < size:
+                if size - offset < _CHUNK_HEADER.itemsize:
+                    self.truncated_at = offset
+                    return
+                header = np.fromfile(f, dtype=_CHUNK_HEADER, count=1)[0]
+                count = int(header["count"])
+                want = count * self.record.itemsize
+                available = (size - offset - _CHUNK_HEADER.itemsize) // self.record.itemsize
+                records = np.fromfile(f, dtype=self.record, count=min(count, available))
+                who = int(header["who"])
+                yield Chunk(who & 0xFFFF_FFFF, who >> 32, records["kind"], records["func"], self._ns(records["tsc"]))
+                if len(records) < count:
+                    self.truncated_at = offset
+                    return
+                offset += _CHUNK_HEADER.itemsize + want
+
+    def _ns(self, tsc: np.ndarray) -> np.ndarray:
+        delta = tsc.astype(np.int64) - np.int64(self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF)
+        return (delta * self._scale).astype(np.int64) + self._ns0

@@ -1,0 +1,192 @@
+"""The function tracer: golden call graphs (times masked) of small programs through `dynprobe
+record` and `replay`/`report`/`dump`, tracer instances with their own functions, attaching to a
+running program, and trace directories that are missing, cut short or from a newer dynprobe."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dynprobe
+from dynprobe.core.ftrace import TracerEvent
+from tests.conftest import BUILD, build_target
+
+from .helpers import run_plain
+
+
+@pytest.fixture(scope="module")
+def ret() -> str:
+    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
+
+
+@pytest.fixture(scope="module")
+def ret_cxx() -> str:
+    build_target("libret_lib.so", "ret_lib.cpp", flags=("-O1", "-fPIC", "-shared", "-lstdc++"))
+    return build_target(
+        "ret_cxx", "ret_cxx.cpp", flags=("-O1", "-lstdc++", f"-L{BUILD}", "-lret_lib", f"-Wl,-rpath,{BUILD}")
+    )
+
+
+def dp(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dynprobe.cli.main", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def masked(replay: str) -> list[str]:
+    """Replay lines with durations and thread ids masked."""
+    out = []
+    for line in replay.splitlines()[1:]:
+        m = re.match(r"^(.{10}) \[ *(\d+)\] \| (.*)$", line)
+        assert m is not None, line
+        out.append(("T" if m.group(1).strip() else " ") + " | " + m.group(3))
+    return out
+
+
+def record(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    trace = str(tmp_path / "trace")
+    r = dp("record", "-o", trace, *args)
+    assert r.returncode == 0, r.stderr
+    return r, trace
+
+
+def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
+    r, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    assert r.stdout == "6\n" and "dynprobe: tracing 2 functions" in r.stderr
+    replay = dp("replay", trace)
+    assert replay.returncode == 0, replay.stderr
+    assert masked(replay.stdout) == [
+        "  | main() {",
+        "  |   fact() {",
+        "  |     fact() {",
+        "T |       fact();",
+        "T |     } /* fact */",
+        "T |   } /* fact */",
+        "T | } /* main */",
+    ]
+    report = dp("report", "-s", "calls", trace).stdout.splitlines()
+    assert [(line.split()[-4], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
+
+
+def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
+    _, trace = record(tmp_path, "-F", "worker", "-F", "add", "--", ret, "threads", "3", "2")
+    lines = dp("replay", trace).stdout.splitlines()[1:]
+    by_thread: dict[str, list[str]] = {}
+    for line in lines:
+        by_thread.setdefault(re.findall(r"\[ *(\d+)\]", line)[0], []).append(line.split("| ", 1)[1])
+    assert list(by_thread.values()) == [["worker() {", "  add();", "  add();", "} /* worker */"]] * 3
+    info = json.loads((Path(trace) / "info.json").read_text())
+    assert info["complete"] and info["calls"] == 9 and info["lost"] == 0
+    assert {int(t) for t in info["threads"]} >= {int(t) for t in by_thread}
+
+
+def test_cxx_exceptions_and_a_library(ret_cxx: str, tmp_path: Path) -> None:
+    r, trace = record(tmp_path, "--lib", str(BUILD / "libret_lib.so"), "-F", "catcher", "-F", "rethrower", "-F",
+                      "middle", "-F", "thrower", "-F", "via_lib", "-F", "lib_*", "--", ret_cxx, "12")  # fmt: skip
+    assert r.stdout == run_plain([ret_cxx, "12"]).stdout
+    calls = {line.split()[-1]: int(line.split()[-4]) for line in dp("report", trace).stdout.splitlines()[2:]}
+    # a function returns when nothing it called threw past it: 12 calls, 4 throws (n % 3 == 0),
+    # 3 throws out of the library (n % 4 == 0)
+    assert calls == {"catcher": 12, "rethrower": 8, "middle": 8, "thrower": 8, "via_lib": 12,
+                     "lib_outer": 9, "lib_inner": 9}  # fmt: skip
+
+
+def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
+    _, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    chrome = dp("dump", "--chrome", trace, "-o", str(tmp_path / "t.json"))
+    assert chrome.returncode == 0, chrome.stderr
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    phases = [(e["ph"], e["name"]) for e in events if e["ph"] in "BE"]
+    assert phases == [("B", "main"), ("B", "fact"), ("B", "fact"), ("B", "fact"),
+                      ("E", "fact"), ("E", "fact"), ("E", "fact"), ("E", "main")]  # fmt: skip
+    stamps = [e["ts"] for e in events if e["ph"] in "BE"]
+    assert stamps == sorted(stamps)
+    flame = dp("dump", "--flame", trace).stdout.splitlines()
+    assert sorted(line.rsplit(" ", 1)[0] for line in flame) == [
+        "main",
+        "main;fact",
+        "main;fact;fact",
+        "main;fact;fact;fact",
+    ]
+
+
+def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> None:
+    """One traces add and fact, the other fact only: fact's site goes through a list trampoline;
+    stopping the first re-points fact to the second alone."""
+    mine: list[TracerEvent] = []
+    theirs: list[TracerEvent] = []
+    with open(os.devnull, "w") as null, dynprobe.spawn([ret, "fact", "3"], stdout=null.fileno()) as session:
+        a = session.function_tracer(["add", "fact"], on_event=mine.append)
+        b = session.function_tracer(["fact"], graph=False, on_event=theirs.append)
+        a.start()
+        b.start()
+        assert (a.patched, b.patched) == (2, 1)
+        assert session.run(timeout=30) == 0
+        session.drain()
+    assert [(e.function.name, e.exit) for e in mine] == [("fact", False)] * 3 + [("fact", True)] * 3
+    assert [(e.function.name, e.exit) for e in theirs] == [("fact", False)] * 3  # entries only
+    assert a.calls == 3 and b.calls == 3
+
+
+def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
+    with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            with dynprobe.attach(proc.pid) as session:
+                a = session.function_tracer(["nap"])
+                b = session.function_tracer(["nap"])
+                a.start()
+                b.start()
+                session.run(timeout=0.3)
+                a.stop()
+                a_calls, b_calls = a.calls, b.calls
+                session.run(timeout=0.3)
+                assert a.calls == a_calls and b.calls > b_calls >= 3
+            # detached with nap pending: the program goes on
+            before = int(proc.stdout.readline())
+            assert [int(proc.stdout.readline()) for _ in range(3)] == [before + 1, before + 2, before + 3]
+        finally:
+            proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("missing", "is not a trace: info.json is missing"),
+        ("newer", "was written by a newer dynprobe (format 99; this one reads 1)"),
+        ("nodir", "no trace directory"),
+    ],
+)
+def test_bad_trace_directory_one_line(ret: str, tmp_path: Path, damage: str, message: str) -> None:
+    _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "3")
+    info = Path(trace) / "info.json"
+    if damage == "missing":
+        info.unlink()
+    elif damage == "newer":
+        info.write_text(json.dumps({**json.loads(info.read_text()), "version": 99}))
+    else:
+        trace += "-nothing"
+    r = dp("replay", trace)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_truncated_trace_replays_what_it_has(ret: str, tmp_path: Path) -> None:
+    _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "3")
+    events = Path(trace) / "events.raw"
+    data = events.read_bytes()
+    events.write_bytes(data[: len(data) - 20])  # the last record and a half gone
+    r = dp("replay", trace)
+    assert r.returncode == 0 and "truncated: read up to byte" in r.stderr
+    assert masked(r.stdout)[:3] == ["  | fact() {", "  |   fact() {", "T |     fact();"]
+
+
+def test_filters_that_match_nothing_say_so(ret: str, tmp_path: Path) -> None:
+    r = dp("record", "-o", str(tmp_path / "t"), "-F", "no_such_function*", "--", ret, "fact", "3")
+    assert r.returncode == 1 and "no function to trace: the filters match nothing" in r.stderr
+    assert not os.path.exists(tmp_path / "t")
