@@ -41,16 +41,20 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy src
 
-# A Go toolchain lets the return-probe tests check that Go programs are refused (HAZARDS.md 1).
+# A Go toolchain lets the return-probe tests check that Go programs are refused (HAZARDS.md 1);
+# uftrace is the function tracer's reference (same call graphs, and the benchmark's comparison).
 toolchains:
 	@command -v go >/dev/null || (apt-get install -y -qq golang-go >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq golang-go >/dev/null 2>&1)) || \
 	  echo "note: no Go toolchain; the Go refusal test will be skipped"
+	@command -v uftrace >/dev/null || (apt-get install -y -qq uftrace >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq uftrace >/dev/null 2>&1)) || \
+	  echo "note: no uftrace; the comparison with it will be skipped"
 
 test: venv tracefs toolchains lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
-bench: venv tracefs
+bench: venv tracefs toolchains
 	$(PY) bench/run.py
 
 clean:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def masked(replay: str) -> list[str]:
     """Replay lines with durations and thread ids masked."""
     out = []
     for line in replay.splitlines()[1:]:
-        m = re.match(r"^(.{10}) \[ *(\d+)\] \| (.*)$", line)
+        m = re.match(r"^(.{11}) \[ *(\d+)\] \| (.*)$", line)
         assert m is not None, line
         out.append(("T" if m.group(1).strip() else " ") + " | " + m.group(3))
     return out
@@ -190,3 +191,55 @@ def test_filters_that_match_nothing_say_so(ret: str, tmp_path: Path) -> None:
     r = dp("record", "-o", str(tmp_path / "t"), "-F", "no_such_function*", "--", ret, "fact", "3")
     assert r.returncode == 1 and "no function to trace: the filters match nothing" in r.stderr
     assert not os.path.exists(tmp_path / "t")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie"),
+        ("-fpatchable-function-entry=5", "-fcf-protection=full"),
+    ],
+    ids=["mnop-mcount", "patchable-entry"],
+)
+def test_patchable_nop_entries(flags: tuple[str, ...], tmp_path: Path) -> None:
+    """Functions built with a NOP area for tracers are patched over it (after endbr64)."""
+    binary = build_target("ret_" + flags[-1].strip("-=").replace("=", "_"), "ret.c", flags=("-O1", "-pthread", *flags))
+    r, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", binary, "fact", "3")
+    assert r.stdout == "6\n" and "tracing 2 functions (2 at their patchable NOP entry)" in r.stderr
+    assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
+        "main() {", "  fact() {", "    fact() {", "      fact();", "    } /* fact */", "  } /* fact */", "} /* main */",
+    ]  # fmt: skip
+
+
+def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:
+    """uftrace (dynamic patching, `-P .`) and dynprobe on the same -mnop-mcount binary: the same
+    calls, thread by thread (uftrace merges threads by time and marks scheduling; compared as
+    entries and exits per thread)."""
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    theirs = tmp_path / "uftrace.data"
+    args = ["-F", "main", "-F", "worker", "-F", "add"]
+    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *args, binary,
+                    "threads", "2", "3"], check=True, capture_output=True)  # fmt: skip
+    uftrace_graph = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    _, trace = record(tmp_path, *args, "--", binary, "threads", "2", "3")
+    ours = dp("replay", trace).stdout
+
+    def calls(text: str) -> list[list[str]]:
+        threads: dict[str, list[str]] = {}
+        for line in text.splitlines()[1:]:
+            tid, call = re.findall(r"\[ *(\d+)\]", line)[0], line.split("| ", 1)[1].strip()
+            events = threads.setdefault(tid, [])
+            if call.endswith("();"):
+                events += ["> " + call[:-3], "<"]
+            elif call.endswith("{"):
+                events.append("> " + call[:-4])
+            elif call.startswith("}"):
+                events.append("<")
+        return sorted(threads.values())
+
+    assert calls(ours) == calls(uftrace_graph.stdout)
+    assert calls(ours) == sorted([["> main", "<"]] + [["> worker"] + ["> add", "<"] * 3 + ["<"]] * 2)

@@ -99,7 +99,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 reasons = ", ".join(f"{r} {n}" for r, n in tracer.not_patched.most_common())
                 left = sum(tracer.not_patched.values())
                 skipped = f"; not patched: {left} ({reasons})" if left else ""
-                print(f"dynprobe: tracing {tracer.patched} functions{skipped}", file=sys.stderr)
+                nops = f" ({tracer.nop_entries} at their patchable NOP entry)" if tracer.nop_entries else ""
+                print(f"dynprobe: tracing {tracer.patched} functions{nops}{skipped}", file=sys.stderr)
                 status = run_target(session)
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
                 session.close()

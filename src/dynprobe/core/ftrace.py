@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import iced_x86 as iced
 import numpy as np
 
 from dynprobe.arch.x86_64 import jump_to
@@ -44,6 +45,7 @@ from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_map
 if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
 
+ENDBR64 = bytes.fromhex("f30f1efa")
 OPS_CODE_ROOM = 2048
 SITE_ROOM = 96
 REACH = (1 << 31) - (1 << 24)  # a rel32 call from a site detour reaches code this close
@@ -109,6 +111,7 @@ class FunctionTracer:
         self.on_event = on_event
         self.started = False
         self.patched = 0
+        self.nop_entries = 0  # of them, patched over the NOPs compilers leave for tracers
         self.not_patched: Counter[str] = Counter()  # reason -> functions
 
     def start(self) -> None:
@@ -182,7 +185,7 @@ class Tracing:
     # --- starting and stopping -----------------------------------------------------------------------
     def start(self, tracer: FunctionTracer) -> None:
         tracer.started = True
-        tracer.patched = 0
+        tracer.patched = tracer.nop_entries = 0
         tracer.not_patched.clear()
         for proc in self.session.traced_processes():
             with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
@@ -225,14 +228,19 @@ class Tracing:
         addr = address_of_offset(maps, file_key(func.path), func.path, offset) if offset is not None else None
         if addr is None:
             return "NOT_MAPPED"
-        plan = can_optimize(
-            image.code(func.vaddr, func.size), func.vaddr, func.vaddr, frozenset(), image.branch_targets()
-        )
+        code = image.code(func.vaddr, func.size)
+        # After an endbr64 when there is one: a call through a pointer must still land on it (IBT).
+        skip = len(ENDBR64) if code.startswith(ENDBR64) else 0
+        plan = can_optimize(code, func.vaddr, func.vaddr + skip, frozenset(), image.branch_targets())
+        if isinstance(plan, OptimizeRefusal) and skip:
+            skip = 0
+            plan = can_optimize(code, func.vaddr, func.vaddr, frozenset(), image.branch_targets())
         if isinstance(plan, OptimizeRefusal):
             return plan.name
+        addr += skip
         if any(addr <= a < addr + plan.length for a in proc.sites):
             return "PROBED"  # a probe's int3 or jump is there
-        original = image.code(func.vaddr, plan.length)
+        original = image.code(func.vaddr + skip, plan.length)
         if proc.tracee.read(addr, plan.length) != original:
             return "BYTES_MISMATCH"
         if any(addr < rip < addr + plan.length for rip in rips):
@@ -241,14 +249,16 @@ class Tracing:
         at = self.session.allocate_slot(proc, addr, SITE_ROOM)
         if at is None:
             return OptimizeRefusal.NO_MEMORY.name
-        code = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at)
-        if isinstance(code, OptimizeRefusal) or len(code) > SITE_ROOM:
+        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at)
+        if isinstance(detour, OptimizeRefusal) or len(detour) > SITE_ROOM:
             proc.slots.free(at, SITE_ROOM)
-            return code.name if isinstance(code, OptimizeRefusal) else "TOO_LARGE"
-        proc.slots.shrink(at, SITE_ROOM, len(code))
-        proc.tracee.write(at, code)
+            return detour.name if isinstance(detour, OptimizeRefusal) else "TOO_LARGE"
+        proc.slots.shrink(at, SITE_ROOM, len(detour))
+        proc.tracee.write(at, detour)
         proc.tracee.write(addr, jump_to(addr, at))
-        proc.tracing.sites[func.id] = TracerSite(func, addr, at, len(code), original, [tracer])
+        proc.tracing.sites[func.id] = TracerSite(func, addr, at, len(detour), original, [tracer])
+        if all(insn.mnemonic == iced.Mnemonic.NOP for insn in plan.region):
+            tracer.nop_entries += 1  # -mnop-mcount, -fpatchable-function-entry: nothing to relocate
         return None
 
     def modules_changed(self, proc: TracedProcess) -> None:

@@ -16,11 +16,11 @@ EXIT = 1
 
 
 def duration(ns: int) -> str:
-    """uftrace's duration column: 123.456 us."""
-    for unit, scale in (("s", 10**9), ("ms", 10**6), ("us", 10**3)):
+    """uftrace's duration column: `   0.084 us`, `  46.382 us`, `   1.250 ms`, `   2.000  s`."""
+    for unit, scale in ((" s", 10**9), ("ms", 10**6)):
         if ns >= scale:
-            return f"{ns / scale:7.3f} {unit:>2}"
-    return f"{ns:7d} ns"
+            return f"{ns / scale:8.3f} {unit}"
+    return f"{ns / 1000:8.3f} us"
 
 
 def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
@@ -35,14 +35,14 @@ def replay(trace: Trace, out: TextIO) -> int:
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
     # DURATION     TID     FUNCTION
-                [ 1234] | main() {
-      1.234 us  [ 1234] |   leaf();
-      5.000 us  [ 1234] | } /* main */
+                [  1234] | main() {
+       1.234 us [  1234] |   leaf();
+       5.000 us [  1234] | } /* main */
     """
     out.write("# DURATION     TID     FUNCTION\n")
     stacks: dict[int, list[tuple[int, int]]] = {}  # tid -> open calls (function, entry time)
     pending: dict[int, tuple[int, int]] = {}  # tid -> an entry not printed yet (a leaf, if its exit is next)
-    blank = " " * 10
+    blank = " " * 11
     lines = 0
 
     def open_line(tid: int, func: int) -> None:
