@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,6 +190,54 @@ def attach_many(count: int, optimize: bool) -> dict[str, float]:
             "exec_bytes_per_probe": in_use / count}  # fmt: skip
 
 
+def function_tracing(calls: int) -> dict[str, Any]:
+    """The seed loop traced whole (main and test: entry and exit of every call) by `dynprobe
+    record` and by `uftrace record` (a -pg build, and dynamic patching `-P .` of a -mnop-mcount
+    build), each run timing itself; then `dynprobe report` of the trace (events per second)."""
+    source = HERE / "targets" / "seed.c"
+    plain = seed_binary()
+    results: dict[str, Any] = {"calls": calls, "untraced_us": run_seed([plain, str(calls)])}
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "dynprobe.data")
+        cmd = [sys.executable, "-m", "dynprobe.cli.main", "record", "-o", trace, "--ring-size", str(1 << 26), "--"]
+        done = subprocess.run([*cmd, plain, str(calls)], capture_output=True, text=True, check=True)
+        results["dynprobe_us"] = int(done.stdout)
+        results["dynprobe_lost"] = json.loads(Path(trace, "info.json").read_text())["lost"]
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "report", trace], capture_output=True, check=True)
+        results["report_events_per_s"] = 2 * calls / (time.perf_counter() - t0)
+        uftrace = shutil.which("uftrace")
+        if uftrace is None:
+            results["uftrace"] = "not installed"
+            return results
+        builds = {
+            "uftrace_pg_us": (compile_c(source, BUILD / "seed-pg", "-O0", "-pg"), []),
+            "uftrace_dynamic_us": (
+                compile_c(source, BUILD / "seed-nop", "-O0", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie"),
+                ["-P", "."],
+            ),
+        }
+        for key, (binary, extra) in builds.items():
+            data = os.path.join(tmp, key)
+            done = subprocess.run([uftrace, "record", "-d", data, *extra, binary, str(calls)], capture_output=True,
+                                  text=True, check=True)  # fmt: skip
+            results[key] = int(done.stdout.split()[-1])
+    return results
+
+
+def tracer_attach(count: int) -> dict[str, float]:
+    """`session.function_tracer` over every function of a generated program: attach time."""
+    binary = many_functions_binary(count)
+    with open(os.devnull, "w") as devnull, dynprobe.spawn([binary], stdout=devnull.fileno()) as session:
+        t0 = time.perf_counter()
+        tracer = session.function_tracer()
+        tracer.start()
+        elapsed = time.perf_counter() - t0
+        session.run()
+        calls = tracer.calls
+    return {"functions": count, "patched": tracer.patched, "attach_s": elapsed, "calls": calls}
+
+
 def count_cli(count: int) -> float:
     """Wall time of `dynprobe count -f SPECFILE -- PROGRAM` with one probe per function: start,
     attach, optimize, run, print the counts (the issue's 10,000-probe target)."""
@@ -315,6 +364,10 @@ def main() -> int:
     console.log(f"{n_many} optimized probes: attach {many['attach_s']:.2f} s, optimize {many['optimize_s']:.2f} s")
     cli_s = count_cli(n_many)
     console.log(f"dynprobe count -f ({n_many} probes), whole run: {cli_s:.2f} s")
+    tracing = function_tracing(int(2_000_000 * scale))
+    console.log(f"function tracing: {tracing}")
+    tracer_10k = tracer_attach(n_many)
+    console.log(f"function tracer attach: {tracer_10k}")
     drains = [
         drain_rate(int(10_000_000 * scale), 10_000_000, where="/dev/shm"),  # a file in memory (tmpfs)
         drain_rate(int(10_000_000 * scale), 10_000_000),  # a file on the disk-backed temp directory
@@ -349,6 +402,14 @@ def main() -> int:
               f"optimize {many['optimize_s']:.2f} s ({many['optimized']} optimized), run {many['run_s']:.2f} s; "
               f"{many['exec_bytes_per_probe']:.0f} executable bytes per probe (trap slot + detour)")  # fmt: skip
     out.print(f"`dynprobe count -f` with {many['probes']} probes, start to printed counts: {cli_s:.2f} s")
+    per_call = {
+        k: (v - tracing["untraced_us"]) * 1000 / tracing["calls"] for k, v in tracing.items() if k.endswith("_us")
+    }
+    out.print("function tracing, the seed loop traced whole, ns per traced call (entry + exit): "
+              + ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in per_call.items() if k != "untraced")
+              + f"; {tracing['dynprobe_lost']:,} lost; `dynprobe report`: {tracing['report_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
+    out.print(f"function tracer over {tracer_10k['functions']} functions: {tracer_10k['patched']} patched "
+              f"in {tracer_10k['attach_s']:.2f} s")  # fmt: skip
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
     for d in drains:
         pace = f"paced at {d['rate'] / 1e6:.0f} M/s" if d["rate"] else "as fast as the target can"
@@ -363,6 +424,8 @@ def main() -> int:
         "attach": attach,
         "attach_optimized": many,
         "count_cli_s": cli_s,
+        "function_tracing": tracing,
+        "tracer_attach": tracer_10k,
         "drain": drains,
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
     }

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
 
 ENDBR64 = bytes.fromhex("f30f1efa")
+# Entered by a jump or a signal return, not a call (and the program's entry point, found in the ELF)
+NOT_CALLED = frozenset({"_start", "__restore_rt", "_dl_start", "_dl_start_user", "__start_context"})
 OPS_CODE_ROOM = 2048
 SITE_ROOM = 96
 REACH = (1 << 31) - (1 << 24)  # a rel32 call from a site detour reaches code this close
@@ -158,6 +160,8 @@ class Tracing:
             for func in image.functions:
                 if not func.size or not image.is_executable(func.addr):
                     continue
+                if func.addr <= image.entry < func.end or func.name in NOT_CALLED:
+                    continue  # entered without a call: [rsp] is not a return address
                 if include and not any(fnmatch.fnmatchcase(func.name, g) for g in include):
                     continue
                 if any(fnmatch.fnmatchcase(func.name, g) for g in exclude):

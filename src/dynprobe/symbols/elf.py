@@ -78,6 +78,7 @@ class ElfImage:
                 None,
             )
             self.build_id = self._build_id(elf)
+            self.entry = int(elf["e_entry"])  # where the program starts: no caller, no return address
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.functions, self.objects = self._symbols(elf)
