@@ -17,10 +17,11 @@ EXIT = 1
 
 def duration(ns: int) -> str:
     """uftrace's duration column: `   0.084 us`, `  46.382 us`, `   1.250 ms`, `   2.000  s`."""
-    for unit, scale in ((" s", 10**9), ("ms", 10**6)):
-        if ns >= scale:
-            return f"{ns / scale:8.3f} {unit}"
-    return f"{ns / 1000:8.3f} us"
+    if ns < 1_000_000:
+        return f"{ns / 1000:8.3f} us"
+    if ns < 1_000_000_000:
+        return f"{ns / 1_000_000:8.3f} ms"
+    return f"{ns / 1_000_000_000:8.3f}  s"
 
 
 def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
@@ -34,46 +35,56 @@ def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
 def replay(trace: Trace, out: TextIO) -> int:
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
-    # DURATION     TID     FUNCTION
-                [  1234] | main() {
-       1.234 us [  1234] |   leaf();
-       5.000 us [  1234] | } /* main */
-    """
+        # DURATION     TID     FUNCTION
+                    [  1234] | main() {
+           1.234 us [  1234] |   leaf();
+           5.000 us [  1234] | } /* main */
+
+    Calls left without an exit (longjmp, an exception) close with the frame that returns."""
     out.write("# DURATION     TID     FUNCTION\n")
+    names = [f"{name}()" for name in trace.functions]
     stacks: dict[int, list[tuple[int, int]]] = {}  # tid -> open calls (function, entry time)
-    pending: dict[int, tuple[int, int]] = {}  # tid -> an entry not printed yet (a leaf, if its exit is next)
+    pending: dict[int, tuple[int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
     blank = " " * 11
-    lines = 0
+    count = 0
 
-    def open_line(tid: int, func: int) -> None:
-        out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{trace.name(func)}() {{\n")
+    def name(func: int) -> str:
+        return names[func] if func < len(names) else trace.name(func) + "()"
 
-    for tid, kind, func, t in _events(trace):
+    for chunk in trace.chunks():
+        tid = chunk.tid
         stack = stacks.setdefault(tid, [])
         waiting = pending.pop(tid, None)
-        if kind != EXIT:
+        head = f" [{tid:>6}] | "
+        lines: list[str] = []
+        for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
+            if kind != EXIT:
+                if waiting is not None:
+                    lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
+                    stack.append(waiting)
+                waiting = (func, t)
+                continue
             if waiting is not None:
-                open_line(tid, waiting[0])
+                if waiting[0] == func:
+                    lines.append(f"{duration(t - waiting[1])}{head}{'  ' * len(stack)}{name(func)};")
+                    waiting = None
+                    continue
+                lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
                 stack.append(waiting)
-            pending[tid] = (func, t)
-            continue
-        if waiting is not None and waiting[0] == func:
-            out.write(f"{duration(t - waiting[1])} [{tid:>6}] | {'  ' * len(stack)}{trace.name(func)}();\n")
-            lines += 1
-            continue
+                waiting = None
+            while stack and stack[-1][0] != func:
+                stack.pop()
+            if stack:
+                entry = stack.pop()
+                lines.append(f"{duration(t - entry[1])}{head}{'  ' * len(stack)}}} /* {trace.name(func)} */")
         if waiting is not None:
-            open_line(tid, waiting[0])
-            stack.append(waiting)
-        # Calls left without an exit (longjmp, an exception) close with the frame that returns.
-        while stack and stack[-1][0] != func:
-            stack.pop()
-        if stack:
-            entry = stack.pop()
-            out.write(f"{duration(t - entry[1])} [{tid:>6}] | {'  ' * len(stack)}}} /* {trace.name(func)} */\n")
-            lines += 1
+            pending[tid] = waiting
+        if lines:
+            out.write("\n".join(lines) + "\n")
+            count += len(lines)
     for tid, waiting in pending.items():
-        out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{trace.name(waiting[0])}() {{\n")
-    return lines
+        out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{name(waiting[0])} {{\n")
+    return count
 
 
 @dataclass
@@ -81,13 +92,6 @@ class FunctionTime:
     calls: int = 0
     total: int = 0  # ns, callees included
     self_time: int = 0  # ns, callees excluded
-
-
-@dataclass
-class _Frame:
-    func: int
-    entry: int
-    children: int = 0
 
 
 @dataclass
@@ -100,35 +104,45 @@ class Profile:
 
 
 def profile(trace: Trace, folded: bool = False) -> Profile:
-    result = Profile()
-    stacks: dict[int, list[_Frame]] = {}
-    times = result.functions
-    for tid, kind, func, t in _events(trace):
-        result.events += 1
-        stack = stacks.get(tid)
-        if stack is None:
-            stack = stacks[tid] = []
-        if kind != EXIT:
-            stack.append(_Frame(func, t))
-            continue
-        while stack and stack[-1].func != func:
-            stack.pop()  # left by longjmp or an exception
-        if not stack:
-            continue  # it was entered before the trace began
-        path = tuple(f.func for f in stack) if folded else ()
-        frame = stack.pop()
-        spent = t - frame.entry
-        own = spent - frame.children
-        entry = times.get(func)
-        if entry is None:
-            entry = times[func] = FunctionTime()
-        entry.calls += 1
-        entry.total += spent
-        entry.self_time += own
-        if stack:
-            stack[-1].children += spent
-        if folded:
-            result.folded[path] = result.folded.get(path, 0) + own
+    """One pass; per thread only its open calls (functions, entry times, time in callees).
+    Written for speed: plain lists indexed by function id, no object per call."""
+    n = max(len(trace.functions), 1)
+    calls, totals, selfs = [0] * n, [0] * n, [0] * n
+    stacks: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    paths: dict[tuple[int, ...], int] = {}
+    events = 0
+    for chunk in trace.chunks():
+        funcs_open, entries, children = stacks.setdefault(chunk.tid, ([], [], []))
+        kinds = chunk.kind.tolist()
+        events += len(kinds)
+        for kind, func, t in zip(kinds, chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
+            if kind != EXIT:
+                funcs_open.append(func)
+                entries.append(t)
+                children.append(0)
+                continue
+            while funcs_open and funcs_open[-1] != func:  # left by longjmp or an exception
+                funcs_open.pop()
+                entries.pop()
+                children.pop()
+            if not funcs_open or func >= n:
+                continue  # entered before the trace began
+            if folded:
+                path = tuple(funcs_open)
+            funcs_open.pop()
+            spent = t - entries.pop()
+            own = spent - children.pop()
+            calls[func] += 1
+            totals[func] += spent
+            selfs[func] += own
+            if children:
+                children[-1] += spent
+            if folded:
+                paths[path] = paths.get(path, 0) + own
+    result = Profile(folded=paths, events=events)
+    for func in range(n):
+        if calls[func]:
+            result.functions[func] = FunctionTime(calls[func], totals[func], selfs[func])
     return result
 
 
