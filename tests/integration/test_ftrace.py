@@ -243,3 +243,47 @@ def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:
 
     assert calls(ours) == calls(uftrace_graph.stdout)
     assert calls(ours) == sorted([["> main", "<"]] + [["> worker"] + ["> add", "<"] * 3 + ["<"]] * 2)
+
+
+def calls_of(trace: str) -> dict[str, int]:
+    return {line.split()[-1]: int(line.split()[-4]) for line in dp("report", trace).stdout.splitlines()[2:]}
+
+
+def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) -> None:
+    """Frames left by longjmp close with their caller; a signal handler's calls nest where the
+    signal came; a call through a pointer and a library function are traced like any call."""
+    _, trace = record(tmp_path, "-F", "main", "-F", "dive", "-F", "fact", "--", ret, "longjmp", "3", "2")
+    assert calls_of(trace) == {"main": 1, "fact": 5}  # dive never returns
+    assert "  } /* main */" not in dp("replay", trace).stdout  # one main, closed at the end
+
+    # A signal that lands in the tracer's own code (most of a traced add's time): the handler's
+    # events wait for nothing, they are missed and counted (the ring takes one writer at a time).
+    r, trace = record(tmp_path, "-F", "add", "-F", "on_alarm", "--", ret, "signal", "300000", "500")
+    handler_calls = int(r.stdout.split()[1])
+    calls = calls_of(trace)
+    missed = json.loads((Path(trace) / "info.json").read_text())["missed"]
+    assert handler_calls > 0 and 0 < calls["on_alarm"] <= handler_calls
+    assert calls["add"] + missed >= 300000 + handler_calls and missed >= handler_calls - calls["on_alarm"]
+    replay = dp("replay", trace).stdout
+    assert "on_alarm() {" in replay and re.search(r"\| +  add\(\);", replay)  # add inside the handler
+
+    r, trace = record(tmp_path, "-F", "add", "--", ret, "pointer", "5")
+    assert r.stdout == "15\n" and calls_of(trace) == {"add": 5}
+
+    r, trace = record(tmp_path, "--lib", "libc", "-F", "main", "-F", "printf", "--", ret, "loop", "3")
+    assert r.stdout == "6\n"
+    assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
+        "main() {",
+        "  printf();",
+        "} /* main */",
+    ]
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["child-let-go", "child-followed"])
+def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool) -> None:
+    args = ["--follow-fork"] if follow else []
+    """The parent's calls; a followed child's own calls too (the frames it inherited return in the
+    child, and their entries were the parent's: those returns are not shown)."""
+    r, trace = record(tmp_path, *args, "-F", "forking", "-F", "fork_outer", "-F", "add", "--", ret, "fork")
+    assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]
+    assert calls_of(trace) == {"forking": 1, "fork_outer": 1, **({"add": 1} if follow else {})}

@@ -10,6 +10,7 @@
  *   backtrace       a probed call chain calls backtrace(); prints the frames' function names
  *   fork            a probed function forks; parent and child both return through it
  *   sleep           prints "ready", then naps in a probed function forever, a line per return
+ *   pointer N       N calls of add through a function pointer
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -240,12 +241,18 @@ int main(int argc, char **argv) {
     } else if (!strcmp(mode, "fork")) {
         int r = fork_outer(1);
         if (r == 20) {  /* the child */
-            printf("child %d\n", r);
+            printf("child %ld\n", r + add(0, 0));
             fflush(stdout);
             _exit(0);
         }
         wait(NULL);
         printf("parent %d\n", r);
+    } else if (!strcmp(mode, "pointer")) {
+        long (*volatile through)(long, long) = add;
+        long s = 0;
+        for (long i = 0; i < n; i++)
+            s += through(i, 1);
+        printf("%ld\n", s);
     } else if (!strcmp(mode, "sleep")) {
         printf("ready\n");
         for (long i = 0;; i++)

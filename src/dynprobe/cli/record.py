@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -27,13 +28,24 @@ then: dynprobe replay | report | dump --chrome (Perfetto UI) | dump --flame (fla
 """
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "record", help="trace every function's entry and exit into a trace directory",
-        description="The function tracer: entries and exits of the functions of the program (and the "
-        "named libraries), recorded in the target and written to a trace directory.",
-        epilog=RECORD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+def _time(text: str) -> int:
+    """'10us', '1.5ms', '2s', '500' (ns) -> nanoseconds."""
+    for unit, scale in (("ns", 1), ("us", 10**3), ("ms", 10**6), ("s", 10**9)):
+        if text.endswith(unit):
+            text, factor = text[: -len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        value = float(text) * factor
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r} (e.g. 500ns, 10us, 1.5ms)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("a time is not negative")
+    return int(value)
+
+
+def _add_record_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-F", "--filter", action="append", default=[], metavar="GLOB", help="trace only functions matching GLOB"
     )
@@ -50,9 +62,26 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "-o", "--output", default=DEFAULT_DIR, metavar="DIR", help=f"the trace directory (default {DEFAULT_DIR})"
     )
-    p.add_argument("--ring-size", type=int, default=1 << 24, metavar="BYTES", help="per-thread ring (default 16 MiB)")
+    p.add_argument("--ring-size", type=int, default=1 << 25, metavar="BYTES", help="per-thread ring (default 32 MiB)")
+    p.add_argument("--depth", type=int, metavar="N", help="record calls nested at most N traced calls deep")
+    p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
+                   help="leave out calls shorter than TIME (10us, 1ms) when the trace is read")  # fmt: skip
     add_target_options(p)
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "record", help="trace every function's entry and exit into a trace directory",
+        description="The function tracer: entries and exits of the functions of the program (and the "
+        "named libraries), recorded in the target and written to a trace directory.",
+        epilog=RECORD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    _add_record_options(p)
     p.set_defaults(run=run_record)
+    live = sub.add_parser("live", help="record and replay in one go",
+                          description="Record (as `record`) into a temporary directory, then replay it.")  # fmt: skip
+    _add_record_options(live)
+    live.set_defaults(run=run_live)
     for name, help_text in (("replay", "print the call graph of a trace"), ("report", "time per function of a trace")):
         q = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
@@ -84,11 +113,12 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
-            tracer = session.function_tracer(args.filter, args.notrace, args.lib, graph=True)
+            tracer = session.function_tracer(args.filter, args.notrace, args.lib, graph=True, depth=args.depth)
             _prepare_directory(out)
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
+                "threshold_ns": args.threshold, "depth": args.depth,
                 "functions": [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in session.tracing.functions],
                 "clock": session.clock(),
             }  # fmt: skip
@@ -129,12 +159,28 @@ def _trace(args: argparse.Namespace) -> Iterator[Trace]:
         )
 
 
+def run_live(args: argparse.Namespace, command: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="dynprobe-live-") as tmp:
+        args.output = os.path.join(tmp, "trace")
+        status = run_record(args, command)
+        if os.path.exists(os.path.join(args.output, INFO)):
+            replayed = _read(argparse.Namespace(directory=args.output), [], _replay)
+            return status or replayed
+        return status
+
+
+def _replay(trace: Trace, out: TextIO) -> None:
+    callgraph.replay(trace, out, int(trace.info.get("threshold_ns") or 0))
+
+
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda trace, out: callgraph.replay(trace, out))
+    return _read(args, command, _replay)
 
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda trace, out: callgraph.report(trace, out, args.sort))
+    return _read(
+        args, command, lambda t, out: callgraph.report(t, out, args.sort, int(t.info.get("threshold_ns") or 0))
+    )
 
 
 def run_dump(args: argparse.Namespace, command: list[str]) -> int:

@@ -37,6 +37,7 @@ from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.core.optimizer import DirtyDetour
 from dynprobe.errors import OptimizeRefusal, SessionError
+from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
@@ -104,12 +105,13 @@ class FunctionTracer:
 
     def __init__(
         self, tracing: Tracing, index: int, functions: list[TracedFunction], graph: bool,
-        on_event: Callable[[TracerEvent], object] | None,
+        on_event: Callable[[TracerEvent], object] | None, depth: int | None = None,
     ) -> None:  # fmt: skip
         self.tracing = tracing
         self.index = index
         self.functions = functions
         self.graph = graph
+        self.depth = depth  # graph mode: calls nested deeper than this are not recorded
         self.on_event = on_event
         self.started = False
         self.patched = 0
@@ -178,11 +180,14 @@ class Tracing:
         return func
 
     def new_tracer(
-        self, functions: list[TracedFunction], graph: bool, on_event: Callable[[TracerEvent], object] | None
-    ) -> FunctionTracer:
+        self, functions: list[TracedFunction], graph: bool, on_event: Callable[[TracerEvent], object] | None,
+        depth: int | None = None,
+    ) -> FunctionTracer:  # fmt: skip
         if not functions:
             raise SessionError("no function to trace: the filters match nothing")
-        tracer = FunctionTracer(self, self.session.reserve_index(), functions, graph, on_event)
+        if depth is not None and (not graph or not 1 <= depth <= L.SHADOW_CAPACITY):
+            raise SessionError(f"a depth limit is from 1 to {L.SHADOW_CAPACITY}, in graph mode")
+        tracer = FunctionTracer(self, self.session.reserve_index(), functions, graph, on_event, depth)
         self.tracers[tracer.index] = tracer
         return tracer
 
@@ -311,7 +316,7 @@ class Tracing:
         if at is None:
             raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
         trampoline = proc.returns.trampoline if tracer.graph and proc.returns is not None else None
-        code, where = build_ops_code(session.layout, tracer.index, trampoline, at)
+        code, where = build_ops_code(session.layout, tracer.index, trampoline, at, tracer.depth)
         assert len(code) <= OPS_CODE_ROOM
         proc.slots.shrink(at, OPS_CODE_ROOM, len(code))
         proc.tracee.write(at, code)

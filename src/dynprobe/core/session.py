@@ -400,11 +400,13 @@ class Session:
         libraries: Iterable[str] = (),
         graph: bool = True,
         on_event: Callable[[TracerEvent], object] | None = None,
+        depth: int | None = None,
     ) -> FunctionTracer:
         """A function tracer over the functions of the main executable (and of `libraries`, by
         name or path, as mapped) whose names match a glob of `functions` (all if none) and none
         of `exclude`. Graph mode records entries and exits (the return-probe mechanism), else
-        entries only. Call `start()` on it; events go to `on_event` or, spooled raw, to
+        entries only; `depth` (graph mode) leaves out calls nested deeper than that many traced
+        calls. Call `start()` on it; events go to `on_event` or, spooled raw, to
         `write_raw` (`dynprobe record`)."""
         self._check_open()
         main = self._processes.get(self.main_pid)
@@ -412,7 +414,7 @@ class Session:
             raise SessionError("the target has exited; nothing can be traced")
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps) for name in libraries]
-        return self.tracing.new_tracer(self.tracing.select(paths, functions, exclude), graph, on_event)
+        return self.tracing.new_tracer(self.tracing.select(paths, functions, exclude), graph, on_event, depth)
 
     def reserve_index(self) -> int:
         """A counters-and-records index for something that is not a probe (a function tracer)."""

@@ -32,7 +32,7 @@ def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
             yield tid, kind, func, t
 
 
-def replay(trace: Trace, out: TextIO) -> int:
+def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
         # DURATION     TID     FUNCTION
@@ -40,7 +40,8 @@ def replay(trace: Trace, out: TextIO) -> int:
            1.234 us [  1234] |   leaf();
            5.000 us [  1234] | } /* main */
 
-    Calls left without an exit (longjmp, an exception) close with the frame that returns."""
+    Calls left without an exit (longjmp, an exception) close with the frame that returns; calls
+    with no callee shorter than `threshold_ns` are left out."""
     out.write("# DURATION     TID     FUNCTION\n")
     names = [f"{name}()" for name in trace.functions]
     stacks: dict[int, list[tuple[int, int]]] = {}  # tid -> open calls (function, entry time)
@@ -66,7 +67,8 @@ def replay(trace: Trace, out: TextIO) -> int:
                 continue
             if waiting is not None:
                 if waiting[0] == func:
-                    lines.append(f"{duration(t - waiting[1])}{head}{'  ' * len(stack)}{name(func)};")
+                    if t - waiting[1] >= threshold_ns:
+                        lines.append(f"{duration(t - waiting[1])}{head}{'  ' * len(stack)}{name(func)};")
                     waiting = None
                     continue
                 lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
@@ -103,8 +105,9 @@ class Profile:
     events: int = 0
 
 
-def profile(trace: Trace, folded: bool = False) -> Profile:
+def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profile:
     """One pass; per thread only its open calls (functions, entry times, time in callees).
+    Calls shorter than `threshold_ns` are not counted (their time still is their caller's).
     Written for speed: plain lists indexed by function id, no object per call."""
     n = max(len(trace.functions), 1)
     calls, totals, selfs = [0] * n, [0] * n, [0] * n
@@ -132,11 +135,13 @@ def profile(trace: Trace, folded: bool = False) -> Profile:
             funcs_open.pop()
             spent = t - entries.pop()
             own = spent - children.pop()
+            if children:
+                children[-1] += spent
+            if spent < threshold_ns:
+                continue
             calls[func] += 1
             totals[func] += spent
             selfs[func] += own
-            if children:
-                children[-1] += spent
             if folded:
                 paths[path] = paths.get(path, 0) + own
     result = Profile(folded=paths, events=events)
@@ -154,8 +159,8 @@ SORT_KEYS = {
 }
 
 
-def report(trace: Trace, out: TextIO, sort: str = "total") -> None:
-    prof = profile(trace)
+def report(trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0) -> None:
+    prof = profile(trace, threshold_ns=threshold_ns)
     rows = sorted(
         prof.functions.items(), key=lambda kv: trace.name(kv[0]) if sort == "name" else SORT_KEYS[sort](kv[1])
     )

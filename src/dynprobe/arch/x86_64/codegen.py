@@ -833,17 +833,24 @@ def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None
 
 
 def build_ops_code(
-    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, maxactive: int = L.SHADOW_CAPACITY
+    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, depth: int | None = None
 ) -> tuple[bytes, OpsCode]:
     """One tracer instance's code at `at`: its entry, its body (an entry record; with a
     `trampoline`, graph mode: a shadow entry whose return code, `exit`, writes the exit
-    record) and that exit. Bodies keep rsi, rdi and r11 (a list trampoline calls several)."""
+    record) and that exit. In graph mode with a `depth`, calls nested deeper than `depth`
+    traced calls (its pending shadow entries on the thread) are not recorded. Bodies keep rsi,
+    rdi and r11 (a list trampoline calls several)."""
+    maxactive = L.SHADOW_CAPACITY if depth is None else depth
 
     def assemble(exit_at: int) -> tuple[bytes, dict[int, int]]:
         asm = _Asm()
-        body, exit_ = asm.label(), asm.label()
+        body, exit_, deep = asm.label(), asm.label(), asm.label()
         _save_and_call(asm, [None], body)
         asm.bind(body)
+        if trampoline is not None and depth is not None:
+            pending = _gs(layout.counter(ops_index, L.PENDING))
+            asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, pending, depth))
+            asm.jump(C.JAE_REL32_64, deep)
         asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS))))
         _trace_record(asm, layout, ops_index, TRACE_ENTRY)
         if trampoline is not None:
@@ -859,6 +866,7 @@ def build_ops_code(
             shadow_push(asm, layout, trampoline.table, ops_index, maxactive, exit_at, fill)
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDI))
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
+        asm.bind(deep)
         asm.add(iced.Instruction.create(C.RETNQ))
         asm.bind(exit_)
         if trampoline is not None:
