@@ -405,9 +405,10 @@ def main() -> int:
     per_call = {
         k: (v - tracing["untraced_us"]) * 1000 / tracing["calls"] for k, v in tracing.items() if k.endswith("_us")
     }
-    out.print("function tracing, the seed loop traced whole, ns per traced call (entry + exit): "
-              + ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in per_call.items() if k != "untraced")
-              + f"; {tracing['dynprobe_lost']:,} lost; `dynprobe report`: {tracing['report_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
+    costs = ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in per_call.items() if k != "untraced_us")
+    out.print(f"function tracing, the seed loop traced whole, ns per traced call (entry + exit): {costs}; "
+              f"{tracing['dynprobe_lost']:,} lost; `dynprobe report` reads "
+              f"{tracing['report_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
     out.print(f"function tracer over {tracer_10k['functions']} functions: {tracer_10k['patched']} patched "
               f"in {tracer_10k['attach_s']:.2f} s")  # fmt: skip
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
