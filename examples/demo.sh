@@ -17,3 +17,8 @@ step $DP hist 'p:demo/len add_word len=%si:s32' --value len -- $APP
 step $DP trace 'r:demo/hash hash s=+0($arg1):string ret=$retval:u32 ns=$latency:u64' -- $APP "to be or not"
 step $DP latency hash add_word --stats -- $APP "to be or not to be that is the question"
 step $DP trace --trap --stats 'p:demo/hash hash' -- $APP "trap mode, for comparison"
+TRACE=$(mktemp -d)/wordcount.data
+step $DP record -o "$TRACE" -- $APP "to be or not to be"
+step $DP replay "$TRACE"
+step $DP report -s calls "$TRACE"
+rm -rf "$(dirname "$TRACE")"
