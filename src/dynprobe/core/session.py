@@ -1185,6 +1185,14 @@ class Session:
         site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
         if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
             raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
+        if proc.slots.stub() is None:
+            # dynprobe's first code region, made now, as the probe is placed, rather than when
+            # the optimizer or a first hit needs it while the program runs: with threads being
+            # created all the time, a region made then has been seen to kill the target (found
+            # by test_attach_while_threads_are_created; not understood yet).
+            slot = self.allocate_slot(proc, addr)
+            if slot is not None:
+                proc.slots.free(slot)
         return site
 
     def _give_slot(self, proc: TracedProcess, site: Site) -> bool:
@@ -1224,12 +1232,27 @@ class Session:
         if proc.slots.stub() is not None and stopped is not None:
             proc._map_tid = stopped  # our own page holds the syscall stub: nothing else is touched
             return proc.slots.allocate(near, size)
-        # The first region borrows target code for the stub: no other thread may run meanwhile.
+        # The first region borrows target code for the stub, with every thread stopped. Not the
+        # site's: a thread being born meanwhile (not stopped yet) could run it; the program's
+        # entry point runs once, at its start.
         with self.world_stopped(proc) as tid:
             if tid is None:
                 return None
-            proc._map_tid, proc._scratch = tid, near
+            proc._map_tid, proc._scratch = tid, self._entry_point(proc) or near
             return proc.slots.allocate(near, size)
+
+    def _entry_point(self, proc: TracedProcess) -> int | None:
+        """Where the main executable's entry point is mapped in `proc`."""
+        try:
+            image = load_elf(proc.exe)
+        except SymbolError:
+            return None
+        offset = image.vaddr_to_offset(image.entry)
+        if offset is None:
+            return None
+        return address_of_offset(
+            self._maps_now.get(proc.pid) or read_maps(proc.pid), file_key(proc.exe), proc.exe, offset
+        )
 
     def _set_armed(self, proc: TracedProcess, site: Site, armed: bool) -> None:
         """Make the site a probe (`armed`) or not. An armed site is a trap, queued for the
