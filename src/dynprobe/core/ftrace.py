@@ -14,6 +14,7 @@ time stamp; `session.write_raw` spools them to disk (`dynprobe record`), or `on_
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -89,6 +90,11 @@ class ProcessTracing:
     sites: dict[int, TracerSite] = field(default_factory=dict)  # function id -> site
     code: list[tuple[int, OpsCode, int]] = field(default_factory=list)  # (ops index, code, size)
     lists: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)  # (ops, address, size)
+
+    def copy(self) -> ProcessTracing:
+        """A fork child's: the same sites and code at the same addresses, its own bookkeeping."""
+        sites = {k: dataclasses.replace(s, ops=list(s.ops)) for k, s in self.sites.items()}
+        return ProcessTracing(sites, list(self.code), list(self.lists))
 
     def owns(self, rip: int) -> bool:
         """A thread at `rip` runs tracer code (it must leave it before the thread area goes)."""

@@ -738,9 +738,7 @@ class Session:
         child.slots.inherit(parent.slots)
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
-        child.tracing = ProcessTracing(
-            dict(parent.tracing.sites), list(parent.tracing.code), list(parent.tracing.lists)
-        )
+        child.tracing = parent.tracing.copy()
         if vfork:
             child.areas = parent.areas  # one address space: its thread takes an area of the parent's pools
             child.returns = parent.returns
