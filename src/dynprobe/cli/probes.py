@@ -85,7 +85,7 @@ def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpe
         if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
             return [place(spec) for spec in request.specs]
         probes = []
-        with _progress() as progress:
+        with progress_bar() as progress:
             task = progress.add_task("placing probes", total=len(request.specs))
             for spec in request.specs:
                 probes.append(place(spec))
@@ -94,7 +94,7 @@ def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpe
 
 
 @contextmanager
-def _progress() -> Iterator[Progress]:
+def progress_bar() -> Iterator[Progress]:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, transient=True) as progress:
         yield progress

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from dynprobe.cli.common import UsageError, add_target_options, open_session, report_error, run_target
+from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError
 from dynprobe.output import callgraph
@@ -125,7 +126,12 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             with open(os.path.join(out, EVENTS), "wb") as events:
                 session.write_raw(events, decode=False)
                 write_info(out, info)
-                tracer.start()
+                if len(tracer.functions) < PROGRESS_FROM or not sys.stderr.isatty():
+                    tracer.start()
+                else:
+                    with progress_bar() as bar:
+                        task = bar.add_task("patching functions", total=len(tracer.functions))
+                        tracer.start(lambda n: bar.advance(task, n))
                 reasons = ", ".join(f"{r} {n}" for r, n in tracer.not_patched.most_common())
                 left = sum(tracer.not_patched.values())
                 skipped = f"; not patched: {left} ({reasons})" if left else ""

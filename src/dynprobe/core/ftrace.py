@@ -124,9 +124,10 @@ class FunctionTracer:
         self.nop_entries = 0  # of them, patched over the NOPs compilers leave for tracers
         self.not_patched: Counter[str] = Counter()  # reason -> functions
 
-    def start(self) -> None:
+    def start(self, progress: Callable[[int], object] | None = None) -> None:
+        """Patch its functions in every traced process; `progress(n)` is told as n more are done."""
         if not self.started:
-            self.tracing.start(self)
+            self.tracing.start(self, progress)
 
     def stop(self) -> None:
         if self.started:
@@ -198,18 +199,19 @@ class Tracing:
         return tracer
 
     # --- starting and stopping -----------------------------------------------------------------------
-    def start(self, tracer: FunctionTracer) -> None:
+    def start(self, tracer: FunctionTracer, progress: Callable[[int], object] | None = None) -> None:
         tracer.started = True
         tracer.patched = tracer.nop_entries = 0
         tracer.not_patched.clear()
         for proc in self.session.traced_processes():
             with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
                 if tid is not None:
-                    self._start_in(proc, tracer)
+                    self._start_in(proc, tracer, progress=progress)
 
     def _start_in(
-        self, proc: TracedProcess, tracer: FunctionTracer, functions: list[TracedFunction] | None = None
-    ) -> None:
+        self, proc: TracedProcess, tracer: FunctionTracer, functions: list[TracedFunction] | None = None,
+        progress: Callable[[int], object] | None = None,
+    ) -> None:  # fmt: skip
         session = self.session
         functions = tracer.functions if functions is None else functions
         if not session.ensure_thread_areas(proc):
@@ -221,7 +223,9 @@ class Tracing:
             session.returns.setup(proc, near)
         state = proc.tracing
         rips = session.thread_rips(proc)
-        for func in functions:
+        for done, func in enumerate(functions, 1):
+            if progress is not None and done % 100 == 0:
+                progress(100)
             site = state.sites.get(func.id)
             if site is not None:
                 site.ops.append(tracer)
