@@ -48,6 +48,21 @@ def spinner() -> str:
     return build_target("spinner", flags=("-O1", "-pthread"))
 
 
+@pytest.fixture(scope="session")
+def ret() -> str:
+    """Return-probe and function-tracer scenarios (tests/targets/ret.c), one per mode."""
+    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
+
+
+@pytest.fixture(scope="session")
+def ret_cxx() -> str:
+    """C++ exceptions through probed frames, one of them in a shared library."""
+    build_target("libret_lib.so", "ret_lib.cpp", flags=("-O1", "-fPIC", "-shared", "-lstdc++"))
+    return build_target(
+        "ret_cxx", "ret_cxx.cpp", flags=("-O1", "-lstdc++", f"-L{BUILD}", "-lret_lib", f"-Wl,-rpath,{BUILD}")
+    )
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_children() -> object:
     """Every test must leave no traced or stopped process behind."""

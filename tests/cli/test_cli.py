@@ -18,11 +18,6 @@ from tests.integration.helpers import held_by_other_tracer
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 
 
-@pytest.fixture(scope="module")
-def ret_target() -> str:
-    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
-
-
 def dp(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*DYNPROBE, *args], capture_output=True, text=True, timeout=timeout)
 
@@ -99,10 +94,8 @@ def test_malformed_spec_prints_a_caret(wordcount: str) -> None:
     assert r.stdout == ""  # the command never ran
 
 
-def test_return_probe_events_print_caller_and_function(ret_target: str) -> None:
-    r = dp(
-        "trace", "r:app/add add a=$arg1:s64 ret=$retval:s64 ns=$latency:u64", "r fact", "--", ret_target, "loop", "3"
-    )
+def test_return_probe_events_print_caller_and_function(ret: str) -> None:
+    r = dp("trace", "r:app/add add a=$arg1:s64 ret=$retval:s64 ns=$latency:u64", "r fact", "--", ret, "loop", "3")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if "app/add" in line]
     assert len(lines) == 3
@@ -113,8 +106,8 @@ def test_return_probe_events_print_caller_and_function(ret_target: str) -> None:
     assert "uprobes/r_fact" in r.stderr and "hits=0" in r.stderr
 
 
-def test_latency_histogram_per_function(ret_target: str) -> None:
-    r = dp("latency", "add", "nap", "--stats", "--", ret_target, "loop", "1000")
+def test_latency_histogram_per_function(ret: str) -> None:
+    r = dp("latency", "add", "nap", "--stats", "--", ret, "loop", "1000")
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     assert out[0] == "500500"
@@ -134,8 +127,8 @@ def test_latency_histogram_per_function(ret_target: str) -> None:
         (["latency", "nosuchfunction"], "no function 'nosuchfunction'"),
     ],
 )
-def test_bad_return_probe_input_one_line(ret_target: str, args: list[str], message: str) -> None:
-    r = dp(*args, "--", ret_target, "loop", "3")
+def test_bad_return_probe_input_one_line(ret: str, args: list[str], message: str) -> None:
+    r = dp(*args, "--", ret, "loop", "3")
     assert r.returncode != 0 and message in r.stderr.splitlines()[0], r.stderr
     assert r.stdout == ""
 

@@ -21,19 +21,6 @@ from tests.conftest import BUILD, build_target
 from .helpers import run_plain
 
 
-@pytest.fixture(scope="module")
-def ret() -> str:
-    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
-
-
-@pytest.fixture(scope="module")
-def ret_cxx() -> str:
-    build_target("libret_lib.so", "ret_lib.cpp", flags=("-O1", "-fPIC", "-shared", "-lstdc++"))
-    return build_target(
-        "ret_cxx", "ret_cxx.cpp", flags=("-O1", "-lstdc++", f"-L{BUILD}", "-lret_lib", f"-Wl,-rpath,{BUILD}")
-    )
-
-
 def dp(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "dynprobe.cli.main", *args], capture_output=True, text=True, timeout=120

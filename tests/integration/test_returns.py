@@ -19,25 +19,12 @@ import dynprobe
 from dynprobe.core.probe import Hit, ProbeEvent
 from dynprobe.core.returns import shadow_stack_enabled
 from dynprobe.errors import ProbeRefused, Refusal, SessionError
-from tests.conftest import BUILD, build_target
+from tests.conftest import BUILD
 
 from .helpers import run_plain, traced
 
 MODES = [pytest.param(True, id="optimized"), pytest.param(False, id="trap")]
 MASK = (1 << 64) - 1
-
-
-@pytest.fixture(scope="module")
-def ret() -> str:
-    return build_target("ret", "ret.c", flags=("-O1", "-fno-omit-frame-pointer", "-rdynamic", "-pthread"))
-
-
-@pytest.fixture(scope="module")
-def ret_cxx() -> str:
-    build_target("libret_lib.so", "ret_lib.cpp", flags=("-O1", "-fPIC", "-shared", "-lstdc++"))
-    return build_target(
-        "ret_cxx", "ret_cxx.cpp", flags=("-O1", "-lstdc++", f"-L{BUILD}", "-lret_lib", f"-Wl,-rpath,{BUILD}")
-    )
 
 
 def counting(*functions: str, maxactive: int = 1000) -> object:

@@ -373,58 +373,40 @@ class _Emitter:
             R.NONE, R.RAX, 8, self.layout.hist(prog.hist_index), 8, False, R.GS)))  # fmt: skip
 
     def record(self, prog: Program) -> None:
-        asm, layout = self.asm, self.layout
-        full, missed, release, done = asm.label(), asm.label(), asm.label(), asm.label()
-        ring = layout.ring
-        # Re-entrancy: a signal handler hitting a probe while this thread writes a record.
-        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
-        asm.jump(C.JNE_REL32_64, missed)
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _gs(L.HEAD)))
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
-        asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots))
-        asm.jump(C.JAE_REL32_64, full)  # also when a scribbled tail is ahead of head
-        asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RSI, layout.ring_slots - 1))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RSI, layout.record_size.bit_length() - 1))
-        # rdtscp: the time-stamp counter, and in ecx the CPU (Linux keeps it in TSC_AUX's low 12 bits)
-        asm.add(iced.Instruction.create(C.RDTSCP))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RSI), R.RAX))
-        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RSI), prog.probe_index))
-        asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, 0xFFF))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RSI), R.CX))
-        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 0))
-        self.in_record = True
-        for bit, fld in enumerate(prog.fields):
-            if not fld.in_record:
-                continue
-            at = ring + fld.offset
-            after, faulted = asm.label(), asm.label()
-            if fld.arg.type.is_string:
-                self.string(fld.arg, at, bit, faulted)
-            else:
-                self.value(fld.arg.fetch, fld.arg.type.bits, faulted)
-                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(at, R.RSI), R.RAX))
-                asm.jump(C.JMP_REL32_64, after)
-                asm.bind(faulted)
-                asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(at, R.RSI), 0))
-                asm.add(iced.Instruction.create_mem_u32(
-                    C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 1 << bit))  # fmt: skip
-            asm.bind(after)
-        self.in_record = False
-        # Publish: the record's stores are ordered before the head's (x86 keeps stores in order).
-        self.inc(L.HEAD)
-        asm.jump(C.JMP_REL32_64, release)
-        asm.bind(full)
-        self.inc(layout.counter(prog.probe_index, L.LOST))
-        asm.bind(release)
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
-        asm.jump(C.JMP_REL32_64, done)
-        asm.bind(missed)
-        self.inc(layout.counter(prog.probe_index, L.MISSED))
-        asm.bind(done)
+        asm, ring = self.asm, self.layout.ring
+
+        def write() -> None:
+            # rdtscp: the time-stamp counter, and in ecx the CPU (Linux keeps it in TSC_AUX's low 12 bits)
+            asm.add(iced.Instruction.create(C.RDTSCP))
+            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RSI), R.RAX))
+            asm.add(
+                iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RSI), prog.probe_index)
+            )
+            asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, 0xFFF))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RSI), R.CX))
+            asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 0))
+            self.in_record = True
+            for bit, fld in enumerate(prog.fields):
+                if not fld.in_record:
+                    continue
+                at = ring + fld.offset
+                after, faulted = asm.label(), asm.label()
+                if fld.arg.type.is_string:
+                    self.string(fld.arg, at, bit, faulted)
+                else:
+                    self.value(fld.arg.fetch, fld.arg.type.bits, faulted)
+                    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(at, R.RSI), R.RAX))
+                    asm.jump(C.JMP_REL32_64, after)
+                    asm.bind(faulted)
+                    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(at, R.RSI), 0))
+                    asm.add(iced.Instruction.create_mem_u32(
+                        C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 1 << bit))  # fmt: skip
+                asm.bind(after)
+            self.in_record = False
+
+        ring_record(asm, self.layout, prog.probe_index, R.RSI, write)
 
     def string(self, arg: FetchArg, at: int, bit: int, faulted: int) -> None:
         """Copy a NUL-terminated string of at most STRING_CAPACITY bytes into the record at `at`
@@ -772,38 +754,50 @@ def call_to(site_detour: int, target: int) -> bytes:
     return bytes(encoder.take_buffer())
 
 
-def _trace_record(asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int) -> None:
-    """A 16-byte record (esi: the function's id): u16 ops, u16 kind, u32 function, u64 time
-    stamp (rdtsc). Uses rax, rcx, rdx."""
-    ring = layout.ring
+def ring_record(asm: _Asm, layout: L.AreaLayout, probe_index: int, slot: RegisterT, write: Callable[[], None]) -> None:
+    """A record in the thread's ring: the next free slot's offset in `slot` (rax used too), then
+    `write()` fills it and the head publishes it (x86 keeps stores in order); a full ring counts
+    the record lost. A signal handler hitting a probe while this thread writes a record would
+    reuse the slot: the re-entrancy flag makes its record missed (counted) instead."""
     missed, full, release, done = asm.label(), asm.label(), asm.label(), asm.label()
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
     asm.jump(C.JNE_REL32_64, missed)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _gs(L.HEAD)))
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RCX))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, slot, _gs(L.HEAD)))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots))
-    asm.jump(C.JAE_REL32_64, full)
-    asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RCX, layout.ring_slots - 1))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RCX, layout.record_size.bit_length() - 1))
-    asm.add(iced.Instruction.create(C.RDTSC))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RCX), R.RAX))
-    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RCX), ops_index))
-    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RCX), kind))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RCX), R.ESI))
+    asm.jump(C.JAE_REL32_64, full)  # also when a scribbled tail is ahead of head
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, slot, layout.ring_slots - 1))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, slot, layout.record_size.bit_length() - 1))
+    write()
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.HEAD)))
     asm.jump(C.JMP_REL32_64, release)
     asm.bind(full)
-    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.LOST))))
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(probe_index, L.LOST))))
     asm.bind(release)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
     asm.jump(C.JMP_REL32_64, done)
     asm.bind(missed)
-    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.MISSED))))
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(probe_index, L.MISSED))))
     asm.bind(done)
+
+
+def _trace_record(asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int) -> None:
+    """A 16-byte record (esi: the function's id): u16 ops, u16 kind, u32 function, u64 time
+    stamp (rdtsc). Uses rax, rcx, rdx."""
+    ring = layout.ring
+
+    def write() -> None:
+        asm.add(iced.Instruction.create(C.RDTSC))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RCX), R.RAX))
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RCX), ops_index))
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RCX), kind))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RCX), R.ESI))
+
+    ring_record(asm, layout, ops_index, R.RCX, write)
 
 
 def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None = None) -> None:
