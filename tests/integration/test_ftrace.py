@@ -62,6 +62,20 @@ def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
     assert [(line.split()[-4], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
 
 
+def test_mutual_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
+    r, trace = record(tmp_path, "-F", "is_even", "-F", "is_odd", "--", ret, "evenodd", "3")
+    assert r.stdout == "0\n"
+    assert masked(dp("replay", trace).stdout) == [
+        "  | is_even() {",
+        "  |   is_odd() {",
+        "  |     is_even() {",
+        "T |       is_odd();",
+        "T |     } /* is_even */",
+        "T |   } /* is_odd */",
+        "T | } /* is_even */",
+    ]
+
+
 def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
     _, trace = record(tmp_path, "-F", "worker", "-F", "add", "--", ret, "threads", "3", "2")
     lines = dp("replay", trace).stdout.splitlines()[1:]

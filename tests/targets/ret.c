@@ -11,6 +11,7 @@
  *   fork            a probed function forks; parent and child both return through it
  *   sleep           prints "ready", then naps in a probed function forever, a line per return
  *   pointer N       N calls of add through a function pointer
+ *   evenodd N       is_even(N) by mutual recursion with is_odd
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -152,6 +153,18 @@ NOINLINE int bt_middle(void) {
     return r;
 }
 
+NOINLINE int is_odd(long n);
+NOINLINE int is_even(long n) {
+    int r = n == 0 ? 1 : is_odd(n - 1);
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+NOINLINE int is_odd(long n) {
+    int r = n == 0 ? 0 : is_even(n - 1);
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+
 NOINLINE int forking(int x) {
     pid_t pid = fork();
     __asm__ volatile("" ::: "memory");
@@ -247,6 +260,8 @@ int main(int argc, char **argv) {
         }
         wait(NULL);
         printf("parent %d\n", r);
+    } else if (!strcmp(mode, "evenodd")) {
+        printf("%d\n", is_even(n));
     } else if (!strcmp(mode, "pointer")) {
         long (*volatile through)(long, long) = add;
         long s = 0;
