@@ -47,6 +47,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     stacks: dict[int, list[tuple[int, int]]] = {}  # tid -> open calls (function, entry time)
     pending: dict[int, tuple[int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
     blank = " " * 11
+    indent = ["  " * depth for depth in range(64)]
     count = 0
 
     def name(func: int) -> str:
@@ -67,8 +68,11 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
                 continue
             if waiting is not None:
                 if waiting[0] == func:
-                    if t - waiting[1] >= threshold_ns:
-                        lines.append(f"{duration(t - waiting[1])}{head}{'  ' * len(stack)}{name(func)};")
+                    spent = t - waiting[1]
+                    if spent >= threshold_ns:  # the common case, formatted inline (it is most lines)
+                        took = f"{spent / 1000:8.3f} us" if spent < 1_000_000 else duration(spent)
+                        lines.append(f"{took}{head}{indent[len(stack)] if len(stack) < 64 else '  ' * len(stack)}"
+                                     f"{names[func] if func < len(names) else name(func)};")  # fmt: skip
                     waiting = None
                     continue
                 lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
