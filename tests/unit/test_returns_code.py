@@ -68,3 +68,34 @@ def test_cet_shadow_stack_from_proc_status() -> None:
     assert shadow_stack_in("Name:\tx\nx86_Thread_features:\tshstk wrss\nx86_Thread_features_locked:\tshstk\n")
     assert not shadow_stack_in("Name:\tx\nx86_Thread_features:\t\nx86_Thread_features_locked:\tshstk wrss\n")
     assert not shadow_stack_in("Name:\tx\n")  # an older kernel: no line, no shadow stacks
+
+
+def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
+    from dynprobe.arch.x86_64.codegen import (
+        SITE_CALL_AT,
+        build_list_trampoline,
+        build_ops_code,
+        build_tracer_site,
+        call_to,
+    )
+
+    site = AT + 0x1000
+    plan = OptimizePlan(site, tuple(iter_instructions(bytes.fromhex("554889e590"), site)))  # push rbp; mov; nop
+    target = AT + 0x40000
+    code = build_tracer_site(plan, 77, target, AT + 0x3000)
+    assert isinstance(code, bytes)
+    insns = list(iter_instructions(code, AT + 0x3000))
+    assert insns[0].code == iced.Code.PUSHQ_IMM32 and insns[0].immediate(0) == 77
+    assert insns[1].ip == AT + 0x3000 + SITE_CALL_AT and insns[1].near_branch_target == target
+    assert str(insns[2]) == "lea rsp,[rsp+8]"
+    assert [i.mnemonic for i in insns[3:6]] == [iced.Mnemonic.PUSH, iced.Mnemonic.MOV, iced.Mnemonic.NOP]
+    assert insns[-1].mnemonic == iced.Mnemonic.JMP and insns[-1].near_branch_target == site + 5
+    # re-pointing rewrites the call alone
+    moved = call_to(AT + 0x3000, target + 0x100)
+    assert next(iter_instructions(moved, AT + 0x3000 + SITE_CALL_AT)).near_branch_target == target + 0x100
+    # an instance's code: its body is called by a list trampoline, which calls each body in turn
+    _, tramp = build_trampoline(LAYOUT, AT)
+    _, ops = build_ops_code(LAYOUT, 5, tramp, AT + 0x50000, depth=8)
+    assert ops.entry == AT + 0x50000 and ops.entry < ops.body < ops.exit
+    listed = list(iter_instructions(build_list_trampoline([ops.body, ops.body + 0x10], AT + 0x60000), AT + 0x60000))
+    assert [i.near_branch_target for i in listed if i.mnemonic == iced.Mnemonic.CALL] == [ops.body, ops.body + 0x10]
