@@ -19,7 +19,7 @@ import dynprobe
 from dynprobe.core.probe import Hit, ProbeEvent
 from dynprobe.core.returns import shadow_stack_enabled
 from dynprobe.errors import ProbeRefused, Refusal, SessionError
-from tests.conftest import BUILD
+from tests.conftest import BUILD, build_target
 
 from .helpers import run_plain, traced
 
@@ -329,11 +329,19 @@ def test_go_program_is_refused_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_cet_shadow_stack_is_refused() -> None:
-    """HAZARD 6: with a CET shadow stack a replaced return address is a fault: refused."""
-    if not shadow_stack_enabled(os.getpid()):
-        with open("/proc/cpuinfo") as f:
-            has_cpu = " user_shstk" in f.read()
-        pytest.skip(
-            "no process here runs with a CET shadow stack "
-            + ("(glibc.cpu.x86_shstk tunable not in effect)" if has_cpu else "(the CPU or kernel lacks user_shstk)")
-        )
+    """HAZARD 6: with a CET shadow stack a replaced return address is a fault: refused. A CET
+    build started with glibc's tunable asks the kernel for one (Linux 6.6+, a CPU with
+    user_shstk); where it does not get one, there is nothing to refuse and the test says why."""
+    cet = build_target("ret_cet", "ret.c", flags=("-O1", "-pthread", "-fcf-protection=full"))
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.cpu.x86_shstk=on"}
+    with dynprobe.spawn([cet, "loop", "3"], env=env) as session:
+        session.probe("main", pre=lambda hit: session.stop())  # glibc has set the process up by then
+        session.run(timeout=30)
+        if not shadow_stack_enabled(session.pid):
+            with open("/proc/cpuinfo") as f:
+                cpu = " user_shstk" in f.read()
+            why = "the kernel or glibc did not enable it" if cpu else "the CPU or kernel lacks user_shstk"
+            pytest.skip(f"the target got no CET shadow stack here: {why}")
+        with pytest.raises(ProbeRefused) as refused:
+            session.probe("r add")
+        assert refused.value.reason == Refusal.SHADOW_STACK
