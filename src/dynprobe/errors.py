@@ -71,6 +71,7 @@ class Refusal(enum.Enum):
     SHADOW_STACK = "the process runs with a CET shadow stack: a replaced return address would be a fault"
     MOVING_STACKS = "the program's runtime moves stacks (Go): a replaced return address would be lost"
     GS_IN_USE = "the target uses the GS segment base itself: return probes need a thread area there"
+    FUNCTION_TRACED = "the function tracer patched these bytes; stop that tracer first"
 
 
 class OptimizeRefusal(enum.Enum):

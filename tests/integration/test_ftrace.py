@@ -16,6 +16,7 @@ import pytest
 
 import dynprobe
 from dynprobe.core.ftrace import TracerEvent
+from dynprobe.errors import ProbeRefused, Refusal
 from tests.conftest import BUILD, build_target
 
 from .helpers import run_plain
@@ -134,6 +135,19 @@ def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> Non
     assert [(e.function.name, e.exit) for e in mine] == [("fact", False)] * 3 + [("fact", True)] * 3
     assert [(e.function.name, e.exit) for e in theirs] == [("fact", False)] * 3  # entries only
     assert a.calls == 3 and b.calls == 3
+
+
+def test_a_probe_on_a_traced_function_is_refused_with_the_reason(ret: str) -> None:
+    with open(os.devnull, "w") as null, dynprobe.spawn([ret, "fact", "3"], stdout=null.fileno()) as session:
+        tracer = session.function_tracer(["fact"])
+        tracer.start()
+        with pytest.raises(ProbeRefused) as refused:
+            session.probe("fact")
+        assert refused.value.reason == Refusal.FUNCTION_TRACED
+        tracer.stop()
+        probe = session.probe("fact", action="count")  # the tracer is gone: the bytes are the file's
+        assert session.run(timeout=30) == 0
+        assert probe.hits == 3
 
 
 def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:

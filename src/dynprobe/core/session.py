@@ -1170,6 +1170,8 @@ class Session:
         if insn is None:
             raise ProbeRefused(Refusal.UNDECODABLE, where)
         original = code[: insn.len]
+        if any(s.addr <= addr < s.addr + len(s.region) for s in proc.tracing.sites.values()):
+            raise ProbeRefused(Refusal.FUNCTION_TRACED, where)
         try:
             current = proc.tracee.read(addr, insn.len)
         except OSError as exc:
