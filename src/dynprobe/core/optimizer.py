@@ -319,6 +319,11 @@ class Optimizer:
             raise ProcessError(f"cannot read the registers of thread {tid}: {exc.strerror}") from exc
         area = proc.areas.assign(tid)
         self.session.comm_of(proc.pid, tid)  # remembered for its events
+        # Read again: making a pool may have run remote syscalls on this very thread, and taken
+        # it out of the event stop it was in (a clone's: its registers now hold the result).
+        # Writing back the registers read before would undo that (a parent taking the child's
+        # return of clone(), which ended a test target without a word).
+        regs = sc.get_regs(tid)
         regs.gs_base = area.target_addr
         try:
             sc.set_regs(tid, regs)

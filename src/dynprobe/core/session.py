@@ -1185,14 +1185,6 @@ class Session:
         site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
         if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
             raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
-        if proc.slots.stub() is None:
-            # dynprobe's first code region, made now, as the probe is placed, rather than when
-            # the optimizer or a first hit needs it while the program runs: with threads being
-            # created all the time, a region made then has been seen to kill the target (found
-            # by test_attach_while_threads_are_created; not understood yet).
-            slot = self.allocate_slot(proc, addr)
-            if slot is not None:
-                proc.slots.free(slot)
         return site
 
     def _give_slot(self, proc: TracedProcess, site: Site) -> bool:
@@ -1232,9 +1224,9 @@ class Session:
         if proc.slots.stub() is not None and stopped is not None:
             proc._map_tid = stopped  # our own page holds the syscall stub: nothing else is touched
             return proc.slots.allocate(near, size)
-        # The first region borrows target code for the stub, with every thread stopped. Not the
-        # site's: a thread being born meanwhile (not stopped yet) could run it; the program's
-        # entry point runs once, at its start.
+        # The first region borrows target code for the stub, with every thread stopped: the
+        # program's entry point, which runs once, at its start (not the site, which may hold
+        # an int3 of ours and is where threads go).
         with self.world_stopped(proc) as tid:
             if tid is None:
                 return None
