@@ -77,6 +77,19 @@ def test_mutual_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
     ]
 
 
+def test_signal_handler_golden_call_graph(ret: str, tmp_path: Path) -> None:
+    """The handler runs inside the call that raised the signal, and nests there."""
+    r, trace = record(tmp_path, "-F", "signaller", "-F", "on_usr1", "-F", "add", "--", ret, "raise")
+    assert r.stdout == "11\n"  # SIGUSR1 is 10
+    assert masked(dp("replay", trace).stdout) == [
+        "  | signaller() {",
+        "  |   on_usr1() {",
+        "T |     add();",
+        "T |   } /* on_usr1 */",
+        "T | } /* signaller */",
+    ]
+
+
 def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
     _, trace = record(tmp_path, "-F", "worker", "-F", "add", "--", ret, "threads", "3", "2")
     lines = dp("replay", trace).stdout.splitlines()[1:]

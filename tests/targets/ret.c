@@ -12,6 +12,7 @@
  *   sleep           prints "ready", then naps in a probed function forever, a line per return
  *   pointer N       N calls of add through a function pointer
  *   evenodd N       is_even(N) by mutual recursion with is_odd
+ *   raise           a probed function raises SIGUSR1; its handler calls add
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -153,6 +154,16 @@ NOINLINE int bt_middle(void) {
     return r;
 }
 
+static long usr1_sum;
+NOINLINE void on_usr1(int sig) {
+    usr1_sum += add(sig, 1);
+}
+NOINLINE int signaller(void) {
+    raise(SIGUSR1);
+    __asm__ volatile("" ::: "memory");
+    return (int)usr1_sum;
+}
+
 NOINLINE int is_odd(long n);
 NOINLINE int is_even(long n) {
     int r = n == 0 ? 1 : is_odd(n - 1);
@@ -260,6 +271,9 @@ int main(int argc, char **argv) {
         }
         wait(NULL);
         printf("parent %d\n", r);
+    } else if (!strcmp(mode, "raise")) {
+        signal(SIGUSR1, on_usr1);
+        printf("%d\n", signaller());
     } else if (!strcmp(mode, "evenodd")) {
         printf("%d\n", is_even(n));
     } else if (!strcmp(mode, "pointer")) {
