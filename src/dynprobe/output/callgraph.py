@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
+import numpy as np
+
 from dynprobe.tracefile import Trace
 
 EXIT = 1
@@ -32,6 +34,22 @@ def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
             yield tid, kind, func, t
 
 
+def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
+    """For each event: how many calls with no callee (an entry, then the same function's exit)
+    start there, one after another (0 where none does)."""
+    n = len(kinds)
+    pair = np.zeros(n, dtype=bool)
+    if n > 1:
+        pair[:-1] = (kinds[:-1] != EXIT) & (kinds[1:] == EXIT) & (funcs[:-1] == funcs[1:])
+    runs = np.zeros(n, dtype=np.int64)
+    for parity in (0, 1):
+        starts = pair[parity::2]
+        at = np.arange(len(starts))
+        breaks = np.append(np.flatnonzero(~starts), len(starts))
+        runs[parity::2] = np.where(starts, breaks[np.searchsorted(breaks, at)] - at, 0)
+    return runs
+
+
 def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
@@ -47,7 +65,6 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     stacks: dict[int, list[tuple[int, int]]] = {}  # tid -> open calls (function, entry time)
     pending: dict[int, tuple[int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
     blank = " " * 11
-    indent = ["  " * depth for depth in range(64)]
     count = 0
 
     def name(func: int) -> str:
@@ -59,7 +76,25 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
         waiting = pending.pop(tid, None)
         head = f" [{tid:>6}] | "
         lines: list[str] = []
-        for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
+        kinds, funcs, times = chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist()
+        runs = _leaf_runs(chunk.kind, chunk.func).tolist()
+        i, n = 0, len(kinds)
+        while i < n:
+            run = runs[i]
+            if waiting is None and run:
+                # A run of calls with no callee (most of a call graph): formatted in one go.
+                prefix = head + ("  " * len(stack))
+                lines.extend(
+                    (f"{spent / 1000:8.3f} us" if spent < 1_000_000 else duration(spent))
+                    + f"{prefix}{names[func] if func < len(names) else name(func)};"
+                    for j in range(i, i + 2 * run, 2)
+                    if (spent := times[j + 1] - times[j]) >= threshold_ns
+                    for func in (funcs[j],)
+                )
+                i += 2 * run
+                continue
+            kind, func, t = kinds[i], funcs[i], times[i]
+            i += 1
             if kind != EXIT:
                 if waiting is not None:
                     lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
@@ -69,10 +104,8 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
             if waiting is not None:
                 if waiting[0] == func:
                     spent = t - waiting[1]
-                    if spent >= threshold_ns:  # the common case, formatted inline (it is most lines)
-                        took = f"{spent / 1000:8.3f} us" if spent < 1_000_000 else duration(spent)
-                        lines.append(f"{took}{head}{indent[len(stack)] if len(stack) < 64 else '  ' * len(stack)}"
-                                     f"{names[func] if func < len(names) else name(func)};")  # fmt: skip
+                    if spent >= threshold_ns:
+                        lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func)};")
                     waiting = None
                     continue
                 lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
