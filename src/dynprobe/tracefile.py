@@ -1,8 +1,9 @@
 """Trace directories (`dynprobe record`): what was traced, and the records, read back in a stream.
 
     DIR/info.json    format name and version, command, pid, the clock (time-stamp counter ->
-                     CLOCK_MONOTONIC ns), the functions (index = id: name, file, address, size),
-                     the threads' names, counts (calls, missed, lost), "complete" once written out
+                     CLOCK_MONOTONIC ns), the modules (path, build id), the functions (index =
+                     id: name, file, address, size), the threads' names, counts (calls, missed,
+                     lost), "complete" once written out
     DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
                      records of `record_size` bytes), each record u16 ops, u16 kind (0 entry,
                      1 exit), u32 function id, u64 time stamp

@@ -99,6 +99,7 @@ def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
     assert list(by_thread.values()) == [["worker() {", "  add();", "  add();", "} /* worker */"]] * 3
     info = json.loads((Path(trace) / "info.json").read_text())
     assert info["complete"] and info["calls"] == 9 and info["lost"] == 0
+    assert [m["path"] for m in info["modules"]] == [os.path.realpath(ret)] and info["command"][0] == ret
     assert {int(t) for t in info["threads"]} >= {int(t) for t in by_thread}
 
 

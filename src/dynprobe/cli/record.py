@@ -17,6 +17,7 @@ from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError
 from dynprobe.output import callgraph
+from dynprobe.symbols.elf import load_elf
 from dynprobe.tracefile import EVENTS, INFO, Trace, write_info
 
 DEFAULT_DIR = "dynprobe.data"
@@ -121,6 +122,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
                 "threshold_ns": args.threshold, "depth": args.depth,
                 "functions": [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in session.tracing.functions],
+                "modules": [{"path": path, "build_id": load_elf(path).build_id}
+                            for path in sorted({f.path for f in session.tracing.functions})],
                 "clock": session.clock(),
             }  # fmt: skip
             with open(os.path.join(out, EVENTS), "wb") as events:
