@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from dynprobe.cli.common import UsageError, add_target_options, open_session, report_error, run_target
@@ -197,14 +197,16 @@ def run_dump(args: argparse.Namespace, command: list[str]) -> int:
     return _read(args, command, write, args.output)
 
 
-def _read(args: argparse.Namespace, command: list[str], show: object, output: str | None = None) -> int:
+def _read(
+    args: argparse.Namespace, command: list[str], show: Callable[[Trace, TextIO], object], output: str | None = None
+) -> int:
     if command:
         return report_error(UsageError("reading a trace runs no command"))
     try:
         with _trace(args) as trace:
             out: TextIO = open(output, "w") if output else sys.stdout  # noqa: SIM115
             try:
-                show(trace, out)  # type: ignore[operator]
+                show(trace, out)
             finally:
                 if out is not sys.stdout:
                     out.close()

@@ -51,7 +51,7 @@ from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.fetch import FetchContext, ReturnValues
-from dynprobe.spec.model import Arg, Deref, Fetch, FetchArg, Latency
+from dynprobe.spec.model import Arg, FetchArg, Latency, fetch_chain
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
 from dynprobe.symbols.resolve import Location, resolve_address
@@ -108,15 +108,6 @@ class ProcessReturns:
         return any(a <= rip < a + n for a, n in self.code.values())
 
 
-def _fetches(args: list[FetchArg]) -> Iterator[Fetch]:
-    for arg in args:
-        fetch = arg.fetch
-        yield fetch
-        while isinstance(fetch, Deref):
-            fetch = fetch.inner
-            yield fetch
-
-
 def _probe_fetch_args(probe: Probe) -> list[FetchArg]:
     args = list(probe.args)
     if probe.value is not None:
@@ -161,7 +152,7 @@ class ReturnProbes:
     @staticmethod
     def entry_of(probe: Probe) -> ReturnEntry:
         """What the entry keeps for the probe's return (its handler filled in per process)."""
-        fetches = list(_fetches(_probe_fetch_args(probe)))
+        fetches = [f for arg in _probe_fetch_args(probe) for f in fetch_chain(arg.fetch)]
         indices = sorted({f.index for f in fetches if isinstance(f, Arg)})
         return ReturnEntry(probe.maxactive, 0, tuple(indices), any(isinstance(f, Latency) for f in fetches))
 

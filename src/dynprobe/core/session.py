@@ -82,7 +82,7 @@ from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
-from dynprobe.spec.model import Comm, Deref, FetchArg, ProbeSpec, SymbolAddr
+from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain
 from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
@@ -475,10 +475,7 @@ class Session:
     @staticmethod
     def _check_fetch_symbols(args: tuple[FetchArg, ...], location: Location) -> None:
         image = load_elf(location.path)
-        for arg in args:
-            fetch = arg.fetch
-            while isinstance(fetch, Deref):
-                fetch = fetch.inner
+        for fetch in (f for arg in args for f in fetch_chain(arg.fetch)):
             if isinstance(fetch, SymbolAddr) and image.address_of(fetch.symbol) is None:
                 raise SymbolError(f"no symbol {fetch.symbol!r} in {location.path} (for @{fetch.symbol})")
 
@@ -892,11 +889,11 @@ class Session:
                 sc.set_siginfo(tid, info)
         proc.tracee.resume(tid, sig)
 
-    def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site | None) -> FetchContext:
-        resolve = self.symbol_resolver(site) if site is not None and site.probes else (lambda name: None)
+    def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site) -> FetchContext:
         return FetchContext(
-            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), resolve, self._symbolizer(proc.pid)
-        )
+            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver(site),
+            self._symbolizer(proc.pid),
+        )  # fmt: skip
 
     def _on_breakpoint(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> None:
         self.stats["stops"] += 1
@@ -1541,11 +1538,15 @@ class Session:
         return address
 
     def symbol_resolver_for(self, probe: Probe, proc: TracedProcess) -> Callable[[str], int | None]:
-        return self.fetch_context(proc, 0, Regs(), probe).symbol_address
+        site = proc.sites.get(probe.sites.get(proc.pid, -1))
+        return self.symbol_resolver(site) if site is not None and site.probes else (lambda name: None)
 
     def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext:
         """What the probe's fetches read on thread `tid` of `proc`."""
-        return self._context(proc, tid, regs, proc.sites.get(probe.sites.get(proc.pid, -1)))
+        return FetchContext(
+            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver_for(probe, proc),
+            self._symbolizer(proc.pid),
+        )  # fmt: skip
 
     def probe_by_index(self, index: int) -> Probe | None:
         return self._by_index[index] if 0 <= index < len(self._by_index) else None

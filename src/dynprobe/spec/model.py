@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -63,6 +64,14 @@ class Deref:
 
 
 Fetch = Reg | Arg | Absolute | SymbolAddr | Stack | StackPointer | RetVal | Latency | Caller | Comm | Deref
+
+
+def fetch_chain(fetch: Fetch) -> Iterator[Fetch]:
+    """A fetch and, for a dereference, every fetch inside it (its address's, and so on)."""
+    yield fetch
+    while isinstance(fetch, Deref):
+        fetch = fetch.inner
+        yield fetch
 
 
 @dataclass(frozen=True)

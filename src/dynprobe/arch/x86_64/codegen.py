@@ -47,6 +47,7 @@ from dynprobe.spec.model import (
     Stack,
     StackPointer,
     SymbolAddr,
+    fetch_chain,
 )
 
 if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
@@ -618,13 +619,7 @@ def _fetches_flags(prog: Program) -> bool:
     args = [f.arg for f in prog.fields] + ([prog.value] if prog.value else [])
     if prog.filter is not None:
         args += filter_args(prog.filter)
-    for arg in args:
-        fetch = arg.fetch
-        while isinstance(fetch, Deref):
-            fetch = fetch.inner
-        if isinstance(fetch, Reg) and fetch.name == "eflags":
-            return True
-    return False
+    return any(isinstance(f, Reg) and f.name == "eflags" for arg in args for f in fetch_chain(arg.fetch))
 
 
 def _check_fields(prog: Program) -> None:
