@@ -266,8 +266,12 @@ def test_latency_is_the_time_from_entry_to_return(ret: str, optimize: bool) -> N
         finally:
             proc.kill()
     assert len(events) >= 5 and all(e.values["ms"] == 20 for e in events)
-    assert all(20e6 <= e.values["ns"] < 40e6 for e in events), [e.values["ns"] for e in events]  # type: ignore[operator]
-    assert sum(buckets) >= 5 and sum(buckets) - buckets[25] <= 1  # [2^24, 2^25) ns holds 16.8-33.6 ms
+    # Never under 20 ms; mostly just over (a loaded machine delays a wake-up now and then): time
+    # stamp ticks mistaken for ns would put every one past 40 ms here (~2.5 GHz).
+    latencies = sorted(int(e.values["ns"]) for e in events)  # type: ignore[call-overload]
+    assert latencies[0] >= 20e6 and latencies[len(latencies) // 2] < 30e6, latencies
+    assert sum(buckets) >= 5 and buckets[25] > sum(buckets) // 2  # [2^24, 2^25) ns: 16.8-33.6 ms
+    assert sum(buckets[:25]) == 0
 
 
 def test_killed_tracer_leaves_returns_working(ret: str) -> None:
