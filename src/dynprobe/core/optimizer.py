@@ -10,6 +10,8 @@ it is disabled or removed; its detour stays "dirty" until a stop-the-world finds
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -360,7 +362,14 @@ def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
         assert stub is not None
         return proc.tracee.map_shared(tid, stub, size)
 
-    return ThreadAreas(proc.pid, session.layout, map_pool)  # type: ignore[arg-type]
+    def commit(tid: int, addr: int, size: int) -> None:
+        stub = proc.slots.stub()
+        assert stub is not None  # made with the pool
+        err = proc.tracee.commit(tid, stub, addr, size)
+        if err and err != errno.EINVAL:  # EINVAL: a kernel before 5.14, which faults it in as it goes
+            session.warn(f"pid {proc.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({os.strerror(err)})")
+
+    return ThreadAreas(proc.pid, session.layout, map_pool, commit)  # type: ignore[arg-type]
 
 
 __all__ = ["JMP_REL32_LEN", "DirtyDetour", "Optimizer", "new_thread_areas"]

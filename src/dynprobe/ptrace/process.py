@@ -30,6 +30,8 @@ SYS_MUNMAP = 11
 SYS_CLOSE = 3
 SYS_FTRUNCATE = 77
 SYS_MEMFD_CREATE = 319
+SYS_MADVISE = 28
+MADV_POPULATE_WRITE = 23  # Linux 5.14
 MFD_CLOEXEC = 1
 MAP_SHARED = 0x01
 SHARED_NAME = b"dynprobe\0"
@@ -336,6 +338,13 @@ class Tracee:
         finally:
             self.remote_syscall(tid, scratch, SYS_CLOSE, fd)
         return addr, view
+
+    def commit(self, tid: int, scratch: int, addr: int, size: int) -> int:
+        """Fault in `size` bytes of shared memory at `addr` for writing, in the target's page
+        tables (MADV_POPULATE_WRITE): the memory exists before generated code writes it, so a
+        record never takes a page fault and a short tmpfs shows up here, not as a SIGBUS in the
+        target. Returns 0 or the errno it failed with."""
+        return -min(0, self.remote_syscall(tid, scratch, SYS_MADVISE, addr, size, MADV_POPULATE_WRITE))
 
     def comm(self, tid: int) -> str:
         try:

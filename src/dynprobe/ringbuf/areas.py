@@ -27,6 +27,7 @@ class Pool:
     view: mmap.mmap
     count: int
     words: np.ndarray = field(init=False)  # (count, area words) u64 over the shared memory
+    committed: set[int] = field(default_factory=set)  # areas whose memory the target faulted in
 
     def __post_init__(self) -> None:
         size = len(self.view) // self.count
@@ -49,12 +50,20 @@ class AreaRef:
 
 class ThreadAreas:
     """The areas of one process. `map_pool(size)` maps a new pool in the target (remote syscalls
-    through a stopped thread) and returns (its address there, our view)."""
+    through a stopped thread) and returns (its address there, our view); `commit(tid, addr, size)`
+    faults an area in through the thread it is for, before its first use."""
 
-    def __init__(self, pid: int, layout: L.AreaLayout, map_pool: Callable[[int], tuple[int, mmap.mmap]]) -> None:
+    def __init__(
+        self,
+        pid: int,
+        layout: L.AreaLayout,
+        map_pool: Callable[[int], tuple[int, mmap.mmap]],
+        commit: Callable[[int, int, int], None],
+    ) -> None:
         self.pid = pid
         self.layout = layout
         self._map_pool = map_pool
+        self._commit = commit
         self.pools: list[Pool] = []
         self.by_tid: dict[int, AreaRef] = {}
         self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
@@ -71,6 +80,9 @@ class ThreadAreas:
                 self._free.extend(AreaRef(pool, i) for i in reversed(range(pool.count)))
             area = self._free.pop()
             self.by_tid[tid] = area
+        if area.index not in area.pool.committed:
+            area.pool.committed.add(area.index)
+            self._commit(tid, area.target_addr, self.layout.size)
         words = area.pool.words[area.index]
         words[L.TID // 8] = tid
         words[L.MAGIC // 8] = L.AREA_MAGIC

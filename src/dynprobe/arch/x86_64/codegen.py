@@ -29,6 +29,7 @@ import iced_x86 as iced
 
 from dynprobe.actions.filter import filter_args
 from dynprobe.actions.model import ActionKind, Compare, Filter, Program, ReturnEntry
+from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
 from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
@@ -377,8 +378,12 @@ class _Emitter:
         asm, ring = self.asm, self.layout.ring
 
         def write() -> None:
-            # rdtscp: the time-stamp counter, and in ecx the CPU (Linux keeps it in TSC_AUX's low 12 bits)
-            asm.add(iced.Instruction.create(C.RDTSCP))
+            # The time-stamp counter, and in ecx the CPU (Linux keeps it in TSC_AUX's low 12 bits)
+            if has_rdpid():
+                asm.add(iced.Instruction.create(C.RDTSC))
+                asm.add(iced.Instruction.create_reg(C.RDPID_R64, R.RCX))
+            else:
+                asm.add(iced.Instruction.create(C.RDTSCP))
             asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
             asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RSI), R.RAX))
