@@ -6,7 +6,7 @@ stacks for flame graphs (`dump`). Each keeps per thread only the stack of open c
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -50,6 +50,63 @@ def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
     return runs
 
 
+class _NamePool:
+    """Lines of calls with no callee, `DURATION PREFIX name();`, built by numpy from the
+    functions' names laid end to end: byte gathers instead of a format per line."""
+
+    def __init__(self, name: Callable[[int], str]) -> None:
+        self.name = name
+        self.known = 0
+        self.data = np.zeros(0, dtype=np.uint8)
+        self.start = np.zeros(0, dtype=np.int64)
+        self.length = np.zeros(0, dtype=np.int64)
+
+    def _cover(self, top: int) -> None:
+        encoded = [f"{self.name(f)};\n".encode() for f in range(top + 1)]
+        self.length = np.array([len(e) for e in encoded], dtype=np.int64)
+        self.start = np.cumsum(self.length) - self.length
+        self.data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self.known = top + 1
+
+    def calls(self, spent: np.ndarray, called: np.ndarray, prefix: str) -> str:
+        """One line per call (without the last newline), `spent` ns in `called` functions."""
+        if spent.max() >= 1_000_000 or len(spent) < 16:  # few, or wider columns: one by one
+            return "\n".join(
+                (f"{ns / 1000:8.3f} us" if ns < 1_000_000 else duration(ns)) + f"{prefix}{self.name(f)};"
+                for ns, f in zip(spent.tolist(), called.tolist(), strict=True)
+            )
+        called = called.astype(np.int64)
+        if int(called.max()) >= self.known:
+            self._cover(int(called.max()))
+        lead = np.frombuffer(("   0.000 us" + prefix).encode(), dtype=np.uint8)
+        columns = np.empty((len(called), len(lead)), dtype=np.uint8)
+        columns[:] = lead
+        # `%8.3f` of ns / 1000, below 1 ms: three integer digits (leading spaces), three decimals
+        us, frac = np.divmod(spent, 1000)
+        digit = ord("0")
+        columns[:, 1] = np.where(us >= 100, digit + us // 100, ord(" "))
+        columns[:, 2] = np.where(us >= 10, digit + us // 10 % 10, ord(" "))
+        columns[:, 3] = digit + us % 10
+        columns[:, 5] = digit + frac // 100
+        columns[:, 6] = digit + frac // 10 % 10
+        columns[:, 7] = digit + frac % 10
+        names = self.length[called]
+        if (names == names[0]).all():  # names of one length (often one function): a matrix
+            width = int(names[0])
+            text = np.empty((len(called), len(lead) + width), dtype=np.uint8)
+            text[:, : len(lead)] = columns
+            text[:, len(lead) :] = self.data[self.start[called][:, None] + np.arange(width)]
+            return text.ravel()[:-1].tobytes().decode()
+        ends = np.cumsum(names + len(lead))
+        starts = ends - names - len(lead)
+        flat = np.empty(int(ends[-1]), dtype=np.uint8)
+        flat[starts[:, None] + np.arange(len(lead))] = columns
+        line = np.repeat(np.arange(len(called)), names)
+        within = np.arange(len(line)) - np.repeat(np.cumsum(names) - names, names)
+        flat[(starts + len(lead))[line] + within] = self.data[self.start[called][line] + within]
+        return flat[:-1].tobytes().decode()
+
+
 def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
@@ -70,30 +127,32 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     def name(func: int) -> str:
         return names[func] if func < len(names) else trace.name(func) + "()"
 
+    pool = _NamePool(name)
     for chunk in trace.chunks():
         tid = chunk.tid
         stack = stacks.setdefault(tid, [])
         waiting = pending.pop(tid, None)
         head = f" [{tid:>6}] | "
         lines: list[str] = []
-        kinds, funcs, times = chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist()
+        kinds, funcs, times = chunk.kind, chunk.func, chunk.time_ns
         runs = _leaf_runs(chunk.kind, chunk.func).tolist()
-        i, n = 0, len(kinds)
+        i, n = 0, len(runs)
         while i < n:
             run = runs[i]
             if waiting is None and run:
                 # A run of calls with no callee (most of a call graph): formatted in one go.
-                prefix = head + ("  " * len(stack))
-                lines.extend(
-                    (f"{spent / 1000:8.3f} us" if spent < 1_000_000 else duration(spent))
-                    + f"{prefix}{names[func] if func < len(names) else name(func)};"
-                    for j in range(i, i + 2 * run, 2)
-                    if (spent := times[j + 1] - times[j]) >= threshold_ns
-                    for func in (funcs[j],)
-                )
-                i += 2 * run
+                end = i + 2 * run
+                spent = chunk.time_ns[i + 1 : end : 2] - chunk.time_ns[i:end:2]
+                called = chunk.func[i:end:2]
+                if threshold_ns:
+                    keep = spent >= threshold_ns
+                    spent, called = spent[keep], called[keep]
+                if len(spent):
+                    lines.append(pool.calls(spent, called, head + "  " * len(stack)))
+                    count += len(spent) - 1  # lines of one item of `lines`
+                i = end
                 continue
-            kind, func, t = kinds[i], funcs[i], times[i]
+            kind, func, t = kinds.item(i), funcs.item(i), times.item(i)
             i += 1
             if kind != EXIT:
                 if waiting is not None:

@@ -1,0 +1,38 @@
+"""Replay's formatting of calls with no callee: numpy's byte gathers give the lines a format per
+line would (uftrace's duration column), for any durations, names and depths."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dynprobe.output.callgraph import _NamePool, duration
+
+NAMES = ["main()", "f()", "a_longer_name()", "x" * 40 + "()"]
+
+
+def one_by_one(spent: list[int], called: list[int], prefix: str) -> str:
+    return "\n".join(f"{duration(ns)}{prefix}{NAMES[f]};" for ns, f in zip(spent, called, strict=True))
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3_000_000_000)), min_size=1, max_size=200),
+    st.integers(0, 5),
+    st.booleans(),
+)
+def test_calls_format_like_a_line_at_a_time(calls: list[tuple[int, int]], depth: int, short: bool) -> None:
+    called = [f if not short else 1 for f, _ in calls]  # one name length: the matrix path
+    spent = [ns % 1_000_000 if short else ns for _, ns in calls]
+    prefix = " [  1234] | " + "  " * depth
+    pool = _NamePool(lambda f: NAMES[f])
+    got = pool.calls(np.array(spent, dtype=np.int64), np.array(called, dtype=np.uint32), prefix)
+    assert got == one_by_one(spent, called, prefix)
+
+
+def test_many_calls_of_mixed_names_below_a_millisecond() -> None:
+    rng = np.random.default_rng(7)
+    spent = rng.integers(0, 1_000_000, 5000)
+    called = rng.integers(0, 4, 5000).astype(np.uint32)
+    got = _NamePool(lambda f: NAMES[f]).calls(spent, called, " [     7] |   ")
+    assert got == one_by_one(spent.tolist(), called.tolist(), " [     7] |   ")
