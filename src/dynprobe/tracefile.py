@@ -5,8 +5,9 @@
                      id: name, file, address, size), the threads' names, counts (calls, missed,
                      lost), "complete" once written out
     DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
-                     records of `record_size` bytes), each record u16 ops, u16 kind (0 entry,
-                     1 exit), u32 function id, u64 time stamp
+                     records of `record_size` bytes), each record u16 ops, u16 kind (bit 0:
+                     exit; bits 1-15: the call's frame, 0 for none; version 1 had no frames),
+                     u32 function id, u64 time stamp
 
 Readers never load the events whole: `Trace.chunks()` yields one chunk at a time (numpy), and a
 truncated file yields what it holds and says where it stopped.
@@ -25,7 +26,7 @@ import numpy as np
 from dynprobe.errors import DynprobeError
 
 FORMAT = "dynprobe-trace"
-VERSION = 1
+VERSION = 2
 INFO, EVENTS = "info.json", "events.raw"
 _CHUNK_HEADER = np.dtype([("who", "<u8"), ("count", "<u8")])
 
@@ -54,6 +55,7 @@ class Chunk:
     pid: int
     tid: int
     kind: np.ndarray  # u16: 0 entry, 1 exit
+    frame: np.ndarray  # u16: the call's frame (an id reused once the call is over), 0: unknown
     func: np.ndarray  # u32 function ids
     time_ns: np.ndarray  # i64 CLOCK_MONOTONIC
 
@@ -114,7 +116,8 @@ class Trace:
                 available = (size - offset - _CHUNK_HEADER.itemsize) // self.record.itemsize
                 records = np.fromfile(f, dtype=self.record, count=min(count, available))
                 who = int(header["who"])
-                yield Chunk(who & 0xFFFF_FFFF, who >> 32, records["kind"], records["func"], self._ns(records["tsc"]))
+                kind, times = records["kind"], self._ns(records["tsc"])
+                yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
                 if len(records) < count:
                     self.truncated_at = offset
                     return

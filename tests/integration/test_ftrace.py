@@ -189,7 +189,7 @@ def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
     ("damage", "message"),
     [
         ("missing", "is not a trace: info.json is missing"),
-        ("newer", "was written by a newer dynprobe (format 99; this one reads 1)"),
+        ("newer", "was written by a newer dynprobe (format 99; this one reads 2)"),
         ("nodir", "no trace directory"),
     ],
 )
@@ -283,7 +283,15 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
     signal came; a call through a pointer and a library function are traced like any call."""
     _, trace = record(tmp_path, "-F", "main", "-F", "dive", "-F", "fact", "--", ret, "longjmp", "3", "2")
     assert calls_of(trace) == {"main": 1, "fact": 5}  # dive never returns
-    assert "  } /* main */" not in dp("replay", trace).stdout  # one main, closed at the end
+    # Each jump's calls are left where the next ones reuse their frames: no pile-up of open calls
+    # (10^5 jumps would indent by 10^5 levels), each chain starts at main's depth.
+    lines = [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)]
+    dives = ["  dive() {", "    dive() {", "      dive() {"]
+    assert lines[:10] == ["main() {", *dives * 3]
+    assert lines[10:] == [
+        "  fact() {", "    fact() {", "      fact() {", "        fact() {", "          fact();",
+        "        } /* fact */", "      } /* fact */", "    } /* fact */", "  } /* fact */", "} /* main */",
+    ]  # fmt: skip
 
     # A signal that lands in the tracer's own code (most of a traced add's time): the handler's
     # events wait for nothing, they are missed and counted (the ring takes one writer at a time).

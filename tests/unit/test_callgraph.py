@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynprobe.output.callgraph import _NamePool, duration
+from dynprobe.output.callgraph import _NamePool, _OpenCalls, duration
 
 NAMES = ["main()", "f()", "a_longer_name()", "x" * 40 + "()"]
 
@@ -36,3 +36,25 @@ def test_many_calls_of_mixed_names_below_a_millisecond() -> None:
     called = rng.integers(0, 4, 5000).astype(np.uint32)
     got = _NamePool(lambda f: NAMES[f]).calls(spent, called, " [     7] |   ")
     assert got == one_by_one(spent.tolist(), called.tolist(), " [     7] |   ")
+
+
+def test_open_calls_drop_what_a_reused_frame_left() -> None:
+    stack = _OpenCalls()
+    stack.push(0, 10, 1)  # main
+    stack.push(1, 20, 2)  # dive, then longjmp back to main: dive's frame is free again
+    stack.push(1, 30, 3)
+    stack.push(2, 40, 2)  # another call in frame 2: the two dives are over
+    assert [c[0] for c in stack.calls] == [0, 2] and stack.at == {1: 0, 2: 1}
+    assert stack.close(1, 3) is None  # not open: nothing changes
+    assert len(stack) == 2
+    assert stack.close(0, 1) == [0, 10, 1, 0]  # main's exit closes what is above it too
+    assert len(stack) == 0 and stack.at == {}
+
+
+def test_open_calls_without_frames_match_by_function() -> None:
+    """Format 1 traces: an exit closes the innermost open call of its function."""
+    stack = _OpenCalls()
+    for func, t in ((0, 1), (1, 2), (2, 3)):
+        stack.push(func, t, 0)
+    assert stack.close(1, 0) == [1, 2, 0, 0] and [c[0] for c in stack.calls] == [0]
+    assert stack.close(5, 0) is None and len(stack) == 0  # entered before the trace: all dropped

@@ -369,4 +369,4 @@ class Tracing:
         ids = raw[:, 4:8].copy().view(np.uint32).ravel().tolist()
         for t, kind, fid in zip(batch.time_ns.tolist(), kinds, ids, strict=True):
             if fid < len(self.functions):
-                tracer.on_event(TracerEvent(batch.pid, batch.tid, t, kind == TRACE_EXIT, self.functions[fid]))
+                tracer.on_event(TracerEvent(batch.pid, batch.tid, t, bool(kind & TRACE_EXIT), self.functions[fid]))

@@ -34,6 +34,59 @@ def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
             yield tid, kind, func, t
 
 
+class _OpenCalls:
+    """One thread's open calls, outermost first: function, entry time, frame, time in callees.
+
+    A frame (tracefile.Chunk.frame) is reused only once its call is over: an entry in a frame
+    still open, or an exit of a frame below the top, shows that the calls from there up were left
+    by longjmp or an exception; they are dropped. Calls without a frame (format 1) are matched
+    by function."""
+
+    __slots__ = ("at", "calls")
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []  # [function, entry time, frame, time in callees]
+        self.at: dict[int, int] = {}  # frame -> its depth
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def forget(self, frame: int) -> None:
+        """A call enters `frame`: whatever still held it is over."""
+        depth = self.at.get(frame)
+        if depth is not None:
+            self.cut(depth)
+
+    def push(self, func: int, t: int, frame: int) -> None:
+        if frame:
+            self.forget(frame)
+            self.at[frame] = len(self.calls)
+        self.calls.append([func, t, frame, 0])
+
+    def cut(self, depth: int) -> None:
+        for call in self.calls[depth:]:
+            self.at.pop(call[2], None)
+        del self.calls[depth:]
+
+    def close(self, func: int, frame: int) -> list[int] | None:
+        """The call an exit ends, taken off with the calls above it; None when it is not open
+        (entered before the trace began, or its entry was not recorded)."""
+        if frame:
+            depth = self.at.get(frame)
+            if depth is None:
+                return None
+        else:
+            depth = len(self.calls) - 1
+            while depth >= 0 and self.calls[depth][0] != func:
+                depth -= 1
+            if depth < 0:
+                self.cut(0)
+                return None
+        call = self.calls[depth]
+        self.cut(depth)
+        return call
+
+
 def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
     """For each event: how many calls with no callee (an entry, then the same function's exit)
     start there, one after another (0 where none does)."""
@@ -119,8 +172,8 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     with no callee shorter than `threshold_ns` are left out."""
     out.write("# DURATION     TID     FUNCTION\n")
     names = [f"{name}()" for name in trace.functions]
-    stacks: dict[int, list[tuple[int, int]]] = {}  # tid -> open calls (function, entry time)
-    pending: dict[int, tuple[int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
+    stacks: dict[int, _OpenCalls] = {}
+    pending: dict[int, tuple[int, int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
     blank = " " * 11
     count = 0
 
@@ -130,18 +183,18 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     pool = _NamePool(name)
     for chunk in trace.chunks():
         tid = chunk.tid
-        stack = stacks.setdefault(tid, [])
+        stack = stacks.setdefault(tid, _OpenCalls())
         waiting = pending.pop(tid, None)
         head = f" [{tid:>6}] | "
         lines: list[str] = []
-        kinds, funcs, times = chunk.kind, chunk.func, chunk.time_ns
+        kinds, funcs, times, frames = chunk.kind, chunk.func, chunk.time_ns, chunk.frame
         runs = _leaf_runs(chunk.kind, chunk.func).tolist()
         i, n = 0, len(runs)
         while i < n:
             run = runs[i]
-            if waiting is None and run:
+            end = i + 2 * run
+            if waiting is None and run and not (stack.at and stack.at.keys() & set(frames[i:end].tolist())):
                 # A run of calls with no callee (most of a call graph): formatted in one go.
-                end = i + 2 * run
                 spent = chunk.time_ns[i + 1 : end : 2] - chunk.time_ns[i:end:2]
                 called = chunk.func[i:end:2]
                 if threshold_ns:
@@ -152,29 +205,29 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
                     count += len(spent) - 1  # lines of one item of `lines`
                 i = end
                 continue
-            kind, func, t = kinds.item(i), funcs.item(i), times.item(i)
+            kind, func, t, frame = kinds.item(i), funcs.item(i), times.item(i), frames.item(i)
             i += 1
             if kind != EXIT:
                 if waiting is not None:
                     lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
-                    stack.append(waiting)
-                waiting = (func, t)
+                    stack.push(*waiting)
+                if frame:
+                    stack.forget(frame)
+                waiting = (func, t, frame)
                 continue
             if waiting is not None:
-                if waiting[0] == func:
+                if waiting[0] == func and waiting[2] == frame:
                     spent = t - waiting[1]
                     if spent >= threshold_ns:
                         lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func)};")
                     waiting = None
                     continue
                 lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
-                stack.append(waiting)
+                stack.push(*waiting)
                 waiting = None
-            while stack and stack[-1][0] != func:
-                stack.pop()
-            if stack:
-                entry = stack.pop()
-                lines.append(f"{duration(t - entry[1])}{head}{'  ' * len(stack)}}} /* {trace.name(func)} */")
+            call = stack.close(func, frame)
+            if call is not None:
+                lines.append(f"{duration(t - call[1])}{head}{'  ' * len(stack)}}} /* {trace.name(func)} */")
         if waiting is not None:
             pending[tid] = waiting
         if lines:
@@ -207,32 +260,42 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
     Written for speed: plain lists indexed by function id, no object per call."""
     n = max(len(trace.functions), 1)
     calls, totals, selfs = [0] * n, [0] * n, [0] * n
-    stacks: dict[int, tuple[list[int], list[int], list[int]]] = {}
+    stacks: dict[int, _OpenCalls] = {}
     paths: dict[tuple[int, ...], int] = {}
     events = 0
     for chunk in trace.chunks():
-        funcs_open, entries, children = stacks.setdefault(chunk.tid, ([], [], []))
+        stack = stacks.setdefault(chunk.tid, _OpenCalls())
+        open_calls, at = stack.calls, stack.at
         kinds = chunk.kind.tolist()
         events += len(kinds)
-        for kind, func, t in zip(kinds, chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
+        columns = (kinds, chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
+        for kind, func, t, frame in zip(*columns, strict=True):
             if kind != EXIT:
-                funcs_open.append(func)
-                entries.append(t)
-                children.append(0)
+                if frame:
+                    if frame in at:
+                        stack.cut(at[frame])
+                    at[frame] = len(open_calls)
+                open_calls.append([func, t, frame, 0])
                 continue
-            while funcs_open and funcs_open[-1] != func:  # left by longjmp or an exception
-                funcs_open.pop()
-                entries.pop()
-                children.pop()
-            if not funcs_open or func >= n:
-                continue  # entered before the trace began
+            top = open_calls[-1] if open_calls else None
+            if top is not None and top[2] == frame and (frame or top[0] == func):
+                open_calls.pop()  # the common case, inline: the exit of the innermost call
+                if frame:
+                    del at[frame]
+                call = top
+            else:
+                found = stack.close(func, frame)
+                if found is None:
+                    continue
+                call = found
+            if func >= n:
+                continue
             if folded:
-                path = tuple(funcs_open)
-            funcs_open.pop()
-            spent = t - entries.pop()
-            own = spent - children.pop()
-            if children:
-                children[-1] += spent
+                path = (*(c[0] for c in open_calls), func)
+            spent = t - call[1]
+            own = spent - call[3]
+            if open_calls:
+                open_calls[-1][3] += spent
             if spent < threshold_ns:
                 continue
             calls[func] += 1

@@ -717,7 +717,21 @@ def return_stub_code(at: int, trampoline: Trampoline) -> bytes:
 
 
 # --- the function tracer (DESIGN.md section 8) ---------------------------------------------------------
-TRACE_ENTRY, TRACE_EXIT = 0, 1  # a tracer record's kind (in the record header's CPU field)
+# A tracer record's kind, in the record header's CPU field: bit 0 exit, bits 1-15 the call's
+# frame, its shadow entry's index + 1 (0: none, the call is not followed to its return). A frame
+# is reused only once its call is over (returned, or left by longjmp or an exception): readers
+# close what a reused frame left open.
+TRACE_ENTRY, TRACE_EXIT = 0, 1
+FRAME_SHIFT = 1
+
+
+def _frame_tag(asm: _Asm, entry_offset: RegisterT, into: RegisterT) -> None:
+    """`into` = the kind field of an entry record for the shadow entry at `entry_offset`."""
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, into, entry_offset))
+    asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, into, L.SHADOW_ENTRY.bit_length() - 1 - FRAME_SHIFT))
+    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, into, 1 << FRAME_SHIFT))
+
+
 SITE_CALL_AT = 5  # a tracer site's `call rel32` starts here (after `push imm32`)
 
 
@@ -783,9 +797,11 @@ def ring_record(asm: _Asm, layout: L.AreaLayout, probe_index: int, slot: Registe
     asm.bind(done)
 
 
-def _trace_record(asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int) -> None:
-    """A 16-byte record (esi: the function's id): u16 ops, u16 kind, u32 function, u64 time
-    stamp (rdtsc). Uses rax, rcx, rdx."""
+def _trace_record(
+    asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = TRACE_ENTRY, kind_in: RegisterT | None = None
+) -> None:
+    """A 16-byte record (esi: the function's id): u16 ops, u16 kind (`kind`, or the 16-bit
+    register `kind_in`, not ax, cx or dx), u32 function, u64 time stamp (rdtsc). Uses rax, rcx, rdx."""
     ring = layout.ring
 
     def write() -> None:
@@ -794,7 +810,10 @@ def _trace_record(asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int) ->
         asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RCX), R.RAX))
         asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RCX), ops_index))
-        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RCX), kind))
+        if kind_in is None:
+            asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RCX), kind))
+        else:  # (Register values are ints too: hence a parameter of its own)
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RCX), kind_in))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RCX), R.ESI))
 
     ring_record(asm, layout, ops_index, R.RCX, write)
@@ -846,16 +865,28 @@ def build_ops_code(
             asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, pending, depth))
             asm.jump(C.JAE_REL32_64, deep)
         asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS))))
-        _trace_record(asm, layout, ops_index, TRACE_ENTRY)
-        if trampoline is not None:
+        if trampoline is None:
+            _trace_record(asm, layout, ops_index)
+        else:
+            # The shadow entry first: the entry record names its frame (no record when missed).
             shadow = layout.shadow
             asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
             asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDI))
             asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RDI))
 
-            def fill() -> None:  # the function's id, from the pushed rsi
+            def fill() -> None:  # data: the function's id (the pushed rsi) | the entry's kind << 32
+                _frame_tag(asm, R.RSI, R.RDI)
                 asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _mem(R.RSP, 8)))
-                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RAX))
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDX, R.RDI))
+                asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+                asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RDX))
+                asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RCX))
+                asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ESI, R.EAX))
+                _trace_record(asm, layout, ops_index, kind_in=R.DI)
+                asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
+                asm.add(iced.Instruction.create_reg(C.POP_R64, R.RCX))
 
             shadow_push(asm, layout, trampoline.table, ops_index, maxactive, exit_at, fill)
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDI))
@@ -866,7 +897,9 @@ def build_ops_code(
         if trampoline is not None:
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RSP, _SAVED_AT["rsi"])))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _gs(shadow + L.ENTRY_DATA, R.RCX)))
-            _trace_record(asm, layout, ops_index, TRACE_EXIT)
+            asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM16, R.EDI, _gs(shadow + L.ENTRY_DATA + 4, R.RCX)))
+            asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM8, R.EDI, TRACE_EXIT))
+            _trace_record(asm, layout, ops_index, kind_in=R.DI)
             asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
         else:
             asm.add(iced.Instruction.create(C.INT3))
