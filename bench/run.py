@@ -203,9 +203,11 @@ def function_tracing(calls: int) -> dict[str, Any]:
         done = subprocess.run([*cmd, plain, str(calls)], capture_output=True, text=True, check=True)
         results["dynprobe_us"] = int(done.stdout)
         results["dynprobe_lost"] = json.loads(Path(trace, "info.json").read_text())["lost"]
-        t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "report", trace], capture_output=True, check=True)
-        results["report_events_per_s"] = 2 * calls / (time.perf_counter() - t0)
+        for command in ("report", "replay"):  # each a whole `dynprobe` process, start-up included
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dynprobe.cli.main", command, trace], stdout=subprocess.DEVNULL,
+                           check=True)  # fmt: skip
+            results[f"{command}_events_per_s"] = 2 * calls / (time.perf_counter() - t0)
         uftrace = shutil.which("uftrace")
         if uftrace is None:
             results["uftrace"] = "not installed"
@@ -408,7 +410,8 @@ def main() -> int:
     costs = ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in per_call.items() if k != "untraced_us")
     out.print(f"function tracing, the seed loop traced whole, ns per traced call (entry + exit): {costs}; "
               f"{tracing['dynprobe_lost']:,} lost; `dynprobe report` reads "
-              f"{tracing['report_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
+              f"{tracing['report_events_per_s'] / 1e6:.2f} M events/s, `dynprobe replay` "
+              f"{tracing['replay_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
     out.print(f"function tracer over {tracer_10k['functions']} functions: {tracer_10k['patched']} patched "
               f"in {tracer_10k['attach_s']:.2f} s")  # fmt: skip
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")

@@ -349,25 +349,30 @@ def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:
 
 
 def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
-    def map_pool(size: int) -> tuple[int, object]:
-        tid = next(t for t, s in proc.tracee.threads.items() if s.stopped)
-        stub = proc.slots.stub()
+    """The areas of `proc`, and of its vfork children: the remote syscalls run in the process of
+    the (stopped) thread an area is given to."""
+
+    def map_pool(tid: int, size: int) -> tuple[int, object]:
+        owner = session.process_of(tid) or proc
+        stub = owner.slots.stub()
         if stub is None:  # no slot yet (emulated traps need none): a region for the stub
-            near = next(iter(proc.sites), None) or int(sc.get_regs(tid).rip)
-            slot = session.allocate_slot(proc, near)
+            near = next(iter(owner.sites), None) or int(sc.get_regs(tid).rip)
+            slot = session.allocate_slot(owner, near)
             if slot is None:
-                raise ProcessError(f"no memory for dynprobe's code in pid {proc.pid}")
-            proc.slots.free(slot)
-            stub = proc.slots.stub()
+                raise ProcessError(f"no memory for dynprobe's code in pid {owner.pid}")
+            owner.slots.free(slot)
+            stub = owner.slots.stub()
         assert stub is not None
-        return proc.tracee.map_shared(tid, stub, size)
+        return owner.tracee.map_shared(tid, stub, size)
 
     def commit(tid: int, addr: int, size: int) -> None:
-        stub = proc.slots.stub()
+        owner = session.process_of(tid) or proc
+        stub = owner.slots.stub()
         assert stub is not None  # made with the pool
-        err = proc.tracee.commit(tid, stub, addr, size)
+        err = owner.tracee.commit(tid, stub, addr, size)
         if err and err != errno.EINVAL:  # EINVAL: a kernel before 5.14, which faults it in as it goes
-            session.warn(f"pid {proc.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({os.strerror(err)})")
+            reason = os.strerror(err)
+            session.warn(f"pid {owner.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({reason})")
 
     return ThreadAreas(proc.pid, session.layout, map_pool, commit)  # type: ignore[arg-type]
 

@@ -1216,6 +1216,10 @@ class Session:
         probe.sites[proc.pid] = addr
         self._set_armed(proc, site, site.wanted)
 
+    def process_of(self, tid: int) -> TracedProcess | None:
+        """The traced process a thread belongs to."""
+        return self._owner.get(tid)
+
     def allocate_slot(self, proc: TracedProcess, near: int, size: int = SLOT_SIZE) -> int | None:
         stopped = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
         if proc.slots.stub() is not None and stopped is not None:

@@ -49,15 +49,16 @@ class AreaRef:
 
 
 class ThreadAreas:
-    """The areas of one process. `map_pool(size)` maps a new pool in the target (remote syscalls
-    through a stopped thread) and returns (its address there, our view); `commit(tid, addr, size)`
-    faults an area in through the thread it is for, before its first use."""
+    """The areas of one process (and of its vfork children: one address space). Both callbacks run
+    remote syscalls through the stopped thread an area is being given to: `map_pool(tid, size)`
+    maps a new pool and returns (its address in the target, our view); `commit(tid, addr, size)`
+    faults an area in before its first use."""
 
     def __init__(
         self,
         pid: int,
         layout: L.AreaLayout,
-        map_pool: Callable[[int], tuple[int, mmap.mmap]],
+        map_pool: Callable[[int, int], tuple[int, mmap.mmap]],
         commit: Callable[[int, int, int], None],
     ) -> None:
         self.pid = pid
@@ -76,7 +77,7 @@ class ThreadAreas:
             if area is not None:
                 return area
             if not self._free:
-                pool = self._new_pool()
+                pool = self._new_pool(tid)
                 self._free.extend(AreaRef(pool, i) for i in reversed(range(pool.count)))
             area = self._free.pop()
             self.by_tid[tid] = area
@@ -88,9 +89,9 @@ class ThreadAreas:
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
 
-    def _new_pool(self) -> Pool:
+    def _new_pool(self, tid: int) -> Pool:
         count = POOL_AREAS * (1 << min(len(self.pools), 4))
-        addr, view = self._map_pool(count * self.layout.size)
+        addr, view = self._map_pool(tid, count * self.layout.size)
         pool = Pool(self.pid, addr, view, count)
         self.pools.append(pool)
         return pool

@@ -20,7 +20,7 @@ entry, at DATA + 8 * (N - 1)). Entry k is returned through trampoline entry poin
 finds its entry even if the stack under it was copied elsewhere.
 
 A record is `record_size` bytes (a power of two): a 16-byte header (u16 probe index, u16 CPU
-from rdtscp, u32 bit mask of fetch arguments that faulted, u64 time-stamp counter) then the
+from rdpid or rdtscp, u32 bit mask of fetch arguments that faulted, u64 time-stamp counter) then the
 probe's fields: 8 bytes per integer argument (the raw value, narrowed and sign-extended by the
 consumer) and, per string, a u16 length, a u16 flag word (STRING_TRUNCATED) and
 `STRING_CAPACITY` bytes.
