@@ -17,6 +17,7 @@ import pytest
 import dynprobe
 from dynprobe.core.ftrace import TracerEvent
 from dynprobe.errors import ProbeRefused, Refusal
+from dynprobe.tracefile import Trace
 from tests.conftest import BUILD, build_target
 
 from .helpers import run_plain
@@ -324,3 +325,16 @@ def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool) -> N
     r, trace = record(tmp_path, *args, "-F", "forking", "-F", "fork_outer", "-F", "add", "--", ret, "fork")
     assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]
     assert calls_of(trace) == {"forking": 1, "fork_outer": 1, **({"add": 1} if follow else {})}
+
+
+def test_threshold_drops_short_calls_in_the_target(ret: str, tmp_path: Path) -> None:
+    """`--threshold`: a call that ends sooner takes its records back in the target (its callees'
+    with them); the trace holds exactly the calls that lasted, in call-graph order."""
+    r, trace = record(tmp_path, "--threshold", "1ms", "-F", "main", "-F", "add", "-F", "slow", "-F", "nap", "--",
+                      ret, "mixed", "100")  # fmt: skip
+    assert r.stdout == "5050\n"
+    assert "121 calls traced, those of 1.000 ms or more recorded" in r.stderr  # 90 + 10 x (slow, nap, add) + main
+    assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
+        "main() {", *["  slow() {", "    nap();", "  } /* slow */"] * 10, "} /* main */",
+    ]  # fmt: skip
+    assert sum(len(chunk.kind) for chunk in Trace(trace).chunks()) == 2 * 21  # nothing else reached the disk

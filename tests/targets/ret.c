@@ -13,6 +13,7 @@
  *   pointer N       N calls of add through a function pointer
  *   evenodd N       is_even(N) by mutual recursion with is_odd
  *   raise           a probed function raises SIGUSR1; its handler calls add
+ *   mixed N         N calls of add; every 10th, a slow call (a 2 ms nap, then add); prints the sum
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -193,6 +194,13 @@ NOINLINE long nap(long ms) {
     return ms;
 }
 
+NOINLINE long slow(long i) {
+    nap(2);
+    long r = add(i, 1);
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *mode = argc > 1 ? argv[1] : "loop";
@@ -281,6 +289,11 @@ int main(int argc, char **argv) {
         long s = 0;
         for (long i = 0; i < n; i++)
             s += through(i, 1);
+        printf("%ld\n", s);
+    } else if (!strcmp(mode, "mixed")) {
+        long s = 0;
+        for (long i = 0; i < n; i++)
+            s += i % 10 == 9 ? slow(i) : add(i, 1);
         printf("%ld\n", s);
     } else if (!strcmp(mode, "sleep")) {
         printf("ready\n");

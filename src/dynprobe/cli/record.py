@@ -67,7 +67,7 @@ def _add_record_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ring-size", type=int, default=1 << 25, metavar="BYTES", help="per-thread ring (default 32 MiB)")
     p.add_argument("--depth", type=int, metavar="N", help="record calls nested at most N traced calls deep")
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
-                   help="leave out calls shorter than TIME (10us, 1ms) when the trace is read")  # fmt: skip
+                   help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
     add_target_options(p)
 
 
@@ -115,7 +115,9 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
-            tracer = session.function_tracer(args.filter, args.notrace, args.lib, graph=True, depth=args.depth)
+            tracer = session.function_tracer(
+                args.filter, args.notrace, args.lib, graph=True, depth=args.depth, threshold_ns=args.threshold
+            )
             _prepare_directory(out)
             info = {
                 "command": command or [f"(pid {session.pid})"],
@@ -147,7 +149,10 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                         clock=session.clock())  # fmt: skip
             write_info(out, info)
             dropped = f" ({lost} lost: a larger --ring-size keeps them)" if lost else ""
-            print(f"dynprobe: {calls} calls recorded in {out}{dropped}", file=sys.stderr)
+            what = f"{calls} calls recorded"
+            if args.threshold:
+                what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
+            print(f"dynprobe: {what} in {out}{dropped}", file=sys.stderr)
     except DynprobeError as exc:
         return report_error(exc)
     if args.pid is not None:

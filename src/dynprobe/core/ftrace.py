@@ -111,13 +111,14 @@ class FunctionTracer:
 
     def __init__(
         self, tracing: Tracing, index: int, functions: list[TracedFunction], graph: bool,
-        on_event: Callable[[TracerEvent], object] | None, depth: int | None = None,
+        on_event: Callable[[TracerEvent], object] | None, depth: int | None = None, threshold_ns: int = 0,
     ) -> None:  # fmt: skip
         self.tracing = tracing
         self.index = index
         self.functions = functions
         self.graph = graph
         self.depth = depth  # graph mode: calls nested deeper than this are not recorded
+        self.threshold_ns = threshold_ns  # graph mode: calls that end sooner are not recorded
         self.on_event = on_event
         self.started = False
         self.patched = 0
@@ -188,13 +189,15 @@ class Tracing:
 
     def new_tracer(
         self, functions: list[TracedFunction], graph: bool, on_event: Callable[[TracerEvent], object] | None,
-        depth: int | None = None,
+        depth: int | None = None, threshold_ns: int = 0,
     ) -> FunctionTracer:  # fmt: skip
         if not functions:
             raise SessionError("no function to trace: the filters match nothing")
         if depth is not None and (not graph or not 1 <= depth <= L.SHADOW_CAPACITY):
             raise SessionError(f"a depth limit is from 1 to {L.SHADOW_CAPACITY}, in graph mode")
-        tracer = FunctionTracer(self, self.session.reserve_index(), functions, graph, on_event, depth)
+        if threshold_ns and (not graph or threshold_ns < 0):
+            raise SessionError("a time threshold is a positive time, in graph mode")
+        tracer = FunctionTracer(self, self.session.reserve_index(), functions, graph, on_event, depth, threshold_ns)
         self.tracers[tracer.index] = tracer
         return tracer
 
@@ -326,7 +329,8 @@ class Tracing:
         if at is None:
             raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
         trampoline = proc.returns.trampoline if tracer.graph and proc.returns is not None else None
-        code, where = build_ops_code(session.layout, tracer.index, trampoline, at, tracer.depth)
+        ticks = max(1, round(tracer.threshold_ns / session.clock()["scale"])) if tracer.threshold_ns else 0
+        code, where = build_ops_code(session.layout, tracer.index, trampoline, at, tracer.depth, ticks)
         assert len(code) <= OPS_CODE_ROOM
         proc.slots.shrink(at, OPS_CODE_ROOM, len(code))
         proc.tracee.write(at, code)

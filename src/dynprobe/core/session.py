@@ -401,20 +401,23 @@ class Session:
         graph: bool = True,
         on_event: Callable[[TracerEvent], object] | None = None,
         depth: int | None = None,
+        threshold_ns: int = 0,
     ) -> FunctionTracer:
         """A function tracer over the functions of the main executable (and of `libraries`, by
         name or path, as mapped) whose names match a glob of `functions` (all if none) and none
         of `exclude`. Graph mode records entries and exits (the return-probe mechanism), else
         entries only; `depth` (graph mode) leaves out calls nested deeper than that many traced
-        calls. Call `start()` on it; events go to `on_event` or, spooled raw, to
-        `write_raw` (`dynprobe record`)."""
+        calls, `threshold_ns` calls that end sooner (dropped in the target: they cost no disk).
+        Call `start()` on it; events go to `on_event` or, spooled raw, to `write_raw` (`dynprobe
+        record`)."""
         self._check_open()
         main = self._processes.get(self.main_pid)
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps) for name in libraries]
-        return self.tracing.new_tracer(self.tracing.select(paths, functions, exclude), graph, on_event, depth)
+        selected = self.tracing.select(paths, functions, exclude)
+        return self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
 
     def reserve_index(self) -> int:
         """A counters-and-records index for something that is not a probe (a function tracer)."""
@@ -1373,6 +1376,8 @@ class Session:
             self._adopt_unseen_threads(proc)
             self._optimizer.restore_all(proc)
             self.tracing.restore(proc)
+            if proc.areas is not None:
+                proc.areas.publish_held()
             self.returns.before_detach(proc)
             self._leave_detours(proc)
             self._reset_thread_areas(proc, keep=self.returns.keep_areas_at_detach(proc))
@@ -1596,6 +1601,7 @@ class Session:
         if any(p.areas is areas for p in self._processes.values()):
             areas.retire(proc.pid)  # a vfork child that borrowed an area of its parent's pools
         elif self._consumer is not None:
+            areas.publish_held()
             self._consumer.forget(areas)
 
     def _leave_detours(self, proc: TracedProcess) -> None:

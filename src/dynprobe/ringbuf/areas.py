@@ -48,6 +48,13 @@ class AreaRef:
         return self.pool.target_addr + self.offset
 
 
+def _publish_held(area: AreaRef, layout: L.AreaLayout) -> None:
+    words = area.pool.words[area.index]
+    head, reserve, tail = (int(words[at // 8]) for at in (L.HEAD, L.RESERVE, L.TAIL))
+    if head < reserve <= tail + layout.ring_slots:  # (the target is not trusted)
+        words[L.HEAD // 8] = reserve
+
+
 class ThreadAreas:
     """The areas of one process (and of its vfork children: one address space). Both callbacks run
     remote syscalls through the stopped thread an area is being given to: `map_pool(tid, size)`
@@ -100,7 +107,14 @@ class ThreadAreas:
         with self.lock:
             area = self.by_tid.pop(tid, None)
             if area is not None:
+                _publish_held(area, self.layout)
                 self.retired.append((tid, area))
+
+    def publish_held(self) -> None:
+        """Records held back (entries of calls a time threshold may still drop) are published:
+        the threads are stopped or gone, and those calls are still running."""
+        for _, area in self.live():
+            _publish_held(area, self.layout)
 
     def recycle(self, area: AreaRef) -> None:
         """A drained, folded area is clean again (called by the consumer)."""

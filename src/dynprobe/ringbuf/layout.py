@@ -38,6 +38,7 @@ PAGE = 4096
 MAGIC = 0x00
 TID = 0x08
 BUSY = 0x10
+RESERVE = 0x18  # the next record to write: HEAD, or past it while a tracer holds records back
 HEAD = 0x40
 TAIL = 0x80
 SHADOW_TOP = 0xC0  # entries [0, top) of the shadow stack are in use or free (slot 0)

@@ -768,24 +768,35 @@ def call_to(site_detour: int, target: int) -> bytes:
     return bytes(encoder.take_buffer())
 
 
-def ring_record(asm: _Asm, layout: L.AreaLayout, probe_index: int, slot: RegisterT, write: Callable[[], None]) -> None:
+def ring_record(
+    asm: _Asm, layout: L.AreaLayout, probe_index: int, slot: RegisterT, write: Callable[[], None],
+    publish: bool = True, reserved: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
     """A record in the thread's ring: the next free slot's offset in `slot` (rax used too), then
-    `write()` fills it and the head publishes it (x86 keeps stores in order); a full ring counts
-    the record lost. A signal handler hitting a probe while this thread writes a record would
-    reuse the slot: the re-entrancy flag makes its record missed (counted) instead."""
+    `write()` fills it and the head publishes it (x86 keeps stores in order) with every record
+    held back before it; a full ring counts the record lost. Unless `publish`, the record is
+    held back (`RESERVE` passes it, `HEAD` does not): a function tracer with a time threshold
+    takes it back if the call ends too soon (`reserved()` sees its sequence number in `slot`).
+    A signal handler hitting a probe while this thread writes a record would reuse the slot: the
+    re-entrancy flag makes its record missed (counted) instead."""
     missed, full, release, done = asm.label(), asm.label(), asm.label(), asm.label()
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
     asm.jump(C.JNE_REL32_64, missed)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, slot, _gs(L.HEAD)))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, slot, _gs(L.RESERVE)))
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots))
     asm.jump(C.JAE_REL32_64, full)  # also when a scribbled tail is ahead of head
+    if reserved is not None:
+        reserved()
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, slot, layout.ring_slots - 1))
     asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, slot, layout.record_size.bit_length() - 1))
     write()
-    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.HEAD)))
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.RESERVE)))
+    if publish:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(L.RESERVE)))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.HEAD), R.RAX))
     asm.jump(C.JMP_REL32_64, release)
     asm.bind(full)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(probe_index, L.LOST))))
@@ -798,10 +809,12 @@ def ring_record(asm: _Asm, layout: L.AreaLayout, probe_index: int, slot: Registe
 
 
 def _trace_record(
-    asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = TRACE_ENTRY, kind_in: RegisterT | None = None
-) -> None:
+    asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = TRACE_ENTRY, kind_in: RegisterT | None = None,
+    publish: bool = True, reserved: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
     """A 16-byte record (esi: the function's id): u16 ops, u16 kind (`kind`, or the 16-bit
-    register `kind_in`, not ax, cx or dx), u32 function, u64 time stamp (rdtsc). Uses rax, rcx, rdx."""
+    register `kind_in`, not ax, cx or dx), u32 function, u64 time stamp (rdtsc). Uses rax, rcx,
+    rdx. `publish`, `reserved`: as in ring_record."""
     ring = layout.ring
 
     def write() -> None:
@@ -816,7 +829,7 @@ def _trace_record(
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RCX), kind_in))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RCX), R.ESI))
 
-    ring_record(asm, layout, ops_index, R.RCX, write)
+    ring_record(asm, layout, ops_index, R.RCX, write, publish, reserved)
 
 
 def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None = None) -> None:
@@ -846,14 +859,24 @@ def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None
 
 
 def build_ops_code(
-    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, depth: int | None = None
-) -> tuple[bytes, OpsCode]:
+    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, depth: int | None = None,
+    threshold: int = 0,
+) -> tuple[bytes, OpsCode]:  # fmt: skip
     """One tracer instance's code at `at`: its entry, its body (an entry record; with a
     `trampoline`, graph mode: a shadow entry whose return code, `exit`, writes the exit
     record) and that exit. In graph mode with a `depth`, calls nested deeper than `depth`
     traced calls (its pending shadow entries on the thread) are not recorded. Bodies keep rsi,
-    rdi and r11 (a list trampoline calls several)."""
+    rdi and r11 (a list trampoline calls several).
+
+    In graph mode with a `threshold` (time-stamp counter ticks), calls that end sooner leave no
+    record: entry records are held back (ring_record) and a call that ends too soon takes its
+    own back with everything after it, which is its callees' (shorter still). A call that lasts
+    publishes its exit with every held-back entry before it: its callers', which last longer.
+    (Records of other writers publish held-back entries too: those calls then show up whatever
+    their length, and a reader's threshold hides them.)"""
     maxactive = L.SHADOW_CAPACITY if depth is None else depth
+    journal = trampoline is not None and threshold > 0
+    held = L.ENTRY_DATA + 8  # in a shadow entry: the sequence number of its held-back entry record
 
     def assemble(exit_at: int) -> tuple[bytes, dict[int, int]]:
         asm = _Asm()
@@ -881,10 +904,20 @@ def build_ops_code(
                 asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
                 asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RDX))
+                if journal:  # no entry record held back (yet)
+                    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + held, R.RSI), -1))
                 asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RCX))
                 asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
                 asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ESI, R.EAX))
-                _trace_record(asm, layout, ops_index, kind_in=R.DI)
+
+                def reserved() -> None:  # rcx: the record's sequence number; the entry's offset pushed
+                    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP)))
+                    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + held, R.RAX), R.RCX))
+
+                if journal:
+                    _trace_record(asm, layout, ops_index, kind_in=R.DI, publish=False, reserved=reserved)
+                else:
+                    _trace_record(asm, layout, ops_index, kind_in=R.DI)
                 asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
                 asm.add(iced.Instruction.create_reg(C.POP_R64, R.RCX))
 
@@ -899,6 +932,8 @@ def build_ops_code(
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _gs(shadow + L.ENTRY_DATA, R.RCX)))
             asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM16, R.EDI, _gs(shadow + L.ENTRY_DATA + 4, R.RCX)))
             asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM8, R.EDI, TRACE_EXIT))
+            if journal:
+                _take_back_if_short(asm, layout, ops_index, shadow + held, threshold, trampoline.finish)
             _trace_record(asm, layout, ops_index, kind_in=R.DI)
             asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
         else:
@@ -913,6 +948,49 @@ def build_ops_code(
     body_at, check = addresses.values()
     assert check == exit_at
     return code, OpsCode(at, body_at, exit_at)
+
+
+def _take_back_if_short(
+    asm: _Asm, layout: L.AreaLayout, ops_index: int, held: int, threshold: int, finish: int
+) -> None:  # fmt: skip
+    """At a traced call's return (rcx: its shadow entry's offset; rsi, rdi kept): if its entry
+    record is still held back and the call lasted less than `threshold` ticks, take the record
+    back with all after it and go to `finish`; otherwise fall through to write the exit record.
+    Uses rax, rcx, rdx."""
+    missed, short, release, keep, write = (asm.label() for _ in range(5))
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
+    asm.jump(C.JNE_REL32_64, missed)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _gs(held, R.RCX)))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RDX, _gs(L.HEAD)))
+    asm.jump(C.JB_REL32_64, keep)  # published already (a callee lasted): the exit follows it
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RDX, _gs(L.RESERVE)))
+    asm.jump(C.JAE_REL32_64, release)  # no entry record (missed, lost, or taken back): none at all
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RAX, layout.ring_slots - 1))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, layout.record_size.bit_length() - 1))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _gs(layout.ring + L.RECORD_TSC, R.RAX)))
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
+    asm.add(iced.Instruction.create(C.RDTSC))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RAX, R.RCX))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, threshold))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
+    asm.jump(C.JB_REL32_64, short)
+    asm.bind(keep)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
+    asm.jump(C.JMP_REL32_64, write)
+    asm.bind(short)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.RESERVE), R.RDX))
+    asm.bind(release)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, finish))
+    asm.bind(missed)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.MISSED))))
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, finish))
+    asm.bind(write)
 
 
 def build_list_trampoline(bodies: Sequence[int], at: int) -> bytes:
