@@ -461,11 +461,11 @@ def shadow_push(
     the entry's data (rsi: the entry's offset; rax, rdx free), and point the return address at
     the trampoline's entry point of the same number. An entry whose slot is the new slot belongs
     to a frame that is gone (longjmp) and is reused, unless the return address leads to it
-    (another return probe of this very call); otherwise the first free entry, or a new one on top.
-    Uses rax, rcx, rdx, rsi, rdi."""
+    (another return probe of this very call); otherwise a free entry among the newer ones, or a
+    new one on top. Uses rax, rcx, rdx, rsi, rdi."""
     shadow, size = lay.shadow, L.SHADOW_ENTRY
     missed, full, done = asm.label(), asm.label(), asm.label()
-    loop, step, dup, scanned, take = asm.label(), asm.label(), asm.label(), asm.label(), asm.label()
+    loop, dup, scanned, take = asm.label(), asm.label(), asm.label(), asm.label()
     pending = lay.counter(probe_index, L.PENDING)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.SHADOW_BUSY), 0))
     asm.jump(C.JNE_REL32_64, missed)
@@ -474,21 +474,25 @@ def shadow_push(
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _gs(L.SHADOW_TOP)))
     asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, size.bit_length() - 1))
-    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ESI, R.ESI))
+    # From the top down: a frame's callers are older entries with higher slots (the stack grows
+    # down), so the first entry above the new slot ends the search: a plain call costs one step
+    # whatever the depth. (Entries of other stacks, coroutines', may end it early too: a stale
+    # entry below them waits for another reuse, and is never taken for a live one.)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDX))
     asm.add(iced.Instruction.create_reg_i32(C.MOV_RM64_IMM32, R.RDI, -1))
     asm.bind(loop)
-    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RSI, R.RDX))
-    asm.jump(C.JAE_REL32_64, scanned)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RSI, R.RSI))
+    asm.jump(C.JE_REL32_64, scanned)
+    asm.add(iced.Instruction.create_reg_i32(C.SUB_RM64_IMM32, R.RSI, size))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_SLOT, R.RSI)))
     asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
     asm.jump(C.JE_REL32_64, dup)
+    asm.jump(C.JA_REL32_64, scanned)
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
-    asm.jump(C.JNE_REL32_64, step)
+    asm.jump(C.JNE_REL32_64, loop)
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM8, R.RDI, -1))
-    asm.jump(C.JNE_REL32_64, step)
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RSI))  # the first free entry
-    asm.bind(step)
-    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM32, R.RSI, size))
+    asm.jump(C.JNE_REL32_64, loop)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RSI))  # the topmost free entry
     asm.jump(C.JMP_REL32_64, loop)
     asm.bind(dup)
     # Another return probe of this call may have taken the slot already: the return address
@@ -508,7 +512,7 @@ def shadow_push(
     asm.jump(C.JMP_REL32_64, chain)
     asm.bind(live)
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
-    asm.jump(C.JMP_REL32_64, step)
+    asm.jump(C.JMP_REL32_64, loop)
     asm.bind(stale)  # a frame that is gone (longjmp): its entry is taken over
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
