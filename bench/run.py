@@ -227,6 +227,21 @@ def function_tracing(calls: int) -> dict[str, Any]:
     return results
 
 
+def deep_tracing(calls: int) -> dict[int, float]:
+    """ns per traced call (`dynprobe record -F rec`) of a recursion 1, 10, 100 and 1,000 deep."""
+    binary = compile_c(HERE / "targets" / "deep.c", BUILD / "deep", "-O1")
+    costs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for depth in (1, 10, 100, 1000):
+            argv = [binary, str(depth), str(calls // (depth + 1))]
+            untraced = run_seed(argv)
+            cmd = [sys.executable, "-m", "dynprobe.cli.main", "record", "-o", os.path.join(tmp, "t"), "-F", "rec",
+                   "--ring-size", str(1 << 26), "--"]  # fmt: skip
+            traced = int(subprocess.run([*cmd, *argv], capture_output=True, text=True, check=True).stdout)
+            costs[depth] = (traced - untraced) * 1000 / (calls // (depth + 1) * (depth + 1))
+    return costs
+
+
 def tracer_attach(count: int) -> dict[str, float]:
     """`session.function_tracer` over every function of a generated program: attach time."""
     binary = many_functions_binary(count)
@@ -367,6 +382,7 @@ def main() -> int:
     cli_s = count_cli(n_many)
     console.log(f"dynprobe count -f ({n_many} probes), whole run: {cli_s:.2f} s")
     tracing = function_tracing(int(2_000_000 * scale))
+    deep = deep_tracing(int(2_000_000 * scale))
     console.log(f"function tracing: {tracing}")
     tracer_10k = tracer_attach(n_many)
     console.log(f"function tracer attach: {tracer_10k}")
@@ -412,6 +428,8 @@ def main() -> int:
               f"{tracing['dynprobe_lost']:,} lost; `dynprobe report` reads "
               f"{tracing['report_events_per_s'] / 1e6:.2f} M events/s, `dynprobe replay` "
               f"{tracing['replay_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
+    out.print("function tracing at depth (recursion N deep), ns per traced call: "
+              + ", ".join(f"{depth} deep {ns:.0f}" for depth, ns in deep.items()))  # fmt: skip
     out.print(f"function tracer over {tracer_10k['functions']} functions: {tracer_10k['patched']} patched "
               f"in {tracer_10k['attach_s']:.2f} s")  # fmt: skip
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
@@ -429,6 +447,7 @@ def main() -> int:
         "attach_optimized": many,
         "count_cli_s": cli_s,
         "function_tracing": tracing,
+        "function_tracing_at_depth_ns": deep,
         "tracer_attach": tracer_10k,
         "drain": drains,
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
