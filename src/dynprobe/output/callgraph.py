@@ -254,6 +254,9 @@ class Profile:
     events: int = 0
 
 
+_SUMMED_RUN = 8  # calls with no callee in a row, from which numpy sums them
+
+
 def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profile:
     """One pass; per thread only its open calls (functions, entry times, time in callees).
     Calls shorter than `threshold_ns` are not counted (their time still is their caller's).
@@ -263,13 +266,10 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
     stacks: dict[int, _OpenCalls] = {}
     paths: dict[tuple[int, ...], int] = {}
     events = 0
-    for chunk in trace.chunks():
-        stack = stacks.setdefault(chunk.tid, _OpenCalls())
+
+    def one_by_one(stack: _OpenCalls, columns: tuple[list[int], ...], lo: int, hi: int) -> None:
         open_calls, at = stack.calls, stack.at
-        kinds = chunk.kind.tolist()
-        events += len(kinds)
-        columns = (kinds, chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
-        for kind, func, t, frame in zip(*columns, strict=True):
+        for kind, func, t, frame in zip(*(c[lo:hi] for c in columns), strict=True):
             if kind != EXIT:
                 if frame:
                     if frame in at:
@@ -303,6 +303,49 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
             selfs[func] += own
             if folded:
                 paths[path] = paths.get(path, 0) + own
+
+    def summed(stack: _OpenCalls, spent: np.ndarray, called: np.ndarray) -> None:
+        """A run of calls with no callee, at the top of `stack`."""
+        known = called < n
+        spent, called = spent[known], called[known]
+        if stack.calls:
+            stack.calls[-1][3] += int(spent.sum())
+        if threshold_ns:
+            keep = spent >= threshold_ns
+            spent, called = spent[keep], called[keep]
+        functions, which = np.unique(called, return_inverse=True)
+        sums = np.bincount(which, weights=spent).tolist()
+        for func, count, ns in zip(functions.tolist(), np.bincount(which).tolist(), sums, strict=True):
+            calls[func] += count
+            totals[func] += int(ns)
+            selfs[func] += int(ns)
+            if folded:
+                path = (*(c[0] for c in stack.calls), func)
+                paths[path] = paths.get(path, 0) + int(ns)
+
+    for chunk in trace.chunks():
+        stack = stacks.setdefault(chunk.tid, _OpenCalls())
+        columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
+        events += len(columns[0])
+        runs = _leaf_runs(chunk.kind, chunk.func)
+        done = 0
+        # Long runs of calls with no callee are summed by numpy; the events between, one by one.
+        before = np.zeros_like(runs)
+        before[2:] = runs[:-2]  # a run's later calls have the run's rest: not where runs start
+        for start in np.flatnonzero((runs >= _SUMMED_RUN) & (before != runs + 1)).tolist():
+            if start < done:
+                continue  # inside a run summed already
+            one_by_one(stack, columns, done, start)
+            done, end = start, start + 2 * int(runs[start])
+            if stack.at:
+                reused = np.flatnonzero(np.isin(chunk.frame[start:end:2], list(stack.at)))
+                if len(reused):  # a call in a frame still open closes calls: up to it, one by one
+                    done = start + 2 * int(reused[0]) + 2
+                    one_by_one(stack, columns, start, done)
+                    continue
+            summed(stack, chunk.time_ns[start + 1 : end : 2] - chunk.time_ns[start:end:2], chunk.func[start:end:2])
+            done = end
+        one_by_one(stack, columns, done, len(columns[0]))
     result = Profile(folded=paths, events=events)
     for func in range(n):
         if calls[func]:
