@@ -387,12 +387,11 @@ class _Emitter:
             asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
             asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RSI), R.RAX))
-            asm.add(
-                iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RSI), prog.probe_index)
-            )
+            # The header's first 8 bytes in one store: probe, CPU, faults (none yet)
             asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, 0xFFF))
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RSI), R.CX))
-            asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RSI), 0))
+            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM32_IMM8, R.ECX, 16))
+            asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.ECX, prog.probe_index))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_PROBE, R.RSI), R.RCX))
             self.in_record = True
             for bit, fld in enumerate(prog.fields):
                 if not fld.in_record:
@@ -402,8 +401,11 @@ class _Emitter:
                 if fld.arg.type.is_string:
                     self.string(fld.arg, at, bit, faulted)
                 else:
+                    loads = len(asm.may_fault)
                     self.value(fld.arg.fetch, fld.arg.type.bits, faulted)
                     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(at, R.RSI), R.RAX))
+                    if len(asm.may_fault) == loads:
+                        continue  # a register: nothing to fault
                     asm.jump(C.JMP_REL32_64, after)
                     asm.bind(faulted)
                     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(at, R.RSI), 0))
