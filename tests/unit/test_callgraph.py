@@ -3,6 +3,7 @@ line would (uftrace's duration column), for any durations, names and depths."""
 
 from __future__ import annotations
 
+import io
 import random
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def one_by_one(spent: list[int], called: list[int], prefix: str) -> str:
 
 
 @given(
-    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3_000_000_000)), min_size=1, max_size=200),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(-5_000, 3_000_000_000)), min_size=1, max_size=200),
     st.integers(0, 5),
     st.booleans(),
 )
@@ -116,3 +117,17 @@ def test_summed_runs_give_the_profile_of_one_event_at_a_time(
     one_by_one = profile(Trace(str(tmp_path)), folded=True, threshold_ns=threshold)
     assert summed.functions == one_by_one.functions and summed.folded == one_by_one.folded
     assert sum(ft.calls for ft in summed.functions.values()) > (10 if threshold else 100)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("threshold", [0, 30])
+def test_replay_of_runs_in_one_go_is_replay_one_event_at_a_time(
+    tmp_path: Path, seed: int, threshold: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _random_trace(tmp_path, seed)
+    fast = io.StringIO()
+    callgraph.replay(Trace(str(tmp_path)), fast, threshold)
+    monkeypatch.setattr(callgraph, "_leaf_runs", lambda kinds, funcs: np.zeros(len(kinds), dtype=np.int64))
+    slow = io.StringIO()
+    callgraph.replay(Trace(str(tmp_path)), slow, threshold)
+    assert fast.getvalue() == slow.getvalue() and fast.getvalue().count("\n") > 20

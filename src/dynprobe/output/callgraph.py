@@ -63,6 +63,13 @@ class _OpenCalls:
             self.at[frame] = len(self.calls)
         self.calls.append([func, t, frame, 0])
 
+    def first_reused(self, frames: np.ndarray) -> int | None:
+        """The index of the first of `frames` that is open (None if none is)."""
+        if not self.at:
+            return None
+        reused = np.flatnonzero(np.isin(frames, list(self.at)))
+        return int(reused[0]) if len(reused) else None
+
     def cut(self, depth: int) -> None:
         for call in self.calls[depth:]:
             self.at.pop(call[2], None)
@@ -123,7 +130,7 @@ class _NamePool:
 
     def calls(self, spent: np.ndarray, called: np.ndarray, prefix: str) -> str:
         """One line per call (without the last newline), `spent` ns in `called` functions."""
-        if spent.max() >= 1_000_000 or len(spent) < 16:  # few, or wider columns: one by one
+        if len(spent) < 16 or spent.max() >= 1_000_000 or spent.min() < 0:  # few, or other widths: one by one
             return "\n".join(
                 (f"{ns / 1000:8.3f} us" if ns < 1_000_000 else duration(ns)) + f"{prefix}{self.name(f)};"
                 for ns, f in zip(spent.tolist(), called.tolist(), strict=True)
@@ -193,7 +200,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
         while i < n:
             run = runs[i]
             end = i + 2 * run
-            if waiting is None and run and not (stack.at and stack.at.keys() & set(frames[i:end].tolist())):
+            if waiting is None and run and stack.first_reused(frames[i:end:2]) is None:
                 # A run of calls with no callee (most of a call graph): formatted in one go.
                 spent = chunk.time_ns[i + 1 : end : 2] - chunk.time_ns[i:end:2]
                 called = chunk.func[i:end:2]
@@ -337,12 +344,11 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
                 continue  # inside a run summed already
             one_by_one(stack, columns, done, start)
             done, end = start, start + 2 * int(runs[start])
-            if stack.at:
-                reused = np.flatnonzero(np.isin(chunk.frame[start:end:2], list(stack.at)))
-                if len(reused):  # a call in a frame still open closes calls: up to it, one by one
-                    done = start + 2 * int(reused[0]) + 2
-                    one_by_one(stack, columns, start, done)
-                    continue
+            reused = stack.first_reused(chunk.frame[start:end:2])
+            if reused is not None:  # a call in a frame still open closes calls: up to it, one by one
+                done = start + 2 * reused + 2
+                one_by_one(stack, columns, start, done)
+                continue
             summed(stack, chunk.time_ns[start + 1 : end : 2] - chunk.time_ns[start:end:2], chunk.func[start:end:2])
             done = end
         one_by_one(stack, columns, done, len(columns[0]))
