@@ -1207,8 +1207,9 @@ class Session:
     def _install(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
         site = proc.sites.get(addr)
         if site is None:
-            for other in [proc.sites.get(a) for a in range(addr - MAX_INSN_LEN * 2, addr)]:
-                if other is not None and other.optimized and addr < other.addr + len(other.region):
+            sites = proc.sites
+            for other in [sites[a] for a in range(addr - MAX_INSN_LEN * 2, addr) if a in sites]:
+                if other.optimized and addr < other.addr + len(other.region):
                     # The new int3 would land inside the other site's jmp: that one goes back to a trap.
                     other.static_refusal = OptimizeRefusal.REGION_OVERLAP
                     self._optimizer.unoptimize(proc, other, arm=True)

@@ -18,7 +18,8 @@ def check_location(location: Location) -> Refusal | None:
         func = image.function_at(location.vaddr)
     if func is None:
         return Refusal.UNKNOWN_FUNCTION
-    if location.vaddr not in _starts(location.path, func.addr, func.size):
+    at_entry = location.vaddr == func.addr  # an instruction starts there: no need to decode up to it
+    if not at_entry and location.vaddr not in _starts(location.path, func.addr, func.size):
         return Refusal.NOT_INSN_BOUNDARY
     insn = decode_one(image.code(location.vaddr, 15), location.vaddr)
     if insn is None:

@@ -21,6 +21,7 @@ Pure: programs + layout + addresses in, bytes + fix-up table out. Encoding is ic
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -556,17 +557,45 @@ def shadow_push(
     asm.bind(done)
 
 
-def _count_only(asm: _Asm, programs: Sequence[Program], layout: L.AreaLayout) -> None:
+_PLACEHOLDER = 0x7FFF_FFF0  # a displacement to patch (disp32 whatever the value it becomes)
+
+
+@functools.cache
+def _count_only_template(counters: int, red_zone: int) -> tuple[bytes, tuple[int, ...]]:
     """Hit counters without touching the flags: seto/lahf save OF and the arithmetic flags in
-    al/ah (the sequence of Valgrind and DynamoRIO), cheaper than pushfq/popfq."""
+    al/ah (the sequence of Valgrind and DynamoRIO), cheaper than pushfq/popfq. No branch and no
+    RIP-relative operand: the bytes run anywhere, so they are encoded once per shape, with a
+    placeholder for each counter's displacement; returns them and where the displacements are."""
+    asm = _Asm()
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
     asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
     asm.add(iced.Instruction.create(C.LAHF))
-    for prog in programs:
-        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(prog.probe_index, L.HITS))))
+    for _ in range(counters):
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(_PLACEHOLDER)))
     asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
     asm.add(iced.Instruction.create(C.SAHF))
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RAX))
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
+    code, _ = asm.encode(0)
+    decoder = iced.Decoder(64, code)
+    offsets = [
+        int(insn.ip) + decoder.get_constant_offsets(insn).displacement_offset
+        for insn in decoder
+        if insn.memory_displacement == _PLACEHOLDER
+    ]
+    assert len(offsets) == counters
+    return code, tuple(offsets)
+
+
+def _count_only(programs: Sequence[Program], layout: L.AreaLayout, red_zone: int) -> bytes:
+    code, offsets = _count_only_template(len(programs), red_zone)
+    out = bytearray(code)
+    for at, prog in zip(offsets, programs, strict=True):
+        out[at : at + 4] = layout.counter(prog.probe_index, L.HITS).to_bytes(4, "little")
+    return bytes(out)
 
 
 def build_detour(
@@ -580,46 +609,49 @@ def build_detour(
 ) -> Detour | OptimizeRefusal:
     """The detour for a site whose probes run `programs`, placed at `at` (return probes among
     them need the process's `trampoline`)."""
-    asm = _Asm()
     red_zone = 0 if function_entry else RED_ZONE
-    if red_zone:
-        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
     if any(p.entry is not None for p in programs) and (trampoline is None or not function_entry):
         return OptimizeRefusal.FETCH_UNSUPPORTED
     if all(p.kind == ActionKind.COUNT and p.filter is None and p.entry is None for p in programs):
-        _count_only(asm, programs, layout)
-    else:
-        push_flags = any(_fetches_flags(prog) for prog in programs if prog.entry is None)
-        returning = _Returning(trampoline.table, 0, at_return=False) if trampoline is not None else None
-        emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning)
-        if push_flags:
-            asm.add(iced.Instruction.create(C.PUSHFQ))
-        for name in _SAVED:
-            asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-        if not push_flags:
-            asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
-            asm.add(iced.Instruction.create(C.LAHF))
-            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
-        try:
-            for prog in programs:
-                _check_fields(prog)
-                if prog.entry is not None:
-                    emitter.return_entry(prog, prog.entry)
-                else:
-                    emitter.program(prog)
-        except _Unsupported as exc:
-            return exc.reason
-        if not push_flags:
-            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
-            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
-            asm.add(iced.Instruction.create(C.SAHF))
-        for name in reversed(_SAVED):
-            asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
-        if push_flags:
-            asm.add(iced.Instruction.create(C.POPFQ))
+        return _then_region(plan, _count_only(programs, layout, red_zone), {}, at)
+    asm = _Asm()
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
+    push_flags = any(_fetches_flags(prog) for prog in programs if prog.entry is None)
+    returning = _Returning(trampoline.table, 0, at_return=False) if trampoline is not None else None
+    emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning)
+    if push_flags:
+        asm.add(iced.Instruction.create(C.PUSHFQ))
+    for name in _SAVED:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+    if not push_flags:
+        asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
+        asm.add(iced.Instruction.create(C.LAHF))
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
+    try:
+        for prog in programs:
+            _check_fields(prog)
+            if prog.entry is not None:
+                emitter.return_entry(prog, prog.entry)
+            else:
+                emitter.program(prog)
+    except _Unsupported as exc:
+        return exc.reason
+    if not push_flags:
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
+        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
+        asm.add(iced.Instruction.create(C.SAHF))
+    for name in reversed(_SAVED):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
+    if push_flags:
+        asm.add(iced.Instruction.create(C.POPFQ))
     if red_zone:
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
-    code, fixups = asm.encode(at)
+    return _then_region(plan, *asm.encode(at), at)
+
+
+def _then_region(plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int) -> Detour | OptimizeRefusal:
+    """The detour: the action code placed at `at`, then the relocated region."""
     region = relocate_region(plan, at + len(code))
     if region is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
