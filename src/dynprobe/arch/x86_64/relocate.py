@@ -28,6 +28,14 @@ def _refers_to(insn: iced.Instruction) -> tuple[int | None, int | None]:
 
 def relocate(insn: iced.Instruction, new_ip: int) -> bytes | None:
     """`insn` re-encoded to run at `new_ip` with the same effect, or None if that cannot be done."""
+    mem, branch = _refers_to(insn)
+    if mem is None and branch is None:  # nothing relative to where it is: as it is
+        plain = iced.Encoder(64)
+        try:
+            plain.encode(insn, new_ip)
+        except ValueError:
+            return None
+        return bytes(plain.take_buffer())
     encoder = iced.BlockEncoder(64)
     encoder.add(insn)
     try:
@@ -37,7 +45,6 @@ def relocate(insn: iced.Instruction, new_ip: int) -> bytes | None:
     moved = decode_one(code, new_ip)
     if moved is None:
         return None
-    mem, branch = _refers_to(insn)
     new_mem, _ = _refers_to(moved)
     if mem is not None and (new_mem != mem or moved.memory_displ_size == 0 or code[0] == 0x67):
         return None
