@@ -317,11 +317,13 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
     ]
 
 
+@pytest.mark.parametrize("threshold", [[], ["--threshold", "1ns"]], ids=["all", "threshold"])
 @pytest.mark.parametrize("follow", [False, True], ids=["child-let-go", "child-followed"])
-def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool) -> None:
-    args = ["--follow-fork"] if follow else []
+def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool, threshold: list[str]) -> None:
     """The parent's calls; a followed child's own calls too (the frames it inherited return in the
-    child, and their entries were the parent's: those returns are not shown)."""
+    child, and their entries were the parent's: those returns are not shown). With a threshold,
+    the entries the parent held back at the fork are not the child's to take back."""
+    args = ["--follow-fork", *threshold] if follow else threshold
     r, trace = record(tmp_path, *args, "-F", "forking", "-F", "fork_outer", "-F", "add", "--", ret, "fork")
     assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]
     assert calls_of(trace) == {"forking": 1, "fork_outer": 1, **({"add": 1} if follow else {})}

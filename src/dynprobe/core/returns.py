@@ -536,6 +536,11 @@ class ReturnProbes:
         snap, returns.snapshot = returns.snapshot, None
         words[L.SHADOW_TOP // 8] = snap[L.SHADOW_TOP // 8]
         words[lay.shadow // 8 :] = snap[lay.shadow // 8 :]
+        # The ring's sequence goes on from the parent's published records: an entry record the
+        # parent held back (a tracer's time threshold) is not in this ring, and its call's return
+        # here then writes nothing, rather than take back records of the child's.
+        for at in (L.TAIL, L.HEAD, L.RESERVE):
+            words[at // 8] = snap[L.HEAD // 8]
         top = min(int(snap[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         for k in range(top):
             at = self._at(k)
