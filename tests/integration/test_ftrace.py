@@ -309,7 +309,7 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
     assert r.stdout == "15\n" and calls_of(trace) == {"add": 5}
 
     r, trace = record(tmp_path, "--lib", "libc", "-F", "main", "-F", "printf", "--", ret, "loop", "3")
-    assert r.stdout == "6\n"
+    assert r.stdout == "6\n" and "tracing 1 function, 1 more once their library is mapped" in r.stderr
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "main() {",
         "  printf();",

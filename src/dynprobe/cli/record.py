@@ -137,11 +137,15 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                     with progress_bar() as bar:
                         task = bar.add_task("patching functions", total=len(tracer.functions))
                         tracer.start(lambda n: bar.advance(task, n))
-                reasons = ", ".join(f"{r} {n}" for r, n in tracer.not_patched.most_common())
-                left = sum(tracer.not_patched.values())
+                refused = tracer.not_patched.copy()
+                pending = refused.pop("NOT_MAPPED", 0)  # patched when the loader maps their library
+                reasons = ", ".join(f"{r} {n}" for r, n in refused.most_common())
+                left = sum(refused.values())
                 skipped = f"; not patched: {left} ({reasons})" if left else ""
                 nops = f" ({tracer.nop_entries} at their patchable NOP entry)" if tracer.nop_entries else ""
-                print(f"dynprobe: tracing {tracer.patched} functions{nops}{skipped}", file=sys.stderr)
+                later = f", {pending} more once their library is mapped" if pending else ""
+                functions = f"{tracer.patched} function{'' if tracer.patched == 1 else 's'}"
+                print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
                 status = run_target(session)
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
                 session.close()
