@@ -13,36 +13,34 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynprobe.output import callgraph
-from dynprobe.output.callgraph import _NamePool, _OpenCalls, duration, profile
+from dynprobe.output.callgraph import _ENTRY, _EXIT, _LEAF, _OpenCalls, _Texts, duration, profile
 from dynprobe.tracefile import Trace, record_dtype, write_info
 
-NAMES = ["main()", "f()", "a_longer_name()", "x" * 40 + "()"]
+NAMES = ["main", "f", "a_longer_name", "x" * 40]
+HEAD = " [  1234] | "
 
 
-def one_by_one(spent: list[int], called: list[int], prefix: str) -> str:
-    return "\n".join(f"{duration(ns)}{prefix}{NAMES[f]};" for ns, f in zip(spent, called, strict=True))
+def one_by_one(kinds: list[int], funcs: list[int], levels: list[int], spent: list[int]) -> str:
+    texts = {_ENTRY: "{}() {{", _EXIT: "}} /* {} */", _LEAF: "{}();"}
+    return "\n".join(
+        (" " * 11 if k == _ENTRY else duration(ns)) + HEAD + "  " * level + texts[k].format(NAMES[f])
+        for k, f, level, ns in zip(kinds, funcs, levels, spent, strict=True)
+    )
 
 
-@given(
-    st.lists(st.tuples(st.integers(0, 3), st.integers(-5_000, 3_000_000_000)), min_size=1, max_size=200),
-    st.integers(0, 5),
-    st.booleans(),
+LINE = st.tuples(
+    st.sampled_from([_ENTRY, _EXIT, _LEAF]), st.integers(0, 3), st.integers(0, 6), st.integers(-5_000, 3_000_000_000)
 )
-def test_calls_format_like_a_line_at_a_time(calls: list[tuple[int, int]], depth: int, short: bool) -> None:
-    called = [f if not short else 1 for f, _ in calls]  # one name length: the matrix path
-    spent = [ns % 1_000_000 if short else ns for _, ns in calls]
-    prefix = " [  1234] | " + "  " * depth
-    pool = _NamePool(lambda f: NAMES[f])
-    got = pool.calls(np.array(spent, dtype=np.int64), np.array(called, dtype=np.uint32), prefix)
-    assert got == one_by_one(spent, called, prefix)
 
 
-def test_many_calls_of_mixed_names_below_a_millisecond() -> None:
-    rng = np.random.default_rng(7)
-    spent = rng.integers(0, 1_000_000, 5000)
-    called = rng.integers(0, 4, 5000).astype(np.uint32)
-    got = _NamePool(lambda f: NAMES[f]).calls(spent, called, " [     7] |   ")
-    assert got == one_by_one(spent.tolist(), called.tolist(), " [     7] |   ")
+@given(st.lists(LINE, min_size=1, max_size=200), st.booleans())
+def test_lines_laid_out_by_numpy_are_the_formatted_lines(lines: list[tuple[int, int, int, int]], short: bool) -> None:
+    kinds, funcs, levels, spent = (list(c) for c in zip(*lines, strict=True))
+    if short:
+        spent = [ns % 1_000_000 for ns in spent]  # the numpy digits only
+    texts = _Texts(lambda f: NAMES[f] + "()", lambda f: NAMES[f])
+    got = texts.lines(np.array(kinds), np.array(funcs, dtype=np.uint32), np.array(levels), np.array(spent), HEAD)
+    assert got == one_by_one(kinds, funcs, levels, spent)
 
 
 def test_open_calls_drop_what_a_reused_frame_left() -> None:
@@ -67,8 +65,9 @@ def test_open_calls_without_frames_match_by_function() -> None:
     assert stack.close(5, 0) is None and len(stack) == 0  # entered before the trace: all dropped
 
 
-def _random_trace(directory: Path, seed: int) -> None:
-    """One thread's calls: nested calls, long runs of calls with no callee, frames reused."""
+def _random_trace(directory: Path, seed: int, left: float = 0.05) -> None:
+    """One thread's calls: nested calls, long runs of calls with no callee; a share `left` of
+    the calls left without an exit (longjmp), their frames reused."""
     rng = random.Random(seed)
     records: list[tuple[int, int, int]] = []  # (kind | frame << 1, function, time)
     t = 0
@@ -89,10 +88,10 @@ def _random_trace(directory: Path, seed: int) -> None:
                 else:
                     call(depth + 1, frame + 1)
         t += rng.randrange(1, 50)
-        if rng.random() < 0.95:  # else left (longjmp): its frame is reused by the next call there
+        if rng.random() >= left:  # else left (longjmp): its frame is reused by the next call there
             records.append((((frame + 1) << 1) | 1, func, t))
 
-    for _ in range(20):
+    for _ in range(60):
         call(0, 0)
     data = np.zeros(len(records), dtype=record_dtype(16))
     data["kind"] = [r[0] for r in records]
@@ -121,13 +120,23 @@ def test_summed_runs_give_the_profile_of_one_event_at_a_time(
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("threshold", [0, 30])
-def test_replay_of_runs_in_one_go_is_replay_one_event_at_a_time(
-    tmp_path: Path, seed: int, threshold: int, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("left", [0.0, 0.05], ids=["nested", "longjmp"])
+@pytest.mark.parametrize("span", [1 << 15, 37], ids=["whole", "spans"])
+def test_replay_in_one_go_is_replay_one_event_at_a_time(
+    tmp_path: Path, seed: int, threshold: int, left: float, span: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _random_trace(tmp_path, seed)
+    """Runs of calls with no callee and plainly nested events, laid out by numpy (in spans cut
+    anywhere): the same lines as event by event (where longjmp leaves calls, numpy gives way)."""
+    _random_trace(tmp_path, seed, left)
+    monkeypatch.setattr(callgraph, "_PLAIN_SPAN", span)
+    plain = callgraph._plain_segment
+    laid_out = []
+    monkeypatch.setattr(callgraph, "_plain_segment", lambda *a: laid_out.append(plain(*a)) or laid_out[-1])
     fast = io.StringIO()
     callgraph.replay(Trace(str(tmp_path)), fast, threshold)
+    assert left or (laid_out and all(segment is not None for segment in laid_out))  # numpy did it all
     monkeypatch.setattr(callgraph, "_leaf_runs", lambda kinds, funcs: np.zeros(len(kinds), dtype=np.int64))
+    monkeypatch.setattr(callgraph, "_PLAIN_FROM", 1 << 40)
     slow = io.StringIO()
     callgraph.replay(Trace(str(tmp_path)), slow, threshold)
     assert fast.getvalue() == slow.getvalue() and fast.getvalue().count("\n") > 20

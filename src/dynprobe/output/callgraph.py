@@ -12,7 +12,7 @@ from typing import TextIO
 
 import numpy as np
 
-from dynprobe.tracefile import Trace
+from dynprobe.tracefile import Chunk, Trace
 
 EXIT = 1
 
@@ -26,9 +26,33 @@ def duration(ns: int) -> str:
     return f"{ns / 1_000_000_000:8.3f}  s"
 
 
+_BATCH = 1 << 20  # events: a thread's chunks read one after another are worked on together
+
+
+def _batches(trace: Trace) -> Iterator[Chunk]:
+    """The trace's chunks, those of one thread that follow each other joined (up to _BATCH
+    events): the consumer drains small chunks, and numpy's work is per call, not per event."""
+    held: list[Chunk] = []
+
+    def joined() -> Chunk:
+        if len(held) == 1:
+            return held[0]
+        first = held[0]
+        columns = (np.concatenate([getattr(c, name) for c in held]) for name in ("kind", "frame", "func", "time_ns"))
+        return Chunk(first.pid, first.tid, *columns)
+
+    for chunk in trace.chunks():
+        if held and (chunk.tid != held[0].tid or sum(len(c.kind) for c in held) >= _BATCH):
+            yield joined()
+            held = []
+        held.append(chunk)
+    if held:
+        yield joined()
+
+
 def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
     """(tid, kind, function, time ns) in the order recorded (per thread: in time order)."""
-    for chunk in trace.chunks():
+    for chunk in _batches(trace):
         tid = chunk.tid
         for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
             yield tid, kind, func, t
@@ -110,61 +134,168 @@ def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
     return runs
 
 
-class _NamePool:
-    """Lines of calls with no callee, `DURATION PREFIX name();`, built by numpy from the
-    functions' names laid end to end: byte gathers instead of a format per line."""
+_ENTRY, _EXIT, _LEAF = 0, 1, 2
+_PLAIN_FROM = 64  # events, from which numpy works out their nesting (fewer: one by one)
+_PLAIN_SPAN = 1 << 15  # events numpy works on at a time: a span with a longjmp goes one by one
+_BLANK = -(1 << 62)  # a duration column left empty (an entry's line)
 
-    def __init__(self, name: Callable[[int], str]) -> None:
-        self.name = name
+
+def _columns(spent: np.ndarray) -> np.ndarray:
+    """uftrace's duration column, 11 bytes a line: numpy's digits below 1 ms (`%8.3f us` of
+    ns / 1000: three integer digits, three decimals), `duration()` for the rest, blank for
+    _BLANK."""
+    columns = np.full((len(spent), 11), ord(" "), dtype=np.uint8)
+    columns[:, 4], columns[:, 9], columns[:, 10] = ord("."), ord("u"), ord("s")
+    us, frac = np.divmod(spent, 1000)
+    digit = ord("0")
+    columns[:, 1] = np.where(us >= 100, digit + us // 100 % 10, ord(" "))
+    columns[:, 2] = np.where(us >= 10, digit + us // 10 % 10, ord(" "))
+    columns[:, 3] = digit + us % 10
+    columns[:, 5] = digit + frac // 100
+    columns[:, 6] = digit + frac // 10 % 10
+    columns[:, 7] = digit + frac % 10
+    columns[spent == _BLANK] = ord(" ")
+    other = np.flatnonzero(((spent >= 1_000_000) | (spent < 0)) & (spent != _BLANK))
+    if len(other):
+        formatted = "".join(duration(ns) for ns in spent[other].tolist()).encode()
+        columns[other] = np.frombuffer(formatted, dtype=np.uint8).reshape(len(other), 11)
+    return columns
+
+
+class _Texts:
+    """Each function's line texts (`name();`, `name() {`, `} /* name */`, with the newline) laid
+    end to end, for numpy to gather: lines are put together by byte copies, not formats."""
+
+    def __init__(self, name: Callable[[int], str], bare: Callable[[int], str]) -> None:
+        self.name, self.bare = name, bare
         self.known = 0
         self.data = np.zeros(0, dtype=np.uint8)
-        self.start = np.zeros(0, dtype=np.int64)
-        self.length = np.zeros(0, dtype=np.int64)
+        self.start = np.zeros((3, 0), dtype=np.int64)
+        self.length = np.zeros((3, 0), dtype=np.int64)
 
     def _cover(self, top: int) -> None:
-        encoded = [f"{self.name(f)};\n".encode() for f in range(top + 1)]
-        self.length = np.array([len(e) for e in encoded], dtype=np.int64)
-        self.start = np.cumsum(self.length) - self.length
+        texts = [
+            [f"{self.name(f)} {{\n" for f in range(top + 1)],  # _ENTRY
+            [f"}} /* {self.bare(f)} */\n" for f in range(top + 1)],  # _EXIT
+            [f"{self.name(f)};\n" for f in range(top + 1)],  # _LEAF
+        ]
+        encoded = [t.encode() for kind in texts for t in kind]
+        length = np.array([len(e) for e in encoded], dtype=np.int64)
+        self.length = length.reshape(3, top + 1)
+        self.start = (np.cumsum(length) - length).reshape(3, top + 1)
         self.data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         self.known = top + 1
 
-    def calls(self, spent: np.ndarray, called: np.ndarray, prefix: str) -> str:
-        """One line per call (without the last newline), `spent` ns in `called` functions."""
-        if len(spent) < 16 or spent.max() >= 1_000_000 or spent.min() < 0:  # few, or other widths: one by one
-            return "\n".join(
-                (f"{ns / 1000:8.3f} us" if ns < 1_000_000 else duration(ns)) + f"{prefix}{self.name(f)};"
-                for ns, f in zip(spent.tolist(), called.tolist(), strict=True)
-            )
-        called = called.astype(np.int64)
-        if int(called.max()) >= self.known:
-            self._cover(int(called.max()))
-        lead = np.frombuffer(("   0.000 us" + prefix).encode(), dtype=np.uint8)
-        columns = np.empty((len(called), len(lead)), dtype=np.uint8)
-        columns[:] = lead
-        # `%8.3f` of ns / 1000, below 1 ms: three integer digits (leading spaces), three decimals
-        us, frac = np.divmod(spent, 1000)
-        digit = ord("0")
-        columns[:, 1] = np.where(us >= 100, digit + us // 100, ord(" "))
-        columns[:, 2] = np.where(us >= 10, digit + us // 10 % 10, ord(" "))
-        columns[:, 3] = digit + us % 10
-        columns[:, 5] = digit + frac // 100
-        columns[:, 6] = digit + frac // 10 % 10
-        columns[:, 7] = digit + frac % 10
-        names = self.length[called]
-        if (names == names[0]).all():  # names of one length (often one function): a matrix
-            width = int(names[0])
-            text = np.empty((len(called), len(lead) + width), dtype=np.uint8)
-            text[:, : len(lead)] = columns
-            text[:, len(lead) :] = self.data[self.start[called][:, None] + np.arange(width)]
-            return text.ravel()[:-1].tobytes().decode()
-        ends = np.cumsum(names + len(lead))
-        starts = ends - names - len(lead)
-        flat = np.empty(int(ends[-1]), dtype=np.uint8)
-        flat[starts[:, None] + np.arange(len(lead))] = columns
-        line = np.repeat(np.arange(len(called)), names)
-        within = np.arange(len(line)) - np.repeat(np.cumsum(names) - names, names)
-        flat[(starts + len(lead))[line] + within] = self.data[self.start[called][line] + within]
+    def lines(self, kinds: np.ndarray, funcs: np.ndarray, levels: np.ndarray, spent: np.ndarray, head: str) -> str:
+        """The lines (without the last newline): duration column, `head`, two spaces a level,
+        the text of each kind for each function."""
+        funcs = funcs.astype(np.int64)
+        if int(funcs.max()) >= self.known:
+            self._cover(int(funcs.max()))
+        lead = np.frombuffer(head.encode(), dtype=np.uint8)
+        fixed = 11 + len(lead)
+        texts = self.length[kinds, funcs]
+        line_len = fixed + 2 * levels + texts
+        columns = _columns(np.where(kinds == _ENTRY, _BLANK, spent))
+        if (levels == levels[0]).all() and (texts == texts[0]).all():  # one shape (often): a matrix
+            indent, width = fixed + 2 * int(levels[0]), int(texts[0])
+            matrix = np.full((len(funcs), indent + width), ord(" "), dtype=np.uint8)
+            matrix[:, :11] = columns
+            matrix[:, 11:fixed] = lead
+            matrix[:, indent:] = self.data[self.start[kinds, funcs][:, None] + np.arange(width)]
+            return matrix.ravel()[:-1].tobytes().decode()
+        ends = np.cumsum(line_len)
+        starts = ends - line_len
+        flat = np.full(int(ends[-1]), ord(" "), dtype=np.uint8)
+        flat[starts[:, None] + np.arange(11)] = columns
+        flat[starts[:, None] + np.arange(11, fixed)] = lead
+        line = np.repeat(np.arange(len(funcs)), texts)
+        within = np.arange(len(line)) - np.repeat(np.cumsum(texts) - texts, texts)
+        flat[(ends - texts)[line] + within] = self.data[self.start[kinds, funcs][line] + within]
         return flat[:-1].tobytes().decode()
+
+
+@dataclass
+class _Segment:
+    """Events of one thread whose call structure numpy could work out (see _plain_segment)."""
+
+    items: np.ndarray  # positions of the lines' events (a call with no callee: its entry)
+    kinds: np.ndarray  # _ENTRY, _EXIT, _LEAF
+    levels: np.ndarray  # indentation
+    spent: np.ndarray  # ns (exits, leaves)
+    closed_to: int  # the open calls carried in that are left
+    opened: list[list[int]]  # calls left open, outermost first: [function, entry time, frame]
+
+
+def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: np.ndarray,
+                   stack: _OpenCalls) -> _Segment | None:  # fmt: skip
+    """The lines of a run of events that nest plainly: every exit ends the innermost open call
+    (same frame and function) and no call enters a frame still open (no longjmp, no exception,
+    no call entered before the trace). None when they do not: they go one by one."""
+    n = len(kind)
+    if not n or not frame.all():
+        return None
+    exits = kind == EXIT
+    pair = np.zeros(n, dtype=bool)
+    pair[:-1] = ~exits[:-1] & exits[1:] & (func[:-1] == func[1:]) & (frame[:-1] == frame[1:])
+    second = np.zeros(n, dtype=bool)
+    second[1:] = pair[:-1]
+    items = np.flatnonzero(~second)
+    kinds = np.where(pair[items], _LEAF, np.where(exits[items], _EXIT, _ENTRY))
+    delta = np.where(kinds == _ENTRY, 1, np.where(kinds == _EXIT, -1, 0))
+    depth = len(stack) + np.cumsum(delta) - delta  # before each item
+    levels = np.where(kinds == _EXIT, depth - 1, depth)
+    if len(levels) and levels.min() < 0:
+        return None
+    # Entries and exits, level by level, in order: entry, exit, entry, ... (an exit first at a
+    # level below the carried depth: it ends a carried call). Each exit: its entry's frame.
+    calls = np.flatnonzero(kinds != _LEAF)
+    order = calls[np.lexsort((calls, levels[calls]))]
+    lv, kd = levels[order], kinds[order]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = lv[1:] != lv[:-1]
+    carried = lv < len(stack)
+    alternates = (kd[~first] != kd[np.flatnonzero(~first) - 1]).all()
+    if not alternates or (kd[first] != np.where(carried[first], _EXIT, _ENTRY)).any():
+        return None
+    at = items[order]
+    later = ~first & (kd == _EXIT)
+    entry_at = at[np.flatnonzero(later) - 1]
+    if (frame[at[later]] != frame[entry_at]).any() or (func[at[later]] != func[entry_at]).any():
+        return None
+    spent = np.zeros(len(items), dtype=np.int64)
+    spent[order[later]] = time[at[later]] - time[entry_at]
+    outer = first & (kd == _EXIT)  # ends a carried call
+    for o in np.flatnonzero(outer).tolist():
+        call = stack.calls[int(lv[o])]
+        if call[2] != int(frame[at[o]]) or call[0] != int(func[at[o]]):
+            return None
+        spent[order[o]] = int(time[at[o]]) - call[1]
+    # No call may enter a frame still open: per frame, opens and closes alternate.
+    leaves = kinds == _LEAF
+    spent[leaves] = time[items[leaves] + 1] - time[items[leaves]]
+    # (Only frames some call opens can be open: the others' calls have no callee.)
+    carried_frames = np.array([c[2] for c in stack.calls], dtype=np.int64)
+    item_frames = frame[items].astype(np.int64)
+    relevant = np.isin(item_frames, np.concatenate((carried_frames, item_frames[kinds == _ENTRY])))
+    f_items = np.concatenate((carried_frames, item_frames[relevant]))
+    f_step = np.concatenate((np.ones(len(stack), dtype=np.int64), delta[relevant]))
+    f_leaf = np.concatenate((np.zeros(len(stack), dtype=bool), leaves[relevant]))
+    by_frame = np.lexsort((np.arange(len(f_items)), f_items))
+    fr, step, leaf = f_items[by_frame], f_step[by_frame], f_leaf[by_frame]
+    running = np.cumsum(step)
+    starts = np.ones(len(fr), dtype=bool)
+    starts[1:] = fr[1:] != fr[:-1]
+    state = running - (running - step)[starts][np.cumsum(starts) - 1]  # the frame's open calls after
+    if ((state != 0) & (state != 1)).any() or (leaf & (state != 0)).any():
+        return None
+    exits_at = levels[kinds == _EXIT]
+    closed_to = min(int(exits_at.min()), len(stack)) if len(exits_at) else len(stack)
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = lv[:-1] != lv[1:]
+    left_open = order[last & (kd == _ENTRY)]  # by level: outermost first
+    opened = [[int(func[i]), int(time[i]), int(frame[i])] for i in items[left_open].tolist()]
+    return _Segment(items, kinds, levels, spent, closed_to, opened)
 
 
 def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
@@ -187,8 +318,8 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     def name(func: int) -> str:
         return names[func] if func < len(names) else trace.name(func) + "()"
 
-    pool = _NamePool(name)
-    for chunk in trace.chunks():
+    texts = _Texts(name, trace.name)
+    for chunk in _batches(trace):
         tid = chunk.tid
         stack = stacks.setdefault(tid, _OpenCalls())
         waiting = pending.pop(tid, None)
@@ -197,18 +328,41 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
         kinds, funcs, times, frames = chunk.kind, chunk.func, chunk.time_ns, chunk.frame
         runs = _leaf_runs(chunk.kind, chunk.func).tolist()
         i, n = 0, len(runs)
+        plain_from = 0  # a span that does not nest plainly goes one event at a time
         while i < n:
+            if waiting is None and i >= plain_from and n - i >= _PLAIN_FROM:
+                # Spans of events that nest plainly (most): laid out by numpy in one go.
+                end = min(n, i + _PLAIN_SPAN)
+                if kinds.item(end - 1) != EXIT:
+                    end -= 1  # an entry and its exit, a call with no callee, stay together
+                part = slice(i, end)
+                segment = _plain_segment(kinds[part], funcs[part], times[part], frames[part], stack)
+                if segment is None:
+                    plain_from = end
+                else:
+                    keep = (segment.kinds != _LEAF) | (segment.spent >= threshold_ns)
+                    if keep.any():
+                        at = segment.items[keep]
+                        lines.append(texts.lines(segment.kinds[keep], funcs[part][at], segment.levels[keep],
+                                                 segment.spent[keep], head))  # fmt: skip
+                        count += int(keep.sum()) - 1  # lines of one item of `lines`
+                    stack.cut(segment.closed_to)
+                    for opened in segment.opened:
+                        stack.push(*opened)
+                    i = end
+                    continue
             run = runs[i]
             end = i + 2 * run
             if waiting is None and run and stack.first_reused(frames[i:end:2]) is None:
-                # A run of calls with no callee (most of a call graph): formatted in one go.
+                # A run of calls with no callee: formatted in one go.
                 spent = chunk.time_ns[i + 1 : end : 2] - chunk.time_ns[i:end:2]
                 called = chunk.func[i:end:2]
                 if threshold_ns:
                     keep = spent >= threshold_ns
                     spent, called = spent[keep], called[keep]
                 if len(spent):
-                    lines.append(pool.calls(spent, called, head + "  " * len(stack)))
+                    lines.append(texts.lines(np.full(len(spent), _LEAF), called, np.full(len(spent), len(stack)),
+                                             spent, head))  # fmt: skip
                     count += len(spent) - 1  # lines of one item of `lines`
                 i = end
                 continue
@@ -330,7 +484,7 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
                 path = (*(c[0] for c in stack.calls), func)
                 paths[path] = paths.get(path, 0) + int(ns)
 
-    for chunk in trace.chunks():
+    for chunk in _batches(trace):
         stack = stacks.setdefault(chunk.tid, _OpenCalls())
         columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
         events += len(columns[0])
