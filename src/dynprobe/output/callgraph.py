@@ -41,11 +41,13 @@ def _batches(trace: Trace) -> Iterator[Chunk]:
         columns = (np.concatenate([getattr(c, name) for c in held]) for name in ("kind", "frame", "func", "time_ns"))
         return Chunk(first.pid, first.tid, *columns)
 
+    events = 0
     for chunk in trace.chunks():
-        if held and (chunk.tid != held[0].tid or sum(len(c.kind) for c in held) >= _BATCH):
+        if held and (chunk.tid != held[0].tid or events >= _BATCH):
             yield joined()
-            held = []
+            held, events = [], 0
         held.append(chunk)
+        events += len(chunk.kind)
     if held:
         yield joined()
 
@@ -136,7 +138,7 @@ def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
 
 _ENTRY, _EXIT, _LEAF = 0, 1, 2
 _PLAIN_FROM = 64  # events, from which numpy works out their nesting (fewer: one by one)
-_PLAIN_SPAN = 1 << 15  # events numpy works on at a time: a span with a longjmp goes one by one
+_PLAIN_SPAN = 1 << 13  # events numpy works on at a time: a span with a longjmp goes one by one
 _BLANK = -(1 << 62)  # a duration column left empty (an entry's line)
 
 
