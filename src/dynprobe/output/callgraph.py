@@ -273,10 +273,10 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
         if call[2] != int(frame[at[o]]) or call[0] != int(func[at[o]]):
             return None
         spent[order[o]] = int(time[at[o]]) - call[1]
-    # No call may enter a frame still open: per frame, opens and closes alternate.
     leaves = kinds == _LEAF
     spent[leaves] = time[items[leaves] + 1] - time[items[leaves]]
-    # (Only frames some call opens can be open: the others' calls have no callee.)
+    # No call may enter a frame still open: per frame, opens and closes alternate. (Only frames
+    # some call opens can be open: the others' calls have no callee.)
     carried_frames = np.array([c[2] for c in stack.calls], dtype=np.int64)
     item_frames = frame[items].astype(np.int64)
     relevant = np.isin(item_frames, np.concatenate((carried_frames, item_frames[kinds == _ENTRY])))
