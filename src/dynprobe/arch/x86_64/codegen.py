@@ -831,9 +831,10 @@ def ring_record(
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, slot, layout.ring_slots - 1))
     asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, slot, layout.record_size.bit_length() - 1))
     write()
-    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.RESERVE)))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(L.RESERVE)))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RAX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.RESERVE), R.RAX))
     if publish:
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(L.RESERVE)))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.HEAD), R.RAX))
     asm.jump(C.JMP_REL32_64, release)
     asm.bind(full)
