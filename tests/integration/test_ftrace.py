@@ -321,8 +321,8 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
 @pytest.mark.parametrize("follow", [False, True], ids=["child-let-go", "child-followed"])
 def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool, threshold: list[str]) -> None:
     """The parent's calls; a followed child's own calls too (the frames it inherited return in the
-    child, and their entries were the parent's: those returns are not shown). With a threshold,
-    the entries the parent held back at the fork are not the child's to take back."""
+    child, and their entries were the parent's: those returns are not shown). With a threshold
+    (entries held back when the parent forks), the same calls."""
     args = ["--follow-fork", *threshold] if follow else threshold
     r, trace = record(tmp_path, *args, "-F", "forking", "-F", "fork_outer", "-F", "add", "--", ret, "fork")
     assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]

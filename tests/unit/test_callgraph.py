@@ -125,8 +125,8 @@ def test_summed_runs_give_the_profile_of_one_event_at_a_time(
 def test_replay_in_one_go_is_replay_one_event_at_a_time(
     tmp_path: Path, seed: int, threshold: int, left: float, span: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Runs of calls with no callee and plainly nested events, laid out by numpy (in spans cut
-    anywhere): the same lines as event by event (where longjmp leaves calls, numpy gives way)."""
+    """Plainly nested events, laid out by numpy (in spans cut anywhere): the same lines as
+    event by event (where longjmp leaves calls, numpy gives way)."""
     _random_trace(tmp_path, seed, left)
     monkeypatch.setattr(callgraph, "_PLAIN_SPAN", span)
     plain = callgraph._plain_segment
@@ -135,7 +135,6 @@ def test_replay_in_one_go_is_replay_one_event_at_a_time(
     fast = io.StringIO()
     callgraph.replay(Trace(str(tmp_path)), fast, threshold)
     assert left or (laid_out and all(segment is not None for segment in laid_out))  # numpy did it all
-    monkeypatch.setattr(callgraph, "_leaf_runs", lambda kinds, funcs: np.zeros(len(kinds), dtype=np.int64))
     monkeypatch.setattr(callgraph, "_PLAIN_FROM", 1 << 40)
     slow = io.StringIO()
     callgraph.replay(Trace(str(tmp_path)), slow, threshold)

@@ -136,7 +136,7 @@ def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
     return runs
 
 
-_ENTRY, _EXIT, _LEAF = 0, 1, 2
+_ENTRY, _EXIT, _LEAF = 0, EXIT, 2  # a replay line's kind
 _PLAIN_FROM = 64  # events, from which numpy works out their nesting (fewer: one by one)
 _PLAIN_SPAN = 1 << 13  # events numpy works on at a time: a span with a longjmp goes one by one
 _BLANK = -(1 << 62)  # a duration column left empty (an entry's line)
@@ -197,7 +197,6 @@ class _Texts:
         lead = np.frombuffer(head.encode(), dtype=np.uint8)
         fixed = 11 + len(lead)
         texts = self.length[kinds, funcs]
-        line_len = fixed + 2 * levels + texts
         columns = _columns(np.where(kinds == _ENTRY, _BLANK, spent))
         if (levels == levels[0]).all() and (texts == texts[0]).all():  # one shape (often): a matrix
             indent, width = fixed + 2 * int(levels[0]), int(texts[0])
@@ -206,6 +205,7 @@ class _Texts:
             matrix[:, 11:fixed] = lead
             matrix[:, indent:] = self.data[self.start[kinds, funcs][:, None] + np.arange(width)]
             return matrix.ravel()[:-1].tobytes().decode()
+        line_len = fixed + 2 * levels + texts
         ends = np.cumsum(line_len)
         starts = ends - line_len
         flat = np.full(int(ends[-1]), ord(" "), dtype=np.uint8)
@@ -328,8 +328,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
         head = f" [{tid:>6}] | "
         lines: list[str] = []
         kinds, funcs, times, frames = chunk.kind, chunk.func, chunk.time_ns, chunk.frame
-        runs = _leaf_runs(chunk.kind, chunk.func).tolist()
-        i, n = 0, len(runs)
+        i, n = 0, len(kinds)
         plain_from = 0  # a span that does not nest plainly goes one event at a time
         while i < n:
             if waiting is None and i >= plain_from and n - i >= _PLAIN_FROM:
@@ -353,21 +352,6 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
                         stack.push(*opened)
                     i = end
                     continue
-            run = runs[i]
-            end = i + 2 * run
-            if waiting is None and run and stack.first_reused(frames[i:end:2]) is None:
-                # A run of calls with no callee: formatted in one go.
-                spent = chunk.time_ns[i + 1 : end : 2] - chunk.time_ns[i:end:2]
-                called = chunk.func[i:end:2]
-                if threshold_ns:
-                    keep = spent >= threshold_ns
-                    spent, called = spent[keep], called[keep]
-                if len(spent):
-                    lines.append(texts.lines(np.full(len(spent), _LEAF), called, np.full(len(spent), len(stack)),
-                                             spent, head))  # fmt: skip
-                    count += len(spent) - 1  # lines of one item of `lines`
-                i = end
-                continue
             kind, func, t, frame = kinds.item(i), funcs.item(i), times.item(i), frames.item(i)
             i += 1
             if kind != EXIT:
