@@ -6,7 +6,13 @@ from __future__ import annotations
 import iced_x86 as iced
 
 from dynprobe.actions.model import ActionKind, Program, ReturnEntry, record_fields
-from dynprobe.arch.x86_64.codegen import build_detour, build_return_code, build_trampoline, return_stub_code
+from dynprobe.arch.x86_64.codegen import (
+    build_detour,
+    build_return_code,
+    build_trampoline,
+    enter_hooked,
+    return_stub_code,
+)
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan
 from dynprobe.core.returns import shadow_stack_in
@@ -20,11 +26,12 @@ LAYOUT = L.AreaLayout()
 
 def test_each_trampoline_entry_point_calls_the_common_part() -> None:
     code, tramp = build_trampoline(LAYOUT, AT)
-    assert tramp.table == AT and tramp.end == AT + len(code)
+    assert tramp.table == AT and tramp.end == AT + len(code) and tramp.points == AT + L.TRAMPOLINE_CALL
     common = AT + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
     for k in (0, 1, 2, L.SHADOW_CAPACITY - 1):
         at = AT + k * L.TRAMPOLINE_STRIDE
-        push, jump = iter_instructions(code[at - AT : at - AT + L.TRAMPOLINE_STRIDE], at)
+        call, push, jump = iter_instructions(code[at - AT : at - AT + L.TRAMPOLINE_STRIDE], at)
+        assert str(call) == "call r11" and push.ip == tramp.point(k)
         assert push.code == iced.Code.PUSHQ_IMM32 and push.immediate(0) == k * L.SHADOW_ENTRY
         assert jump.code == iced.Code.JMP_REL32_64 and jump.near_branch_target == common
     tail = list(iter_instructions(code[common - AT :], common))
@@ -32,9 +39,22 @@ def test_each_trampoline_entry_point_calls_the_common_part() -> None:
     assert [i.mnemonic for i in tail[:6]] == [iced.Mnemonic.PUSH] * 6
     jump = next(i for i in tail if i.mnemonic == iced.Mnemonic.JMP)
     assert jump.segment_prefix == iced.Register.GS and jump.memory_displacement == LAYOUT.shadow + L.ENTRY_HANDLER
-    # finish ends in a jump to the original return address, no `ret` (return predictions stay right)
-    assert not any(i.mnemonic == iced.Mnemonic.RET for i in tail) and any(i.ip == tramp.finish for i in tail)
-    assert tail[-1].mnemonic == iced.Mnemonic.JMP and tail[-1].memory_base == iced.Register.RSP
+    # finish returns to the original return address: the `ret` pairs with the caller's call
+    assert any(i.ip == tramp.finish for i in tail) and tail[-1].mnemonic == iced.Mnemonic.RET
+
+
+def test_a_hooked_entry_goes_into_the_function_through_the_table() -> None:
+    _, tramp = build_trampoline(LAYOUT, AT)
+    at = AT + 0x9000
+    code = enter_hooked(tramp.points, at)
+    insns = list(iter_instructions(code, at))
+    region = at + len(code)
+    assert [str(i) for i in insns[1:3]] == ["add r11,[rsp]", "cmp r11,0D000h"]  # 4096 entries of 13 bytes
+    assert insns[0].immediate(1) == -tramp.points & (1 << 64) - 1
+    assert insns[3].mnemonic == iced.Mnemonic.JAE and insns[3].near_branch_target == region  # not hooked
+    assert str(insns[4]) == f"sub qword ptr [rsp],{L.TRAMPOLINE_CALL}"  # entry point k -> its `call r11`
+    assert insns[5].mnemonic == iced.Mnemonic.LEA and insns[5].memory_displacement == region
+    assert [str(i) for i in insns[6:]] == ["lea rsp,[rsp+8]", "jmp qword ptr [rsp-8]"]
 
 
 def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:
@@ -60,8 +80,10 @@ def test_entry_part_needs_a_function_entry_and_the_trampoline() -> None:
     assert not isinstance(built, OptimizeRefusal)
     insns = list(iter_instructions(built.code, AT + 0x3000))
     assert any(i.mnemonic == iced.Mnemonic.RDTSC for i in insns)  # $latency needs the entry's time
-    # the table's address: the return address becomes table + k * TRAMPOLINE_STRIDE
-    assert any(i.code == iced.Code.MOV_R64_IMM64 and i.immediate(1) == AT for i in insns)
+    # the return address becomes entry point k, then the function is entered through the table
+    assert any(i.code == iced.Code.MOV_R64_IMM64 and i.immediate(1) == tramp.points for i in insns)
+    assert any(i.code == iced.Code.MOV_R64_IMM64 and i.immediate(1) == -tramp.points & (1 << 64) - 1 for i in insns)
+    assert not any(i.mnemonic in (iced.Mnemonic.LAHF, iced.Mnemonic.SAHF) for i in insns)  # flags: free here
 
 
 def test_cet_shadow_stack_from_proc_status() -> None:
@@ -82,7 +104,7 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
     site = AT + 0x1000
     plan = OptimizePlan(site, tuple(iter_instructions(bytes.fromhex("554889e590"), site)))  # push rbp; mov; nop
     target = AT + 0x40000
-    code = build_tracer_site(plan, 77, target, AT + 0x3000)
+    code = build_tracer_site(plan, 77, target, AT + 0x3000, None)
     assert isinstance(code, bytes)
     insns = list(iter_instructions(code, AT + 0x3000))
     assert insns[0].code == iced.Code.PUSHQ_IMM32 and insns[0].immediate(0) == 77
@@ -90,6 +112,12 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
     assert str(insns[2]) == "lea rsp,[rsp+8]"
     assert [i.mnemonic for i in insns[3:6]] == [iced.Mnemonic.PUSH, iced.Mnemonic.MOV, iced.Mnemonic.NOP]
     assert insns[-1].mnemonic == iced.Mnemonic.JMP and insns[-1].near_branch_target == site + 5
+    # with a return trampoline, enter_hooked between the call and the prologue
+    _, tramp = build_trampoline(LAYOUT, AT)
+    hooked = build_tracer_site(plan, 77, target, AT + 0x3000, tramp.points)
+    assert isinstance(hooked, bytes)
+    middle = enter_hooked(tramp.points, AT + 0x3000 + SITE_CALL_AT + 10)
+    assert hooked == code[: SITE_CALL_AT + 10] + middle + hooked[SITE_CALL_AT + 10 + len(middle) :]
     # re-pointing rewrites the call alone
     moved = call_to(AT + 0x3000, target + 0x100)
     assert next(iter_instructions(moved, AT + 0x3000 + SITE_CALL_AT)).near_branch_target == target + 0x100

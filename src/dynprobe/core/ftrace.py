@@ -271,7 +271,8 @@ class Tracing:
         at = self.session.allocate_slot(proc, addr, SITE_ROOM)
         if at is None:
             return OptimizeRefusal.NO_MEMORY.name
-        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at)
+        points = proc.returns.trampoline.points if proc.returns is not None else None
+        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at, points)
         if isinstance(detour, OptimizeRefusal) or len(detour) > SITE_ROOM:
             proc.slots.free(at, SITE_ROOM)
             return detour.name if isinstance(detour, OptimizeRefusal) else "TOO_LARGE"

@@ -99,7 +99,7 @@ class ProcessReturns:
     snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
 
     def entry_point(self, k: int) -> int:
-        return self.trampoline.table + k * L.TRAMPOLINE_STRIDE
+        return self.trampoline.point(k)
 
     def owns(self, rip: int) -> bool:
         """Whether `rip` is in code a thread must leave before the thread area goes."""
@@ -267,15 +267,15 @@ class ReturnProbes:
             regs.gs_base = proc.areas.by_tid[tid].target_addr
         return self._words(proc, tid)
 
-    def _take(self, table: int, words: np.ndarray, slot: int, held: int) -> int | None:
+    def _take(self, points: int, words: np.ndarray, slot: int, held: int) -> int | None:
         """The entry a new frame at `slot` (holding `held`) takes, as the detour chooses it."""
         lay = self.session.layout
         base = lay.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         slots: list[int] = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY].tolist()
         chained: set[int] = set()  # entries of other return probes of this very call
-        while 0 <= held - table < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE:
-            k, off = divmod(held - table, L.TRAMPOLINE_STRIDE)
+        while 0 <= held - points < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE:
+            k, off = divmod(held - points, L.TRAMPOLINE_STRIDE)
             if off or k in chained:
                 break
             chained.add(k)
@@ -340,7 +340,7 @@ class ReturnProbes:
             ret = proc.tracee.read_u64(slot)
         except OSError:
             return None
-        k = self._take(proc.returns.trampoline.table, words, slot, ret)
+        k = self._take(proc.returns.trampoline.points, words, slot, ret)
         if k is None:
             return None
         at = self._at(k)

@@ -74,17 +74,26 @@ _JCC_SIGNED = {**_JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C
 
 @dataclass(frozen=True)
 class Trampoline:
-    """Where a process's return trampoline is: entry point k at `table + k * TRAMPOLINE_STRIDE`;
-    a probe's return code ends with a jump to `finish`."""
+    """Where a process's return trampoline is: entry k's `call r11` at `table + k *
+    TRAMPOLINE_STRIDE`, its entry point right after; a probe's return code ends with a jump to
+    `finish`."""
 
     table: int
     finish: int
     end: int
 
+    @property
+    def points(self) -> int:
+        """Entry point 0."""
+        return self.table + L.TRAMPOLINE_CALL
+
+    def point(self, k: int) -> int:
+        return self.points + k * L.TRAMPOLINE_STRIDE
+
 
 @dataclass(frozen=True)
 class _Returning:
-    table: int
+    points: int  # the trampoline's entry point 0
     tsc_mult: int  # ns = ticks * tsc_mult >> 32
     at_return: bool  # the code runs at the return (False: at the entry)
 
@@ -107,6 +116,11 @@ def _gs(disp: int, base: RegisterT = R.NONE, index: RegisterT = R.NONE) -> iced.
 
 def _mem(base: RegisterT, disp: int = 0, index: RegisterT = R.NONE) -> iced.MemoryOperand:
     return iced.MemoryOperand(base, index, 1, disp, 8 if disp else 0, False, R.NONE)
+
+
+def _stack(disp: int) -> iced.MemoryOperand:
+    """[rsp + disp] with an 8-bit displacement."""
+    return iced.MemoryOperand(R.RSP, displ=disp, displ_size=1)
 
 
 @dataclass
@@ -354,7 +368,7 @@ class _Emitter:
                     C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA + 8 * (n - 1), R.RSI), R.RAX))  # fmt: skip
 
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, _mem(R.RSP, self.frame)))
-        shadow_push(asm, self.layout, self.returning.table, prog.probe_index, entry.maxactive, entry.handler, fill)
+        shadow_push(asm, self.layout, self.returning.points, prog.probe_index, entry.maxactive, entry.handler, fill)
 
     def histogram(self, prog: Program) -> None:
         asm = self.asm
@@ -456,16 +470,16 @@ class _Emitter:
 
 
 def shadow_push(
-    asm: _Asm, lay: L.AreaLayout, table: int, probe_index: int, maxactive: int, handler: int,
+    asm: _Asm, lay: L.AreaLayout, points: int, probe_index: int, maxactive: int, handler: int,
     fill: Callable[[], None],
 ) -> None:  # fmt: skip
     """rcx: a return-address slot at a function entry. Take a shadow-stack entry for it (unless
     `maxactive` instances of the probe are pending on the thread: missed), call `fill` to store
     the entry's data (rsi: the entry's offset; rax, rdx free), and point the return address at
-    the trampoline's entry point of the same number. An entry whose slot is the new slot belongs
-    to a frame that is gone (longjmp) and is reused, unless the return address leads to it
-    (another return probe of this very call); otherwise a free entry among the newer ones, or a
-    new one on top. Uses rax, rcx, rdx, rsi, rdi."""
+    the trampoline's entry point of the same number (`points`: entry point 0). An entry whose
+    slot is the new slot belongs to a frame that is gone (longjmp) and is reused, unless the
+    return address leads to it (another return probe of this very call); otherwise a free entry
+    among the newer ones, or a new one on top. Uses rax, rcx, rdx, rsi, rdi."""
     shadow, size = lay.shadow, L.SHADOW_ENTRY
     missed, full, done = asm.label(), asm.label(), asm.label()
     loop, dup, scanned, take = asm.label(), asm.label(), asm.label(), asm.label()
@@ -504,7 +518,7 @@ def shadow_push(
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
     asm.bind(chain)
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -table & L_MASK64))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -points & L_MASK64))
     asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
     asm.jump(C.JAE_REL32_64, stale)
@@ -540,12 +554,11 @@ def shadow_push(
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_PROBE, R.RSI), probe_index))
     fill()
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(pending)))
-    # entry k (at offset k * SHADOW_ENTRY) returns through table + k * TRAMPOLINE_STRIDE (10)
+    # entry k (at offset k * SHADOW_ENTRY) returns through points + k * TRAMPOLINE_STRIDE
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSI))
     asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, L.SHADOW_ENTRY.bit_length() - 1))
-    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, iced.MemoryOperand(R.RAX, R.RAX, 4)))
-    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RAX))
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, table))
+    asm.add(iced.Instruction.create_reg_reg_i32(C.IMUL_R64_RM64_IMM8, R.RAX, R.RAX, L.TRAMPOLINE_STRIDE))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, points))
     asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RCX), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
@@ -610,7 +623,8 @@ def build_detour(
     """The detour for a site whose probes run `programs`, placed at `at` (return probes among
     them need the process's `trampoline`)."""
     red_zone = 0 if function_entry else RED_ZONE
-    if any(p.entry is not None for p in programs) and (trampoline is None or not function_entry):
+    hooks = any(p.entry is not None for p in programs)
+    if hooks and (trampoline is None or not function_entry):
         return OptimizeRefusal.FETCH_UNSUPPORTED
     if all(p.kind == ActionKind.COUNT and p.filter is None and p.entry is None for p in programs):
         return _then_region(plan, _count_only(programs, layout, red_zone), {}, at)
@@ -618,13 +632,14 @@ def build_detour(
     if red_zone:
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
     push_flags = any(_fetches_flags(prog) for prog in programs if prog.entry is None)
-    returning = _Returning(trampoline.table, 0, at_return=False) if trampoline is not None else None
+    keep_flags = not push_flags and not hooks  # (enter_hooked changes them: free at a function entry)
+    returning = _Returning(trampoline.points, 0, at_return=False) if trampoline is not None else None
     emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning)
     if push_flags:
         asm.add(iced.Instruction.create(C.PUSHFQ))
     for name in _SAVED:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-    if not push_flags:
+    if keep_flags:
         asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
         asm.add(iced.Instruction.create(C.LAHF))
         asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
@@ -637,7 +652,7 @@ def build_detour(
                 emitter.program(prog)
     except _Unsupported as exc:
         return exc.reason
-    if not push_flags:
+    if keep_flags:
         asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
         asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
         asm.add(iced.Instruction.create(C.SAHF))
@@ -647,11 +662,44 @@ def build_detour(
         asm.add(iced.Instruction.create(C.POPFQ))
     if red_zone:
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
-    return _then_region(plan, *asm.encode(at), at)
+    return _then_region(plan, *asm.encode(at), at, trampoline.points if hooks and trampoline else None)
 
 
-def _then_region(plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int) -> Detour | OptimizeRefusal:
-    """The detour: the action code placed at `at`, then the relocated region."""
+def enter_hooked(points: int, at: int) -> bytes:
+    """At a function entry (r11 and the flags are free there, by the ABI), after the code that
+    may have hooked the return (`points`: the trampoline's entry point 0), placed at `at`, the
+    relocated region right after it: if the return address is entry point k, go into the
+    function through the `call r11` before it, which pushes that entry point again. A `ret`
+    then pairs with a `call`, as the CPU predicts: replacing the return address alone costs a
+    misprediction at the function's return and at the trampoline's (12-15 ns a call here)."""
+    region, here = at + _ENTER_HOOKED_BYTES, at
+    encoder = iced.Encoder(64)
+    for insn in (
+        iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.R11, -points & L_MASK64),
+        iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.R11, _mem(R.RSP)),
+        iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.R11, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE),
+        iced.Instruction.create_branch(C.JAE_REL32_64, region),  # not hooked
+        iced.Instruction.create_mem_i32(C.SUB_RM64_IMM8, _mem(R.RSP), L.TRAMPOLINE_CALL),
+        iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R11, iced.MemoryOperand(R.RIP, displ=region)),
+        # A signal delivered between these two does not touch [rsp-8]: its frame skips the red zone.
+        iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(8)),
+        iced.Instruction.create_mem(C.JMP_RM64, _stack(-8)),
+    ):
+        here += encoder.encode(insn, here)
+    assert here == region
+    return bytes(encoder.take_buffer())
+
+
+_ENTER_HOOKED_BYTES = 48  # (each instruction has one encoding: asserted)
+
+
+def _then_region(
+    plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int, points: int | None = None
+) -> Detour | OptimizeRefusal:
+    """The detour: the action code placed at `at`, then (with the trampoline's entry point 0
+    in `points`) `enter_hooked`, then the relocated region."""
+    if points is not None:
+        code += enter_hooked(points, at + len(code))
     region = relocate_region(plan, at + len(code))
     if region is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
@@ -671,18 +719,20 @@ def _check_fields(prog: Program) -> None:
 
 
 def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
-    """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entry points, entry
-    point k a `push OFFSET; jmp common` (OFFSET: entry k's offset in the shadow stack; the push
-    lands where the return address was), then the common part, which saves the registers a
-    probe's return code may use (rsi is dead at a return: it carries the entry's offset) and
-    jumps to that code; the code jumps back to `finish`, which frees the entry and jumps to the
-    original return address. No `call`/`ret` pair: the CPU's return-address predictions stay
-    in step with the program's calls. Flags are not kept: no caller expects them to survive a
-    call."""
+    """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entries, entry k a
+    `call r11` (see `enter_hooked`) then entry point k, `push OFFSET; jmp common` (OFFSET: entry
+    k's offset in the shadow stack; the push lands where the return address was), then the
+    common part, which saves the registers a probe's return code may use (rsi is dead at a
+    return: it carries the entry's offset) and jumps to that code; the code jumps back to
+    `finish`, which frees the entry and returns to the original return address. The function
+    was entered by the `call r11` of its entry, so the CPU predicted its `ret` and predicts
+    this one: the caller's call is the one it pairs with. (A frame entered otherwise, a trap
+    probe's, mispredicts both.) Flags are not kept: no caller expects them to survive a call."""
     common_at = at + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
-    encoder = iced.Encoder(64)  # entry points one by one: the near jump keeps its 5 bytes
+    encoder = iced.Encoder(64)  # entries one by one: the near jump keeps its 5 bytes
     for k in range(L.SHADOW_CAPACITY):
-        point = at + k * L.TRAMPOLINE_STRIDE
+        point = at + k * L.TRAMPOLINE_STRIDE + L.TRAMPOLINE_CALL
+        encoder.encode(iced.Instruction.create_reg(C.CALL_RM64, R.R11), point - L.TRAMPOLINE_CALL)
         encoder.encode(iced.Instruction.create_i32(C.PUSHQ_IMM32, k * L.SHADOW_ENTRY), point)
         encoder.encode(iced.Instruction.create_branch(C.JMP_REL32_64, common_at), point + 5)
     table = bytes(encoder.take_buffer())
@@ -721,9 +771,7 @@ def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 0))
     for name in reversed(_SAVED):
         asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
-    # A signal delivered between these two does not touch [rsp-8]: its frame skips the red zone.
-    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, 8)))
-    asm.add(iced.Instruction.create_mem(C.JMP_RM64, _mem(R.RSP, -8)))
+    asm.add(iced.Instruction.create(C.RETNQ))
     finish_index = asm.bound[finish]
     code, _ = asm.encode(common_at)
     starts = [int(insn.ip) for insn in iter_instructions(code, common_at)]
@@ -737,7 +785,8 @@ def build_return_code(
     """The return part of a return probe, placed at `at`: its filter, counters, histogram or
     record, run by the trampoline (registers saved as a detour saves them), then back to it."""
     asm = _Asm()
-    emitter = _Emitter(asm, layout, 0, 0, False, symbol_address, _Returning(trampoline.table, tsc_mult, at_return=True))
+    returning = _Returning(trampoline.points, tsc_mult, at_return=True)
+    emitter = _Emitter(asm, layout, 0, 0, False, symbol_address, returning)
     try:
         _check_fields(prog)
         emitter.program(prog)
@@ -784,15 +833,20 @@ class OpsCode:
     exit: int
 
 
-def build_tracer_site(plan: OptimizePlan, function_id: int, target: int, at: int) -> bytes | OptimizeRefusal:
+def build_tracer_site(
+    plan: OptimizePlan, function_id: int, target: int, at: int, points: int | None
+) -> bytes | OptimizeRefusal:  # fmt: skip
     """A traced function's detour at `at`: `push FUNCTION_ID; call target` (an ops' entry or a
-    list trampoline: re-pointed by rewriting the call), drop the id, the relocated prologue, and
+    list trampoline: re-pointed by rewriting the call), drop the id, `enter_hooked` when the
+    process has a return trampoline (entry point 0 at `points`), the relocated prologue, and
     the jump back."""
     encoder = iced.Encoder(64)
     encoder.encode(iced.Instruction.create_i32(C.PUSHQ_IMM32, function_id), at)
     encoder.encode(iced.Instruction.create_branch(C.CALL_REL32_64, target), at + SITE_CALL_AT)
-    encoder.encode(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, 8)), at + SITE_CALL_AT + 5)
+    encoder.encode(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(8)), at + SITE_CALL_AT + 5)
     head = bytes(encoder.take_buffer())
+    if points is not None:
+        head += enter_hooked(points, at + len(head))
     region = relocate_region(plan, at + len(head))
     if region is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
@@ -872,14 +926,11 @@ def _trace_record(
 
 
 def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None = None) -> None:
-    """An entry called from a site (after `push FUNCTION_ID`): save what the bodies use (flags
-    in r11, as detours keep them), esi = the id, rdi = the traced function's return-address
-    slot, call each body, restore, return."""
+    """An entry called from a site (after `push FUNCTION_ID`): save what the bodies use, esi =
+    the id, rdi = the traced function's return-address slot, call each body, restore, return.
+    (The flags are free: a site is a function entry.)"""
     for name in _SAVED:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-    asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
-    asm.add(iced.Instruction.create(C.LAHF))
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
     frame = 8 * len(_SAVED)  # then our return address, the id, the slot
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _mem(R.RSP, frame + 8)))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, _mem(R.RSP, frame + 16)))
@@ -889,9 +940,6 @@ def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None
             asm.jump(C.CALL_REL32_64, own_body)
         else:
             asm.add(iced.Instruction.create_branch(C.CALL_REL32_64, body))
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
-    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
-    asm.add(iced.Instruction.create(C.SAHF))
     for name in reversed(_SAVED):
         asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
     asm.add(iced.Instruction.create(C.RETNQ))
@@ -960,7 +1008,7 @@ def build_ops_code(
                 asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
                 asm.add(iced.Instruction.create_reg(C.POP_R64, R.RCX))
 
-            shadow_push(asm, layout, trampoline.table, ops_index, maxactive, exit_at, fill)
+            shadow_push(asm, layout, trampoline.points, ops_index, maxactive, exit_at, fill)
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDI))
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
         asm.bind(deep)
