@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,8 +141,8 @@ def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> Non
     mine: list[TracerEvent] = []
     theirs: list[TracerEvent] = []
     with open(os.devnull, "w") as null, dynprobe.spawn([ret, "fact", "3"], stdout=null.fileno()) as session:
-        a = session.function_tracer(["add", "fact"], on_event=mine.append)
-        b = session.function_tracer(["fact"], graph=False, on_event=theirs.append)
+        a = session.function_tracer(filter=["add", "fact"], on_event=mine.append)
+        b = session.function_tracer(filter=["fact"], graph=False, on_event=theirs.append)
         a.start()
         b.start()
         assert (a.patched, b.patched) == (2, 1)
@@ -150,6 +151,22 @@ def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> Non
     assert [(e.function.name, e.exit) for e in mine] == [("fact", False)] * 3 + [("fact", True)] * 3
     assert [(e.function.name, e.exit) for e in theirs] == [("fact", False)] * 3  # entries only
     assert a.calls == 3 and b.calls == 3
+
+
+@pytest.mark.parametrize("tracers", [1, 2], ids=["one-tracer", "list-trampoline"])
+def test_registers_the_caller_keeps_across_a_traced_call_survive(ret: str, tracers: int) -> None:
+    """GCC's IPA-RA keeps values in call-clobbered registers (r11 too) across a call to a function
+    it knows does not touch them: a traced entry and exit change none of them, through a tracer's
+    own entry or a list trampoline (a graph tracer and an entries-only one)."""
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([ret, "ipa", "1000"], stdout=out.fileno()) as session:
+            started = [session.function_tracer(filter=["ipa_leaf"], graph=i == 0) for i in range(tracers)]
+            for tracer in started:
+                tracer.start()
+            assert session.run(timeout=60) == 0
+        out.seek(0)
+        assert out.read() == "0\n"  # the registers ipa_check found changed
+    assert [t.calls for t in started] == [1000] * tracers
 
 
 def test_a_probe_on_a_traced_function_is_refused_with_the_reason(ret: str) -> None:

@@ -69,6 +69,20 @@ def test_maxactive_limits_pending_instances_and_counts_the_rest(ret: str, optimi
 
 
 @pytest.mark.parametrize("optimize", MODES)
+def test_registers_the_caller_keeps_across_the_call_survive(ret: str, optimize: bool) -> None:
+    """GCC's IPA-RA keeps values in call-clobbered registers (r11 too) across a call to a function
+    it knows does not touch them: entering the function and returning through dynprobe, with two
+    return probes on it, changes none of them."""
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe("r:t/a ipa_leaf", action="count"), session.probe("r:t/b ipa_leaf ns=$latency")]
+
+    status, out, (a, b) = traced([ret, "ipa", "1000"], setup, optimize=optimize)
+    assert status == 0 and out == "0\n"  # the registers ipa_check found changed
+    assert a.hits == b.hits == 1000 and a.nmissed == b.nmissed == 0
+
+
+@pytest.mark.parametrize("optimize", MODES)
 def test_longjmp_over_probed_frames_does_not_grow(ret: str, optimize: bool) -> None:
     # 5 probed frames left by each longjmp; a leaking shadow stack would hit maxactive (100).
     jumps = 100_000 if optimize else 300

@@ -201,6 +201,31 @@ NOINLINE long slow(long i) {
     return r;
 }
 
+/* IPA-RA (gcc -O2 -fipa-ra): a caller keeps values in call-clobbered registers across a call to
+   a function it knows does not touch them. ipa_check does so by hand around ipa_leaf and returns
+   a bit per register found changed after the call (rcx rdx rsi rdi r8 r9 r10 r11): 0 if none. */
+long ipa_leaf(long x);
+long ipa_check(long x);
+__asm__(".text\n.globl ipa_leaf\n.type ipa_leaf,@function\nipa_leaf:\n"
+        "  push %rbp\n  mov %rsp, %rbp\n  lea 1(%rdi), %rax\n  pop %rbp\n  ret\n"
+        ".size ipa_leaf, .-ipa_leaf\n"
+        ".globl ipa_check\n.type ipa_check,@function\nipa_check:\n"
+        "  push %rbx\n  push %r12\n  mov %rdi, %r12\n"
+        "  mov $0x1111, %rcx\n  mov $0x2222, %rdx\n  mov $0x3333, %rsi\n  mov $0x8888, %r8\n"
+        "  mov $0x9999, %r9\n  mov $0xaaaa, %r10\n  mov $0xbbbb, %r11\n"
+        "  call ipa_leaf\n"
+        "  xor %ebx, %ebx\n"
+        "  cmp $0x1111, %rcx\n  je 1f\n  or $1, %ebx\n1:\n"
+        "  cmp $0x2222, %rdx\n  je 1f\n  or $2, %ebx\n1:\n"
+        "  cmp $0x3333, %rsi\n  je 1f\n  or $4, %ebx\n1:\n"
+        "  cmp %r12, %rdi\n  je 1f\n  or $8, %ebx\n1:\n"
+        "  cmp $0x8888, %r8\n  je 1f\n  or $16, %ebx\n1:\n"
+        "  cmp $0x9999, %r9\n  je 1f\n  or $32, %ebx\n1:\n"
+        "  cmp $0xaaaa, %r10\n  je 1f\n  or $64, %ebx\n1:\n"
+        "  cmp $0xbbbb, %r11\n  je 1f\n  or $128, %ebx\n1:\n"
+        "  mov %rbx, %rax\n  pop %r12\n  pop %rbx\n  ret\n"
+        ".size ipa_check, .-ipa_check\n");
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *mode = argc > 1 ? argv[1] : "loop";
@@ -290,6 +315,11 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n; i++)
             s += through(i, 1);
         printf("%ld\n", s);
+    } else if (!strcmp(mode, "ipa")) {
+        long changed = 0;
+        for (long i = 0; i < n; i++)
+            changed |= ipa_check(i);
+        printf("%#lx\n", changed);
     } else if (!strcmp(mode, "mixed")) {
         long s = 0;
         for (long i = 0; i < n; i++)

@@ -10,7 +10,7 @@ from dynprobe.arch.x86_64.codegen import (
     build_detour,
     build_return_code,
     build_trampoline,
-    enter_hooked,
+    enter_tail,
     return_stub_code,
 )
 from dynprobe.arch.x86_64.decode import iter_instructions
@@ -31,7 +31,7 @@ def test_each_trampoline_entry_point_calls_the_common_part() -> None:
     for k in (0, 1, 2, L.SHADOW_CAPACITY - 1):
         at = AT + k * L.TRAMPOLINE_STRIDE
         call, push, jump = iter_instructions(code[at - AT : at - AT + L.TRAMPOLINE_STRIDE], at)
-        assert str(call) == "call r11" and push.ip == tramp.point(k)
+        assert str(call) == "call qword ptr [rsp-18h]" and push.ip == tramp.point(k)  # [S - 16], rsp = S + 8
         assert push.code == iced.Code.PUSHQ_IMM32 and push.immediate(0) == k * L.SHADOW_ENTRY
         assert jump.code == iced.Code.JMP_REL32_64 and jump.near_branch_target == common
     tail = list(iter_instructions(code[common - AT :], common))
@@ -44,17 +44,13 @@ def test_each_trampoline_entry_point_calls_the_common_part() -> None:
 
 
 def test_a_hooked_entry_goes_into_the_function_through_the_table() -> None:
-    _, tramp = build_trampoline(LAYOUT, AT)
-    at = AT + 0x9000
-    code = enter_hooked(tramp.points, at)
-    insns = list(iter_instructions(code, at))
-    region = at + len(code)
-    assert [str(i) for i in insns[1:3]] == ["add r11,[rsp]", "cmp r11,0D000h"]  # 4096 entries of 13 bytes
-    assert insns[0].immediate(1) == -tramp.points & (1 << 64) - 1
-    assert insns[3].mnemonic == iced.Mnemonic.JAE and insns[3].near_branch_target == region  # not hooked
-    assert str(insns[4]) == f"sub qword ptr [rsp],{L.TRAMPOLINE_CALL}"  # entry point k -> its `call r11`
-    assert insns[5].mnemonic == iced.Mnemonic.LEA and insns[5].memory_displacement == region
-    assert [str(i) for i in insns[6:]] == ["lea rsp,[rsp+8]", "jmp qword ptr [rsp-8]"]
+    tail = list(iter_instructions(enter_tail(), 0x1000))
+    assert [str(i) for i in tail] == [
+        "cmp qword ptr [rsp-8],0",  # no call to go through: on into the region
+        f"je short {0x1000 + len(enter_tail()):016X}h",
+        "lea rsp,[rsp+8]",  # rsp = S + 8: the call pushes the entry point into S
+        "jmp qword ptr [rsp-10h]",
+    ]
 
 
 def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:
@@ -84,6 +80,11 @@ def test_entry_part_needs_a_function_entry_and_the_trampoline() -> None:
     assert any(i.code == iced.Code.MOV_R64_IMM64 and i.immediate(1) == tramp.points for i in insns)
     assert any(i.code == iced.Code.MOV_R64_IMM64 and i.immediate(1) == -tramp.points & (1 << 64) - 1 for i in insns)
     assert not any(i.mnemonic in (iced.Mnemonic.LAHF, iced.Mnemonic.SAHF) for i in insns)  # flags: free here
+    assert str(insns[0]) == "lea rsp,[rsp-10h]"  # room for the targets below the return address
+    region = AT + 0x3000 + built.action_bytes
+    assert built.code[built.action_bytes - len(enter_tail()) : built.action_bytes] == enter_tail()
+    assert any(i.mnemonic == iced.Mnemonic.LEA and i.memory_displacement == region for i in insns)
+    assert str(next(i for i in insns if i.ip >= region)) == "push rbp"
 
 
 def test_cet_shadow_stack_from_proc_status() -> None:
@@ -104,20 +105,18 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
     site = AT + 0x1000
     plan = OptimizePlan(site, tuple(iter_instructions(bytes.fromhex("554889e590"), site)))  # push rbp; mov; nop
     target = AT + 0x40000
-    code = build_tracer_site(plan, 77, target, AT + 0x3000, None)
+    code = build_tracer_site(plan, 77, target, AT + 0x3000)
     assert isinstance(code, bytes)
     insns = list(iter_instructions(code, AT + 0x3000))
-    assert insns[0].code == iced.Code.PUSHQ_IMM32 and insns[0].immediate(0) == 77
-    assert insns[1].ip == AT + 0x3000 + SITE_CALL_AT and insns[1].near_branch_target == target
-    assert str(insns[2]) == "lea rsp,[rsp+8]"
-    assert [i.mnemonic for i in insns[3:6]] == [iced.Mnemonic.PUSH, iced.Mnemonic.MOV, iced.Mnemonic.NOP]
+    assert str(insns[0]) == "lea rsp,[rsp-10h]"  # room for the targets below the return address
+    assert insns[1].code == iced.Code.PUSHQ_IMM32 and insns[1].immediate(0) == 77
+    assert insns[2].ip == AT + 0x3000 + SITE_CALL_AT and insns[2].near_branch_target == target
+    assert str(insns[3]) == "lea rsp,[rsp+18h]"  # drop the id and the room
+    head = SITE_CALL_AT + 10 + len(enter_tail())
+    assert code[SITE_CALL_AT + 10 : head] == enter_tail()
+    moved = [i.mnemonic for i in insns if i.ip >= AT + 0x3000 + head]
+    assert moved[:3] == [iced.Mnemonic.PUSH, iced.Mnemonic.MOV, iced.Mnemonic.NOP]
     assert insns[-1].mnemonic == iced.Mnemonic.JMP and insns[-1].near_branch_target == site + 5
-    # with a return trampoline, enter_hooked between the call and the prologue
-    _, tramp = build_trampoline(LAYOUT, AT)
-    hooked = build_tracer_site(plan, 77, target, AT + 0x3000, tramp.points)
-    assert isinstance(hooked, bytes)
-    middle = enter_hooked(tramp.points, AT + 0x3000 + SITE_CALL_AT + 10)
-    assert hooked == code[: SITE_CALL_AT + 10] + middle + hooked[SITE_CALL_AT + 10 + len(middle) :]
     # re-pointing rewrites the call alone
     moved = call_to(AT + 0x3000, target + 0x100)
     assert next(iter_instructions(moved, AT + 0x3000 + SITE_CALL_AT)).near_branch_target == target + 0x100
@@ -125,5 +124,6 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
     _, tramp = build_trampoline(LAYOUT, AT)
     _, ops = build_ops_code(LAYOUT, 5, tramp, AT + 0x50000, depth=8)
     assert ops.entry == AT + 0x50000 and ops.entry < ops.body < ops.exit
-    listed = list(iter_instructions(build_list_trampoline([ops.body, ops.body + 0x10], AT + 0x60000), AT + 0x60000))
+    listed = list(iter_instructions(build_list_trampoline([ops.body, ops.body + 0x10], AT + 0x60000, tramp.points),
+                                    AT + 0x60000))  # fmt: skip
     assert [i.near_branch_target for i in listed if i.mnemonic == iced.Mnemonic.CALL] == [ops.body, ops.body + 0x10]

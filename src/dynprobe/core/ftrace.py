@@ -271,8 +271,7 @@ class Tracing:
         at = self.session.allocate_slot(proc, addr, SITE_ROOM)
         if at is None:
             return OptimizeRefusal.NO_MEMORY.name
-        points = proc.returns.trampoline.points if proc.returns is not None else None
-        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at, points)
+        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at)
         if isinstance(detour, OptimizeRefusal) or len(detour) > SITE_ROOM:
             proc.slots.free(at, SITE_ROOM)
             return detour.name if isinstance(detour, OptimizeRefusal) else "TOO_LARGE"
@@ -347,10 +346,13 @@ class Tracing:
             if ops == key and abs(addr - near) < REACH:
                 return addr
         bodies = [self._ops_code(proc, t, near).body for t in tracers]
-        at = self.session.allocate_slot(proc, near, 64 + 8 * len(bodies))
+        points = proc.returns.trampoline.points if proc.returns is not None else None
+        size = len(build_list_trampoline(bodies, near, points))  # (rel32 calls, an imm64: any address)
+        at = self.session.allocate_slot(proc, near, size)
         if at is None:
             raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
-        code = build_list_trampoline(bodies, at)
+        code = build_list_trampoline(bodies, at, points)
+        assert len(code) == size
         proc.tracee.write(at, code)
         proc.tracing.lists.append((key, at, len(code)))
         return at

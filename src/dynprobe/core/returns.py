@@ -66,7 +66,8 @@ BACKTRACE_ENTRY = "_Unwind_Backtrace"
 CATCH_ENTRY = "__cxa_begin_catch"
 RETURN_CODE_ROOM = 512
 _SAVED_REGS = 6  # what the trampoline pushes: rax, rcx, rdx, rsi, rdi, r11 (rax deepest)
-_SAVED_RAX, _SAVED_RDX = 8 * 5, 8 * 3  # their offsets from rsp in the return code
+_SAVED_AT = {"r11": 0, "rdi": 8, "rsi": 16, "rdx": 24, "rcx": 32, "rax": 40}  # from rsp in the return code
+_SAVED_RAX, _SAVED_RDX = _SAVED_AT["rax"], _SAVED_AT["rdx"]
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
 _STUB_BYTES = 16
 
@@ -376,8 +377,8 @@ class ReturnProbes:
         tracee = proc.tracee
         view = Regs.from_buffer_copy(regs)
         saved = tracee.read(base, 8 * _SAVED_REGS)
-        view.rax = int.from_bytes(saved[_SAVED_RAX : _SAVED_RAX + 8], "little")
-        view.rdx = int.from_bytes(saved[_SAVED_RDX : _SAVED_RDX + 8], "little")
+        for name, at in _SAVED_AT.items():  # the trampoline's own values are in the registers
+            setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
         view.rsp = _return_rsp(regs)
         view.rip = caller
         function = probe.sites.get(proc.pid, 0)

@@ -395,7 +395,7 @@ class Session:
 
     def function_tracer(
         self,
-        functions: Iterable[str] = (),
+        filter: Iterable[str] = (),  # ftrace's word (set_ftrace_filter)
         exclude: Iterable[str] = (),
         libraries: Iterable[str] = (),
         graph: bool = True,
@@ -403,20 +403,20 @@ class Session:
         depth: int | None = None,
         threshold_ns: int = 0,
     ) -> FunctionTracer:
-        """A function tracer over the functions of the main executable (and of `libraries`, by
-        name or path, as mapped) whose names match a glob of `functions` (all if none) and none
-        of `exclude`. Graph mode records entries and exits (the return-probe mechanism), else
-        entries only; `depth` (graph mode) leaves out calls nested deeper than that many traced
-        calls, `threshold_ns` calls that end sooner (dropped in the target: they cost no disk).
-        Call `start()` on it; events go to `on_event` or, spooled raw, to `write_raw` (`dynprobe
-        record`)."""
+        """A function tracer (an ftrace ops: filter, action, graph or not) over the functions of
+        the main executable (and of `libraries`, by name or path, as mapped) whose names match a
+        glob of `filter` (all if none) and none of `exclude` (set_ftrace_notrace). Graph mode
+        records entries and exits (the return-probe mechanism), else entries only; `depth` (graph
+        mode) leaves out calls nested deeper than that many traced calls, `threshold_ns` calls
+        that end sooner (dropped in the target: they cost no disk). Call `start()` on it; events
+        go to `on_event` or, spooled raw, to `write_raw` (`dynprobe record`)."""
         self._check_open()
         main = self._processes.get(self.main_pid)
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps) for name in libraries]
-        selected = self.tracing.select(paths, functions, exclude)
+        selected = self.tracing.select(paths, filter, exclude)
         return self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
 
     def reserve_index(self) -> int:

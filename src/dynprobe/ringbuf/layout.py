@@ -17,9 +17,9 @@ A shadow-stack entry: the address of the hijacked return-address slot (0: the en
 the original return address, the address of the code that runs the probe's return part, the
 probe index (u32), the tracer's flags (u32), the time stamp at entry and the entry's data (the probe's `$argN` values at
 entry, at DATA + 8 * (N - 1)). Entry k is returned through trampoline entry point k, so a frame
-finds its entry even if the stack under it was copied elsewhere. Before each entry point, a
-`call r11`: a detour enters the function through it, so the return address is pushed by a call
-and the function's `ret` is predicted.
+finds its entry even if the stack under it was copied elsewhere. Before each entry point, the
+call a detour enters the function through (`call [rsp-24]`), so the return address is pushed by
+a call and the function's `ret` is predicted.
 
 A record is `record_size` bytes (a power of two): a 16-byte header (u16 probe index, u16 CPU
 from rdpid or rdtscp, u32 bit mask of fetch arguments that faulted, u64 time-stamp counter) then the
@@ -63,8 +63,8 @@ SHADOW_ENTRY = 128
 SHADOW_CAPACITY = 4096  # also the largest maxactive
 ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_FLAGS, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 28, 32, 40
 ENTRY_RESTORED = 1  # flag: the tracer put the original return address back while the unwinder ran
-TRAMPOLINE_CALL = 3  # `call r11`, then the entry point
-TRAMPOLINE_STRIDE = 13  # bytes per trampoline entry: `call r11`, then `push OFFSET; jmp common`
+TRAMPOLINE_CALL = 4  # `call [rsp-24]`, then the entry point
+TRAMPOLINE_STRIDE = 14  # bytes per trampoline entry: that call, then `push OFFSET; jmp common`
 
 DEFAULT_RING_BYTES = 1 << 20
 MIN_RING_BYTES = 1 << 12

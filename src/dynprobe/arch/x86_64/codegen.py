@@ -66,6 +66,10 @@ L_MASK64 = (1 << 64) - 1
 _SAVED = ("rax", "rcx", "rdx", "rsi", "rdi", "r11")
 _SAVED_AT = {name: 8 * (len(_SAVED) - 1 - i) for i, name in enumerate(_SAVED)}  # offsets from rsp
 _FLAGS_AT = 8 * len(_SAVED)  # with pushfq, pushed before the registers
+# At a return, in the trampoline's frame: the shadow entry's offset, pushed by the entry point
+# where the return address was, above the saved registers (all kept: with IPA-RA a caller may
+# keep values in any of them across the call).
+_ENTRY_OFFSET_AT = 8 * len(_SAVED)
 _REG = {name: getattr(R, name.upper()) for name in GPR64}
 _JCC_UNSIGNED = {"==": C.JE_REL32_64, "!=": C.JNE_REL32_64, "<": C.JB_REL32_64, "<=": C.JBE_REL32_64,
                  ">": C.JA_REL32_64, ">=": C.JAE_REL32_64}  # fmt: skip
@@ -74,7 +78,7 @@ _JCC_SIGNED = {**_JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C
 
 @dataclass(frozen=True)
 class Trampoline:
-    """Where a process's return trampoline is: entry k's `call r11` at `table + k *
+    """Where a process's return trampoline is: entry k's call (`hook_targets`) at `table + k *
     TRAMPOLINE_STRIDE`, its entry point right after; a probe's return code ends with a jump to
     `finish`."""
 
@@ -240,10 +244,9 @@ class _Emitter:
             raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
 
     def entry_word(self, offset: int) -> None:
-        """rax = a word of the shadow-stack entry being returned through (its offset in the
-        shadow stack is in the saved rsi slot: rsi is dead at a return)."""
+        """rax = a word of the shadow-stack entry being returned through."""
         asm = self.asm
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT["rsi"])))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _ENTRY_OFFSET_AT)))
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(self.layout.shadow + offset, R.RAX)))
 
     def return_value(self, fetch: Fetch) -> bool:
@@ -271,7 +274,7 @@ class _Emitter:
                 asm.add(iced.Instruction.create(C.RDTSC))
                 asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
                 asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
-            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT["rsi"])))
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _ENTRY_OFFSET_AT)))
             asm.add(
                 iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RDX, _gs(self.layout.shadow + L.ENTRY_TSC, R.RAX))
             )
@@ -621,85 +624,114 @@ def build_detour(
     trampoline: Trampoline | None = None,
 ) -> Detour | OptimizeRefusal:
     """The detour for a site whose probes run `programs`, placed at `at` (return probes among
-    them need the process's `trampoline`)."""
-    red_zone = 0 if function_entry else RED_ZONE
+    them need the process's `trampoline`, and go into the function through `hook_targets`)."""
     hooks = any(p.entry is not None for p in programs)
     if hooks and (trampoline is None or not function_entry):
         return OptimizeRefusal.FETCH_UNSUPPORTED
+    red_zone = HOOK_ROOM if hooks else 0 if function_entry else RED_ZONE
     if all(p.kind == ActionKind.COUNT and p.filter is None and p.entry is None for p in programs):
         return _then_region(plan, _count_only(programs, layout, red_zone), {}, at)
-    asm = _Asm()
-    if red_zone:
-        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
     push_flags = any(_fetches_flags(prog) for prog in programs if prog.entry is None)
-    keep_flags = not push_flags and not hooks  # (enter_hooked changes them: free at a function entry)
+    keep_flags = not push_flags and not hooks  # (hook_targets changes them: free at a function entry)
     returning = _Returning(trampoline.points, 0, at_return=False) if trampoline is not None else None
-    emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning)
-    if push_flags:
-        asm.add(iced.Instruction.create(C.PUSHFQ))
-    for name in _SAVED:
-        asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-    if keep_flags:
-        asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
-        asm.add(iced.Instruction.create(C.LAHF))
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
-    try:
+
+    def assemble(region: int) -> tuple[bytes, dict[int, int]]:
+        asm = _Asm()
+        if red_zone:
+            asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
+        emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning)
+        if push_flags:
+            asm.add(iced.Instruction.create(C.PUSHFQ))
+        for name in _SAVED:
+            asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+        if keep_flags:
+            asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
+            asm.add(iced.Instruction.create(C.LAHF))
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
         for prog in programs:
             _check_fields(prog)
             if prog.entry is not None:
                 emitter.return_entry(prog, prog.entry)
             else:
                 emitter.program(prog)
+        if hooks:
+            region_at = iced.MemoryOperand(R.RIP, displ=region)
+            hook_targets(asm, emitter.frame, lambda: asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDX,
+                         region_at)), returning.points if returning else None)  # fmt: skip
+        if keep_flags:
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
+            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
+            asm.add(iced.Instruction.create(C.SAHF))
+        for name in reversed(_SAVED):
+            asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
+        if push_flags:
+            asm.add(iced.Instruction.create(C.POPFQ))
+        if red_zone:
+            asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
+        code, fixups = asm.encode(at)
+        return (code + enter_tail(), fixups) if hooks else (code, fixups)
+
+    try:
+        code, fixups = assemble(at)
+        if hooks:  # the region's address is known once the code's length is (its lea is a disp32)
+            code, fixups = assemble(at + len(code))
     except _Unsupported as exc:
         return exc.reason
-    if keep_flags:
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
-        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
-        asm.add(iced.Instruction.create(C.SAHF))
-    for name in reversed(_SAVED):
-        asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
-    if push_flags:
-        asm.add(iced.Instruction.create(C.POPFQ))
-    if red_zone:
-        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
-    return _then_region(plan, *asm.encode(at), at, trampoline.points if hooks and trampoline else None)
+    return _then_region(plan, code, fixups, at)
 
 
-def enter_hooked(points: int, at: int) -> bytes:
-    """At a function entry (r11 and the flags are free there, by the ABI), after the code that
-    may have hooked the return (`points`: the trampoline's entry point 0), placed at `at`, the
-    relocated region right after it: if the return address is entry point k, go into the
-    function through the `call r11` before it, which pushes that entry point again. A `ret`
-    then pairs with a `call`, as the CPU predicts: replacing the return address alone costs a
-    misprediction at the function's return and at the trampoline's (12-15 ns a call here)."""
-    region, here = at + _ENTER_HOOKED_BYTES, at
-    encoder = iced.Encoder(64)
-    for insn in (
-        iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.R11, -points & L_MASK64),
-        iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.R11, _mem(R.RSP)),
-        iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.R11, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE),
-        iced.Instruction.create_branch(C.JAE_REL32_64, region),  # not hooked
-        iced.Instruction.create_mem_i32(C.SUB_RM64_IMM8, _mem(R.RSP), L.TRAMPOLINE_CALL),
-        iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R11, iced.MemoryOperand(R.RIP, displ=region)),
-        # A signal delivered between these two does not touch [rsp-8]: its frame skips the red zone.
+# Below a hooking function entry's return-address slot S, in the red zone (a signal frame skips
+# it): [S - 8], the call of the trampoline entry to go through (0: none), and [S - 16], the
+# function's relocated region, which that call calls. `enter_tail` reads them.
+HOOK_ROOM = 16
+
+
+def hook_targets(asm: _Asm, slot_at: int, load_region: Callable[[], None], points: int | None) -> None:
+    """At a function entry whose return may have been hooked (rsp + `slot_at`: its return-address
+    slot S; rax, rcx, rdx and the flags free), after the code that hooks it: if the return
+    address is entry point k of the trampoline (entry point 0 at `points`), [S - 8] = entry k's
+    call and [S - 16] = the region (`load_region()` puts it in rdx), else [S - 8] = 0."""
+    plain, done = asm.label(), asm.label()
+    if points is not None:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, slot_at)))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, -points & L_MASK64))
+        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RCX, R.RAX))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RCX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
+        asm.jump(C.JAE_REL32_64, plain)
+        asm.add(iced.Instruction.create_reg_i32(C.SUB_RM64_IMM8, R.RAX, L.TRAMPOLINE_CALL))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, slot_at - 8), R.RAX))
+        load_region()
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, slot_at - 16), R.RDX))
+        asm.jump(C.JMP_REL32_64, done)
+    asm.bind(plain)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _mem(R.RSP, slot_at - 8), 0))
+    asm.bind(done)
+
+
+@functools.cache
+def enter_tail() -> bytes:
+    """A hooking function entry's last bytes, the registers back (rsp: the return-address slot
+    S), the relocated region right after them: with a call in [S - 8], go there with rsp = S +
+    8: the call pushes the entry point the return address already is, into S. A `ret` then
+    pairs with a `call`, as the CPU predicts: replacing the return address alone costs a
+    misprediction at the function's return and at the trampoline's (12-15 ns a call here). No
+    register is used to get there: GCC's IPA-RA keeps values in call-clobbered registers (r11
+    too) across calls to functions that do not touch them. Position-independent."""
+    encoder, here = iced.Encoder(64), 0
+    tail = (
+        iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _stack(-8), 0),
+        iced.Instruction.create_branch(C.JE_REL8_64, 17),  # the region
         iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(8)),
-        iced.Instruction.create_mem(C.JMP_RM64, _stack(-8)),
-    ):
+        iced.Instruction.create_mem(C.JMP_RM64, _stack(-16)),
+    )
+    for insn in tail:
         here += encoder.encode(insn, here)
-    assert here == region
+    assert here == 17
     return bytes(encoder.take_buffer())
 
 
-_ENTER_HOOKED_BYTES = 48  # (each instruction has one encoding: asserted)
-
-
-def _then_region(
-    plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int, points: int | None = None
-) -> Detour | OptimizeRefusal:
-    """The detour: the action code placed at `at`, then (with the trampoline's entry point 0
-    in `points`) `enter_hooked`, then the relocated region."""
-    if points is not None:
-        code += enter_hooked(points, at + len(code))
+def _then_region(plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int) -> Detour | OptimizeRefusal:
+    """The detour: the action code placed at `at`, then the relocated region."""
     region = relocate_region(plan, at + len(code))
     if region is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
@@ -720,19 +752,21 @@ def _check_fields(prog: Program) -> None:
 
 def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
     """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entries, entry k a
-    `call r11` (see `enter_hooked`) then entry point k, `push OFFSET; jmp common` (OFFSET: entry
-    k's offset in the shadow stack; the push lands where the return address was), then the
-    common part, which saves the registers a probe's return code may use (rsi is dead at a
-    return: it carries the entry's offset) and jumps to that code; the code jumps back to
-    `finish`, which frees the entry and returns to the original return address. The function
-    was entered by the `call r11` of its entry, so the CPU predicted its `ret` and predicts
-    this one: the caller's call is the one it pairs with. (A frame entered otherwise, a trap
-    probe's, mispredicts both.) Flags are not kept: no caller expects them to survive a call."""
+    call (`call [rsp-24]`: see `hook_targets`) then entry point k, `push
+    OFFSET; jmp common` (OFFSET: entry k's offset in the shadow stack; the push lands where the
+    return address was), then the common part, which saves the registers a probe's return code
+    may use and jumps to that code (rsi: the entry's offset, kept on the stack too); the
+    code jumps back to `finish`, which frees the entry and returns to the original return
+    address. The function was entered by the call of its entry, so the CPU predicted its `ret`
+    and predicts this one: the caller's call is the one it pairs with. (A frame entered
+    otherwise, a trap probe's, mispredicts both.) Flags are not kept: no caller expects them to
+    survive a call (GCC's flags register is fixed: even IPA-RA takes every call to clobber it)."""
     common_at = at + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
     encoder = iced.Encoder(64)  # entries one by one: the near jump keeps its 5 bytes
     for k in range(L.SHADOW_CAPACITY):
-        point = at + k * L.TRAMPOLINE_STRIDE + L.TRAMPOLINE_CALL
-        encoder.encode(iced.Instruction.create_reg(C.CALL_RM64, R.R11), point - L.TRAMPOLINE_CALL)
+        call = at + k * L.TRAMPOLINE_STRIDE
+        encoder.encode(iced.Instruction.create_mem(C.CALL_RM64, _stack(-8 - HOOK_ROOM)), call)
+        point = call + L.TRAMPOLINE_CALL
         encoder.encode(iced.Instruction.create_i32(C.PUSHQ_IMM32, k * L.SHADOW_ENTRY), point)
         encoder.encode(iced.Instruction.create_branch(C.JMP_REL32_64, common_at), point + 5)
     table = bytes(encoder.take_buffer())
@@ -740,14 +774,13 @@ def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
     asm = _Asm()
     finish, popping, popped = asm.label(), asm.label(), asm.label()
     shadow, shift = layout.shadow, L.SHADOW_ENTRY.bit_length() - 1
-    slot_at = 8 * len(_SAVED)  # the pushed offset, where the return address was
+    slot_at = _ENTRY_OFFSET_AT  # the pushed offset, where the return address was
     for name in _SAVED:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, slot_at)))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, _SAVED_AT["rsi"]), R.RSI))
     asm.add(iced.Instruction.create_mem(C.JMP_RM64, _gs(shadow + L.ENTRY_HANDLER, R.RSI)))
     asm.bind(finish)
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, _SAVED_AT["rsi"])))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _mem(R.RSP, slot_at)))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RSI)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, slot_at), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
@@ -819,34 +852,36 @@ def _frame_tag(asm: _Asm, entry_offset: RegisterT, into: RegisterT) -> None:
     asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, into, 1 << FRAME_SHIFT))
 
 
-SITE_CALL_AT = 5  # a tracer site's `call rel32` starts here (after `push imm32`)
+SITE_CALL_AT = 10  # a tracer site's `call rel32` starts here (after `lea rsp,[rsp-16]; push imm32`)
+_REGION_AFTER_CALL = 5 + 17  # the site's `lea rsp,[rsp+24]` and `enter_tail`, then the region
 
 
 @dataclass(frozen=True)
 class OpsCode:
-    """Where one tracer instance's generated code is: `entry` is called from a site (after
-    `push FUNCTION_ID`), `body` from a list trampoline (esi: the function's id, rdi: its
-    return-address slot), `exit` is the return code of its graph-mode shadow entries."""
+    """Where one tracer instance's generated code is: `entry` is called from a site, `body`
+    from a list trampoline (esi: the function's id, rdi: its return-address slot), `exit` is
+    the return code of its graph-mode shadow entries."""
 
     entry: int
     body: int
     exit: int
 
 
-def build_tracer_site(
-    plan: OptimizePlan, function_id: int, target: int, at: int, points: int | None
-) -> bytes | OptimizeRefusal:  # fmt: skip
-    """A traced function's detour at `at`: `push FUNCTION_ID; call target` (an ops' entry or a
-    list trampoline: re-pointed by rewriting the call), drop the id, `enter_hooked` when the
-    process has a return trampoline (entry point 0 at `points`), the relocated prologue, and
-    the jump back."""
-    encoder = iced.Encoder(64)
-    encoder.encode(iced.Instruction.create_i32(C.PUSHQ_IMM32, function_id), at)
-    encoder.encode(iced.Instruction.create_branch(C.CALL_REL32_64, target), at + SITE_CALL_AT)
-    encoder.encode(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(8)), at + SITE_CALL_AT + 5)
-    head = bytes(encoder.take_buffer())
-    if points is not None:
-        head += enter_hooked(points, at + len(head))
+def build_tracer_site(plan: OptimizePlan, function_id: int, target: int, at: int) -> bytes | OptimizeRefusal:
+    """A traced function's detour at `at`: room for `hook_targets` below the return address,
+    `push FUNCTION_ID; call target` (an ops' entry or a list trampoline: re-pointed by
+    rewriting the call), which sets the targets; drop them and the id, `enter_tail`, the
+    relocated prologue, and the jump back."""
+    encoder, here = iced.Encoder(64), at
+    for insn in (
+        iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(-HOOK_ROOM)),
+        iced.Instruction.create_i32(C.PUSHQ_IMM32, function_id),
+        iced.Instruction.create_branch(C.CALL_REL32_64, target),
+        iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(HOOK_ROOM + 8)),
+    ):
+        here += encoder.encode(insn, here)
+    head = bytes(encoder.take_buffer()) + enter_tail()
+    assert len(head) == SITE_CALL_AT + 5 + _REGION_AFTER_CALL
     region = relocate_region(plan, at + len(head))
     if region is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
@@ -904,56 +939,83 @@ def ring_record(
 def _trace_record(
     asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = TRACE_ENTRY, kind_in: RegisterT | None = None,
     publish: bool = True, reserved: Callable[[], None] | None = None,
+    function_id: iced.MemoryOperand | None = None, slot: RegisterT = R.RCX,
 ) -> None:  # fmt: skip
-    """A 16-byte record (esi: the function's id): u16 ops, u16 kind (`kind`, or the 16-bit
-    register `kind_in`, not ax, cx or dx), u32 function, u64 time stamp (rdtsc). Uses rax, rcx,
-    rdx. `publish`, `reserved`: as in ring_record."""
+    """A 16-byte record: u16 ops, u16 kind (`kind`, or the 16-bit register `kind_in`, not ax,
+    dx or `slot`'s), u32 function (esi, or the dword at `function_id`), u64 time stamp (rdtsc).
+    Uses rax, rdx and `slot`. `publish`, `reserved`: as in ring_record."""
     ring = layout.ring
 
     def write() -> None:
+        if function_id is not None:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, function_id))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, slot), R.EAX))
         asm.add(iced.Instruction.create(C.RDTSC))
         asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
         asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RCX), R.RAX))
-        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RCX), ops_index))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, slot), R.RAX))
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, slot), ops_index))
         if kind_in is None:
-            asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RCX), kind))
+            asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, slot), kind))
         else:  # (Register values are ints too: hence a parameter of its own)
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RCX), kind_in))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RCX), R.ESI))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, slot), kind_in))
+        if function_id is None:
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, slot), R.ESI))
 
-    ring_record(asm, layout, ops_index, R.RCX, write, publish, reserved)
+    ring_record(asm, layout, ops_index, slot, write, publish, reserved)
 
 
-def _save_and_call(asm: _Asm, bodies: Sequence[int | None], own_body: int | None = None) -> None:
-    """An entry called from a site (after `push FUNCTION_ID`): save what the bodies use, esi =
-    the id, rdi = the traced function's return-address slot, call each body, restore, return.
-    (The flags are free: a site is a function entry.)"""
+# An entry's frame, from rsp: the saved registers, the return address into the site (its
+# region _REGION_AFTER_CALL further), the function's id, HOOK_ROOM, the traced function's
+# return-address slot.
+_SITE_RET_AT = 8 * len(_SAVED)
+_ID_AT = _SITE_RET_AT + 8
+_SLOT_AT = _ID_AT + 8 + HOOK_ROOM
+
+
+def _save(asm: _Asm) -> None:
     for name in _SAVED:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-    frame = 8 * len(_SAVED)  # then our return address, the id, the slot
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _mem(R.RSP, frame + 8)))
-    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, _mem(R.RSP, frame + 16)))
-    for body in bodies:
-        if body is None:
-            assert own_body is not None
-            asm.jump(C.CALL_REL32_64, own_body)
-        else:
-            asm.add(iced.Instruction.create_branch(C.CALL_REL32_64, body))
+
+
+def _hook_and_return(asm: _Asm, points: int | None) -> None:
+    """An entry's end: `hook_targets` (points: the return trampoline's entry point 0, if the
+    return may have been hooked), registers back, return to the site."""
+
+    def load_region() -> None:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, _mem(R.RSP, _SITE_RET_AT)))
+        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RDX, _REGION_AFTER_CALL))
+
+    hook_targets(asm, _SLOT_AT, load_region, points)
     for name in reversed(_SAVED):
         asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
     asm.add(iced.Instruction.create(C.RETNQ))
+
+
+def build_list_trampoline(bodies: Sequence[int], at: int, points: int | None) -> bytes:
+    """A site traced by several instances calls this: save what the bodies use, esi = the
+    function's id, rdi = its return-address slot, call each body in turn, `_hook_and_return`."""
+    asm = _Asm()
+    _save(asm)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _mem(R.RSP, _ID_AT)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, _mem(R.RSP, _SLOT_AT)))
+    for body in bodies:
+        asm.add(iced.Instruction.create_branch(C.CALL_REL32_64, body))
+    _hook_and_return(asm, points)
+    return asm.encode(at)[0]
 
 
 def build_ops_code(
     layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, depth: int | None = None,
     threshold: int = 0,
 ) -> tuple[bytes, OpsCode]:  # fmt: skip
-    """One tracer instance's code at `at`: its entry, its body (an entry record; with a
-    `trampoline`, graph mode: a shadow entry whose return code, `exit`, writes the exit
-    record) and that exit. In graph mode with a `depth`, calls nested deeper than `depth`
-    traced calls (its pending shadow entries on the thread) are not recorded. Bodies keep rsi,
-    rdi and r11 (a list trampoline calls several).
+    """One tracer instance's code at `at`: its entry (called from a site: saves, runs the
+    body inline, `_hook_and_return`), its body again as a function (for
+    list trampolines: esi the id, rdi the return-address slot, kept) and, with a `trampoline`
+    (graph mode), `exit`, the return code of its shadow entries, which writes the exit record.
+    The body counts the call and writes an entry record; in graph mode it takes a shadow entry
+    first, which the entry record names (its frame). With a `depth`, calls nested deeper than
+    `depth` traced calls (its pending shadow entries on the thread) are not recorded.
 
     In graph mode with a `threshold` (time-stamp counter ticks), calls that end sooner leave no
     record: entry records are held back (ring_record) and a call that ends too soon takes its
@@ -964,58 +1026,65 @@ def build_ops_code(
     maxactive = L.SHADOW_CAPACITY if depth is None else depth
     journal = trampoline is not None and threshold > 0
     held = L.ENTRY_DATA + 8  # in a shadow entry: the sequence number of its held-back entry record
+    shadow = layout.shadow
 
-    def assemble(exit_at: int) -> tuple[bytes, dict[int, int]]:
-        asm = _Asm()
-        body, exit_, deep = asm.label(), asm.label(), asm.label()
-        _save_and_call(asm, [None], body)
-        asm.bind(body)
+    def body(asm: _Asm, inline: bool, exit_at: int) -> None:
+        """Inline: in the entry's frame, registers free. Otherwise: esi the id, rdi the slot,
+        both kept."""
+        done = asm.label()
         if trampoline is not None and depth is not None:
-            pending = _gs(layout.counter(ops_index, L.PENDING))
-            asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, pending, depth))
-            asm.jump(C.JAE_REL32_64, deep)
+            asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(layout.counter(ops_index, L.PENDING)), depth))
+            asm.jump(C.JAE_REL32_64, done)
         asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS))))
         if trampoline is None:
-            _trace_record(asm, layout, ops_index)
+            _trace_record(asm, layout, ops_index, function_id=_mem(R.RSP, _ID_AT) if inline else None)
+            asm.bind(done)
+            return
+        if inline:
+            asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, _mem(R.RSP, _SLOT_AT)))
+            id_at = _mem(R.RSP, _ID_AT)
         else:
-            # The shadow entry first: the entry record names its frame (no record when missed).
-            shadow = layout.shadow
             asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
             asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDI))
             asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RDI))
+            id_at = _mem(R.RSP, 8)  # the pushed rsi
 
-            def fill() -> None:  # data: the function's id (the pushed rsi) | the entry's kind << 32
-                _frame_tag(asm, R.RSI, R.RDI)
-                asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _mem(R.RSP, 8)))
-                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDX, R.RDI))
-                asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-                asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
-                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RDX))
-                if journal:  # no entry record held back (yet)
-                    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + held, R.RSI), -1))
-                asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RCX))
-                asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
-                asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ESI, R.EAX))
+        def fill() -> None:  # data: the function's id | the entry's kind << 32; the entry record
+            _frame_tag(asm, R.RSI, R.RDI)
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, id_at))
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDX, R.RDI))
+            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RAX))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RDX))
+            if journal:  # no entry record held back (yet)
+                asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + held, R.RSI), -1))
 
-                def reserved() -> None:  # rcx: the record's sequence number; the entry's offset pushed
-                    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP)))
-                    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + held, R.RAX), R.RCX))
+            def reserved() -> None:  # r11: the record's sequence number
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + held, R.RSI), R.R11))
 
-                if journal:
-                    _trace_record(asm, layout, ops_index, kind_in=R.DI, publish=False, reserved=reserved)
-                else:
-                    _trace_record(asm, layout, ops_index, kind_in=R.DI)
-                asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
-                asm.add(iced.Instruction.create_reg(C.POP_R64, R.RCX))
+            _trace_record(
+                asm, layout, ops_index, kind_in=R.DI, publish=not journal, reserved=reserved if journal else None,
+                function_id=id_at, slot=R.R11,
+            )  # fmt: skip
 
-            shadow_push(asm, layout, trampoline.points, ops_index, maxactive, exit_at, fill)
+        shadow_push(asm, layout, trampoline.points, ops_index, maxactive, exit_at, fill)
+        if not inline:
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDI))
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
-        asm.bind(deep)
+        asm.bind(done)
+
+    def assemble(exit_at: int) -> tuple[bytes, dict[int, int]]:
+        asm = _Asm()
+        callable_body, exit_ = asm.label(), asm.label()
+        _save(asm)
+        body(asm, True, exit_at)
+        _hook_and_return(asm, trampoline.points if trampoline is not None else None)
+        asm.bind(callable_body)
+        body(asm, False, exit_at)
         asm.add(iced.Instruction.create(C.RETNQ))
         asm.bind(exit_)
         if trampoline is not None:
-            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RSP, _SAVED_AT["rsi"])))
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RSP, _ENTRY_OFFSET_AT)))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _gs(shadow + L.ENTRY_DATA, R.RCX)))
             asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM16, R.EDI, _gs(shadow + L.ENTRY_DATA + 4, R.RCX)))
             asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM8, R.EDI, TRACE_EXIT))
@@ -1025,7 +1094,7 @@ def build_ops_code(
             asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
         else:
             asm.add(iced.Instruction.create(C.INT3))
-        return _encode_with(asm, at, (body, exit_))
+        return _encode_with(asm, at, (callable_body, exit_))
 
     # The shadow entries name the exit's address, known once encoded: a second pass with it (an
     # imm64 either way, so nothing moves).
@@ -1078,13 +1147,6 @@ def _take_back_if_short(
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.MISSED))))
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, finish))
     asm.bind(write)
-
-
-def build_list_trampoline(bodies: Sequence[int], at: int) -> bytes:
-    """A site traced by several instances calls this: each one's body in turn."""
-    asm = _Asm()
-    _save_and_call(asm, list(bodies))
-    return asm.encode(at)[0]
 
 
 def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict[int, int]]:
