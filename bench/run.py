@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,15 @@ def traced_seed(
         if probe.mode.value == "optimized":
             info["resumes"] = {"jump": probe.hits}
     return elapsed, info
+
+
+REPEAT = 3  # rows of nanoseconds: the median of this many runs (a run now and then meets a busy moment)
+
+
+def median_run(run: Callable[[], tuple[int, dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
+    """The run of median elapsed time of REPEAT runs of `run` (elapsed us, info)."""
+    runs = sorted((run() for _ in range(REPEAT)), key=lambda r: r[0])
+    return runs[REPEAT // 2]
 
 
 def append_line(path: Path, line: str) -> None:
@@ -196,12 +205,16 @@ def function_tracing(calls: int) -> dict[str, Any]:
     build), each run timing itself; then `dynprobe report` of the trace (events per second)."""
     source = HERE / "targets" / "seed.c"
     plain = seed_binary()
-    results: dict[str, Any] = {"calls": calls, "untraced_us": run_seed([plain, str(calls)])}
+    results: dict[str, Any] = {"calls": calls, "untraced_us": run_seed([plain, str(calls)]), "runs": REPEAT}
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "dynprobe.data")
         cmd = [sys.executable, "-m", "dynprobe.cli.main", "record", "-o", trace, "--ring-size", str(1 << 26), "--"]
-        done = subprocess.run([*cmd, plain, str(calls)], capture_output=True, text=True, check=True)
-        results["dynprobe_us"] = int(done.stdout)
+        times = []
+        for _ in range(REPEAT):
+            shutil.rmtree(trace, ignore_errors=True)
+            times.append(int(subprocess.run([*cmd, plain, str(calls)], capture_output=True, text=True,
+                                            check=True).stdout))  # fmt: skip
+        results["dynprobe_us"] = sorted(times)[REPEAT // 2]
         results["dynprobe_lost"] = json.loads(Path(trace, "info.json").read_text())["lost"]
         for command in ("report", "replay"):  # each a whole `dynprobe` process, start-up included
             t0 = time.perf_counter()
@@ -221,9 +234,13 @@ def function_tracing(calls: int) -> dict[str, Any]:
         }
         for key, (binary, extra) in builds.items():
             data = os.path.join(tmp, key)
-            done = subprocess.run([uftrace, "record", "-d", data, *extra, binary, str(calls)], capture_output=True,
-                                  text=True, check=True)  # fmt: skip
-            results[key] = int(done.stdout.split()[-1])
+            times = []
+            for _ in range(REPEAT):
+                shutil.rmtree(data, ignore_errors=True)
+                done = subprocess.run([uftrace, "record", "-d", data, *extra, binary, str(calls)],
+                                      capture_output=True, text=True, check=True)  # fmt: skip
+                times.append(int(done.stdout.split()[-1]))
+            results[key] = sorted(times)[REPEAT // 2]
     return results
 
 
@@ -322,25 +339,23 @@ def main() -> int:
         rows.append({**row, **extra})
         console.log(escape(f"{name}: {elapsed_us / calls:.3f} us/call"))
 
-    add("untraced", n_opt, run_seed([seed, str(n_opt)]))
+    add("untraced", n_opt, sorted(run_seed([seed, str(n_opt)]) for _ in range(REPEAT))[REPEAT // 2])
     baseline = rows[0]["us_per_call"]
-    elapsed, info = traced_seed([seed, str(n_opt)], "test", optimize=True, action="count")
-    add("optimized: count", n_opt, elapsed, **info)
-    # A ring that holds every record: the cost of writing them, not of dropping them.
-    elapsed, info = traced_seed([seed, str(n_rec)], "p test a=%di b=%si", optimize=True, ring=1 << 26,
-                                action="record")  # fmt: skip
-    add("optimized: record (tsc + 2 registers)", n_rec, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_async)], "p test a=%di b=%si", optimize=True, ring=1 << 26,
-                                on_event=lambda event: None)  # fmt: skip
-    add("optimized: record + async Python callback", n_async, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_rec)], "r test ns=$latency:u64", optimize=True, ring=1 << 26,
-                                action="record")  # fmt: skip
-    add("optimized return: latency recorded (entry + return)", n_rec, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_ret)], "r test ns=$latency:u64", optimize=True, action="hist",
-                                value="ns")  # fmt: skip
-    add("optimized return: latency histogram (dynprobe latency)", n_ret, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_ret)], "r test", optimize=True, action="count")
-    add("optimized return: count (no time stamps)", n_ret, elapsed, **info)
+    optimized = [  # (row, calls, spec, session.probe keywords)
+        ("optimized: count", n_opt, "test", {"action": "count"}),
+        # A ring that holds every record: the cost of writing them, not of dropping them.
+        ("optimized: record (tsc + 2 registers)", n_rec, "p test a=%di b=%si", {"ring": 1 << 26, "action": "record"}),
+        ("optimized: record + async Python callback", n_async, "p test a=%di b=%si",
+         {"ring": 1 << 26, "on_event": lambda event: None}),
+        ("optimized return: latency recorded (entry + return)", n_rec, "r test ns=$latency:u64",
+         {"ring": 1 << 26, "action": "record"}),
+        ("optimized return: latency histogram (dynprobe latency)", n_ret, "r test ns=$latency:u64",
+         {"action": "hist", "value": "ns"}),
+        ("optimized return: count (no time stamps)", n_ret, "r test", {"action": "count"}),
+    ]  # fmt: skip
+    for name, calls, spec, kw in optimized:
+        elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw))  # noqa: B023
+        add(name, calls, elapsed, **info, runs=REPEAT)
     elapsed, info = traced_seed([seed, str(n_step)], "r test", on_entry=lambda hit: None, on_return=lambda hit: None)
     add("trap return: Python entry + return handlers", n_step, elapsed, **info)
     elapsed, info = traced_seed([seed, str(n_trap)], "test")

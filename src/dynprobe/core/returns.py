@@ -6,7 +6,8 @@ address, where the return address was, the entry's `$argN`, a time stamp) and re
 address with entry point k of the process's return trampoline, k being the entry's number. The
 function returns into the trampoline, which runs the probe's return code and returns to the
 original address. The return address names its entry, not the stack pointer: a frame whose stack
-was copied elsewhere still finds its entry.
+was copied elsewhere still finds its entry. A detour then enters the function through the call
+before entry point k (`codegen.hook_targets`), so both returns are predicted.
 
 Who does what:
 - the entry: the site's detour (optimized, `codegen.return_entry`), or `on_entry` here at a trap
