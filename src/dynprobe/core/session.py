@@ -530,11 +530,13 @@ class Session:
                         self._optimizer.flush()
                         continue
                     if not self._pending:
-                        left = None if deadline is None else deadline - time.monotonic()
-                        limits = [t for t in (due, left) if t is not None]
-                        if limits and min(limits) <= 0:
-                            break  # the deadline passed
-                        stop = self._next_stop(min(limits) if limits else None)
+                        wait = due
+                        if deadline is not None:
+                            left = deadline - time.monotonic()
+                            if left <= 0:
+                                break  # the deadline passed
+                            wait = left if due is None else min(due, left)
+                        stop = self._next_stop(wait)
                         if stop is None:
                             continue  # a time limit came first
                         if self._serve_breakpoint(*stop):
