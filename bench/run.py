@@ -237,8 +237,13 @@ def function_tracing(calls: int) -> dict[str, Any]:
             times = []
             for _ in range(REPEAT):
                 shutil.rmtree(data, ignore_errors=True)
-                done = subprocess.run([uftrace, "record", "-d", data, *extra, binary, str(calls)],
-                                      capture_output=True, text=True, check=True)  # fmt: skip
+                done = subprocess.run(
+                    [uftrace, "record", "-d", data, *extra, binary, str(calls)],
+                    cwd=tmp,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )  # fmt: skip (gmon.out: there)
                 times.append(int(done.stdout.split()[-1]))
             results[key] = sorted(times)[REPEAT // 2]
     return results

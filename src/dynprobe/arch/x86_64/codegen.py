@@ -78,7 +78,7 @@ _JCC_SIGNED = {**_JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C
 
 @dataclass(frozen=True)
 class Trampoline:
-    """Where a process's return trampoline is: entry k's call (`hook_targets`) at `table + k *
+    """Where a process's return trampoline is: entry k's call (`enter_tail`) at `table + k *
     TRAMPOLINE_STRIDE`, its entry point right after; a probe's return code ends with a jump to
     `finish`."""
 
@@ -654,10 +654,12 @@ def build_detour(
                 emitter.return_entry(prog, prog.entry)
             else:
                 emitter.program(prog)
-        if hooks:
-            region_at = iced.MemoryOperand(R.RIP, displ=region)
-            hook_targets(asm, emitter.frame, lambda: asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDX,
-                         region_at)), returning.points if returning else None)  # fmt: skip
+        if returning is not None and hooks:
+
+            def load_region() -> None:
+                asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDX, iced.MemoryOperand(R.RIP, displ=region)))
+
+            hook_targets(asm, emitter.frame, load_region, returning.points)
         if keep_flags:
             asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
             asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
@@ -720,14 +722,17 @@ def enter_tail() -> bytes:
     encoder, here = iced.Encoder(64), 0
     tail = (
         iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _stack(-8), 0),
-        iced.Instruction.create_branch(C.JE_REL8_64, 17),  # the region
+        iced.Instruction.create_branch(C.JE_REL8_64, _ENTER_TAIL_BYTES),  # the region
         iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _stack(8)),
         iced.Instruction.create_mem(C.JMP_RM64, _stack(-16)),
     )
     for insn in tail:
         here += encoder.encode(insn, here)
-    assert here == 17
+    assert here == _ENTER_TAIL_BYTES
     return bytes(encoder.take_buffer())
+
+
+_ENTER_TAIL_BYTES = 17
 
 
 def _then_region(plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int) -> Detour | OptimizeRefusal:
@@ -752,15 +757,15 @@ def _check_fields(prog: Program) -> None:
 
 def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
     """The return trampoline of a process, placed at `at`: SHADOW_CAPACITY entries, entry k a
-    call (`call [rsp-24]`: see `hook_targets`) then entry point k, `push
-    OFFSET; jmp common` (OFFSET: entry k's offset in the shadow stack; the push lands where the
-    return address was), then the common part, which saves the registers a probe's return code
-    may use and jumps to that code (rsi: the entry's offset, kept on the stack too); the
-    code jumps back to `finish`, which frees the entry and returns to the original return
-    address. The function was entered by the call of its entry, so the CPU predicted its `ret`
-    and predicts this one: the caller's call is the one it pairs with. (A frame entered
-    otherwise, a trap probe's, mispredicts both.) Flags are not kept: no caller expects them to
-    survive a call (GCC's flags register is fixed: even IPA-RA takes every call to clobber it)."""
+    call (`call [rsp-24]`: see `enter_tail`) then entry point k, `push OFFSET; jmp common`
+    (OFFSET: entry k's offset in the shadow stack; the push lands where the return address was),
+    then the common part, which saves the registers a probe's return code may use and jumps to
+    that code (rsi: the entry's offset, kept on the stack too); the code jumps back to
+    `finish`, which frees the entry and returns to the original return address. The function
+    was entered by the call of its entry, so the CPU predicted its `ret` and predicts this one:
+    the caller's call is the one it pairs with. (A frame entered otherwise, a trap probe's,
+    mispredicts both.) Flags are not kept: no caller expects them to survive a call (GCC's flags
+    register is fixed: even IPA-RA takes every call to clobber it)."""
     common_at = at + L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
     encoder = iced.Encoder(64)  # entries one by one: the near jump keeps its 5 bytes
     for k in range(L.SHADOW_CAPACITY):
@@ -853,7 +858,7 @@ def _frame_tag(asm: _Asm, entry_offset: RegisterT, into: RegisterT) -> None:
 
 
 SITE_CALL_AT = 10  # a tracer site's `call rel32` starts here (after `lea rsp,[rsp-16]; push imm32`)
-_REGION_AFTER_CALL = 5 + 17  # the site's `lea rsp,[rsp+24]` and `enter_tail`, then the region
+_REGION_AFTER_CALL = 5 + _ENTER_TAIL_BYTES  # the site's `lea rsp,[rsp+24]` and `enter_tail`, then the region
 
 
 @dataclass(frozen=True)
