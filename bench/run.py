@@ -237,13 +237,10 @@ def function_tracing(calls: int) -> dict[str, Any]:
             times = []
             for _ in range(REPEAT):
                 shutil.rmtree(data, ignore_errors=True)
-                done = subprocess.run(
+                done = subprocess.run(  # in tmp: a -pg program writes gmon.out where it runs
                     [uftrace, "record", "-d", data, *extra, binary, str(calls)],
-                    cwd=tmp,
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )  # fmt: skip (gmon.out: there)
+                    cwd=tmp, capture_output=True, text=True, check=True,
+                )  # fmt: skip
                 times.append(int(done.stdout.split()[-1]))
             results[key] = sorted(times)[REPEAT // 2]
     return results
