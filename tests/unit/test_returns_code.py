@@ -127,3 +127,16 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
     listed = list(iter_instructions(build_list_trampoline([ops.body, ops.body + 0x10], AT + 0x60000, tramp.points),
                                     AT + 0x60000))  # fmt: skip
     assert [i.near_branch_target for i in listed if i.mnemonic == iced.Mnemonic.CALL] == [ops.body, ops.body + 0x10]
+
+
+def test_a_thread_at_an_entry_call_is_going_into_the_region_it_calls() -> None:
+    from dynprobe.core.returns import ProcessReturns
+
+    _, tramp = build_trampoline(LAYOUT, AT)
+    returns = ProcessReturns(tramp, stub=tramp.end)
+    region, rsp = 0x5555_0000_1234, 0x7FFF_0000_1008  # rsp: the slot + 8, at the call
+    memory = {rsp - 24: region}
+    call = AT + 7 * L.TRAMPOLINE_STRIDE
+    assert returns.going_to(call, rsp, memory.__getitem__) == region
+    for elsewhere in (tramp.point(7), call + 1, tramp.finish, AT - 1):
+        assert returns.going_to(elsewhere, rsp, memory.__getitem__) == elsewhere

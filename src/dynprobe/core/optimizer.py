@@ -273,11 +273,14 @@ class Optimizer:
 
     @staticmethod
     def thread_rips(proc: TracedProcess) -> dict[int, int]:
+        """Where each stopped thread is, or about to be (see ProcessReturns.going_to)."""
         rips = {}
         for tid, state in proc.tracee.threads.items():
             if state.stopped:
                 with contextlib.suppress(OSError):
-                    rips[tid] = int(sc.get_regs(tid).rip)
+                    regs = sc.get_regs(tid)
+                    rip = int(regs.rip)
+                    rips[tid] = proc.returns.going_to(rip, int(regs.rsp), proc.tracee.read_u64) if proc.returns else rip
         return rips
 
     @staticmethod

@@ -43,7 +43,13 @@ import numpy as np
 from dynprobe.actions.filter import filter_args
 from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
-from dynprobe.arch.x86_64.codegen import Trampoline, build_return_code, build_trampoline, return_stub_code
+from dynprobe.arch.x86_64.codegen import (
+    HOOK_ROOM,
+    Trampoline,
+    build_return_code,
+    build_trampoline,
+    return_stub_code,
+)
 from dynprobe.arch.x86_64.regs import ARG_REGS
 from dynprobe.core.probe import Hit, Probe, Site
 from dynprobe.debug import debug as _debug
@@ -102,6 +108,15 @@ class ProcessReturns:
 
     def entry_point(self, k: int) -> int:
         return self.trampoline.point(k)
+
+    def going_to(self, rip: int, rsp: int, read_u64: Callable[[int], int]) -> int:
+        """Where a thread at `rip` runs next: at an entry's call (`enter_tail`), the relocated
+        region of a function in its detour, which the detour's life must count with."""
+        offset = rip - self.trampoline.table
+        if 0 <= offset < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE and offset % L.TRAMPOLINE_STRIDE == 0:
+            with contextlib.suppress(OSError):
+                return read_u64(rsp - 8 - HOOK_ROOM)
+        return rip
 
     def owns(self, rip: int) -> bool:
         """Whether `rip` is in code a thread must leave before the thread area goes."""
