@@ -120,6 +120,7 @@ def python_floor(seed: str, calls: int) -> int:
     bare loop does only waitpid, GETREGS, SETREGS, CONT and the wake-up placement (no dispatch,
     no handlers). It reaches into the session's internals on purpose: it is a measuring stick."""
     from dynprobe.ptrace import syscalls as sc
+    from dynprobe.ptrace.process import thread_cpu
 
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn([seed, str(calls), "boost"], stdout=out.fileno()) as session:
@@ -127,8 +128,9 @@ def python_floor(seed: str, calls: int) -> int:
             proc = session._processes[session.pid]
             site = next(s for s in proc.sites.values() if s.probes)
             assert site.slot is not None
-            tid, home = session.pid, min(os.sched_getaffinity(0))
-            allowed = os.sched_getaffinity(0)
+            tid, allowed = session.pid, os.sched_getaffinity(0)
+            home = thread_cpu(tid, tid)  # the CPU session.run() would choose: CPUs of a VM differ
+            home = home if home in allowed else min(allowed)
             os.sched_setaffinity(0, {home})
             session._started = True
             mask = os.sched_getaffinity(tid)
