@@ -146,6 +146,9 @@ class RecordBatch:
     faults: np.ndarray
 
 
+IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
+
+
 class Consumer:
     """Drains the areas of every process; `deliver(batches)` gets what each pass found."""
 
@@ -213,7 +216,9 @@ class Consumer:
                 self.clock.recalibrate()
                 last_calibration = now
             if not found:
-                self._stop.wait(self.interval)
+                # With no ring to drain (trap probes only), a pass only hands over events served
+                # at stops: a slower pace, as each wake-up costs the tracing thread the GIL.
+                self._stop.wait(self.interval if any(areas.by_tid for areas in self.processes) else IDLE_INTERVAL)
 
     # --- draining ---
     def drain(self) -> int:
