@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.markup import escape
@@ -34,6 +34,7 @@ BUILD = HERE / "build"
 RESULTS = HERE / "results"
 TRACEFS = Path("/sys/kernel/tracing")
 GROUP = "dynprobe_bench"
+T = TypeVar("T")
 
 
 def compile_c(source: Path, output: Path, *flags: str) -> str:
@@ -80,10 +81,9 @@ def traced_seed(
 REPEAT = 3  # rows of nanoseconds: the median of this many runs (a run now and then meets a busy moment)
 
 
-def median_run(run: Callable[[], tuple[int, dict[str, Any]]]) -> tuple[int, dict[str, Any]]:
-    """The run of median elapsed time of REPEAT runs of `run` (elapsed us, info)."""
-    runs = sorted((run() for _ in range(REPEAT)), key=lambda r: r[0])
-    return runs[REPEAT // 2]
+def median_run(run: Callable[[], T], elapsed: Callable[[T], int]) -> T:
+    """The result of REPEAT runs of `run` whose `elapsed` time is the median."""
+    return sorted((run() for _ in range(REPEAT)), key=elapsed)[REPEAT // 2]
 
 
 def append_line(path: Path, line: str) -> None:
@@ -211,12 +211,12 @@ def function_tracing(calls: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         trace = os.path.join(tmp, "dynprobe.data")
         cmd = [sys.executable, "-m", "dynprobe.cli.main", "record", "-o", trace, "--ring-size", str(1 << 26), "--"]
-        times = []
-        for _ in range(REPEAT):
+
+        def record() -> int:
             shutil.rmtree(trace, ignore_errors=True)
-            times.append(int(subprocess.run([*cmd, plain, str(calls)], capture_output=True, text=True,
-                                            check=True).stdout))  # fmt: skip
-        results["dynprobe_us"] = sorted(times)[REPEAT // 2]
+            return int(subprocess.run([*cmd, plain, str(calls)], capture_output=True, text=True, check=True).stdout)
+
+        results["dynprobe_us"] = median_run(record, int)
         results["dynprobe_lost"] = json.loads(Path(trace, "info.json").read_text())["lost"]
         for command in ("report", "replay"):  # each a whole `dynprobe` process, start-up included
             t0 = time.perf_counter()
@@ -236,15 +236,16 @@ def function_tracing(calls: int) -> dict[str, Any]:
         }
         for key, (binary, extra) in builds.items():
             data = os.path.join(tmp, key)
-            times = []
-            for _ in range(REPEAT):
+
+            def uftrace_record(data: str = data, extra: list[str] = extra, binary: str = binary) -> int:
                 shutil.rmtree(data, ignore_errors=True)
                 done = subprocess.run(  # in tmp: a -pg program writes gmon.out where it runs
                     [uftrace, "record", "-d", data, *extra, binary, str(calls)],
                     cwd=tmp, capture_output=True, text=True, check=True,
                 )  # fmt: skip
-                times.append(int(done.stdout.split()[-1]))
-            results[key] = sorted(times)[REPEAT // 2]
+                return int(done.stdout.split()[-1])
+
+            results[key] = median_run(uftrace_record, int)
     return results
 
 
@@ -343,9 +344,9 @@ def main() -> int:
         rows.append({**row, **extra})
         console.log(escape(f"{name}: {elapsed_us / calls:.3f} us/call"))
 
-    add("untraced", n_opt, sorted(run_seed([seed, str(n_opt)]) for _ in range(REPEAT))[REPEAT // 2])
+    add("untraced", n_opt, median_run(lambda: run_seed([seed, str(n_opt)]), int))
     baseline = rows[0]["us_per_call"]
-    optimized = [  # (row, calls, spec, session.probe keywords)
+    optimized: list[tuple[str, int, str, dict[str, Any]]] = [  # (row, calls, spec, session.probe keywords)
         ("optimized: count", n_opt, "test", {"action": "count"}),
         # A ring that holds every record: the cost of writing them, not of dropping them.
         ("optimized: record (tsc + 2 registers)", n_rec, "p test a=%di b=%si", {"ring": 1 << 26, "action": "record"}),
@@ -358,7 +359,8 @@ def main() -> int:
         ("optimized return: count (no time stamps)", n_ret, "r test", {"action": "count"}),
     ]  # fmt: skip
     for name, calls, spec, kw in optimized:
-        elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw))  # noqa: B023
+        elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw),  # noqa: B023
+                                   lambda r: r[0])  # fmt: skip
         add(name, calls, elapsed, **info, runs=REPEAT)
     elapsed, info = traced_seed([seed, str(n_step)], "r test", on_entry=lambda hit: None, on_return=lambda hit: None)
     add("trap return: Python entry + return handlers", n_step, elapsed, **info)

@@ -18,6 +18,7 @@ import pytest
 import dynprobe
 from dynprobe.core.ftrace import TracerEvent
 from dynprobe.errors import ProbeRefused, Refusal
+from dynprobe.ringbuf import layout as L
 from dynprobe.tracefile import Trace
 from tests.conftest import BUILD, build_target
 
@@ -167,6 +168,18 @@ def test_registers_the_caller_keeps_across_a_traced_call_survive(ret: str, trace
         out.seek(0)
         assert out.read() == "0\n"  # the registers ipa_check found changed
     assert [t.calls for t in started] == [1000] * tracers
+
+
+def test_a_traced_function_is_entered_through_the_trampoline_table(ret: str) -> None:
+    """So that its return is predicted (see the return-probe test of the same name)."""
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([ret, "peek"], stdout=out.fileno()) as session:
+            tracer = session.function_tracer(filter=["peek_leaf"])
+            tracer.start()
+            assert session.run(timeout=60) == 0
+        out.seek(0)
+        assert out.read() == f"{L.TRAMPOLINE_CALL}\n"
+    assert tracer.calls == 1 and tracer.patched == 1
 
 
 def test_a_probe_on_a_traced_function_is_refused_with_the_reason(ret: str) -> None:

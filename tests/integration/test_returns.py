@@ -19,6 +19,7 @@ import dynprobe
 from dynprobe.core.probe import Hit, ProbeEvent
 from dynprobe.core.returns import shadow_stack_enabled
 from dynprobe.errors import ProbeRefused, Refusal, SessionError
+from dynprobe.ringbuf import layout as L
 from tests.conftest import BUILD, build_target
 
 from .helpers import run_plain, traced
@@ -80,6 +81,15 @@ def test_registers_the_caller_keeps_across_the_call_survive(ret: str, optimize: 
     status, out, (a, b) = traced([ret, "ipa", "1000"], setup, optimize=optimize)
     assert status == 0 and out == "0\n"  # the registers ipa_check found changed
     assert a.hits == b.hits == 1000 and a.nmissed == b.nmissed == 0
+
+
+def test_an_optimized_return_probe_enters_its_function_through_the_trampoline_table(ret: str) -> None:
+    """So that the function's return is predicted: the return address is pushed by the call of
+    the trampoline entry (peek_leaf sees that call's address under its return address)."""
+    status, out, (probe,) = traced([ret, "peek"], counting("peek_leaf"), optimize=True)
+    assert status == 0 and probe.hits == 1
+    assert probe.mode == dynprobe.ProbeMode.OPTIMIZED
+    assert out == f"{L.TRAMPOLINE_CALL}\n"
 
 
 @pytest.mark.parametrize("optimize", MODES)

@@ -226,6 +226,13 @@ __asm__(".text\n.globl ipa_leaf\n.type ipa_leaf,@function\nipa_leaf:\n"
         "  mov %rbx, %rax\n  pop %r12\n  pop %rbx\n  ret\n"
         ".size ipa_check, .-ipa_check\n");
 
+/* How a function was entered: its return address minus the word under it. Entered through a
+   trampoline entry's call (a hooked return, see codegen.enter_tail), that word is the call's
+   address, 4 bytes before the entry point the return address is. */
+long peek_leaf(void);
+__asm__(".text\n.globl peek_leaf\n.type peek_leaf,@function\npeek_leaf:\n"
+        "  mov (%rsp), %rax\n  sub -8(%rsp), %rax\n  ret\n.size peek_leaf, .-peek_leaf\n");
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *mode = argc > 1 ? argv[1] : "loop";
@@ -320,6 +327,8 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n; i++)
             changed |= ipa_check(i);
         printf("%#lx\n", changed);
+    } else if (!strcmp(mode, "peek")) {
+        printf("%ld\n", peek_leaf());
     } else if (!strcmp(mode, "mixed")) {
         long s = 0;
         for (long i = 0; i < n; i++)

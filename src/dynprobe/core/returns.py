@@ -45,6 +45,7 @@ from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
 from dynprobe.arch.x86_64.codegen import (
     HOOK_ROOM,
+    SAVED_AT,
     Trampoline,
     build_return_code,
     build_trampoline,
@@ -72,16 +73,14 @@ UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume_or_Rethrow", "_Unw
 BACKTRACE_ENTRY = "_Unwind_Backtrace"
 CATCH_ENTRY = "__cxa_begin_catch"
 RETURN_CODE_ROOM = 512
-_SAVED_REGS = 6  # what the trampoline pushes: rax, rcx, rdx, rsi, rdi, r11 (rax deepest)
-_SAVED_AT = {"r11": 0, "rdi": 8, "rsi": 16, "rdx": 24, "rcx": 32, "rax": 40}  # from rsp in the return code
-_SAVED_RAX, _SAVED_RDX = _SAVED_AT["rax"], _SAVED_AT["rdx"]
+_SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
 _STUB_BYTES = 16
 
 
 def _return_rsp(regs: Regs) -> int:
     """The stack pointer after the return, from a trap stub (the trampoline's frame below it)."""
-    return int(regs.rsp) + 8 * (_SAVED_REGS + 1)
+    return int(regs.rsp) + 8 * (len(SAVED_AT) + 1)
 
 
 def default_maxactive() -> int:
@@ -105,9 +104,6 @@ class ProcessReturns:
     code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
     instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
     snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
-
-    def entry_point(self, k: int) -> int:
-        return self.trampoline.point(k)
 
     def going_to(self, rip: int, rsp: int, read_u64: Callable[[int], int]) -> int:
         """Where a thread at `rip` runs next: at an entry's call (`enter_tail`), the relocated
@@ -369,7 +365,7 @@ class ReturnProbes:
         for n, name in enumerate(ARG_REGS, start=1):
             words[at + L.ENTRY_DATA // 8 + n - 1] = int(getattr(regs, name)) & ((1 << 64) - 1)
         words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
-        proc.tracee.write(slot, proc.returns.entry_point(k).to_bytes(8, "little"))
+        proc.tracee.write(slot, proc.returns.trampoline.point(k).to_bytes(8, "little"))
         return k
 
     def on_return(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
@@ -392,8 +388,8 @@ class ReturnProbes:
         base = int(regs.rsp)
         tracee = proc.tracee
         view = Regs.from_buffer_copy(regs)
-        saved = tracee.read(base, 8 * _SAVED_REGS)
-        for name, at in _SAVED_AT.items():  # the trampoline's own values are in the registers
+        saved = tracee.read(base, 8 * len(SAVED_AT))
+        for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
             setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
         view.rsp = _return_rsp(regs)
         view.rip = caller
@@ -481,7 +477,7 @@ class ReturnProbes:
             for k, at, slot in entries:
                 if k in done:
                     continue
-                point, original = proc.returns.entry_point(k), int(words[at + L.ENTRY_RET // 8])
+                point, original = proc.returns.trampoline.point(k), int(words[at + L.ENTRY_RET // 8])
                 old, new = (point, original) if restore else (original, point)
                 try:
                     if proc.tracee.read_u64(slot) == old:

@@ -64,7 +64,8 @@ L_MASK64 = (1 << 64) - 1
 # The full form saves these, so fetches of them read the saved copy. r11 keeps the flags (seto/lahf:
 # ~2 ns here, pushfq/popfq ~13 ns); only a probe that fetches %flags makes it push them instead.
 _SAVED = ("rax", "rcx", "rdx", "rsi", "rdi", "r11")
-_SAVED_AT = {name: 8 * (len(_SAVED) - 1 - i) for i, name in enumerate(_SAVED)}  # offsets from rsp
+# Offsets from rsp of the saved registers, in a detour and in the return trampoline's frame.
+SAVED_AT = {name: 8 * (len(_SAVED) - 1 - i) for i, name in enumerate(_SAVED)}
 _FLAGS_AT = 8 * len(_SAVED)  # with pushfq, pushed before the registers
 # At a return, in the trampoline's frame: the shadow entry's offset, pushed by the entry point
 # where the return address was, above the saved registers (all kept: with IPA-RA a caller may
@@ -210,8 +211,8 @@ class _Emitter:
 
     def load_reg(self, name: str) -> None:
         asm = self.asm
-        if name in _SAVED_AT:
-            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _SAVED_AT[name])))
+        if name in SAVED_AT:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, SAVED_AT[name])))
         elif name == "rsp":
             asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RSP, self.frame)))
         elif name == "eflags" and self.flags_pushed:
