@@ -85,6 +85,7 @@ from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_cha
 from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.loader import loaded_libraries
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
 
@@ -126,6 +127,14 @@ class TracedProcess:
     returns: ProcessReturns | None = None  # the return trampoline, once a return probe needs it
     tracing: ProcessTracing = field(default_factory=ProcessTracing)  # function tracer sites and code
     loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
+    needed: dict[str, str] | None = None  # the libraries its loader maps (symbols/loader.py), once asked
+
+    def libraries(self) -> dict[str, str]:
+        """The libraries the process's loader maps (or has mapped) at start: where a library
+        named before it is mapped is looked for."""
+        if self.needed is None:
+            self.needed = loaded_libraries(self.exe, *self.tracee.environment())
+        return self.needed
 
     def __post_init__(self) -> None:
         self.slots = SlotCache(self._map_region)
@@ -304,7 +313,7 @@ class Session:
             spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
         else:
             spec = spec_or_address if isinstance(spec_or_address, ProbeSpec) else parse_probe(spec_or_address)
-            location = resolve(spec.location, main.exe, maps)
+            location = resolve(spec.location, main.exe, maps, main.libraries)
         is_return = spec.kind == "r"
         refusal = check_location(location)
         if refusal is None and is_return:
@@ -415,7 +424,7 @@ class Session:
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
         maps = read_maps(main.pid)
-        paths = [main.exe] + [find_file(name, maps) for name in libraries]
+        paths = [main.exe] + [find_file(name, maps, main.libraries) for name in libraries]
         selected = self.tracing.select(paths, filter, exclude)
         return self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
 
@@ -805,6 +814,7 @@ class Session:
         proc.returns = None
         proc.tracing = ProcessTracing()
         proc.loader_hook = None
+        proc.needed = None
         if not proc.follow:
             # An unfollowed vfork child leaves our shared memory: let it go.
             with contextlib.suppress(OSError):

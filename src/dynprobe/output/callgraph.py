@@ -66,13 +66,15 @@ class _OpenCalls:
     A frame (tracefile.Chunk.frame) is reused only once its call is over: an entry in a frame
     still open, or an exit of a frame below the top, shows that the calls from there up were left
     by longjmp or an exception; they are dropped. Calls without a frame (format 1) are matched
-    by function."""
+    by function. `opened` counts the open calls of each function: a call adds to its function's
+    total only when no other call of it is open (recursion is counted once, as uftrace does)."""
 
-    __slots__ = ("at", "calls")
+    __slots__ = ("at", "calls", "opened")
 
     def __init__(self) -> None:
         self.calls: list[list[int]] = []  # [function, entry time, frame, time in callees]
         self.at: dict[int, int] = {}  # frame -> its depth
+        self.opened: dict[int, int] = {}  # function -> its open calls
 
     def __len__(self) -> int:
         return len(self.calls)
@@ -88,6 +90,7 @@ class _OpenCalls:
             self.forget(frame)
             self.at[frame] = len(self.calls)
         self.calls.append([func, t, frame, 0])
+        self.opened[func] = self.opened.get(func, 0) + 1
 
     def first_reused(self, frames: np.ndarray) -> int | None:
         """The index of the first of `frames` that is open (None if none is)."""
@@ -99,6 +102,7 @@ class _OpenCalls:
     def cut(self, depth: int) -> None:
         for call in self.calls[depth:]:
             self.at.pop(call[2], None)
+            self.opened[call[0]] -= 1
         del self.calls[depth:]
 
     def close(self, func: int, frame: int) -> list[int] | None:
@@ -388,8 +392,13 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
 @dataclass
 class FunctionTime:
     calls: int = 0
-    total: int = 0  # ns, callees included
+    total: int = 0  # ns, callees included; a recursive call's only in its outermost call
     self_time: int = 0  # ns, callees excluded
+    spent: int = 0  # ns, the sum of every call's duration (recursive calls' too): for averages
+
+    @property
+    def average(self) -> int:
+        return self.spent // max(self.calls, 1)
 
 
 @dataclass
@@ -409,13 +418,13 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
     Calls shorter than `threshold_ns` are not counted (their time still is their caller's).
     Written for speed: plain lists indexed by function id, no object per call."""
     n = max(len(trace.functions), 1)
-    calls, totals, selfs = [0] * n, [0] * n, [0] * n
+    calls, totals, selfs, spents = [0] * n, [0] * n, [0] * n, [0] * n
     stacks: dict[int, _OpenCalls] = {}
     paths: dict[tuple[int, ...], int] = {}
     events = 0
 
     def one_by_one(stack: _OpenCalls, columns: tuple[list[int], ...], lo: int, hi: int) -> None:
-        open_calls, at = stack.calls, stack.at
+        open_calls, at, opened = stack.calls, stack.at, stack.opened
         for kind, func, t, frame in zip(*(c[lo:hi] for c in columns), strict=True):
             if kind != EXIT:
                 if frame:
@@ -423,10 +432,12 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
                         stack.cut(at[frame])
                     at[frame] = len(open_calls)
                 open_calls.append([func, t, frame, 0])
+                opened[func] = opened.get(func, 0) + 1
                 continue
             top = open_calls[-1] if open_calls else None
             if top is not None and top[2] == frame and (frame or top[0] == func):
                 open_calls.pop()  # the common case, inline: the exit of the innermost call
+                opened[top[0]] -= 1
                 if frame:
                     del at[frame]
                 call = top
@@ -446,7 +457,9 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
             if spent < threshold_ns:
                 continue
             calls[func] += 1
-            totals[func] += spent
+            spents[func] += spent
+            if not opened.get(func):
+                totals[func] += spent
             selfs[func] += own
             if folded:
                 paths[path] = paths.get(path, 0) + own
@@ -464,7 +477,9 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
         sums = np.bincount(which, weights=spent).tolist()
         for func, count, ns in zip(functions.tolist(), np.bincount(which).tolist(), sums, strict=True):
             calls[func] += count
-            totals[func] += int(ns)
+            spents[func] += int(ns)
+            if not stack.opened.get(func):
+                totals[func] += int(ns)
             selfs[func] += int(ns)
             if folded:
                 path = (*(c[0] for c in stack.calls), func)
@@ -495,7 +510,7 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
     result = Profile(folded=paths, events=events)
     for func in range(n):
         if calls[func]:
-            result.functions[func] = FunctionTime(calls[func], totals[func], selfs[func])
+            result.functions[func] = FunctionTime(calls[func], totals[func], selfs[func], spents[func])
     return result
 
 
@@ -503,7 +518,7 @@ SORT_KEYS = {
     "total": lambda ft: -ft.total,
     "self": lambda ft: -ft.self_time,
     "calls": lambda ft: -ft.calls,
-    "avg": lambda ft: -(ft.total // max(ft.calls, 1)),
+    "avg": lambda ft: -ft.average,
 }
 
 
@@ -517,7 +532,7 @@ def report(trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0
     for func, ft in rows:
         out.write(
             f"  {duration(ft.total):>12}   {duration(ft.self_time):>12}   {ft.calls:>10}   "
-            f"{duration(ft.total // max(ft.calls, 1)):>12}   {trace.name(func)}\n"
+            f"{duration(ft.average):>12}   {trace.name(func)}\n"
         )
 
 

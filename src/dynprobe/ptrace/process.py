@@ -353,6 +353,17 @@ class Tracee:
         except OSError:
             return "<...>"
 
+    def environment(self) -> tuple[dict[str, str], str]:
+        """The process's environment (as at its exec) and working directory; empty if unreadable."""
+        try:
+            with open(f"/proc/{self.pid}/environ", "rb") as f:
+                raw = f.read()
+            cwd = os.readlink(f"/proc/{self.pid}/cwd")
+        except OSError:
+            return {}, "/"
+        pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+        return {key: value for key, _, value in pairs}, cwd
+
 
 def _spawn_child(
     argv: list[str], env: dict[str, str] | None, go_r: int, err_w: int, fds: tuple[int | None, ...]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from elftools.common.exceptions import ELFError, ELFParseError
+from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
@@ -81,6 +82,7 @@ class ElfImage:
             self.entry = int(elf["e_entry"])  # where the program starts: no caller, no return address
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
+            self.needed, self.rpath, self.runpath = self._dynamic(elf)
             self.functions, self.objects = self._symbols(elf)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: frozenset[int] | None = None
@@ -100,6 +102,24 @@ class ElfImage:
                     if note["n_type"] == "NT_GNU_BUILD_ID":
                         return str(note["n_desc"])
         return None
+
+    @staticmethod
+    def _dynamic(elf: ELFFile) -> tuple[list[str], list[str], list[str]]:
+        """DT_NEEDED names, DT_RPATH and DT_RUNPATH directories (in their order)."""
+        needed: list[str] = []
+        rpath: list[str] = []
+        runpath: list[str] = []
+        section = elf.get_section_by_name(".dynamic")
+        if isinstance(section, DynamicSection):
+            for tag in section.iter_tags():
+                kind = tag.entry.d_tag
+                if kind == "DT_NEEDED":
+                    needed.append(tag.needed)
+                elif kind == "DT_RPATH":
+                    rpath += tag.rpath.split(":")
+                elif kind == "DT_RUNPATH":
+                    runpath += tag.runpath.split(":")
+        return needed, rpath, runpath
 
     @staticmethod
     def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int]]:

@@ -7,11 +7,12 @@ mapped, in every process that maps it, and again after exec or dlopen.
 from __future__ import annotations
 
 import os
-import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dynprobe.errors import SymbolError
 from dynprobe.symbols.elf import ElfImage, Function, load_elf
+from dynprobe.symbols.loader import ld_cache
 from dynprobe.symbols.maps import Mapping
 
 
@@ -28,34 +29,27 @@ class Location:
         return os.path.basename(self.path)
 
 
-def _ldconfig_paths() -> dict[str, str]:
-    try:
-        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    paths: dict[str, str] = {}
-    for line in out.splitlines()[1:]:
-        if "=>" in line and "x86-64" in line:
-            name = line.split()[0]
-            paths.setdefault(name, line.split("=>")[1].strip())
-    return paths
-
-
-def find_file(name: str, maps: list[Mapping] | None = None) -> str:
+def find_file(
+    name: str, maps: list[Mapping] | None = None, libraries: Callable[[], dict[str, str]] | None = None
+) -> str:
     """A path for `name`: an existing file, else a library mapped in the target ('libc' matches
-    libc.so.6), else one the dynamic linker's cache knows. SymbolError if none."""
+    libc.so.6), else one of `libraries()` (those the target's loader will map: loader.py), else
+    one the dynamic linker's cache knows. SymbolError if none."""
     if os.path.exists(name):
         return os.path.realpath(name)
     if "/" not in name:
         candidates = [name, f"{name}.so", f"lib{name}.so"]
+
+        def matches(base: str) -> bool:
+            return any(base == c or base.startswith(c + ".") for c in candidates)
+
         for m in maps or []:
-            base = os.path.basename(m.path)
-            if m.path.startswith("/") and any(base == c or base.startswith(c + ".") for c in candidates):
+            if m.path.startswith("/") and matches(os.path.basename(m.path)):
                 return os.path.realpath(m.path)
-        cache = _ldconfig_paths()
-        for so, path in cache.items():
-            if any(so == c or so.startswith(c + ".") for c in candidates):
-                return os.path.realpath(path)
+        for known in (libraries() if libraries else {}, ld_cache()):
+            for so, path in known.items():
+                if matches(so):
+                    return os.path.realpath(path)
     raise SymbolError(f"no such file: {name}")
 
 
@@ -91,11 +85,14 @@ def resolve_file_offset(image: ElfImage, file_off: int) -> Location:
     return Location(image.path, file_off, vaddr, image.function_at(vaddr), f"{file_off:#x}")
 
 
-def resolve(text: str, main_exe: str, maps: list[Mapping] | None = None) -> Location:
-    """Resolve a location string. Bare symbols refer to `main_exe`."""
+def resolve(
+    text: str, main_exe: str, maps: list[Mapping] | None = None, libraries: Callable[[], dict[str, str]] | None = None
+) -> Location:
+    """Resolve a location string. Bare symbols refer to `main_exe`; a file is found as
+    `find_file` finds it."""
     if ":" in text:
         path_part, _, what = text.rpartition(":")
-        path = find_file(path_part, maps)
+        path = find_file(path_part, maps, libraries)
     else:
         path, what = main_exe, text
     image = load_elf(path)
