@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
 import dynprobe
-from tests.conftest import build_target
+from tests.conftest import TARGETS, build_target
 
 from .helpers import run_plain, traced
 
@@ -55,6 +58,47 @@ def test_probe_in_library_loaded_later_and_closed(dl_target: tuple[str, str, str
     # Each round: lib_a loaded (3 calls), closed; lib_b loaded (likely at the same address), 1 call.
     assert pa.hits == 6
     assert pb.hits == 2
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """bin/linked needs libmine.so.1, which is in lib/ (its RUNPATH, $ORIGIN/../lib) and, with
+    another lib_func, in decoy/; the system's cache knows neither."""
+    root = tmp_path_factory.mktemp("linked")
+    for directory, source in (("lib", "libdl_a.c"), ("decoy", "libdl_b.c")):
+        (root / directory).mkdir()
+        lib = build_target(
+            f"libmine_{directory}", source, flags=("-O1", "-shared", "-fPIC", "-Wl,-soname,libmine.so.1")
+        )
+        shutil.copy(lib, root / directory / "libmine.so.1")
+    (root / "bin").mkdir()
+    subprocess.run(["gcc", "-O1", "-o", str(root / "bin" / "linked"), str(TARGETS / "linked.c"), f"-L{root / 'lib'}",
+                    "-l:libmine.so.1", "-Wl,-rpath,$ORIGIN/../lib"], check=True)  # fmt: skip
+    return root
+
+
+@pytest.mark.parametrize("where", ["lib", "decoy"])
+@pytest.mark.parametrize("how", ["probe", "tracer"])
+def test_library_named_before_the_loader_ran_is_the_one_it_maps(linked: Path, where: str, how: str) -> None:
+    """'libmine:lib_func' placed (or `--lib libmine` traced) before the target runs names the
+    file its loader will map: through the RUNPATH, or LD_LIBRARY_PATH first when set (ld.so's
+    order)."""
+    argv = [str(linked / "bin" / "linked")]
+    env = {**os.environ, "LD_LIBRARY_PATH": str(linked / "decoy")} if where == "decoy" else None
+    plain = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn(argv, env=env, stdout=out.fileno()) as session:
+            if how == "probe":
+                probe = session.probe("libmine:lib_func")
+                assert probe.location.path == str(linked / where / "libmine.so.1")
+            else:
+                tracer = session.function_tracer(libraries=["libmine"], filter=["*_func"])
+                assert {f.path for f in tracer.functions} == {str(linked / where / "libmine.so.1")}
+                tracer.start()
+            assert session.run(timeout=60) == 0
+            assert (probe.hits if how == "probe" else tracer.calls) == 3  # (the decoy's other_func is too short)
+        out.seek(0)
+        assert out.read() == plain
 
 
 def test_leader_pthread_exit_while_others_run() -> None:

@@ -142,25 +142,6 @@ def test_summed_runs_give_the_profile_of_one_event_at_a_time(
     assert sum(ft.calls for ft in summed.functions.values()) > (10 if threshold else 100)
 
 
-@pytest.mark.parametrize("leaves", [2, 20])
-def test_recursion_counts_in_the_total_of_its_outermost_call_only(tmp_path: Path, leaves: int) -> None:
-    """a(0..100) { a(10..90) { a(20..80) { `leaves` calls of a and of b, 1 ns each } } }: a's
-    total is its outermost call's 100 ns, as uftrace reports it, not 100 + 80 + 60 + leaves / 2;
-    its average is over every call. (20 leaves: numpy sums the run.)"""
-    records = [(1 << 1, 0, 0), (2 << 1, 0, 10), (3 << 1, 0, 20)]
-    for i in range(leaves):
-        func = i % 2
-        records += [(4 << 1, func, 30 + 2 * i), (4 << 1 | 1, func, 31 + 2 * i)]
-    records += [(3 << 1 | 1, 0, 80), (2 << 1 | 1, 0, 90), (1 << 1 | 1, 0, 100)]
-    _write_trace(tmp_path, records)
-    got = profile(Trace(str(tmp_path)))
-    a, b = got.functions[0], got.functions[1]
-    calls = 3 + leaves // 2
-    assert (a.calls, a.total, a.spent, a.average) == (calls, 100, 240 + leaves // 2, (240 + leaves // 2) // calls)
-    assert a.self_time == 20 + 20 + (60 - leaves) + leaves // 2
-    assert (b.calls, b.total, b.self_time) == (leaves // 2, leaves // 2, leaves // 2)
-
-
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("threshold", [0, 30])
 @pytest.mark.parametrize("left", [0.0, 0.05], ids=["nested", "longjmp"])
