@@ -19,15 +19,16 @@ import dynprobe
 from dynprobe.core.ftrace import TracerEvent
 from dynprobe.errors import ProbeRefused, Refusal
 from dynprobe.ringbuf import layout as L
+from dynprobe.symbols.elf import load_elf
 from dynprobe.tracefile import Trace
 from tests.conftest import BUILD, build_target
 
 from .helpers import run_plain
 
 
-def dp(*args: str) -> subprocess.CompletedProcess[str]:
+def dp(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dynprobe.cli.main", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "dynprobe.cli.main", *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
 
 
@@ -269,6 +270,24 @@ def test_patchable_nop_entries(flags: tuple[str, ...], tmp_path: Path) -> None:
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "main() {", "  fact() {", "    fact() {", "      fact();", "    } /* fact */", "  } /* fact */", "} /* main */",
     ]  # fmt: skip
+
+
+def test_pg_entries_that_call_mcount_through_the_got(tmp_path: Path) -> None:
+    """-pg without -mfentry: each entry is `push rbp; mov rbp,rsp; call [rip+mcount@GOT]`; that
+    call ends the relocated region, as a jmp through the same GOT slot (mcount still runs: the
+    program writes its gmon.out)."""
+    binary = build_target("ret_pg", "ret.c", flags=("-O1", "-pthread", "-pg"))
+    image = load_elf(binary)
+    for name in ("is_even", "is_odd"):  # push rbp; mov rbp,rsp; call [rip+...]
+        assert image.code(image.by_name[name].addr, 6)[-2:] == b"\xff\x15"
+    trace = str(tmp_path / "trace")
+    r = dp("record", "-o", trace, "-F", "is_even", "-F", "is_odd", "--", binary, "evenodd", "3", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout == "0\n" and "tracing 2 functions" in r.stderr, r.stderr
+    assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
+        "is_even() {", "  is_odd() {", "    is_even() {", "      is_odd();", "    } /* is_even */", "  } /* is_odd */",
+        "} /* is_even */",
+    ]  # fmt: skip
+    assert (tmp_path / "gmon.out").stat().st_size > 0
 
 
 def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:

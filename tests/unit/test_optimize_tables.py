@@ -25,7 +25,9 @@ TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
     "jump table jmp [rax*8+x]": ("554889e5" + "90" * 4 + "ff24c500104000" + "c3", 0, (), OptimizeRefusal.INDIRECT_JUMP),
     "call alone is the region": ("e8000000005d" + "c3", 0, (), 5),
     "call ends the region": ("55e800000000" + "5dc3", 0, (), 1 + 5),
-    "call through register": ("ffd0" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
+    "call through register inside the region": ("ffd0" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
+    "call through register ends the region": ("554889e5" + "ffd0" + "c3", 0, (), 4 + 2),
+    "-pg: call [rip+mcount@GOT] ends the region": ("554889e5" + "ff15bc2d0000" + "5dc3", 0, (), 4 + 6),
     "syscall in the region": ("0f05" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
     "another probe inside": ("554889e5" + "4883ec10c9c3", 0, (1,), OptimizeRefusal.REGION_OVERLAP),
     "another probe right after is fine": ("554889e54883ec10c9c3", 0, (8,), 8),
@@ -82,3 +84,24 @@ def test_final_call_becomes_push_return_address_and_jmp() -> None:
     jmp = decode_one(out[21:], detour + 21)
     assert jmp is not None and jmp.near_branch_target == F + 6 + 0x10  # the callee; it returns to F+6
     assert len(out) == 26  # nothing after the jmp: the callee returns to the original code
+
+
+@pytest.mark.parametrize(
+    ("call", "jump"),
+    [("ff15bc2d0000", "jmp qword ptr [403DC6h]"), ("ffd0", "jmp rax"), ("ff1424", "jmp qword ptr [rsp+8]"),
+     ("ff542408", "jmp qword ptr [rsp+10h]")],
+    ids=["rip-relative (-pg's mcount)", "register", "[rsp]", "[rsp+8]"],
+)  # fmt: skip
+def test_final_indirect_call_becomes_push_return_address_and_jmp_through_its_operand(call: str, jump: str) -> None:
+    """The jmp reads the same target: RIP-relative re-encoded for the detour, a stack operand
+    8 bytes further up (the return address is pushed first)."""
+    code = bytes.fromhex("554889e5" + call + "5dc3")
+    plan = can_optimize(code, F, F)
+    assert isinstance(plan, OptimizePlan)
+    detour = F + 0x2000
+    out = relocate_region(plan, detour)
+    assert out is not None
+    ret = F + 4 + len(call) // 2
+    assert out[4 + 5 : 4 + 20] == b"\xc7\x04\x24" + ret.to_bytes(4, "little") + b"\xc7\x44\x24\x04" + bytes(4)
+    jmp = decode_one(out[24:], detour + 24)
+    assert jmp is not None and str(jmp) == jump and 24 + jmp.len == len(out)

@@ -109,16 +109,14 @@ class ElfImage:
         needed: list[str] = []
         rpath: list[str] = []
         runpath: list[str] = []
+        into = {"DT_NEEDED": needed, "DT_RPATH": rpath, "DT_RUNPATH": runpath}
         section = elf.get_section_by_name(".dynamic")
         if isinstance(section, DynamicSection):
             for tag in section.iter_tags():
                 kind = tag.entry.d_tag
-                if kind == "DT_NEEDED":
-                    needed.append(tag.needed)
-                elif kind == "DT_RPATH":
-                    rpath += tag.rpath.split(":")
-                elif kind == "DT_RUNPATH":
-                    runpath += tag.runpath.split(":")
+                if kind in into:  # pyelftools sets the string as .needed, .rpath, .runpath
+                    value = str(getattr(tag, kind[3:].lower()))
+                    into[kind] += [value] if kind == "DT_NEEDED" else value.split(":")
         return needed, rpath, runpath
 
     @staticmethod

@@ -4,8 +4,8 @@ The rules are the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for 
 the 5 bytes replace whole instructions (the "region"), all of which must run correctly from the
 detour; no jump anywhere in the function may land inside the region (it would land in the middle
 of our jmp); the function must not jump indirectly (a jump table could hold such a target); a
-call can only end the region, and is relocated as "push the original return address; jmp", so no
-return address ever points into a detour.
+call can only end the region, and is relocated as "push the original return address; jmp" (an
+indirect one as a `jmp` through the same operand), so no return address ever points into a detour.
 
 Pure: function bytes + addresses in, a plan or a reason out.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.decode import iter_instructions
-from dynprobe.arch.x86_64.relocate import jump_to, relocate
+from dynprobe.arch.x86_64.relocate import call_as_jump, jump_to, relocate
 from dynprobe.errors import OptimizeRefusal
 
 JMP_REL32_LEN = 5
@@ -102,10 +102,12 @@ def can_optimize(
     if any(addr in other_probes for addr in inside):
         return OptimizeRefusal.REGION_OVERLAP
     for insn in region:
-        if insn.mnemonic in _UNRELOCATABLE or insn.is_call_far or insn.is_jmp_far or insn.is_call_near_indirect:
+        if insn.mnemonic in _UNRELOCATABLE or insn.is_call_far or insn.is_jmp_far:
             return OptimizeRefusal.UNRELOCATABLE_INSN
+        if insn.is_call_near_indirect and (insn is not region[-1] or insn.code != iced.Code.CALL_RM64):
+            return OptimizeRefusal.UNRELOCATABLE_INSN  # its callee would return into the patched bytes
     # A direct call (5 bytes or more) always ends the region, which stops at the first instruction
-    # boundary at or past site+5; indirect calls are refused above.
+    # boundary at or past site+5; an indirect one (`call [rip+mcount@GOT]` of -pg code) must end it.
     return OptimizePlan(site, tuple(region))
 
 
@@ -116,13 +118,18 @@ def relocate_region(plan: OptimizePlan, at: int) -> bytes | None:
     out = b""
     for insn in plan.region:
         here = at + len(out)
-        if insn.is_call_near:
+        if insn.is_call_near or insn.is_call_near_indirect:
             ret = int(insn.next_ip)
             out += (
                 b"\x48\x8d\x64\x24\xf8"  # lea rsp, [rsp-8]        (lea: no flags)
                 + b"\xc7\x04\x24" + (ret & 0xFFFFFFFF).to_bytes(4, "little")  # mov dword [rsp], lo
                 + b"\xc7\x44\x24\x04" + (ret >> 32).to_bytes(4, "little")  # mov dword [rsp+4], hi
             )  # fmt: skip
+            if insn.is_call_near_indirect:
+                jump = relocate(call_as_jump(insn), at + len(out))
+                if jump is None:
+                    return None
+                return out + jump
             out += jump_to(at + len(out), int(insn.near_branch_target))
             return out  # a call ends the region: the callee returns to the original code
         moved = relocate(insn, here)

@@ -56,6 +56,17 @@ def relocate(insn: iced.Instruction, new_ip: int) -> bytes | None:
     return code
 
 
+def call_as_jump(call: iced.Instruction) -> iced.Instruction:
+    """An indirect `call` (CALL_RM64)'s target as a `jmp`, for after the return address was
+    pushed by hand: an operand that reads the stack reads 8 bytes further up."""
+    jump = call.copy()
+    jump.code = iced.Code.JMP_RM64
+    if call.op0_kind == iced.OpKind.MEMORY and call.memory_base == iced.Register.RSP:
+        jump.memory_displacement = (call.memory_displacement + 8) & ((1 << 64) - 1)
+        jump.memory_displ_size = max(call.memory_displ_size, 1)
+    return jump
+
+
 def jump_to(source: int, target: int) -> bytes:
     """A `jmp target` placed at `source`: rel32 when in reach, else `jmp [rip+0]; dq target`."""
     if in_rel32_reach(source + 5, target):
