@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -120,3 +121,20 @@ def test_target_killed_by_sigkill_is_fully_reaped(spinner: str) -> None:
     assert status == 128 + signal.SIGKILL
     assert probe.hits > 0
     assert not os.path.exists(f"/proc/{pid}")  # reaped, leader and threads
+
+
+def test_record_names_the_libraries_of_a_program_with_few_functions(linked: Path, tmp_path: Path) -> None:
+    """Like a Python built with --enable-shared: the code is in a library; record says which."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "dynprobe.cli.main",
+        "record",
+        "-o",
+        str(tmp_path / "t"),
+        "--",
+        str(linked / "bin" / "linked"),
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "sum=30\n", r.stderr
+    assert "linked has few functions of its own; its code may be in the libraries it loads: --lib libmine\n" in r.stderr

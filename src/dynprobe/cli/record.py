@@ -108,6 +108,19 @@ def _prepare_directory(path: str) -> None:
     os.makedirs(path)
 
 
+FEW_FUNCTIONS = 10
+_RUNTIME = ("libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "libgcc_s.so", "libstdc++.so", "ld-linux")
+
+
+def _hint_libraries(exe: str) -> None:
+    """A program whose code is in its libraries (a Python built with --enable-shared): say which."""
+    needed = [name.split(".so")[0] for name in load_elf(exe).needed if not name.startswith(_RUNTIME)]
+    if needed:
+        libs = " ".join(f"--lib {name}" for name in needed)
+        print(f"dynprobe: {os.path.basename(exe)} has few functions of its own; its code may be in the "
+              f"libraries it loads: {libs}", file=sys.stderr)  # fmt: skip
+
+
 def run_record(args: argparse.Namespace, command: list[str]) -> int:
     out = args.output
     status: int | None = None
@@ -146,6 +159,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 later = f", {pending} more once their library is mapped" if pending else ""
                 functions = f"{tracer.patched} function{'' if tracer.patched == 1 else 's'}"
                 print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
+                if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
+                    _hint_libraries(tracer.functions[0].path)
                 status = run_target(session)
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
                 session.close()
