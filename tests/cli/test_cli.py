@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dynprobe.core.returns import default_maxactive
 from tests.conftest import build_target
 from tests.integration.helpers import held_by_other_tracer
 
@@ -115,6 +116,24 @@ def test_latency_histogram_per_function(ret: str) -> None:
     rows = [line for line in out if line.startswith("[")]
     assert sum(int(row.split("|")[0].split()[-1]) for row in rows) == 1000
     assert "latency/add" in r.stderr and "mode=optimized" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "hint"),
+    [
+        (["trace", "r:t/fact fact"], "a larger MAXACTIVE, as in 'r{}:EVENT ...',"),
+        (["latency", "fact"], "--maxactive {}"),
+    ],
+)
+def test_return_probe_that_missed_calls_says_how_to_keep_them(ret: str, command: list[str], hint: str) -> None:
+    """fact recursing 5 deeper than the default number of instances: its 5 deepest calls are missed."""
+    instances = default_maxactive()
+    r = dp(*command, "--", ret, "fact", str(instances + 5))
+    assert r.returncode == 0, r.stderr
+    name = "t/fact" if command[0] == "trace" else "latency/fact"
+    line = (f"dynprobe: {name} missed 5 calls: more than {instances} were pending on a thread (recursion); "
+            f"{hint.format(4 * instances)} keeps more")  # fmt: skip
+    assert line in r.stderr.splitlines()
 
 
 @pytest.mark.parametrize(

@@ -71,4 +71,5 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value="ns"),
         lambda probes, title: print_histograms(probes, title, _heading, "(no returns)"),
+        "--maxactive {}",
     )  # fmt: skip

@@ -16,7 +16,7 @@ from dynprobe.cli.common import UsageError, open_session, report_error, run_targ
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
-from dynprobe.ringbuf.layout import check_ring_bytes
+from dynprobe.ringbuf.layout import SHADOW_CAPACITY, check_ring_bytes
 from dynprobe.spec.model import ProbeSpec
 from dynprobe.spec.parser import parse_probe
 
@@ -112,6 +112,19 @@ def mode_text(probe: Probe) -> str:
     return f"trap ({reason.name})" if reason is not None else "trap (not optimized yet when the target ended)"
 
 
+MAXACTIVE_IN_SPEC = "a larger MAXACTIVE, as in 'r{}:EVENT ...',"
+
+
+def note_missed_returns(probes: list[Probe], option: str = MAXACTIVE_IN_SPEC) -> None:
+    """A return probe that missed calls for want of instances says how to keep them (`option`:
+    how, with {} for a number)."""
+    for p in probes:
+        if p.is_return and p.maxactive and p.nmissed:
+            more = min(4 * p.maxactive, SHADOW_CAPACITY)
+            print(f"dynprobe: {p.name} missed {p.nmissed} calls: more than {p.maxactive} were pending on a thread "
+                  f"(recursion); {option.format(more)} keeps more", file=sys.stderr)  # fmt: skip
+
+
 def print_stats(probes: list[Probe], stats: bool) -> None:
     """One line per probe on stderr: where, hits, missed (and with --stats: mode, lost)."""
     if not probes:
@@ -136,6 +149,7 @@ def run_aggregating(
     request: ProbeRequest,
     place: Callable[[Session, ProbeSpec], Probe],
     report: Callable[[list[Probe], str | None], None],
+    more_instances: str = MAXACTIVE_IN_SPEC,
 ) -> int:
     """`count` and `hist`: place the probes, run the target, `report(probes, title)` every
     -i seconds (with the time as title) and once at the end (title None)."""
@@ -150,6 +164,7 @@ def run_aggregating(
             report(probes, None)
             if args.stats:
                 print_stats(probes, True)
+            note_missed_returns(probes, more_instances)
     except DynprobeError as exc:
         return report_error(exc)
     except BrokenPipeError:

@@ -12,7 +12,14 @@ import threading
 from typing import TextIO
 
 from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
-from dynprobe.cli.probes import ProbeRequest, add_probe_options, check_request, place_all, print_stats
+from dynprobe.cli.probes import (
+    ProbeRequest,
+    add_probe_options,
+    check_request,
+    note_missed_returns,
+    place_all,
+    print_stats,
+)
 from dynprobe.core.probe import Probe, ProbeEvent
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             session.close()
             if not args.quiet:
                 print_stats(probes, args.stats)
+                note_missed_returns(probes)
     except DynprobeError as exc:
         return report_error(exc)
     finally:
