@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from dynprobe.errors import DynprobeError
+from dynprobe.symbols.demangle import Demangle, display
 
 FORMAT = "dynprobe-trace"
 VERSION = 2
@@ -63,8 +64,10 @@ class Chunk:
 class Trace:
     """A trace directory, checked: its info, and its events in chunks."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, demangle: Demangle = Demangle.SIMPLE) -> None:
+        """`demangle`: how C++ function names are shown."""
         self.directory = directory
+        self.demangle = demangle
         path = os.path.join(directory, INFO)
         if not os.path.isdir(directory):
             raise TraceError(f"no trace directory {directory}")
@@ -83,7 +86,7 @@ class Trace:
                 f"{directory} was written by a newer dynprobe (format {version}; this one reads {VERSION})"
             )
         self.info = info
-        self.functions: list[str] = [f[0] for f in info.get("functions", [])]
+        self.functions: list[str] = [display(f[0], demangle) for f in info.get("functions", [])]
         self.threads: dict[int, str] = {int(k): v for k, v in info.get("threads", {}).items()}
         clock = info["clock"]
         self._tsc0, self._ns0, self._scale = int(clock["tsc0"]), int(clock["ns0"]), float(clock["scale"])
@@ -96,6 +99,11 @@ class Trace:
 
     def name(self, func: int) -> str:
         return self.functions[func] if 0 <= func < len(self.functions) else f"<function {func}>"
+
+    def call_text(self, func: int) -> str:
+        """A call as replay shows it: 'name()', or a full C++ signature as it is."""
+        name = self.name(func)
+        return name if self.demangle is Demangle.FULL and "(" in name else f"{name}()"
 
     def chunks(self) -> Iterator[Chunk]:
         path = os.path.join(self.directory, EVENTS)

@@ -389,3 +389,43 @@ def test_threshold_drops_short_calls_in_the_target(ret: str, tmp_path: Path) -> 
         "main() {", *["  slow() {", "    nap();", "  } /* slow */"] * 10, "} /* main */",
     ]  # fmt: skip
     assert sum(len(chunk.kind) for chunk in Trace(trace).chunks()) == 2 * 21  # nothing else reached the disk
+
+
+@pytest.fixture(scope="module")
+def names() -> str:
+    return build_target("names", "names.cpp", flags=("-O0", "-lstdc++"))
+
+
+def test_cxx_names_demangled_in_filters_and_call_graphs(names: str, tmp_path: Path) -> None:
+    """-F matches demangled names; replay shows uftrace's simple form, --demangle full and no
+    the others; aliases (the destructor's D1 and D2, one address) are one function."""
+    r, trace = record(tmp_path, "-F", "app::*", "-N", "app::twice", "--", names)
+    assert r.stdout == "12 3 4 2\ntotal=6\n" and "tracing 4 functions" in r.stderr, r.stderr
+    assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
+        "app::Counter::add();",
+        "app::Counter::add();",
+        "app::Counter::add();",
+        "app::largest();",
+        "app::Counter::operator()();",
+        "app::Counter::~Counter();",
+    ]  # fmt: skip (printf's arguments are evaluated from the right)
+    full = [line.split("| ", 1)[1] for line in masked(dp("replay", "--demangle", "full", trace).stdout)]
+    assert full[3:5] == ["long app::largest<long>(long, long);", "app::Counter::operator()(long) const;"]
+    assert "_ZN3app7largestIlEET_S1_S1_" in dp("report", "--demangle", "no", trace).stdout
+
+
+def test_cxx_names_as_probe_locations(names: str) -> None:
+    """A C++ function by its demangled name, simple or full with spaces left out (templates,
+    overloads); an overloaded simple name is refused with the candidates."""
+    specs = ["app::Counter::add", "app::twice(double)", "r app::largest<long>(long,long) ret=$retval",
+             "app::Counter::operator()", "app::Counter::~Counter"]  # fmt: skip
+    r = dp("trace", *specs, "--", names)
+    assert r.returncode == 0, r.stderr
+    hits = re.findall(r"^  (\S+) .* hits=(\d+) missed=0$", r.stderr, re.M)
+    assert [int(n) for _, n in hits] == [3, 1, 1, 1, 1], r.stderr
+    assert "ret=0x4" in r.stdout
+    r = dp("trace", "app::twice", "--", names)
+    assert r.returncode != 0 and r.stderr.startswith("dynprobe: error: 'app::twice' names 2 functions in ")
+    assert "(overloads): give one's symbol: _ZN3app5twiceEl, _ZN3app5twiceEd\n" in r.stderr
+    listed = dp("list", names, "app::Counter::*").stdout
+    assert "app::Counter::add " in listed and "app::Counter::~Counter " in listed and "app::twice" not in listed

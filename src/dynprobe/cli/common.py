@@ -10,6 +10,7 @@ from types import FrameType
 
 from dynprobe.core.session import Session, attach, spawn
 from dynprobe.errors import DynprobeError, ParseError
+from dynprobe.symbols.demangle import Demangle
 
 
 class UsageError(DynprobeError):
@@ -28,6 +29,13 @@ def report_error(exc: DynprobeError) -> int:
             print(f"    {line}", file=sys.stderr)
         return 2
     return fail(str(exc), 2 if isinstance(exc, UsageError) else 1)
+
+
+def add_demangle_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--demangle", type=Demangle, choices=list(Demangle), default=Demangle.SIMPLE, metavar="{simple,full,no}",
+        help="C++ names: simple (ns::Class::method, the default, as uftrace), full (as c++filt), no (symbols)",
+    )  # fmt: skip
 
 
 def add_target_options(parser: argparse.ArgumentParser) -> None:

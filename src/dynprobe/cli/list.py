@@ -9,8 +9,9 @@ import sys
 
 from dynprobe.arch.x86_64 import ResumeKind, decode_one, plan_resume
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
-from dynprobe.cli.common import UsageError, report_error
+from dynprobe.cli.common import UsageError, add_demangle_option, report_error
 from dynprobe.errors import DynprobeError, Refusal
+from dynprobe.symbols.demangle import display, names_of
 from dynprobe.symbols.elf import ElfImage, load_elf
 from dynprobe.symbols.maps import read_maps
 
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("binary", nargs="?", help="an ELF file")
     p.add_argument("glob", nargs="?", default="*", help="only functions matching this glob")
     p.add_argument("-p", "--pid", type=int, help="a running process: its executable and libraries")
+    add_demangle_option(p)
     p.set_defaults(run=run)
 
 
@@ -81,9 +83,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         for path, bias in _modules(args):
             image = load_elf(path)
             for func in image.functions:
-                if func.size and fnmatch.fnmatchcase(func.name, args.glob):
+                if func.size and any(fnmatch.fnmatchcase(n, args.glob) for n in names_of(func.name)):
                     verdicts = (entry_verdict(image, func.addr), jump_verdict(image, func.addr, func.size))
-                    rows.append((func.addr + bias, func.size, func.name, os.path.basename(path), *verdicts))
+                    name = display(func.name, args.demangle)
+                    rows.append((func.addr + bias, func.size, name, os.path.basename(path), *verdicts))
     except DynprobeError as exc:
         return report_error(exc)
     if not rows:

@@ -12,7 +12,14 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
-from dynprobe.cli.common import UsageError, add_target_options, open_session, report_error, run_target
+from dynprobe.cli.common import (
+    UsageError,
+    add_demangle_option,
+    add_target_options,
+    open_session,
+    report_error,
+    run_target,
+)
 from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError
@@ -83,12 +90,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     live = sub.add_parser("live", help="record and replay in one go",
                           description="Record (as `record`) into a temporary directory, then replay it.")  # fmt: skip
     _add_record_options(live)
+    add_demangle_option(live)
     live.set_defaults(run=run_live)
     for name, help_text in (("replay", "print the call graph of a trace"), ("report", "time per function of a trace")):
         q = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
         q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
         if name == "report":
             q.add_argument("-s", "--sort", choices=["total", "self", "calls", "avg", "name"], default="total")
+        add_demangle_option(q)
         q.set_defaults(run=run_replay if name == "replay" else run_report)
     d = sub.add_parser("dump", help="convert a trace for other tools", description="Convert a trace directory.")
     d.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
@@ -96,6 +105,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     form.add_argument("--chrome", action="store_true", help="Trace Event JSON (Perfetto UI, chrome://tracing)")
     form.add_argument("--flame", action="store_true", help="folded stacks with self time in ns (flamegraph.pl)")
     d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    add_demangle_option(d)
     d.set_defaults(run=run_dump)
 
 
@@ -181,7 +191,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
 
 @contextlib.contextmanager
 def _trace(args: argparse.Namespace) -> Iterator[Trace]:
-    trace = Trace(args.directory)
+    trace = Trace(args.directory, args.demangle)
     if not trace.complete:
         print(f"dynprobe: warning: {args.directory} was not closed (the recording was cut short)", file=sys.stderr)
     yield trace
@@ -197,7 +207,7 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
         args.output = os.path.join(tmp, "trace")
         status = run_record(args, command)
         if os.path.exists(os.path.join(args.output, INFO)):
-            replayed = _read(argparse.Namespace(directory=args.output), [], _replay)
+            replayed = _read(argparse.Namespace(directory=args.output, demangle=args.demangle), [], _replay)
             return status or replayed
         return status
 

@@ -41,6 +41,7 @@ from dynprobe.errors import OptimizeRefusal, SessionError
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
+from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
 
@@ -161,8 +162,8 @@ class Tracing:
     def select(
         self, paths: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = ()
     ) -> list[TracedFunction]:
-        """The functions (symbols with a size) of the files at `paths` whose names match a glob
-        of `include` (all if none) and none of `exclude`."""
+        """The functions (symbols with a size) of the files at `paths` whose names (demangled
+        too) match a glob of `include` (all if none) and none of `exclude`."""
         include, exclude = list(include), list(exclude)
         chosen = []
         for path in paths:
@@ -172,12 +173,14 @@ class Tracing:
                     continue
                 if func.addr <= image.entry < func.end or func.name in NOT_CALLED:
                     continue  # entered without a call: [rsp] is not a return address
-                if include and not any(fnmatch.fnmatchcase(func.name, g) for g in include):
+                names = names_of(func.name)  # C++: 'ns::Class::*' matches too
+                if include and not any(fnmatch.fnmatchcase(n, g) for g in include for n in names):
                     continue
-                if any(fnmatch.fnmatchcase(func.name, g) for g in exclude):
+                if any(fnmatch.fnmatchcase(n, g) for g in exclude for n in names):
                     continue
                 chosen.append(self._function(image.path, func.addr, func.size, func.name))
-        return chosen
+        # Aliases (C++ C1/C2 constructors, glibc's __libc_malloc and malloc) are one function.
+        return list({f.id: f for f in chosen}.values())
 
     def _function(self, path: str, vaddr: int, size: int, name: str) -> TracedFunction:
         key = (path, vaddr)

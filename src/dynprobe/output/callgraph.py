@@ -370,14 +370,14 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
     Calls left without an exit (longjmp, an exception) close with the frame that returns; calls
     with no callee shorter than `threshold_ns` are left out."""
     out.write("# DURATION     TID     FUNCTION\n")
-    names = [f"{name}()" for name in trace.functions]
+    names = [trace.call_text(f) for f in range(len(trace.functions))]
     stacks: dict[int, _OpenCalls] = {}
     pending: dict[int, tuple[int, int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
     blank = " " * 11
     count = 0
 
     def name(func: int) -> str:
-        return names[func] if func < len(names) else trace.name(func) + "()"
+        return names[func] if func < len(names) else trace.call_text(func)
 
     texts = _Texts(name, trace.name)
     for chunk in _batches(trace):

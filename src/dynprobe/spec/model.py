@@ -6,6 +6,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
+def split_location(text: str) -> tuple[str, str, str]:
+    """'PATH:WHAT' -> (PATH, ':', WHAT), as str.rpartition(':') does, except that the file ends
+    at the last ':' that is not half of a C++ '::' ('./app:ns::f' -> './app', ':', 'ns::f';
+    'ns::f' -> ('', '', 'ns::f'))."""
+    i = len(text) - 1
+    while i >= 0:
+        if text[i] == ":":
+            if i > 0 and text[i - 1] == ":":
+                i -= 2
+                continue
+            return text[:i], ":", text[i + 1 :]
+        i -= 1
+    return "", "", text
+
+
 @dataclass(frozen=True)
 class Reg:
     name: str  # canonical: rax, rdi, rip, eflags, ...

@@ -25,6 +25,7 @@ from dynprobe.spec.model import (
     Stack,
     StackPointer,
     SymbolAddr,
+    split_location,
 )
 
 MAX_ARGS = 128
@@ -125,8 +126,12 @@ def _parse_head(word: str, spec: str, col: int) -> tuple[str, int | None, str | 
     return kind, maxactive, group, event
 
 
+# A symbol, or a C++ name as demangled ('ns::Class::method', 'Class::~Class', 'ns::f(long)').
+_SYMBOL = re.compile(r"[A-Za-z_.$~][^\s+]*\Z")
+
+
 def _check_location(loc: str, spec: str, col: int) -> None:
-    path, sep, what = loc.rpartition(":")
+    path, sep, what = split_location(loc)
     if sep and not path:
         raise _fail("BAD_PROBE_ADDR", spec, col, "the file name before ':' is empty")
     where = col + (len(path) + 1 if sep else 0)
@@ -137,7 +142,7 @@ def _check_location(loc: str, spec: str, col: int) -> None:
             raise _fail("BAD_PROBE_ADDR", spec, where, f"{what!r} is not an offset")
         return
     symbol, plus, offs = what.partition("+")
-    if not re.match(r"[A-Za-z_.$][\w.$@]*\Z", symbol):
+    if not _SYMBOL.match(symbol):
         raise _fail("BAD_PROBE_ADDR", spec, where, f"{symbol!r} is not a symbol name")
     if plus and (_parse_int(offs) is None or _parse_int(offs) < 0):  # type: ignore[operator]
         raise _fail("BAD_PROBE_ADDR", spec, where + len(symbol) + 1, f"{offs!r} is not an offset")

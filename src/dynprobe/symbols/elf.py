@@ -18,6 +18,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from dynprobe.errors import ElfError, SymbolError
 from dynprobe.symbols import files
+from dynprobe.symbols.demangle import names_of
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class ElfImage:
             self.functions, self.objects = self._symbols(elf)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: frozenset[int] | None = None
+            self._by_demangled: dict[str, dict[int, Function]] | None = None
             self._elf = elf
         except (ELFError, ELFParseError, KeyError, ValueError) as exc:
             raise ElfError(f"{path} is not a valid ELF file: {exc}") from exc
@@ -205,6 +207,20 @@ class ElfImage:
                 ranges = []
             self._eh_ranges = sorted(ranges)
         return self._eh_ranges
+
+    def functions_named(self, name: str) -> list[Function]:
+        """The functions a name means: the symbol itself, else those whose demangled name it
+        is, simple ('ns::Class::method') or full, spaces aside ('ns::f(long,int)'),
+        one per address (overloads: several)."""
+        func = self.by_name.get(name)
+        if func is not None:
+            return [func]
+        if self._by_demangled is None:
+            self._by_demangled = {}
+            for f in self.functions:
+                for alias in {d.replace(" ", "") for d in names_of(f.name)[1:]}:
+                    self._by_demangled.setdefault(alias, {}).setdefault(f.addr, f)
+        return list(self._by_demangled.get(name.replace(" ", ""), {}).values())
 
     def address_of(self, name: str) -> int | None:
         """Link-time address of a data or function symbol (for @SYM fetch arguments)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dynprobe.errors import SymbolError
+from dynprobe.spec.model import split_location
 from dynprobe.symbols.elf import ElfImage, Function, load_elf
 from dynprobe.symbols.loader import ld_cache
 from dynprobe.symbols.maps import Mapping
@@ -65,9 +66,14 @@ def parse_symbol_offset(text: str) -> tuple[str, int]:
 
 
 def resolve_symbol(image: ElfImage, symbol: str, offset: int) -> Location:
-    func = image.by_name.get(symbol)
-    if func is None:
+    found = image.functions_named(symbol)
+    if not found:
         raise SymbolError(f"no function {symbol!r} in {image.path}")
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise SymbolError(f"{symbol!r} names {len(found)} functions in {image.path} (overloads): "
+                          f"give one's symbol: {names}")  # fmt: skip
+    func = found[0]
     vaddr = func.addr + offset
     if func.size and offset >= func.size:
         raise SymbolError(f"{symbol}+{offset:#x} is past the end of {symbol} ({func.size} bytes)")
@@ -90,11 +96,8 @@ def resolve(
 ) -> Location:
     """Resolve a location string. Bare symbols refer to `main_exe`; a file is found as
     `find_file` finds it."""
-    if ":" in text:
-        path_part, _, what = text.rpartition(":")
-        path = find_file(path_part, maps, libraries)
-    else:
-        path, what = main_exe, text
+    path_part, sep, what = split_location(text)
+    path = find_file(path_part, maps, libraries) if sep else main_exe
     image = load_elf(path)
     if what.lower().startswith("0x") or what.isdigit():
         try:
@@ -107,7 +110,7 @@ def resolve(
     try:
         return resolve_symbol(image, symbol, offset)
     except SymbolError as exc:
-        if ":" in text or symbol not in str(exc):
+        if sep or "::" in symbol or not str(exc).startswith("no function"):
             raise
         raise SymbolError(f"{exc} (for a library function, name the library: libc:{symbol})") from exc
 

@@ -1,0 +1,44 @@
+"""C++ names as shown and as accepted: the C++ runtime demangles, we simplify (uftrace's form)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynprobe.symbols.demangle import Demangle, display, names_of, simplify
+
+# mangled -> (simple, full as c++filt prints it)
+TABLE = {
+    "_ZN3app7Counter3addEl": ("app::Counter::add", "app::Counter::add(long)"),
+    "_ZNK3app7CounterclEl": ("app::Counter::operator()", "app::Counter::operator()(long) const"),
+    "_ZN3app7CounterD2Ev": ("app::Counter::~Counter", "app::Counter::~Counter()"),
+    "_ZN3app7largestIlEET_S1_S1_": ("app::largest", "long app::largest<long>(long, long)"),
+    "_ZNSt6vectorIiSaIiEE9push_backEOi": (
+        "std::vector::push_back", "std::vector<int, std::allocator<int> >::push_back(int&&)"),
+    "_ZlsRSoRK3Foo": ("operator<<", "operator<<(std::ostream&, Foo const&)"),
+    "_ZNK3FoossERKS_": ("Foo::operator<=>", "Foo::operator<=>(Foo const&) const"),
+    "_ZN3FooptEv": ("Foo::operator->", "Foo::operator->()"),
+    "_ZNK3FoocviEv": ("Foo::operator int", "Foo::operator int() const"),
+    "_Znwm": ("operator new", "operator new(unsigned long)"),
+    "_ZN12_GLOBAL__N_14helpEv": ("(anonymous namespace)::help", "(anonymous namespace)::help()"),
+    "_ZZ4mainENKUliE_clEi": ("main::{lambda#1}::operator()", "main::{lambda(int)#1}::operator()(int) const"),
+    "_ZThn8_N3Bar1fEv": ("non-virtual thunk to Bar::f", "non-virtual thunk to Bar::f()"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("mangled", "names"), TABLE.items(), ids=list(TABLE))
+def test_names_shown(mangled: str, names: tuple[str, str]) -> None:
+    simple, full = names
+    assert display(mangled, Demangle.FULL) == full
+    assert display(mangled) == simple == simplify(full)
+    assert display(mangled, Demangle.NO) == mangled
+
+
+def test_names_accepted() -> None:
+    """A symbol answers to its simple and full names, and a template function's full name
+    without its return type; a thunk does not take its target's signature."""
+    assert names_of("_ZN3app7largestIlEET_S1_S1_") == (
+        "_ZN3app7largestIlEET_S1_S1_", "app::largest", "long app::largest<long>(long, long)",
+        "app::largest<long>(long, long)",
+    )  # fmt: skip
+    assert names_of("_ZThn8_N3Bar1fEv")[1:] == ("non-virtual thunk to Bar::f", "non-virtual thunk to Bar::f()")
+    assert names_of("main") == ("main",) and names_of("_Znot_mangled") == ("_Znot_mangled",)
