@@ -342,7 +342,8 @@ def test_go_program_is_refused_with_the_reason(tmp_path: Path) -> None:
     if go is None:
         pytest.skip("no Go toolchain (Debian package golang-go; `make test` installs it where it can)")
     (tmp_path / "main.go").write_text(
-        'package main\nimport "fmt"\n//go:noinline\nfunc work(n int) int { return n * 2 }\n'
+        'package main\nimport "fmt"\n//go:noinline\n'
+        "func work(n int) int { s := 0; for i := 0; i < n%7; i++ { s += i * n }; return s }\n"
         "func main() { s := 0; for i := 0; i < 1000; i++ { s += work(i) }; fmt.Println(s) }\n"
     )
     env = {**os.environ, "GOCACHE": str(tmp_path / "cache"), "GOPATH": str(tmp_path / "gopath"), "GO111MODULE": "off"}
@@ -354,6 +355,18 @@ def test_go_program_is_refused_with_the_reason(tmp_path: Path) -> None:
         probe = session.probe("p main.work", action="count")  # entry probes are fine
         assert session.run(timeout=60) == 0
         assert probe.hits == 1000
+    with dynprobe.spawn([str(tmp_path / "gowork")]) as session:
+        tracer = session.function_tracer(filter=["main.work"])  # graph mode hooks returns: refused
+        tracer.start()
+        assert tracer.patched == 0 and tracer.not_patched == {"MOVING_STACKS": 1}
+        entries = session.function_tracer(filter=["main.work"], graph=False)  # entries only: fine
+        entries.start()
+        assert session.run(timeout=60) == 0
+        assert entries.calls == 1000
+    r = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "record", "-o", str(tmp_path / "t"), "--",
+                        str(tmp_path / "gowork")], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1 and "dynprobe: error: no function could be patched (MOVING_STACKS " in r.stderr
+    assert "the program's runtime moves stacks (Go)" in r.stderr and not (tmp_path / "t").exists()
 
 
 def test_cet_shadow_stack_is_refused() -> None:

@@ -22,7 +22,7 @@ from dynprobe.cli.common import (
 )
 from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
-from dynprobe.errors import DynprobeError
+from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
 from dynprobe.output import callgraph
 from dynprobe.symbols.elf import load_elf
 from dynprobe.tracefile import EVENTS, INFO, Trace, write_info
@@ -118,6 +118,14 @@ def _prepare_directory(path: str) -> None:
     os.makedirs(path)
 
 
+def _why(reason: str) -> str:
+    """A reason code of Tracing.not_patched, explained."""
+    for codes in (Refusal, OptimizeRefusal):
+        if reason in codes.__members__:
+            return f"{codes[reason].value} [{reason}]"
+    return reason
+
+
 FEW_FUNCTIONS = 10
 _RUNTIME = ("libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "libgcc_s.so", "libstdc++.so", "ld-linux")
 
@@ -168,6 +176,10 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 nops = f" ({tracer.nop_entries} at their patchable NOP entry)" if tracer.nop_entries else ""
                 later = f", {pending} more once their library is mapped" if pending else ""
                 functions = f"{tracer.patched} function{'' if tracer.patched == 1 else 's'}"
+                if not tracer.patched and not pending:
+                    shutil.rmtree(out, ignore_errors=True)
+                    why = _why(refused.most_common(1)[0][0])
+                    raise SessionError(f"no function could be patched ({reasons}): {why}")
                 print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
                 if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
                     _hint_libraries(tracer.functions[0].path)

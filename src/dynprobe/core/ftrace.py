@@ -37,7 +37,7 @@ from dynprobe.arch.x86_64.codegen import (
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.core.optimizer import DirtyDetour
-from dynprobe.errors import OptimizeRefusal, SessionError
+from dynprobe.errors import OptimizeRefusal, Refusal, SessionError
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
@@ -229,9 +229,19 @@ class Tracing:
             session.returns.setup(proc, near)
         state = proc.tracing
         rips = session.thread_rips(proc)
+        # Graph mode replaces return addresses: where return probes cannot be safe (Go's moving
+        # stacks, a CET shadow stack), neither is it.
+        refusals: dict[str, Refusal | None] = {}
         for done, func in enumerate(functions, 1):
             if progress is not None and done % 100 == 0:
                 progress(100)
+            if tracer.graph:
+                if func.path not in refusals:
+                    refusals[func.path] = session.returns.refusal(proc, func.path)
+                refusal = refusals[func.path]
+                if refusal is not None:
+                    tracer.not_patched[refusal.name] += 1
+                    continue
             site = state.sites.get(func.id)
             if site is not None:
                 site.ops.append(tracer)

@@ -554,10 +554,21 @@ class Session:
                         break  # no tracee left at all (ECHILD)
                     self._handle(self._pending.popleft())
                 except ProcessLookupError as exc:
-                    # ESRCH: the thread died under us (SIGKILL wakes a stopped tracee); its exit
-                    # event follows and settles the bookkeeping.
+                    # ESRCH: the thread died under us (SIGKILL wakes a stopped tracee, a process
+                    # exits during a remote syscall); its exit event follows, or was kept aside
+                    # by the remote syscall that met it, and settles the bookkeeping.
                     _debug(f"thread gone while handled: {exc}")
+                    self._requeue_exits()
         return self.exit_status if not self._processes else None
+
+    def _requeue_exits(self) -> None:
+        """Exit events a remote syscall met, handled as they come."""
+        for proc in self._processes.values():
+            for state in proc.tracee.threads.values():
+                exits = [e for e in state.deferred if e.kind in (EventKind.EXITED, EventKind.KILLED)]
+                if exits:
+                    state.deferred = [e for e in state.deferred if e not in exits]
+                    self._pending.extend(exits)
 
     @contextlib.contextmanager
     def _tracer_pinned(self) -> Iterator[None]:

@@ -245,9 +245,13 @@ class Tracee:
         try:
             if state.in_event_stop:
                 self._leave_event_stop(tid, scratch + len(REMOTE_SYSCALL) - 1)
-            return self._run_syscall(tid, scratch, nr, args)
-        finally:
-            self.write(scratch, original)
+            result = self._run_syscall(tid, scratch, nr, args)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the process may be gone with its memory
+                self.write(scratch, original)
+            raise
+        self.write(scratch, original)
+        return result
 
     def _leave_event_stop(self, tid: int, int3_addr: int) -> None:
         """Let the syscall the thread is stopped in return, straight onto an int3 of ours, so the
@@ -264,11 +268,15 @@ class Tracee:
         self.threads[tid].in_event_stop = False
 
     def _wait_trap(self, tid: int) -> None:
-        """Wait for `tid` to stop on our int3; signals arriving meanwhile are kept for later."""
+        """Wait for `tid` to stop on our int3; signals arriving meanwhile are kept for later. A
+        thread that ends meanwhile (its process exits) raises ProcessLookupError, as a thread
+        gone under us does, with its exit event kept in its deferred events."""
         while True:
             event = wait_event(tid)
             if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
-                raise ProcessError(f"pid {self.pid} ended during a remote syscall")
+                if event is not None:
+                    self.threads[tid].deferred.append(event)
+                raise ProcessLookupError(errno.ESRCH, f"thread {tid} of {self.pid} ended during a remote syscall")
             if event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP:
                 return
             if event.kind == EventKind.SIGNAL:
@@ -288,8 +296,11 @@ class Tracee:
             sc.cont(tid)
             self._wait_trap(tid)
             result = int(sc.get_regs(tid).rax)
-        finally:
-            sc.set_regs(tid, saved)
+        except BaseException:
+            with contextlib.suppress(OSError):  # gone, or it keeps the first error
+                sc.set_regs(tid, saved)
+            raise
+        sc.set_regs(tid, saved)
         if result >= (1 << 64) - 4095:
             result -= 1 << 64
         return result
