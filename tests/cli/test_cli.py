@@ -157,6 +157,7 @@ def test_bad_return_probe_input_one_line(ret: str, args: list[str], message: str
     [
         (["p no_such_symbol"], "no function 'no_such_symbol'"),
         (["p /no/such/file:f"], "no such file: /no/such/file"),
+        (["p libplugin:f"], "no such file: libplugin (no library of that name is mapped in the target, needed by it"),
         (["p add_word+1"], "not on an instruction boundary [NOT_INSN_BOUNDARY]"),
     ],
 )

@@ -51,6 +51,10 @@ def find_file(
             for so, path in known.items():
                 if matches(so):
                     return os.path.realpath(path)
+        raise SymbolError(
+            f"no such file: {name} (no library of that name is mapped in the target, needed by it or in the "
+            "loader's cache: give its path)"
+        )
     raise SymbolError(f"no such file: {name}")
 
 
