@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,10 +64,12 @@ class Chunk:
 class Trace:
     """A trace directory, checked: its info, and its events in chunks."""
 
-    def __init__(self, directory: str, demangle: Demangle = Demangle.SIMPLE) -> None:
-        """`demangle`: how C++ function names are shown."""
+    def __init__(self, directory: str, demangle: Demangle = Demangle.SIMPLE, threads: Collection[int] = ()) -> None:
+        """`demangle`: how C++ function names are shown; `threads`: the only threads read (all
+        if none)."""
         self.directory = directory
         self.demangle = demangle
+        self.only = frozenset(threads)
         path = os.path.join(directory, INFO)
         if not os.path.isdir(directory):
             raise TraceError(f"no trace directory {directory}")
@@ -122,8 +124,15 @@ class Trace:
                 count = int(header["count"])
                 want = count * self.record.itemsize
                 available = (size - offset - _CHUNK_HEADER.itemsize) // self.record.itemsize
-                records = np.fromfile(f, dtype=self.record, count=min(count, available))
                 who = int(header["who"])
+                if self.only and who >> 32 not in self.only:
+                    f.seek(min(count, available) * self.record.itemsize, os.SEEK_CUR)
+                    if available < count:
+                        self.truncated_at = offset
+                        return
+                    offset += _CHUNK_HEADER.itemsize + want
+                    continue
+                records = np.fromfile(f, dtype=self.record, count=min(count, available))
                 kind, times = records["kind"], self._ns(records["tsc"])
                 yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
                 if len(records) < count:

@@ -105,6 +105,12 @@ def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
     assert info["complete"] and info["calls"] == 9 and info["lost"] == 0
     assert [m["path"] for m in info["modules"]] == [os.path.realpath(ret)] and info["command"][0] == ret
     assert {int(t) for t in info["threads"]} >= {int(t) for t in by_thread}
+    one, two = list(by_thread)[:2]  # --tid: only those threads' calls
+    only = dp("replay", "--tid", one, "--tid", two, trace).stdout.splitlines()[1:]
+    assert sorted(re.findall(r"\[ *(\d+)\]", line)[0] for line in only) == sorted([one] * 4 + [two] * 4)
+    assert calls_of(trace) == {"add": 6, "worker": 3}
+    assert calls_of(trace, "--tid", one) == {"add": 2, "worker": 1}
+    assert calls_of(trace, "-t", "100s") == {}  # report -t: only calls that long
 
 
 def test_cxx_exceptions_and_a_library(ret_cxx: str, tmp_path: Path) -> None:
@@ -324,8 +330,10 @@ def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:
     assert calls(ours) == sorted([["> main", "<"]] + [["> worker"] + ["> add", "<"] * 3 + ["<"]] * 2)
 
 
-def calls_of(trace: str) -> dict[str, int]:
-    return {line.split()[-1]: int(line.split()[-4]) for line in dp("report", trace).stdout.splitlines()[2:]}
+def calls_of(trace: str, *options: str) -> dict[str, int]:
+    report = dp("report", *options, trace)
+    assert report.returncode == 0, report.stderr
+    return {line.split()[-1]: int(line.split()[-4]) for line in report.stdout.splitlines()[2:]}
 
 
 def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) -> None:

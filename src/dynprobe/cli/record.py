@@ -78,6 +78,11 @@ def _add_record_options(p: argparse.ArgumentParser) -> None:
     add_target_options(p)
 
 
+def _add_reading_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tid", type=int, action="append", default=[], metavar="TID", help="only this thread (repeatable)")
+    add_demangle_option(p)
+
+
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "record", help="trace every function's entry and exit into a trace directory",
@@ -97,7 +102,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
         if name == "report":
             q.add_argument("-s", "--sort", choices=["total", "self", "calls", "avg", "name"], default="total")
-        add_demangle_option(q)
+            q.add_argument("-t", "--threshold", type=_time, default=0, metavar="TIME",
+                           help="count only calls of TIME or more (10us, 1ms)")  # fmt: skip
+        _add_reading_options(q)
         q.set_defaults(run=run_replay if name == "replay" else run_report)
     d = sub.add_parser("dump", help="convert a trace for other tools", description="Convert a trace directory.")
     d.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
@@ -105,7 +112,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     form.add_argument("--chrome", action="store_true", help="Trace Event JSON (Perfetto UI, chrome://tracing)")
     form.add_argument("--flame", action="store_true", help="folded stacks with self time in ns (flamegraph.pl)")
     d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
-    add_demangle_option(d)
+    _add_reading_options(d)
     d.set_defaults(run=run_dump)
 
 
@@ -203,7 +210,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
 
 @contextlib.contextmanager
 def _trace(args: argparse.Namespace) -> Iterator[Trace]:
-    trace = Trace(args.directory, args.demangle)
+    trace = Trace(args.directory, args.demangle, args.tid)
     if not trace.complete:
         print(f"dynprobe: warning: {args.directory} was not closed (the recording was cut short)", file=sys.stderr)
     yield trace
@@ -219,23 +226,23 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
         args.output = os.path.join(tmp, "trace")
         status = run_record(args, command)
         if os.path.exists(os.path.join(args.output, INFO)):
-            replayed = _read(argparse.Namespace(directory=args.output, demangle=args.demangle), [], _replay)
+            reading = argparse.Namespace(directory=args.output, demangle=args.demangle, tid=[])
+            replayed = run_replay(reading, [])
             return status or replayed
         return status
 
 
-def _replay(trace: Trace, out: TextIO) -> None:
-    callgraph.replay(trace, out, int(trace.info.get("threshold_ns") or 0))
+def _threshold(trace: Trace, args: argparse.Namespace) -> int:
+    """The record's threshold, or a longer one asked for by `report -t`."""
+    return max(int(trace.info.get("threshold_ns") or 0), int(args.threshold))
 
 
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, _replay)
+    return _read(args, command, lambda t, out: callgraph.replay(t, out, int(t.info.get("threshold_ns") or 0)))
 
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(
-        args, command, lambda t, out: callgraph.report(t, out, args.sort, int(t.info.get("threshold_ns") or 0))
-    )
+    return _read(args, command, lambda t, out: callgraph.report(t, out, args.sort, _threshold(t, args)))
 
 
 def run_dump(args: argparse.Namespace, command: list[str]) -> int:
