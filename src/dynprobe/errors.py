@@ -10,6 +10,7 @@ pyelftools, ValueError from iced-x86) are wrapped where they enter dynprobe, so 
 from __future__ import annotations
 
 import enum
+import errno
 
 
 class DynprobeError(Exception):
@@ -18,6 +19,17 @@ class DynprobeError(Exception):
 
 class ProcessError(DynprobeError):
     """The target process could not be started, attached, read or written."""
+
+
+class ThreadGone(ProcessError, ProcessLookupError):
+    """A thread ended while dynprobe worked in it (its process exited during a remote syscall):
+    an ESRCH, as any thread gone under a ptrace call, and one line for a user."""
+
+    def __init__(self, message: str) -> None:
+        ProcessLookupError.__init__(self, errno.ESRCH, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class NoSuchProcess(ProcessError):

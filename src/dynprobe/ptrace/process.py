@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dynprobe.arch.x86_64 import REMOTE_SYSCALL
-from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError
+from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, ThreadGone
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, wait_event
 
@@ -276,7 +276,7 @@ class Tracee:
             if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
                 if event is not None:
                     self.threads[tid].deferred.append(event)
-                raise ProcessLookupError(errno.ESRCH, f"thread {tid} of {self.pid} ended during a remote syscall")
+                raise ThreadGone(f"thread {tid} of {self.pid} ended during a remote syscall")
             if event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP:
                 return
             if event.kind == EventKind.SIGNAL:
