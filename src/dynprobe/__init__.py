@@ -1,6 +1,7 @@
 """dynprobe: kprobes, optprobes, kretprobes and ftrace for user-space x86-64 processes.
 
-The public API is `spawn(argv)` and `attach(pid)`, each returning a context-managed `Session`.
+The public API is `spawn(argv)` and `attach(pid)`, each returning a context-managed `Session`;
+`Trace(directory)` reads what `dynprobe record` wrote.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from dynprobe.arch.x86_64.regs import Regs
 from dynprobe.core.probe import Probe, ProbeMode
 from dynprobe.core.session import Session, attach, spawn
 from dynprobe.errors import DynprobeError, ParseError, ProbeRefused, ProcessError, Refusal
+from dynprobe.tracefile import Trace, TraceEvent
 
 __all__ = [
     "DynprobeError",
@@ -20,6 +22,8 @@ __all__ = [
     "Refusal",
     "Regs",
     "Session",
+    "Trace",
+    "TraceEvent",
     "attach",
     "spawn",
 ]

@@ -19,12 +19,15 @@ import json
 import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dynprobe.errors import DynprobeError
 from dynprobe.symbols.demangle import Demangle, display
+
+if TYPE_CHECKING:
+    from dynprobe.output.callgraph import FunctionTime
 
 FORMAT = "dynprobe-trace"
 VERSION = 2
@@ -61,14 +64,28 @@ class Chunk:
     time_ns: np.ndarray  # i64 CLOCK_MONOTONIC
 
 
-class Trace:
-    """A trace directory, checked: its info, and its events in chunks."""
+@dataclass(frozen=True)
+class TraceEvent:
+    """One entry or exit of a trace, for scripts (`Trace.events()`)."""
 
-    def __init__(self, directory: str, demangle: Demangle = Demangle.SIMPLE, threads: Collection[int] = ()) -> None:
-        """`demangle`: how C++ function names are shown; `threads`: the only threads read (all
-        if none)."""
+    pid: int
+    tid: int
+    time_ns: int  # CLOCK_MONOTONIC
+    exit: bool
+    function: str
+
+
+class Trace:
+    """A trace directory, checked: its info, and its events in chunks. Also the Python API for
+    reading traces: `dynprobe.Trace("dynprobe.data").events()`, `.profile()`."""
+
+    def __init__(
+        self, directory: str, demangle: Demangle | str = Demangle.SIMPLE, threads: Collection[int] = ()
+    ) -> None:
+        """`demangle`: how C++ function names are shown ('simple', 'full', 'no'); `threads`:
+        the only threads read (all if none)."""
         self.directory = directory
-        self.demangle = demangle
+        self.demangle = Demangle(demangle)
         self.only = frozenset(threads)
         path = os.path.join(directory, INFO)
         if not os.path.isdir(directory):
@@ -88,7 +105,7 @@ class Trace:
                 f"{directory} was written by a newer dynprobe (format {version}; this one reads {VERSION})"
             )
         self.info = info
-        self.functions: list[str] = [display(f[0], demangle) for f in info.get("functions", [])]
+        self.functions: list[str] = [display(f[0], self.demangle) for f in info.get("functions", [])]
         self.threads: dict[int, str] = {int(k): v for k, v in info.get("threads", {}).items()}
         clock = info["clock"]
         self._tsc0, self._ns0, self._scale = int(clock["tsc0"]), int(clock["ns0"]), float(clock["scale"])
@@ -106,6 +123,21 @@ class Trace:
         """A call as replay shows it: 'name()', or a full C++ signature as it is."""
         name = self.name(func)
         return name if self.demangle is Demangle.FULL and "(" in name else f"{name}()"
+
+    def events(self) -> Iterator[TraceEvent]:
+        """Every entry and exit, a thread's in time order (threads one after another, as the
+        trace holds them), read in chunks: a trace larger than memory is fine."""
+        for chunk in self.chunks():
+            for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
+                yield TraceEvent(chunk.pid, chunk.tid, t, bool(kind), self.name(func))
+
+    def profile(self, threshold_ns: int = 0) -> list[tuple[str, FunctionTime]]:
+        """What `dynprobe report` shows: per function its calls, total time (a recursion once),
+        self time and average, longest total first; calls shorter than `threshold_ns` left out."""
+        from dynprobe.output.callgraph import profile
+
+        times = profile(self, threshold_ns=threshold_ns).functions
+        return sorted(((self.name(f), ft) for f, ft in times.items()), key=lambda item: -item[1].total)
 
     def chunks(self) -> Iterator[Chunk]:
         path = os.path.join(self.directory, EVENTS)

@@ -4,6 +4,7 @@ running program, and trace directories that are missing, cut short or from a new
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -65,6 +66,21 @@ def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
     ]
     report = dp("report", "-s", "calls", trace).stdout.splitlines()
     assert [(line.split()[-4], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
+
+
+def test_trace_read_from_python(ret: str, tmp_path: Path) -> None:
+    """dynprobe.Trace: the events of a trace and its profile, as report shows it."""
+    _, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    events = list(dynprobe.Trace(trace).events())
+    assert [(e.function, e.exit) for e in events] == [
+        ("main", False), ("fact", False), ("fact", False), ("fact", False), ("fact", True), ("fact", True),
+        ("fact", True), ("main", True),
+    ]  # fmt: skip
+    assert all(a.time_ns <= b.time_ns for a, b in itertools.pairwise(events)) and len({e.tid for e in events}) == 1
+    (main, main_time), (fact, fact_time) = dynprobe.Trace(trace).profile()
+    assert (main, main_time.calls, fact, fact_time.calls) == ("main", 1, "fact", 3)
+    assert fact_time.total == events[-2].time_ns - events[1].time_ns  # the outermost call only
+    assert main_time.total == events[-1].time_ns - events[0].time_ns
 
 
 def test_mutual_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
