@@ -197,3 +197,34 @@ def test_job_control_stop_and_continue_pass_through(spinner: str) -> None:
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) >= 0.3  # it did not run while stopped (ticks come every millisecond otherwise)
     assert probe.hits > 100
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("State:"))
+
+
+@pytest.mark.parametrize("action", ["count", None], ids=["optimized", "trap"])
+def test_attach_to_a_stopped_process_keeps_it_stopped(running: subprocess.Popen[str], action: str | None) -> None:
+    """A process stopped by job control (SIGSTOP, Ctrl-Z) before the attach stays stopped while
+    traced (even when setting up optimized probes ran code in its threads) until SIGCONT, and
+    is left stopped if it is at the detach."""
+    pid = running.pid
+    os.kill(pid, signal.SIGSTOP)
+    while _state(pid) != "T":
+        time.sleep(0.01)
+    with dynprobe.attach(pid) as session:
+        probe = session.probe("tick", action=action) if action else session.probe("tick", pre=lambda hit: None)
+        session.run(timeout=0.5)
+        assert probe.hits == 0 and _state(pid) == "t"  # held in its group-stop (PTRACE_LISTEN)
+        os.kill(pid, signal.SIGCONT)
+        session.run(timeout=0.5)
+        assert probe.hits > 50
+        os.kill(pid, signal.SIGSTOP)
+        session.run(timeout=0.3)
+        stopped_at = probe.hits
+        session.run(timeout=0.3)
+        assert probe.hits == stopped_at
+    assert _state(pid) == "T"  # stopped, as it was at the detach
+    os.kill(pid, signal.SIGCONT)
+    assert int(finish(running).split("=")[1]) > 100

@@ -696,8 +696,15 @@ class Session:
         elif kind == EventKind.STOP:
             tracee.resume(event.tid)
         elif kind == EventKind.GROUP_STOP:
-            with contextlib.suppress(ProcessLookupError):
+            try:
                 sc.listen(event.tid)
+            except ProcessLookupError:
+                pass
+            except OSError:
+                # EIO: no longer in its group-stop (a process stopped by job control when we
+                # attached, whose thread then ran a remote syscall for us, which ends in our
+                # int3's signal stop): that signal becomes the stop signal again.
+                tracee.resume(event.tid, event.sig)
             state.stopped = False
         elif kind == EventKind.CLONE:
             self._adopt_thread(proc, event.msg)

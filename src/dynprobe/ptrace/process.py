@@ -526,7 +526,9 @@ def attach(pid: int) -> Tracee:
                 raise NoSuchProcess(f"pid {pid} exited while attaching")
             continue
         tracee.threads[tid] = ThreadState(tid, in_event_stop=event.kind in EVENT_STOPS)
-        if event.kind not in (EventKind.STOP, EventKind.GROUP_STOP):
+        if event.kind != EventKind.STOP:
+            # A group-stop too: a process stopped by job control (SIGSTOP, Ctrl-Z) is handled as
+            # one stopped while traced, held with PTRACE_LISTEN: it stays stopped until SIGCONT.
             tracee.threads[tid].deferred.append(event)
         if event.kind == EventKind.CLONE and event.msg not in seized:
             seized.append(event.msg)  # born during attach: auto-attached, stopped at birth
