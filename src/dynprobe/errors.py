@@ -32,6 +32,11 @@ class ThreadGone(ProcessError, ProcessLookupError):
         return str(self.strerror)
 
 
+class SeccompFiltered(ProcessError):
+    """A thread runs under a seccomp filter that dynprobe may not suspend (that needs
+    CAP_SYS_ADMIN): a system call of ours run in it could be refused, or kill the process."""
+
+
 class NoSuchProcess(ProcessError):
     """The pid does not exist (or exited while we worked on it)."""
 
@@ -83,6 +88,7 @@ class Refusal(enum.Enum):
     SHADOW_STACK = "the process runs with a CET shadow stack: a replaced return address would be a fault"
     MOVING_STACKS = "the program's runtime moves stacks (Go): a replaced return address would be lost"
     GS_IN_USE = "the target uses the GS segment base itself: return probes need a thread area there"
+    SECCOMP = "a seccomp filter dynprobe may not suspend (without CAP_SYS_ADMIN): no memory can be made for it"
     FUNCTION_TRACED = "the function tracer patched these bytes; stop that tracer first"
 
 
@@ -103,6 +109,7 @@ class OptimizeRefusal(enum.Enum):
     RECORD_TOO_LARGE = "the record is larger than the session's record size (set record_size before the first probe)"
     TOO_MANY_PROBES = "the thread area's counter or histogram table is full"
     GS_IN_USE = "the target uses the GS segment base itself: no thread area can be installed"
+    SECCOMP = "a seccomp filter dynprobe may not suspend (without CAP_SYS_ADMIN): no thread area can be made"
     NO_MEMORY = "no executable memory within +-2 GB of the site for a detour"
     DISABLED = "optimization is turned off (--no-optimize, session.optimize = False)"
     INTERNAL_SITE = "dynprobe's own hook (the loader breakpoint) stays a trap"

@@ -228,3 +228,37 @@ def test_attach_to_a_stopped_process_keeps_it_stopped(running: subprocess.Popen[
     assert _state(pid) == "T"  # stopped, as it was at the detach
     os.kill(pid, signal.SIGCONT)
     assert int(finish(running).split("=")[1]) > 100
+
+
+def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
+    """A seccomp filter that kills the process on mmap or memfd_create (the system calls dynprobe
+    runs in the target for slots and thread areas): with CAP_SYS_ADMIN the filter is suspended
+    for those calls only, the probe is optimized and the program never notices; without it, the
+    probe stays a trap (its entry `push rbp` is emulated: no memory needed) and says why, and a
+    probe that needs a slot is refused. (Before: the program was killed, 'Bad system call'.)"""
+    target = build_target("seccomp", flags=("-O0",))
+    proc = start([target, "1.5"])
+    with dynprobe.attach(proc.pid) as session:
+        probe = session.probe("work", action="count")
+        session.run(timeout=0.4)
+        assert probe.mode == dynprobe.ProbeMode.OPTIMIZED and probe.hits > 100
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
+    proc = start([target, "1.5"])
+    code = (
+        "import dynprobe\n"
+        f"with dynprobe.attach({proc.pid}) as s:\n"
+        "    p = s.probe('work', action='count'); s.run(timeout=0.4)\n"
+        "    print(p.mode.name, p.trap_reason.name, p.hits > 100)\n"
+        "    try:\n"
+        "        s.probe('work+4')\n"  # mov [rbp-0x18],rdi: run from a slot
+        "    except dynprobe.ProbeRefused as exc:\n"
+        "        print(exc.reason.name)\n"
+    )
+    tracer = subprocess.run(
+        ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert tracer.stdout.splitlines() == ["TRAP SECCOMP True", "SECCOMP"], tracer.stdout + tracer.stderr
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and out.endswith(" sum=0\n"), out

@@ -221,7 +221,7 @@ class Tracing:
         session = self.session
         functions = tracer.functions if functions is None else functions
         if not session.ensure_thread_areas(proc):
-            tracer.not_patched["GS_IN_USE"] += len(functions)
+            tracer.not_patched[(proc.areas_refused or OptimizeRefusal.GS_IN_USE).name] += len(functions)
             return
         maps = read_maps(proc.pid)
         if tracer.graph:

@@ -66,8 +66,8 @@ class Optimizer:
             return OptimizeRefusal.POST_HANDLER
         if any(p.pre is not None or p.action is None for p in probes):
             return OptimizeRefusal.PYTHON_HANDLER
-        if proc.gs_refused:
-            return OptimizeRefusal.GS_IN_USE
+        if proc.areas_refused is not None:
+            return proc.areas_refused
         for probe in probes:
             reason = self.session.action_refusal(probe)
             if reason is not None:
@@ -122,7 +122,7 @@ class Optimizer:
     def _optimize_stopped(self, proc: TracedProcess, sites: list[Site]) -> None:
         if not self.ensure_areas(proc):
             for site in sites:
-                self._refuse(site, OptimizeRefusal.GS_IN_USE)
+                self._refuse(site, proc.areas_refused or OptimizeRefusal.GS_IN_USE)
             return
         rips = self.thread_rips(proc)
         self._free_dirty(proc, list(rips.values()))
@@ -235,15 +235,18 @@ class Optimizer:
                 proc.retired.add(site.addr)
             self._free_dirty(proc, list(self.thread_rips(proc).values()))
 
-    def _retire_detour(self, proc: TracedProcess, site: Site) -> None:
+    def _retire_detour(self, proc: TracedProcess, site: Site, letting_go: bool = False) -> None:
+        """The site is a trap again; `letting_go` (the process is let go): its probes still
+        say they ran optimized there, as when a process ends."""
         _debug(f"unoptimized {site.addr:#x}")
         if site.detour is not None:
             proc.dirty.append(DirtyDetour(site.detour[0], site.detour[1], site.fixups))
         site.optimized = False
         site.detour = None
         site.fixups = ()
-        for probe in site.probes:
-            probe.jumps.discard((proc.pid, site.addr))
+        if not letting_go:
+            for probe in site.probes:
+                probe.jumps.discard((proc.pid, site.addr))
 
     def _free_dirty(self, proc: TracedProcess, rips: list[int]) -> None:
         keep = []
@@ -269,7 +272,7 @@ class Optimizer:
                     proc.tracee.write(site.addr, site.region)
                 except OSError:
                     continue
-                self._retire_detour(proc, site)
+                self._retire_detour(proc, site, letting_go=True)
 
     @staticmethod
     def thread_rips(proc: TracedProcess) -> dict[int, int]:
@@ -292,8 +295,9 @@ class Optimizer:
     # --- thread areas -------------------------------------------------------------------------------------
     def ensure_areas(self, proc: TracedProcess) -> bool:
         """Every stopped thread of `proc` has a thread area in its GS base. False if the target
-        uses GS itself (then nothing is changed)."""
-        if proc.gs_refused:
+        uses GS itself, or runs under a seccomp filter we may not suspend (then nothing is
+        changed; `proc.areas_refused` says which)."""
+        if proc.areas_refused is not None:
             return False
         if proc.areas is None:
             maps = read_maps(proc.pid)
@@ -303,9 +307,14 @@ class Optimizer:
                     with contextlib.suppress(ProcessLookupError):  # born, its first stop not reported
                         gs = int(sc.get_regs(tid).gs_base)
                 if gs and not proc.gs_inherited and not _left_by_dynprobe(maps, gs):
-                    proc.gs_refused = True
+                    proc.areas_refused = OptimizeRefusal.GS_IN_USE
                     self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
                     return False
+            stopped = next((tid for tid, state in proc.tracee.threads.items() if state.stopped), None)
+            if stopped is not None and not proc.tracee.may_run_code(stopped):
+                proc.areas_refused = OptimizeRefusal.SECCOMP
+                self.session.warn(f"pid {proc.pid}: {OptimizeRefusal.SECCOMP.value}: its probes stay traps")
+                return False
             proc.areas = self.session.new_areas(proc)
         for tid, state in list(proc.tracee.threads.items()):
             if state.stopped and tid not in proc.areas.by_tid:

@@ -154,8 +154,8 @@ class ReturnProbes:
     @staticmethod
     def refusal(proc: TracedProcess, path: str) -> Refusal | None:
         """Why return probes cannot be safe in `proc` (for a function of `path`), or None."""
-        if proc.gs_refused:
-            return Refusal.GS_IN_USE
+        if proc.areas_refused is not None:
+            return Refusal[proc.areas_refused.name]
         if load_elf(path).is_go or load_elf(proc.exe).is_go:
             return Refusal.MOVING_STACKS
         if shadow_stack_enabled(proc.pid):
@@ -271,7 +271,7 @@ class ReturnProbes:
         `regs`, to be written back by the caller, get its GS base too."""
         if proc.areas is None:
             if regs.gs_base and not proc.gs_inherited:
-                proc.gs_refused = True
+                proc.areas_refused = OptimizeRefusal.GS_IN_USE
                 self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its return probes miss")
                 return None
             proc.areas = self.session.new_areas(proc)

@@ -52,6 +52,7 @@ from dynprobe.errors import (
     ProbeRefused,
     ProcessError,
     Refusal,
+    SeccompFiltered,
     SessionError,
     SymbolError,
 )
@@ -120,7 +121,8 @@ class TracedProcess:
     leader_status: int | None = None  # set when the leader thread has ended
     slots: SlotCache = field(init=False)
     areas: ThreadAreas | None = None  # thread areas, once a site of this process is optimized
-    gs_refused: bool = False  # the target uses GS itself: no thread areas, no optimized probes
+    # GS_IN_USE (the target uses GS itself) or SECCOMP: no thread areas, no optimized probes
+    areas_refused: OptimizeRefusal | None = None
     gs_inherited: bool = False  # a forked child: its threads' GS bases are its parent's areas
     fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
     dirty: list[DirtyDetour] = field(default_factory=list)  # detours a thread may still be in
@@ -826,7 +828,8 @@ class Session:
         proc.slots.forget()
         self._release_areas(proc)
         proc.areas = None
-        proc.gs_inherited = proc.gs_refused = False
+        proc.gs_inherited = False
+        proc.areas_refused = None
         proc.fixups.clear()
         proc.dirty.clear()
         proc.returns = None
@@ -1215,8 +1218,11 @@ class Session:
         if isinstance(plan, Refusal):
             raise ProbeRefused(plan, where)
         site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
-        if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
-            raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
+        try:
+            if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
+                raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
+        except SeccompFiltered as exc:
+            raise ProbeRefused(Refusal.SECCOMP, where) from exc
         return site
 
     def _give_slot(self, proc: TracedProcess, site: Site) -> bool:

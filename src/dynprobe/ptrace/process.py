@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dynprobe.arch.x86_64 import REMOTE_SYSCALL
-from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, ThreadGone
+from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, SeccompFiltered, ThreadGone
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, wait_event
 
@@ -235,8 +235,42 @@ class Tracee:
 
     def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
         """Run syscall `nr` in stopped thread `tid`, using `scratch` (3 executable bytes we own or
-        may borrow: the caller saves and restores them) for `syscall; int3`. Returns rax."""
+        may borrow: the caller saves and restores them) for `syscall; int3`. Returns rax.
+
+        A thread under seccomp (a sandboxed program) would have our mmap or memfd_create refused,
+        or be killed for it: its filter is suspended (PTRACE_O_SUSPEND_SECCOMP, CAP_SYS_ADMIN)
+        for our system call only; without that right, SeccompFiltered and nothing runs."""
         state = self.threads[tid]
+        filtered = seccomp_mode(self.pid, tid) != 0
+        if filtered:
+            try:
+                sc.set_options(tid, TRACE_OPTIONS | sc.PTRACE_O_SUSPEND_SECCOMP)
+            except OSError as exc:
+                raise SeccompFiltered(
+                    f"pid {self.pid} runs under a seccomp filter: dynprobe may run its set-up code in it (memory "
+                    f"for probes) only with CAP_SYS_ADMIN ({exc.strerror}); run it as root, or use trap probes on "
+                    "instructions it emulates (--trap)"
+                ) from exc
+        try:
+            return self._remote_syscall(tid, state, scratch, nr, args)
+        finally:
+            if filtered:
+                with contextlib.suppress(OSError):
+                    sc.set_options(tid, TRACE_OPTIONS)
+
+    def may_run_code(self, tid: int) -> bool:
+        """Whether system calls of ours may run in the stopped thread: it is under no seccomp
+        filter, or one we may suspend."""
+        if seccomp_mode(self.pid, tid) == 0:
+            return True
+        try:
+            sc.set_options(tid, TRACE_OPTIONS | sc.PTRACE_O_SUSPEND_SECCOMP)
+        except OSError:
+            return False
+        sc.set_options(tid, TRACE_OPTIONS)
+        return True
+
+    def _remote_syscall(self, tid: int, state: ThreadState, scratch: int, nr: int, args: tuple[int, ...]) -> int:
         original = self.read(scratch, len(REMOTE_SYSCALL))
         self.write(scratch, REMOTE_SYSCALL)
         if self._pages is not None:
@@ -440,6 +474,15 @@ def spawn(
     tracee = Tracee(pid, [pid])
     tracee.threads[pid].in_event_stop = True  # the exec event stop
     return tracee
+
+
+def seccomp_mode(pid: int, tid: int) -> int:
+    """The thread's seccomp mode (/proc/PID/task/TID/status): 0 none, 1 strict, 2 filter."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("Seccomp:")), 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def thread_cpu(pid: int, tid: int) -> int:
