@@ -27,7 +27,7 @@ LAYOUT = L.AreaLayout(max_probes=16, max_hists=2, ring_bytes=1 << 12, record_siz
 
 
 def make_areas() -> ThreadAreas:
-    return ThreadAreas(1, LAYOUT, lambda tid, size: (0x1000, mmap.mmap(-1, size)), lambda tid, addr, size: None)
+    return ThreadAreas(1, LAYOUT, lambda tid, size: (0x1000, mmap.mmap(-1, size)), lambda tid, addr: None)
 
 
 def write_record(areas: ThreadAreas, tid: int, probe: int, value: int) -> None:

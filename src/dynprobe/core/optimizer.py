@@ -360,6 +360,9 @@ def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:
     return m is not None and m.path.startswith(f"/memfd:{SHARED_NAME.rstrip(bytes(1)).decode()}")
 
 
+COMMIT_BUDGET = 256 << 20  # bytes of rings faulted in at once, per process
+
+
 def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
     """The areas of `proc`, and of its vfork children: the remote syscalls run in the process of
     the (stopped) thread an area is given to."""
@@ -377,11 +380,22 @@ def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
         assert stub is not None
         return owner.tracee.map_shared(tid, stub, size)
 
-    def commit(tid: int, addr: int, size: int) -> None:
+    committed = 0
+
+    def commit(tid: int, addr: int) -> None:
+        # Only a ring that records will fill is worth faulting in at once (a record would take
+        # a page fault every 4 KiB), and only up to COMMIT_BUDGET a process: it costs ~2.5 ms a
+        # MiB and holds the memory (500 threads with 32 MiB rings would hold 16 GiB). Counters,
+        # histograms, the shadow stack and the rings past the budget fault in as they are used.
+        nonlocal committed
+        size = session.layout.ring_bytes
+        if not session.records() or committed + size > COMMIT_BUDGET:
+            return
+        committed += size
         owner = session.process_of(tid) or proc
         stub = owner.slots.stub()
         assert stub is not None  # made with the pool
-        err = owner.tracee.commit(tid, stub, addr, size)
+        err = owner.tracee.commit(tid, stub, addr + session.layout.ring, size)
         if err and err != errno.EINVAL:  # EINVAL: a kernel before 5.14, which faults it in as it goes
             reason = os.strerror(err)
             session.warn(f"pid {owner.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({reason})")

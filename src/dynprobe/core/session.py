@@ -1626,6 +1626,10 @@ class Session:
             or proc.tracing.owns(rip)
         )
 
+    def records(self) -> bool:
+        """Whether anything of the session writes records (into the threads' rings)."""
+        return bool(self.tracing.tracers) or any(p.action is ActionKind.RECORD for p in self.probes)
+
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         areas = new_thread_areas(proc, self)
         self._ensure_consumer().processes.append(areas)

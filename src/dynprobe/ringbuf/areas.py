@@ -58,15 +58,15 @@ def _publish_held(area: AreaRef, layout: L.AreaLayout) -> None:
 class ThreadAreas:
     """The areas of one process (and of its vfork children: one address space). Both callbacks run
     remote syscalls through the stopped thread an area is being given to: `map_pool(tid, size)`
-    maps a new pool and returns (its address in the target, our view); `commit(tid, addr, size)`
-    faults an area in before its first use."""
+    maps a new pool and returns (its address in the target, our view); `commit(tid, addr)` may
+    fault the area at `addr` in (the part worth it) before its first use."""
 
     def __init__(
         self,
         pid: int,
         layout: L.AreaLayout,
         map_pool: Callable[[int, int], tuple[int, mmap.mmap]],
-        commit: Callable[[int, int, int], None],
+        commit: Callable[[int, int], None],
     ) -> None:
         self.pid = pid
         self.layout = layout
@@ -90,7 +90,7 @@ class ThreadAreas:
             self.by_tid[tid] = area
         if area.index not in area.pool.committed:
             area.pool.committed.add(area.index)
-            self._commit(tid, area.target_addr, self.layout.size)
+            self._commit(tid, area.target_addr)
         words = area.pool.words[area.index]
         words[L.TID // 8] = tid
         words[L.MAGIC // 8] = L.AREA_MAGIC
