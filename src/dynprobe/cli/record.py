@@ -191,8 +191,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
                     _hint_libraries(tracer.functions[0].path)
                 status = run_target(session)
+                session.close()  # counts after the detach: an attached program ran on until then
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
-                session.close()
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
                         clock=session.clock())  # fmt: skip
             write_info(out, info)
