@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -279,3 +280,26 @@ def test_count_probes_on_many_threads_hold_little_memory(spinner: str) -> None:
             assert shmem_kib < 4096, shmem_kib  # a few pages a thread, not megabytes
     finally:
         finish(proc)
+
+
+def test_process_in_another_mount_namespace(spinner: str, tmp_path: Path) -> None:
+    """A containerized program: its files are reached through /proc/PID/root (the paths in its
+    maps do not exist here)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to make a mount namespace")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "mnt").mkdir()
+    shutil.copy(spinner, tmp_path / "bin" / "spinner")
+    inside = tmp_path / "mnt" / "spinner"  # exists only in the target's mount namespace
+    proc = start(
+        ["unshare", "-m", "sh", "-c", f"mount --bind {tmp_path / 'bin'} {tmp_path / 'mnt'} && exec {inside} 2"]
+    )
+    try:
+        assert not inside.exists() and os.readlink(f"/proc/{proc.pid}/exe") == str(inside)
+        with dynprobe.attach(proc.pid) as session:
+            ticks = session.probe("tick", action="count")
+            sleeps = session.probe("libc:usleep", action="count")
+            session.run(timeout=0.5)
+            assert ticks.hits > 100 and sleeps.hits > 100 and ticks.mode == dynprobe.ProbeMode.OPTIMIZED
+    finally:
+        assert int(finish(proc).split("=")[1]) > 100

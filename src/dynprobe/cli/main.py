@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
-    result: int = args.run(args, command)
+    try:
+        result: int = args.run(args, command)
+    except KeyboardInterrupt:  # a Ctrl-C once the target was let go (a detach is never cut short)
+        return 130
     return result
 
 

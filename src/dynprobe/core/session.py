@@ -87,7 +87,7 @@ from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.loader import loaded_libraries
-from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
+from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps, root_of
 from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
@@ -161,7 +161,7 @@ class TracedProcess:
 
 def _exe_of(pid: int) -> str:
     try:
-        return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+        return root_of(pid) + os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
     except OSError as exc:
         raise ProcessError(f"cannot read the executable of pid {pid}: {exc.strerror}") from exc
 
@@ -257,13 +257,22 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        # A Ctrl-C (often the second one) must not cut a detach short: the target would keep
+        # int3s and detours of a tracer that is gone. It waits, and is raised once we are done.
+        shield = threading.current_thread() is threading.main_thread()
+        if shield:
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             if self.spawned and not self._started:
                 self._kill_unstarted()
             else:
                 self.detach()
         finally:
-            self._stop_consumer()
+            try:
+                self._stop_consumer()
+            finally:
+                if shield:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def _kill_unstarted(self) -> None:
         for proc in list(self._processes.values()):
@@ -1166,7 +1175,7 @@ class Session:
             return
         if not interp:
             return  # static binary: nothing is loaded later
-        path = os.path.realpath(interp)
+        path = files.real_path(root_of(proc.pid) + interp)
         try:
             func = load_elf(path).by_name.get(LOADER_HOOK)
         except SymbolError:

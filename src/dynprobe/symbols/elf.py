@@ -7,7 +7,6 @@ covers (stripped binaries), the .eh_frame unwind table gives function ranges too
 from __future__ import annotations
 
 import bisect
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -265,7 +264,7 @@ def load_elf(path: str) -> ElfImage:
     key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
     image = _CACHE.get(key)
     if image is None:
-        image = ElfImage(os.path.realpath(path))
+        image = ElfImage(files.real_path(path))
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = image

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 
 _snapshot: dict[str, os.stat_result] | None = None
@@ -18,6 +19,19 @@ def stat(path: str) -> os.stat_result:
     if st is None:
         st = _snapshot[path] = os.stat(path)
     return st
+
+
+_PROC_ROOT = re.compile(r"/proc/\d+/root(?=/)")
+
+
+def real_path(path: str) -> str:
+    """os.path.realpath, except that a path through another process's root (/proc/PID/root/...,
+    see maps.root_of) keeps that root, which realpath would follow to our '/'; the rest is only
+    normalized (the kernel resolves its links as that process sees them when it is opened)."""
+    m = _PROC_ROOT.match(path)
+    if m:
+        return m.group(0) + os.path.normpath(path[m.end() :])
+    return os.path.realpath(path)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from dynprobe.errors import DynprobeError
+from dynprobe.symbols import files
 from dynprobe.symbols.elf import ElfImage, load_elf
 
 _DEFAULT_DIRS = (
@@ -114,7 +115,7 @@ def loaded_libraries(exe: str, environ: Mapping[str, str] | None = None, cwd: st
         path = _search(name, needer, main, env_dirs, cwd)
         if path is None:
             continue
-        found[name] = os.path.realpath(path)
+        found[name] = files.real_path(path)
         try:
             image = load_elf(path)
         except DynprobeError:

@@ -27,8 +27,24 @@ class Mapping:
         return (self.dev, self.inode)
 
 
+def root_of(pid: int) -> str:
+    """'' when the process sees the files as we do; otherwise /proc/PID/root, through which the
+    paths it sees (in /proc/PID/maps, /proc/PID/exe) reach its files: a process in a container,
+    or in another mount namespace."""
+    try:
+        if os.readlink(f"/proc/{pid}/ns/mnt") == os.readlink("/proc/self/ns/mnt"):
+            ours, theirs = os.stat("/"), os.stat(f"/proc/{pid}/root")
+            if (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino):
+                return ""
+    except OSError:
+        return ""
+    return f"/proc/{pid}/root"
+
+
 def read_maps(pid: int) -> list[Mapping]:
+    """The mappings of `pid`, file paths as we reach them (root_of)."""
     out: list[Mapping] = []
+    root = root_of(pid)
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
@@ -41,6 +57,8 @@ def read_maps(pid: int) -> list[Mapping]:
         start, end = (int(x, 16) for x in parts[0].split("-"))
         major, minor = (int(x, 16) for x in parts[3].split(":"))
         path = parts[5] if len(parts) > 5 else ""
+        if root and path.startswith("/"):
+            path = root + path
         out.append(Mapping(start, end, parts[1], int(parts[2], 16), os.makedev(major, minor), int(parts[4]), path))
     return out
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from dynprobe.errors import SymbolError
 from dynprobe.spec.model import split_location
+from dynprobe.symbols import files
 from dynprobe.symbols.elf import ElfImage, Function, load_elf
 from dynprobe.symbols.loader import ld_cache
 from dynprobe.symbols.maps import Mapping
@@ -37,7 +38,7 @@ def find_file(
     libc.so.6), else one of `libraries()` (those the target's loader will map: loader.py), else
     one the dynamic linker's cache knows. SymbolError if none."""
     if os.path.exists(name):
-        return os.path.realpath(name)
+        return files.real_path(name)
     if "/" not in name:
         candidates = [name, f"{name}.so", f"lib{name}.so"]
 
@@ -46,11 +47,11 @@ def find_file(
 
         for m in maps or []:
             if m.path.startswith("/") and matches(os.path.basename(m.path)):
-                return os.path.realpath(m.path)
+                return files.real_path(m.path)
         for known in (libraries() if libraries else {}, ld_cache()):
             for so, path in known.items():
                 if matches(so):
-                    return os.path.realpath(path)
+                    return files.real_path(path)
         raise SymbolError(
             f"no such file: {name} (no library of that name is mapped in the target, needed by it or in the "
             "loader's cache: give its path)"
