@@ -241,33 +241,37 @@ class Tracee:
         or be killed for it: its filter is suspended (PTRACE_O_SUSPEND_SECCOMP, CAP_SYS_ADMIN)
         for our system call only; without that right, SeccompFiltered and nothing runs."""
         state = self.threads[tid]
-        filtered = seccomp_mode(self.pid, tid) != 0
-        if filtered:
-            try:
-                sc.set_options(tid, TRACE_OPTIONS | sc.PTRACE_O_SUSPEND_SECCOMP)
-            except OSError as exc:
-                raise SeccompFiltered(
-                    f"pid {self.pid} runs under a seccomp filter: dynprobe may run its set-up code in it (memory "
-                    f"for probes) only with CAP_SYS_ADMIN ({exc.strerror}); run it as root, or use trap probes on "
-                    "instructions it emulates (--trap)"
-                ) from exc
+        try:
+            suspended = self._suspend_seccomp(tid)
+        except OSError as exc:
+            raise SeccompFiltered(
+                f"pid {self.pid} runs under a seccomp filter: dynprobe may run its set-up code in it (memory "
+                f"for probes) only with CAP_SYS_ADMIN ({exc.strerror}); run it as root, or use trap probes on "
+                "instructions it emulates (--trap)"
+            ) from exc
         try:
             return self._remote_syscall(tid, state, scratch, nr, args)
         finally:
-            if filtered:
+            if suspended:
                 with contextlib.suppress(OSError):
                     sc.set_options(tid, TRACE_OPTIONS)
+
+    def _suspend_seccomp(self, tid: int) -> bool:
+        """Suspend the stopped thread's seccomp filter, if it has one (True: until the options are
+        set back). OSError if we may not."""
+        if seccomp_mode(self.pid, tid) == 0:
+            return False
+        sc.set_options(tid, TRACE_OPTIONS | sc.PTRACE_O_SUSPEND_SECCOMP)
+        return True
 
     def may_run_code(self, tid: int) -> bool:
         """Whether system calls of ours may run in the stopped thread: it is under no seccomp
         filter, or one we may suspend."""
-        if seccomp_mode(self.pid, tid) == 0:
-            return True
         try:
-            sc.set_options(tid, TRACE_OPTIONS | sc.PTRACE_O_SUSPEND_SECCOMP)
+            if self._suspend_seccomp(tid):
+                sc.set_options(tid, TRACE_OPTIONS)
         except OSError:
             return False
-        sc.set_options(tid, TRACE_OPTIONS)
         return True
 
     def _remote_syscall(self, tid: int, state: ThreadState, scratch: int, nr: int, args: tuple[int, ...]) -> int:
