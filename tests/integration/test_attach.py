@@ -303,3 +303,27 @@ def test_process_in_another_mount_namespace(spinner: str, tmp_path: Path) -> Non
             assert ticks.hits > 100 and sleeps.hits > 100 and ticks.mode == dynprobe.ProbeMode.OPTIMIZED
     finally:
         assert int(finish(proc).split("=")[1]) > 100
+
+
+def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> None:
+    """A Ctrl-C that arrives while the session detaches does not cut the detach short (the target
+    would keep int3s and jumps of a tracer that is gone): it is raised once the detach is done."""
+    code = (
+        "import os, signal, dynprobe\n"
+        "from dynprobe.core.session import Session\n"
+        "detach = Session.detach\n"
+        "def interrupted(self):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    detach(self)\n"
+        "    print('detached', flush=True)\n"
+        "Session.detach = interrupted\n"
+        "try:\n"
+        f"    with dynprobe.attach({running.pid}) as s:\n"
+        "        s.probe('tick', action='count'); s.probe('tick+4', pre=lambda hit: None); s.run(timeout=0.3)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout == "detached\ninterrupted\n", r.stdout + r.stderr
+    assert_text_matches_files(running.pid)
+    assert int(finish(running).split("=")[1]) > 100

@@ -64,8 +64,8 @@ def run_target(session: Session, interval: float | None = None, tick: Callable[[
         interrupted = True
         session.interrupt_wait(signum, frame)
 
-    old_int = signal.signal(signal.SIGINT, on_signal)
-    old_term = signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         while True:
             try:
@@ -77,8 +77,10 @@ def run_target(session: Session, interval: float | None = None, tick: Callable[[
             if tick is not None:
                 tick()
     finally:
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGTERM, old_term)
+        # What is left (detach, final counts, a trace's info) is short and must not be cut:
+        # another Ctrl-C (often pressed twice) is ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -226,6 +227,7 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
         args.output = os.path.join(tmp, "trace")
         status = run_record(args, command)
         if os.path.exists(os.path.join(args.output, INFO)):
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
             reading = argparse.Namespace(directory=args.output, demangle=args.demangle, tid=[])
             replayed = run_replay(reading, [])
             return status or replayed

@@ -159,6 +159,28 @@ class TracedProcess:
         return name
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block is done, then take effect: a Ctrl-C (often the
+    second one) must not cut a detach short, or the target keeps int3s and jumps of a tracer that
+    is gone. (Python runs handlers in the main thread whichever thread the signal reached: the
+    handlers are replaced, not the signals blocked.) Only from the main thread, where handlers
+    can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(caught):
+            signal.raise_signal(signum)
+
+
 def _exe_of(pid: int) -> str:
     try:
         return root_of(pid) + os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
@@ -257,22 +279,14 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        # A Ctrl-C (often the second one) must not cut a detach short: the target would keep
-        # int3s and detours of a tracer that is gone. It waits, and is raised once we are done.
-        shield = threading.current_thread() is threading.main_thread()
-        if shield:
-            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            if self.spawned and not self._started:
-                self._kill_unstarted()
-            else:
-                self.detach()
-        finally:
+        with _signals_held():
             try:
-                self._stop_consumer()
+                if self.spawned and not self._started:
+                    self._kill_unstarted()
+                else:
+                    self.detach()
             finally:
-                if shield:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, held)
+                self._stop_consumer()
 
     def _kill_unstarted(self) -> None:
         for proc in list(self._processes.values()):
