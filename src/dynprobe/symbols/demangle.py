@@ -126,17 +126,10 @@ def simplify(full: str) -> str:
     Operators keep their symbol ('ns::T::operator<<', 'operator()', 'operator new');
     '(anonymous namespace)' and lambdas ('{lambda#1}') keep their place."""
     thunk = next((t for t in _THUNKS if full.startswith(t)), "")
-    text = _without_arguments(full[len(thunk) :])
+    text = _without_arguments(_without_return_type(full[len(thunk) :]))
     while any(text.endswith(q) for q in _QUALIFIERS):
         text = text[: text.rfind(" ")]
-    operator = text.find(_OPERATOR)
-    head = text[:operator] if operator >= 0 else text
-    start, braces = 0, 0
-    for k, c in enumerate(head):  # a return type ends at the last space outside {...}
-        braces += (c == "{") - (c == "}")
-        if c == " " and braces == 0:
-            start = k + 1
-    return (thunk + text[start:]).replace(_ANONYMOUS_MARK, _ANONYMOUS) if text[start:] else full
+    return (thunk + text).replace(_ANONYMOUS_MARK, _ANONYMOUS) if text else full
 
 
 def names_of(name: str) -> tuple[str, ...]:
