@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.symbols.demangle import Demangle, display, names_of, simplify
+from dynprobe.symbols.elf import load_elf
 
 # mangled -> (simple, full as c++filt prints it)
 TABLE = {
@@ -22,7 +23,31 @@ TABLE = {
     "_ZN12_GLOBAL__N_14helpEv": ("(anonymous namespace)::help", "(anonymous namespace)::help()"),
     "_ZZ4mainENKUliE_clEi": ("main::{lambda#1}::operator()", "main::{lambda(int)#1}::operator()(int) const"),
     "_ZThn8_N3Bar1fEv": ("non-virtual thunk to Bar::f", "non-virtual thunk to Bar::f()"),
+    "_ZStlsIfcSt11char_traitsIcEERSt13basic_ostreamIT0_T1_ES6_RKSt7complexIT_E": (
+        "std::operator<<", "std::basic_ostream<char, std::char_traits<char> >& std::operator<< <float, char, "
+        "std::char_traits<char> >(std::basic_ostream<char, std::char_traits<char> >&, std::complex<float> const&)"),
+    "_ZNKSt15__exception_ptr13exception_ptrcvMS0_FvvEEv": (
+        "std::__exception_ptr::exception_ptr::operator void",
+        "std::__exception_ptr::exception_ptr::operator void (std::__exception_ptr::exception_ptr::*)()() const"),
 }  # fmt: skip
+
+
+def test_every_name_of_libstdcxx_simplifies() -> None:
+    """Each C++ function of the C++ runtime has a simple name: no parameters, no template
+    arguments, nothing left at either end."""
+    assert display("_ZN3app7Counter3addEl") == "app::Counter::add"  # the runtime is loaded now
+    image = load_elf(_libstdcxx())
+    names = [display(f.name) for f in image.functions if f.name.startswith("_Z")]
+    assert len(names) > 1000
+    for name in names:
+        assert name.strip() == name and not name.startswith("_Z"), name
+        assert "(" not in name.replace("(anonymous namespace)", "").replace("operator()", ""), name
+
+
+def _libstdcxx() -> str:
+    """The C++ runtime's file, as the process maps it (Python loaded it for the demangler)."""
+    with open("/proc/self/maps") as f:
+        return next(line.split()[-1] for line in f if "libstdc++" in line)
 
 
 @pytest.mark.parametrize(("mangled", "names"), TABLE.items(), ids=list(TABLE))

@@ -86,8 +86,10 @@ def _pieces(full: str) -> Iterator[tuple[int, str, int]]:
                 symbol = rest[: rest.index("(")]
             else:
                 symbol = next((s for s in _OPERATOR_SYMBOLS if rest.startswith(s)), "")
-            yield i, _OPERATOR + symbol, 0
+            yield i, _OPERATOR + symbol.rstrip(), 0
             i += len(_OPERATOR) + len(symbol)
+            if full.startswith(" <", i):  # 'operator<< <char>(...)': the space is not a return type's
+                i += 1
             continue
         if depth == 0 and full.startswith(_ANONYMOUS, i):
             yield i, _ANONYMOUS_MARK, 0  # its space is not a return type's
