@@ -126,7 +126,8 @@ def note_missed_returns(probes: list[Probe], option: str = MAXACTIVE_IN_SPEC) ->
 
 
 def print_stats(probes: list[Probe], stats: bool) -> None:
-    """One line per probe on stderr: where, hits, missed (and with --stats: mode, lost)."""
+    """One line per probe on stderr: where, hits, missed, lost if any (with --stats: lost and
+    mode always); records lost to a full ring say how to keep them."""
     if not probes:
         return
     stream = sys.stderr
@@ -137,10 +138,16 @@ def print_stats(probes: list[Probe], stats: bool) -> None:
         line = f"  {p.name:<{width}}  {where:<28} hits={p.hits} missed={p.nmissed}"
         if stats:
             line += f" lost={p.lost} mode={mode_text(p)}"
+        elif p.lost:
+            line += f" lost={p.lost}"
             paths = ", ".join(f"{k.value} {n}" for k, n in sorted(p.resumes.items(), key=lambda kv: kv[0].value))
             if paths:
                 line += f"  ({paths})"
         print(line, file=stream)
+    lost = sum(p.lost for p in probes)
+    if lost:
+        print(f"dynprobe: {lost} records lost: a thread's ring was full (the reader fell behind); a larger "
+              "--ring-size keeps more", file=stream)  # fmt: skip
 
 
 def run_aggregating(
