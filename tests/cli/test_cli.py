@@ -107,6 +107,15 @@ def test_return_probe_events_print_caller_and_function(ret: str) -> None:
     assert "uprobes/r_fact" in r.stderr and "hits=0" in r.stderr
 
 
+def test_lost_records_are_reported_with_the_remedy(ret: str) -> None:
+    """A ring too small for the events (4 KiB: 128 records) loses records: said without --stats."""
+    r = dp("trace", "--ring-size", "4096", "p:app/add add a=%di", "--", ret, "loop", "100000")
+    assert r.returncode == 0, r.stderr
+    lost = int(re.search(r"app/add .* hits=100000 missed=0 lost=(\d+)$", r.stderr, re.M).group(1))  # type: ignore[union-attr]
+    assert 0 < lost < 100000 and r.stdout.count("app/add") == 100000 - lost
+    assert f"dynprobe: {lost} records lost: a thread's ring was full" in r.stderr
+
+
 def test_latency_histogram_per_function(ret: str) -> None:
     r = dp("latency", "add", "nap", "--stats", "--", ret, "loop", "1000")
     assert r.returncode == 0, r.stderr
