@@ -200,8 +200,8 @@ def test_job_control_stop_and_continue_pass_through(spinner: str) -> None:
     assert probe.hits > 100
 
 
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/status") as f:
+def _state(pid: int, tid: int | str | None = None) -> str:
+    with open(f"/proc/{pid}/task/{tid}/status" if tid else f"/proc/{pid}/status") as f:
         return next(line.split()[1] for line in f if line.startswith("State:"))
 
 
@@ -222,10 +222,16 @@ def test_attach_to_a_stopped_process_keeps_it_stopped(running: subprocess.Popen[
         session.run(timeout=0.5)
         assert probe.hits > 50
         os.kill(pid, signal.SIGSTOP)
-        session.run(timeout=0.3)
+        for _ in range(40):  # until every thread has stopped
+            session.run(timeout=0.05)
+            if all(_state(pid, tid) == "t" for tid in os.listdir(f"/proc/{pid}/task")):
+                break
         stopped_at = probe.hits
         session.run(timeout=0.3)
         assert probe.hits == stopped_at
+    deadline = time.monotonic() + 5
+    while _state(pid) != "T" and time.monotonic() < deadline:  # detached threads settle into the stop
+        time.sleep(0.01)
     assert _state(pid) == "T"  # stopped, as it was at the detach
     os.kill(pid, signal.SIGCONT)
     assert int(finish(running).split("=")[1]) > 100
