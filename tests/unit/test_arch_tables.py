@@ -9,7 +9,6 @@ from dynprobe.arch.x86_64 import (
     Regs,
     ResumeKind,
     ResumePlan,
-    boost_is_cheaper,
     decode_one,
     emulate,
     instruction_starts,
@@ -269,15 +268,3 @@ def test_out_of_line_far_slot_uses_absolute_jump() -> None:
 def test_instruction_starts() -> None:
     code = bytes.fromhex("554889e5897dfc8b45fc5dc3")
     assert instruction_starts(code, 0x1000) == [0x1000, 0x1001, 0x1004, 0x1007, 0x100A, 0x100B]
-
-
-@pytest.mark.parametrize(
-    ("code", "cheaper"),
-    [("55", True), ("5b", True), ("c3", True), ("c20800", True), ("4889e5", True), ("488d0510000000", True),
-     ("7405", True), ("90", True), ("e800000000", False), ("ff15f0ffffff", False), ("ffd0", False)],
-    ids=["push rbp", "pop rbx", "ret", "ret imm16", "mov", "lea rip", "jz", "nop", "call rel32", "call [rip]",
-         "call rax"],
-)  # fmt: skip
-def test_boost_is_cheaper_for_all_but_calls(code: str, cheaper: bool) -> None:
-    insn = decode_one(bytes.fromhex(code), 0x401000)
-    assert insn is not None and boost_is_cheaper(insn) is cheaper

@@ -216,9 +216,6 @@ class Site:
     internal: Callable[[int, Regs], None] | None = None  # dynprobe's own hooks (dlopen tracking)
     slot: int | None = None
     slot_insn_len: int = 0
-    # Emulated, but cheaper from a slot (analysis.boost_is_cheaper): its first hit makes one and
-    # the hits without a post-handler run it from there (emulated again if none can be made).
-    boost_later: bool = False
     armed: bool = False  # our int3 is there
     optimized: bool = False  # our jmp is there
     detour: tuple[int, int] | None = None  # (address, size) of the optimized site's code

@@ -33,7 +33,6 @@ from dynprobe.arch.x86_64 import (
     Fixup,
     Regs,
     ResumeKind,
-    boost_is_cheaper,
     decode_one,
     needs_step_for_post_handler,
     out_of_line,
@@ -999,8 +998,6 @@ class Session:
         if post or user_tf:
             plan = needs_step_for_post_handler(plan)
         kind = plan.kind
-        if kind is _EMULATE and site.boost_later and site.slot is not None and not (post or user_tf):
-            kind = _BOOST
         if kind is _EMULATE:
             if self._emulate(proc, site, regs):
                 for probe in probes:
@@ -1008,8 +1005,6 @@ class Session:
                 if post:
                     self._run_post(proc, tid, post, regs, site, context or self._context(proc, tid, regs, site))
                 sc.set_regs(tid, regs)
-                if site.boost_later and site.slot is None and not (post or user_tf):
-                    self._slot_for_next_hits(proc, site)
                 if user_tf:
                     self._deliver_step_trap(proc, tid)
                 else:
@@ -1027,15 +1022,6 @@ class Session:
         else:
             proc.stepping[tid] = StepState(site, post, user_tf)
             proc.tracee.resume(tid, step=True)
-
-    def _slot_for_next_hits(self, proc: TracedProcess, site: Site) -> None:
-        """At a stop, after a hit emulated: a slot, so that the next hits of a site better run
-        from one (Site.boost_later) are boosted. Once: a site that gets none stays emulated."""
-        try:
-            if not self._give_slot(proc, site):
-                site.boost_later = False
-        except SeccompFiltered:
-            site.boost_later = False
 
     def act_in_tracer(
         self,
@@ -1255,7 +1241,6 @@ class Session:
         if isinstance(plan, Refusal):
             raise ProbeRefused(plan, where)
         site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
-        site.boost_later = plan.kind == ResumeKind.EMULATE and boost_is_cheaper(insn)
         try:
             if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
                 raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)

@@ -69,14 +69,6 @@ def plan_resume(insn: iced.Instruction) -> ResumePlan | Refusal:
     return ResumePlan(ResumeKind.BOOST)
 
 
-def boost_is_cheaper(insn: iced.Instruction) -> bool:
-    """Whether an emulated instruction is cheaper run from a slot (both cost one stop): the CPU
-    then does what emulation does in Python (~1.5 us for the general emulator) or through
-    /proc/PID/mem (a stack access, ~3 us). Not a call: from a slot it would push the slot's
-    address as its return address."""
-    return not (insn.is_call_near or insn.is_call_near_indirect)
-
-
 def needs_step_for_post_handler(plan: ResumePlan) -> ResumePlan:
     """With a post-handler, an out-of-line copy must stop right after the instruction."""
     if plan.kind == ResumeKind.BOOST:
