@@ -228,6 +228,7 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
         status = run_record(args, command)
         if os.path.exists(os.path.join(args.output, INFO)):
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             reading = argparse.Namespace(directory=args.output, demangle=args.demangle, tid=[])
             replayed = run_replay(reading, [])
             return status or replayed
@@ -236,11 +237,11 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
 
 def _threshold(trace: Trace, args: argparse.Namespace) -> int:
     """The record's threshold, or a longer one asked for by `report -t`."""
-    return max(int(trace.info.get("threshold_ns") or 0), int(args.threshold))
+    return max(int(trace.info.get("threshold_ns") or 0), int(getattr(args, "threshold", 0)))
 
 
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda t, out: callgraph.replay(t, out, int(t.info.get("threshold_ns") or 0)))
+    return _read(args, command, lambda t, out: callgraph.replay(t, out, _threshold(t, args)))
 
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:
