@@ -290,7 +290,7 @@ class Tracing:
             return detour.name if isinstance(detour, OptimizeRefusal) else "TOO_LARGE"
         proc.slots.shrink(at, SITE_ROOM, len(detour))
         proc.tracee.write(at, detour)
-        proc.tracee.write(addr, jump_to(addr, at))
+        proc.tracee.patch(addr, jump_to(addr, at), original)
         proc.tracing.sites[func.id] = TracerSite(func, addr, at, len(detour), original, [tracer])
         if all(insn.mnemonic == iced.Mnemonic.NOP for insn in plan.region):
             tracer.nop_entries += 1  # -mnop-mcount, -fpatchable-function-entry: nothing to relocate
@@ -322,7 +322,7 @@ class Tracing:
     def _point(self, proc: TracedProcess, site: TracerSite) -> None:
         """The site calls its one ops directly, a list trampoline for several, or goes (none)."""
         if not site.ops:
-            proc.tracee.write(site.addr, site.region)
+            proc.tracee.unpatch(site.addr, site.region)
             proc.dirty.append(DirtyDetour(site.detour, site.size, ()))
             del proc.tracing.sites[site.function.id]
             return
@@ -375,7 +375,7 @@ class Tracing:
         """Original bytes at every traced function (detach, a fork child let go)."""
         for site in proc.tracing.sites.values():
             try:
-                proc.tracee.write(site.addr, site.region)
+                proc.tracee.unpatch(site.addr, site.region)
             except OSError:
                 continue
         proc.tracing.sites.clear()

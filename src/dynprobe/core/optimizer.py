@@ -148,11 +148,11 @@ class Optimizer:
                 self._refuse(site, detour)
                 continue
             start, built = detour
-            proc.tracee.write(site.addr, jump_to(site.addr, start))
+            site.region = load_elf(site.probes[0].location.path).code(site.probes[0].location.vaddr, plan.length)
+            proc.tracee.patch(site.addr, jump_to(site.addr, start), site.region)
             site.optimized = True
             site.armed = False
             site.detour = (start, len(built.code))
-            site.region = load_elf(site.probes[0].location.path).code(site.probes[0].location.vaddr, plan.length)
             site.fixups = tuple(built.fixups)
             site.detour_probes = self._programs_key(site)
             for probe in site.probes:
@@ -228,7 +228,7 @@ class Optimizer:
         with self.session.world_stopped(proc):
             data = (bytes([INT3]) + site.region[1:]) if arm else site.region
             with contextlib.suppress(OSError):  # the process is exiting
-                proc.tracee.write(site.addr, data)
+                proc.tracee.patch(site.addr, data, site.region)
             self._retire_detour(proc, site)
             site.armed = arm
             if not arm:
@@ -269,7 +269,7 @@ class Optimizer:
         for site in proc.sites.values():
             if site.optimized:
                 try:
-                    proc.tracee.write(site.addr, site.region)
+                    proc.tracee.unpatch(site.addr, site.region)
                 except OSError:
                     continue
                 self._retire_detour(proc, site, letting_go=True)

@@ -572,7 +572,7 @@ class ReturnProbes:
         if site is None:
             return
         with contextlib.suppress(OSError):
-            proc.tracee.write(site.addr, site.original)
+            proc.tracee.unpatch(site.addr, site.original)
         site.armed = False
         for tid, state in proc.tracee.threads.items():
             traps = [e for e in state.deferred if e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP]

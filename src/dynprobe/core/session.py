@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType, TracebackType
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from dynprobe.actions.filter import filter_args, matches, parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, Program, payload_size
@@ -67,6 +67,7 @@ from dynprobe.ptrace.events import (
     sigchld_blocked,
     wait_event,
 )
+from dynprobe.ptrace.guardian import Guardian
 from dynprobe.ptrace.process import (
     EVENT_STOPS,
     ThreadState,
@@ -260,9 +261,14 @@ class Session:
         self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
         self._events_lock = threading.Lock()
-        proc = TracedProcess(tracee, _exe_of(tracee.pid))
-        self._add_process(proc)
-        self._sync_process(proc)
+        self._guardian = Guardian()
+        try:
+            proc = TracedProcess(tracee, _exe_of(tracee.pid))
+            self._add_process(proc)
+            self._sync_process(proc)
+        except BaseException:
+            self._guardian.dismiss()
+            raise
 
     # --- context management -------------------------------------------------------------------
     def __enter__(self) -> Session:
@@ -287,9 +293,14 @@ class Session:
                     self.detach()
             finally:
                 self._stop_consumer()
+                if self._guardian.journal.spans():
+                    self._guardian.hand_over()  # a detach that could not finish: it does what it can
+                else:
+                    self._guardian.dismiss()
 
     def _kill_unstarted(self) -> None:
         for proc in list(self._processes.values()):
+            self._guardian.journal.forget(proc.pid)
             with contextlib.suppress(OSError):
                 os.kill(proc.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
@@ -763,6 +774,7 @@ class Session:
         proc.status = proc.leader_status
         if proc.pid == self.main_pid:
             self.exit_status = proc.status
+        self._guardian.journal.forget(proc.pid)
         proc.tracee.close_memory()
         self._processes.pop(proc.pid, None)
         self._release_areas(proc)
@@ -780,6 +792,7 @@ class Session:
 
     def _add_process(self, proc: TracedProcess) -> None:
         proc.tracee.home_cpu = self._home_cpu
+        proc.tracee.journal = self._guardian.journal
         self._processes[proc.pid] = proc
         for tid in proc.tracee.threads:
             self._owner[tid] = proc
@@ -793,6 +806,8 @@ class Session:
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
         child.tracing = parent.tracing.copy()
+        if not vfork:
+            self._guardian.journal.inherit(parent.pid, child_pid)
         if vfork:
             child.areas = parent.areas  # one address space: its thread takes an area of the parent's pools
             child.returns = parent.returns
@@ -821,9 +836,10 @@ class Session:
                 for site in child.sites.values():
                     if site.armed:
                         with contextlib.suppress(OSError):
-                            child.tracee.write(site.addr, site.original[:1])
+                            child.tracee.unpatch(site.addr, site.original[:1])
                 with contextlib.suppress(OSError):
                     sc.detach(child_pid, orphan.sig if orphan.kind == EventKind.SIGNAL else 0)
+            self._guardian.journal.forget(child_pid)
             child.tracee.close_memory()
             self._owner.pop(child_pid, None)
             self._processes.pop(child_pid, None)
@@ -849,6 +865,7 @@ class Session:
         proc.retired.clear()
         proc.comms.clear()
         proc.slots.forget()
+        self._guardian.journal.forget(pid)
         self._release_areas(proc)
         proc.areas = None
         proc.gs_inherited = False
@@ -1325,7 +1342,10 @@ class Session:
             self._optimizer.unoptimize(proc, site, arm=armed)
         if site.armed != armed:
             try:
-                proc.tracee.write(site.addr, bytes([INT3]) if armed else site.original[:1])
+                if armed:
+                    proc.tracee.patch(site.addr, bytes([INT3]), site.original[:1])
+                else:
+                    proc.tracee.unpatch(site.addr, site.original[:1])
             except OSError as exc:
                 raise ProcessError(f"cannot write at {site.addr:#x} in pid {proc.pid}: {exc.strerror}") from exc
             site.armed = armed
@@ -1347,6 +1367,7 @@ class Session:
     def _forget_site(self, proc: TracedProcess, addr: int) -> None:
         """The module holding `addr` is gone: nothing to restore, just forget it."""
         proc.sites.pop(addr, None)
+        self._guardian.journal.drop(proc.pid, addr)
 
     def _warn(self, message: str) -> None:
         self.warnings.append(message)
@@ -1446,7 +1467,7 @@ class Session:
             for site in proc.sites.values():
                 if site.armed:
                     with contextlib.suppress(OSError):
-                        proc.tracee.write(site.addr, site.original[:1])
+                        proc.tracee.unpatch(site.addr, site.original[:1])
                     site.armed = False
             for tid, state in list(proc.tracee.threads.items()):
                 if state.stopped:
@@ -1879,16 +1900,22 @@ class Session:
         return sum(p.slots.bytes_mapped() for p in self._processes.values())
 
 
+class HasFileno(Protocol):
+    """An open file (what `subprocess` takes for a command's standard streams too)."""
+
+    def fileno(self) -> int: ...
+
+
 def spawn(
     argv: list[str],
     follow_fork: bool = False,
     env: dict[str, str] | None = None,
-    stdin: int | None = None,
-    stdout: int | None = None,
-    stderr: int | None = None,
+    stdin: int | HasFileno | None = None,
+    stdout: int | HasFileno | None = None,
+    stderr: int | HasFileno | None = None,
 ) -> Session:
     """Start `argv` under dynprobe, stopped before its first instruction; returns the session.
-    `stdin`/`stdout`/`stderr` are file descriptors for the command (default: ours)."""
+    `stdin`/`stdout`/`stderr`: the command's, as file descriptors or open files (default: ours)."""
     if not argv:
         raise ProcessError("no command given")
     exe = argv[0] if "/" in argv[0] else shutil.which(argv[0])
@@ -1897,7 +1924,8 @@ def spawn(
     if not os.path.exists(exe):
         raise ProcessError(f"no such file: {exe}")
     load_elf(exe)  # a non-ELF or 32-bit command is refused before it runs
-    tracee = ptrace_spawn(argv, env, stdin, stdout, stderr)
+    stdio = [f if f is None or isinstance(f, int) else f.fileno() for f in (stdin, stdout, stderr)]
+    tracee = ptrace_spawn(argv, env, *stdio)
     try:
         return Session(tracee, spawned=True, follow_fork=follow_fork)
     except BaseException:

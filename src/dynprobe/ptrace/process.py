@@ -12,13 +12,17 @@ import mmap
 import os
 import signal
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dynprobe.arch.x86_64 import REMOTE_SYSCALL
 from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, SeccompFiltered, ThreadGone
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, wait_event
+
+if TYPE_CHECKING:
+    from dynprobe.ptrace.guardian import Journal
 
 TRACE_OPTIONS = (
     sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEEXEC
@@ -94,6 +98,9 @@ class Tracee:
         # Within batched(): pages read so far, and the byte ranges written but not written out.
         self._pages: dict[int, bytearray] | None = None
         self._dirty: list[tuple[int, int]] = []
+        # The guardian's undo journal (a session's), and its updates waiting for held writes.
+        self.journal: Journal | None = None
+        self._journal_after: list[Callable[[], None]] = []
         self.open_memory()
 
     # --- memory -----------------------------------------------------------------------------
@@ -168,6 +175,7 @@ class Tracee:
             data = self._cached(start, end - start)
             if os.pwrite(self._mem_fd, data, start) != len(data):
                 raise OSError(errno.EFAULT, f"short write at {start:#x}")
+        self._update_journal()
 
     def read_upto(self, addr: int, size: int) -> bytes:
         """As many of `size` bytes at `addr` as are readable (stops at the first unmapped page)."""
@@ -201,6 +209,34 @@ class Tracee:
         written = os.pwrite(self._mem_fd, data, addr)
         if written != len(data):
             raise OSError(errno.EFAULT, f"short write at {addr:#x}")
+
+    def patch(self, addr: int, data: bytes, original: bytes) -> None:
+        """Write `data` over the process's own code at `addr`, where `original` (as long) is
+        what the file holds: the journal keeps the bytes that differ until they are back, for
+        the guardian to put back if dynprobe dies first. Its span grows before the write and
+        shrinks after it (held writes: once written out)."""
+        journal = self.journal
+        if journal is None:
+            self.write(addr, data)
+            return
+        changed = next((n for n in range(len(data), 0, -1) if data[n - 1] != original[n - 1]), 0)
+        if changed >= journal.length(self.pid, addr):
+            journal.record(self.pid, addr, original[:changed])
+            self.write(addr, data)
+            return
+        self.write(addr, data)
+        self._journal_after.append(lambda: journal.record(self.pid, addr, original[:changed]))
+        if self._pages is None:
+            self._update_journal()
+
+    def unpatch(self, addr: int, original: bytes) -> None:
+        """The file's bytes back at `addr` (see `patch`)."""
+        self.patch(addr, original, original)
+
+    def _update_journal(self) -> None:
+        updates, self._journal_after = self._journal_after, []
+        for update in updates:
+            update()
 
     def read_u64(self, addr: int) -> int:
         return int(struct.unpack("<Q", self.read(addr, 8))[0])
@@ -430,7 +466,7 @@ def _spawn_child(
             os.execvpe(argv[0], argv, env)
     except OSError as exc:
         os.write(err_w, f"{exc.errno}".encode())
-    finally:
+    finally:  # whatever went wrong: never back into the tracer's code
         os._exit(127)
 
 

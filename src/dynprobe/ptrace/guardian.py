@@ -1,0 +1,279 @@
+"""The guardian: a small process that puts a target's code back if its tracer dies (DESIGN.md
+section 3, HAZARDS.md 21).
+
+A tracer killed by SIGKILL or the OOM killer leaves its int3s and jumps in the target; the next
+thread to reach an int3 dies of SIGTRAP. The session forks a guardian when it starts and keeps an
+undo journal in memory the two share: every span of the target's own code dynprobe has changed,
+with the bytes that were there. The guardian waits on a pipe only the tracer holds open. A
+dismissal (a byte, then the pipe closed) ends it; the pipe closing without one means the tracer is
+gone, and the guardian restores what the journal lists:
+
+- int3s first, at once, while the target runs: a one-byte write cannot be torn. This happens before
+  the kernel has even released the tracer's threads (it closes a dying process's files before it
+  detaches its tracees), so a thread that had not reached an int3 yet never will;
+- then longer spans (an optimized probe's or a traced function's `jmp`), with every thread stopped:
+  the guardian attaches, writes, and detaches. Until then the jumps keep working, their detours
+  need no tracer. Without permission to attach it leaves them, and says so.
+
+What it cannot save: a thread that was stopped at a trap probe, or inside a remote system call, at
+the moment the tracer died resumes in the middle of an instruction (the kernel lets it go where it
+stopped). Trap probes are safe to lose the tracer on only while no thread is at one; optimized
+probes, return probes and the function tracer run in the target and are always safe.
+
+The journal is written only by the tracer and read only after it is gone, so it needs no lock: an
+entry's `kind` byte is written last when one is made and first when one is dropped, and a span's
+length grows before the target's bytes change and shrinks after them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import select
+import signal
+import struct
+import sys
+import time
+from collections.abc import Iterator
+
+from dynprobe.errors import ProcessError
+from dynprobe.ptrace import syscalls as sc
+from dynprobe.ptrace.events import EventKind
+from dynprobe.ptrace.process import attach as attach_process
+
+_HEADER = struct.Struct("<8sQ")  # magic, entries in use (the high-water mark)
+_MAGIC = b"dpundo1\0"
+_ENTRY = struct.Struct("<IBBxxQ16s")  # pid, kind, length, address, original bytes
+_KIND_AT, _LENGTH_AT, _BYTES_AT = 4, 5, 16
+_FREE, _PATCH = 0, 1
+MAX_SPAN = 16  # bytes of one entry: an instruction, or a 5-byte jump with the int3 before it
+CAPACITY = 1 << 18  # entries (8 MiB of address space; pages are touched only as entries are used)
+ATTACH_PATIENCE = 2.0  # seconds the guardian retries attaching while the dying tracer lets go
+
+
+class Journal:
+    """The undo journal: spans of a target's own code dynprobe has changed, each with the bytes
+    that were there. In memory shared with the guardian (an anonymous shared mapping made before
+    the fork)."""
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
+        self.capacity = capacity
+        self._map = mmap.mmap(-1, _HEADER.size + capacity * _ENTRY.size)
+        _HEADER.pack_into(self._map, 0, _MAGIC, 0)
+        self._used = 0
+        self._free: list[int] = []
+        self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
+        self.full = False  # more spans than entries: the rest are not journaled
+
+    def length(self, pid: int, addr: int) -> int:
+        """How many bytes at `addr` the journal says are changed (0: none)."""
+        entry = self._index.get((pid, addr))
+        return 0 if entry is None else self._map[self._at(entry) + _LENGTH_AT]
+
+    def record(self, pid: int, addr: int, original: bytes) -> None:
+        """`original` was at `addr` before dynprobe changed it (a prefix of what it changed)."""
+        if not original:
+            self.drop(pid, addr)
+            return
+        original = original[:MAX_SPAN]
+        entry = self._index.get((pid, addr))
+        if entry is not None:
+            at = self._at(entry)
+            # The bytes first: those of a shorter span are a prefix of these (a file's bytes).
+            self._map[at + _BYTES_AT : at + _BYTES_AT + len(original)] = original
+            self._map[at + _LENGTH_AT] = len(original)
+            return
+        entry = self._take()
+        if entry is None:
+            return
+        at = self._at(entry)
+        _ENTRY.pack_into(self._map, at, pid, _FREE, len(original), addr, original)
+        self._map[at + _KIND_AT] = _PATCH
+        self._index[(pid, addr)] = entry
+
+    def drop(self, pid: int, addr: int) -> None:
+        """The bytes at `addr` are the original ones again."""
+        entry = self._index.pop((pid, addr), None)
+        if entry is not None:
+            self._map[self._at(entry) + _KIND_AT] = _FREE
+            self._free.append(entry)
+
+    def forget(self, pid: int) -> None:
+        """The process exited or exec'd: its spans are gone with its old image."""
+        for key in [k for k in self._index if k[0] == pid]:
+            self.drop(*key)
+
+    def inherit(self, parent: int, child: int) -> None:
+        """A forked child has a copy of its parent's changed code."""
+        for (pid, addr), entry in list(self._index.items()):
+            if pid == parent:
+                at = self._at(entry)
+                length = self._map[at + _LENGTH_AT]
+                self.record(child, addr, bytes(self._map[at + _BYTES_AT : at + _BYTES_AT + length]))
+
+    def spans(self) -> dict[int, list[tuple[int, bytes]]]:
+        """Every journaled span by pid: (address, original bytes). Read from the shared memory
+        alone (the guardian has no index)."""
+        magic, used = _HEADER.unpack_from(self._map, 0)
+        assert magic == _MAGIC
+        out: dict[int, list[tuple[int, bytes]]] = {}
+        for entry in range(min(used, self.capacity)):
+            pid, kind, length, addr, original = _ENTRY.unpack_from(self._map, self._at(entry))
+            if kind == _PATCH and 0 < length <= MAX_SPAN:
+                out.setdefault(pid, []).append((addr, original[:length]))
+        return out
+
+    def _take(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if self._used == self.capacity:
+            self.full = True
+            return None
+        entry = self._used
+        self._used += 1
+        _HEADER.pack_into(self._map, 0, _MAGIC, self._used)
+        return entry
+
+    @staticmethod
+    def _at(entry: int) -> int:
+        return _HEADER.size + entry * _ENTRY.size
+
+
+class Guardian:
+    """The guardian process of one session (see the module's docstring). `dismiss()` when every
+    byte is back; `hand_over()` when a detach could not put everything back: the guardian then
+    does what it can, as if the tracer had died. Each waits until the guardian is gone.
+
+    It is a grandchild, in a session of its own: no child of ours is left for the session's
+    `waitpid(-1)` to find, and the terminal's Ctrl-C reaches only the tracer (which then
+    dismisses it). It tells its pid on a second pipe, whose end closing says it has finished."""
+
+    def __init__(self) -> None:
+        self.journal = Journal()
+        word_r, self._word_w = os.pipe2(os.O_CLOEXEC)
+        self._done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        middle = os.fork()
+        if middle == 0:  # pragma: no cover (the guardian: its effects are what the tests see)
+            try:
+                os.setsid()
+                if os.fork() == 0:
+                    _guard(word_r, done_w, self.journal)
+            finally:
+                os._exit(0)
+        os.close(word_r)
+        os.close(done_w)
+        os.waitpid(middle, 0)
+        self.pid = int.from_bytes(os.read(self._done_r, 8).ljust(8, b"\0"), "little")
+
+    def dismiss(self) -> None:
+        self._end(b"d")
+
+    def hand_over(self) -> None:
+        self._end(b"r")
+
+    def _end(self, word: bytes) -> None:
+        if self._word_w < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._word_w, word)
+        os.close(self._word_w)
+        self._word_w = -1
+        deadline = time.monotonic() + ATTACH_PATIENCE + 1.0
+        with contextlib.suppress(OSError):
+            while select.select([self._done_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if not os.read(self._done_r, 64):
+                    break
+        os.close(self._done_r)
+
+
+def _guard(word_r: int, done_w: int, journal: Journal) -> None:  # pragma: no cover (in the guardian)
+    """The guardian's life: holding no file of the tracer's open, deaf to the signals meant for
+    the tracer, waiting for the word or for the pipe to close."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    keep = sorted((2, word_r, done_w))
+    for low, high in zip([-1, *keep], [*keep, os.sysconf("SC_OPEN_MAX")], strict=True):
+        os.closerange(max(low + 1, 0), high)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    os.write(done_w, os.getpid().to_bytes(8, "little"))
+    while True:
+        try:
+            word = os.read(word_r, 1)
+        except InterruptedError:
+            continue
+        if word == b"d":
+            return
+        if word in (b"", b"r"):
+            break
+    for line in rescue(journal.spans()):
+        with contextlib.suppress(OSError):
+            print(f"dynprobe guardian: {line}", file=sys.stderr, flush=True)
+
+
+def rescue(spans: dict[int, list[tuple[int, bytes]]]) -> Iterator[str]:
+    """Put the journaled spans back, int3s first; yields a line per process for the user."""
+    for pid, changed in spans.items():
+        try:
+            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue  # exited: nothing to save
+        try:
+            changed = [(a, b) for a, b in changed if _ours(fd, a, b)]
+            short = [(a, b) for a, b in changed if len(b) == 1]
+            long = [(a, b) for a, b in changed if len(b) > 1]
+            restored = sum(_put_back(fd, addr, original) for addr, original in short)
+            if long:
+                restored += _restore_stopped(pid, fd, long)
+        finally:
+            os.close(fd)
+        left = len(changed) - restored
+        yield (
+            f"dynprobe let pid {pid} go without detaching; {restored} probe site(s) put back"
+            + (f", {left} left as jumps (they work without dynprobe)" if left else "")
+        )
+
+
+# Every change dynprobe makes to a target's code starts with one of these. A span whose first byte
+# is something else is not ours (any more): a library unloaded and another mapped in its place.
+_OUR_FIRST_BYTES = (0xCC, 0xE9)  # int3, jmp rel32
+
+
+def _ours(fd: int, addr: int, original: bytes) -> bool:
+    try:
+        current = os.pread(fd, len(original), addr)
+    except OSError:
+        return False
+    return current != original and len(current) == len(original) and current[0] in _OUR_FIRST_BYTES
+
+
+def _put_back(fd: int, addr: int, original: bytes) -> bool:
+    try:
+        return os.pwrite(fd, original, addr) == len(original)
+    except OSError:
+        return False
+
+
+def _restore_stopped(pid: int, fd: int, spans: list[tuple[int, bytes]]) -> int:
+    """Write multi-byte spans with every thread of `pid` stopped (a running thread could fetch
+    half an instruction), attaching as soon as the dying tracer has let go. Returns how many."""
+    deadline = time.monotonic() + ATTACH_PATIENCE
+    while True:
+        try:
+            tracee = attach_process(pid)
+            break
+        except ProcessError:
+            if time.monotonic() > deadline:
+                return 0
+            time.sleep(0.001)
+    try:
+        return sum(_put_back(fd, addr, original) for addr, original in spans)
+    finally:
+        for tid, state in tracee.threads.items():
+            signals = [e.sig for e in state.deferred if e.kind == EventKind.SIGNAL]
+            with contextlib.suppress(OSError):
+                sc.detach(tid, signals[0] if signals else 0)
+        tracee.close_memory()
