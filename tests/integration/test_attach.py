@@ -215,12 +215,19 @@ def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
         guardian = session._guardian.pid
         os.kill(guardian, 0)  # there while the session is
         assert session.run(timeout=20) == 0
-    # Gone at close (a grandchild of ours: its parent is now init, which reaps it in its time)
-    try:
-        with open(f"/proc/{guardian}/stat") as f:
-            assert f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        pass
+    # Gone at close: it has closed its end of a pipe the session waits on, and is exiting (its
+    # parent is init, which reaps it in its own time).
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{guardian}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"the guardian {guardian} is still there")
 
 
 def test_sites_whose_bytes_are_not_the_files_are_refused() -> None:

@@ -453,3 +453,21 @@ def test_cxx_names_as_probe_locations(names: str) -> None:
     assert "(overloads): give one's symbol: _ZN3app5twiceEl, _ZN3app5twiceEd\n" in r.stderr
     listed = dp("list", names, "app::Counter::*").stdout
     assert "app::Counter::add " in listed and "app::Counter::~Counter " in listed and "app::twice" not in listed
+
+
+def test_a_library_unloaded_and_loaded_again_is_traced_again() -> None:
+    """HAZARDS 20 for the tracer: lib_a is dlopen'ed, closed, lib_b takes its place, lib_a comes
+    back (tests/targets/dl.c, two rounds). Each load of lib_a is patched anew, and lib_b, mapped
+    where lib_a's patched function was, is left as it is."""
+    lib_a = build_target("libdl_a", "libdl_a.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_a.so")
+    lib_b = build_target("libdl_b", "libdl_b.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_b.so")
+    main = build_target("dl", flags=("-O1", "-ldl"))
+    argv = [main, lib_a, lib_b]
+    events: list[TracerEvent] = []
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn(argv, stdout=out) as session:
+            session.function_tracer(filter=["lib_func"], libraries=[lib_a], on_event=events.append).start()
+            assert session.run(timeout=30) == 0
+        out.seek(0)
+        assert out.read() == run_plain(argv).stdout
+    assert [(e.function.name, e.exit) for e in events] == [("lib_func", False), ("lib_func", True)] * 6

@@ -43,7 +43,7 @@ from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import load_elf
-from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
+from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 
 if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
@@ -296,8 +296,11 @@ class Tracing:
             tracer.nop_entries += 1  # -mnop-mcount, -fpatchable-function-entry: nothing to relocate
         return None
 
-    def modules_changed(self, proc: TracedProcess) -> None:
-        """Libraries were mapped: their functions that started tracers wait for get patched."""
+    def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """Libraries were mapped or unmapped (`maps`: as they are now): functions of libraries
+        gone are forgotten, and wait for their library as those never mapped do; functions of
+        mapped ones that started tracers wait for get patched."""
+        self._forget_unmapped(proc, maps)
         waiting = [t for t in self.tracers.values() if t.started and t.not_patched.get("NOT_MAPPED")]
         if not waiting or not proc.follow:
             return
@@ -309,6 +312,26 @@ class Tracing:
                 tracer.not_patched["NOT_MAPPED"] = 0
                 self._start_in(proc, tracer, missing)
                 tracer.not_patched += Counter()  # drop zero counts
+
+    @staticmethod
+    def _forget_unmapped(proc: TracedProcess, maps: list[Mapping]) -> None:
+        """Sites whose library was unloaded (dlclose): nothing of ours is left there, and the
+        address may hold another library by now, which must never get the old bytes back."""
+        keys: dict[str, tuple[int, int] | None] = {}
+        for fid, site in list(proc.tracing.sites.items()):
+            path = site.function.path
+            if path not in keys:
+                keys[path] = file_key(path)
+            m = mapping_at(maps, site.addr)
+            if m is not None and m.executable and maps_file(m, keys[path], path):
+                continue
+            del proc.tracing.sites[fid]
+            proc.dirty.append(DirtyDetour(site.detour, site.size, ()))
+            if proc.tracee.journal is not None:
+                proc.tracee.journal.drop(proc.pid, site.addr)
+            for tracer in site.ops:
+                tracer.patched -= 1
+                tracer.not_patched["NOT_MAPPED"] += 1
 
     def stop(self, tracer: FunctionTracer) -> None:
         tracer.started = False

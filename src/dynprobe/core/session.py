@@ -1194,7 +1194,7 @@ class Session:
         once (they arrive as one batch; the program may not run long enough for the delay)."""
         self._sync_process(proc)
         self.returns.hook_unwinders(proc, self._last_maps[proc.pid])
-        self.tracing.modules_changed(proc)
+        self.tracing.modules_changed(proc, self._last_maps[proc.pid])
         self._optimizer.expedite()
 
     def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
