@@ -466,8 +466,10 @@ def test_a_library_unloaded_and_loaded_again_is_traced_again() -> None:
     events: list[TracerEvent] = []
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn(argv, stdout=out) as session:
-            session.function_tracer(filter=["lib_func"], libraries=[lib_a], on_event=events.append).start()
+            tracer = session.function_tracer(filter=["lib_func"], libraries=[lib_a], on_event=events.append)
+            tracer.start()
             assert session.run(timeout=30) == 0
+            assert tracer.patched == 0 and tracer.not_patched == {"NOT_MAPPED": 1}  # lib_a is closed at the end
         out.seek(0)
         assert out.read() == run_plain(argv).stdout
     assert [(e.function.name, e.exit) for e in events] == [("lib_func", False), ("lib_func", True)] * 6

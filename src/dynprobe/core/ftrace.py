@@ -125,6 +125,7 @@ class FunctionTracer:
         self.patched = 0
         self.nop_entries = 0  # of them, patched over the NOPs compilers leave for tracers
         self.not_patched: Counter[str] = Counter()  # reason -> functions
+        self.unmapped: dict[int, set[int]] = {}  # pid -> functions whose library is not mapped there
 
     def start(self, progress: Callable[[int], object] | None = None) -> None:
         """Patch its functions in every traced process; `progress(n)` is told as n more are done."""
@@ -209,6 +210,7 @@ class Tracing:
         tracer.started = True
         tracer.patched = tracer.nop_entries = 0
         tracer.not_patched.clear()
+        tracer.unmapped.clear()
         for proc in self.session.traced_processes():
             with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
                 if tid is not None:
@@ -253,6 +255,8 @@ class Tracing:
                 tracer.patched += 1
             else:
                 tracer.not_patched[reason] += 1
+                if reason == "NOT_MAPPED":
+                    tracer.unmapped.setdefault(proc.pid, set()).add(func.id)
 
     def _patch(
         self, proc: TracedProcess, func: TracedFunction, tracer: FunctionTracer, maps: list[Mapping], rips: list[int]
@@ -301,17 +305,23 @@ class Tracing:
         gone are forgotten, and wait for their library as those never mapped do; functions of
         mapped ones that started tracers wait for get patched."""
         self._forget_unmapped(proc, maps)
-        waiting = [t for t in self.tracers.values() if t.started and t.not_patched.get("NOT_MAPPED")]
+        waiting = [t for t in self.tracers.values() if t.started and t.unmapped.get(proc.pid)]
         if not waiting or not proc.follow:
             return
         with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
             if tid is None:
                 return
             for tracer in waiting:
-                missing = [f for f in tracer.functions if f.id not in proc.tracing.sites]
-                tracer.not_patched["NOT_MAPPED"] = 0
-                self._start_in(proc, tracer, missing)
+                ids = tracer.unmapped.pop(proc.pid)
+                tracer.not_patched["NOT_MAPPED"] -= len(ids)
+                self._start_in(proc, tracer, [f for f in tracer.functions if f.id in ids])
                 tracer.not_patched += Counter()  # drop zero counts
+
+    def forked(self, parent: int, child: int) -> None:
+        """A fork child has its parent's sites, and waits for the same libraries."""
+        for tracer in self.tracers.values():
+            if parent in tracer.unmapped:
+                tracer.unmapped[child] = set(tracer.unmapped[parent])
 
     @staticmethod
     def _forget_unmapped(proc: TracedProcess, maps: list[Mapping]) -> None:
@@ -332,6 +342,7 @@ class Tracing:
             for tracer in site.ops:
                 tracer.patched -= 1
                 tracer.not_patched["NOT_MAPPED"] += 1
+                tracer.unmapped.setdefault(proc.pid, set()).add(fid)
 
     def stop(self, tracer: FunctionTracer) -> None:
         tracer.started = False

@@ -806,6 +806,7 @@ class Session:
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
         child.tracing = parent.tracing.copy()
+        self.tracing.forked(parent.pid, child_pid)
         if not vfork:
             self._guardian.journal.inherit(parent.pid, child_pid)
         if vfork:
