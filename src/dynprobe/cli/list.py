@@ -80,7 +80,9 @@ def _modules(args: argparse.Namespace) -> list[tuple[str, int]]:
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         rows = []
-        for path, bias in _modules(args):
+        modules = _modules(args)
+        stripped = [p for p, _ in modules if not any(f.size for f in load_elf(p).functions)]
+        for path, bias in modules:
             image = load_elf(path)
             for func in image.functions:
                 if func.size and any(fnmatch.fnmatchcase(n, args.glob) for n in names_of(func.name)):
@@ -89,6 +91,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                     rows.append((func.addr + bias, func.size, name, os.path.basename(path), *verdicts))
     except DynprobeError as exc:
         return report_error(exc)
+    if not rows and len(stripped) == len(modules) == 1:
+        name = os.path.basename(stripped[0])
+        print(f"dynprobe: {name} has no function symbols (stripped): probe the libraries it uses "
+              f"(libc:malloc), or an offset in it ({name}:0x1139)", file=sys.stderr)  # fmt: skip
+        return 1
     if not rows:
         print(f"dynprobe: no function matches {args.glob!r}", file=sys.stderr)
         return 1

@@ -462,6 +462,12 @@ class Session:
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps, main.libraries) for name in libraries]
         selected = self.tracing.select(paths, filter, exclude)
+        if not selected and not any(f.size for path in paths for f in load_elf(path).functions):
+            names = ", ".join(os.path.basename(p) for p in paths)
+            raise SessionError(
+                f"{names}: no function symbols (stripped); trace the libraries it uses (--lib libc, "
+                "libraries=[...] in the API), or a build with symbols"
+            )
         return self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
 
     def reserve_index(self) -> int:
