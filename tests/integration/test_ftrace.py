@@ -473,3 +473,17 @@ def test_a_library_unloaded_and_loaded_again_is_traced_again() -> None:
         out.seek(0)
         assert out.read() == run_plain(argv).stdout
     assert [(e.function.name, e.exit) for e in events] == [("lib_func", False), ("lib_func", True)] * 6
+
+
+def test_indirect_functions_are_traced_by_their_name(tmp_path: Path) -> None:
+    """libc's strlen and memcpy are IFUNCs: traced where they resolve, under their names."""
+    target = build_target("ifunc", flags=("-O1",))
+    events: list[TracerEvent] = []
+    with tempfile.TemporaryFile("w+") as out, dynprobe.spawn([target, "3"], stdout=out) as session:
+        tracer = session.function_tracer(filter=["strlen", "memcpy"], libraries=["libc"], on_event=events.append)
+        tracer.start()
+        assert session.run(timeout=30) == 0
+    # memcpy's implementation is also the body of mempcpy, which jumps into its first bytes
+    # (libc has no symbols for either: the unwind tables say where they are)
+    assert [e.function.name for e in events if not e.exit] == ["strlen"] * 3
+    assert tracer.patched == 1 and tracer.not_patched == {"JUMP_INTO_REGION": 1}

@@ -118,3 +118,17 @@ def test_refusals(counter: str) -> None:
         with pytest.raises(SymbolError):
             session.probe("/nonexistent/lib.so:f")
     # the spawned command was never started: it is gone, not left stopped
+
+
+@pytest.mark.parametrize("optimize", [False, True])
+def test_indirect_functions_are_probed_where_they_resolve(optimize: bool) -> None:
+    """libc's strlen and memcpy are IFUNCs: their symbols are resolvers (and memcpy's plain
+    symbol an old compatibility function). Probes count the calls of what programs run."""
+    target = build_target("ifunc", flags=("-O1",))
+    status, out, probes = traced(
+        [target, "1000"],
+        lambda s: [s.probe(f"libc:{name}", action="count") for name in ("strlen", "memcpy", "malloc")],
+        optimize=optimize,
+    )
+    assert status == 0 and out == f"{1000 * len(target)}\n"
+    assert [p.hits for p in probes] == [1000, 1000, 1001]  # printf's buffer: one malloc more

@@ -13,6 +13,7 @@ from dynprobe.cli.common import UsageError, add_demangle_option, report_error
 from dynprobe.errors import DynprobeError, Refusal
 from dynprobe.symbols.demangle import display, names_of
 from dynprobe.symbols.elf import ElfImage, load_elf
+from dynprobe.symbols.ifunc import callable_functions
 from dynprobe.symbols.maps import read_maps
 
 EXAMPLES = """\
@@ -84,8 +85,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         stripped = [p for p, _ in modules if not any(f.size for f in load_elf(p).functions)]
         for path, bias in modules:
             image = load_elf(path)
-            for func in image.functions:
-                if func.size and any(fnmatch.fnmatchcase(n, args.glob) for n in names_of(func.name)):
+            for func in callable_functions(image):
+                if any(fnmatch.fnmatchcase(n, args.glob) for n in names_of(func.name)):
                     verdicts = (entry_verdict(image, func.addr), jump_verdict(image, func.addr, func.size))
                     name = display(func.name, args.demangle)
                     rows.append((func.addr + bias, func.size, name, os.path.basename(path), *verdicts))

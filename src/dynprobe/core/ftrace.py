@@ -43,6 +43,7 @@ from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.ifunc import callable_functions
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
 
 if TYPE_CHECKING:
@@ -169,8 +170,8 @@ class Tracing:
         chosen = []
         for path in paths:
             image = load_elf(path)
-            for func in image.functions:
-                if not func.size or not image.is_executable(func.addr):
+            for func in callable_functions(image):
+                if not image.is_executable(func.addr):
                     continue
                 if func.addr <= image.entry < func.end or func.name in NOT_CALLED:
                     continue  # entered without a call: [rsp] is not a return address

@@ -41,7 +41,7 @@ class Segment:
 
 
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")])
-_STT_OBJECT, _STT_FUNC, _STT_TLS = 1, 2, 6
+_STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
 
 
 class ElfImage:
@@ -83,7 +83,7 @@ class ElfImage:
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.needed, self.rpath, self.runpath = self._dynamic(elf)
-            self.functions, self.objects = self._symbols(elf)
+            self.functions, self.objects, self.ifuncs = self._symbols(elf)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: frozenset[int] | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
@@ -121,12 +121,14 @@ class ElfImage:
         return needed, rpath, runpath
 
     @staticmethod
-    def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int]]:
-        """Functions (sorted by address) and data symbols (name -> address, for @SYM) of .symtab
-        and .dynsym. The tables are decoded in bulk with numpy: pyelftools parses a symbol at a
-        time, ~50 us each, which is seconds for a binary with 10^5 functions."""
+    def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int], dict[str, int]]:
+        """Functions (sorted by address), data symbols (name -> address, for @SYM) and indirect
+        functions (name -> resolver: symbols/ifunc.py) of .symtab and .dynsym. The tables are
+        decoded in bulk with numpy: pyelftools parses a symbol at a time, ~50 us each, which is
+        seconds for a binary with 10^5 functions."""
         seen: dict[tuple[str, int], Function] = {}
         objects: dict[str, int] = {}
+        ifuncs: dict[str, int] = {}
         for table in (".symtab", ".dynsym"):
             section = elf.get_section_by_name(table)
             if not isinstance(section, SymbolTableSection) or section["sh_entsize"] != _SYM.itemsize:
@@ -135,10 +137,11 @@ class ElfImage:
             syms = np.frombuffer(section.data(), dtype=_SYM)
             kind = syms["info"] & 0xF
             defined = (syms["shndx"] != 0) & (syms["value"] != 0)
-            for is_func, rows in (
+            for into, rows in (
                 # Not STT_GNU_IFUNC: its address is the resolver, which runs once at load time.
-                (True, np.nonzero(defined & (kind == _STT_FUNC))[0]),
-                (False, np.nonzero((syms["shndx"] != 0) & np.isin(kind, (_STT_OBJECT, _STT_TLS)))[0]),
+                (None, np.nonzero(defined & (kind == _STT_FUNC))[0]),
+                (objects, np.nonzero((syms["shndx"] != 0) & np.isin(kind, (_STT_OBJECT, _STT_TLS)))[0]),
+                (ifuncs, np.nonzero(defined & (kind == _STT_GNU_IFUNC))[0]),
             ):
                 for name_off, value, size in zip(
                     syms["name"][rows].tolist(), syms["value"][rows].tolist(), syms["size"][rows].tolist(), strict=True
@@ -146,11 +149,11 @@ class ElfImage:
                     end = strtab.find(b"\0", name_off)
                     name = strtab[name_off : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
                     clean = name.split("@", 1)[0]
-                    if is_func:
+                    if into is None:
                         seen.setdefault((clean, value), Function(clean, value, size))
                     else:
-                        objects.setdefault(clean, value)
-        return sorted(seen.values(), key=lambda f: (f.addr, -f.size, f.name)), objects
+                        into.setdefault(clean, value)
+        return sorted(seen.values(), key=lambda f: (f.addr, -f.size, f.name)), objects, ifuncs
 
     # --- address arithmetic -----------------------------------------------------------------
     def vaddr_to_offset(self, vaddr: int) -> int | None:
@@ -191,6 +194,9 @@ class ElfImage:
         return None
 
     def eh_frame_ranges(self) -> list[tuple[int, int]]:
+        """(start, end) of every function the unwind tables describe, sorted."""
+        if self._eh_ranges is None:
+            self._eh_ranges = self._eh_frame_hdr_ranges()
         if self._eh_ranges is None:
             ranges: list[tuple[int, int]] = []
             try:
@@ -206,6 +212,32 @@ class ElfImage:
                 ranges = []
             self._eh_ranges = sorted(ranges)
         return self._eh_ranges
+
+    def _eh_frame_hdr_ranges(self) -> list[tuple[int, int]] | None:
+        """The ranges from .eh_frame_hdr's sorted table (start, FDE) and each FDE's range, in
+        bulk: parsing .eh_frame with pyelftools costs ~0.6 s for libc. Only the encodings
+        GCC and clang write for x86-64 (4-byte data-relative table, 4-byte FDE addresses);
+        None otherwise (the caller parses .eh_frame then)."""
+        hdr, frames = self._elf.get_section_by_name(".eh_frame_hdr"), self._elf.get_section_by_name(".eh_frame")
+        if hdr is None or frames is None:
+            return None
+        data = hdr.data()
+        # version 1; eh_frame_ptr pcrel|sdata4; fde_count udata4; table datarel|sdata4
+        if len(data) < 12 or tuple(data[:4]) != (1, 0x1B, 0x03, 0x3B):
+            return None
+        count = int.from_bytes(data[8:12], "little")
+        if len(data) < 12 + 8 * count:
+            return None
+        table = np.frombuffer(data, dtype="<i4", count=2 * count, offset=12).reshape(-1, 2).astype(np.int64)
+        starts = table[:, 0] + hdr["sh_addr"]
+        # An FDE: length (u32), CIE pointer (u32), pc_begin (pcrel|sdata4), pc_range (udata4).
+        at = table[:, 1] + hdr["sh_addr"] - frames["sh_addr"] + frames["sh_offset"] + 12
+        if count and (at.min() < 0 or at.max() + 4 > len(self.data)):
+            return None
+        raw = np.frombuffer(self.data, dtype=np.uint8)
+        sizes = raw[at] | raw[at + 1].astype(np.int64) << 8 | raw[at + 2].astype(np.int64) << 16
+        sizes |= raw[at + 3].astype(np.int64) << 24
+        return sorted(zip(starts.tolist(), (starts + sizes).tolist(), strict=True))
 
     def functions_named(self, name: str) -> list[Function]:
         """The functions a name means: the symbol itself, else those whose demangled name it
@@ -229,14 +261,17 @@ class ElfImage:
         return func.addr if func else None
 
     def branch_targets(self) -> frozenset[int]:
-        """Targets of every direct branch in the file's functions (decoded once, then cached)."""
+        """Targets of every direct branch in the file's functions (decoded once, then cached):
+        those with symbols, and those only the unwind tables know (a stripped library's static
+        functions, the implementations of its indirect functions), which jump into others."""
         if self._branch_targets is None:
             from dynprobe.arch.x86_64.optimize import branch_targets
 
+            ranges = {(f.addr, f.end) for f in self.functions if f.size}
+            ranges.update((start, end) for start, end in self.eh_frame_ranges() if end > start)
             targets: set[int] = set()
-            for func in self.functions:
-                if func.size:
-                    targets |= branch_targets(self.code(func.addr, func.size), func.addr)
+            for start, end in ranges:
+                targets |= branch_targets(self.code(start, end - start), start)
             self._branch_targets = frozenset(targets)
         return self._branch_targets
 

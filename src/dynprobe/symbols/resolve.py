@@ -14,6 +14,7 @@ from dynprobe.errors import SymbolError
 from dynprobe.spec.model import split_location
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import ElfImage, Function, load_elf
+from dynprobe.symbols.ifunc import implementation
 from dynprobe.symbols.loader import ld_cache
 from dynprobe.symbols.maps import Mapping
 
@@ -71,7 +72,9 @@ def parse_symbol_offset(text: str) -> tuple[str, int]:
 
 
 def resolve_symbol(image: ElfImage, symbol: str, offset: int) -> Location:
-    found = image.functions_named(symbol)
+    # An indirect function (libc's memcpy, strlen): what runs is the implementation it resolves
+    # to, not the resolver at its address (nor an old compatibility symbol of the same name).
+    found = [implementation(image, symbol)] if symbol in image.ifuncs else image.functions_named(symbol)
     if not found:
         raise SymbolError(f"no function {symbol!r} in {image.path}")
     if len(found) > 1:
