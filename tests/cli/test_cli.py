@@ -292,13 +292,13 @@ def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
     stripped = build_target("wordcount-stripped", "../../examples/wordcount.c", flags=("-O2", "-s"))
     r = dp("list", stripped)
     assert r.returncode == 1 and r.stderr == (
-        "dynprobe: wordcount-stripped has no function symbols (stripped): probe the libraries it uses "
-        "(libc:malloc), or an offset in it (wordcount-stripped:0x1139)\n"
+        "dynprobe: wordcount-stripped has no function symbols (stripped, no debug file found): "
+        "probe the libraries it uses (libc:malloc), or an offset in it (wordcount-stripped:0x1139)\n"
     )
     r = dp("record", "-o", str(tmp_path / "t.data"), "--", stripped, "a b")
     assert r.returncode != 0 and r.stderr == (
-        "dynprobe: error: wordcount-stripped: no function symbols (stripped); trace the libraries it uses "
-        "(--lib libc, libraries=[...] in the API), or a build with symbols\n"
+        "dynprobe: error: wordcount-stripped: no function symbols (stripped, no debug file found); "
+        "trace the libraries it uses (--lib libc, libraries=[...] in the API), or a build with symbols\n"
     )
     r = dp("record", "-o", str(tmp_path / "t.data"), "--lib", "libc", "-F", "malloc", "--", stripped, "a b")
     assert r.returncode == 0, r.stderr

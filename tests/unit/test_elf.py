@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 from dynprobe.symbols.elf import ElfImage
 from tests.conftest import build_target
 
@@ -15,3 +19,26 @@ def test_unwind_ranges_from_the_header_table_are_the_unwind_tables() -> None:
         slow = ElfImage(path)
         slow._eh_frame_hdr_ranges = lambda: None  # type: ignore[method-assign]
         assert len(ranges) > 3 and ranges == slow.eh_frame_ranges()
+
+
+def test_a_stripped_file_takes_its_symbols_from_its_debug_file(tmp_path: Path) -> None:
+    """objcopy --only-keep-debug, strip, --add-gnu-debuglink: gdb's separate debug file, found
+    next to the file (Debian's -dbg packages put them under /usr/lib/debug/.build-id)."""
+    built = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+    binary, debug = tmp_path / "wordcount", tmp_path / "wordcount.debug"
+    shutil.copy(built, binary)
+    subprocess.run(["objcopy", "--only-keep-debug", str(binary), str(debug)], check=True)
+    subprocess.run(["strip", "--strip-all", str(binary)], check=True)
+    subprocess.run(["objcopy", f"--add-gnu-debuglink={debug}", str(binary)], cwd=tmp_path, check=True)
+    stripped, original = ElfImage(str(binary)), ElfImage(built)
+    assert stripped.debug_file == str(debug)
+    assert stripped.functions == original.functions and stripped.by_name["add_word"].size > 0
+    debug.unlink()  # without it: only what the stripped file itself names
+    assert ElfImage(str(binary)).debug_file is None and "add_word" not in ElfImage(str(binary)).by_name
+
+
+def test_aliases_show_their_public_name() -> None:
+    libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    malloc = libc.by_name["malloc"]
+    assert libc.by_name["__libc_malloc"].addr == malloc.addr  # one function, two names
+    assert libc.function_at(malloc.addr) == malloc and libc.function_at(malloc.addr + 1) == malloc

@@ -94,7 +94,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return report_error(exc)
     if not rows and len(stripped) == len(modules) == 1:
         name = os.path.basename(stripped[0])
-        print(f"dynprobe: {name} has no function symbols (stripped): probe the libraries it uses "
+        print(f"dynprobe: {name} has no function symbols (stripped, no debug file found): probe the libraries it uses "
               f"(libc:malloc), or an offset in it ({name}:0x1139)", file=sys.stderr)  # fmt: skip
         return 1
     if not rows:

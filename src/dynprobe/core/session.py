@@ -465,8 +465,8 @@ class Session:
         if not selected and not any(f.size for path in paths for f in load_elf(path).functions):
             names = ", ".join(os.path.basename(p) for p in paths)
             raise SessionError(
-                f"{names}: no function symbols (stripped); trace the libraries it uses (--lib libc, "
-                "libraries=[...] in the API), or a build with symbols"
+                f"{names}: no function symbols (stripped, no debug file found); trace the libraries it uses "
+                "(--lib libc, libraries=[...] in the API), or a build with symbols"
             )
         return self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
 

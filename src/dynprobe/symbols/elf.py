@@ -7,6 +7,8 @@ covers (stripped binaries), the .eh_frame unwind table gives function ranges too
 from __future__ import annotations
 
 import bisect
+import io
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +44,13 @@ class Segment:
 
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")])
 _STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
+DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
+
+
+def _symbol_order(func: Function) -> tuple[int, int, bool, str]:
+    """Functions by address; of aliases at one address, the longest, then a public name
+    (malloc before __libc_malloc): the first is the one shown."""
+    return func.addr, -func.size, func.name.startswith("_"), func.name
 
 
 class ElfImage:
@@ -63,8 +72,6 @@ class ElfImage:
         if self.data[4] != 2:
             raise ElfError(f"{path} is a 32-bit ELF file; dynprobe traces x86-64 programs only")
         try:
-            import io
-
             elf = ELFFile(io.BytesIO(self.data))
             if elf["e_machine"] != "EM_X86_64":
                 raise ElfError(f"{path} is built for {elf['e_machine']}, not x86-64")
@@ -84,6 +91,9 @@ class ElfImage:
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.needed, self.rpath, self.runpath = self._dynamic(elf)
             self.functions, self.objects, self.ifuncs = self._symbols(elf)
+            self.debug_file = None if elf.get_section_by_name(".symtab") else self._debug_file(elf)
+            if self.debug_file is not None:
+                self._add_debug_symbols(self.debug_file)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: frozenset[int] | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
@@ -94,6 +104,44 @@ class ElfImage:
         self.by_name: dict[str, Function] = {}
         for func in self.functions:
             self.by_name.setdefault(func.name, func)
+
+    def _debug_file(self, elf: ELFFile) -> str | None:
+        """The separate debug file of a stripped file, where gdb looks for it: by build-id under
+        /usr/lib/debug (Debian's -dbg and -dbgsym packages), then by its .gnu_debuglink name next
+        to it, in .debug/ there, and under /usr/lib/debug. One with another build-id is not it."""
+        candidates = []
+        if self.build_id and len(self.build_id) > 2:
+            candidates.append(f"{DEBUG_ROOT}/.build-id/{self.build_id[:2]}/{self.build_id[2:]}.debug")
+        link = elf.get_section_by_name(".gnu_debuglink")
+        if link is not None:
+            name = os.fsdecode(link.data().split(b"\0", 1)[0])
+            where = os.path.dirname(self.path)
+            candidates += [
+                os.path.join(where, name),
+                os.path.join(where, ".debug", name),
+                f"{DEBUG_ROOT}{where}/{name}",
+            ]
+        for candidate in candidates:
+            if os.path.isfile(candidate) and not os.path.samefile(candidate, self.path):
+                try:
+                    with open(candidate, "rb") as f:
+                        other = ELFFile(io.BytesIO(f.read()))
+                        if self.build_id in (None, self._build_id(other)):
+                            return candidate
+                except (OSError, ELFError, ELFParseError):
+                    continue
+        return None
+
+    def _add_debug_symbols(self, debug_file: str) -> None:
+        """The functions only the debug file names (static ones, an indirect function's
+        implementations); addresses the file's own symbols name keep their names."""
+        with open(debug_file, "rb") as f:
+            functions, objects, ifuncs = self._symbols(ELFFile(io.BytesIO(f.read())))
+        named = {f.addr for f in self.functions}
+        self.functions = sorted([*self.functions, *(f for f in functions if f.addr not in named)], key=_symbol_order)
+        for mine, theirs in ((self.objects, objects), (self.ifuncs, ifuncs)):
+            for name, value in theirs.items():
+                mine.setdefault(name, value)
 
     @staticmethod
     def _build_id(elf: ELFFile) -> str | None:
@@ -153,7 +201,7 @@ class ElfImage:
                         seen.setdefault((clean, value), Function(clean, value, size))
                     else:
                         into.setdefault(clean, value)
-        return sorted(seen.values(), key=lambda f: (f.addr, -f.size, f.name)), objects, ifuncs
+        return sorted(seen.values(), key=_symbol_order), objects, ifuncs
 
     # --- address arithmetic -----------------------------------------------------------------
     def vaddr_to_offset(self, vaddr: int) -> int | None:
@@ -183,8 +231,9 @@ class ElfImage:
         i = bisect.bisect_right(self._starts, vaddr)
         while i > 0:
             func = self.functions[i - 1]
-            if func.addr <= vaddr < func.end:
-                return func
+            if func.addr <= vaddr < func.end:  # the first of its aliases: the name shown
+                first = bisect.bisect_left(self._starts, func.addr)
+                return next(f for f in self.functions[first:i] if f.addr <= vaddr < f.end)
             if vaddr - func.addr > (1 << 24):
                 break
             i -= 1

@@ -58,9 +58,10 @@ def implementations(image: ElfImage, names: list[str]) -> dict[str, Function]:
 def callable_functions(image: ElfImage) -> list[Function]:
     """The functions programs call by name: symbols with a size, where an indirect function's
     name means its implementation (not its resolver, nor an old compatibility function of the
-    same name, memcpy@GLIBC_2.2.5)."""
+    same name, memcpy@GLIBC_2.2.5), and names that implementation alone."""
     resolved = implementations(image, list(image.ifuncs))
-    plain = [f for f in image.functions if f.size and f.name not in image.ifuncs]
+    taken = {f.addr for f in resolved.values()}  # (named by a debug file too: __strlen_avx2)
+    plain = [f for f in image.functions if f.size and f.name not in image.ifuncs and f.addr not in taken]
     return sorted([*plain, *resolved.values()], key=lambda f: f.addr)
 
 
