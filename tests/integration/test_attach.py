@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -140,22 +141,36 @@ def test_replaced_binary_is_refused(spinner: str) -> None:
             proc.wait()
 
 
-def _killed_tracer(pid: int, tracer_argv: list[str], ready: str, delay: float) -> str:
-    """Start a tracer of `pid`, wait for the line `ready` on its stdout, SIGKILL it `delay`
-    seconds later. Returns what the guardian said on the tracer's stderr (it holds that pipe
-    until it has finished)."""
-    tracer = subprocess.Popen(tracer_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def spinning(spinner: str, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """The spinner running (killed at the end if a test left it running)."""
+    proc = start([spinner, *args])
     try:
-        assert tracer.stdout is not None and tracer.stderr is not None
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _killed_tracer(argv: list[str], ready: str, delay: float = 0.0) -> str:
+    """Start a tracer, wait for a line starting with `ready` on its stdout or stderr, SIGKILL it
+    `delay` seconds later. Returns what the guardian said on the tracer's stderr (it holds that
+    pipe until it has finished)."""
+    tracer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert tracer.stdout is not None
+        seen = []
         for line in tracer.stdout:
+            seen.append(line)
             if line.startswith(ready):
                 break
         else:
-            raise AssertionError(f"the tracer ended before {ready!r}: {tracer.stderr.read()}")
+            raise AssertionError(f"the tracer ended before {ready!r}: {''.join(seen)}")
         time.sleep(delay)
         tracer.kill()
         tracer.wait()
-        return tracer.stderr.read()
+        return tracer.stdout.read()
     finally:
         if tracer.poll() is None:
             tracer.kill()
@@ -168,45 +183,29 @@ def test_a_killed_tracer_s_guardian_puts_the_code_back(spinner: str, delay: floa
     threads call 2,000 times a second, an optimized count on clock_gettime, and trap probes with
     Python handlers on functions not running then). The guardian restores every byte, so the
     target's SIGTERM handler, which had a trap probe, runs and the target ends normally."""
-    proc = start([spinner, "2", "idle", "20"])
-    try:
+    with spinning(spinner, "2", "idle", "20") as proc:
         code = (
             f"import dynprobe; s = dynprobe.attach({proc.pid}); t = s.probe('tick', action='count');"
             "c = s.probe('libc:clock_gettime', action='count');"
             "s.probe('on_term', pre=lambda hit: None); s.probe('brief', pre=lambda hit: None);"
             "s.run(timeout=0.3); print('ready', t.mode.value, c.mode.value, flush=True); s.run()"
         )
-        said = _killed_tracer(proc.pid, [sys.executable, "-c", code], "ready optimized optimized", delay)
+        said = _killed_tracer([sys.executable, "-c", code], "ready optimized optimized", delay)
         # its 4 probes' sites and the loader hook dynprobe keeps (to see dlopen)
         assert f"dynprobe let pid {proc.pid} go without detaching; 5 probe site(s) put back\n" in said, said
         assert_text_matches_files(proc.pid)
         assert "ticks=" in finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_killed_function_tracer_s_guardian_puts_the_code_back(spinner: str, tmp_path: Path) -> None:
-    """HAZARDS 21 for `dynprobe record -p`: every function entry of the program is a jump."""
-    proc = start([spinner, "2", "churn", "20"])
-    try:
+    """HAZARDS 21 for `dynprobe record -p`: every function entry of the program is a jump, and
+    new threads keep coming."""
+    with spinning(spinner, "2", "churn", "20") as proc:
         argv = [sys.executable, "-m", "dynprobe", "record", "-o", str(tmp_path / "t.data"), "-p", str(proc.pid)]
-        tracer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert tracer.stderr is not None
-        line = tracer.stderr.readline()
-        assert line.startswith("dynprobe: tracing"), line
-        time.sleep(0.3)
-        tracer.kill()
-        tracer.wait()
-        said = tracer.stderr.read()
+        said = _killed_tracer(argv, "dynprobe: tracing", 0.3)
         assert f"dynprobe let pid {proc.pid} go without detaching" in said and "left" not in said, said
         assert_text_matches_files(proc.pid)
         assert "ticks=" in finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
