@@ -28,6 +28,9 @@ EXPECTED = {
     "movzx": B, "syscall_getuid": S, "stosq": B, "shld": B, "loop_taken": E, "loope_taken": E,
     "loopne_not_taken": E, "loop_ecx": E, "jrcxz_not_taken": E,
 }  # fmt: skip
+# Emulated pushes on sites that stay traps run from a slot, which is cheaper
+# (analysis.boost_is_cheaper); emulated still with a post-handler.
+PUSHES = {"push_rbp", "push_r12", "push_rsp", "push_imm", "pushf"}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def test_snapshots_identical_with_probe(corpus: str, post: bool) -> None:
     for name in EXPECTED:
         assert traced[name] == plain[name], f"{name}: snapshot differs under a probe"
     for name, kind in EXPECTED.items():
-        want = S if post and kind == B else kind
+        want = S if post and kind == B else B if name in PUSHES and not post else kind
         assert probes[name].hits == 1, name
         assert dict(probes[name].resumes) == {want: 1}, f"{name}: {dict(probes[name].resumes)}"
 

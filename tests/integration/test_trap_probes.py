@@ -31,6 +31,23 @@ def test_exact_hit_counts(counter: str, threads: int) -> None:
     assert dict(inner.resumes) == {ResumeKind.EMULATE: 2000 * threads}  # lea
 
 
+@pytest.mark.parametrize("threads", [1, 8])
+def test_a_push_on_a_lasting_trap_runs_from_its_slot(threads: int) -> None:
+    """A push is emulated with a write to the stack (a system call); where the site stays a trap
+    (a Python handler here) it runs from a slot instead, made at placement: same results, exact
+    counts. A site the optimizer will take keeps emulating its few trap hits (no slot for it)."""
+    pushes = build_target("pushes", flags=("-O1", "-pthread"))
+    argv = [pushes, "2000", str(threads)]
+    seen: list[int] = []
+    status, out, (probe,) = traced(argv, lambda s: [s.probe("pushy", pre=lambda hit: seen.append(hit.regs.rdi))])
+    assert status == 0 and out == run_plain(argv).stdout
+    assert probe.hits == len(seen) == 2000 * threads and sorted(set(seen)) == list(range(2000))
+    assert dict(probe.resumes) == {ResumeKind.BOOST: 2000 * threads}
+    status, out, (counted,) = traced(argv, lambda s: [s.probe("pushy", action="count")], optimize=True)
+    assert status == 0 and out == run_plain(argv).stdout and counted.hits == 2000 * threads
+    assert ResumeKind.BOOST not in counted.resumes
+
+
 def test_handler_reads_arguments_and_changes_registers(counter: str) -> None:
     seen: list[int] = []
 

@@ -216,6 +216,9 @@ class Site:
     internal: Callable[[int, Regs], None] | None = None  # dynprobe's own hooks (dlopen tracking)
     slot: int | None = None
     slot_insn_len: int = 0
+    # An emulated push on a site that stays a trap: its hits run it from the slot, made at
+    # placement (analysis.boost_is_cheaper).
+    prefer_slot: bool = False
     armed: bool = False  # our int3 is there
     optimized: bool = False  # our jmp is there
     detour: tuple[int, int] | None = None  # (address, size) of the optimized site's code

@@ -33,6 +33,7 @@ from dynprobe.arch.x86_64 import (
     Fixup,
     Regs,
     ResumeKind,
+    boost_is_cheaper,
     decode_one,
     needs_step_for_post_handler,
     out_of_line,
@@ -92,6 +93,8 @@ from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_
 from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
+# Reasons a site stays a trap for as long as its probes are there (not the optimizer's delay).
+_LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, OptimizeRefusal.PYTHON_HANDLER)
 
 
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
@@ -1022,6 +1025,8 @@ class Session:
         if post or user_tf:
             plan = needs_step_for_post_handler(plan)
         kind = plan.kind
+        if kind is _EMULATE and site.prefer_slot and not (post or user_tf):
+            kind = _BOOST
         if kind is _EMULATE:
             if self._emulate(proc, site, regs):
                 for probe in probes:
@@ -1303,7 +1308,20 @@ class Session:
             proc.sites[addr] = site
         site.probes.append(probe)
         probe.sites[proc.pid] = addr
+        if (
+            site.plan.kind == ResumeKind.EMULATE
+            and not site.prefer_slot
+            and boost_is_cheaper(site.insn)
+            and self._optimizer.trap_reason(proc, site) in _LASTING_TRAP
+        ):
+            self._slot_for_boost(proc, site)
         self._set_armed(proc, site, site.wanted)
+
+    def _slot_for_boost(self, proc: TracedProcess, site: Site) -> None:
+        """A slot for an emulated push whose site stays a trap: cheaper from there (an emulated
+        hit if none can be made)."""
+        with contextlib.suppress(SeccompFiltered):
+            site.prefer_slot = self._give_slot(proc, site)
 
     def process_of(self, tid: int) -> TracedProcess | None:
         """The traced process a thread belongs to."""

@@ -10,6 +10,7 @@ from dynprobe.arch.x86_64.analysis import (
     Fixup,
     ResumeKind,
     ResumePlan,
+    boost_is_cheaper,
     needs_step_for_post_handler,
     plan_resume,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "Regs",
     "ResumeKind",
     "ResumePlan",
+    "boost_is_cheaper",
     "can_emulate",
     "canonical_name",
     "decode_one",

@@ -69,6 +69,14 @@ def plan_resume(insn: iced.Instruction) -> ResumePlan | Refusal:
     return ResumePlan(ResumeKind.BOOST)
 
 
+def boost_is_cheaper(insn: iced.Instruction) -> bool:
+    """Whether an emulated instruction is better run from a slot where the site stays a trap:
+    both cost one stop, but a push's emulation writes the stack through /proc/PID/mem (a system
+    call, ~7 us a hit here), which the CPU does for nothing. The other emulated instructions
+    change registers alone; and a call run from a slot would push the slot's address."""
+    return insn.mnemonic in (_M.PUSH, _M.PUSHFQ)
+
+
 def needs_step_for_post_handler(plan: ResumePlan) -> ResumePlan:
     """With a post-handler, an out-of-line copy must stop right after the instruction."""
     if plan.kind == ResumeKind.BOOST:
