@@ -398,3 +398,22 @@ def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> No
     assert r.stdout == "detached\ninterrupted\n", r.stdout + r.stderr
     assert_text_matches_files(running.pid)
     assert int(finish(running).split("=")[1]) > 100
+
+
+def test_a_detach_that_cannot_finish_hands_over_to_the_guardian(spinner: str) -> None:
+    """DESIGN 3: a detach that fails half-way (here: putting the optimized sites back raises)
+    still lets every thread go; the guardian then puts back what is left."""
+    with spinning(spinner, "2", "idle", "20") as proc:
+        session = dynprobe.attach(proc.pid)
+        tick = session.probe("tick", action="count")
+        session.probe("on_term", pre=lambda hit: None)
+        session.run(timeout=0.3)
+        assert tick.mode.value == "optimized"
+
+        def fail(*args: object) -> None:
+            raise OSError("a detach that cannot finish")
+
+        session._optimizer.restore_all = fail  # type: ignore[method-assign]
+        session.close()
+        assert_text_matches_files(proc.pid)
+        assert "ticks=" in finish(proc)
