@@ -296,10 +296,10 @@ class Session:
                     self.detach()
             finally:
                 self._stop_consumer()
-                if self._guardian.journal.spans():
-                    self._guardian.hand_over()  # a detach that could not finish: it does what it can
-                else:
+                if self._guardian.journal.empty:
                     self._guardian.dismiss()
+                else:
+                    self._guardian.hand_over()  # a detach that could not finish: it does what it can
 
     def _kill_unstarted(self) -> None:
         for proc in list(self._processes.values()):

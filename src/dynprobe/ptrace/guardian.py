@@ -47,7 +47,7 @@ _MAGIC = b"dpundo1\0"
 _ENTRY = struct.Struct("<IBBxxQ16s")  # pid, kind, length, address, original bytes
 _KIND_AT, _LENGTH_AT, _BYTES_AT = 4, 5, 16
 _FREE, _PATCH = 0, 1
-MAX_SPAN = 16  # bytes of one entry: an instruction, or a 5-byte jump with the int3 before it
+MAX_SPAN = 16  # bytes of one entry (dynprobe changes at most the 5 bytes of a jump)
 CAPACITY = 1 << 18  # entries (8 MiB of address space; pages are touched only as entries are used)
 ATTACH_PATIENCE = 2.0  # seconds the guardian retries attaching while the dying tracer lets go
 
@@ -65,6 +65,10 @@ class Journal:
         self._free: list[int] = []
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
         self.full = False  # more spans than entries: the rest are not journaled
+
+    @property
+    def empty(self) -> bool:
+        return not self._index
 
     def length(self, pid: int, addr: int) -> int:
         """How many bytes at `addr` the journal says are changed (0: none)."""
