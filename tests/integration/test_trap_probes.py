@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 import dynprobe
@@ -149,3 +152,19 @@ def test_indirect_functions_are_probed_where_they_resolve(optimize: bool) -> Non
     )
     assert status == 0 and out == f"{1000 * len(target)}\n"
     assert [p.hits for p in probes] == [1000, 1000, 1001]  # printf's buffer: one malloc more
+
+
+def test_a_name_means_its_default_version(tmp_path: Path) -> None:
+    """libm's exp: programs call exp@@GLIBC_2.29; exp@GLIBC_2.2.5, first in the file, is the
+    compatibility function for programs linked before it."""
+    source = tmp_path / "exp.c"
+    source.write_text(
+        "#include <math.h>\n#include <stdio.h>\n#include <stdlib.h>\n"
+        "int main(int c, char **v) { double (*volatile f)(double) = exp; double s = 0;\n"
+        '  for (int i = 0; i < atoi(v[1]); i++) s += f(i * 1e-3);\n  printf("%.3f\\n", s); return 0; }\n'
+    )
+    subprocess.run(["gcc", "-O1", "-o", str(tmp_path / "exp"), str(source), "-lm"], check=True)
+    argv = [str(tmp_path / "exp"), "1000"]
+    status, out, (now, old) = traced(argv, lambda s: [s.probe("libm:exp"), s.probe("libm:exp@GLIBC_2.2.5")])
+    assert status == 0 and out == run_plain(argv).stdout
+    assert (now.hits, old.hits) == (1000, 0)

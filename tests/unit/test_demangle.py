@@ -67,3 +67,9 @@ def test_names_accepted() -> None:
     )  # fmt: skip
     assert names_of("_ZThn8_N3Bar1fEv")[1:] == ("non-virtual thunk to Bar::f", "non-virtual thunk to Bar::f()")
     assert names_of("main") == ("main",) and names_of("_Znot_mangled") == ("_Znot_mangled",)
+
+
+def test_an_old_version_keeps_its_version_after_the_name() -> None:
+    old = "_ZNSt11char_traitsIcE2eqERKcS2_@GLIBCXX_3.4"  # symbols/elf.py names old versions so
+    assert display(old) == "std::char_traits::eq@GLIBCXX_3.4"
+    assert names_of(old)[:2] == (old, "std::char_traits::eq@GLIBCXX_3.4")

@@ -42,3 +42,13 @@ def test_aliases_show_their_public_name() -> None:
     malloc = libc.by_name["malloc"]
     assert libc.by_name["__libc_malloc"].addr == malloc.addr  # one function, two names
     assert libc.function_at(malloc.addr) == malloc and libc.function_at(malloc.addr + 1) == malloc
+
+
+def test_a_name_means_its_default_version() -> None:
+    """libm's exp@@GLIBC_2.29 is what programs call; exp@GLIBC_2.2.5 is kept for old ones (and
+    comes first in the file). libc's memcpy@GLIBC_2.2.5 likewise, behind an indirect function."""
+    libm = ElfImage("/usr/lib/x86_64-linux-gnu/libm.so.6")
+    default, old = libm.by_name["exp"], libm.by_name["exp@GLIBC_2.2.5"]
+    assert default.addr != old.addr and libm.function_at(old.addr) == old
+    libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    assert "memcpy" in libc.ifuncs and "memcpy" not in libc.by_name and "memcpy@GLIBC_2.2.5" in libc.by_name

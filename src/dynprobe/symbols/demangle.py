@@ -136,19 +136,31 @@ def simplify(full: str) -> str:
 
 def names_of(name: str) -> tuple[str, ...]:
     """The names a symbol answers to: as it is and, for a C++ name, simple, full and full without
-    its return type (a template function's)."""
+    its return type (a template function's); an old version's names keep it ('...@GLIBCXX_3.4')."""
     if not name.startswith("_Z"):
         return (name,)
-    full = demangle_full(name)
-    if full == name:
+    mangled, version = _version_apart(name)
+    full = demangle_full(mangled)
+    if full == mangled:
         return (name,)
     signature = full if full.startswith(_THUNKS) else _without_return_type(full)
-    return (name, simplify(full), full) + ((signature,) if signature != full else ())
+    names = (simplify(full), full) + ((signature,) if signature != full else ())
+    return (name, *(n + version for n in names))
 
 
 def display(name: str, how: Demangle = Demangle.SIMPLE) -> str:
     """`name` as `how` shows it."""
     if how is Demangle.NO or not name.startswith("_Z"):
         return name
-    full = demangle_full(name)
-    return full if how is Demangle.FULL or full == name else simplify(full)
+    mangled, version = _version_apart(name)
+    full = demangle_full(mangled)
+    if full == mangled:
+        return name
+    return (full if how is Demangle.FULL else simplify(full)) + version
+
+
+def _version_apart(name: str) -> tuple[str, str]:
+    """'_ZN...@GLIBCXX_3.4' -> ('_ZN...', '@GLIBCXX_3.4'): a symbol's old version (symbols/elf.py)
+    is no part of its mangled name."""
+    mangled, at, version = name.partition("@")
+    return mangled, at + version

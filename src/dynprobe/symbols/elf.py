@@ -15,6 +15,7 @@ import numpy as np
 from elftools.common.exceptions import ELFError, ELFParseError
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
+from elftools.elf.gnuversions import GNUVerDefSection
 from elftools.elf.sections import SymbolTableSection
 
 from dynprobe.errors import ElfError, SymbolError
@@ -181,6 +182,7 @@ class ElfImage:
             section = elf.get_section_by_name(table)
             if not isinstance(section, SymbolTableSection) or section["sh_entsize"] != _SYM.itemsize:
                 continue
+            old = ElfImage._old_versions(elf) if table == ".dynsym" else {}
             strtab = elf.get_section(section["sh_link"]).data()
             syms = np.frombuffer(section.data(), dtype=_SYM)
             kind = syms["info"] & 0xF
@@ -191,17 +193,41 @@ class ElfImage:
                 (objects, np.nonzero((syms["shndx"] != 0) & np.isin(kind, (_STT_OBJECT, _STT_TLS)))[0]),
                 (ifuncs, np.nonzero(defined & (kind == _STT_GNU_IFUNC))[0]),
             ):
-                for name_off, value, size in zip(
-                    syms["name"][rows].tolist(), syms["value"][rows].tolist(), syms["size"][rows].tolist(), strict=True
-                ):
+                for row, name_off, value, size in zip(
+                    rows.tolist(), syms["name"][rows].tolist(), syms["value"][rows].tolist(),
+                    syms["size"][rows].tolist(), strict=True,
+                ):  # fmt: skip
                     end = strtab.find(b"\0", name_off)
                     name = strtab[name_off : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
-                    clean = name.split("@", 1)[0]
+                    # A name's default version is the name ('exp@@GLIBC_2.29' in .symtab); an
+                    # older one keeps its version ('exp@GLIBC_2.2.5'): programs linked today call
+                    # the default, and a probe on the name must be there.
+                    clean = name.split("@@", 1)[0] if row not in old else f"{name}@{old[row]}"
                     if into is None:
                         seen.setdefault((clean, value), Function(clean, value, size))
                     else:
                         into.setdefault(clean, value)
         return sorted(seen.values(), key=_symbol_order), objects, ifuncs
+
+    @staticmethod
+    def _old_versions(elf: ELFFile) -> dict[int, str]:
+        """.dynsym index -> the version of each symbol that is not its name's default (hidden in
+        .gnu.version: a compatibility symbol such as memcpy@GLIBC_2.2.5 or exp@GLIBC_2.2.5)."""
+        versym = elf.get_section_by_name(".gnu.version")
+        if versym is None:
+            return {}
+        indices = np.frombuffer(versym.data(), dtype="<u2")
+        hidden = np.nonzero(indices & 0x8000)[0]
+        if not len(hidden):
+            return {}
+        names: dict[int, str] = {}
+        verdef = elf.get_section_by_name(".gnu.version_d")
+        if isinstance(verdef, GNUVerDefSection):
+            for definition, auxiliaries in verdef.iter_versions():
+                first = next(iter(auxiliaries), None)
+                if first is not None:
+                    names[definition["vd_ndx"]] = first.name
+        return {int(i): names.get(int(indices[i]) & 0x7FFF, "old") for i in hidden}
 
     # --- address arithmetic -----------------------------------------------------------------
     def vaddr_to_offset(self, vaddr: int) -> int | None:
