@@ -169,8 +169,7 @@ def _killed_tracer(argv: list[str], ready: str, delay: float = 0.0) -> str:
             raise AssertionError(f"the tracer ended before {ready!r}: {''.join(seen)}")
         time.sleep(delay)
         tracer.kill()
-        tracer.wait()
-        return tracer.stdout.read()
+        return tracer.communicate(timeout=20)[0]
     finally:
         if tracer.poll() is None:
             tracer.kill()
@@ -212,7 +211,8 @@ def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
     with open(os.devnull, "w") as devnull, dynprobe.spawn([spinner, "1", "idle", "0.2"], stdout=devnull) as session:
         session.probe("tick")
         guardian = session._guardian.pid
-        os.kill(guardian, 0)  # there while the session is
+        with open(f"/proc/{guardian}/comm") as comm:  # there while the session is, by its own name
+            assert comm.read() == "dynprobe-guard\n"
         assert session.run(timeout=20) == 0
     # Gone at close: it has closed its end of a pipe the session waits on, and is exiting (its
     # parent is init, which reaps it in its own time).
