@@ -182,6 +182,12 @@ def test_bad_targets(tmp_path: Path) -> None:
     notelf.write_text("#!/bin/sh\necho hi\n")
     notelf.chmod(0o755)
     r = dp("trace", "main", "--", str(notelf))
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"dynprobe: error: {notelf} is a script (/bin/sh), not a program: give dynprobe the program it runs "
+        "(a pyenv shim's: `pyenv which python3`)"
+    )
+    notelf.write_text("echo hi\n")
+    r = dp("trace", "main", "--", str(notelf))
     assert r.returncode == 1 and r.stderr.strip() == f"dynprobe: error: {notelf} is not an ELF file"
     elf32 = tmp_path / "elf32"
     data = bytearray(Path(shutil.which("true") or "/bin/true").read_bytes())

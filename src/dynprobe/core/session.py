@@ -1948,6 +1948,17 @@ def spawn(
         raise ProcessError(f"command not found: {argv[0]}")
     if not os.path.exists(exe):
         raise ProcessError(f"no such file: {exe}")
+    try:
+        with open(exe, "rb") as f:
+            shebang = f.readline(256)
+    except OSError:
+        shebang = b""  # load_elf says why
+    if shebang.startswith(b"#!"):
+        interpreter = shebang[2:].decode(errors="replace").strip()
+        raise ProcessError(
+            f"{argv[0]} is a script ({interpreter}), not a program: give dynprobe the program it runs "
+            "(a pyenv shim's: `pyenv which python3`)"
+        )
     load_elf(exe)  # a non-ELF or 32-bit command is refused before it runs
     stdio = [f if f is None or isinstance(f, int) else f.fileno() for f in (stdin, stdout, stderr)]
     tracee = ptrace_spawn(argv, env, *stdio)
