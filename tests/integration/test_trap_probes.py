@@ -35,12 +35,11 @@ def test_exact_hit_counts(counter: str, threads: int) -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 8])
-def test_a_push_on_a_lasting_trap_runs_from_its_slot(threads: int) -> None:
+def test_a_push_on_a_lasting_trap_runs_from_its_slot(counter: str, threads: int) -> None:
     """A push is emulated with a write to the stack (a system call); where the site stays a trap
     (a Python handler here) it runs from a slot instead, made at placement: same results, exact
     counts. A site the optimizer will take keeps emulating its few trap hits (no slot for it)."""
-    pushes = build_target("pushes", flags=("-O1", "-pthread"))
-    argv = [pushes, "2000", str(threads)]
+    argv = [counter, "2000", str(threads), "push"]
     seen: list[int] = []
     status, out, (probe,) = traced(argv, lambda s: [s.probe("pushy", pre=lambda hit: seen.append(hit.regs.rdi))])
     assert status == 0 and out == run_plain(argv).stdout
