@@ -29,8 +29,11 @@ def test_entries_are_reused_and_kept_apart_by_process() -> None:
     journal.record(1, 0x2000, REGION)  # the freed entry
     assert journal.spans() == {2: [(0x1000, b"\x53")], 1: [(0x2000, REGION)]}
     assert not journal.full
-    journal.record(3, 0x3000, b"\x90")  # no entry left: not journaled, and said so
-    assert journal.full and 3 not in journal.spans()
+    told: list[bool] = []
+    journal.on_full = lambda: told.append(True)
+    journal.record(3, 0x3000, b"\x90")  # no entry left: not journaled, and said so (once)
+    journal.record(3, 0x4000, b"\x90")
+    assert journal.full and 3 not in journal.spans() and told == [True]
 
 
 def test_fork_and_exec() -> None:

@@ -265,6 +265,10 @@ class Session:
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
         self._events_lock = threading.Lock()
         self._guardian = Guardian()
+        self._guardian.journal.on_full = lambda: self._warn(
+            f"more than {self._guardian.journal.capacity:,} code changes: if dynprobe dies, its guardian "
+            "will not put back the rest"
+        )
         try:
             proc = TracedProcess(tracee, _exe_of(tracee.pid))
             self._add_process(proc)

@@ -40,7 +40,7 @@ import signal
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dynprobe.errors import ProcessError
 from dynprobe.ptrace import syscalls as sc
@@ -72,6 +72,7 @@ class Journal:
         self._free: list[int] = []
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
         self.full = False  # more spans than entries: the rest are not journaled
+        self.on_full: Callable[[], object] | None = None  # told once, when that happens
 
     @property
     def empty(self) -> bool:
@@ -139,6 +140,8 @@ class Journal:
         if self._free:
             return self._free.pop()
         if self._used == self.capacity:
+            if not self.full and self.on_full is not None:
+                self.on_full()
             self.full = True
             return None
         entry = self._used
