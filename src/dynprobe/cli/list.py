@@ -70,8 +70,7 @@ def _modules(args: argparse.Namespace) -> list[tuple[str, int]]:
                 image = load_elf(path)
             except DynprobeError:
                 continue
-            first = min((s.vaddr for s in image.segments), default=0) & ~0xFFF
-            out.append((path, start - first if image.is_pie else 0))
+            out.append((path, start - image.first_page if image.is_pie else 0))
         return out
     if args.binary is None:
         raise UsageError("give a BINARY or -p PID")

@@ -44,7 +44,7 @@ from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.ifunc import callable_functions
-from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps
+from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, maps_file, read_maps
 
 if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
@@ -328,13 +328,13 @@ class Tracing:
     def _forget_unmapped(proc: TracedProcess, maps: list[Mapping]) -> None:
         """Sites whose library was unloaded (dlclose): nothing of ours is left there, and the
         address may hold another library by now, which must never get the old bytes back."""
-        keys: dict[str, tuple[int, int] | None] = {}
+        code: dict[str, list[tuple[int, int]]] = {}  # path -> where it is mapped executable
         for fid, site in list(proc.tracing.sites.items()):
             path = site.function.path
-            if path not in keys:
-                keys[path] = file_key(path)
-            m = mapping_at(maps, site.addr)
-            if m is not None and m.executable and maps_file(m, keys[path], path):
+            if path not in code:
+                key = file_key(path)
+                code[path] = [(m.start, m.end) for m in maps if m.executable and maps_file(m, key, path)]
+            if any(start <= site.addr < end for start, end in code[path]):
                 continue
             del proc.tracing.sites[fid]
             proc.dirty.append(DirtyDetour(site.detour, site.size, ()))

@@ -1312,14 +1312,15 @@ class Session:
             proc.sites[addr] = site
         site.probes.append(probe)
         probe.sites[proc.pid] = addr
+        self._set_armed(proc, site, site.wanted)
         if (
-            site.plan.kind == ResumeKind.EMULATE
+            site.armed  # then the optimizer has said why it is a trap (site.refusal)
+            and site.refusal in _LASTING_TRAP
+            and site.plan.kind == ResumeKind.EMULATE
             and not site.prefer_slot
             and boost_is_cheaper(site.insn)
-            and self._optimizer.trap_reason(proc, site) in _LASTING_TRAP
         ):
             self._slot_for_boost(proc, site)
-        self._set_armed(proc, site, site.wanted)
 
     def _slot_for_boost(self, proc: TracedProcess, site: Site) -> None:
         """A slot for an emulated push whose site stays a trap: cheaper from there (an emulated

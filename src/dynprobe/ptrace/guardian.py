@@ -66,8 +66,8 @@ class Journal:
 
     def __init__(self, capacity: int = CAPACITY) -> None:
         self.capacity = capacity
-        self._map = self.memory = mmap.mmap(-1, _ENTRIES_AT + capacity * _ENTRY.size)
-        _HEADER.pack_into(self._map, 0, _MAGIC, 0)
+        self.memory = mmap.mmap(-1, _ENTRIES_AT + capacity * _ENTRY.size)
+        _HEADER.pack_into(self.memory, 0, _MAGIC, 0)
         self._used = 0
         self._free: list[int] = []
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
@@ -81,7 +81,7 @@ class Journal:
     def length(self, pid: int, addr: int) -> int:
         """How many bytes at `addr` the journal says are changed (0: none)."""
         entry = self._index.get((pid, addr))
-        return 0 if entry is None else self._map[self._at(entry) + _LENGTH_AT]
+        return 0 if entry is None else self.memory[self._at(entry) + _LENGTH_AT]
 
     def record(self, pid: int, addr: int, original: bytes) -> None:
         """`original` was at `addr` before dynprobe changed it (a prefix of what it changed)."""
@@ -93,22 +93,22 @@ class Journal:
         if entry is not None:
             at = self._at(entry)
             # The bytes first: those of a shorter span are a prefix of these (a file's bytes).
-            self._map[at + _BYTES_AT : at + _BYTES_AT + len(original)] = original
-            self._map[at + _LENGTH_AT] = len(original)
+            self.memory[at + _BYTES_AT : at + _BYTES_AT + len(original)] = original
+            self.memory[at + _LENGTH_AT] = len(original)
             return
         entry = self._take()
         if entry is None:
             return
         at = self._at(entry)
-        _ENTRY.pack_into(self._map, at, pid, _FREE, len(original), addr, original)
-        self._map[at + _KIND_AT] = _PATCH
+        _ENTRY.pack_into(self.memory, at, pid, _FREE, len(original), addr, original)
+        self.memory[at + _KIND_AT] = _PATCH
         self._index[(pid, addr)] = entry
 
     def drop(self, pid: int, addr: int) -> None:
         """The bytes at `addr` are the original ones again."""
         entry = self._index.pop((pid, addr), None)
         if entry is not None:
-            self._map[self._at(entry) + _KIND_AT] = _FREE
+            self.memory[self._at(entry) + _KIND_AT] = _FREE
             self._free.append(entry)
 
     def forget(self, pid: int) -> None:
@@ -121,17 +121,17 @@ class Journal:
         for (pid, addr), entry in list(self._index.items()):
             if pid == parent:
                 at = self._at(entry)
-                length = self._map[at + _LENGTH_AT]
-                self.record(child, addr, bytes(self._map[at + _BYTES_AT : at + _BYTES_AT + length]))
+                length = self.memory[at + _LENGTH_AT]
+                self.record(child, addr, bytes(self.memory[at + _BYTES_AT : at + _BYTES_AT + length]))
 
     def spans(self) -> dict[int, list[tuple[int, bytes]]]:
         """Every journaled span by pid: (address, original bytes). Read from the shared memory
         alone (the guardian has no index)."""
-        magic, used = _HEADER.unpack_from(self._map, 0)
+        magic, used = _HEADER.unpack_from(self.memory, 0)
         assert magic == _MAGIC
         out: dict[int, list[tuple[int, bytes]]] = {}
         for entry in range(min(used, self.capacity)):
-            pid, kind, length, addr, original = _ENTRY.unpack_from(self._map, self._at(entry))
+            pid, kind, length, addr, original = _ENTRY.unpack_from(self.memory, self._at(entry))
             if kind == _PATCH and 0 < length <= MAX_SPAN:
                 out.setdefault(pid, []).append((addr, original[:length]))
         return out
@@ -146,7 +146,7 @@ class Journal:
             return None
         entry = self._used
         self._used += 1
-        _HEADER.pack_into(self._map, 0, _MAGIC, self._used)
+        _HEADER.pack_into(self.memory, 0, _MAGIC, self._used)
         return entry
 
     @staticmethod

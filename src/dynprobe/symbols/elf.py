@@ -230,6 +230,12 @@ class ElfImage:
         return {int(i): names.get(int(indices[i]) & 0x7FFF, "old") for i in hidden}
 
     # --- address arithmetic -----------------------------------------------------------------
+    @property
+    def first_page(self) -> int:
+        """The link-time address of the file's first mapped page: where it is mapped, minus
+        this, is its load bias."""
+        return min((s.vaddr for s in self.segments), default=0) & ~0xFFF
+
     def vaddr_to_offset(self, vaddr: int) -> int | None:
         for seg in self.segments:
             if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:

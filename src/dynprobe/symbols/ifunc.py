@@ -46,9 +46,8 @@ def implementations(image: ElfImage, names: list[str]) -> dict[str, Function]:
         return {}
     found = _resolved(image.path, wanted)
     out = {}
-    first = min((s.vaddr for s in image.segments), default=0) & ~0xFFF
     for name, vaddr in found.items():
-        vaddr += first
+        vaddr += image.first_page
         func = image.function_at(vaddr)
         if func is not None and func.addr == vaddr and image.is_executable(vaddr):
             out[name] = Function(name, vaddr, func.size)
