@@ -8,6 +8,7 @@ import contextlib
 import os
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -309,3 +310,28 @@ def test_records_of_different_sizes_all_fit(opt: str) -> None:
     assert status == 0 and out == "strings ok\n"
     assert small.mode == big.mode == OPTIMIZED  # type: ignore[attr-defined]
     assert len([e for e in events if e.probe is big]) == 5
+
+
+@pytest.mark.parametrize("rseq", ["registered", "off"])
+def test_records_carry_the_cpu_the_thread_ran_on(rseq: str) -> None:
+    """The CPU number of each record, from the thread's rseq area (glibc registers one per
+    thread) or by rdpid: without rseq (a tunable turns it off: a negative CPU there), and on a
+    thread whose thread pointer is not glibc's (the load faults, and its fix-up takes rdpid)."""
+    if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
+        pytest.skip("needs CPUs 0 and 1")
+    target = build_target("cpus", flags=("-O1", "-pthread"))
+    env = dict(os.environ)
+    if rseq == "off":
+        env["GLIBC_TUNABLES"] = "glibc.pthread.rseq=0"
+    events: list[ProbeEvent] = []
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([target], env=env, stdout=out.fileno()) as session:
+            probe = session.probe("p work cpu=%di:s64", on_event=events.append)
+            assert session.run(timeout=60) == 0
+        out.seek(0)
+        assert out.read() == "done\n"
+    assert probe.mode == OPTIMIZED and not probe.resumes  # every hit in the detour
+    by_thread = Counter(e.tid for e in events)
+    assert len(by_thread) == 3 and set(by_thread.values()) == {2 * 50}
+    assert [e.values["cpu"] for e in events] == [0] * 50 + [1] * 50 + [0] * 50 + [1] * 50 + [0] * 50 + [1] * 50
+    assert [e.cpu for e in events] == [e.values["cpu"] for e in events]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from collections.abc import Iterator
 
 import iced_x86 as iced
@@ -96,12 +97,12 @@ class NativeArea:
         self.words = self.mem.view(np.uint64)
         self.pages: list[mmap.mmap] = []
 
-    def run(self, programs: list[Program], *args: int) -> None:
+    def run(self, programs: list[Program], *args: int, rseq_offset_at: int | None = None) -> None:
         """Run the actions of a detour for `programs` as f(args...) on this thread."""
         page = mmap.mmap(-1, 1 << 14, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
         self.pages.append(page)
         base = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True)
+        detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True, rseq_offset_at=rseq_offset_at)
         assert not isinstance(detour, OptimizeRefusal)
         page.write(detour.code[: detour.action_bytes] + b"\xc3")  # the actions, then ret
         func = ctypes.CFUNCTYPE(None, *[ctypes.c_uint64] * len(args))(base)
@@ -213,3 +214,43 @@ def test_native_filter_agrees_with_the_tracer(area: NativeArea) -> None:
         signed = s - 2**32 if s >> 31 else s
         expected += matches(keep, {"u": u, "s": signed, "b": b & 0xFF})
     assert area.counter(0, L.HITS) == expected == 3
+
+
+def _rseq_offset_address() -> int | None:
+    try:
+        return ctypes.addressof(ctypes.c_int64.in_dll(libc, "__rseq_offset"))
+    except ValueError:
+        return None
+
+
+@pytest.mark.parametrize("source", ["rseq", "rseq unregistered", "rdpid"])
+def test_native_record_cpu_number(area: NativeArea, source: str) -> None:
+    """The record's CPU: from the thread's rseq area (this process's glibc registered one), by
+    rdpid when that area says it is not registered (a negative CPU), or by rdpid alone."""
+    rseq_offset_at = _rseq_offset_address()
+    if rseq_offset_at is None:
+        pytest.skip("this glibc has no __rseq_offset (glibc < 2.35)")
+    fake = ctypes.c_int64(0)
+    if source == "rseq unregistered":
+        fs = ctypes.c_uint64()
+        assert libc.syscall(158, 0x1003, ctypes.byref(fs)) == 0  # ARCH_GET_FS
+        unregistered = (ctypes.c_int32 * 2)(0, -2)  # cpu_id_start, cpu_id
+        fake.value = ctypes.addressof(unregistered) - fs.value
+        rseq_offset_at = ctypes.addressof(fake)
+    prog = Program(0, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
+    at = None if source == "rdpid" else rseq_offset_at
+    code = build_detour(plan(), [prog], LAYOUT, AT, True, rseq_offset_at=at)
+    assert not isinstance(code, OptimizeRefusal)
+    loads = [i for i in iter_instructions(code.code, AT) if i.memory_segment == iced.Register.FS]
+    assert len(loads) == (0 if at is None else 1)
+    if loads:  # a load that faults (no thread pointer yet) goes on to rdpid
+        rdpid = next(i for i in iter_instructions(code.code, AT) if i.mnemonic == iced.Mnemonic.RDPID)
+        assert code.fixups[int(loads[0].ip)] == int(rdpid.ip)
+    allowed = os.sched_getaffinity(0)
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})
+            area.run([prog], rseq_offset_at=at)
+            assert int.from_bytes(area.records()[-1][2:4], "little") == cpu
+    finally:
+        os.sched_setaffinity(0, allowed)

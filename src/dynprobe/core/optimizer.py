@@ -207,14 +207,14 @@ class Optimizer:
         start = session.allocate_slot(proc, site.addr, room)
         if start is None:
             return OptimizeRefusal.NO_MEMORY
-        built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline)
+        built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline, proc.rseq_offset_at)
         if not isinstance(built, OptimizeRefusal) and len(built.code) > room:
             proc.slots.free(start, room)  # a big record: place it again with the room it needs
             room = len(built.code) + 32
             start = session.allocate_slot(proc, site.addr, room)
             if start is None:
                 return OptimizeRefusal.NO_MEMORY
-            built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline)
+            built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline, proc.rseq_offset_at)
         if isinstance(built, OptimizeRefusal) or len(built.code) > room:
             proc.slots.free(start, room)
             return built if isinstance(built, OptimizeRefusal) else OptimizeRefusal.NO_MEMORY

@@ -243,7 +243,9 @@ class ReturnProbes:
             return returns.stub
         mult = session.tsc_mult()
         resolver = session.symbol_resolver_for(probe, proc)
-        code = build_return_code(probe.program(), session.layout, at, returns.trampoline, mult, resolver)
+        code = build_return_code(
+            probe.program(), session.layout, at, returns.trampoline, mult, resolver, proc.rseq_offset_at
+        )
         if isinstance(code, OptimizeRefusal) or len(code) > RETURN_CODE_ROOM:
             proc.slots.free(at, RETURN_CODE_ROOM)
             _debug(f"{probe.name}: return part at a stop ({code if isinstance(code, OptimizeRefusal) else 'too big'})")

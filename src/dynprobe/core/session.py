@@ -89,10 +89,20 @@ from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.loader import loaded_libraries
-from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, mapping_at, maps_file, read_maps, root_of
+from dynprobe.symbols.maps import (
+    Mapping,
+    address_of_offset,
+    file_key,
+    load_bias,
+    mapping_at,
+    maps_file,
+    read_maps,
+    root_of,
+)
 from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
+RSEQ_OFFSET = "__rseq_offset"  # glibc 2.35+: where its threads' rseq areas are, from the thread pointer
 # Reasons a site stays a trap for as long as its probes are there (not the optimizer's delay).
 _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, OptimizeRefusal.PYTHON_HANDLER)
 
@@ -134,6 +144,7 @@ class TracedProcess:
     tracing: ProcessTracing = field(default_factory=ProcessTracing)  # function tracer sites and code
     loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
     needed: dict[str, str] | None = None  # the libraries its loader maps (symbols/loader.py), once asked
+    rseq_offset_at: int | None = None  # where its glibc keeps __rseq_offset (set with its areas)
 
     def libraries(self) -> dict[str, str]:
         """The libraries the process's loader maps (or has mapped) at start: where a library
@@ -1213,16 +1224,38 @@ class Session:
         self.tracing.modules_changed(proc, self._last_maps[proc.pid])
         self._optimizer.expedite()
 
-    def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
-        if proc.loader_hook in proc.sites:
-            return
+    def _interpreter(self, proc: TracedProcess) -> str | None:
+        """The path of the process's dynamic linker, as we reach it (None: a static binary)."""
         try:
             interp = load_elf(proc.exe).interp
         except SymbolError:
+            return None
+        return files.real_path(root_of(proc.pid) + interp) if interp else None
+
+    def _rseq_offset_at(self, proc: TracedProcess) -> int | None:
+        """Where the process's glibc (2.35 and later) keeps `__rseq_offset`: the distance from a
+        thread's pointer to the rseq area glibc registers for it, where the kernel keeps the
+        thread's CPU number (a load: cheaper than `rdpid`). None without it."""
+        maps = self._maps_now.get(proc.pid) or read_maps(proc.pid)
+        for path in (proc.exe, self._interpreter(proc)):
+            if path is None:
+                continue
+            try:
+                image = load_elf(path)
+            except SymbolError:
+                continue
+            vaddr = image.objects.get(RSEQ_OFFSET)  # the program's first: a copy relocation's
+            bias = load_bias(maps, file_key(path), path, image.first_page) if vaddr is not None else None
+            if vaddr is not None and bias is not None:
+                return bias + vaddr
+        return None
+
+    def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        if proc.loader_hook in proc.sites:
             return
-        if not interp:
+        path = self._interpreter(proc)
+        if path is None:
             return  # static binary: nothing is loaded later
-        path = files.real_path(root_of(proc.pid) + interp)
         try:
             func = load_elf(path).by_name.get(LOADER_HOOK)
         except SymbolError:
@@ -1706,6 +1739,7 @@ class Session:
 
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         areas = new_thread_areas(proc, self)
+        proc.rseq_offset_at = self._rseq_offset_at(proc)
         self._ensure_consumer().processes.append(areas)
         return areas
 

@@ -86,6 +86,16 @@ def address_of_offset(maps: list[Mapping], key: tuple[int, int] | None, path: st
     return None
 
 
+def load_bias(maps: list[Mapping], key: tuple[int, int] | None, path: str, first_page: int) -> int | None:
+    """What to add to the file's link-time addresses for where they are (its first page, link
+    address `first_page`, is the mapping of offset 0), or None if it is not mapped. For data:
+    a file offset may be mapped twice (read-only data, and the first page of RELRO data)."""
+    for m in maps:
+        if m.offset == 0 and maps_file(m, key, path):
+            return m.start - first_page
+    return None
+
+
 def mapping_at(maps: list[Mapping], addr: int) -> Mapping | None:
     for m in maps:
         if m.start <= addr < m.end:
