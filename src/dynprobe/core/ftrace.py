@@ -34,8 +34,7 @@ from dynprobe.arch.x86_64.codegen import (
     build_tracer_site,
     call_to,
 )
-from dynprobe.arch.x86_64.decode import iter_instructions
-from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
+from dynprobe.arch.x86_64.optimize import can_optimize
 from dynprobe.core.optimizer import DirtyDetour
 from dynprobe.errors import OptimizeRefusal, Refusal, SessionError
 from dynprobe.ringbuf import layout as L
@@ -271,21 +270,21 @@ class Tracing:
         code = image.code(func.vaddr, func.size)
         # After an endbr64 when there is one: a call through a pointer must still land on it (IBT).
         skip = len(ENDBR64) if code.startswith(ENDBR64) else 0
-        plan = can_optimize(code, func.vaddr, func.vaddr + skip, frozenset(), image.branch_targets())
+        bias = addr - func.vaddr
+        plan = can_optimize(code, addr, addr + skip, frozenset(), image.branch_targets(), bias)
         if isinstance(plan, OptimizeRefusal) and skip:
             skip = 0
-            plan = can_optimize(code, func.vaddr, func.vaddr, frozenset(), image.branch_targets())
+            plan = can_optimize(code, addr, addr, frozenset(), image.branch_targets(), bias)
         if isinstance(plan, OptimizeRefusal):
             return plan.name
         addr += skip
         if any(addr <= a < addr + plan.length for a in proc.sites):
             return "PROBED"  # a probe's int3 or jump is there
-        original = image.code(func.vaddr + skip, plan.length)
+        original = code[skip : skip + plan.length]
         if proc.tracee.read(addr, plan.length) != original:
             return "BYTES_MISMATCH"
         if any(addr < rip < addr + plan.length for rip in rips):
             return "BUSY"  # a thread is inside the patched bytes now
-        plan = OptimizePlan(addr, tuple(iter_instructions(original, addr)))
         at = self.session.allocate_slot(proc, addr, SITE_ROOM)
         if at is None:
             return OptimizeRefusal.NO_MEMORY.name

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen import Detour, build_detour
-from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
@@ -131,10 +130,11 @@ class Optimizer:
         at_int3 = {int(rip) - 1 for tid, rip in rips.items() if self._trapped(proc, tid)}
         busy: list[Site] = []
         for site in sites:
-            plan = self._plan(proc, site)
-            if isinstance(plan, OptimizeRefusal):
-                self._refuse(site, plan, static=True)
+            planned = self._plan(proc, site)
+            if isinstance(planned, OptimizeRefusal):
+                self._refuse(site, planned, static=True)
                 continue
+            plan, original = planned
             inside = [
                 rip for rip in rips.values()
                 if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in at_int3))
@@ -148,7 +148,7 @@ class Optimizer:
                 self._refuse(site, detour)
                 continue
             start, built = detour
-            site.region = load_elf(site.probes[0].location.path).code(site.probes[0].location.vaddr, plan.length)
+            site.region = original
             proc.tracee.patch(site.addr, jump_to(site.addr, start), site.region)
             site.optimized = True
             site.armed = False
@@ -177,21 +177,23 @@ class Optimizer:
         if static:
             site.static_refusal = reason
 
-    def _plan(self, proc: TracedProcess, site: Site) -> OptimizePlan | OptimizeRefusal:
+    def _plan(self, proc: TracedProcess, site: Site) -> tuple[OptimizePlan, bytes] | OptimizeRefusal:
+        """The site's plan, decoded where it runs, and the bytes its jump replaces."""
         loc = site.probes[0].location
         image = load_elf(loc.path)
         func = loc.function if loc.function is not None and loc.function.size else image.function_at(loc.vaddr)
         if func is None or not func.size:
             return OptimizeRefusal.FUNCTION_UNKNOWN
         bias = site.addr - loc.vaddr
-        near = frozenset(a - bias for a in range(site.addr + 1, site.addr + 32) if a in proc.sites)
-        plan = can_optimize(image.code(func.addr, func.size), func.addr, loc.vaddr, near, image.branch_targets())
+        code = image.code(func.addr, func.size)
+        plan = can_optimize(code, func.addr + bias, site.addr, proc.sites, image.branch_targets(), bias)
         if isinstance(plan, OptimizeRefusal):
             return plan
-        original = image.code(loc.vaddr, plan.length)
+        start = loc.vaddr - func.addr
+        original = code[start : start + plan.length]
         if proc.tracee.read(site.addr + 1, plan.length - 1) != original[1:]:
             return OptimizeRefusal.UNDECODABLE  # the target changed its own code there
-        return OptimizePlan(site.addr, tuple(iter_instructions(original, site.addr)))
+        return plan, original
 
     def _place_detour(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan

@@ -12,6 +12,8 @@ Pure: function bytes + addresses in, a plan or a reason out.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Container
 from dataclasses import dataclass
 
 import iced_x86 as iced
@@ -40,7 +42,7 @@ class OptimizePlan:
     site: int
     region: tuple[iced.Instruction, ...]
 
-    @property
+    @functools.cached_property
     def length(self) -> int:
         return sum(insn.len for insn in self.region)
 
@@ -64,12 +66,15 @@ def can_optimize(
     code: bytes,
     func_start: int,
     site: int,
-    other_probes: frozenset[int] = frozenset(),
-    module_targets: frozenset[int] = frozenset(),
+    other_probes: Container[int] = frozenset(),
+    module_targets: Container[int] = frozenset(),
+    bias: int = 0,
 ) -> OptimizePlan | OptimizeRefusal:
     """Whether the site at `site`, in the function whose whole code is `code` (at `func_start`),
-    can take a 5-byte jump. `other_probes`: other probes of the module. `module_targets`: branch
-    targets of the module's other functions (glibc's mempcpy jumps to a label inside memmove)."""
+    can take a 5-byte jump; the plan's instructions are decoded at those addresses (where the
+    code runs, to be relocated from there). `other_probes`: other probes' addresses.
+    `module_targets`: branch targets of the module's other functions (glibc's mempcpy jumps to
+    a label inside memmove), as link-time addresses, `bias` below where they run."""
     if not code:
         return OptimizeRefusal.FUNCTION_UNKNOWN
     func_end = func_start + len(code)
@@ -97,7 +102,7 @@ def can_optimize(
         if target is not None and site < target < region_end:
             return OptimizeRefusal.JUMP_INTO_REGION
     inside = range(site + 1, region_end)
-    if any(addr in module_targets for addr in inside):
+    if any(addr - bias in module_targets for addr in inside):
         return OptimizeRefusal.JUMP_INTO_REGION
     if any(addr in other_probes for addr in inside):
         return OptimizeRefusal.REGION_OVERLAP
