@@ -114,14 +114,17 @@ def test_attach_optimize_detach_cycles_leave_the_program_unharmed(opt: str) -> N
         proc.wait()
 
 
-def test_which_mode_each_probe_ends_in(opt: str) -> None:
-    """HAZARDS 12, 13, 17: odd shapes are traps with the reason, or jumps that keep results."""
+@pytest.mark.parametrize("placed", ["one by one", "in a batch"])
+def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
+    """HAZARDS 12, 13, 17: odd shapes are traps with the reason, or jumps that keep results. In
+    a batch, sites are optimized at its end without a trap first: those refused get theirs then."""
     rounds = 2000
 
     def setup(session: dynprobe.Session) -> dict[str, dynprobe.Probe]:
         names = ["jump_into", "one_ret", "call_first", "add_one", "endbr_func", "endbr_func+4", "redzone_leaf+10"]
-        probes = {name: session.probe(name) for name in names}
-        probes["python"] = session.probe("hammer", pre=lambda hit: None)
+        with session.batch() if placed == "in a batch" else contextlib.nullcontext():
+            probes = {name: session.probe(name) for name in names}
+            probes["python"] = session.probe("hammer", pre=lambda hit: None)
         return probes
 
     status, out, made = traced([opt, "shapes", "1", str(rounds)], setup, optimize=True)

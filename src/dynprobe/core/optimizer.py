@@ -73,8 +73,8 @@ class Optimizer:
                 return reason
         return site.static_refusal
 
-    def consider(self, proc: TracedProcess, site: Site) -> None:
-        """An armed trap site: queue it if it may be optimized."""
+    def consider(self, proc: TracedProcess, site: Site) -> bool:
+        """An armed trap site: queue it if it may be optimized (True if it is queued)."""
         self._set_refusal(site, self.trap_reason(proc, site))
         if DEBUG:
             _debug(f"site {site.addr:#x}: {site.refusal or 'queued for optimization'}")
@@ -82,6 +82,8 @@ class Optimizer:
             self._queue.setdefault(proc.pid, set()).add(site.addr)
             if self._due is None:
                 self._due = time.monotonic() + self.delay
+            return True
+        return False
 
     @staticmethod
     def _programs_key(site: Site) -> tuple[int, ...]:

@@ -219,7 +219,7 @@ class Site:
     # An emulated push on a site that stays a trap: its hits run it from the slot, made at
     # placement (analysis.boost_is_cheaper).
     prefer_slot: bool = False
-    armed: bool = False  # our int3 is there
+    armed: bool = False  # our int3 is there (in a batch: will be, unless it is optimized at its end)
     optimized: bool = False  # our jmp is there
     detour: tuple[int, int] | None = None  # (address, size) of the optimized site's code
     region: bytes = b""  # the original bytes the jmp replaced

@@ -274,6 +274,8 @@ class Session:
         self._comms: dict[tuple[int, int], str] = {}
         self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
+        # within batch(): sites armed for the optimizer, whose int3 waits for its verdict
+        self._int3_deferred: list[tuple[TracedProcess, Site]] | None = None
         self._events_lock = threading.Lock()
         self._guardian = Guardian()
         self._guardian.journal.on_full = lambda: self._warn(
@@ -517,15 +519,35 @@ class Session:
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
         """Place many probes at once: the memory maps are read once for all of them (call it
-        while the target is stopped, between runs: nothing is mapped meanwhile)."""
+        while the target is stopped, between runs: nothing is mapped meanwhile). Probes that
+        may be optimized are, at the end of the block, without a trap first: their int3 is
+        written only where the optimizer refuses the site."""
+        if self._int3_deferred is not None:  # nested: the outer block does it
+            yield
+            return
         self._maps_now = {pid: read_maps(pid) for pid in self._processes}
+        self._int3_deferred = []
         try:
             with files.unchanged(), contextlib.ExitStack() as stack:
                 for proc in list(self._processes.values()):
                     stack.enter_context(proc.tracee.batched())
-                yield
+                try:
+                    yield
+                finally:
+                    self._end_batch()
         finally:
             self._maps_now = {}
+            self._int3_deferred = None
+
+    def _end_batch(self) -> None:
+        deferred, self._int3_deferred = self._int3_deferred or [], None
+        try:
+            if deferred:
+                self._optimizer.flush()
+        finally:
+            for proc, site in deferred:
+                if site.armed and not site.optimized and proc.status is None and proc.sites.get(site.addr) is site:
+                    self._write_int3(proc, site)
 
     @staticmethod
     def _action_kind(action: str | ActionKind | None, python: bool, on_event: EventHandler | None) -> ActionKind | None:
@@ -1403,21 +1425,31 @@ class Session:
             # A Python handler, a disabled or removed probe, or one more action on the site: the
             # detour no longer does what the probes ask. Back to a trap; re-optimized if it may.
             self._optimizer.unoptimize(proc, site, arm=armed)
-        if site.armed != armed:
+        newly_armed = armed and not site.armed
+        if site.armed and not armed:
             try:
-                if armed:
-                    proc.tracee.patch(site.addr, bytes([INT3]), site.original[:1])
-                else:
-                    proc.tracee.unpatch(site.addr, site.original[:1])
+                proc.tracee.unpatch(site.addr, site.original[:1])
             except OSError as exc:
                 raise ProcessError(f"cannot write at {site.addr:#x} in pid {proc.pid}: {exc.strerror}") from exc
-            site.armed = armed
-            if armed:
-                proc.retired.discard(site.addr)
+            site.armed = False
+            proc.retired.add(site.addr)
+        if not armed:
+            return
+        site.armed = True
+        queued = self._optimizer.consider(proc, site)
+        if newly_armed:
+            proc.retired.discard(site.addr)
+            if queued and self._int3_deferred is not None:
+                self._int3_deferred.append((proc, site))  # optimized at the batch's end: no trap first
             else:
-                proc.retired.add(site.addr)
-        if armed:
-            self._optimizer.consider(proc, site)
+                self._write_int3(proc, site)
+
+    @staticmethod
+    def _write_int3(proc: TracedProcess, site: Site) -> None:
+        try:
+            proc.tracee.patch(site.addr, bytes([INT3]), site.original[:1])
+        except OSError as exc:
+            raise ProcessError(f"cannot write at {site.addr:#x} in pid {proc.pid}: {exc.strerror}") from exc
 
     def _drop_site(self, proc: TracedProcess, addr: int) -> None:
         site = proc.sites.get(addr)
