@@ -63,6 +63,19 @@ def test_handler_reads_arguments_and_changes_registers(counter: str) -> None:
     assert out == "total=10\n"
 
 
+def test_handler_fetches_the_probes_arguments(counter: str) -> None:
+    """What a handler asks of its hit (fetch arguments, comm, memory), made when it asks."""
+    seen: list[tuple[object, ...]] = []
+
+    def pre(hit: Hit) -> None:
+        values = hit.fetch()
+        seen.append((values["n"], values["c"].text, hit.comm(), dict(hit.formatted())["n"]))  # type: ignore[union-attr]
+
+    status, _, _ = traced([counter, "3", "1"], lambda s: s.probe("work n=%di:s32 c=$comm", pre=pre))
+    assert status == 0
+    assert seen == [(i, "counter", "counter", str(i)) for i in range(3)]
+
+
 def test_pre_handler_returning_true_skips_the_instruction(counter: str) -> None:
     def pre(hit: Hit) -> bool:
         # Emulate 'return 1' ourselves: rax = 1, pop the return address.

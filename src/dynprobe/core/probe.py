@@ -71,9 +71,17 @@ class Hit:
     regs: Regs
     address: int
     time: float  # CLOCK_MONOTONIC seconds
-    context: FetchContext
+    # What fetches read, or what makes it when first asked: most handlers never ask, and at a
+    # trap stop a microsecond is a twentieth of the hit.
+    context_source: FetchContext | Callable[[], FetchContext]
     data: object = None  # a return probe's instance data: set by the entry handler, read at return
     caller: int | None = None  # at a return: where the function returns to
+
+    @property
+    def context(self) -> FetchContext:
+        if not isinstance(self.context_source, FetchContext):
+            self.context_source = self.context_source()
+        return self.context_source
 
     @property
     def retval(self) -> int:

@@ -1050,9 +1050,10 @@ class Session:
                 post.append(probe)
             if probe.pre is None:
                 continue
-            if context is None:
-                context, now = self._context(proc, tid, regs, site), time.monotonic()
-            if probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, context)):
+            if not now:
+                now = time.monotonic()
+            source = context or (lambda: self._context(proc, tid, regs, site))
+            if probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source)):
                 # The handler moved rip itself: the instruction is skipped, no post-handler runs.
                 sc.set_regs(tid, regs)
                 proc.tracee.resume(tid)
