@@ -360,19 +360,19 @@ def main() -> int:
         elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw),  # noqa: B023
                                    lambda r: r[0])  # fmt: skip
         add(name, calls, elapsed, **info, runs=REPEAT)
-    elapsed, info = traced_seed([seed, str(n_step)], "r test", on_entry=lambda hit: None, on_return=lambda hit: None)
-    add("trap return: Python entry + return handlers", n_step, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_trap)], "test")
-    add("trap, push rbp (a lasting trap: from its slot)", n_trap, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_trap)], "test+1")
-    add("trap, emulated (mov rbp,rsp)", n_trap, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_trap), "boost"], "test_boost")
-    add("trap, boosted (mov eax,[rip+x])", n_trap, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_step), "boost"], "test_boost", post=lambda hit: None)
-    add("trap, post-handler (single-step)", n_step, elapsed, **info)
-    elapsed, info = traced_seed([seed, str(n_trap)], "test", pre=lambda hit: None)
-    add("trap, push rbp + empty Python pre-handler", n_trap, elapsed, **info)
-    add("floor: bare CPython ptrace loop, boosted, placed", n_trap, python_floor(seed, n_trap))
+
+    def trap_row(name: str, calls: int, argv_tail: list[str], spec: str, **kw: Any) -> None:
+        elapsed, info = median_run(lambda: traced_seed([seed, str(calls), *argv_tail], spec, **kw), lambda r: r[0])
+        add(name, calls, elapsed, **info, runs=REPEAT)
+
+    trap_row("trap return: Python entry + return handlers", n_step, [], "r test",
+             on_entry=lambda hit: None, on_return=lambda hit: None)  # fmt: skip
+    trap_row("trap, push rbp (a lasting trap: from its slot)", n_trap, [], "test")
+    trap_row("trap, emulated (mov rbp,rsp)", n_trap, [], "test+1")
+    trap_row("trap, boosted (mov eax,[rip+x])", n_trap, ["boost"], "test_boost")
+    trap_row("trap, post-handler (single-step)", n_step, ["boost"], "test_boost", post=lambda hit: None)
+    trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
+    add("floor: bare CPython ptrace loop, boosted, placed", n_trap, median_run(lambda: python_floor(seed, n_trap), int))
     elapsed, info = traced_seed([seed, str(n_free)], "test", pin=False)
     add("trap, push rbp, tracer not pinned (cross-CPU)", n_free, elapsed, **info)
     problem = tracefs_problem()
