@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.errors import ParseError
+from dynprobe.spec.fetch import StringValue, format_value
 from dynprobe.spec.model import Absolute, Arg, ArgType, Comm, Deref, Reg, Stack, StackPointer, SymbolAddr
 from dynprobe.spec.parser import ERRORS, parse_probe, parse_spec
 
@@ -104,3 +105,17 @@ def test_return_probe_form() -> None:
 )  # fmt: skip
 def test_parse_probe_accepts_bare_locations(text: str, location: str) -> None:
     assert parse_probe(text).location == location
+
+
+@pytest.mark.parametrize(
+    ("text", "truncated", "shown"),
+    [
+        ("hello", False, '"hello"'),
+        ('say "hi"\\now', False, '"say \\"hi\\"\\\\now"'),
+        ("two\nlines\tand\r\x01\x7f", False, '"two\\nlines\\tand\\r\\x01\\x7f"'),
+        ("ünï", True, '"ünï"...'),
+    ],
+)
+def test_strings_print_on_one_line(text: str, truncated: bool, shown: str) -> None:
+    """An event is one line: a string's control characters are escaped, as are its quotes."""
+    assert format_value(StringValue(text, truncated), parse_spec("p f s=+0(%di):string").args[0].type) == shown

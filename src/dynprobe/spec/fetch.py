@@ -147,13 +147,20 @@ def evaluate(arg: FetchArg, ctx: FetchContext) -> Value:
         return FAULT
 
 
+# In a string's quotes: a backslash and a quote escaped, and control characters (a newline would
+# split an event's line in two)
+_ESCAPES = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)},
+    **{ord("\n"): "\\n", ord("\t"): "\\t", ord("\r"): "\\r", ord("\\"): "\\\\", ord('"'): '\\"'},
+}
+
+
 def format_value(value: Value, arg_type: ArgType, symbolize: Callable[[int], str | None] | None = None) -> str:
     """A value as tracefs prints it: 0x.. for x types, decimal for u/s, "..." for strings."""
     if value is FAULT:
         return "(fault)"
     if isinstance(value, StringValue):
-        text = value.text.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{text}"' + ("..." if value.truncated else "")
+        return f'"{value.text.translate(_ESCAPES)}"' + ("..." if value.truncated else "")
     assert isinstance(value, int)
     if arg_type.kind == "x":
         return f"{value:#x}"
