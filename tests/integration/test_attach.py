@@ -207,6 +207,46 @@ def test_a_killed_function_tracer_s_guardian_puts_the_code_back(spinner: str, tm
         assert "ticks=" in finish(proc)
 
 
+@pytest.mark.parametrize("hooks", ["retprobe", "function tracer"])
+def test_a_killed_tracer_s_pending_returns_go_back_to_their_callers(hooks: str, tmp_path: Path) -> None:
+    """HAZARDS 21 with returns pending: the tracer dies while a hooked function waits, which
+    then throws a C++ exception through its own frame. The unwinder cannot walk through the
+    return trampoline: the guardian has put the original return address back."""
+    target = build_target("ret_blocked", "ret_blocked.cpp", flags=("-O1", "-lstdc++"))
+    proc = subprocess.Popen([target], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        if hooks == "retprobe":
+            code = (
+                f"import dynprobe; s = dynprobe.attach({proc.pid}); p = s.retprobe('blocked', action='count');"
+                "s.run(timeout=0.3); print('ready', p.mode.value, flush=True); s.run()"
+            )
+            argv, ready = [sys.executable, "-c", code], "ready optimized"
+        else:
+            argv = [sys.executable, "-m", "dynprobe", "record", "-o", str(tmp_path / "t.data"), "-p", str(proc.pid)]
+            ready = "dynprobe: tracing"
+        tracer = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert tracer.stdout is not None
+        for line in tracer.stdout:
+            if line.startswith(ready):
+                break
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == "waiting\n"  # in blocked(), its return hooked
+        tracer.kill()
+        said = tracer.communicate(timeout=20)[0]
+        assert f"dynprobe let pid {proc.pid} go without detaching" in said, said
+        assert "1 pending return(s) back to their callers" in said, said
+        proc.stdin.write("x")
+        proc.stdin.flush()
+        out, _ = proc.communicate(timeout=20)
+        assert (proc.returncode, out) == (0, "caught x\n")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
     with open(os.devnull, "w") as devnull, dynprobe.spawn([spinner, "1", "idle", "0.2"], stdout=devnull) as session:
         session.probe("tick")

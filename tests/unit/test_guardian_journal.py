@@ -3,7 +3,11 @@ back, read from the shared memory alone, as the guardian reads it."""
 
 from __future__ import annotations
 
+import struct
+
 from dynprobe.ptrace.guardian import Journal
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
 
 JMP = bytes.fromhex("e9 00 10 00 00")
 REGION = bytes.fromhex("55 48 89 e5 90")  # push rbp; mov rbp,rsp; nop
@@ -51,3 +55,31 @@ def test_recording_the_file_s_own_bytes_drops_the_span() -> None:
     journal.record(1, 0x1000, JMP)
     journal.record(1, 0x1000, b"")
     assert journal.spans() == {}
+
+
+def test_hooked_returns_are_journaled_apart_from_code() -> None:
+    journal = Journal(capacity=8)
+    journal.record_returns(1, 0x7000_0004, 0x40_0000)
+    journal.record_returns(1, 0x7000_0004, 0x40_0000)  # once per process
+    assert journal.returns() == {1: (0x7000_0004, 0x40_0000)} and journal.spans() == {}
+    assert journal.empty  # a detach has put them back: no rescue needed for them alone
+    journal.inherit(1, 7)
+    assert journal.returns() == {1: (0x7000_0004, 0x40_0000), 7: (0x7000_0004, 0x40_0000)}
+    journal.forget(1)
+    assert journal.returns() == {7: (0x7000_0004, 0x40_0000)}
+
+
+def test_return_addresses_go_back_through_a_chain_of_hooks() -> None:
+    """Two return probes on one call: the slot holds entry point 1, whose original is entry
+    point 0, whose original is the caller. A slot that no longer holds its entry point (the
+    frame returned, something else is there) is left."""
+    points = 0x7000_0004
+    shadow = bytearray(3 * L.SHADOW_ENTRY)
+    for k, slot, original in ((0, 0x1000, 0x401234), (1, 0x1000, trampoline_point(points, 0)), (2, 0x2000, 0x405678)):
+        struct.pack_into("<QQ", shadow, k * L.SHADOW_ENTRY + L.ENTRY_SLOT, slot, original)
+    memory = {0x1000: trampoline_point(points, 1), 0x2000: 0xDEAD}
+    entries = entries_in(bytes(shadow))
+    assert entries == [(0, 0x1000, 0x401234), (1, 0x1000, trampoline_point(points, 0)), (2, 0x2000, 0x405678)]
+    swaps = [(k, slot, trampoline_point(points, k), original) for k, slot, original in entries]
+    assert swap_slots(swaps, memory.__getitem__, memory.__setitem__) == {0, 1}
+    assert memory == {0x1000: 0x401234, 0x2000: 0xDEAD}

@@ -58,6 +58,7 @@ from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.shadow import swap_slots
 from dynprobe.spec.fetch import FetchContext, ReturnValues
 from dynprobe.spec.model import Arg, FetchArg, Latency, fetch_chain
 from dynprobe.symbols.elf import load_elf
@@ -187,6 +188,8 @@ class ReturnProbes:
         stub_code = return_stub_code(stub, trampoline)
         proc.tracee.write(at, code + stub_code)
         proc.returns = ProcessReturns(trampoline, stub)
+        if proc.tracee.journal is not None:  # for the guardian: hooked returns to put back
+            proc.tracee.journal.record_returns(proc.pid, trampoline.points, layout.shadow)
         self._add_stub(proc, stub, stub_code)
         self.hook_unwinders(proc, read_maps(proc.pid))
         _debug(f"pid {proc.pid}: return trampoline at {at:#x}, {size} bytes")
@@ -472,23 +475,12 @@ class ReturnProbes:
         of one call chain through each other, so this goes round until nothing changes; returns
         the entries done."""
         assert proc.returns is not None
-        done: set[int] = set()
-        changed = True
-        while changed:
-            changed = False
-            for k, at, slot in entries:
-                if k in done:
-                    continue
-                point, original = proc.returns.trampoline.point(k), int(words[at + L.ENTRY_RET // 8])
-                old, new = (point, original) if restore else (original, point)
-                try:
-                    if proc.tracee.read_u64(slot) == old:
-                        proc.tracee.write(slot, new.to_bytes(8, "little"))
-                        done.add(k)
-                        changed = True
-                except OSError:
-                    continue
-        return done
+        trampoline, tracee = proc.returns.trampoline, proc.tracee
+        swaps = []
+        for k, at, slot in entries:
+            point, original = trampoline.point(k), int(words[at + L.ENTRY_RET // 8])
+            swaps.append((k, slot, point, original) if restore else (k, slot, original, point))
+        return swap_slots(swaps, tracee.read_u64, lambda slot, value: tracee.write(slot, value.to_bytes(8, "little")))
 
     def _entries(self, words: np.ndarray) -> Iterator[tuple[int, int, int]]:
         """(number, word index, slot) of the entries in use."""

@@ -17,7 +17,11 @@ the guardian restores what the journal lists:
   instead, 8 of 12);
 - then longer spans (an optimized probe's or a traced function's `jmp`), with every thread stopped:
   the guardian attaches, writes, and detaches. Until then the jumps keep working, their detours
-  need no tracer. Without permission to attach it leaves them, and says so.
+  need no tracer. Without permission to attach it leaves them, and says so;
+- and, while the threads are stopped, the return addresses that return probes and the function
+  tracer hooked: each thread's pending frames return to their callers directly again (the
+  trampoline would still take them there, but a C++ exception or a backtrace cannot walk
+  through it without the tracer, which traps the unwinder to put them back).
 
 What it cannot save: a thread that was stopped at a trap probe, or inside a remote system call, at
 the moment the tracer died resumes in the middle of an instruction (the kernel lets it go where it
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import mmap
 import os
 import select
@@ -46,6 +51,8 @@ from dynprobe.errors import ProcessError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ptrace.process import attach as attach_process
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
 
 _HEADER = struct.Struct("<8sQ")  # magic, entries in use (the high-water mark)
 _LIFELINE_AT = 64  # a pthread_mutex_t (40 bytes), never written by the journal
@@ -53,7 +60,8 @@ _ENTRIES_AT = 128
 _MAGIC = b"dpundo1\0"
 _ENTRY = struct.Struct("<IBBxxQ16s")  # pid, kind, length, address, original bytes
 _KIND_AT, _LENGTH_AT, _BYTES_AT = 4, 5, 16
-_FREE, _PATCH = 0, 1
+_FREE, _PATCH, _RETURNS = 0, 1, 2
+_RETURNS_BYTES = struct.Struct("<Q8x")  # a _RETURNS entry's bytes: the shadow stack's offset in a thread area
 MAX_SPAN = 16  # bytes of one entry (dynprobe changes at most the 5 bytes of a jump)
 CAPACITY = 1 << 18  # entries (8 MiB of address space; pages are touched only as entries are used)
 ATTACH_PATIENCE = 2.0  # seconds the guardian retries attaching while the dying tracer lets go
@@ -71,11 +79,14 @@ class Journal:
         self._used = 0
         self._free: list[int] = []
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
+        self._returns: dict[int, int] = {}  # pid -> its _RETURNS entry
         self.full = False  # more spans than entries: the rest are not journaled
         self.on_full: Callable[[], object] | None = None  # told once, when that happens
 
     @property
     def empty(self) -> bool:
+        """No span of code is changed (hooked returns alone need no rescue after a detach:
+        it has put their addresses back)."""
         return not self._index
 
     def length(self, pid: int, addr: int) -> int:
@@ -104,25 +115,44 @@ class Journal:
         self.memory[at + _KIND_AT] = _PATCH
         self._index[(pid, addr)] = entry
 
+    def record_returns(self, pid: int, points: int, shadow: int) -> None:
+        """The process hooks returns: its trampoline's entry point 0 is at `points`, and each
+        thread's shadow stack at `shadow` in the thread area its GS base points to."""
+        if pid in self._returns:
+            return
+        entry = self._take()
+        if entry is None:
+            return
+        at = self._at(entry)
+        _ENTRY.pack_into(self.memory, at, pid, _FREE, _RETURNS_BYTES.size, points, _RETURNS_BYTES.pack(shadow))
+        self.memory[at + _KIND_AT] = _RETURNS
+        self._returns[pid] = entry
+
     def drop(self, pid: int, addr: int) -> None:
         """The bytes at `addr` are the original ones again."""
-        entry = self._index.pop((pid, addr), None)
+        self._release(self._index.pop((pid, addr), None))
+
+    def _release(self, entry: int | None) -> None:
         if entry is not None:
             self.memory[self._at(entry) + _KIND_AT] = _FREE
             self._free.append(entry)
 
     def forget(self, pid: int) -> None:
-        """The process exited or exec'd: its spans are gone with its old image."""
+        """The process exited or exec'd: its spans and hooks are gone with its old image."""
         for key in [k for k in self._index if k[0] == pid]:
             self.drop(*key)
+        self._release(self._returns.pop(pid, None))
 
     def inherit(self, parent: int, child: int) -> None:
-        """A forked child has a copy of its parent's changed code."""
+        """A forked child has a copy of its parent's changed code and hooked returns."""
         for (pid, addr), entry in list(self._index.items()):
             if pid == parent:
                 at = self._at(entry)
                 length = self.memory[at + _LENGTH_AT]
                 self.record(child, addr, bytes(self.memory[at + _BYTES_AT : at + _BYTES_AT + length]))
+        returns = self.returns().get(parent)
+        if returns is not None:
+            self.record_returns(child, *returns)
 
     def spans(self) -> dict[int, list[tuple[int, bytes]]]:
         """Every journaled span by pid: (address, original bytes). Read from the shared memory
@@ -134,6 +164,18 @@ class Journal:
             pid, kind, length, addr, original = _ENTRY.unpack_from(self.memory, self._at(entry))
             if kind == _PATCH and 0 < length <= MAX_SPAN:
                 out.setdefault(pid, []).append((addr, original[:length]))
+        return out
+
+    def returns(self) -> dict[int, tuple[int, int]]:
+        """pid -> (trampoline entry point 0, shadow stack offset) of processes that hook returns.
+        Read from the shared memory alone."""
+        magic, used = _HEADER.unpack_from(self.memory, 0)
+        assert magic == _MAGIC
+        out: dict[int, tuple[int, int]] = {}
+        for entry in range(min(used, self.capacity)):
+            pid, kind, _, points, data = _ENTRY.unpack_from(self.memory, self._at(entry))
+            if kind == _RETURNS:
+                out[pid] = (points, _RETURNS_BYTES.unpack(data)[0])
         return out
 
     def _take(self) -> int | None:
@@ -276,7 +318,7 @@ def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline) -> N
     os.write(done_w, os.getpid().to_bytes(8, "little"))
     if (lifeline.wait(word_r) if lifeline.held else _word(word_r)) == b"d":
         return
-    for line in rescue(journal.spans()):
+    for line in rescue(journal.spans(), journal.returns()):
         with contextlib.suppress(OSError):
             print(f"dynprobe guardian: {line}", file=sys.stderr, flush=True)
 
@@ -290,26 +332,32 @@ def _word(word_r: int) -> bytes:
             continue
 
 
-def rescue(spans: dict[int, list[tuple[int, bytes]]]) -> Iterator[str]:
-    """Put the journaled spans back, int3s first; yields a line per process for the user."""
-    for pid, changed in spans.items():
+def rescue(spans: dict[int, list[tuple[int, bytes]]], returns: dict[int, tuple[int, int]]) -> Iterator[str]:
+    """Put the journaled spans back, int3s first, and hooked returns back to their callers;
+    yields a line per process for the user."""
+    for pid in {**spans, **returns}:
         try:
             fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             continue  # exited: nothing to save
+        plain = 0
         try:
-            changed = [(a, b) for a, b in changed if _ours(fd, a, b)]
+            changed = [(a, b) for a, b in spans.get(pid, []) if _ours(fd, a, b)]
             short = [(a, b) for a, b in changed if len(b) == 1]
             long = [(a, b) for a, b in changed if len(b) > 1]
             restored = sum(_put_back(fd, addr, original) for addr, original in short)
-            if long:
-                restored += _restore_stopped(pid, fd, long)
+            if long or pid in returns:
+                with _stopped(pid) as threads:
+                    restored += sum(_put_back(fd, addr, original) for addr, original in long) if threads else 0
+                    if pid in returns:
+                        plain = sum(_plain_returns(fd, tid, *returns[pid]) for tid in threads)
         finally:
             os.close(fd)
         left = len(changed) - restored
         yield (
             f"dynprobe let pid {pid} go without detaching; {restored} probe site(s) put back"
             + (f", {left} left as jumps (they work without dynprobe)" if left else "")
+            + (f", {plain} pending return(s) back to their callers" if plain else "")
         )
 
 
@@ -333,9 +381,10 @@ def _put_back(fd: int, addr: int, original: bytes) -> bool:
         return False
 
 
-def _restore_stopped(pid: int, fd: int, spans: list[tuple[int, bytes]]) -> int:
-    """Write multi-byte spans with every thread of `pid` stopped (a running thread could fetch
-    half an instruction), attaching as soon as the dying tracer has let go. Returns how many."""
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[list[int]]:
+    """Every thread of `pid` stopped (a running thread could fetch half an instruction), attaching
+    as soon as the dying tracer has let go; yields their tids (none: it could not attach)."""
     deadline = time.monotonic() + ATTACH_PATIENCE
     while True:
         try:
@@ -343,13 +392,33 @@ def _restore_stopped(pid: int, fd: int, spans: list[tuple[int, bytes]]) -> int:
             break
         except ProcessError:
             if time.monotonic() > deadline:
-                return 0
+                yield []
+                return
             time.sleep(0.001)
     try:
-        return sum(_put_back(fd, addr, original) for addr, original in spans)
+        yield list(tracee.threads)
     finally:
         for tid, state in tracee.threads.items():
             signals = [e.sig for e in state.deferred if e.kind == EventKind.SIGNAL]
             with contextlib.suppress(OSError):
                 sc.detach(tid, signals[0] if signals else 0)
         tracee.close_memory()
+
+
+def _plain_returns(fd: int, tid: int, points: int, shadow: int) -> int:
+    """The original return addresses back where a stopped thread's frames still return into the
+    trampoline (its shadow stack is in the thread area its GS base points to): C++ exceptions
+    and backtraces cannot walk through the trampoline without the tracer. Returns how many."""
+    try:
+        area = int(sc.get_regs(tid).gs_base)
+        top = min(int.from_bytes(os.pread(fd, 8, area + L.SHADOW_TOP), "little"), L.SHADOW_CAPACITY)
+        entries = entries_in(os.pread(fd, top * L.SHADOW_ENTRY, area + shadow)) if area else []
+    except OSError:
+        return 0
+    swaps = [(k, slot, trampoline_point(points, k), original) for k, slot, original in entries]
+
+    def write_u64(addr: int, value: int) -> None:
+        if os.pwrite(fd, value.to_bytes(8, "little"), addr) != 8:
+            raise OSError(errno.EFAULT, "short write")
+
+    return len(swap_slots(swaps, lambda addr: int.from_bytes(os.pread(fd, 8, addr), "little"), write_u64))

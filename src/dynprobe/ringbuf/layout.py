@@ -22,10 +22,10 @@ call a detour enters the function through (`call [rsp-24]`), so the return addre
 a call and the function's `ret` is predicted.
 
 A record is `record_size` bytes (a power of two): a 16-byte header (u16 probe index, u16 CPU
-from rdpid or rdtscp, u32 bit mask of fetch arguments that faulted, u64 time-stamp counter) then the
-probe's fields: 8 bytes per integer argument (the raw value, narrowed and sign-extended by the
-consumer) and, per string, a u16 length, a u16 flag word (STRING_TRUNCATED) and
-`STRING_CAPACITY` bytes.
+from the thread's rseq area, rdpid or rdtscp, u32 bit mask of fetch arguments that faulted, u64
+time-stamp counter) then the probe's fields: 8 bytes per integer argument (the raw value, narrowed
+and sign-extended by the consumer) and, per string, a u16 length, a u16 flag word
+(STRING_TRUNCATED) and `STRING_CAPACITY` bytes.
 """
 
 from __future__ import annotations

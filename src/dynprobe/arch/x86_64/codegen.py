@@ -36,6 +36,7 @@ from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
 from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.shadow import trampoline_point
 from dynprobe.spec.model import (
     Absolute,
     Arg,
@@ -93,7 +94,7 @@ class Trampoline:
         return self.table + L.TRAMPOLINE_CALL
 
     def point(self, k: int) -> int:
-        return self.points + k * L.TRAMPOLINE_STRIDE
+        return trampoline_point(self.points, k)
 
 
 @dataclass(frozen=True)
