@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pty
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -308,3 +312,38 @@ def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
     )
     r = dp("record", "-o", str(tmp_path / "t.data"), "--lib", "libc", "-F", "malloc", "--", stripped, "a b")
     assert r.returncode == 0, r.stderr
+
+
+def test_big_attach_shows_progress_on_the_terminal_only(tmp_path: Path) -> None:
+    """With stderr on a terminal, placing and then optimizing many probes show progress bars
+    there; the counts on stdout (a pipe here) are plain."""
+    n = 300
+    source = tmp_path / "many.c"
+    body = "".join(f"__attribute__((noinline)) int f{i}(int x) {{ return x * 3 + {i}; }}\n" for i in range(n))
+    calls = "".join(f"    s += f{i}(s);\n" for i in range(n))
+    source.write_text(f"{body}int main(void) {{\n    int s = 1;\n{calls}    return s == 42;\n}}\n")
+    binary = tmp_path / "many"
+    subprocess.run(["gcc", "-O1", "-o", str(binary), str(source)], check=True)
+    specs = tmp_path / "specs"
+    specs.write_text("".join(f"p f{i}\n" for i in range(n)))
+    primary, secondary = pty.openpty()
+    shown = bytearray()
+
+    def read_terminal() -> None:  # as it comes: a full terminal would block the writer
+        with contextlib.suppress(OSError):  # EIO once the other end is closed
+            while chunk := os.read(primary, 1 << 16):
+                shown.extend(chunk)
+
+    reader = threading.Thread(target=read_terminal)
+    reader.start()
+    try:
+        r = subprocess.run([sys.executable, "-m", "dynprobe", "count", "-f", str(specs), "--", str(binary)],
+                           stdout=subprocess.PIPE, stderr=secondary, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(secondary)
+        reader.join(timeout=10)
+        os.close(primary)
+    assert r.returncode == 0
+    assert r.stdout.count(" 1\n") == n and "\x1b" not in r.stdout
+    text = shown.decode(errors="replace")
+    assert "placing probes" in text and "optimizing" in text and f"{n}/{n}" in text

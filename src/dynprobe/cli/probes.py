@@ -81,27 +81,38 @@ def configure(session: Session, request: ProbeRequest) -> None:
 
 
 def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpec], Probe]) -> list[Probe]:
-    """Place every probe; a progress bar on a terminal when there are many."""
+    """Place every probe (one batch: optimized at its end); progress bars on a terminal when
+    there are many."""
     configure(session, request)
-    with session.batch():
-        if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
+    if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
+        with session.batch():
             return [place(spec) for spec in request.specs]
-        probes = []
-        with progress_bar() as progress:
-            task = progress.add_task("placing probes", total=len(request.specs))
+    with progress_bar() as progress:
+        placing = progress.add_task("placing probes", total=len(request.specs))
+        optimizing = progress.add_task("optimizing", total=None, visible=False, start=False)
+
+        def optimized(done: int, total: int) -> None:
+            if not done:
+                progress.start_task(optimizing)
+            progress.update(optimizing, completed=done, total=total, visible=True)
+
+        with session.batch(progress=optimized):
+            probes = []
             for spec in request.specs:
                 probes.append(place(spec))
-                progress.advance(task)
+                progress.advance(placing)
         return probes
 
 
 @contextmanager
 def progress_bar() -> Iterator[Progress]:
     # Imported here: rich takes ~40 ms to import, and most runs show no bar.
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as progress:
+    # On stderr, the terminal the caller checked: stdout may be a file of events or counts.
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as progress:
         yield progress
 
 

@@ -14,6 +14,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
 
 
+PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
 DETOUR_ROOM = 512  # first guess of a detour's size: most fit, the rest are placed again
 
 
@@ -105,8 +107,9 @@ class Optimizer:
         return max(0.0, self._due - time.monotonic())
 
     # --- optimizing ----------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Optimize every queued site: one stop-the-world per process."""
+    def flush(self, progress: Callable[[int, int], object] | None = None) -> None:
+        """Optimize every queued site: one stop-the-world per process. `progress(done, total)`
+        is told how far it is, every PROGRESS_STEP sites."""
         queue, self._queue, self._due = self._queue, {}, None
         for pid, addrs in queue.items():
             proc = self.session.process(pid)
@@ -118,9 +121,11 @@ class Optimizer:
             if sites:
                 with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
                     if tid is not None:
-                        self._optimize_stopped(proc, sites)
+                        self._optimize_stopped(proc, sites, progress)
 
-    def _optimize_stopped(self, proc: TracedProcess, sites: list[Site]) -> None:
+    def _optimize_stopped(
+        self, proc: TracedProcess, sites: list[Site], progress: Callable[[int, int], object] | None = None
+    ) -> None:
         if not self.ensure_areas(proc):
             for site in sites:
                 self._refuse(site, proc.areas_refused or OptimizeRefusal.GS_IN_USE)
@@ -131,7 +136,9 @@ class Optimizer:
         # be moved back to the site and take the jump (Session._on_signal).
         at_int3 = {int(rip) - 1 for tid, rip in rips.items() if self._trapped(proc, tid)}
         busy: list[Site] = []
-        for site in sites:
+        for done, site in enumerate(sites):
+            if progress is not None and done % PROGRESS_STEP == 0:
+                progress(done, len(sites))
             planned = self._plan(proc, site)
             if isinstance(planned, OptimizeRefusal):
                 self._refuse(site, planned, static=True)
@@ -165,6 +172,8 @@ class Optimizer:
                 _debug(f"optimized {site.addr:#x}: detour {start:#x}, {len(built.code)} bytes")
         for site in busy:
             self.consider(proc, site)
+        if progress is not None:
+            progress(len(sites), len(sites))
 
     @staticmethod
     def _set_refusal(site: Site, reason: OptimizeRefusal | None) -> None:

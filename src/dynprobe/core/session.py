@@ -517,11 +517,12 @@ class Session:
             return [self.probe(s, **kw) for s in specs]
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, progress: Callable[[int, int], object] | None = None) -> Iterator[None]:
         """Place many probes at once: the memory maps are read once for all of them (call it
         while the target is stopped, between runs: nothing is mapped meanwhile). Probes that
         may be optimized are, at the end of the block, without a trap first: their int3 is
-        written only where the optimizer refuses the site."""
+        written only where the optimizer refuses the site. `progress(done, total)` is told how
+        far that optimization is."""
         if self._int3_deferred is not None:  # nested: the outer block does it
             yield
             return
@@ -534,16 +535,16 @@ class Session:
                 try:
                     yield
                 finally:
-                    self._end_batch()
+                    self._end_batch(progress)
         finally:
             self._maps_now = {}
             self._int3_deferred = None
 
-    def _end_batch(self) -> None:
+    def _end_batch(self, progress: Callable[[int, int], object] | None) -> None:
         deferred, self._int3_deferred = self._int3_deferred or [], None
         try:
             if deferred:
-                self._optimizer.flush()
+                self._optimizer.flush(progress)
         finally:
             for proc, site in deferred:
                 if site.armed and not site.optimized and proc.status is None and proc.sites.get(site.addr) is site:
