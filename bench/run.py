@@ -373,15 +373,14 @@ def main() -> int:
     trap_row("trap, post-handler (single-step)", n_step, ["boost"], "test_boost", post=lambda hit: None)
     trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
     add("floor: bare CPython ptrace loop, boosted, placed", n_trap, median_run(lambda: python_floor(seed, n_trap), int))
-    elapsed, info = traced_seed([seed, str(n_free)], "test", pin=False)
-    add("trap, push rbp, tracer not pinned (cross-CPU)", n_free, elapsed, **info)
+    trap_row("trap, push rbp, tracer not pinned (cross-CPU)", n_free, [], "test", pin=False)
     problem = tracefs_problem()
     if problem is None:
         try:
             with kernel_uprobe(seed, test_offset):
-                add("kernel uprobe (tracefs)", n_kernel, run_seed([seed, str(n_kernel)]))
+                add("kernel uprobe (tracefs)", n_kernel, median_run(lambda: run_seed([seed, str(n_kernel)]), int))
             with kernel_uprobe(seed, test_offset, "r"):
-                add("kernel uretprobe (tracefs)", n_kernel, run_seed([seed, str(n_kernel)]))
+                add("kernel uretprobe (tracefs)", n_kernel, median_run(lambda: run_seed([seed, str(n_kernel)]), int))
         except OSError as exc:
             problem = f"tracefs refused the uprobe: {exc}"
     if problem:
