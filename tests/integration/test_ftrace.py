@@ -276,6 +276,21 @@ def test_filters_that_match_nothing_say_so(ret: str, tmp_path: Path) -> None:
     assert not os.path.exists(tmp_path / "t")
 
 
+def test_a_library_the_program_does_not_load_is_named(ret: str, ret_cxx: str, tmp_path: Path) -> None:
+    """`--lib` of a library the program does not load at start: traced if it is loaded later,
+    and said so, rather than an empty trace without a word. Its own libraries are not named."""
+    library = str(BUILD / "libret_lib.so")
+    r = dp("record", "-o", str(tmp_path / "t"), "--lib", library, "--", ret, "fact", "3")
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "loads at start" in line]
+    assert said == [
+        "dynprobe: libret_lib.so is not a library ret loads at start: its functions are traced if the "
+        "program loads it later (dlopen)"
+    ]
+    r = dp("record", "-o", str(tmp_path / "u"), "--lib", library, "-F", "lib_*", "--", ret_cxx, "3")
+    assert r.returncode == 0 and "loads at start" not in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize(
     "flags",
     [

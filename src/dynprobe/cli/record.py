@@ -11,7 +11,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from dynprobe.cli.common import (
     UsageError,
@@ -27,6 +27,10 @@ from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionErro
 from dynprobe.output import callgraph
 from dynprobe.symbols.elf import load_elf
 from dynprobe.tracefile import EVENTS, INFO, Trace, write_info
+
+if TYPE_CHECKING:
+    from dynprobe.core.ftrace import FunctionTracer
+    from dynprobe.core.session import Session
 
 DEFAULT_DIR = "dynprobe.data"
 RECORD_EXAMPLES = """\
@@ -147,6 +151,21 @@ def _hint_libraries(exe: str) -> None:
               f"libraries it loads: {libs}", file=sys.stderr)  # fmt: skip
 
 
+def _note_libraries_not_loaded(session: Session, tracer: FunctionTracer) -> None:
+    """Libraries whose functions wait for the loader to map them, which the program does not
+    load at start: traced only if it loads them later (dlopen). Say so, rather than record
+    nothing without a word (`--lib libz` for a program that does not use it)."""
+    proc = session.process(session.pid)
+    waiting = tracer.unmapped.get(session.pid, set())
+    if proc is None or not waiting:
+        return
+    at_start = {os.path.realpath(path) for path in proc.libraries().values()}
+    for path in sorted({f.path for f in tracer.functions if f.id in waiting}):
+        if os.path.realpath(path) not in at_start:
+            print(f"dynprobe: {os.path.basename(path)} is not a library {os.path.basename(proc.exe)} loads at start: "
+                  "its functions are traced if the program loads it later (dlopen)", file=sys.stderr)  # fmt: skip
+
+
 def run_record(args: argparse.Namespace, command: list[str]) -> int:
     out = args.output
     status: int | None = None
@@ -189,6 +208,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                     why = _why(refused.most_common(1)[0][0])
                     raise SessionError(f"no function could be patched ({reasons}): {why}")
                 print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
+                _note_libraries_not_loaded(session, tracer)
                 if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
                     _hint_libraries(tracer.functions[0].path)
                 status = run_target(session)
