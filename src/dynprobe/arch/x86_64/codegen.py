@@ -126,6 +126,7 @@ def _mem(base: RegisterT, disp: int = 0, index: RegisterT = R.NONE) -> iced.Memo
 
 # struct rseq (linux/rseq.h): u32 cpu_id_start, then u32 cpu_id (negative: not registered)
 _RSEQ_CPU_ID = 4
+_TSC_AUX_CPU = 0xFFF  # Linux keeps the CPU in TSC_AUX's low 12 bits (the node above them)
 
 
 def _stack(disp: int) -> iced.MemoryOperand:
@@ -404,20 +405,20 @@ class _Emitter:
         asm, ring = self.asm, self.layout.ring
 
         def write() -> None:
-            # The time-stamp counter, and in ecx the CPU (Linux keeps it in TSC_AUX's low 12 bits)
+            # The time-stamp counter, and in ecx the CPU
             if has_rdpid():
                 asm.add(iced.Instruction.create(C.RDTSC))
                 self.cpu_number()
             else:
                 asm.add(iced.Instruction.create(C.RDTSCP))
+                asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, _TSC_AUX_CPU))
             asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
             asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RSI), R.RAX))
-            # The header's first 8 bytes in one store: probe, CPU, faults (none yet)
-            asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, 0xFFF))
-            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM32_IMM8, R.ECX, 16))
-            asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.ECX, prog.probe_index))
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_PROBE, R.RSI), R.RCX))
+            # The header's first 8 bytes: the probe, faults none yet (one store), then the CPU
+            header = _gs(ring + L.RECORD_PROBE, R.RSI)
+            asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, header, prog.probe_index))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, R.RSI), R.CX))
             self.in_record = True
             for bit, fld in enumerate(prog.fields):
                 if not fld.in_record:
@@ -443,11 +444,11 @@ class _Emitter:
         ring_record(asm, self.layout, prog.probe_index, R.RSI, write)
 
     def cpu_number(self) -> None:
-        """ecx = the thread's CPU number: from the rseq area glibc registers for each thread
-        (the kernel writes the CPU there whenever the thread comes back to user space; a load
-        costs less than `rdpid`, ~1.5 ns of a record's 18 here), else by `rdpid`: no glibc
-        2.35+, a thread whose area is not registered yet or any more (a negative number), or no
-        thread pointer yet (the loader's first steps: the load faults)."""
+        """ecx = the thread's CPU number (and nothing else): from the rseq area glibc registers
+        for each thread (the kernel writes the CPU there whenever the thread comes back to user
+        space; a load costs less than `rdpid`, ~1.5 ns of a record's 18 here), else by `rdpid`:
+        no glibc 2.35+, a thread whose area is not registered yet or any more (a negative
+        number), or no thread pointer yet (the loader's first steps: the load faults)."""
         asm = self.asm
         if self.rseq_offset_at is not None:
             known, by_rdpid = asm.label(), asm.label()
@@ -459,9 +460,11 @@ class _Emitter:
             asm.jump(C.JNS_REL32_64, known)
             asm.bind(by_rdpid)
             asm.add(iced.Instruction.create_reg(C.RDPID_R64, R.RCX))
+            asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, _TSC_AUX_CPU))
             asm.bind(known)
         else:
             asm.add(iced.Instruction.create_reg(C.RDPID_R64, R.RCX))
+            asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, _TSC_AUX_CPU))
 
     def string(self, arg: FetchArg, at: int, bit: int, faulted: int) -> None:
         """Copy a NUL-terminated string of at most STRING_CAPACITY bytes into the record at `at`
