@@ -338,3 +338,31 @@ def test_records_carry_the_cpu_the_thread_ran_on(rseq: str) -> None:
     assert len(by_thread) == 3 and set(by_thread.values()) == {2 * 50}
     assert [e.values["cpu"] for e in events] == [0] * 50 + [1] * 50 + [0] * 50 + [1] * 50 + [0] * 50 + [1] * 50
     assert [e.cpu for e in events] == [e.values["cpu"] for e in events]
+
+
+@pytest.mark.parametrize("how", ["a batch", "optimize_now"])
+def test_probes_placed_from_a_handler_are_optimized_after_it(how: str) -> None:
+    """A handler runs while its thread is being served: optimizing then (which gives threads
+    their GS base) would be undone when the thread's registers are written back, and the
+    thread would crash in the detour. Placed from a handler, probes start as traps and the loop
+    optimizes them once the handler has returned."""
+    counter = build_target("counter", flags=("-O1", "-pthread"))
+    placed: list[dynprobe.Probe] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        def pre(hit: object) -> None:
+            if placed:
+                return
+            if how == "a batch":
+                placed.extend(session.probes_from(["libc:pthread_mutex_lock"], action="count"))
+            else:
+                placed.append(session.probe("libc:pthread_mutex_lock", action="count"))
+                session.optimize_now()
+
+        return [session.probe("work", pre=pre)]
+
+    argv = [counter, "20000", "8"]
+    status, out, (work,) = traced(argv, setup, optimize=True)
+    assert (status, out) == (0, run_plain(argv).stdout)
+    assert work.hits == 8 * 20000  # type: ignore[attr-defined]
+    assert placed[0].mode == OPTIMIZED and placed[0].hits >= 8  # each thread locks once as it ends

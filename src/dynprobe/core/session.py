@@ -257,6 +257,7 @@ class Session:
         self._stop_requested = False
         self._closed = False
         self._started = False
+        self._in_run = False  # see _running
         self.stats = {"stops": 0, "fixups": 0}
         # Optimized probes (DESIGN.md sections 5, 6). The ring size and record size are fixed
         # when the first thread area is made; set them before placing probes.
@@ -522,12 +523,13 @@ class Session:
         while the target is stopped, between runs: nothing is mapped meanwhile). Probes that
         may be optimized are, at the end of the block, without a trap first: their int3 is
         written only where the optimizer refuses the site. `progress(done, total)` is told how
-        far that optimization is."""
-        if self._int3_deferred is not None:  # nested: the outer block does it
+        far that optimization is. (From a handler, they start as traps: the loop optimizes them
+        when the handler has returned.)"""
+        if self._maps_now:  # nested: the outer block does it
             yield
             return
         self._maps_now = {pid: read_maps(pid) for pid in self._processes}
-        self._int3_deferred = []
+        self._int3_deferred = None if self._in_run else []
         try:
             with files.unchanged(), contextlib.ExitStack() as stack:
                 for proc in list(self._processes.values()):
@@ -612,7 +614,7 @@ class Session:
         deadline = None if timeout is None else time.monotonic() + timeout
         if any(p.action is not None for p in self.probes) or self.tracing.tracers:
             self._ensure_consumer().start()  # before the tracer pins itself: it runs elsewhere
-        with self._tracer_pinned():
+        with self._tracer_pinned(), self._running():
             self._optimizer.flush()  # everything placed so far, before the target runs on
             self._start()
             while self._processes and not self._stop_requested:
@@ -643,6 +645,18 @@ class Session:
                     _debug(f"thread gone while handled: {exc}")
                     self._requeue_exits()
         return self.exit_status if not self._processes else None
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """While `run()` serves stops: a handler then runs with its thread in the middle of
+        being served (its registers read, to be written back), so nothing it calls may stop the
+        world and change threads' registers under it (an optimization gives threads their GS
+        base): that waits for the loop."""
+        self._in_run = True
+        try:
+            yield
+        finally:
+            self._in_run = False
 
     def _requeue_exits(self) -> None:
         """Exit events a remote syscall met, handled as they come."""
@@ -1979,8 +1993,12 @@ class Session:
         return probe.refusal
 
     def optimize_now(self) -> None:
-        """Optimize queued sites at once instead of after the batching delay."""
-        self._optimizer.flush()
+        """Optimize queued sites at once instead of after the batching delay (from a handler:
+        as soon as it has returned, see `_running`)."""
+        if self._in_run:
+            self._optimizer.expedite()
+        else:
+            self._optimizer.flush()
 
     # --- introspection ----------------------------------------------------------------------------------
     def processes(self) -> list[int]:
