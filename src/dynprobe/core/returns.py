@@ -58,7 +58,7 @@ from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.shadow import swap_slots
+from dynprobe.ringbuf.shadow import entries_in, swap_slots
 from dynprobe.spec.fetch import FetchContext, ReturnValues
 from dynprobe.spec.model import Arg, FetchArg, Latency, fetch_chain
 from dynprobe.symbols.elf import load_elf
@@ -483,13 +483,11 @@ class ReturnProbes:
         return swap_slots(swaps, tracee.read_u64, lambda slot, value: tracee.write(slot, value.to_bytes(8, "little")))
 
     def _entries(self, words: np.ndarray) -> Iterator[tuple[int, int, int]]:
-        """(number, word index, slot) of the entries in use."""
+        """(number, word index, slot) of the entries in use, read as the guardian reads them."""
         base = self.session.layout.shadow // 8
-        for k in range(min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)):
-            at = base + k * _WORDS_PER_ENTRY
-            slot = int(words[at + L.ENTRY_SLOT // 8])
-            if slot:
-                yield k, at, slot
+        top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
+        for k, slot, _ in entries_in(words[base : base + top * _WORDS_PER_ENTRY].tobytes()):
+            yield k, base + k * _WORDS_PER_ENTRY, slot
 
     # --- putting return addresses back ------------------------------------------------------------------
     def restore(self, proc: TracedProcess, tid: int) -> bool:

@@ -150,9 +150,10 @@ class Journal:
                 at = self._at(entry)
                 length = self.memory[at + _LENGTH_AT]
                 self.record(child, addr, bytes(self.memory[at + _BYTES_AT : at + _BYTES_AT + length]))
-        returns = self.returns().get(parent)
-        if returns is not None:
-            self.record_returns(child, *returns)
+        hooks = self._returns.get(parent)
+        if hooks is not None:
+            _, _, _, points, data = _ENTRY.unpack_from(self.memory, self._at(hooks))
+            self.record_returns(child, points, _RETURNS_BYTES.unpack(data)[0])
 
     def spans(self) -> dict[int, list[tuple[int, bytes]]]:
         """Every journaled span by pid: (address, original bytes). Read from the shared memory
