@@ -844,12 +844,15 @@ class Session:
         if tid in self._exited_unknown:
             self._exited_unknown.discard(tid)  # born and gone before its clone event reached us
             return
-        # Already known when attach saw the thread before its creator's clone event.
-        proc.tracee.threads.setdefault(tid, ThreadState(tid))
         self._owner[tid] = proc
         orphan = self._orphans.pop(tid, None)
         if orphan is not None:
             self._pending.append(orphan)
+        # Already known when attach saw the thread before its creator's clone event. Otherwise
+        # the thread counts as running until its first stop is collected: it may sit in that
+        # stop already, but a stop nobody has waited for is not ours to use. Remote syscalls
+        # run in it would swallow the stop's event, and nothing would ever resume the thread.
+        proc.tracee.threads.setdefault(tid, ThreadState(tid, stopped=orphan is not None))
 
     def _add_process(self, proc: TracedProcess) -> None:
         proc.tracee.home_cpu = self._home_cpu
