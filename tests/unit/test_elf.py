@@ -52,3 +52,25 @@ def test_a_name_means_its_default_version() -> None:
     assert default.addr != old.addr and libm.function_at(old.addr) == old
     libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
     assert "memcpy" in libc.ifuncs and "memcpy" not in libc.by_name and "memcpy@GLIBC_2.2.5" in libc.by_name
+
+
+def test_mapping_at_finds_each_address_s_mapping_and_none_in_the_gaps() -> None:
+    """mapping_at bisects /proc/PID/maps: at each mapping's first and last byte, the mapping;
+    just past one, the next mapping or None (a gap); below the first, None."""
+    import os
+
+    from dynprobe.symbols.maps import mapping_at, read_maps
+
+    maps = read_maps(os.getpid())
+    assert len(maps) > 10
+
+    def by_scan(addr: int) -> object:
+        return next((m for m in maps if m.start <= addr < m.end), None)
+
+    probes = [maps[0].start - 1, 0]
+    for m in maps:
+        probes += [m.start, m.end - 1, m.end]
+    for addr in probes:
+        assert mapping_at(maps, addr) is by_scan(addr), hex(addr)
+    assert mapping_at(maps, maps[0].start - 1) is None
+    assert any(by_scan(m.end) is None for m in maps)  # some gaps were tried

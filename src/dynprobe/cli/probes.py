@@ -16,6 +16,7 @@ from dynprobe.cli.common import UsageError, open_session, report_error, run_targ
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
+from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY, check_ring_bytes
 from dynprobe.spec.model import ProbeSpec
 from dynprobe.spec.parser import parse_probe
@@ -61,7 +62,8 @@ class ProbeRequest:
 
 def check_request(args: argparse.Namespace) -> ProbeRequest:
     """Every spec, the filter and the ring size checked before a process is touched."""
-    specs = [parse_probe(s) for s in list(args.specs) + read_spec_files(args.file)]
+    with gc_paused():
+        specs = [parse_probe(s) for s in list(args.specs) + read_spec_files(args.file)]
     if not specs:
         raise UsageError("no probe given: add a SPEC or -f SPECFILE")
     if args.filter is not None:

@@ -37,6 +37,7 @@ from dynprobe.arch.x86_64.codegen import (
 from dynprobe.arch.x86_64.optimize import can_optimize
 from dynprobe.core.optimizer import DirtyDetour
 from dynprobe.errors import OptimizeRefusal, Refusal, SessionError
+from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
@@ -212,7 +213,7 @@ class Tracing:
         tracer.not_patched.clear()
         tracer.unmapped.clear()
         for proc in self.session.traced_processes():
-            with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
+            with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
                 if tid is not None:
                     self._start_in(proc, tracer, progress=progress)
 
@@ -308,7 +309,7 @@ class Tracing:
         waiting = [t for t in self.tracers.values() if t.started and t.unmapped.get(proc.pid)]
         if not waiting or not proc.follow:
             return
-        with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
+        with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
             if tid is None:
                 return
             for tracer in waiting:

@@ -24,6 +24,7 @@ from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optim
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError
+from dynprobe.gcpause import gc_paused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ptrace.process import SHARED_NAME
@@ -119,7 +120,7 @@ class Optimizer:
             sites = [s for s in sites if s.armed and self.trap_reason(proc, s) is None]
             _debug(f"optimizing {len(sites)} site(s) of pid {pid}")
             if sites:
-                with self.session.world_stopped(proc) as tid, files.unchanged(), proc.tracee.batched():
+                with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
                     if tid is not None:
                         self._optimize_stopped(proc, sites, progress)
 

@@ -37,14 +37,13 @@ from dynprobe.arch.x86_64 import (
     decode_one,
     needs_step_for_post_handler,
     out_of_line,
-    plan_resume,
     prepare,
 )
 from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tracing
 from dynprobe.core.optimizer import DirtyDetour, Optimizer, new_thread_areas
 from dynprobe.core.probe import CALLER_ARG, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
-from dynprobe.core.sites import check_location, default_event_name
+from dynprobe.core.sites import check_location, default_event_name, first_instruction
 from dynprobe.core.slots import SlotCache
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
@@ -57,6 +56,7 @@ from dynprobe.errors import (
     SessionError,
     SymbolError,
 )
+from dynprobe.gcpause import gc_paused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import (
     WAIT_SLICE,
@@ -110,6 +110,9 @@ _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, Optimiz
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
 _EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKind.STEP, ActionKind.COUNT
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+
+
+_DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 
 
 @dataclass
@@ -531,7 +534,7 @@ class Session:
         self._maps_now = {pid: read_maps(pid) for pid in self._processes}
         self._int3_deferred = None if self._in_run else []
         try:
-            with files.unchanged(), contextlib.ExitStack() as stack:
+            with gc_paused(), files.unchanged(), contextlib.ExitStack() as stack:
                 for proc in list(self._processes.values()):
                     stack.enter_context(proc.tracee.batched())
                 try:
@@ -1217,15 +1220,20 @@ class Session:
     def _sync_sites(self, proc: TracedProcess, only: Probe | None, strict: bool, maps: list[Mapping]) -> None:
         self._last_maps[proc.pid] = maps
         if only is None:
+            maps_path: dict[tuple[int, str], bool] = {}  # (mapping, path): whether it maps that file
+
+            def still_mapped(m: Mapping, path: str) -> bool:
+                known = maps_path.get((m.start, path))
+                if known is None:
+                    known = maps_path[(m.start, path)] = maps_file(m, file_key(path), path)
+                return known
+
             for addr, site in list(proc.sites.items()):
                 m = mapping_at(maps, addr)
                 if (
                     m is None
                     or not m.executable
-                    or (
-                        not any(maps_file(m, file_key(p.location.path), p.location.path) for p in site.probes)
-                        and site.internal is None
-                    )
+                    or (not any(still_mapped(m, p.location.path) for p in site.probes) and site.internal is None)
                 ):
                     self._forget_site(proc, addr)
             self._install_loader_hook(proc, maps)
@@ -1328,31 +1336,31 @@ class Session:
         self._set_armed(proc, site, True)
 
     def _make_site(self, proc: TracedProcess, location: Location, addr: int) -> Site:
-        image = load_elf(location.path)
-        code = image.code(location.vaddr, 15)
+        def refused(reason: Refusal) -> ProbeRefused:
+            return ProbeRefused(reason, f"{location.basename}:{location.label}")
+
+        decoded = first_instruction(location)
+        if isinstance(decoded, Refusal):
+            raise refused(decoded)
+        plan = decoded[1]  # the plan holds wherever the file is mapped; RIP-relative operands do not
+        code = load_elf(location.path).code(location.vaddr, decoded[0].len)
         insn = decode_one(code, addr)
-        where = f"{location.basename}:{location.label}"
         if insn is None:
-            raise ProbeRefused(Refusal.UNDECODABLE, where)
-        original = code[: insn.len]
-        if any(s.addr <= addr < s.addr + len(s.region) for s in proc.tracing.sites.values()):
-            raise ProbeRefused(Refusal.FUNCTION_TRACED, where)
+            raise refused(Refusal.UNDECODABLE)
+        if proc.tracing.sites and any(s.addr <= addr < s.addr + len(s.region) for s in proc.tracing.sites.values()):
+            raise refused(Refusal.FUNCTION_TRACED)
         try:
             current = proc.tracee.read(addr, insn.len)
         except OSError as exc:
-            raise ProbeRefused(Refusal.NOT_EXECUTABLE, where) from exc
-        if current != original:
-            reason = Refusal.FOREIGN_INT3 if current[0] == INT3 else Refusal.BYTES_MISMATCH
-            raise ProbeRefused(reason, where)
-        plan = plan_resume(insn)
-        if isinstance(plan, Refusal):
-            raise ProbeRefused(plan, where)
-        site = Site(addr, insn, original, plan)  # its emulator is prepared at its first hit
+            raise refused(Refusal.NOT_EXECUTABLE) from exc
+        if current != code:
+            raise refused(Refusal.FOREIGN_INT3 if current[0] == INT3 else Refusal.BYTES_MISMATCH)
+        site = Site(addr, insn, code, plan)  # its emulator is prepared at its first hit
         try:
             if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
-                raise ProbeRefused(Refusal.RIP_REL_OUT_OF_REACH, where)
+                raise refused(Refusal.RIP_REL_OUT_OF_REACH)
         except SeccompFiltered as exc:
-            raise ProbeRefused(Refusal.SECCOMP, where) from exc
+            raise refused(Refusal.SECCOMP) from exc
         return site
 
     def _give_slot(self, proc: TracedProcess, site: Site) -> bool:
@@ -1719,11 +1727,14 @@ class Session:
     def action_refusal(self, probe: Probe) -> OptimizeRefusal | None:
         """Why a probe's action cannot run in the target (it then runs at a stop). Asking does not
         fix the layout: until the first thread area exists, every record will fit."""
-        limits = self._layout or L.AreaLayout()
+        limits = self._layout or _DEFAULT_LAYOUT
         if probe.index >= limits.max_probes or probe.hist_index >= limits.max_hists:
             return OptimizeRefusal.TOO_MANY_PROBES
-        record = L.RECORD_HEADER + payload_size(probe.fields)
-        if probe.action == ActionKind.RECORD and self._layout is not None and record > self._layout.record_size:
+        if (
+            probe.action == ActionKind.RECORD
+            and self._layout is not None
+            and L.RECORD_HEADER + payload_size(probe.fields) > self._layout.record_size
+        ):
             return OptimizeRefusal.RECORD_TOO_LARGE
         return None
 

@@ -4,9 +4,13 @@ decodes each function once."""
 
 from __future__ import annotations
 
-from dynprobe.arch.x86_64 import INT3, decode_one, instruction_starts, plan_resume
+import weakref
+
+import iced_x86 as iced
+
+from dynprobe.arch.x86_64 import INT3, ResumePlan, decode_one, instruction_starts, plan_resume
 from dynprobe.errors import Refusal
-from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.elf import ElfImage, load_elf
 from dynprobe.symbols.resolve import Location
 
 
@@ -21,13 +25,34 @@ def check_location(location: Location) -> Refusal | None:
     at_entry = location.vaddr == func.addr  # an instruction starts there: no need to decode up to it
     if not at_entry and location.vaddr not in _starts(location.path, func.addr, func.size):
         return Refusal.NOT_INSN_BOUNDARY
-    insn = decode_one(image.code(location.vaddr, 15), location.vaddr)
+    decoded = first_instruction(location)
+    return decoded if isinstance(decoded, Refusal) else None
+
+
+def first_instruction(location: Location) -> tuple[iced.Instruction, ResumePlan] | Refusal:
+    """The instruction at the location, as the file has it (decoded at its link-time address),
+    and how a trap there resumes; or why no trap probe can be there. Decoded once per file."""
+    image = load_elf(location.path)
+    known = _DECODED.setdefault(image, {})
+    decoded = known.get(location.vaddr)
+    if decoded is None:
+        decoded = known[location.vaddr] = _decode_site(image, location.vaddr)
+    return decoded
+
+
+_DECODED: weakref.WeakKeyDictionary[ElfImage, dict[int, tuple[iced.Instruction, ResumePlan] | Refusal]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _decode_site(image: ElfImage, vaddr: int) -> tuple[iced.Instruction, ResumePlan] | Refusal:
+    insn = decode_one(image.code(vaddr, 15), vaddr)
     if insn is None:
         return Refusal.UNDECODABLE
-    if insn.mnemonic == 0 or image.code(location.vaddr, 1) == bytes([INT3]):
+    if insn.mnemonic == 0 or image.code(vaddr, 1) == bytes([INT3]):
         return Refusal.FOREIGN_INT3
     plan = plan_resume(insn)
-    return plan if isinstance(plan, Refusal) else None
+    return plan if isinstance(plan, Refusal) else (insn, plan)
 
 
 _STARTS_CACHE: dict[tuple[str, int, int], frozenset[int]] = {}

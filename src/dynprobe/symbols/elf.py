@@ -19,6 +19,7 @@ from elftools.elf.gnuversions import GNUVerDefSection
 from elftools.elf.sections import SymbolTableSection
 
 from dynprobe.errors import ElfError, SymbolError
+from dynprobe.gcpause import gc_paused
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 
@@ -380,7 +381,8 @@ def load_elf(path: str) -> ElfImage:
     key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
     image = _CACHE.get(key)
     if image is None:
-        image = ElfImage(files.real_path(path))
+        with gc_paused():
+            image = ElfImage(files.real_path(path))
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = image

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
@@ -97,7 +98,10 @@ def load_bias(maps: list[Mapping], key: tuple[int, int] | None, path: str, first
 
 
 def mapping_at(maps: list[Mapping], addr: int) -> Mapping | None:
-    for m in maps:
-        if m.start <= addr < m.end:
-            return m
-    return None
+    """The mapping holding `addr` (`maps` in address order, as /proc lists them)."""
+    i = bisect.bisect_right(maps, addr, key=_start) - 1
+    return maps[i] if i >= 0 and addr < maps[i].end else None
+
+
+def _start(m: Mapping) -> int:
+    return m.start
