@@ -107,10 +107,17 @@ def poll_event(tid: int = -1) -> Event | None:
     return decode_status(pid, status) if pid else None
 
 
-def in_tracing_stop(pid: int, tid: int) -> bool:
+def thread_state(pid: int, tid: int) -> bytes | None:
+    """The thread's state letter in /proc (b"t": in a tracing stop, b"Z": ended, not reaped yet);
+    None when it is gone."""
     try:
         with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return True  # gone: nothing to wait for
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"t"
+        return None
+    at = stat.rfind(b")") + 2  # the name in parentheses may hold anything
+    return stat[at : at + 1]
+
+
+def in_tracing_stop(pid: int, tid: int) -> bool:
+    return thread_state(pid, tid) in (b"t", None)  # gone: nothing to wait for

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from dynprobe.arch.x86_64 import REMOTE_SYSCALL
 from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, SeccompFiltered, ThreadGone
 from dynprobe.ptrace import syscalls as sc
-from dynprobe.ptrace.events import Event, EventKind, wait_event
+from dynprobe.ptrace.events import Event, EventKind, thread_state, wait_event
 
 if TYPE_CHECKING:
     from dynprobe.ptrace.guardian import Journal
@@ -585,6 +585,8 @@ def attach(pid: int) -> Tracee:
                 except ProcessLookupError:
                     continue  # exited meanwhile
                 except PermissionError:
+                    if tid != pid and thread_state(pid, tid) in (b"Z", b"X", None):
+                        continue  # a thread that has just ended (a zombie until reaped) cannot be seized
                     if tracer_of(pid, tid) != os.getpid():
                         raise
                     # Created by a thread we had seized: PTRACE_O_TRACECLONE attached it already.
