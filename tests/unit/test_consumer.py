@@ -109,7 +109,7 @@ def test_consumer_delivers_and_counts() -> None:
     errors: list[str] = []
     consumer = Consumer(LAYOUT, got.extend, lambda i: i < 3, errors.append)
     areas = make_areas()
-    consumer.processes.append(areas)
+    consumer.add(areas)
     areas.assign(10)
     areas.assign(11)
     for v in range(3):
@@ -127,6 +127,38 @@ def test_consumer_delivers_and_counts() -> None:
     assert areas.assign(12) == area and int(area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8]) == 0
 
 
+def test_a_sleeping_consumer_starts_draining_as_soon_as_rings_appear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing to drain the consumer sleeps long; rings that appear meanwhile wake it at
+    once: a busy probe fills a small ring in milliseconds (it slept 50 ms, and the first
+    records of a fast probe were lost)."""
+    import threading
+    import time
+
+    from dynprobe.ringbuf import consumer as consumer_module
+
+    monkeypatch.setattr(consumer_module, "IDLE_INTERVAL", 3600.0)
+    got: list[RecordBatch] = []
+    delivered = threading.Event()
+
+    def deliver(batches: list[RecordBatch]) -> None:
+        got.extend(batches)
+        if batches:
+            delivered.set()
+
+    consumer = Consumer(LAYOUT, deliver, lambda i: i < 3, lambda message: None, interval=3600.0)
+    consumer.start()
+    try:
+        time.sleep(0.2)  # its first pass found nothing: it sleeps
+        areas = make_areas()
+        areas.assign(10)
+        write_record(areas, 10, 1, 42)
+        consumer.add(areas)
+        assert delivered.wait(20), "the consumer slept on with records to drain"
+        assert [(b.tid, len(b.raw)) for b in got] == [(10, 1)]
+    finally:
+        consumer.stop()
+
+
 SMALL = st.integers(0, 3 * LAYOUT.ring_slots)  # plausible indexes, where bugs would hide
 
 
@@ -138,7 +170,7 @@ def test_random_area_contents_never_crash_the_consumer(seed: int, head: int, tai
     delivered: list[RecordBatch] = []
     consumer = Consumer(LAYOUT, delivered.extend, lambda i: i < 4, errors.append)
     areas = make_areas()
-    consumer.processes.append(areas)
+    consumer.add(areas)
     area = areas.assign(5)
     area.pool.view[area.offset : area.offset + LAYOUT.size] = junk
     words = area.pool.words[area.index]

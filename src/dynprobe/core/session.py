@@ -1802,7 +1802,7 @@ class Session:
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         areas = new_thread_areas(proc, self)
         proc.rseq_offset_at = self._rseq_offset_at(proc)
-        self._ensure_consumer().processes.append(areas)
+        self._ensure_consumer().add(areas)
         return areas
 
     def _release_areas(self, proc: TracedProcess) -> None:

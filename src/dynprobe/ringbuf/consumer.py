@@ -179,6 +179,7 @@ class Consumer:
         self.decode = True  # False: raw output only, no per-probe batches (fastest drain)
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a pass now: stopping, or rings appeared
         self._thread: threading.Thread | None = None
         self._reported: set[str] = set()
 
@@ -198,6 +199,7 @@ class Consumer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -218,7 +220,9 @@ class Consumer:
             if not found:
                 # With no ring to drain (trap probes only), a pass only hands over events served
                 # at stops: a slower pace, as each wake-up costs the tracing thread the GIL.
-                self._stop.wait(self.interval if any(areas.by_tid for areas in self.processes) else IDLE_INTERVAL)
+                # Rings that appear meanwhile wake it at once (`add`).
+                self._wake.wait(self.interval if self.processes else IDLE_INTERVAL)
+                self._wake.clear()
 
     # --- draining ---
     def drain(self) -> int:
@@ -321,6 +325,12 @@ class Consumer:
 
     def histogram(self, hist_index: int) -> np.ndarray:
         return self._total(self.folded_hists, self._hist_block, hist_index)
+
+    def add(self, areas: ThreadAreas) -> None:
+        """Drain a process's areas from now on (the first pass starts at once: a busy probe
+        can fill a small ring in milliseconds)."""
+        self.processes.append(areas)  # passes walk a copy of the list: no lock, no wait for one
+        self._wake.set()
 
     def forget(self, areas: ThreadAreas) -> None:
         """A process is gone: drain and fold what its areas hold, then let go of the memory."""
