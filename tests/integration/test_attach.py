@@ -274,7 +274,7 @@ def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
         session.probe("tick")
         guardian = session._guardian.pid
         with open(f"/proc/{guardian}/comm") as comm:  # there while the session is, by its own name
-            assert comm.read() == "dynprobe-guard\n"
+            assert comm.read() == "dp-guardian\n"
         assert session.run(timeout=20) == 0
     # Gone at close: it has closed its end of a pipe the session waits on, and is exiting (its
     # parent is init, which reaps it in its own time).
@@ -289,6 +289,43 @@ def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
         time.sleep(0.01)
     else:
         raise AssertionError(f"the guardian {guardian} is still there")
+
+
+def test_the_guardian_survives_a_pkill_aimed_at_the_tracer(spinner: str) -> None:
+    """HAZARDS 21: `pkill -9 -f dynprobe` (or `pkill -9 dynprobe`) kills every process whose
+    command line (or name) matches. The guardian, a fork of the tracer, has a name and a
+    command line of its own: it survives and puts the target's code back. Emulated here for a
+    marker only the tracer's command line holds (pkill itself could match this test's runner)."""
+    marker = f"dynprobe-tracer-{os.getpid()}-{time.monotonic_ns()}"
+    with spinning(spinner, "4") as proc:
+        code = (
+            f"import dynprobe; s = dynprobe.attach({proc.pid}); s.probe('tick'); "
+            "print('ready', s._guardian.pid, flush=True); s.run()"
+        )
+        tracer = subprocess.Popen([sys.executable, "-c", code, marker], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            assert tracer.stdout is not None
+            guardian = int(tracer.stdout.readline().split()[1])
+            with open(f"/proc/{guardian}/cmdline", "rb") as f:
+                assert b"dynprobe" not in f.read()
+            with open(f"/proc/{guardian}/comm", "rb") as f:
+                assert b"dynprobe" not in f.read()
+            killed = []
+            for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+            assert killed == [tracer.pid]
+            said = tracer.communicate(timeout=20)[0]
+        finally:
+            if tracer.poll() is None:
+                tracer.kill()
+                tracer.wait()
+        assert f"dynprobe let pid {proc.pid} go without detaching" in said and "left" not in said, said
+        assert_text_matches_files(proc.pid)
+        assert "ticks=" in finish(proc)
 
 
 def test_sites_whose_bytes_are_not_the_files_are_refused() -> None:

@@ -257,12 +257,13 @@ class Guardian:
         self._lifeline = _Lifeline(self.journal.memory)  # held before the fork: never the guardian's
         word_r, self._word_w = os.pipe2(os.O_CLOEXEC)
         self._done_r, done_w = os.pipe2(os.O_CLOEXEC)
+        tracer = os.getpid()
         middle = os.fork()
         if middle == 0:  # pragma: no cover (the guardian: its effects are what the tests see)
             try:
                 os.setsid()
                 if os.fork() == 0:
-                    _guard(word_r, done_w, self.journal, self._lifeline)
+                    _guard(word_r, done_w, self.journal, self._lifeline, tracer)
             finally:
                 os._exit(0)
         os.close(word_r)
@@ -293,20 +294,35 @@ class Guardian:
 
 
 _PR_SET_NAME = 15
+# Neither its name nor its command line says "dynprobe": `pkill -9 dynprobe` or `pkill -9 -f
+# dynprobe`, aimed at the tracer, must not take the guardian with it (HAZARDS 21).
+GUARDIAN_NAME = b"dp-guardian"
+GUARDIAN_TITLE = "dp-guardian (tracer {pid})"
 
 
-def _name_process() -> None:  # pragma: no cover (in the guardian)
-    """Tell the guardian from the tracer it is a copy of: `ps` and `top` show it by this name,
-    and a `pkill python3` (which matches names) leaves it alone. (Its command line stays the
-    tracer's: changing it needs CAP_SYS_RESOURCE, which containers rarely grant.)"""
-    _libc.prctl(_PR_SET_NAME, b"dynprobe-guard", 0, 0, 0)
+def _name_process(tracer: int) -> None:  # pragma: no cover (in the guardian)
+    """Tell the guardian from the tracer it is a copy of: its name (`ps`, `top`, `pkill NAME`)
+    and its command line (`ps aux`, `pkill -f`), which is the tracer's until it is written over
+    where the kernel reads it (the argument strings at the stack's top, as setproctitle does:
+    this process's own copy since the fork; Python keeps its own copy of them)."""
+    _libc.prctl(_PR_SET_NAME, GUARDIAN_NAME, 0, 0, 0)
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        fields = stat[stat.rfind(b")") + 2 :].split()  # from field 3 (state) on
+        start, end = int(fields[48 - 3]), int(fields[49 - 3])  # arg_start, arg_end (proc(5))
+    except (OSError, ValueError, IndexError):
+        return
+    title = GUARDIAN_TITLE.format(pid=tracer).encode()
+    if end > start:
+        ctypes.memmove(start, title[: end - start - 1].ljust(end - start, b"\0"), end - start)
 
 
-def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline) -> None:  # pragma: no cover
+def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline, tracer: int) -> None:  # pragma: no cover
     """The guardian's life: holding no file of the tracer's open, deaf to the signals meant for
     the tracer, waiting for the tracer thread to die (the lifeline) or to say the word, or, if
     the lifeline could not be made, for the pipe to close."""
-    _name_process()
+    _name_process(tracer)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
