@@ -110,8 +110,6 @@ _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, Optimiz
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
 _EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKind.STEP, ActionKind.COUNT
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
-
-
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 
 

@@ -31,7 +31,8 @@ def check_location(location: Location) -> Refusal | None:
 
 def first_instruction(location: Location) -> tuple[iced.Instruction, ResumePlan] | Refusal:
     """The instruction at the location, as the file has it (decoded at its link-time address),
-    and how a trap there resumes; or why no trap probe can be there. Decoded once per file."""
+    and how a trap there resumes; or why no trap probe can be there. Decoded once for all the
+    processes that map the file (and for both the check and the site)."""
     image = load_elf(location.path)
     known = _DECODED.setdefault(image, {})
     decoded = known.get(location.vaddr)
