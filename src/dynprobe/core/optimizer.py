@@ -336,8 +336,8 @@ class Optimizer:
         return True
 
     def give_area(self, proc: TracedProcess, tid: int) -> None:
-        """Point a stopped thread's GS base at its own area. A thread whose first stop has not
-        happened yet (born, not reported) is left for that stop (Session._handle)."""
+        """Point a stopped thread's GS base at its own area. A thread killed meanwhile (another
+        thread's exit_group) is left to its exit event."""
         assert proc.areas is not None
         try:
             regs = sc.get_regs(tid)
@@ -355,6 +355,8 @@ class Optimizer:
         regs.gs_base = area.target_addr
         try:
             sc.set_regs(tid, regs)
+        except ProcessLookupError:
+            return  # killed meanwhile (another thread's exit_group): its exit event frees the area
         except OSError as exc:
             raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
         self.session.returns.thread_area_given(proc, tid)

@@ -287,6 +287,15 @@ class Tracee:
             ) from exc
         try:
             return self._remote_syscall(tid, state, scratch, nr, args)
+        except ProcessLookupError:
+            raise
+        except OSError as exc:
+            # Its process began to exit under us (another thread's exit_group): the memory is
+            # gone (a short read) and the thread is leaving its stop. The caller sees a thread
+            # gone, as from any ptrace call, and its exit event settles the rest.
+            if thread_state(self.pid, tid) != b"t":
+                raise ThreadGone(f"thread {tid} of {self.pid} ended during a remote syscall") from exc
+            raise
         finally:
             if suspended:
                 with contextlib.suppress(OSError):
@@ -402,8 +411,11 @@ class Tracee:
         self.write(name_at, SHARED_NAME)
         try:
             fd = self.remote_syscall(tid, scratch, SYS_MEMFD_CREATE, name_at, MFD_CLOEXEC)
-        finally:
-            self.write(name_at, saved)
+        except BaseException:
+            with contextlib.suppress(OSError):  # the process may be gone with its memory
+                self.write(name_at, saved)
+            raise
+        self.write(name_at, saved)
         if fd < 0:
             raise ProcessError(f"memfd_create in pid {self.pid} failed: {os.strerror(-fd)}")
         try:
@@ -420,8 +432,11 @@ class Tracee:
                 view = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
                 os.close(ours)
-        finally:
-            self.remote_syscall(tid, scratch, SYS_CLOSE, fd)
+        except BaseException:
+            with contextlib.suppress(OSError):  # gone, or the first error is the one to tell
+                self.remote_syscall(tid, scratch, SYS_CLOSE, fd)
+            raise
+        self.remote_syscall(tid, scratch, SYS_CLOSE, fd)
         return addr, view
 
     def commit(self, tid: int, scratch: int, addr: int, size: int) -> int:
