@@ -44,8 +44,9 @@ def masked(replay: str) -> list[str]:
 
 
 def record(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """`dynprobe record` into tmp_path, run there (a -pg program writes its gmon.out where it runs)."""
     trace = str(tmp_path / "trace")
-    r = dp("record", "-o", trace, *args)
+    r = dp("record", "-o", trace, *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     return r, trace
 
@@ -339,7 +340,7 @@ def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:
     theirs = tmp_path / "uftrace.data"
     args = ["-F", "main", "-F", "worker", "-F", "add"]
     subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *args, binary,
-                    "threads", "2", "3"], check=True, capture_output=True)  # fmt: skip
+                    "threads", "2", "3"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
     uftrace_graph = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
     _, trace = record(tmp_path, *args, "--", binary, "threads", "2", "3")
     ours = dp("replay", trace).stdout
