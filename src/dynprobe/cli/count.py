@@ -35,8 +35,9 @@ def print_counts(probes: list[Probe], title: str | None) -> None:
     width = max(len(p.name) for p in probes)
     out = sys.stdout
     print(title or "hits:", file=out)
-    for p in sorted(probes, key=lambda p: -p.hits):
-        print(f"  {p.name:<{width}} {p.hits:>12}", file=out)
+    counted = [(p.hits, p.name) for p in probes]  # once each: a read sums every thread's counters
+    for hits, name in sorted(counted, key=lambda c: -c[0]):
+        print(f"  {name:<{width}} {hits:>12}", file=out)
     out.flush()
 
 

@@ -8,6 +8,7 @@ only to patch memory other threads may be executing or to leave.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import os
@@ -202,6 +203,21 @@ def _exe_of(pid: int) -> str:
         return root_of(pid) + os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
     except OSError as exc:
         raise ProcessError(f"cannot read the executable of pid {pid}: {exc.strerror}") from exc
+
+
+def _sites_in_changed_mappings(sites: dict[int, Site], before: list[Mapping] | None, maps: list[Mapping]) -> list[int]:
+    """The sites placed with the memory map `before` that lie in an executable mapping `maps`
+    no longer holds as it was (every site without `before`): only those can have lost their
+    module. A library load re-syncs a process of 10^4 sites without looking at each."""
+    if before is None:
+        return list(sites)
+    kept = set(maps)
+    addrs = sorted(sites)
+    changed = []
+    for m in before:
+        if m.executable and m not in kept:
+            changed += addrs[bisect.bisect_left(addrs, m.start) : bisect.bisect_left(addrs, m.end)]
+    return changed
 
 
 def symbolize_in(maps: list[Mapping], addr: int) -> str | None:
@@ -867,6 +883,10 @@ class Session:
         vfork = event.kind == EventKind.VFORK
         child = TracedProcess(Tracee(child_pid, [child_pid]), parent.exe, follow=self.follow_fork)
         child.sites = {a: dataclasses.replace(s, probes=list(s.probes)) for a, s in parent.sites.items()}
+        if parent.pid in self._last_maps:  # the child's sites were placed with its parent's map
+            self._last_maps[child_pid] = self._last_maps[parent.pid]
+        else:
+            self._last_maps.pop(child_pid, None)  # (an earlier process's, if its pid was reused)
         child.slots.inherit(parent.slots)
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
@@ -1216,7 +1236,7 @@ class Session:
             self._sync_sites(proc, only, strict, maps or read_maps(proc.pid))
 
     def _sync_sites(self, proc: TracedProcess, only: Probe | None, strict: bool, maps: list[Mapping]) -> None:
-        self._last_maps[proc.pid] = maps
+        before, self._last_maps[proc.pid] = self._last_maps.get(proc.pid), maps
         if only is None:
             maps_path: dict[tuple[int, str], bool] = {}  # (mapping, path): whether it maps that file
 
@@ -1226,7 +1246,8 @@ class Session:
                     known = maps_path[(m.start, path)] = maps_file(m, file_key(path), path)
                 return known
 
-            for addr, site in list(proc.sites.items()):
+            for addr in _sites_in_changed_mappings(proc.sites, before, maps):
+                site = proc.sites[addr]
                 m = mapping_at(maps, addr)
                 if (
                     m is None
