@@ -205,19 +205,21 @@ def _exe_of(pid: int) -> str:
         raise ProcessError(f"cannot read the executable of pid {pid}: {exc.strerror}") from exc
 
 
-def _sites_in_changed_mappings(sites: dict[int, Site], before: list[Mapping] | None, maps: list[Mapping]) -> list[int]:
-    """The sites placed with the memory map `before` that lie in an executable mapping `maps`
-    no longer holds as it was (every site without `before`): only those can have lost their
-    module. A library load re-syncs a process of 10^4 sites without looking at each."""
+def _sites_to_recheck(sites: dict[int, Site], before: list[Mapping] | None, maps: list[Mapping]) -> list[int]:
+    """The sites that may have lost their module: all but those inside an executable mapping
+    that is the same in `before` (the map of the last sync) and in `maps`. A library load
+    re-syncs a process of 10^4 sites without looking at each. (A site outside every mapping of
+    `before`, placed with a map read after it, is looked at.)"""
     if before is None:
         return list(sites)
-    kept = set(maps)
+    kept = sorted((m for m in set(before).intersection(maps) if m.executable), key=lambda m: m.start)
     addrs = sorted(sites)
-    changed = []
-    for m in before:
-        if m.executable and m not in kept:
-            changed += addrs[bisect.bisect_left(addrs, m.start) : bisect.bisect_left(addrs, m.end)]
-    return changed
+    recheck, at = [], 0
+    for m in kept:
+        inside = bisect.bisect_left(addrs, m.start, at)
+        recheck += addrs[at:inside]
+        at = bisect.bisect_left(addrs, m.end, inside)
+    return recheck + addrs[at:]
 
 
 def symbolize_in(maps: list[Mapping], addr: int) -> str | None:
@@ -1246,7 +1248,7 @@ class Session:
                     known = maps_path[(m.start, path)] = maps_file(m, file_key(path), path)
                 return known
 
-            for addr in _sites_in_changed_mappings(proc.sites, before, maps):
+            for addr in _sites_to_recheck(proc.sites, before, maps):
                 site = proc.sites[addr]
                 m = mapping_at(maps, addr)
                 if (
