@@ -1240,21 +1240,16 @@ class Session:
     def _sync_sites(self, proc: TracedProcess, only: Probe | None, strict: bool, maps: list[Mapping]) -> None:
         before, self._last_maps[proc.pid] = self._last_maps.get(proc.pid), maps
         if only is None:
-            maps_path: dict[tuple[int, str], bool] = {}  # (mapping, path): whether it maps that file
-
-            def still_mapped(m: Mapping, path: str) -> bool:
-                known = maps_path.get((m.start, path))
-                if known is None:
-                    known = maps_path[(m.start, path)] = maps_file(m, file_key(path), path)
-                return known
-
             for addr in _sites_to_recheck(proc.sites, before, maps):
                 site = proc.sites[addr]
                 m = mapping_at(maps, addr)
                 if (
                     m is None
                     or not m.executable
-                    or (not any(still_mapped(m, p.location.path) for p in site.probes) and site.internal is None)
+                    or (
+                        not any(maps_file(m, file_key(p.location.path), p.location.path) for p in site.probes)
+                        and site.internal is None
+                    )
                 ):
                     self._forget_site(proc, addr)
             self._install_loader_hook(proc, maps)
