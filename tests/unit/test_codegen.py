@@ -74,6 +74,22 @@ def test_loads_from_target_addresses_are_listed_as_fixups() -> None:
         assert AT < fixup < AT + detour.action_bytes
 
 
+@pytest.mark.parametrize(("ring_bytes", "ahead"), [(1 << 12, 1 << 11), (1 << 13, 1 << 12), (1 << 26, 1 << 12)])
+def test_a_record_prefetches_the_ring_a_page_ahead_within_the_ring(ring_bytes: int, ahead: int) -> None:
+    layout = L.AreaLayout(max_probes=64, max_hists=4, ring_bytes=ring_bytes, record_size=32)
+    spec = parse_spec("p f a=%di")
+    detour = build_detour(plan(), [Program(0, ActionKind.RECORD, record_fields(spec.args))], layout, AT, True)
+    assert not isinstance(detour, OptimizeRefusal)
+    insns = list(iter_instructions(detour.code, AT))
+    at = next(i for i, insn in enumerate(insns) if insn.mnemonic == iced.Mnemonic.PREFETCHW)
+    shl, lea, wrap, prefetch = insns[at - 3 : at + 1]
+    # rsi: the record's offset in the ring; the line `ahead` bytes on, wrapped in the ring
+    assert str(shl) == "shl rsi,5" and str(lea) == f"lea rax,[rsi+{ahead:X}h]"
+    assert wrap.mnemonic == iced.Mnemonic.AND and wrap.immediate(1) == ring_bytes - 1
+    assert prefetch.memory_segment == iced.Register.GS and prefetch.memory_base == iced.Register.RAX
+    assert prefetch.memory_displacement == layout.ring
+
+
 def test_segment_registers_have_no_in_process_form() -> None:
     spec = parse_spec("p f x=%fs_base")
     prog = Program(0, ActionKind.RECORD, record_fields(spec.args))

@@ -122,6 +122,11 @@ class AreaLayout:
     def ring_slots(self) -> int:
         return self.ring_bytes // self.record_size
 
+    @cached_property
+    def prefetch_ahead(self) -> int:
+        """How far ahead of the record it writes generated code prefetches the ring."""
+        return min(PAGE, self.ring_bytes // 2)
+
     def counter(self, probe_index: int, which: int) -> int:
         return self.counters + (probe_index * PROBE_COUNTERS + which) * 8
 

@@ -958,6 +958,12 @@ def ring_record(
         reserved()
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, slot, layout.ring_slots - 1))
     asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, slot, layout.record_size.bit_length() - 1))
+    # The line a page ahead (wrapped in the ring), to be written: the hardware prefetcher stops at
+    # page boundaries, and records into lines not in the cache fill the store buffer and stall the
+    # thread (return records with latency: 33-36 ns a call without, 27 with; entry records 13 -> 12)
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(slot, layout.prefetch_ahead)))
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RAX, layout.ring_bytes - 1))
+    asm.add(iced.Instruction.create_mem(C.PREFETCHW_M8, _gs(layout.ring, R.RAX)))
     write()
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(L.RESERVE)))
     asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RAX))
