@@ -33,6 +33,7 @@ FORMAT = "dynprobe-trace"
 VERSION = 2
 INFO, EVENTS = "info.json", "events.raw"
 _CHUNK_HEADER = np.dtype([("who", "<u8"), ("count", "<u8")])
+READ_RECORDS = 1 << 20  # records read at a time: a reader's memory stays flat whatever the ring size
 
 
 class TraceError(DynprobeError):
@@ -164,10 +165,14 @@ class Trace:
                         return
                     offset += _CHUNK_HEADER.itemsize + want
                     continue
-                records = np.fromfile(f, dtype=self.record, count=min(count, available))
-                kind, times = records["kind"], self._ns(records["tsc"])
-                yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
-                if len(records) < count:
+                # A chunk holds up to a ring's worth (up to 1 GiB): read in pieces of READ_RECORDS
+                left = min(count, available)
+                while left:
+                    records = np.fromfile(f, dtype=self.record, count=min(left, READ_RECORDS))
+                    left -= len(records)
+                    kind, times = records["kind"], self._ns(records["tsc"])
+                    yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
+                if available < count:
                     self.truncated_at = offset
                     return
                 offset += _CHUNK_HEADER.itemsize + want

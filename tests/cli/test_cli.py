@@ -113,7 +113,7 @@ def test_return_probe_events_print_caller_and_function(ret: str) -> None:
 
 def test_lost_records_are_reported_with_the_remedy(ret: str) -> None:
     """A ring too small for the events (4 KiB: 128 records) loses records: said without --stats."""
-    r = dp("trace", "--ring-size", "4096", "p:app/add add a=%di", "--", ret, "loop", "100000")
+    r = dp("trace", "--ring-size", "4K", "p:app/add add a=%di", "--", ret, "loop", "100000")
     assert r.returncode == 0, r.stderr
     lost = int(re.search(r"app/add .* hits=100000 missed=0 lost=(\d+)$", r.stderr, re.M).group(1))  # type: ignore[union-attr]
     assert 0 < lost < 100000 and r.stdout.count("app/add") == 100000 - lost
@@ -279,6 +279,7 @@ def test_trace_filter_keeps_matching_events(wordcount: str) -> None:
         (["hist", "p add_word w=+0(%di):string", "--value", "w"], "dynprobe: error: VALUE_STRING:"),
         (["count", "p add_word", "--ring-size", "5000"], "dynprobe: error: ring size 5000 is not a power of two"),
         (["count", "p add_word", "--ring-size", str(1 << 31)], "dynprobe: error: ring size 2147483648 is out of"),
+        (["count", "p add_word", "--ring-size", "2G"], "dynprobe: error: ring size 2147483648 is out of"),
     ],
 )
 def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str], first_line: str) -> None:
@@ -286,6 +287,15 @@ def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str],
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(first_line)
     assert r.stdout == ""  # the command never ran
+
+
+@pytest.mark.parametrize("command", ["count", "record"])
+def test_a_ring_size_that_is_not_a_size_is_a_usage_error(wordcount: str, command: str) -> None:
+    r = dp(command, *(["p add_word"] if command == "count" else []), "--ring-size", "64Q", "--", wordcount)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines()[-1] == (
+        f"dynprobe {command}: error: argument --ring-size: '64Q' is not a size (bytes, or with K, M or G: 64M)"
+    )
 
 
 @pytest.mark.parametrize("mode", [[], ["--trap"]], ids=["optimized", "trap"])

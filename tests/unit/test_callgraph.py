@@ -187,3 +187,30 @@ def test_report_in_one_go_is_report_one_event_at_a_time(
 
 
 segment_calls = callgraph._segment_calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chunks_are_read_in_bounded_pieces_with_the_same_result(
+    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk holds up to a ring's worth of records (1 GiB): read in pieces of READ_RECORDS,
+    replay and report are what a whole chunk at a time gives, and memory stays flat."""
+    from dynprobe import tracefile
+
+    _random_trace(tmp_path, seed)
+    whole_text, whole = io.StringIO(), profile(Trace(str(tmp_path)))
+    callgraph.replay(Trace(str(tmp_path)), whole_text, 0)
+    monkeypatch.setattr(tracefile, "READ_RECORDS", 10)
+    trace = Trace(str(tmp_path))
+    assert max(len(chunk.kind) for chunk in trace.chunks()) == 10
+    pieces_text = io.StringIO()
+    callgraph.replay(Trace(str(tmp_path)), pieces_text, 0)
+    assert profile(Trace(str(tmp_path))).functions == whole.functions
+    assert pieces_text.getvalue() == whole_text.getvalue() and whole_text.getvalue().count("\n") > 100
+    # a chunk cut short: every record it holds, then where it stopped
+    written = sum(len(chunk.kind) for chunk in trace.chunks())
+    data = (tmp_path / "events.raw").read_bytes()
+    (tmp_path / "events.raw").write_bytes(data[: len(data) - 16 * 3])
+    cut = Trace(str(tmp_path))
+    assert sum(len(chunk.kind) for chunk in cut.chunks()) == written - 3
+    assert cut.truncated_at is not None and cut.truncated_at > 0

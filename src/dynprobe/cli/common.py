@@ -32,6 +32,19 @@ def report_error(exc: DynprobeError) -> int:
     return fail(str(exc), 2 if isinstance(exc, UsageError) else 1)
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a size in bytes, with an optional K, M or G (KiB, MiB, GiB) after it."""
+    digits = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = digits[-1:] if digits[-1:] in _SIZE_UNITS else ""
+    try:
+        return int(digits[: len(digits) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with K, M or G: 64M)") from None
+
+
 def add_demangle_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--demangle", type=Demangle, choices=list(Demangle), default=Demangle.SIMPLE, metavar="{simple,full,no}",

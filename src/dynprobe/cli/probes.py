@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynprobe.actions.filter import parse_filter
-from dynprobe.cli.common import UsageError, open_session, report_error, run_target
+from dynprobe.cli.common import UsageError, byte_size, open_session, report_error, run_target
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
@@ -34,8 +34,8 @@ def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits 
     p.add_argument("--filter", metavar="EXPR", help=f"{filter_help}, e.g. 'a == 5 and (b > 0 or c != 1)'")
     p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
                    help="keep every probe a trap probe (no jump optimization), for comparisons")  # fmt: skip
-    p.add_argument("--ring-size", type=int, default=None, metavar="BYTES",
-                   help="per-thread ring buffer size, a power of two (default 1 MiB)")  # fmt: skip
+    p.add_argument("--ring-size", type=byte_size, default=None, metavar="BYTES",
+                   help="per-thread ring buffer size, a power of two (64K, 16M; default 1M)")  # fmt: skip
     p.add_argument("--stats", action="store_true",
                    help="at the end, per probe: mode (optimized, or trap and why), hits, missed, lost")  # fmt: skip
 

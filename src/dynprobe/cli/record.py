@@ -17,6 +17,7 @@ from dynprobe.cli.common import (
     UsageError,
     add_demangle_option,
     add_target_options,
+    byte_size,
     open_session,
     report_error,
     run_target,
@@ -76,7 +77,8 @@ def _add_record_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-o", "--output", default=DEFAULT_DIR, metavar="DIR", help=f"the trace directory (default {DEFAULT_DIR})"
     )
-    p.add_argument("--ring-size", type=int, default=1 << 25, metavar="BYTES", help="per-thread ring (default 32 MiB)")
+    p.add_argument("--ring-size", type=byte_size, default=1 << 25, metavar="BYTES",
+                   help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
     p.add_argument("--depth", type=int, metavar="N", help="record calls nested at most N traced calls deep")
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
