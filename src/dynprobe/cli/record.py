@@ -219,7 +219,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
                         clock=session.clock())  # fmt: skip
             write_info(out, info)
-            dropped = f" ({lost} lost: a larger --ring-size keeps them)" if lost else ""
+            dropped = f" ({lost} records lost: a thread's ring was full; a larger --ring-size keeps them)"
+            dropped = dropped if lost else ""
             what = f"{calls} calls recorded"
             if args.threshold:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
