@@ -101,7 +101,7 @@ class OptimizeRefusal(enum.Enum):
     INDIRECT_JUMP = "the function jumps indirectly (a jump table may target the patched bytes)"
     JUMP_INTO_REGION = "a jump in the function lands inside the 5 patched bytes"
     REGION_OVERLAP = "another probe lies inside the 5 patched bytes"
-    UNRELOCATABLE_INSN = "an instruction in the 5 bytes cannot run from a detour (ret, int, syscall, ...)"
+    UNRELOCATABLE_INSN = "an instruction in the 5 bytes cannot run from a detour (int, syscall, ret not last, ...)"
     RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the detour"
     POST_HANDLER = "a post-handler needs a single-step after the instruction"
     PYTHON_HANDLER = "a Python pre-handler runs in the tracer, at a stop"

@@ -134,13 +134,43 @@ def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
     assert probes["jump_into"].trap_reason == OptimizeRefusal.JUMP_INTO_REGION
     assert probes["one_ret"].trap_reason == OptimizeRefusal.TOO_SHORT
     assert probes["python"].trap_reason == OptimizeRefusal.PYTHON_HANDLER
-    assert probes["add_one"].trap_reason == OptimizeRefusal.UNRELOCATABLE_INSN  # lea; ret
     assert probes["endbr_func"].trap_reason == OptimizeRefusal.REGION_OVERLAP  # endbr_func+4 is probed
-    for name in ("call_first", "endbr_func+4", "redzone_leaf+10"):
+    for name in ("call_first", "add_one", "endbr_func+4", "redzone_leaf+10"):  # add_one: lea; ret
         assert probes[name].mode == OPTIMIZED, (name, probes[name].trap_reason)
     expected = {"jump_into": rounds, "one_ret": 2 * rounds, "call_first": rounds, "add_one": rounds,
                 "endbr_func": rounds, "endbr_func+4": rounds, "redzone_leaf+10": rounds}  # fmt: skip
     assert {name: probes[name].hits for name in expected} == expected
+
+
+def test_a_five_byte_leaf_ending_in_ret_is_optimized_for_every_mechanism(opt: str) -> None:
+    """add_one is `lea rax,[rdi+1]; ret`, the 5 bytes a jump replaces: its `ret` runs from the
+    detour. An entry probe and a return probe ($retval from the trampoline), then the function
+    tracer (entered through call_first's relocated call too), get jumps and every call, exactly."""
+    rounds = 2000
+    returns: list[tuple[int, int]] = []
+
+    def probes(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        back = session.probe("r add_one n=$arg1 r=$retval", on_event=lambda e: returns.append(
+            (e.values["n"], e.values["r"])))  # fmt: skip
+        return [session.probe("add_one", action="count"), back]
+
+    status, out, (entry, back) = traced([opt, "shapes", "1", str(rounds)], probes, optimize=True)
+    assert status == 0 and out == f"shapes ok {rounds}\n"
+    assert entry.mode == OPTIMIZED and back.mode == OPTIMIZED  # type: ignore[attr-defined]
+    assert entry.hits == rounds and back.hits == rounds  # type: ignore[attr-defined]
+    assert sorted(returns) == [(i, i + 1) for i in range(rounds)]
+    events: list[tuple[str, bool]] = []
+
+    def tracer(session: dynprobe.Session) -> list[object]:
+        made = session.function_tracer(filter=["add_one", "call_first"],
+                                       on_event=lambda e: events.append((e.function.name, e.exit)))  # fmt: skip
+        made.start()
+        return [made]
+
+    status, out, [made] = traced([opt, "shapes", "1", str(rounds)], tracer, optimize=True)
+    assert status == 0 and out == f"shapes ok {rounds}\n"
+    assert made.patched == 2 and made.calls == 2 * rounds, made.not_patched  # type: ignore[attr-defined]
+    assert events == [("call_first", False), ("add_one", False), ("add_one", True), ("call_first", True)] * rounds
 
 
 def test_record_of_faulting_fetches_and_strings(opt: str) -> None:

@@ -4,7 +4,8 @@ The rules are the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for 
 the 5 bytes replace whole instructions (the "region"), all of which must run correctly from the
 detour; no jump anywhere in the function may land inside the region (it would land in the middle
 of our jmp); the function must not jump indirectly (a jump table could hold such a target); a
-call can only end the region, and is relocated as "push the original return address; jmp" (an
+`ret` can only end the region (a 5-byte leaf function, `lea eax,[rdi+rdi+1]; ret`); a call can only
+end the region, and is relocated as "push the original return address; jmp" (an
 indirect one as a `jmp` through the same operand), so no return address ever points into a detour.
 
 Pure: function bytes + addresses in, a plan or a reason out.
@@ -27,10 +28,12 @@ JMP_REL32_LEN = 5
 _M = iced.Mnemonic
 _FC = iced.FlowControl
 
-# Instructions that cannot run from a detour: they leave it (ret, int, syscall: the kernel would
-# return into the detour, which must stay freeable), or trap on purpose.
+# Instructions that cannot run from a detour: the kernel would return into it (int, syscall: the
+# detour must stay freeable), they trap on purpose, or leave to another code segment. A near `ret`
+# runs from a detour as where it was (it reads nothing of where it is), but only as the region's
+# last instruction: what follows a `ret` is reached by jumps alone.
 _UNRELOCATABLE = {
-    _M.RET, _M.RETF, _M.INT, _M.INT1, _M.INT3, _M.INTO, _M.IRET, _M.IRETD, _M.IRETQ, _M.SYSCALL,
+    _M.RETF, _M.INT, _M.INT1, _M.INT3, _M.INTO, _M.IRET, _M.IRETD, _M.IRETQ, _M.SYSCALL,
     _M.SYSENTER, _M.SYSEXIT, _M.SYSRET, _M.SYSRETQ, _M.UD0, _M.UD1, _M.UD2, _M.HLT, _M.XBEGIN,
 }  # fmt: skip
 
@@ -108,6 +111,8 @@ def can_optimize(
         return OptimizeRefusal.REGION_OVERLAP
     for insn in region:
         if insn.mnemonic in _UNRELOCATABLE or insn.is_call_far or insn.is_jmp_far:
+            return OptimizeRefusal.UNRELOCATABLE_INSN
+        if insn.mnemonic == _M.RET and insn is not region[-1]:
             return OptimizeRefusal.UNRELOCATABLE_INSN
         if insn.is_call_near_indirect and (insn is not region[-1] or insn.code != iced.Code.CALL_RM64):
             return OptimizeRefusal.UNRELOCATABLE_INSN  # its callee would return into the patched bytes
