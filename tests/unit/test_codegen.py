@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import iced_x86 as iced
 import numpy as np
@@ -18,7 +18,7 @@ import pytest
 
 from dynprobe.actions.filter import parse_filter
 from dynprobe.actions.model import ActionKind, Program, record_fields
-from dynprobe.arch.x86_64.codegen import build_detour, read_tsc_code
+from dynprobe.arch.x86_64.codegen import build_detour, build_entry_stamp, read_tsc_code
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal
@@ -115,18 +115,26 @@ class NativeArea:
 
     def run(self, programs: list[Program], *args: int, rseq_offset_at: int | None = None) -> None:
         """Run the actions of a detour for `programs` as f(args...) on this thread."""
+
+        def actions(base: int) -> bytes:
+            detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True, rseq_offset_at=rseq_offset_at)
+            assert not isinstance(detour, OptimizeRefusal)
+            return detour.code[: detour.action_bytes] + b"\xc3"  # the actions, then ret
+
+        self.call(actions, *args)
+
+    def call(self, code_at: Callable[[int], bytes], *args: int) -> int:
+        """Run `code_at(address)`, placed at that address, as u64 f(args...) on this thread."""
         page = mmap.mmap(-1, 1 << 14, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
         self.pages.append(page)
         base = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True, rseq_offset_at=rseq_offset_at)
-        assert not isinstance(detour, OptimizeRefusal)
-        page.write(detour.code[: detour.action_bytes] + b"\xc3")  # the actions, then ret
-        func = ctypes.CFUNCTYPE(None, *[ctypes.c_uint64] * len(args))(base)
+        page.write(code_at(base))
+        func = ctypes.CFUNCTYPE(ctypes.c_uint64, *[ctypes.c_uint64] * len(args))(base)
         old = ctypes.c_uint64()
         assert libc.syscall(158, ARCH_GET_GS, ctypes.byref(old)) == 0
         assert libc.syscall(158, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
         try:
-            func(*args)
+            return int(func(*args))
         finally:
             libc.syscall(158, ARCH_SET_GS, old)
 
@@ -270,3 +278,27 @@ def test_native_record_cpu_number(area: NativeArea, source: str) -> None:
             assert int.from_bytes(area.records()[-1][2:4], "little") == cpu
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def test_native_entry_stamp(area: NativeArea) -> None:
+    """A thread resuming from a trap entry through the entry stamp: the named words get the
+    time-stamp counter (unused targets name DISCARD), the registers are as they were, it goes on
+    at the resume address (here: code returning rdi + rsi + rdx) with the stack as it was, and
+    STAMP_BUSY is clear after."""
+    stamp = build_entry_stamp()
+    resume_at = 256
+    targets = [LAYOUT.shadow + 3 * L.SHADOW_ENTRY + L.ENTRY_TSC, LAYOUT.shadow + L.ENTRY_TSC]
+    w = area.words
+    w[L.STAMP_TARGETS // 8 : L.STAMP_TARGETS // 8 + L.STAMP_TARGETS_MAX] = targets + [L.STAMP_DISCARD] * 2
+    w[L.STAMP_BUSY // 8] = 1
+
+    def code_at(base: int) -> bytes:
+        w[L.STAMP_RESUME // 8] = base + resume_at
+        sum_of_args = bytes.fromhex("488d04374801d0c3")  # lea rax,[rdi+rsi]; add rax,rdx; ret
+        return stamp.ljust(resume_at, b"\xcc") + sum_of_args
+
+    tsc_before = area.call(lambda base: read_tsc_code())
+    assert area.call(code_at, 1, 20, 300) == 321
+    assert w[L.STAMP_BUSY // 8] == 0
+    first, second = (int(w[t // 8]) for t in targets)
+    assert first == second == int(w[L.STAMP_DISCARD // 8]) and first > tsc_before

@@ -61,8 +61,14 @@ def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:
     assert isinstance(code, bytes)
     last = list(iter_instructions(code, AT + 0x10000))[-1]
     assert last.mnemonic == iced.Mnemonic.JMP and last.near_branch_target == tramp.finish
-    stub = list(iter_instructions(return_stub_code(AT + 0x20000, tramp), AT + 0x20000))
-    assert len(stub) == 1 and stub[0].near_branch_target == tramp.finish
+    # the trap stub: the return's time stamp into the entry (rsi: its offset), then the trapped jump
+    code, trap = return_stub_code(LAYOUT, AT + 0x20000, tramp)
+    stub = list(iter_instructions(code, AT + 0x20000))
+    assert [str(i) for i in stub[:3]] == [
+        "rdtsc", f"mov gs:[rsi+{LAYOUT.shadow + L.ENTRY_RETURN_TSC:X}h],eax",
+        f"mov gs:[rsi+{LAYOUT.shadow + L.ENTRY_RETURN_TSC + 4:X}h],edx",
+    ]  # fmt: skip
+    assert stub[-1].ip == trap and stub[-1].near_branch_target == tramp.finish
 
 
 def test_entry_part_needs_a_function_entry_and_the_trampoline() -> None:
@@ -133,7 +139,7 @@ def test_a_thread_at_an_entry_call_is_going_into_the_region_it_calls() -> None:
     from dynprobe.core.returns import ProcessReturns
 
     _, tramp = build_trampoline(LAYOUT, AT)
-    returns = ProcessReturns(tramp, stub=tramp.end)
+    returns = ProcessReturns(tramp, tramp.end, tramp.end + 12, tramp.end + 32, tramp.end + 256)
     region, rsp = 0x5555_0000_1234, 0x7FFF_0000_1008  # rsp: the slot + 8, at the call
     memory = {rsp - 24: region}
     call = AT + 7 * L.TRAMPOLINE_STRIDE

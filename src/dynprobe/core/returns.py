@@ -47,6 +47,7 @@ from dynprobe.arch.x86_64.codegen import (
     HOOK_ROOM,
     SAVED_AT,
     Trampoline,
+    build_entry_stamp,
     build_return_code,
     build_trampoline,
     return_stub_code,
@@ -76,7 +77,7 @@ CATCH_ENTRY = "__cxa_begin_catch"
 RETURN_CODE_ROOM = 512
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
-_STUB_BYTES = 16
+_STUB_ROOM = 32  # the trap stub, then the entry stamp
 
 
 def _return_rsp(regs: Regs) -> int:
@@ -102,6 +103,9 @@ class ProcessReturns:
 
     trampoline: Trampoline
     stub: int  # the return code of probes whose return part runs in the tracer
+    stub_trap: int  # its int3
+    entry_stamp: int  # where a thread resumes from a trap entry (build_entry_stamp)
+    end: int  # of this code
     code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
     instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
     snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
@@ -117,7 +121,7 @@ class ProcessReturns:
 
     def owns(self, rip: int) -> bool:
         """Whether `rip` is in code a thread must leave before the thread area goes."""
-        if self.trampoline.table <= rip < self.trampoline.end or self.stub <= rip < self.stub + _STUB_BYTES:
+        if self.trampoline.table <= rip < self.end:
             return True
         return any(a <= rip < a + n for a, n in self.code.values())
 
@@ -179,18 +183,21 @@ class ReturnProbes:
         session = self.session
         layout = session.layout
         size = len(build_trampoline(layout, 0)[0])
-        at = session.allocate_slot(proc, near, size + _STUB_BYTES)
+        entry_stamp = build_entry_stamp()
+        at = session.allocate_slot(proc, near, size + _STUB_ROOM + len(entry_stamp))
         if at is None:
             raise ProcessError(f"no executable memory for the return trampoline in pid {proc.pid}")
         code, trampoline = build_trampoline(layout, at)
         assert len(code) == size
         stub = at + size
-        stub_code = return_stub_code(stub, trampoline)
-        proc.tracee.write(at, code + stub_code)
-        proc.returns = ProcessReturns(trampoline, stub)
+        stub_code, stub_trap = return_stub_code(layout, stub, trampoline)
+        assert len(stub_code) <= _STUB_ROOM
+        stamp_at = stub + _STUB_ROOM
+        proc.tracee.write(at, code + stub_code.ljust(_STUB_ROOM, b"\xcc") + entry_stamp)
+        proc.returns = ProcessReturns(trampoline, stub, stub_trap, stamp_at, stamp_at + len(entry_stamp))
         if proc.tracee.journal is not None:  # for the guardian: hooked returns to put back
             proc.tracee.journal.record_returns(proc.pid, trampoline.points, layout.shadow)
-        self._add_stub(proc, stub, stub_code)
+        self._add_stub(proc, stub_trap, stub_code[stub_trap - stub :])
         self.hook_unwinders(proc, read_maps(proc.pid))
         _debug(f"pid {proc.pid}: return trampoline at {at:#x}, {size} bytes")
         return proc.returns
@@ -328,9 +335,11 @@ class ReturnProbes:
 
     # --- trap mode --------------------------------------------------------------------------------------
     def on_entry(
-        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs, context: FetchContext
-    ) -> None:
-        """A return probe's entry at a trap stop: the entry handler, then the shadow entry."""
+        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs, context: FetchContext,
+        stamps: list[int],
+    ) -> None:  # fmt: skip
+        """A return probe's entry at a trap stop: the entry handler, then the shadow entry,
+        whose time stamp goes into `stamps` for `stamp_on_resume` (the tracer's clock, meanwhile)."""
         returns = self.setup(proc, site.addr)
         words = self._area_for(proc, tid, regs)
         lay = self.session.layout
@@ -345,8 +354,24 @@ class ReturnProbes:
         k = self._push(proc, words, regs, self.return_code(proc, probe), probe.index)
         if k is None:
             probe.trap_missed += 1
-        elif probe.action is None:
+            return
+        stamps.append(lay.shadow + k * L.SHADOW_ENTRY + L.ENTRY_TSC)
+        if probe.action is None:
             returns.instances[tid, k] = Instance(probe, hit.data)
+
+    def stamp_on_resume(self, proc: TracedProcess, tid: int, regs: Regs, stamps: list[int]) -> None:
+        """The thread, about to resume at `regs.rip` from a trap entry that took shadow entries,
+        goes through the entry stamp first, which gives them their time as it runs on (unless it
+        is inside the stamp already: a signal handler's entry; those keep the tracer's time)."""
+        words = self._words(proc, tid)
+        if words is None or proc.returns is None or words[L.STAMP_BUSY // 8]:
+            return
+        targets = stamps[: L.STAMP_TARGETS_MAX]
+        targets += [L.STAMP_DISCARD] * (L.STAMP_TARGETS_MAX - len(targets))
+        words[L.STAMP_TARGETS // 8 : L.STAMP_TARGETS // 8 + L.STAMP_TARGETS_MAX] = targets
+        words[L.STAMP_RESUME // 8] = int(regs.rip)
+        words[L.STAMP_BUSY // 8] = 1
+        regs.rip = proc.returns.entry_stamp
 
     def _push(self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int) -> int | None:
         """At a function entry (rsp: the return address): a shadow entry for the frame, as the
@@ -388,7 +413,8 @@ class ReturnProbes:
         if probe is None:
             return
         caller = int(words[at + L.ENTRY_RET // 8])
-        latency = self.session.tsc_to_ns(self.session.read_tsc() - int(words[at + L.ENTRY_TSC // 8]))
+        ticks = int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8])
+        latency = self.session.tsc_to_ns(ticks)
         args = tuple(int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS)))
         base = int(regs.rsp)
         tracee = proc.tracee
@@ -560,7 +586,7 @@ class ReturnProbes:
         returns = proc.returns
         if returns is None:
             return
-        site = proc.sites.get(returns.stub)
+        site = proc.sites.get(returns.stub_trap)
         if site is None:
             return
         with contextlib.suppress(OSError):

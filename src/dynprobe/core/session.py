@@ -1069,6 +1069,7 @@ class Session:
         context: FetchContext | None = None
         now = 0.0
         post: list[Probe] = []
+        stamps: list[int] = []  # return-probe entries taken: their time is stamped at the resume
         for probe in site.probes if proc.follow else ():
             if not probe.enabled:
                 continue
@@ -1076,7 +1077,7 @@ class Session:
             if probe.is_return:
                 if context is None:
                     context, now = self._context(proc, tid, regs, site), time.monotonic()
-                self.returns.on_entry(proc, tid, site, probe, regs, context)
+                self.returns.on_entry(proc, tid, site, probe, regs, context, stamps)
                 continue
             if probe.action is not None:
                 if probe.action is _COUNT and probe.filter is None:
@@ -1112,6 +1113,8 @@ class Session:
                     probe.resumes[kind] += 1
                 if post:
                     self._run_post(proc, tid, post, regs, site, context or self._context(proc, tid, regs, site))
+                if stamps and not user_tf:  # (the target's own single step must see its instruction)
+                    self.returns.stamp_on_resume(proc, tid, regs, stamps)
                 sc.set_regs(tid, regs)
                 if user_tf:
                     self._deliver_step_trap(proc, tid)
@@ -1124,6 +1127,8 @@ class Session:
         for probe in probes:
             probe.resumes[kind] += 1
         regs.rip = site.slot
+        if stamps and kind is _BOOST:
+            self.returns.stamp_on_resume(proc, tid, regs, stamps)
         sc.set_regs(tid, regs)
         if kind is _BOOST:
             proc.tracee.resume(tid)

@@ -15,8 +15,9 @@ the tracer; pages never touched cost nothing, so the counter and histogram table
 
 A shadow-stack entry: the address of the hijacked return-address slot (0: the entry is free),
 the original return address, the address of the code that runs the probe's return part, the
-probe index (u32), the tracer's flags (u32), the time stamp at entry and the entry's data (the probe's `$argN` values at
-entry, at DATA + 8 * (N - 1)). Entry k is returned through trampoline entry point k, so a frame
+probe index (u32), the tracer's flags (u32), the time stamp at entry, the entry's data (the
+probe's `$argN` values at entry, at DATA + 8 * (N - 1)) and, for a return served at a stop, the
+time stamp at the return. Entry k is returned through trampoline entry point k, so a frame
 finds its entry even if the stack under it was copied elsewhere. Before each entry point, the
 call a detour enters the function through (`call [rsp-24]`), so the return address is pushed by
 a call and the function's `ret` is predicted.
@@ -45,6 +46,17 @@ HEAD = 0x40
 TAIL = 0x80
 SHADOW_TOP = 0xC0  # entries [0, top) of the shadow stack are in use or free (slot 0)
 SHADOW_BUSY = 0xC8  # the thread is changing its shadow stack (a signal handler's probes miss)
+# A thread resuming from a return probe's trap entry stamps the entries' time itself (the entry
+# stamp, codegen.build_entry_stamp): the tracer's clock would count the resume (~5-15 us) as the
+# call's. BUSY while it does (a nested trap entry, in a signal handler, then takes the tracer's
+# time); RESUME where it goes on; SAVED the registers it uses; TARGETS the area offsets of the
+# words to stamp (DISCARD for none).
+STAMP_BUSY = 0x100
+STAMP_RESUME = 0x108
+STAMP_SAVED = 0x110  # rax, rdx, rsi
+STAMP_TARGETS = 0x128
+STAMP_TARGETS_MAX = 4
+STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 HEADER_BYTES = PAGE
 
 PROBE_COUNTERS = 4  # per probe: hits, missed, lost, pending return instances
@@ -62,6 +74,7 @@ STRING_TRUNCATED = 1
 SHADOW_ENTRY = 128
 SHADOW_CAPACITY = 4096  # also the largest maxactive
 ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_FLAGS, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 28, 32, 40
+ENTRY_RETURN_TSC = 88  # a return served at a stop: its time, stamped before the trap
 ENTRY_RESTORED = 1  # flag: the tracer put the original return address back while the unwinder ran
 TRAMPOLINE_CALL = 4  # `call [rsp-24]`, then the entry point
 TRAMPOLINE_STRIDE = 14  # bytes per trampoline entry: that call, then `push OFFSET; jmp common`

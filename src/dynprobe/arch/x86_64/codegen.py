@@ -32,7 +32,7 @@ from dynprobe.actions.filter import filter_args
 from dynprobe.actions.model import ActionKind, Compare, Filter, Program, ReturnEntry
 from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.decode import iter_instructions
-from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
+from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, relocate_region
 from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
@@ -868,11 +868,47 @@ def build_return_code(
     return asm.encode(at)[0]
 
 
-def return_stub_code(at: int, trampoline: Trampoline) -> bytes:
-    """The return code of probes whose return part runs in the tracer: an int3 goes here."""
+def _stamp(asm: _Asm, base: RegisterT, disp: int) -> None:
+    """The time-stamp counter into the u64 at gs:[base + disp], flags untouched (rax, rdx used)."""
+    asm.add(iced.Instruction.create(C.RDTSC))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(disp, base), R.EAX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(disp + 4, base), R.EDX))
+
+
+def return_stub_code(layout: L.AreaLayout, at: int, trampoline: Trampoline) -> tuple[bytes, int]:
+    """The return code of probes whose return part runs in the tracer, placed at `at`: the
+    return's time into the entry (rsi: its offset; rax and rdx saved by the trampoline), then
+    `jmp finish`, where an int3 goes: the tracer's clock at the stop would count the trap in the
+    call's latency. Returns the code and the address of the jump."""
     asm = _Asm()
+    _stamp(asm, R.RSI, layout.shadow + L.ENTRY_RETURN_TSC)
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
-    return asm.encode(at)[0]
+    code = asm.encode(at)[0]
+    return code, at + len(code) - JMP_REL32_LEN
+
+
+def build_entry_stamp() -> bytes:
+    """Where a thread stopped at a return probe's trap entry resumes (see L.STAMP_BUSY): the
+    time-stamp counter into the words the tracer named, registers and flags as they were, then
+    on to the resume address. That goes through the stack below the red zone (`ret 128`), not a
+    register, and only once STAMP_BUSY is clear: a signal handler's trap entry may then reuse the
+    stub. Position-independent."""
+    asm = _Asm()
+    saved = [(reg, L.STAMP_SAVED + 8 * i) for i, reg in enumerate((R.RAX, R.RDX, R.RSI))]
+    for reg, at in saved:
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(at), reg))
+    asm.add(iced.Instruction.create(C.RDTSC))
+    for i in range(L.STAMP_TARGETS_MAX):
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _gs(L.STAMP_TARGETS + 8 * i)))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(0, R.RSI), R.EAX))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(4, R.RSI), R.EDX))
+    for reg, at in saved:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, reg, _gs(at)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -RED_ZONE)))
+    asm.add(iced.Instruction.create_mem(C.PUSH_RM64, _gs(L.STAMP_RESUME)))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.STAMP_BUSY), 0))
+    asm.add(iced.Instruction.create_u32(C.RETNQ_IMM16, RED_ZONE))
+    return asm.encode(0)[0]
 
 
 # --- the function tracer (DESIGN.md section 8) ---------------------------------------------------------
