@@ -69,6 +69,21 @@ def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
     assert [(line.split()[-4], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
 
 
+def test_live_records_then_replays_and_keeps_nothing(ret: str, tmp_path: Path) -> None:
+    """`dynprobe live`: the program's output, then its call graph, as record + replay give it;
+    the temporary trace is gone after, and stderr does not name it."""
+    before = set(Path(tempfile.gettempdir()).glob("dynprobe-live-*"))
+    r = dp("live", "-F", "main", "-F", "fact", "--", ret, "fact", "3", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    output, graph = r.stdout.split("\n", 1)
+    assert output == "6" and masked(graph) == [
+        "  | main() {", "  |   fact() {", "  |     fact() {", "T |       fact();", "T |     } /* fact */",
+        "T |   } /* fact */", "T | } /* main */",
+    ]  # fmt: skip
+    assert r.stderr.splitlines()[-1] == "dynprobe: 4 calls recorded"
+    assert set(Path(tempfile.gettempdir()).glob("dynprobe-live-*")) == before
+
+
 def test_trace_read_from_python(ret: str, tmp_path: Path) -> None:
     """dynprobe.Trace: the events of a trace and its profile, as report shows it."""
     _, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")

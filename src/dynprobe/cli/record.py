@@ -224,7 +224,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             what = f"{calls} calls recorded"
             if args.threshold:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
-            print(f"dynprobe: {what} in {out}{dropped}", file=sys.stderr)
+            where = "" if getattr(args, "live", False) else f" in {out}"  # live: a temporary directory
+            print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
     except DynprobeError as exc:
         return report_error(exc)
     if args.pid is not None:
@@ -247,7 +248,7 @@ def _trace(args: argparse.Namespace) -> Iterator[Trace]:
 
 def run_live(args: argparse.Namespace, command: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="dynprobe-live-") as tmp:
-        args.output = os.path.join(tmp, "trace")
+        args.output, args.live = os.path.join(tmp, "trace"), True
         status = run_record(args, command)
         if os.path.exists(os.path.join(args.output, INFO)):
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
