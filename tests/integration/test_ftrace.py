@@ -69,6 +69,22 @@ def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
     assert [(line.split()[-4], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
 
 
+_BY_DEPTH = {
+    1: ["T | main();"],
+    2: ["  | main() {", "T |   fact();", "T | } /* main */"],
+    3: ["  | main() {", "  |   fact() {", "T |     fact();", "T |   } /* fact */", "T | } /* main */"],
+}
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_depth_leaves_out_deeper_calls(ret: str, tmp_path: Path, depth: int) -> None:
+    """--depth N: calls nested deeper than N traced calls are not recorded (decided in the target);
+    main -> fact(3) -> fact(2) -> fact(1)."""
+    r, trace = record(tmp_path, "--depth", str(depth), "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    assert r.stdout == "6\n" and f"dynprobe: {depth} call{'s' if depth > 1 else ''} recorded in" in r.stderr
+    assert masked(dp("replay", trace).stdout) == _BY_DEPTH[depth]
+
+
 def test_live_records_then_replays_and_keeps_nothing(ret: str, tmp_path: Path) -> None:
     """`dynprobe live`: the program's output, then its call graph, as record + replay give it;
     the temporary trace is gone after, and stderr does not name it."""

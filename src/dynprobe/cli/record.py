@@ -221,7 +221,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             write_info(out, info)
             dropped = f" ({lost} records lost: a thread's ring was full; a larger --ring-size keeps them)"
             dropped = dropped if lost else ""
-            what = f"{calls} calls recorded"
+            what = f"{calls} call{'' if calls == 1 else 's'} recorded"
             if args.threshold:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
             where = "" if getattr(args, "live", False) else f" in {out}"  # live: a temporary directory
