@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -287,6 +288,57 @@ def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str],
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(first_line)
     assert r.stdout == ""  # the command never ran
+
+
+@pytest.mark.parametrize(
+    ("args", "count"),
+    [
+        (["count", "nap"], r"uprobes/p_nap +(\d+)"),
+        (["hist", "p:t/nap nap ms=%di", "--value", "ms"], r"^\[16, 32\) +(\d+)"),  # ms = 20
+        (["latency", "nap"], r": (\d+) calls"),
+    ],
+    ids=["count", "hist", "latency"],
+)
+def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], count: str) -> None:
+    """-i SECONDS: a time-stamped block every interval, counting every call so far (nap() sleeps
+    20 ms: about 7 calls per 0.15 s), then the final one when dynprobe alone is interrupted; the
+    command it started gets the signal too (as with strace), and its status is dynprobe's."""
+    with subprocess.Popen([*DYNPROBE, *args, "-i", "0.15", "--", ret, "sleep"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        try:
+            time.sleep(1.5)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err  # the command's: killed by SIGINT
+    counts = [int(n) for n in re.findall(count, out, flags=re.M)]  # each interval's, then the end's
+    assert len(re.findall(r"^\d\d:\d\d:\d\d$", out, flags=re.M)) == len(counts) - 1
+    assert len(counts) >= 4 and counts == sorted(counts) and counts[0] > 0, out
+    if args[0] == "latency":
+        assert out.count("[16M, 32M)") == len(counts)
+
+
+def test_a_command_that_ignores_the_interrupt_runs_on_detached() -> None:
+    """The command dynprobe started ignores SIGINT: dynprobe waits a moment, says so, and leaves
+    it running, no longer traced."""
+    cmd = ["/bin/sh", "-c", "trap '' INT; exec sleep 30 >/dev/null 2>&1"]  # (our pipes closed in it)
+    with subprocess.Popen([*DYNPROBE, "count", "libc:nanosleep", "--", *cmd], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
+        try:
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    m = re.search(r"dynprobe: pid (\d+) did not end on SIGINT; it runs on, detached", err)
+    assert proc.returncode == 130 and m is not None, err
+    pid = int(m.group(1))
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        assert "TracerPid:\t0\n" in status and re.search(r"^State:\t[SR]", status, re.M), status  # not stopped
+    finally:
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("command", ["count", "record"])

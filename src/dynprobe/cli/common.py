@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -70,12 +72,15 @@ def open_session(args: argparse.Namespace, command: list[str]) -> Session:
 
 def run_target(session: Session, interval: float | None = None, tick: Callable[[], None] | None = None) -> int | None:
     """Run until the target ends or Ctrl-C / SIGTERM; call `tick` every `interval` seconds.
-    Returns the target's exit status, or None when interrupted (or attached: it runs on)."""
-    interrupted = False
+    Returns the target's exit status (128+N: killed by signal N), or None when interrupted and
+    no status is known (attached: it runs on). A command dynprobe started gets the signal that
+    interrupted dynprobe once it is detached, as strace does: `kill` or a harness that signals
+    dynprobe alone would otherwise leave it running, untraced (a terminal's Ctrl-C reaches both)."""
+    interrupted = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal interrupted
-        interrupted = True
+        interrupted = signum
         session.interrupt_wait(signum, frame)
 
     signal.signal(signal.SIGINT, on_signal)
@@ -90,7 +95,7 @@ def run_target(session: Session, interval: float | None = None, tick: Callable[[
             except BrokenPipeError:
                 return None
             if status is not None or interrupted or not session.processes():
-                return status
+                break
             if tick is not None:
                 tick()
     finally:
@@ -98,6 +103,34 @@ def run_target(session: Session, interval: float | None = None, tick: Callable[[
         # another Ctrl-C (often pressed twice) is ignored.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if status is None and interrupted and session.spawned:
+        return _stop_command(session, interrupted)
+    return status
+
+
+def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | None:
+    """Detach, then give the command dynprobe started `signum`; its exit status if it ends
+    within `grace` seconds (else it runs on, and we say so)."""
+    pid = session.main_pid
+    session.close()
+    try:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return None
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return None  # reaped already
+        if done:
+            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+        if time.monotonic() > deadline:
+            print(f"dynprobe: pid {pid} did not end on {signal.Signals(signum).name}; it runs on, detached",
+                  file=sys.stderr)  # fmt: skip
+            return None
+        time.sleep(0.01)
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
