@@ -169,10 +169,12 @@ class Trace:
                 left = min(count, available)
                 while left:
                     records = np.fromfile(f, dtype=self.record, count=min(left, READ_RECORDS))
+                    if not len(records):
+                        break  # the file shrank while read
                     left -= len(records)
                     kind, times = records["kind"], self._ns(records["tsc"])
                     yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
-                if available < count:
+                if left or available < count:
                     self.truncated_at = offset
                     return
                 offset += _CHUNK_HEADER.itemsize + want

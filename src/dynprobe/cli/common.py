@@ -125,7 +125,8 @@ def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | No
         except ChildProcessError:
             return None  # reaped already
         if done:
-            return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
+            return code if code >= 0 else 128 - code
         if time.monotonic() > deadline:
             print(f"dynprobe: pid {pid} did not end on {signal.Signals(signum).name}; it runs on, detached",
                   file=sys.stderr)  # fmt: skip

@@ -4,9 +4,9 @@ The rules are the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for 
 the 5 bytes replace whole instructions (the "region"), all of which must run correctly from the
 detour; no jump anywhere in the function may land inside the region (it would land in the middle
 of our jmp); the function must not jump indirectly (a jump table could hold such a target); a
-`ret` can only end the region (a 5-byte leaf function, `lea eax,[rdi+rdi+1]; ret`); a call can only
-end the region, and is relocated as "push the original return address; jmp" (an
-indirect one as a `jmp` through the same operand), so no return address ever points into a detour.
+`ret` can only end the region (a 5-byte leaf function: `lea eax,[rdi+rdi+1]; ret`); a call can
+only end it too, and is relocated as "push the original return address; jmp" (an indirect one as
+a `jmp` through the same operand), so no return address ever points into a detour.
 
 Pure: function bytes + addresses in, a plan or a reason out.
 """
