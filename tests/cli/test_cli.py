@@ -290,6 +290,18 @@ def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str],
     assert r.stdout == ""  # the command never ran
 
 
+def interrupted_after(seconds: float, *args: str) -> tuple[int, str, str]:
+    """`dynprobe ARGS...` sent SIGINT (alone, not its command) after `seconds`: (status, stdout, stderr)."""
+    with subprocess.Popen([*DYNPROBE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            time.sleep(seconds)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    return proc.returncode, out, err
+
+
 @pytest.mark.parametrize(
     ("args", "count"),
     [
@@ -303,15 +315,8 @@ def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], co
     """-i SECONDS: a time-stamped block every interval, counting every call so far (nap() sleeps
     20 ms: about 7 calls per 0.15 s), then the final one when dynprobe alone is interrupted; the
     command it started gets the signal too (as with strace), and its status is dynprobe's."""
-    with subprocess.Popen([*DYNPROBE, *args, "-i", "0.15", "--", ret, "sleep"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
-        try:
-            time.sleep(1.5)
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGINT, err  # the command's: killed by SIGINT
+    status, out, err = interrupted_after(1.5, *args, "-i", "0.15", "--", ret, "sleep")
+    assert status == 128 + signal.SIGINT, err  # the command's: killed by SIGINT
     counts = [int(n) for n in re.findall(count, out, flags=re.M)]  # each interval's, then the end's
     assert len(re.findall(r"^\d\d:\d\d:\d\d$", out, flags=re.M)) == len(counts) - 1
     assert len(counts) >= 4 and counts == sorted(counts) and counts[0] > 0, out
@@ -323,16 +328,9 @@ def test_a_command_that_ignores_the_interrupt_runs_on_detached() -> None:
     """The command dynprobe started ignores SIGINT: dynprobe waits a moment, says so, and leaves
     it running, no longer traced."""
     cmd = ["/bin/sh", "-c", "trap '' INT; exec sleep 30 >/dev/null 2>&1"]  # (our pipes closed in it)
-    with subprocess.Popen([*DYNPROBE, "count", "libc:nanosleep", "--", *cmd], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as proc:  # fmt: skip
-        try:
-            time.sleep(1.0)
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=30)
-        finally:
-            proc.kill()
+    status, _, err = interrupted_after(1.0, "count", "libc:nanosleep", "--", *cmd)
     m = re.search(r"dynprobe: pid (\d+) did not end on SIGINT; it runs on, detached", err)
-    assert proc.returncode == 130 and m is not None, err
+    assert status == 130 and m is not None, err
     pid = int(m.group(1))
     try:
         status = Path(f"/proc/{pid}/status").read_text()
