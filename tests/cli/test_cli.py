@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pty
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -290,12 +292,12 @@ def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str],
     assert r.stdout == ""  # the command never ran
 
 
-def interrupted_after(seconds: float, *args: str) -> tuple[int, str, str]:
-    """`dynprobe ARGS...` sent SIGINT (alone, not its command) after `seconds`: (status, stdout, stderr)."""
+def interrupted_after(seconds: float, sig: int, *args: str) -> tuple[int, str, str]:
+    """`dynprobe ARGS...` sent `sig` (alone, not its command) after `seconds`: (status, stdout, stderr)."""
     with subprocess.Popen([*DYNPROBE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             time.sleep(seconds)
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(sig)
             out, err = proc.communicate(timeout=30)
         finally:
             proc.kill()
@@ -313,10 +315,10 @@ def interrupted_after(seconds: float, *args: str) -> tuple[int, str, str]:
 )
 def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], count: str) -> None:
     """-i SECONDS: a time-stamped block every interval, counting every call so far (nap() sleeps
-    20 ms: about 7 calls per 0.15 s), then the final one when dynprobe alone is interrupted; the
-    command it started gets the signal too (as with strace), and its status is dynprobe's."""
-    status, out, err = interrupted_after(1.5, *args, "-i", "0.15", "--", ret, "sleep")
-    assert status == 128 + signal.SIGINT, err  # the command's: killed by SIGINT
+    20 ms: about 7 calls per 0.15 s), then the final one when dynprobe alone gets SIGTERM; the
+    command it started gets it too (as with strace), and its status is dynprobe's."""
+    status, out, err = interrupted_after(1.5, signal.SIGTERM, *args, "-i", "0.15", "--", ret, "sleep")
+    assert status == 128 + signal.SIGTERM, err  # the command's: killed by SIGTERM
     counts = [int(n) for n in re.findall(count, out, flags=re.M)]  # each interval's, then the end's
     assert len(re.findall(r"^\d\d:\d\d:\d\d$", out, flags=re.M)) == len(counts) - 1
     assert len(counts) >= 4 and counts == sorted(counts) and counts[0] > 0, out
@@ -324,19 +326,61 @@ def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], co
         assert out.count("[16M, 32M)") == len(counts)
 
 
-def test_a_command_that_ignores_the_interrupt_runs_on_detached() -> None:
-    """The command dynprobe started ignores SIGINT: dynprobe waits a moment, says so, and leaves
-    it running, no longer traced."""
-    cmd = ["/bin/sh", "-c", "trap '' INT; exec sleep 30 >/dev/null 2>&1"]  # (our pipes closed in it)
-    status, _, err = interrupted_after(1.0, "count", "libc:nanosleep", "--", *cmd)
-    m = re.search(r"dynprobe: pid (\d+) did not end on SIGINT; it runs on, detached", err)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM ignored"])
+def test_a_command_that_does_not_end_runs_on_detached(sig: int) -> None:
+    """dynprobe alone gets SIGINT (not passed on: a terminal's Ctrl-C would have reached the
+    command itself), or SIGTERM, which its command ignores: dynprobe waits a moment, says so, and
+    leaves the command running, no longer traced."""
+    cmd = ["/bin/sh", "-c", "trap '' TERM; exec sleep 30 >/dev/null 2>&1"]  # (our pipes closed in it)
+    status, _, err = interrupted_after(1.0, sig, "count", "libc:nanosleep", "--", *cmd)
+    name = signal.Signals(sig).name
+    m = re.search(rf"dynprobe: pid (\d+) did not end after {name}; it runs on, detached", err)
     assert status == 130 and m is not None, err
     pid = int(m.group(1))
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        assert "TracerPid:\t0\n" in status and re.search(r"^State:\t[SR]", status, re.M), status  # not stopped
+        status_text = Path(f"/proc/{pid}/status").read_text()
+        assert "TracerPid:\t0\n" in status_text and re.search(r"^State:\t[SR]", status_text, re.M), status_text
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_on_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
+    """Ctrl-C on the terminal dynprobe and its command share: the command gets its SIGINT from
+    the terminal, and not a second one from dynprobe (which would cut a graceful shutdown short);
+    dynprobe waits for it and exits with its status."""
+    source = tmp_path / "graceful.c"
+    source.write_text(
+        "#include <signal.h>\n#include <stdio.h>\n#include <unistd.h>\n"
+        "static volatile int got;\nstatic void on_int(int s) { (void)s; got++; }\n"
+        'int main(void) { signal(SIGINT, on_int); puts("ready"); fflush(stdout);\n'
+        "  while (!got) pause();\n  usleep(300000); /* a shutdown a second Ctrl-C would interrupt */\n"
+        '  printf("sigint=%d\\n", got); return 0; }\n'
+    )
+    binary = tmp_path / "graceful"
+    subprocess.run(["gcc", "-O1", "-o", str(binary), str(source)], check=True)
+    primary, secondary = pty.openpty()
+
+    def own_terminal() -> None:  # a session of its own, the pty its controlling terminal
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    with subprocess.Popen([*DYNPROBE, "count", "libc:pause", "--", str(binary)], stdin=secondary,
+                          stdout=secondary, stderr=secondary, preexec_fn=own_terminal) as proc:  # fmt: skip
+        os.close(secondary)
+        shown = b""
+        try:
+            while b"ready" not in shown:
+                shown += os.read(primary, 4096)
+            time.sleep(0.3)
+            os.write(primary, b"\x03")  # the terminal sends SIGINT to its foreground process group
+            assert proc.wait(timeout=30) == 0
+            with contextlib.suppress(OSError):
+                while chunk := os.read(primary, 4096):
+                    shown += chunk
+        finally:
+            proc.kill()
+            os.close(primary)
+    assert b"sigint=1" in shown, shown
 
 
 @pytest.mark.parametrize("command", ["count", "record"])

@@ -73,9 +73,10 @@ def open_session(args: argparse.Namespace, command: list[str]) -> Session:
 def run_target(session: Session, interval: float | None = None, tick: Callable[[], None] | None = None) -> int | None:
     """Run until the target ends or Ctrl-C / SIGTERM; call `tick` every `interval` seconds.
     Returns the target's exit status (128+N: killed by signal N), or None when interrupted and
-    no status is known (attached: it runs on). A command dynprobe started gets the signal that
-    interrupted dynprobe once it is detached, as strace does: `kill` or a harness that signals
-    dynprobe alone would otherwise leave it running, untraced (a terminal's Ctrl-C reaches both)."""
+    no status is known (attached: it runs on). A command dynprobe started and that ends soon
+    after gives its status; SIGTERM is passed on to it once detached, as strace does (`kill`,
+    or a harness that stops dynprobe alone, would leave it running untraced); SIGINT is not: a
+    terminal's Ctrl-C reaches it already, and a second one would cut its own shutdown short."""
     interrupted = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -109,15 +110,16 @@ def run_target(session: Session, interval: float | None = None, tick: Callable[[
 
 
 def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | None:
-    """Detach, then give the command dynprobe started `signum`; its exit status if it ends
-    within `grace` seconds (else it runs on, and we say so)."""
+    """Detach, pass SIGTERM on to the command dynprobe started (see run_target); its exit
+    status if it ends within `grace` seconds (else it runs on, and we say so)."""
     pid = session.main_pid
     session.close()
-    try:
-        os.kill(pid, signal.SIGCONT)
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        return None
+    if signum != signal.SIGINT:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return None
     deadline = time.monotonic() + grace
     while True:
         try:
@@ -128,7 +130,7 @@ def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | No
             code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
             return code if code >= 0 else 128 - code
         if time.monotonic() > deadline:
-            print(f"dynprobe: pid {pid} did not end on {signal.Signals(signum).name}; it runs on, detached",
+            print(f"dynprobe: pid {pid} did not end after {signal.Signals(signum).name}; it runs on, detached",
                   file=sys.stderr)  # fmt: skip
             return None
         time.sleep(0.01)
