@@ -292,6 +292,21 @@ def test_bad_actions_input_one_line_nothing_run(wordcount: str, args: list[str],
     assert r.stdout == ""  # the command never ran
 
 
+@pytest.mark.parametrize("options", [[], ["--trap"], ["--stats"]], ids=["default", "trap", "stats"])
+def test_a_probe_that_stays_a_trap_says_what_its_hits_cost(options: list[str]) -> None:
+    """jump_into's loop jumps back into its first 5 bytes: its probe stays a trap, and without
+    --stats (which shows the mode) the summary says that each hit cost a stop; not with --trap,
+    which asked for it. call_first takes a jump and is not named."""
+    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+    r = dp("count", *options, "jump_into", "call_first", "--", opt, "shapes", "1", "100")
+    assert r.returncode == 0, r.stderr
+    note = "dynprobe: each hit cost a stop (~10 us) for the probe that stayed a trap: uprobes/p_jump_into"
+    note += " (JUMP_INTO_REGION)"
+    assert (note in r.stderr.splitlines()) == (options == []), r.stderr
+    if options == ["--stats"]:
+        assert "mode=trap (JUMP_INTO_REGION)" in r.stderr and "mode=optimized" in r.stderr
+
+
 def interrupted_after(seconds: float, sig: int, *args: str) -> tuple[int, str, str]:
     """`dynprobe ARGS...` sent `sig` (alone, not its command) after `seconds`: (status, stdout, stderr)."""
     with subprocess.Popen([*DYNPROBE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:

@@ -15,7 +15,7 @@ from dynprobe.actions.filter import parse_filter
 from dynprobe.cli.common import UsageError, byte_size, open_session, report_error, run_target
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
-from dynprobe.errors import DynprobeError
+from dynprobe.errors import DynprobeError, OptimizeRefusal
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY, check_ring_bytes
 from dynprobe.spec.model import ProbeSpec
@@ -138,6 +138,18 @@ def note_missed_returns(probes: list[Probe], option: str = MAXACTIVE_IN_SPEC) ->
                   f"(recursion); {option.format(more)} keeps more", file=sys.stderr)  # fmt: skip
 
 
+def note_traps(probes: list[Probe]) -> None:
+    """Probes hit as traps though they could have been jumps (not --trap) say so: each hit cost
+    the target a stop, ~10 us, which a user reading counts would not guess (--stats says it too)."""
+    traps = [p for p in probes if p.hits and p.mode.value != "optimized" and p.trap_reason != OptimizeRefusal.DISABLED]
+    if traps:
+        reasons = [p.trap_reason.name if p.trap_reason else "not optimized yet" for p in traps]
+        named = ", ".join(f"{p.name} ({r})" for p, r in zip(traps[:5], reasons, strict=False))
+        named += ", ..." if len(traps) > 5 else ""
+        which = "the probe that stayed a trap" if len(traps) == 1 else f"the {len(traps)} probes that stayed traps"
+        print(f"dynprobe: each hit cost a stop (~10 us) for {which}: {named}", file=sys.stderr)
+
+
 def print_stats(probes: list[Probe], stats: bool) -> None:
     """One line per probe on stderr: where, hits, missed, lost if any (with --stats: lost and
     mode always); records lost to a full ring say how to keep them."""
@@ -184,6 +196,8 @@ def run_aggregating(
             report(probes, None)
             if args.stats:
                 print_stats(probes, True)
+            else:
+                note_traps(probes)
             note_missed_returns(probes, more_instances)
     except DynprobeError as exc:
         return report_error(exc)

@@ -17,6 +17,7 @@ from dynprobe.cli.probes import (
     add_probe_options,
     check_request,
     note_missed_returns,
+    note_traps,
     place_all,
     print_stats,
 )
@@ -104,6 +105,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             session.close()
             if not args.quiet:
                 print_stats(probes, args.stats)
+                if not args.stats:
+                    note_traps(probes)
                 note_missed_returns(probes)
     except DynprobeError as exc:
         return report_error(exc)
