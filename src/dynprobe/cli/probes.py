@@ -143,9 +143,8 @@ def note_traps(probes: list[Probe]) -> None:
     the target a stop, ~10 us, which a user reading counts would not guess (--stats says it too)."""
     traps = [p for p in probes if p.hits and p.mode.value != "optimized" and p.trap_reason != OptimizeRefusal.DISABLED]
     if traps:
-        reasons = [p.trap_reason.name if p.trap_reason else "not optimized yet" for p in traps]
-        named = ", ".join(f"{p.name} ({r})" for p, r in zip(traps[:5], reasons, strict=False))
-        named += ", ..." if len(traps) > 5 else ""
+        named = ", ".join(f"{p.name} ({p.trap_reason.name if p.trap_reason else 'not optimized yet'})"
+                          for p in traps[:5]) + (", ..." if len(traps) > 5 else "")  # fmt: skip
         which = "the probe that stayed a trap" if len(traps) == 1 else f"the {len(traps)} probes that stayed traps"
         print(f"dynprobe: each hit cost a stop (~10 us) for {which}: {named}", file=sys.stderr)
 
