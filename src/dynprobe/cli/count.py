@@ -7,8 +7,7 @@ import argparse
 import sys
 
 from dynprobe.cli.common import add_target_options, report_error
-from dynprobe.cli.probes import add_probe_options, check_request, run_aggregating
-from dynprobe.core.probe import Probe
+from dynprobe.cli.probes import Tally, add_interval_option, add_probe_options, check_request, run_aggregating
 from dynprobe.errors import DynprobeError
 
 EXAMPLES = """\
@@ -26,18 +25,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_probe_options(p, filter_help="count only hits where EXPR holds")
-    p.add_argument("-i", "--interval", type=float, metavar="SECONDS", help="also print the counts every SECONDS")
+    add_interval_option(p, "counts")
     add_target_options(p)
     p.set_defaults(run=run)
 
 
-def print_counts(probes: list[Probe], title: str | None) -> None:
-    width = max(len(p.name) for p in probes)
+def print_counts(tallies: list[Tally], title: str | None) -> None:
+    width = max(len(t.probe.name) for t in tallies)
     out = sys.stdout
     print(title or "hits:", file=out)
-    counted = [(p.hits, p.name) for p in probes]  # once each: a read sums every thread's counters
-    for hits, name in sorted(counted, key=lambda c: -c[0]):
-        print(f"  {name:<{width}} {hits:>12}", file=out)
+    for t in sorted(tallies, key=lambda t: -t.hits):
+        print(f"  {t.probe.name:<{width}} {t.hits:>12}", file=out)
     out.flush()
 
 

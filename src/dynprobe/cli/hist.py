@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 from dynprobe.actions.filter import parse_value
 from dynprobe.cli.common import add_target_options, report_error
-from dynprobe.cli.probes import add_probe_options, check_request, run_aggregating
-from dynprobe.core.probe import Probe
+from dynprobe.cli.probes import Tally, add_interval_option, add_probe_options, check_request, run_aggregating
 from dynprobe.errors import DynprobeError
 from dynprobe.output.hist import log2_lines
 
@@ -30,21 +29,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_probe_options(p)
     p.add_argument("--value", required=True, metavar="FETCHARG",
                    help="what to count: a fetch argument's name, or a fetch argument (%%di, +8(%%si):u32)")  # fmt: skip
-    p.add_argument("-i", "--interval", type=float, metavar="SECONDS", help="also print the histograms every SECONDS")
+    add_interval_option(p, "histograms")
     add_target_options(p)
     p.set_defaults(run=run)
 
 
 def print_histograms(
-    probes: list[Probe], title: str | None, heading: Callable[[Probe], str], empty: str = "(no hits)"
+    tallies: list[Tally], title: str | None, heading: Callable[[Tally], str], empty: str = "(no hits)"
 ) -> None:
     """Each probe's histogram under its `heading`, after `title` (the time, every -i seconds)."""
     out = sys.stdout
     if title:
         print(title, file=out)
-    for p in probes:
-        print(heading(p), file=out)
-        lines = log2_lines(p.histogram)
+    for t in tallies:
+        print(heading(t), file=out)
+        lines = log2_lines(t.histogram)
         print("\n".join(lines) if lines else f"  {empty}", file=out)
         print(file=out)
     out.flush()
@@ -60,5 +59,5 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value=args.value, filter=request.filter),
-        lambda probes, title: print_histograms(probes, title, lambda p: f"@{p.name}[{args.value}]:"),
+        lambda tallies, title: print_histograms(tallies, title, lambda t: f"@{t.probe.name}[{args.value}]:"),
     )  # fmt: skip

@@ -8,8 +8,7 @@ import re
 
 from dynprobe.cli.common import UsageError, add_target_options, report_error
 from dynprobe.cli.hist import print_histograms
-from dynprobe.cli.probes import ProbeRequest, run_aggregating
-from dynprobe.core.probe import Probe
+from dynprobe.cli.probes import ProbeRequest, Tally, add_interval_option, run_aggregating
 from dynprobe.errors import DynprobeError
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY
 from dynprobe.spec.parser import parse_probe
@@ -30,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("functions", nargs="+", metavar="FUNC", help="SYMBOL or PATH:SYMBOL (a function's entry)")
-    p.add_argument("-i", "--interval", type=float, metavar="SECONDS", help="also print the histograms every SECONDS")
+    add_interval_option(p, "histograms")
     p.add_argument("--maxactive", type=int, metavar="N",
                    help="pending calls per thread and function (default max(10, 2 x CPUs))")  # fmt: skip
     p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
@@ -57,9 +56,9 @@ def request_for(args: argparse.Namespace) -> ProbeRequest:
     return ProbeRequest(specs, None, args.trap, None)
 
 
-def _heading(p: Probe) -> str:
-    missed = f", {p.nmissed} missed" if p.nmissed else ""
-    return f"@latency_ns[{p.location.label}]: {sum(p.histogram)} calls{missed}"
+def _heading(t: Tally) -> str:
+    missed = f", {t.missed} missed" if t.missed else ""
+    return f"@latency_ns[{t.probe.location.label}]: {sum(t.histogram)} calls{missed}"
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
@@ -70,6 +69,6 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value="ns"),
-        lambda probes, title: print_histograms(probes, title, _heading, "(no returns)"),
+        lambda tallies, title: print_histograms(tallies, title, _heading, "(no returns)"),
         "--maxactive {}",
     )  # fmt: skip

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 PROGRESS_FROM = 200  # probes: fewer attach too fast for a bar to help
 
 
+def add_interval_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("-i", "--interval", type=float, metavar="SECONDS",
+                   help=f"also print, every SECONDS, the {what} of that interval (the total at the end)")  # fmt: skip
+
+
 def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits where EXPR holds") -> None:
     p.add_argument("specs", nargs="*", metavar="SPEC", help="probe specifications")
     p.add_argument("-f", "--file", action="append", default=[], metavar="SPECFILE",
@@ -174,25 +179,55 @@ def print_stats(probes: list[Probe], stats: bool) -> None:
               "--ring-size keeps more", file=stream)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Tally:
+    """What `count`, `hist` and `latency` print of a probe: its hits, missed and histogram, in
+    all or in one interval."""
+
+    probe: Probe
+    hits: int
+    missed: int
+    histogram: list[int]
+
+    @classmethod
+    def of(cls, probe: Probe) -> Tally:
+        return cls(probe, probe.hits, probe.nmissed, probe.histogram)  # each read once: it sums every thread's
+
+    def since(self, before: Tally | None) -> Tally:
+        if before is None:
+            return self
+        histogram = [now - then for now, then in zip(self.histogram, before.histogram, strict=True)]
+        return Tally(self.probe, self.hits - before.hits, self.missed - before.missed, histogram)
+
+
 def run_aggregating(
     args: argparse.Namespace,
     command: list[str],
     request: ProbeRequest,
     place: Callable[[Session, ProbeSpec], Probe],
-    report: Callable[[list[Probe], str | None], None],
+    report: Callable[[list[Tally], str | None], None],
     more_instances: str = MAXACTIVE_IN_SPEC,
 ) -> int:
-    """`count` and `hist`: place the probes, run the target, `report(probes, title)` every
-    -i seconds (with the time as title) and once at the end (title None)."""
+    """`count`, `hist` and `latency`: place the probes, run the target, `report(tallies, title)`
+    every -i seconds with what that interval saw (the time as title, as bcc's funccount and
+    funclatency print), and at the end with everything (title "total:" after intervals, else
+    None)."""
     if args.interval is not None and args.interval <= 0:
         return report_error(DynprobeError("the interval must be a positive number of seconds"))
+    last: dict[int, Tally] = {}
+
+    def interval() -> None:
+        now = [Tally.of(p) for p in probes]
+        report([t.since(last.get(t.probe.index)) for t in now], time.strftime("%H:%M:%S"))
+        last.update((t.probe.index, t) for t in now)
+
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             probes = place_all(session, request, lambda spec: place(session, spec))
-            status = run_target(session, args.interval, lambda: report(probes, time.strftime("%H:%M:%S")))
+            status = run_target(session, args.interval, interval)
             session.close()
-            report(probes, None)
+            report([Tally.of(p) for p in probes], "total:" if last else None)
             if args.stats:
                 print_stats(probes, True)
             else:
