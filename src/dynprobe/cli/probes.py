@@ -146,7 +146,9 @@ def note_missed_returns(probes: list[Probe], option: str = MAXACTIVE_IN_SPEC) ->
 def note_traps(probes: list[Probe]) -> None:
     """Probes hit as traps though they could have been jumps (not --trap) say so: each hit cost
     the target a stop, ~10 us, which a user reading counts would not guess (--stats says it too)."""
-    traps = [p for p in probes if p.hits and p.mode.value != "optimized" and p.trap_reason != OptimizeRefusal.DISABLED]
+    # (in this order: a jump is a flag; hits are a read of every thread's counters; the reason
+    # a look at every site)
+    traps = [p for p in probes if p.mode.value != "optimized" and p.hits and p.trap_reason != OptimizeRefusal.DISABLED]
     if traps:
         named = ", ".join(f"{p.name} ({p.trap_reason.name if p.trap_reason else 'not optimized yet'})"
                           for p in traps[:5]) + (", ..." if len(traps) > 5 else "")  # fmt: skip
@@ -191,7 +193,7 @@ class Tally:
 
     @classmethod
     def of(cls, probe: Probe) -> Tally:
-        return cls(probe, probe.hits, probe.nmissed, probe.histogram)  # each read once: it sums every thread's
+        return cls(probe, *probe.hits_and_missed(), probe.histogram)
 
     def since(self, before: Tally | None) -> Tally:
         if before is None:
@@ -230,7 +232,7 @@ def run_aggregating(
             report([Tally.of(p) for p in probes], "total:" if last else None)
             if args.stats:
                 print_stats(probes, True)
-            else:
+            elif not request.trap:
                 note_traps(probes)
             note_missed_returns(probes, more_instances)
     except DynprobeError as exc:

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             session.close()
             if not args.quiet:
                 print_stats(probes, args.stats)
-                if not args.stats:
+                if not args.stats and not request.trap:
                     note_traps(probes)
                 note_missed_returns(probes)
     except DynprobeError as exc:

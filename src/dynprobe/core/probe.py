@@ -159,13 +159,19 @@ class Probe:
     @property
     def hits(self) -> int:
         """Every hit: at a stop (trap) and in the target (optimized)."""
-        return self.trap_hits + self.session.counters_of(self)[0]
+        return self.hits_and_missed()[0]
 
     @property
     def nmissed(self) -> int:
         """Hits whose action could not run (a record re-entered from a signal handler); for a
         return probe, entries with `maxactive` instances pending on the thread."""
-        return self.trap_missed + self.session.counters_of(self)[1]
+        return self.hits_and_missed()[1]
+
+    def hits_and_missed(self) -> tuple[int, int]:
+        """`hits` and `nmissed` from one read of the target's counters (a read sums every
+        thread's: 10^4 probes printed every interval read them once each)."""
+        hits, missed, _ = self.session.counters_of(self)
+        return self.trap_hits + hits, self.trap_missed + missed
 
     @property
     def lost(self) -> int:

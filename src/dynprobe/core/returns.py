@@ -77,7 +77,7 @@ CATCH_ENTRY = "__cxa_begin_catch"
 RETURN_CODE_ROOM = 512
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
-_STUB_ROOM = 32  # the trap stub, then the entry stamp
+_STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 
 
 def _return_rsp(regs: Regs) -> int:
