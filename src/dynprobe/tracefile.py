@@ -146,6 +146,7 @@ class Trace:
             f = open(path, "rb")  # noqa: SIM115
         except OSError as exc:
             raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
+        latest: dict[int, int] = {}  # tid -> its last time
         with f:
             size = os.fstat(f.fileno()).st_size
             offset = 0
@@ -173,6 +174,11 @@ class Trace:
                         break  # the file shrank while read
                     left -= len(records)
                     kind, times = records["kind"], self._ns(records["tsc"])
+                    # A thread's events happened in the order it wrote them, but its time stamps
+                    # are not ordered (no fence) and a thread may move to a CPU whose counter is a
+                    # little behind: none goes back in time (no call lasts less than 0).
+                    times = np.maximum.accumulate(np.maximum(times, latest.get(who, times[0])))
+                    latest[who] = int(times[-1])
                     yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
                 if left or available < count:
                     self.truncated_at = offset

@@ -214,3 +214,17 @@ def test_chunks_are_read_in_bounded_pieces_with_the_same_result(
     cut = Trace(str(tmp_path))
     assert sum(len(chunk.kind) for chunk in cut.chunks()) == written - 3
     assert cut.truncated_at is not None and cut.truncated_at > 0
+
+
+def test_a_thread_s_time_never_goes_back(tmp_path: Path) -> None:
+    """Time stamps are not ordered (no fence), and a thread may move to a CPU whose counter is a
+    little behind: read back, a thread's events never go back in time (across chunks too), so
+    no call lasts less than 0."""
+    records = [(1 << 1, 0, 100), (2 << 1, 1, 150), (2 << 1 | 1, 1, 140), (1 << 1 | 1, 0, 300)]
+    records += [(1 << 1, 2, 290), (1 << 1 | 1, 2, 320)] * 4  # across the 7 chunks _write_trace cuts
+    _write_trace(tmp_path, records)
+    times = [t for chunk in Trace(str(tmp_path)).chunks() for t in chunk.time_ns.tolist()]
+    assert times == [100, 150, 150, 300, 300] + [320] * 7
+    out = io.StringIO()
+    callgraph.replay(Trace(str(tmp_path)), out)
+    assert "   0.000 us [     7] |   b();" in out.getvalue().splitlines()

@@ -18,7 +18,14 @@ import pytest
 
 from dynprobe.actions.filter import parse_filter
 from dynprobe.actions.model import ActionKind, Program, record_fields
-from dynprobe.arch.x86_64.codegen import build_detour, build_entry_stamp, read_tsc_code
+from dynprobe.arch.x86_64.codegen import (
+    Trampoline,
+    build_detour,
+    build_entry_stamp,
+    build_return_code,
+    read_tsc_code,
+    tsc_steps_code,
+)
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal
@@ -302,3 +309,45 @@ def test_native_entry_stamp(area: NativeArea) -> None:
     assert w[L.STAMP_BUSY // 8] == 0
     first, second = (int(w[t // 8]) for t in targets)
     assert first == second == int(w[L.STAMP_DISCARD // 8]) and first > tsc_before
+
+
+def test_native_latency_of_a_return_stamped_before_its_entry_is_zero(area: NativeArea) -> None:
+    """$latency at a return whose entry's time stamp is later than the return's (the stamps are
+    not ordered; the thread may have moved to a CPU whose counter is behind) is 0, never a huge
+    wrapped value; an entry stamped 2^20 ticks earlier gives 2^20 ns with mult 2^32 (1 ns a
+    tick). The return code runs as the trampoline runs it: the entry's offset above the six
+    saved registers, then a jump to `finish` (here: pop them, return)."""
+    value = parse_spec("r f ns=$latency:u64").args[0]
+    prog = Program(0, ActionKind.HIST, value=value, hist_index=1)
+    entry = 2 * L.SHADOW_ENTRY
+    prologue = bytes.fromhex("57") + bytes.fromhex("4883ec30")  # push rdi (the entry offset); sub rsp,48
+    epilogue = bytes.fromhex("4883c438c3")  # add rsp,56; ret
+
+    def code_at(base: int) -> bytes:
+        finish = base + 512
+        code = build_return_code(prog, LAYOUT, base + len(prologue), Trampoline(0, finish, 0), 1 << 32)
+        assert isinstance(code, bytes)
+        return (prologue + code).ljust(512, b"\xcc") + epilogue
+
+    now = area.call(lambda base: read_tsc_code())
+    at = (LAYOUT.shadow + entry + L.ENTRY_TSC) // 8
+    for stamp in (now + (1 << 40), now - (1 << 20)):
+        area.words[at] = stamp
+        area.call(code_at, entry)
+    buckets = area.words[LAYOUT.hist(1) // 8 : LAYOUT.hist(1) // 8 + L.HIST_BUCKETS].tolist()
+    assert buckets[0] == 1 and sum(buckets[21:23]) == 1 and sum(buckets) == 2  # 2^20 ns and a little more
+
+
+def test_native_tsc_steps() -> None:
+    """Back-to-back readings: how many were equal, and the smallest step that was not 0."""
+    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    page.write(tsc_steps_code())
+    steps = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64))(
+        ctypes.addressof(ctypes.c_char.from_buffer(page))
+    )
+    out = (ctypes.c_uint64 * 2)()
+    steps(1000, out)
+    same, smallest = out
+    assert same < 1000 and 0 < smallest < 1 << 40  # the counter moved, by a sane step
+    del steps
+    page.close()

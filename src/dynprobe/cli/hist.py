@@ -10,7 +10,7 @@ from dynprobe.actions.filter import parse_value
 from dynprobe.cli.common import add_target_options, report_error
 from dynprobe.cli.probes import Tally, add_interval_option, add_probe_options, check_request, run_aggregating
 from dynprobe.errors import DynprobeError
-from dynprobe.output.hist import log2_lines
+from dynprobe.output.hist import log2_lines, zero_label
 
 EXAMPLES = """\
 examples:
@@ -43,7 +43,7 @@ def print_histograms(
         print(title, file=out)
     for t in tallies:
         print(heading(t), file=out)
-        lines = log2_lines(t.histogram)
+        lines = log2_lines(t.histogram, zero_label(t.probe.value))
         print("\n".join(lines) if lines else f"  {empty}", file=out)
         print(file=out)
     out.flush()

@@ -413,7 +413,8 @@ class ReturnProbes:
         if probe is None:
             return
         caller = int(words[at + L.ENTRY_RET // 8])
-        ticks = int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8])
+        # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
+        ticks = max(0, int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8]))
         latency = self.session.tsc_to_ns(ticks)
         args = tuple(int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS)))
         base = int(regs.rsp)

@@ -1798,6 +1798,11 @@ class Session:
     def tsc_to_ns(self, ticks: int) -> int:
         return self._ensure_consumer().clock.ticks_to_ns(ticks)
 
+    def clock_tick_ns(self) -> float:
+        """How long a tick of the time-stamp counter is, where two readings can be equal (0:
+        they never are here). Time stamps closer than that may read the same."""
+        return float(self._ensure_consumer().clock.tick_ns)
+
     def tsc_mult(self) -> int:
         """ns = ticks * tsc_mult >> 32, for $latency computed in the target."""
         return self._ensure_consumer().clock.mult

@@ -24,9 +24,13 @@ from typing import BinaryIO
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import read_tsc_code
+from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_steps_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
+
+
+_STEPS_AT = 64  # where tsc_steps_code goes in the clock's page, after read_tsc_code
+_STEP_READS = 4096
 
 
 class TscClock:
@@ -35,12 +39,28 @@ class TscClock:
     def __init__(self) -> None:
         self._page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
         self._page.write(read_tsc_code())
+        self._page.seek(_STEPS_AT)
+        self._page.write(tsc_steps_code())
         address = ctypes.addressof(ctypes.c_char.from_buffer(self._page))
         self.read = ctypes.CFUNCTYPE(ctypes.c_uint64)(address)
+        self._steps = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64))(address + _STEPS_AT)
         self._tsc0, self._ns0 = self._pair()
         time.sleep(0.005)
         self._scale = 1.0
         self.recalibrate()
+        self.tick_ns = self._tick()
+
+    def _tick(self) -> float:
+        """The counter's tick in ns where two readings back to back can be equal, else 0.
+
+        Some CPUs count in steps: AMD's Zen adds ~25 to the counter every 10 ns (a 100 MHz
+        clock times the P0 frequency's ratio). Where a reading takes less than a step, two
+        time stamps around a short call may be equal: the call was shorter than the clock can
+        tell. Where it takes longer (as on most CPUs), no two readings are ever equal."""
+        out = (ctypes.c_uint64 * 2)()
+        self._steps(_STEP_READS, out)
+        same, smallest = int(out[0]), int(out[1])
+        return smallest * self._scale if same and smallest != (1 << 64) - 1 else 0.0
 
     def _pair(self) -> tuple[int, int]:
         """A (tsc, monotonic ns) reading: the tightest of a few tries."""

@@ -287,6 +287,13 @@ class _Emitter:
             asm.add(
                 iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RDX, _gs(self.layout.shadow + L.ENTRY_TSC, R.RAX))
             )
+            # Two stamps are not ordered (no fence: one costs more than the rest of a return
+            # probe), and a thread may move to a CPU whose counter is a little behind: a return
+            # stamped before its entry is a call shorter than the clock can tell, 0.
+            counted = asm.label()
+            asm.jump(C.JNS_REL32_64, counted)
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDX, R.EDX))
+            asm.bind(counted)
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.returning.tsc_mult))
             asm.add(iced.Instruction.create_reg(C.MUL_RM64, R.RDX))
             asm.add(iced.Instruction.create_reg_reg_u32(C.SHRD_RM64_R64_IMM8, R.RAX, R.RDX, 32))
@@ -1236,6 +1243,42 @@ def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict
     code, _ = asm.encode(at)
     starts = [int(insn.ip) for insn in iter_instructions(code, at)]
     return code, {label: starts[i] for label, i in indices.items()}
+
+
+def tsc_steps_code() -> bytes:
+    """A C-callable `void f(uint64_t reads, uint64_t out[2])`: reads the time-stamp counter
+    `reads` + 1 times back to back; out[0] = how often two reads gave the same value, out[1] the
+    smallest difference that was not 0 (the counter's tick, where it stands still between reads)."""
+    asm = _Asm()
+    loop, nonzero, step = asm.label(), asm.label(), asm.label()
+
+    def read_into(reg: RegisterT) -> None:
+        asm.add(iced.Instruction.create(C.RDTSC))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, reg, R.RAX))
+
+    read_into(R.R8)  # the previous reading
+    asm.add(iced.Instruction.create_reg_i32(C.MOV_RM64_IMM32, R.R9, -1))
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.R10D, R.R10D))
+    asm.bind(loop)
+    read_into(R.RCX)
+    asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RCX, R.R8))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.R8, R.RAX))
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
+    asm.jump(C.JNE_REL32_64, nonzero)
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R10))
+    asm.jump(C.JMP_REL32_64, step)
+    asm.bind(nonzero)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.R9))
+    asm.add(iced.Instruction.create_reg_reg(C.CMOVB_R64_RM64, R.R9, R.RCX))
+    asm.bind(step)
+    asm.add(iced.Instruction.create_reg(C.DEC_RM64, R.RDI))
+    asm.jump(C.JNE_REL32_64, loop)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSI), R.R10))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSI, 8), R.R9))
+    asm.add(iced.Instruction.create(C.RETNQ))
+    return asm.encode(0)[0]
 
 
 def read_tsc_code() -> bytes:
