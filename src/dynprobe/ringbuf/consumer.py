@@ -28,7 +28,6 @@ from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_steps_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 
-
 _STEPS_AT = 64  # where tsc_steps_code goes in the clock's page, after read_tsc_code
 _STEP_READS = 4096
 
