@@ -345,11 +345,13 @@ def test_records_of_different_sizes_all_fit(opt: str) -> None:
     assert len([e for e in events if e.probe is big]) == 5
 
 
+@pytest.mark.parametrize("mode", ["optimized", "trap"])
 @pytest.mark.parametrize("rseq", ["registered", "off"])
-def test_records_carry_the_cpu_the_thread_ran_on(rseq: str) -> None:
+def test_records_carry_the_cpu_the_thread_ran_on(rseq: str, mode: str) -> None:
     """The CPU number of each record, from the thread's rseq area (glibc registers one per
     thread) or by rdpid: without rseq (a tunable turns it off: a negative CPU there), and on a
-    thread whose thread pointer is not glibc's (the load faults, and its fix-up takes rdpid)."""
+    thread whose thread pointer is not glibc's (the load faults, and its fix-up takes rdpid).
+    Served at a trap stop, the same numbers: from the rseq area, else from /proc."""
     if len(os.sched_getaffinity(0)) < 2 or not {0, 1} <= os.sched_getaffinity(0):
         pytest.skip("needs CPUs 0 and 1")
     target = build_target("cpus", flags=("-O1", "-pthread"))
@@ -359,11 +361,15 @@ def test_records_carry_the_cpu_the_thread_ran_on(rseq: str) -> None:
     events: list[ProbeEvent] = []
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn([target], env=env, stdout=out.fileno()) as session:
+            session.optimize = mode == "optimized"
             probe = session.probe("p work cpu=%di:s64", on_event=events.append)
             assert session.run(timeout=60) == 0
         out.seek(0)
         assert out.read() == "done\n"
-    assert probe.mode == OPTIMIZED and not probe.resumes  # every hit in the detour
+    if mode == "optimized":
+        assert probe.mode == OPTIMIZED and not probe.resumes  # every hit in the detour
+    else:
+        assert probe.mode != OPTIMIZED and sum(probe.resumes.values()) == 300
     by_thread = Counter(e.tid for e in events)
     assert len(by_thread) == 3 and set(by_thread.values()) == {2 * 50}
     assert [e.values["cpu"] for e in events] == [0] * 50 + [1] * 50 + [0] * 50 + [1] * 50 + [0] * 50 + [1] * 50

@@ -50,6 +50,33 @@ def test_a_push_on_a_lasting_trap_runs_from_its_slot(counter: str, threads: int)
     assert ResumeKind.BOOST not in counted.resumes
 
 
+@pytest.mark.parametrize("threads", [1, 8])
+def test_trap_hits_run_their_actions_in_the_target(counter: str, threads: int) -> None:
+    """Trap probes whose work is an action (a record, a histogram, a filtered count) run it in
+    the target as the thread resumes, from the site's action code then the instruction's slot
+    (an emulated `lea` too): every hit counted once, its record's values those of the hit."""
+    events: list[dynprobe.ProbeEvent] = []
+    argv = [counter, "2000", str(threads)]
+
+    def setup(s: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [
+            s.probe("p work i=%di", on_event=events.append),
+            s.probe("p work+7 i=%di", action="hist", value="i"),
+            s.probe("p work+7 i=%di", action="count", filter="i < 100"),
+        ]
+
+    status, out, (record, hist, count) = traced(argv, setup)
+    assert status == 0 and out == run_plain(argv).stdout
+    assert sorted(e.values["i"] for e in events) == sorted(list(range(2000)) * threads)
+    assert record.hits == hist.hits == 2000 * threads and count.hits == 100 * threads
+    assert dict(record.resumes) == {ResumeKind.BOOST: 2000 * threads}
+    assert dict(hist.resumes) == {ResumeKind.BOOST: 2000 * threads}  # lea, from its slot after the actions
+    expected = [0] * len(hist.histogram)
+    for i in range(2000):
+        expected[i.bit_length()] += threads
+    assert hist.histogram == expected
+
+
 def test_handler_reads_arguments_and_changes_registers(counter: str) -> None:
     seen: list[int] = []
 

@@ -23,6 +23,7 @@ from dynprobe.arch.x86_64.codegen import (
     build_detour,
     build_entry_stamp,
     build_return_code,
+    build_trap_actions,
     read_tsc_code,
     tsc_steps_code,
 )
@@ -351,3 +352,28 @@ def test_native_tsc_steps() -> None:
     assert same < 1000 and 0 < smallest < 1 << 40  # the counter moved, by a sane step
     del steps
     page.close()
+
+
+def test_native_trap_actions_record_then_resume(area: NativeArea) -> None:
+    """A trap hit's actions run in the target: the record of the registers at the hit, then on
+    at gs:[STAMP_RESUME] (here: code returning rdi + rsi) with every register, the flags and the
+    stack as they were, and STAMP_BUSY clear. A filter that fails records nothing."""
+    spec = parse_spec("p f a=%di b=%si")
+    prog = Program(5, ActionKind.RECORD, record_fields(spec.args), filter=parse_filter("a != 3", spec.args))
+    resume_at = 512
+    sum_of_args = bytes.fromhex("488d0437c3")  # lea rax,[rdi+rsi]; ret
+
+    def code_at(base: int) -> bytes:
+        built = build_trap_actions([prog], LAYOUT, 0x401000, base)
+        assert not isinstance(built, OptimizeRefusal) and not built.fixups
+        area.words[L.STAMP_RESUME // 8] = base + resume_at
+        area.words[L.STAMP_BUSY // 8] = 1
+        return built.code.ljust(resume_at, b"\xcc") + sum_of_args
+
+    assert area.call(code_at, 40, 2) == 42
+    assert area.words[L.STAMP_BUSY // 8] == 0
+    assert area.call(code_at, 3, 9) == 12  # filtered out: no record, same resume
+    (record,) = area.records()
+    a, b = (f.offset for f in prog.fields)
+    assert int.from_bytes(record[a : a + 8], "little") == 40 and int.from_bytes(record[b : b + 8], "little") == 2
+    assert area.counter(5, L.HITS) == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import threading
 from typing import TextIO
 
 from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
@@ -21,10 +20,10 @@ from dynprobe.cli.probes import (
     place_all,
     print_stats,
 )
-from dynprobe.core.probe import Probe, ProbeEvent
+from dynprobe.core.probe import BatchHandler, EventColumns, Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
-from dynprobe.output.ftrace import EventLine, ftrace_line, json_line
+from dynprobe.output.ftrace import ftrace_lines, json_lines
 
 EXAMPLES = """\
 examples:
@@ -56,31 +55,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(run=run)
 
 
-class EventPrinter:
-    """The `on_event` callback of every traced probe: one line per event. Called by the consumer
-    thread (optimized probes and trap probes alike), in time order within each drain."""
+class EventPrinter(BatchHandler):
+    """The `on_event` handler of every traced probe: one line per event. The consumer thread
+    hands it each drain's events (optimized and trap probes alike), formatted a column at a
+    time and printed in time order."""
 
     def __init__(self, out: TextIO, as_json: bool) -> None:
         self.out = out
-        self.as_json = as_json
+        self.format = json_lines if as_json else ftrace_lines
         self.lines = 0
         self.broken = False
-        self._lock = threading.Lock()
 
-    def __call__(self, event: ProbeEvent) -> None:
-        probe = event.probe
-        line = EventLine(
-            event.comm, event.pid, event.tid, event.cpu, event.time, probe.group, probe.event,
-            event.address, event.formatted(), event.json_values(), event.caller,
-        )  # fmt: skip
-        with self._lock:
-            if self.broken:
-                return
-            try:
-                self.out.write((json_line(line) if self.as_json else ftrace_line(line)) + "\n")
-            except BrokenPipeError:
-                self.broken = True  # `| head`: keep tracing quietly until the target ends
-            self.lines += 1
+    def on_batches(self, batches: list[EventColumns]) -> None:
+        lines = [line for columns in batches for line in self.format(columns)]
+        if len(batches) > 1:
+            times = [t for columns in batches for t in columns.time_ns]
+            lines = [lines[i] for i in sorted(range(len(lines)), key=times.__getitem__)]
+        if self.broken or not lines:
+            return
+        try:
+            self.out.write("\n".join(lines) + "\n")
+        except BrokenPipeError:
+            self.broken = True  # `| head`: keep tracing quietly until the target ends
+        self.lines += len(lines)
 
 
 def trace(session: Session, request: ProbeRequest, printer: EventPrinter) -> list[Probe]:

@@ -35,7 +35,7 @@ from dynprobe.arch.x86_64.codegen import (
     call_to,
 )
 from dynprobe.arch.x86_64.optimize import can_optimize
-from dynprobe.core.optimizer import DirtyDetour
+from dynprobe.core.slots import PlacedCode
 from dynprobe.errors import OptimizeRefusal, Refusal, SessionError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
@@ -337,7 +337,7 @@ class Tracing:
             if any(start <= site.addr < end for start, end in code[path]):
                 continue
             del proc.tracing.sites[fid]
-            proc.dirty.append(DirtyDetour(site.detour, site.size, ()))
+            proc.dirty.append(PlacedCode(site.detour, site.size, ()))
             if proc.tracee.journal is not None:
                 proc.tracee.journal.drop(proc.pid, site.addr)
             for tracer in site.ops:
@@ -358,7 +358,7 @@ class Tracing:
         """The site calls its one ops directly, a list trampoline for several, or goes (none)."""
         if not site.ops:
             proc.tracee.unpatch(site.addr, site.region)
-            proc.dirty.append(DirtyDetour(site.detour, site.size, ()))
+            proc.dirty.append(PlacedCode(site.detour, site.size, ()))
             del proc.tracing.sites[site.function.id]
             return
         if len(site.ops) == 1:

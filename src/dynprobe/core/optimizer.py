@@ -15,12 +15,12 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen import Detour, build_detour
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
+from dynprobe.core.slots import PlacedCode
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError
@@ -40,13 +40,6 @@ if TYPE_CHECKING:
 
 PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
 DETOUR_ROOM = 512  # first guess of a detour's size: most fit, the rest are placed again
-
-
-@dataclass(frozen=True)
-class DirtyDetour:
-    start: int
-    size: int
-    fixups: tuple[int, ...]
 
 
 class Optimizer:
@@ -217,18 +210,27 @@ class Optimizer:
         entry = loc.function is not None and loc.function.addr == loc.vaddr
         symbols = session.symbol_resolver(site)
         trampoline = proc.returns.trampoline if proc.returns is not None else None
+        layout, rseq = session.layout, proc.rseq_offset_at
+        return self.place_code(
+            proc, site.addr, lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq)
+        )
+
+    def place_code(
+        self, proc: TracedProcess, near: int, build: Callable[[int], Detour | OptimizeRefusal]
+    ) -> tuple[int, Detour] | OptimizeRefusal:
+        """Generated code near `near`, written into the target: `build(address)` at a first
+        guess of its size, again with the room it needs if longer; the bytes it does not use
+        go back to the slot cache."""
         room = DETOUR_ROOM
-        start = session.allocate_slot(proc, site.addr, room)
-        if start is None:
-            return OptimizeRefusal.NO_MEMORY
-        built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline, proc.rseq_offset_at)
-        if not isinstance(built, OptimizeRefusal) and len(built.code) > room:
-            proc.slots.free(start, room)  # a big record: place it again with the room it needs
-            room = len(built.code) + 32
-            start = session.allocate_slot(proc, site.addr, room)
+        while True:
+            start = self.session.allocate_slot(proc, near, room)
             if start is None:
                 return OptimizeRefusal.NO_MEMORY
-            built = build_detour(plan, programs, session.layout, start, entry, symbols, trampoline, proc.rseq_offset_at)
+            built = build(start)
+            if isinstance(built, OptimizeRefusal) or len(built.code) <= room or room > DETOUR_ROOM:
+                break
+            proc.slots.free(start, room)  # a big record: placed again with the room it needs
+            room = len(built.code) + 32
         if isinstance(built, OptimizeRefusal) or len(built.code) > room:
             proc.slots.free(start, room)
             return built if isinstance(built, OptimizeRefusal) else OptimizeRefusal.NO_MEMORY
@@ -254,7 +256,7 @@ class Optimizer:
         say they ran optimized there, as when a process ends."""
         _debug(f"unoptimized {site.addr:#x}")
         if site.detour is not None:
-            proc.dirty.append(DirtyDetour(site.detour[0], site.detour[1], site.fixups))
+            proc.dirty.append(PlacedCode(site.detour[0], site.detour[1], site.fixups))
         site.optimized = False
         site.detour = None
         site.fixups = ()
@@ -274,7 +276,7 @@ class Optimizer:
         proc.dirty = keep
 
     def in_detour(self, proc: TracedProcess, rip: int) -> bool:
-        if any(d.start <= rip < d.start + d.size for d in proc.dirty):
+        if any(rip in d for d in proc.dirty):
             return True
         return any(s.detour is not None and s.detour[0] <= rip < s.detour[0] + s.detour[1] for s in proc.sites.values())
 
@@ -419,4 +421,4 @@ def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
     return ThreadAreas(proc.pid, session.layout, map_pool, commit)  # type: ignore[arg-type]
 
 
-__all__ = ["JMP_REL32_LEN", "DirtyDetour", "Optimizer", "new_thread_areas"]
+__all__ = ["JMP_REL32_LEN", "Optimizer", "new_thread_areas"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from dynprobe.actions.model import ActionKind, Field, Filter, Program, record_fields
 from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
+from dynprobe.core.slots import PlacedCode
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf.layout import HIST_BUCKETS
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
@@ -59,6 +60,53 @@ class ProbeEvent:
 
     def json_values(self) -> dict[str, object]:
         return {k: json_value(v) for k, v in self.values.items()}
+
+
+@dataclass
+class EventColumns:
+    """Events of one probe on one thread, by column: what the consumer decodes from a batch of
+    records, before any event object is made (`events()` makes them)."""
+
+    probe: Probe
+    pid: int
+    tid: int
+    comm: str
+    address: int
+    symbolize: Callable[[int], str | None] | None
+    time_ns: list[int]
+    cpu: list[int]
+    values: list[list[Value]]  # one column per fetch argument, in the spec's order
+    callers: list[int | None] | None = None  # a return probe's: where each call returned to
+
+    @classmethod
+    def of(cls, event: ProbeEvent) -> EventColumns:
+        """One event as a column of one."""
+        return cls(
+            event.probe, event.pid, event.tid, event.comm, event.address, event.symbolize, [event.time_ns],
+            [event.cpu], [[event.values[a.name]] for a in event.probe.args],
+            [event.caller] if event.probe.is_return else None,
+        )  # fmt: skip
+
+    def events(self) -> list[ProbeEvent]:
+        names = [a.name for a in self.probe.args]
+        callers = self.callers or [None] * len(self.time_ns)
+        return [
+            ProbeEvent(self.probe, self.pid, self.tid, cpu, t, self.address, dict(zip(names, row, strict=True)),
+                       self.comm, self.symbolize, caller)
+            for t, cpu, caller, *row in zip(self.time_ns, self.cpu, callers, *self.values, strict=True)
+        ]  # fmt: skip
+
+
+class BatchHandler:
+    """An `on_event` handler that takes a drain's events of its probes at once, as columns
+    (`on_batches`), rather than an event object per hit: a printer formats a column of
+    values in one go (`dynprobe trace`). `__call__` takes single events (API use)."""
+
+    def __call__(self, event: ProbeEvent) -> None:
+        self.on_batches([EventColumns.of(event)])
+
+    def on_batches(self, batches: list[EventColumns]) -> None:
+        raise NotImplementedError
 
 
 @dataclass
@@ -239,6 +287,10 @@ class Site:
     region: bytes = b""  # the original bytes the jmp replaced
     fixups: tuple[int, ...] = ()  # addresses in the detour of loads that may fault
     detour_probes: tuple[int, ...] = ()  # the probes whose programs the detour runs
+    # In-target code of its probes' actions, for hits served at a stop, and the probes it was
+    # made for
+    actions: PlacedCode | None = None
+    actions_probes: tuple[Probe, ...] = ()
     refusal: OptimizeRefusal | None = None  # why it is a trap now
     static_refusal: OptimizeRefusal | None = None  # why it can never be optimized (found once)
 

@@ -40,12 +40,13 @@ from dynprobe.arch.x86_64 import (
     out_of_line,
     prepare,
 )
+from dynprobe.arch.x86_64.codegen import RSEQ_CPU_ID, build_trap_actions
 from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tracing
-from dynprobe.core.optimizer import DirtyDetour, Optimizer, new_thread_areas
-from dynprobe.core.probe import CALLER_ARG, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
+from dynprobe.core.optimizer import Optimizer, new_thread_areas
+from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction
-from dynprobe.core.slots import SlotCache
+from dynprobe.core.slots import PlacedCode, SlotCache
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import (
@@ -82,7 +83,7 @@ from dynprobe.ptrace.process import (
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.areas import ThreadAreas
+from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain
@@ -104,6 +105,8 @@ from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_addre
 
 LOADER_HOOK = "_dl_debug_state"
 RSEQ_OFFSET = "__rseq_offset"  # glibc 2.35+: where its threads' rseq areas are, from the thread pointer
+_CPUS = os.sysconf("SC_NPROCESSORS_CONF")  # CPU numbers are below it
+COMM_REFRESH = 0.5  # seconds a thread's name is taken as known
 # Reasons a site stays a trap for as long as its probes are there (not the optimizer's delay).
 _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, OptimizeRefusal.PYTHON_HANDLER)
 
@@ -112,6 +115,7 @@ _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRA
 _EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKind.STEP, ActionKind.COUNT
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
+_STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
 
 
 @dataclass
@@ -141,12 +145,13 @@ class TracedProcess:
     areas_refused: OptimizeRefusal | None = None
     gs_inherited: bool = False  # a forked child: its threads' GS bases are its parent's areas
     fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
-    dirty: list[DirtyDetour] = field(default_factory=list)  # detours a thread may still be in
+    dirty: list[PlacedCode] = field(default_factory=list)  # detours a thread may still be in
     returns: ProcessReturns | None = None  # the return trampoline, once a return probe needs it
     tracing: ProcessTracing = field(default_factory=ProcessTracing)  # function tracer sites and code
     loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
     needed: dict[str, str] | None = None  # the libraries its loader maps (symbols/loader.py), once asked
     rseq_offset_at: int | None = None  # where its glibc keeps __rseq_offset (set with its areas)
+    rseq_offset: int | None = None  # its value, once read at a trap stop (0: none; see cpu_at_stop)
 
     def libraries(self) -> dict[str, str]:
         """The libraries the process's loader maps (or has mapped) at start: where a library
@@ -291,7 +296,7 @@ class Session:
         self._by_index: list[Probe | None] = []
         self._hists = 0
         self._trap_events: list[ProbeEvent] = []
-        self._comms: dict[tuple[int, int], str] = {}
+        self._comms: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> name, when read
         self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
         # within batch(): sites armed for the optimizer, whose int3 waits for its verdict
@@ -653,6 +658,8 @@ class Session:
                         if stop is None:
                             continue  # a time limit came first
                         if self._serve_breakpoint(*stop):
+                            if self._consumer is not None:
+                                self._consumer.drain_if_due()
                             continue
                     if not self._pending:
                         break  # no tracee left at all (ECHILD)
@@ -1070,6 +1077,7 @@ class Session:
         now = 0.0
         post: list[Probe] = []
         stamps: list[int] = []  # return-probe entries taken: their time is stamped at the resume
+        actions: list[Probe] = []  # probes whose action runs in the target as the thread resumes
         for probe in site.probes if proc.follow else ():
             if not probe.enabled:
                 continue
@@ -1083,9 +1091,7 @@ class Session:
                 if probe.action is _COUNT and probe.filter is None:
                     probe.trap_hits += 1  # nothing to fetch: no context to build
                     continue
-                if context is None:
-                    context, now = self._context(proc, tid, regs, site), time.monotonic()
-                self.act_in_tracer(probe, proc, tid, site.addr, context)
+                actions.append(probe)
                 continue
             probe.trap_hits += 1
             if probe.post is not None:
@@ -1097,6 +1103,7 @@ class Session:
             source = context or (lambda: self._context(proc, tid, regs, site))
             if probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source)):
                 # The handler moved rip itself: the instruction is skipped, no post-handler runs.
+                self._act_at_stop(proc, tid, site, regs, actions)
                 sc.set_regs(tid, regs)
                 proc.tracee.resume(tid)
                 return
@@ -1107,6 +1114,17 @@ class Session:
         kind = plan.kind
         if kind is _EMULATE and site.prefer_slot and not (post or user_tf):
             kind = _BOOST
+        stub = None
+        if actions:
+            # In the target, then the instruction from its slot (they see the registers of the
+            # hit); at the stop where the thread resumes otherwise: stepped, or stamped
+            steps = kind is _STEP or post or user_tf
+            if not (steps or stamps) and (site.slot is not None or self._give_slot(proc, site)):
+                stub = self._actions_stub(proc, tid, site, regs, actions)
+            if stub is None:
+                self._act_at_stop(proc, tid, site, regs, actions)
+            else:
+                kind = _BOOST
         if kind is _EMULATE:
             if self._emulate(proc, site, regs):
                 for probe in probes:
@@ -1127,7 +1145,13 @@ class Session:
         for probe in probes:
             probe.resumes[kind] += 1
         regs.rip = site.slot
-        if stamps and kind is _BOOST:
+        if stub is not None:
+            # The thread goes through the actions, which then go on at gs:[STAMP_RESUME]
+            words = stub[1]
+            words[_STAMP_RESUME] = int(regs.rip)
+            words[_STAMP_BUSY] = 1
+            regs.rip = stub[0]
+        elif stamps and kind is _BOOST:
             self.returns.stamp_on_resume(proc, tid, regs, stamps)
         sc.set_regs(tid, regs)
         if kind is _BOOST:
@@ -1135,6 +1159,62 @@ class Session:
         else:
             proc.stepping[tid] = StepState(site, post, user_tf)
             proc.tracee.resume(tid, step=True)
+
+    def _act_at_stop(self, proc: TracedProcess, tid: int, site: Site, regs: Regs, probes: list[Probe]) -> None:
+        if probes:
+            context = self._context(proc, tid, regs, site)
+            for probe in probes:
+                self.act_in_tracer(probe, proc, tid, site.addr, context)
+
+    def _actions_stub(
+        self, proc: TracedProcess, tid: int, site: Site, regs: Regs, probes: list[Probe]
+    ) -> tuple[int, memoryview] | None:  # fmt: skip
+        """Where a thread that hit `site` can run the actions of `probes` in the target as it
+        resumes, and its area's words: the site's action code, made for
+        these probes if it was not. None where the actions run at the stop: no thread area
+        (the target uses GS, or runs under seccomp), the thread's resume in use (a signal
+        handler's hit inside it), an action that cannot run in the target."""
+        areas = proc.areas
+        area = areas.by_tid.get(tid) if areas is not None else None
+        if area is None:
+            area = self._give_area_now(proc, tid, regs)
+            if area is None:
+                return None
+        words = area.cells
+        if words[_STAMP_BUSY]:
+            return None
+        key = tuple(probes)
+        if site.actions is not None and site.actions_probes == key:
+            return site.actions.start, words
+        if any(self.action_refusal(p) is not None for p in probes):
+            return None
+        programs = [p.program() for p in probes]
+        symbols = self.symbol_resolver(site)
+        placed = self._optimizer.place_code(
+            proc, site.addr,
+            lambda at: build_trap_actions(programs, self.layout, site.addr, at, symbols, proc.rseq_offset_at),
+        )  # fmt: skip
+        if isinstance(placed, OptimizeRefusal):
+            return None
+        at, built = placed
+        proc.fixups.update(built.fixups)
+        if site.actions is not None:
+            proc.dirty.append(site.actions)  # a thread may be in it: freed once none is
+        site.actions, site.actions_probes = PlacedCode(at, len(built.code), tuple(built.fixups)), key
+        return at, words
+
+    def _give_area_now(self, proc: TracedProcess, tid: int, regs: Regs) -> AreaRef | None:
+        """An area for the stopped thread, the process's first areas made if need be (None: no
+        areas here); `regs`, to be written back by the caller, get its GS base too."""
+        if proc.areas is None and (proc.areas_refused is not None or not self.ensure_thread_areas(proc)):
+            return None
+        assert proc.areas is not None
+        if not proc.areas.owns(tid):
+            self._optimizer.give_area(proc, tid)
+        area = proc.areas.by_tid.get(tid)
+        if area is not None:
+            regs.gs_base = area.target_addr
+        return area
 
     def act_in_tracer(
         self,
@@ -1162,11 +1242,36 @@ class Session:
             probe.trap_hist[bucket] += 1
         elif probe.action == ActionKind.RECORD and probe.on_event is not None:
             event = ProbeEvent(
-                probe, proc.pid, tid, thread_cpu(proc.pid, tid), time.monotonic_ns(), address,
+                probe, proc.pid, tid, self._cpu_at_stop(proc, tid, context.regs), time.monotonic_ns(), address,
                 {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
             )  # fmt: skip
             with self._events_lock:
                 self._trap_events.append(event)
+
+    def _cpu_at_stop(self, proc: TracedProcess, tid: int, regs: Regs) -> int:
+        """The CPU a stopped thread ran on when it stopped: the number the kernel keeps in the
+        thread's rseq area (glibc 2.35 and later register one; a read of the target's memory),
+        else field 39 of /proc/PID/task/TID/stat (a file the kernel formats: ~10x the cost).
+        The target can write its rseq area: a number past this machine's CPUs is not taken."""
+        if proc.rseq_offset is None:
+            at = self._rseq_offset_at(proc)
+            try:
+                proc.rseq_offset = 0 if at is None else int.from_bytes(proc.tracee.read(at, 8), "little", signed=True)
+            except OSError:
+                proc.rseq_offset = 0
+            if not proc.rseq_offset and at is not None:
+                proc.rseq_offset = None  # the loader has not set it yet: ask again next time
+                return thread_cpu(proc.pid, tid)
+        if proc.rseq_offset:
+            try:
+                cpu = int.from_bytes(
+                    proc.tracee.read(int(regs.fs_base) + proc.rseq_offset + RSEQ_CPU_ID, 4), "little", signed=True
+                )
+            except OSError:
+                cpu = -1
+            if 0 <= cpu < _CPUS:
+                return cpu
+        return thread_cpu(proc.pid, tid)
 
     @staticmethod
     def _emulate(proc: TracedProcess, site: Site, regs: Regs) -> bool:
@@ -1506,6 +1611,8 @@ class Session:
         self._set_armed(proc, site, False)
         del proc.sites[addr]
         # The slot is not reused: a thread may still be inside it until the next quiescent point.
+        if site.actions is not None:
+            proc.dirty.append(site.actions)
 
     def _forget_site(self, proc: TracedProcess, addr: int) -> None:
         """The module holding `addr` is gone: nothing to restore, just forget it."""
@@ -1819,6 +1926,7 @@ class Session:
             self._optimizer.in_detour(proc, rip)
             or (proc.returns is not None and proc.returns.owns(rip))
             or proc.tracing.owns(rip)
+            or any(s.actions is not None and rip in s.actions for s in proc.sites.values())
         )
 
     def records(self) -> bool:
@@ -1925,9 +2033,16 @@ class Session:
             self._deliver([])
 
     def _deliver(self, batches: list[RecordBatch]) -> None:
-        """Turn record batches (and events served at stops) into ProbeEvents, oldest first."""
+        """Hand record batches (and events served at stops) to the probes' handlers, oldest
+        first: a BatchHandler all of a drain's at once, as columns, other handlers one event
+        object at a time."""
         with self._events_lock:
             events, self._trap_events = self._trap_events, []
+        columns: dict[BatchHandler, list[EventColumns]] = {}
+        for event in events:
+            if isinstance(event.probe.on_event, BatchHandler):
+                columns.setdefault(event.probe.on_event, []).append(EventColumns.of(event))
+        events = [e for e in events if not isinstance(e.probe.on_event, BatchHandler)]
         for batch in batches:
             if batch.probe_index < 0:
                 continue  # raw output only
@@ -1938,63 +2053,75 @@ class Session:
             probe = self._by_index[batch.probe_index]
             if probe is None or probe.on_event is None:
                 continue
-            events.extend(self._events_of(probe, batch))
+            decoded = self._columns_of(probe, batch)
+            if isinstance(probe.on_event, BatchHandler):
+                columns.setdefault(probe.on_event, []).append(decoded)
+            else:
+                events.extend(decoded.events())
+        for handler, taken in columns.items():
+            self._call_handler(taken[0].probe, lambda: handler.on_batches(taken))  # noqa: B023
         events.sort(key=lambda e: e.time_ns)
         for event in events:
-            assert event.probe.on_event is not None
-            try:
-                event.probe.on_event(event)
-            except Exception as exc:  # a callback's bug must not stop the consumer
-                self._warn(f"{event.probe.name}: on_event raised {type(exc).__name__}: {exc}")
+            on_event = event.probe.on_event
+            assert on_event is not None
+            self._call_handler(event.probe, lambda: on_event(event))  # noqa: B023
 
-    def _events_of(self, probe: Probe, batch: RecordBatch) -> list[ProbeEvent]:
+    def _call_handler(self, probe: Probe, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except Exception as exc:  # a callback's bug must not stop the consumer
+            self._warn(f"{probe.name}: on_event raised {type(exc).__name__}: {exc}")
+
+    def _columns_of(self, probe: Probe, batch: RecordBatch) -> EventColumns:
         ints = [(i, f.offset, f.arg.type.kind, f.arg.type.bits) for i, f in enumerate(probe.fields)
                 if f.in_record and not f.arg.type.is_string]  # fmt: skip
-        columns = {i: col.tolist() for i, col in decode_fields(batch, ints).items()}
-        strings = {
-            i: decode_string(batch, f.offset)
-            for i, f in enumerate(probe.fields)
-            if f.arg.type.is_string and f.in_record
-        }
-        faults = batch.faults.tolist()
+        decoded = decode_fields(batch, ints)
         comm = self.comm_of(batch.pid, batch.tid)
-        address = probe.sites.get(batch.pid, 0)
-        symbolize = self._symbolizer(batch.pid)
-        out = []
-        for row, (t, cpu) in enumerate(zip(batch.time_ns.tolist(), batch.cpu.tolist(), strict=True)):
-            values: dict[str, Value] = {}
-            for i, f in enumerate(probe.fields):
-                if faults[row] >> i & 1:
-                    values[f.arg.name] = FAULT
-                elif isinstance(f.arg.fetch, Comm):
-                    values[f.arg.name] = StringValue(comm)
-                elif i in strings:
-                    data, truncated = strings[i][row]
-                    values[f.arg.name] = StringValue(data.decode("utf-8", "replace"), truncated)
-                else:
-                    values[f.arg.name] = columns[i][row]
-            caller = values.pop(CALLER_ARG.name, None) if probe.is_return else None
-            out.append(ProbeEvent(probe, batch.pid, batch.tid, cpu, t, address, values, comm, symbolize,
-                                  caller if isinstance(caller, int) else None))  # fmt: skip
-        return out
+        faults = batch.faults.tolist() if batch.faults.any() else None
+        values: list[list[Value]] = []
+        for i, f in enumerate(probe.fields):
+            column: list[Value]
+            if isinstance(f.arg.fetch, Comm):
+                column = [StringValue(comm)] * len(batch.raw)
+            elif f.arg.type.is_string:
+                column = [StringValue(data.decode("utf-8", "replace"), truncated)
+                          for data, truncated in decode_string(batch, f.offset)]  # fmt: skip
+            else:
+                column = decoded[i].tolist()
+            if faults is not None:
+                column = [FAULT if fault >> i & 1 else v for v, fault in zip(column, faults, strict=True)]
+            values.append(column)
+        callers = None
+        if probe.is_return:  # the caller is the first field of a return probe's records
+            callers = [v if isinstance(v, int) else None for v in values.pop(0)]
+        return EventColumns(
+            probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self._symbolizer(batch.pid),
+            batch.time_ns.tolist(), batch.cpu.tolist(), values, callers,
+        )  # fmt: skip
 
     def thread_names(self) -> dict[int, str]:
         """The name of every thread seen in a thread area (tid -> comm), still known after it ended."""
-        return {tid: name for (_, tid), name in self._comms.items()}
+        return {tid: name for (_, tid), (name, _) in self._comms.items()}
 
     def clock(self) -> dict[str, float]:
         """The time-stamp counter's calibration: ns = (tsc - tsc0) * scale + ns0 (CLOCK_MONOTONIC)."""
         return self._ensure_consumer().clock.params()
 
     def comm_of(self, pid: int, tid: int) -> str:
-        """A thread's name; remembered, so events read after it ended still have it."""
+        """A thread's name; remembered, so events read after it ended still have it. Read
+        again at most every COMM_REFRESH seconds (a thread may rename itself; reading
+        /proc at every drain cost more than the records of a trap probe's hits)."""
+        now = time.monotonic()
+        known = self._comms.get((pid, tid))
+        if known is not None and now - known[1] < COMM_REFRESH:
+            return known[0]
         proc = self._processes.get(pid)
         if proc is not None and tid in proc.tracee.threads:
             name = proc.tracee.comm(tid)
             if name != "<...>":
-                self._comms[pid, tid] = name
+                self._comms[pid, tid] = (name, now)
                 return name
-        return self._comms.get((pid, tid), "<...>")
+        return known[0] if known is not None else "<...>"
 
     def _symbolizer(self, pid: int) -> Callable[[int], str | None]:
         """Symbolizes addresses of `pid` when asked, which may be after it exited (events are

@@ -10,6 +10,7 @@ of each page are kept for the `syscall; int3` stub remote syscalls run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from dynprobe.arch.x86_64 import SLOT_SIZE
 
@@ -18,6 +19,19 @@ REGION = 16 * PAGE
 STUB_BYTES = SLOT_SIZE  # the first slot of a region holds the remote-syscall stub
 REACH = (1 << 31) - REGION
 ALIGN = 16
+
+
+@dataclass(frozen=True)
+class PlacedCode:
+    """Generated code in the target: where, how long, and its loads that may fault (see
+    codegen's fix-up table)."""
+
+    start: int
+    size: int
+    fixups: tuple[int, ...] = ()
+
+    def __contains__(self, addr: int) -> bool:
+        return self.start <= addr < self.start + self.size
 
 
 class SlotCache:

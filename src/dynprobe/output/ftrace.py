@@ -10,37 +10,61 @@ reading) carry over.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dynprobe.spec.fetch import FAULT, Value, format_value
+from dynprobe.spec.model import FetchArg
+
+if TYPE_CHECKING:
+    from dynprobe.core.probe import EventColumns, ProbeEvent
 
 
-@dataclass(frozen=True)
-class EventLine:
-    comm: str
-    pid: int
-    tid: int
-    cpu: int
-    time: float
-    group: str
-    event: str
-    addr: int
-    args: list[tuple[str, str]]  # formatted values, in spec order
-    raw: dict[str, object]  # JSON-ready values (None for a faulted fetch)
-    caller: int | None = None  # a return event: where the function returned to
-
-
-def ftrace_line(ev: EventLine) -> str:
-    task = f"{ev.comm}-{ev.tid}"
-    args = "".join(f" {name}={value}" for name, value in ev.args)
-    where = f"{ev.caller:#x} <- {ev.addr:#x}" if ev.caller is not None else f"{ev.addr:#x}"
-    return f"{task:>22} [{ev.cpu:03d}] {ev.time:12.6f}: {ev.group}/{ev.event}: ({where}){args}"
-
-
-def json_line(ev: EventLine) -> str:
+def json_line(event: ProbeEvent) -> str:
+    probe = event.probe
     return json.dumps(
         {
-            "comm": ev.comm, "pid": ev.pid, "tid": ev.tid, "cpu": ev.cpu, "time": round(ev.time, 9),
-            "group": ev.group, "event": ev.event, "addr": ev.addr,
-            **({"caller": ev.caller} if ev.caller is not None else {}), "args": ev.raw,
+            "comm": event.comm, "pid": event.pid, "tid": event.tid, "cpu": event.cpu,
+            "time": round(event.time_ns / 1e9, 9), "group": probe.group, "event": probe.event,
+            "addr": event.address, **({"caller": event.caller} if event.caller is not None else {}),
+            "args": event.json_values(),
         },
         separators=(",", ":"),
     )  # fmt: skip
+
+
+def _formatted(arg: FetchArg, column: list[Value], columns: EventColumns) -> list[str]:
+    """A column of values as `format_value` formats each (integers in one go)."""
+    kind = arg.type.kind
+    if kind in "us" and FAULT not in column:
+        return list(map(str, column))
+    if kind == "x" and FAULT not in column:
+        return list(map(hex, column))  # type: ignore[arg-type]
+    return [format_value(v, arg.type, columns.symbolize) for v in column]
+
+
+def ftrace_lines(columns: EventColumns) -> list[str]:
+    """A line per event of the columns, in the ftrace format (the module's docstring)."""
+    probe = columns.probe
+    task = f"{columns.comm}-{columns.tid}"
+    head = f"{task:>22} ["
+    tail = f"{probe.group}/{probe.event}: ("
+    n = len(columns.time_ns)
+    args = [""] * n
+    for arg, column in zip(probe.args, columns.values, strict=True):
+        label = f" {arg.name}="
+        args = [a + label + v for a, v in zip(args, _formatted(arg, column, columns), strict=True)]
+    if columns.callers is not None:
+        address = f" <- {columns.address:#x})"
+        wheres = [f"{c:#x}{address}" if c is not None else f"{columns.address:#x})" for c in columns.callers]
+    else:
+        wheres = [f"{columns.address:#x})"] * n
+    # (printf-style: twice as fast as an f-string with a float in it, at a line per event)
+    return [
+        "%s%03d] %12.6f: %s%s%s" % (head, cpu, t / 1e9, tail, where, a)  # noqa: UP031
+        for cpu, t, where, a in zip(columns.cpu, columns.time_ns, wheres, args, strict=True)
+    ]
+
+
+def json_lines(columns: EventColumns) -> list[str]:
+    """`json_line` of each event of the columns."""
+    return [json_line(event) for event in columns.events()]

@@ -15,8 +15,11 @@ _ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_
 # The same function without argtypes, for the calls of every trap hit (GETREGS, SETREGS, CONT):
 # converting through argtypes costs ~0.4 us a call here, a tenth of what dynprobe adds to a hit.
 # glibc's ptrace is variadic and reads addr and data as pointers: they are given as None (NULL)
-# or byref (a pointer), never as a Python int, which would go as a 32-bit C int.
-_ptrace_hot = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).ptrace
+# or byref (a pointer), never as a Python int, which would go as a 32-bit C int. These calls
+# keep the GIL (PyDLL): each takes a microsecond, and letting the GIL go for it let the consumer
+# thread take it, which the tracing thread then waited for after every call (a trap hit took
+# 25-50% longer while the consumer printed events).
+_ptrace_hot = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).ptrace
 _ptrace_hot.restype = ctypes.c_long
 
 PTRACE_PEEKUSER = 3

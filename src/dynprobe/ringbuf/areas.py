@@ -8,6 +8,7 @@ grow without bound.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import threading
 from collections.abc import Callable
@@ -27,11 +28,28 @@ class Pool:
     view: mmap.mmap
     count: int
     words: np.ndarray = field(init=False)  # (count, area words) u64 over the shared memory
+    areas: list[np.ndarray] = field(init=False)  # each area's row of `words`, made once
+    # each area as u64s in a memoryview: a word read or written in a tenth of numpy's time
+    # (a trap hit's few words)
+    cells: list[memoryview] = field(init=False)
     committed: set[int] = field(default_factory=set)  # areas whose memory the target faulted in
 
     def __post_init__(self) -> None:
         size = len(self.view) // self.count
         self.words = np.frombuffer(self.view, dtype=np.uint64).reshape(self.count, size // 8)
+        self.areas = list(self.words)
+        whole = memoryview(self.view)
+        self.cells = [whole[i * size : (i + 1) * size].cast("Q") for i in range(self.count)]
+        whole.release()
+
+    def close(self) -> None:
+        """Let go of the shared memory (no view of it may be left)."""
+        self.words = np.empty((0, 0), dtype=np.uint64)
+        self.areas = []
+        for cells in self.cells:
+            cells.release()
+        self.cells = []
+        self.view.close()
 
 
 @dataclass(frozen=True)
@@ -43,9 +61,19 @@ class AreaRef:
     def offset(self) -> int:
         return self.index * (len(self.pool.view) // self.pool.count)
 
-    @property
+    @functools.cached_property
     def target_addr(self) -> int:
         return self.pool.target_addr + self.offset
+
+    @property
+    def words(self) -> np.ndarray:
+        """The area as u64s (a view of the shared memory)."""
+        return self.pool.areas[self.index]
+
+    @property
+    def cells(self) -> memoryview:
+        """The area as u64s, for a word or two (see Pool.cells)."""
+        return self.pool.cells[self.index]
 
 
 def _publish_held(area: AreaRef, layout: L.AreaLayout) -> None:
@@ -133,6 +161,5 @@ class ThreadAreas:
 
     def close(self) -> None:
         for pool in self.pools:
-            pool.words = np.empty((0, 0), dtype=np.uint64)
-            pool.view.close()
+            pool.close()
         self.pools.clear()

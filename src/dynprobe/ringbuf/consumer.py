@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import signal
@@ -20,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -95,6 +96,15 @@ class TscClock:
         return (delta * self._scale).astype(np.int64) + self._ns0
 
 
+@functools.cache
+def _header_dtype(record_size: int) -> np.dtype[Any]:
+    """A record's header fields (ringbuf/layout.py), the rest of the record left as bytes."""
+    fields = [("probe", "<u2"), ("cpu", "<u2"), ("faults", "<u4"), ("tsc", "<u8")]
+    if record_size > L.RECORD_HEADER:
+        fields.append(("rest", f"V{record_size - L.RECORD_HEADER}"))
+    return np.dtype(fields)
+
+
 def _chunk_header(pid: int, tid: int, count: int) -> bytes:
     return np.array([pid | tid << 32, count], dtype=np.uint64).tobytes()
 
@@ -166,6 +176,8 @@ class RecordBatch:
 
 
 IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
+BUSY_SHARE = 8  # a ring this share full (or more) in one pass is drained again at once
+MAX_WAIT = 0.05  # seconds between passes at most while threads have areas
 
 
 class Consumer:
@@ -184,6 +196,9 @@ class Consumer:
         self.known_probe = known_probe
         self.on_error = on_error
         self.interval = interval
+        self.fullest = 0  # the most records one area had in the last pass
+        self.last_pass = 0.0  # when the last pass began (time.monotonic)
+        self.wait = interval  # before the next pass (`_pace`)
         # Where the consumer may run: all the CPUs the tracer may use, even when it is started
         # by a tracer thread pinned next to the target (it must not share that CPU).
         self.cpus = os.sched_getaffinity(0)
@@ -230,24 +245,37 @@ class Consumer:
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         os.sched_setaffinity(0, self.cpus)
         last_calibration = time.monotonic()
+        woken = True
         while not self._stop.is_set():
-            found = self.drain()
+            if woken or time.monotonic() - self.last_pass >= self.wait:
+                self.drain()  # (unless the tracing thread made one: `drain_if_due`)
             now = time.monotonic()
             if now - last_calibration > 1.0:
                 self.clock.recalibrate()
                 last_calibration = now
-            if not found:
-                # With no ring to drain (trap probes only), a pass only hands over events served
-                # at stops: a slower pace, as each wake-up costs the tracing thread the GIL.
-                # Rings that appear meanwhile wake it at once (`add`).
-                self._wake.wait(self.interval if self.processes else IDLE_INTERVAL)
+            woken = False
+            if self.wait:
+                # Rings that appear meanwhile wake it (`add`).
+                woken = self._wake.wait(self.wait if self.processes else IDLE_INTERVAL)
                 self._wake.clear()
 
     # --- draining ---
+    def drain_if_due(self) -> None:
+        """A pass, from the tracing thread while it serves trap hits, if none was made for an
+        interval: those hits are served in that thread, and a pass made there costs it only the
+        pass, where one in the consumer thread also costs it the GIL (waiting for it back after
+        each wait for a stop: 20-50% more a hit while the consumer printed trap probes' events)."""
+        if time.monotonic() - self.last_pass >= self.wait:
+            self.drain()
+
     def drain(self) -> int:
-        """One pass over every area; returns how many records it delivered."""
+        """One pass over every area; returns how many records it delivered. Sets the wait
+        before the next (see `_pace`)."""
         with self._lock:
+            now = time.monotonic()
+            since, self.last_pass = now - self.last_pass, now
             before = self.drained
+            self.fullest = 0
             batches: list[RecordBatch] = []
             for areas in list(self.processes):
                 for tid, area in areas.live():
@@ -260,7 +288,22 @@ class Consumer:
                     areas.recycle(area)
             self.deliver(batches)  # also when empty: events served at stops wait there
             self.drained += sum(len(b.raw) for b in batches)
+            self._pace(since)
             return self.drained - before
+
+    def _pace(self, since: float) -> None:
+        """The wait before the next pass: as long as the fullest ring of this pass, filling
+        as fast as it did since the last, takes to fill a BUSY_SHARE of itself, from
+        `interval` to MAX_WAIT; none when it filled that share already. A pass costs as much
+        for a record as for a thousand (and the tracing thread the GIL, which serves trap
+        probes' hits): a slow trickle is drained in batches."""
+        share = self.layout.ring_slots / BUSY_SHARE
+        if self.fullest >= share:
+            self.wait = 0.0
+        elif not self.fullest:
+            self.wait = min(MAX_WAIT, max(self.wait * 2, self.interval))
+        else:
+            self.wait = min(MAX_WAIT, max(self.interval, share / (self.fullest / max(since, 1e-6))))
 
     def _drain_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
         lay = self.layout
@@ -277,14 +320,16 @@ class Consumer:
             return []
         if not len(records):
             return []
+        self.fullest = max(self.fullest, len(records))
         if self.raw_sink is not None:
             self.raw_sink.write(_chunk_header(areas.pid, tid, len(records)))
             records.tofile(self.raw_sink)
-        probe = records[:, 0:2].copy().view(np.uint16)[:, 0]
-        cpu = records[:, 2:4].copy().view(np.uint16)[:, 0]
-        faults = records[:, 4:8].copy().view(np.uint32)[:, 0]
-        tsc = records[:, 8:16].copy().view(np.uint64)[:, 0]
-        times = self.clock.to_ns(tsc)
+        header = records.view(_header_dtype(lay.record_size))[:, 0]
+        probe, cpu, faults = header["probe"], header["cpu"], header["faults"]
+        times = self.clock.to_ns(header["tsc"])
+        first = int(probe[0])
+        if probe.max() == probe.min() and self.known_probe(first):  # (a thread's records: often one probe's)
+            return [RecordBatch(first, areas.pid, tid, records, times, cpu, faults)]
         out = []
         for index in np.unique(probe):
             if not self.known_probe(int(index)):
@@ -300,10 +345,12 @@ class Consumer:
         """Raw output only: the records go from the ring to the file; nothing is decoded."""
         assert self.raw_sink is not None
         view = memoryview(area.pool.view)
-        self.drained += spool_records(
+        spooled = spool_records(
             area.pool.words[area.index], view, area.offset, self.layout, self.raw_sink,
             lambda n: _chunk_header(areas.pid, tid, n),
         )  # fmt: skip
+        self.drained += spooled
+        self.fullest = max(self.fullest, spooled)
 
     def _fold(self, area: AreaRef) -> None:
         words = area.pool.words[area.index]

@@ -125,7 +125,7 @@ def _mem(base: RegisterT, disp: int = 0, index: RegisterT = R.NONE) -> iced.Memo
 
 
 # struct rseq (linux/rseq.h): u32 cpu_id_start, then u32 cpu_id (negative: not registered)
-_RSEQ_CPU_ID = 4
+RSEQ_CPU_ID = 4
 _TSC_AUX_CPU = 0xFFF  # Linux keeps the CPU in TSC_AUX's low 12 bits (the node above them)
 
 
@@ -207,6 +207,7 @@ class _Emitter:
         self.rseq_offset_at = rseq_offset_at  # the address of the target's __rseq_offset, if any
         self.layout = layout
         self.site = site
+        self.red_zone = red_zone
         self.flags_pushed = flags_pushed
         # bytes between rsp and the thread's rsp at the site (at a return: the trampoline's
         # entry point address pushed where the return address was, then the saved registers)
@@ -461,7 +462,7 @@ class _Emitter:
             known, by_rdpid = asm.label(), asm.label()
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, self.rseq_offset_at))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RCX)), by_rdpid)
-            rseq_cpu_id = iced.MemoryOperand(R.RCX, displ=_RSEQ_CPU_ID, displ_size=1, seg=R.FS)
+            rseq_cpu_id = iced.MemoryOperand(R.RCX, displ=RSEQ_CPU_ID, displ_size=1, seg=R.FS)
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ECX, rseq_cpu_id), by_rdpid)
             asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.ECX, R.ECX))
             asm.jump(C.JNS_REL32_64, known)
@@ -678,39 +679,19 @@ def build_detour(
 
     def assemble(region: int) -> tuple[bytes, dict[int, int]]:
         asm = _Asm()
-        if red_zone:
-            asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
-        emitter = _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning, rseq_offset_at)
-        if push_flags:
-            asm.add(iced.Instruction.create(C.PUSHFQ))
-        for name in _SAVED:
-            asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
-        if keep_flags:
-            asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
-            asm.add(iced.Instruction.create(C.LAHF))
-            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
-        for prog in programs:
-            _check_fields(prog)
-            if prog.entry is not None:
-                emitter.return_entry(prog, prog.entry)
-            else:
-                emitter.program(prog)
-        if returning is not None and hooks:
+
+        def hook(emitter: _Emitter) -> None:
+            assert returning is not None
 
             def load_region() -> None:
                 asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDX, iced.MemoryOperand(R.RIP, displ=region)))
 
             hook_targets(asm, emitter.frame, load_region, returning.points)
-        if keep_flags:
-            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
-            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
-            asm.add(iced.Instruction.create(C.SAHF))
-        for name in reversed(_SAVED):
-            asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
-        if push_flags:
-            asm.add(iced.Instruction.create(C.POPFQ))
-        if red_zone:
-            asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
+
+        _emit_actions(
+            asm, _Emitter(asm, layout, plan.site, red_zone, push_flags, symbol_address, returning, rseq_offset_at),
+            programs, keep_flags, hook if hooks else None,
+        )  # fmt: skip
         code, fixups = asm.encode(at)
         return (code + enter_tail(), fixups) if hooks else (code, fixups)
 
@@ -721,6 +702,77 @@ def build_detour(
     except _Unsupported as exc:
         return exc.reason
     return _then_region(plan, code, fixups, at)
+
+
+def _emit_actions(
+    asm: _Asm, emitter: _Emitter, programs: Sequence[Program], keep_flags: bool, hook: Callable[[_Emitter], None] | None
+) -> None:  # fmt: skip
+    """The actions of `programs` with the registers they use saved and put back (see the
+    module's docstring): the stack stepped over by the emitter's red zone, the flags pushed
+    (if the emitter pushes them) or kept in r11 (`keep_flags`); `hook` adds the code that
+    hooks a function's entry after them."""
+    red_zone = emitter.red_zone
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -red_zone)))
+    if emitter.flags_pushed:
+        asm.add(iced.Instruction.create(C.PUSHFQ))
+    for name in _SAVED:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, _REG[name]))
+    if keep_flags:
+        asm.add(iced.Instruction.create_reg(C.SETO_RM8, R.AL))
+        asm.add(iced.Instruction.create(C.LAHF))
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R11D, R.EAX))
+    for prog in programs:
+        _check_fields(prog)
+        if prog.entry is not None:
+            emitter.return_entry(prog, prog.entry)
+        else:
+            emitter.program(prog)
+    if hook is not None:
+        hook(emitter)
+    if keep_flags:
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.R11D))
+        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM8_IMM8, R.AL, 0x7F))  # OF = (al == 1)
+        asm.add(iced.Instruction.create(C.SAHF))
+    for name in reversed(_SAVED):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, _REG[name]))
+    if emitter.flags_pushed:
+        asm.add(iced.Instruction.create(C.POPFQ))
+    if red_zone:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, red_zone)))
+
+
+def build_trap_actions(
+    programs: Sequence[Program],
+    layout: L.AreaLayout,
+    site: int,
+    at: int,
+    symbol_address: Callable[[str], int | None] = lambda name: None,
+    rseq_offset_at: int | None = None,
+) -> Detour | OptimizeRefusal:
+    """The actions of a trap site's probes (at `site`), placed at `at`, for a thread resuming
+    from a hit: they run as a detour's do, on the registers of the hit, then the thread goes
+    on where the tracer put in gs:[STAMP_RESUME] (the site's slot), as from the entry stamp.
+    A hit costs its stop and nothing more: no memory of the target read at the stop."""
+    asm = _Asm()
+    push_flags = any(_fetches_flags(prog) for prog in programs)
+    emitter = _Emitter(asm, layout, site, RED_ZONE, push_flags, symbol_address, None, rseq_offset_at)
+    try:
+        _emit_actions(asm, emitter, programs, not push_flags, None)
+    except _Unsupported as exc:
+        return exc.reason
+    _resume_through_area(asm)
+    code, fixups = asm.encode(at)
+    return Detour(code, fixups, len(code))
+
+
+def _resume_through_area(asm: _Asm) -> None:
+    """Go on at gs:[STAMP_RESUME], registers and flags untouched: through the stack below the
+    red zone (`ret 128`), once STAMP_BUSY is clear (a signal handler's hit may then use it)."""
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -RED_ZONE)))
+    asm.add(iced.Instruction.create_mem(C.PUSH_RM64, _gs(L.STAMP_RESUME)))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.STAMP_BUSY), 0))
+    asm.add(iced.Instruction.create_u32(C.RETNQ_IMM16, RED_ZONE))
 
 
 # Below a hooking function entry's return-address slot S, in the red zone (a signal frame skips
@@ -911,10 +963,7 @@ def build_entry_stamp() -> bytes:
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(4, R.RSI), R.EDX))
     for reg, at in saved:
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, reg, _gs(at)))
-    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, _mem(R.RSP, -RED_ZONE)))
-    asm.add(iced.Instruction.create_mem(C.PUSH_RM64, _gs(L.STAMP_RESUME)))
-    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.STAMP_BUSY), 0))
-    asm.add(iced.Instruction.create_u32(C.RETNQ_IMM16, RED_ZONE))
+    _resume_through_area(asm)
     return asm.encode(0)[0]
 
 
