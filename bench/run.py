@@ -289,6 +289,18 @@ def count_cli(count: int) -> float:
     return elapsed
 
 
+def cli_seed(seed: str, calls: int, command: list[str]) -> int:
+    """Elapsed microseconds the seed reports when run under `dynprobe COMMAND... -- seed calls`
+    (its line is the first line of stdout: the command's own output goes after it, or to -o)."""
+    with tempfile.NamedTemporaryFile(suffix=".txt") as events:
+        output = ["-o", events.name] if command[0] == "trace" else []
+        argv = [sys.executable, "-m", "dynprobe.cli.main", *command, *output, "--", seed, str(calls)]
+        result = subprocess.run(argv, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-500:]
+        assert not output or len(events.read().splitlines()) == calls, "trace printed a line per hit"
+    return int(result.stdout.split("\n", 1)[0])
+
+
 def timestamp_cost() -> tuple[float, float]:
     """ns per rdtscp and per rdtsc here: the floor of a record's cost (its time stamp)."""
     binary = compile_c(HERE / "targets" / "tsc.c", BUILD / "tsc", "-O2")
@@ -374,6 +386,11 @@ def main() -> int:
     trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
     add("floor: bare CPython ptrace loop, boosted, placed", n_trap, median_run(lambda: python_floor(seed, n_trap), int))
     trap_row("trap, push rbp, tracer not pinned (cross-CPU)", n_free, [], "test", pin=False)
+    # What a user runs: a trap probe counted, and the same probe printing a line per hit
+    clis = {"count --trap": ["count", "--trap", "p test"], "trace --trap -o FILE": ["trace", "--trap", "p test"]}
+    for name, command in clis.items():
+        elapsed = median_run(lambda: cli_seed(seed, n_trap, command), int)  # noqa: B023
+        add(f"trap, `dynprobe {name}` (CLI)", n_trap, elapsed, runs=REPEAT)
     problem = tracefs_problem()
     if problem is None:
         try:
