@@ -1,28 +1,54 @@
 """dynprobe: kprobes, optprobes, kretprobes and ftrace for user-space x86-64 processes.
 
 The public API is `spawn(argv)` and `attach(pid)`, each returning a context-managed `Session`;
-`Trace(directory)` reads what `dynprobe record` wrote.
+`Trace(directory)` reads what `dynprobe record` wrote. Every error dynprobe raises is a
+`DynprobeError`; its kinds are here too.
 """
 
 from __future__ import annotations
 
 from dynprobe.arch.x86_64.regs import Regs
-from dynprobe.core.probe import Probe, ProbeMode
+from dynprobe.core.probe import Hit, Probe, ProbeEvent, ProbeMode
 from dynprobe.core.session import Session, attach, spawn
-from dynprobe.errors import DynprobeError, ParseError, ProbeRefused, ProcessError, Refusal
-from dynprobe.tracefile import Trace, TraceEvent
+from dynprobe.errors import (
+    AlreadyTraced,
+    DynprobeError,
+    ElfError,
+    NoSuchProcess,
+    OptimizeRefusal,
+    ParseError,
+    PermissionDenied,
+    ProbeRefused,
+    ProcessError,
+    Refusal,
+    SeccompFiltered,
+    SessionError,
+    SymbolError,
+)
+from dynprobe.tracefile import Trace, TraceError, TraceEvent
 
 __all__ = [
+    "AlreadyTraced",
     "DynprobeError",
+    "ElfError",
+    "Hit",
+    "NoSuchProcess",
+    "OptimizeRefusal",
     "ParseError",
+    "PermissionDenied",
     "Probe",
+    "ProbeEvent",
     "ProbeMode",
     "ProbeRefused",
     "ProcessError",
     "Refusal",
     "Regs",
+    "SeccompFiltered",
     "Session",
+    "SessionError",
+    "SymbolError",
     "Trace",
+    "TraceError",
     "TraceEvent",
     "attach",
     "spawn",

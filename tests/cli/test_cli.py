@@ -259,6 +259,19 @@ def test_count_with_stats_and_filter(wordcount: str) -> None:
     assert "mode=optimized" in r.stderr and "lost=0" in r.stderr
 
 
+def test_count_a_pattern(wordcount: str) -> None:
+    """A probe per function a pattern names, each named after it; a pattern naming none says
+    so in one line."""
+    r = dp("count", "p:wc/f [ah][da]*", "--", wordcount, "a b a")
+    assert r.returncode == 0, r.stderr
+    counts = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("  ")}
+    assert counts == {"wc/f_add_word": 3, "wc/f_hash": 3}
+    r = dp("count", "p nothing_like_this*", "--", wordcount, "a")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"dynprobe: error: no function of {wordcount} matches 'nothing_like_this*'"
+    ]
+
+
 def test_count_trap_mode_says_why(wordcount: str) -> None:
     r = dp("count", "--trap", "--stats", "p hash", "--", wordcount, "a b")
     assert r.returncode == 0, r.stderr

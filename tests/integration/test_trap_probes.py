@@ -204,6 +204,46 @@ def test_a_name_means_its_default_version(tmp_path: Path) -> None:
     )
     subprocess.run(["gcc", "-O1", "-o", str(tmp_path / "exp"), str(source), "-lm"], check=True)
     argv = [str(tmp_path / "exp"), "1000"]
-    status, out, (now, old) = traced(argv, lambda s: [s.probe("libm:exp"), s.probe("libm:exp@GLIBC_2.2.5")])
+    named = ("libm:exp", "libm:exp@GLIBC_2.2.5", "libm:exp@@GLIBC_2.29", "libm:exp@GLIBC_2.29")
+    status, out, probes = traced(argv, lambda s: [s.probe(name) for name in named])
     assert status == 0 and out == run_plain(argv).stdout
-    assert (now.hits, old.hits) == (1000, 0)
+    # nm -D's names: exp@@GLIBC_2.29 (and exp@GLIBC_2.29) are the default version, exp
+    assert [p.hits for p in probes] == [1000, 0, 1000, 1000]  # type: ignore[attr-defined]
+    with dynprobe.spawn(argv, stdout=subprocess.DEVNULL) as session:
+        with pytest.raises(SymbolError, match="'exp@@GLIBC_2.2.5' in .*: its default version is exp@@GLIBC_2.29"):
+            session.probe("libm:exp@@GLIBC_2.2.5")
+        with pytest.raises(SymbolError, match="'exp@@NOPE' .*: its default version is exp@@GLIBC_2.29"):
+            session.probe("libm:exp@@NOPE")
+
+
+def test_a_pattern_names_each_function_once(counter: str) -> None:
+    """Shell-style patterns (as perf probe and funccount take): a spec for each function whose
+    name matches, one per address, named after it; none matching, or more than the cap, is an
+    error that says so; session.probe refuses a pattern (expand it first)."""
+    with dynprobe.spawn([counter, "10", "1"], stdout=subprocess.DEVNULL) as session:
+        specs = session.expand("p:c/hit counter:[wp][ou]*y*")  # work (no 'y'), pushy: only pushy
+        assert [(s.location.rsplit(":", 1)[1], s.event) for s in session.expand("p counter:[wp][ou]*")] == [
+            ("work", None), ("pushy", None)]  # fmt: skip
+        assert [(s.location.rsplit(":", 1)[1], s.event) for s in specs] == [("pushy", "hit")]
+        named = session.expand("p:c/hit counter:[wp][ou]*+1")
+        assert [s.event for s in named] == ["hit_work_1", "hit_pushy_1"]
+        probes = [session.probe(s) for s in session.expand("p counter:[wp][ou]*")]
+        with pytest.raises(SymbolError, match="no function of .*counter matches 'nothing\\*'"):
+            session.expand("p counter:nothing*")
+        with pytest.raises(dynprobe.SessionError, match="is a pattern: session.expand"):
+            session.probe("p counter:wo*")
+        libc = session.expand("p libc:mem*")  # memcpy and memmove share an implementation here
+        assert len({s.location for s in libc}) == len(libc) > 3
+        assert session.run(timeout=60) == 0
+    assert [p.hits for p in probes] == [10, 0]
+
+
+def test_a_pattern_naming_too_many_functions_is_refused(counter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynprobe.symbols import resolve
+
+    monkeypatch.setattr(resolve, "MAX_MATCHES", 3)
+    with dynprobe.spawn([counter, "10", "1"], stdout=subprocess.DEVNULL) as session:
+        with pytest.raises(
+            SymbolError, match=r"functions of .*libc.* match 'str\*', more than 3 probes from one pattern"
+        ):
+            session.expand("p libc:str*")

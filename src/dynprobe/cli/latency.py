@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 
 from dynprobe.cli.common import UsageError, add_target_options, report_error
@@ -12,6 +13,7 @@ from dynprobe.cli.probes import ProbeRequest, Tally, add_interval_option, run_ag
 from dynprobe.errors import DynprobeError
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY
 from dynprobe.spec.parser import parse_probe
+from dynprobe.symbols.resolve import is_pattern
 
 EXAMPLES = """\
 examples:
@@ -52,7 +54,9 @@ def request_for(args: argparse.Namespace) -> ProbeRequest:
     for function in args.functions:
         if function.split(None, 1)[0][:1] in ("p", "r") and " " in function:
             raise UsageError(f"give a function, not a probe spec: {function!r}")
-        specs.append(parse_probe(f"r{maxactive}:latency/{_event_name(function)} {function} ns=$latency:u64"))
+        spec = parse_probe(f"r{maxactive}:latency/{_event_name(function)} {function} ns=$latency:u64")
+        # a pattern's functions are named each by its own (r_strlen), not after the pattern
+        specs.append(dataclasses.replace(spec, event=None) if is_pattern(function) else spec)
     return ProbeRequest(specs, None, args.trap, None)
 
 

@@ -91,11 +91,13 @@ def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpe
     """Place every probe (one batch: optimized at its end); progress bars on a terminal when
     there are many."""
     configure(session, request)
-    if len(request.specs) < PROGRESS_FROM or not sys.stderr.isatty():
+    with session.batch():  # (patterns expanded with the maps the batch reads once)
+        specs = [one for spec in request.specs for one in session.expand(spec)]
+    if len(specs) < PROGRESS_FROM or not sys.stderr.isatty():
         with session.batch():
-            return [place(spec) for spec in request.specs]
+            return [place(spec) for spec in specs]
     with progress_bar() as progress:
-        placing = progress.add_task("placing probes", total=len(request.specs))
+        placing = progress.add_task("placing probes", total=len(specs))
         optimizing = progress.add_task("optimizing", total=None, visible=False, start=False)
 
         def optimized(done: int, total: int) -> None:
@@ -105,7 +107,7 @@ def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpe
 
         with session.batch(progress=optimized):
             probes = []
-            for spec in request.specs:
+            for spec in specs:
                 probes.append(place(spec))
                 progress.advance(placing)
         return probes

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -45,7 +46,7 @@ from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tr
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
 from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
-from dynprobe.core.sites import check_location, default_event_name, first_instruction
+from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
 from dynprobe.core.slots import PlacedCode, SlotCache
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
@@ -86,7 +87,7 @@ from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
-from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain
+from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
 from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
@@ -101,7 +102,7 @@ from dynprobe.symbols.maps import (
     read_maps,
     root_of,
 )
-from dynprobe.symbols.resolve import Location, find_file, resolve, resolve_address
+from dynprobe.symbols.resolve import Location, expand_pattern, find_file, is_pattern, resolve, resolve_address
 
 LOADER_HOOK = "_dl_debug_state"
 RSEQ_OFFSET = "__rseq_offset"  # glibc 2.35+: where its threads' rseq areas are, from the thread pointer
@@ -394,6 +395,10 @@ class Session:
             spec = ProbeSpec("p", None, None, f"{spec_or_address:#x}")
         else:
             spec = spec_or_address if isinstance(spec_or_address, ProbeSpec) else parse_probe(spec_or_address)
+            if is_pattern(split_location(spec.location)[2]):
+                raise SessionError(
+                    f"{spec.location!r} is a pattern: session.expand(spec) gives a spec for each function it names"
+                )
             location = resolve(spec.location, main.exe, maps, main.libraries)
         is_return = spec.kind == "r"
         refusal = check_location(location)
@@ -437,6 +442,26 @@ class Session:
             self.remove_probe(probe)
             raise
         return probe
+
+    def expand(self, spec: str | ProbeSpec) -> list[ProbeSpec]:
+        """A spec whose location is a shell-style pattern ('p libc:str*', 'r app:parse_*
+        n=%di') as the specs of each function it names (one per address; `expand_pattern`),
+        each with its own event name; any other spec as itself."""
+        parsed = spec if isinstance(spec, ProbeSpec) else parse_probe(spec)
+        if not is_pattern(split_location(parsed.location)[2]):
+            return [parsed]
+        main = self._processes.get(self.main_pid) or next(iter(self._processes.values()), None)
+        if main is None:
+            raise SessionError("the target has exited; no probe can be placed")
+        maps = self._maps_now.get(main.pid) or read_maps(main.pid)
+        locations = expand_pattern(parsed.location, main.exe, maps, main.libraries)
+        if parsed.event is None or len(locations) == 1:
+            return [dataclasses.replace(parsed, location=where) for where in locations]
+        named = []  # each event named after its function too: EVENT_strlen, EVENT_strcmp_4
+        for where in locations:
+            function = split_location(where)[2].replace("+0x", "_")
+            named.append(dataclasses.replace(parsed, location=where, event=identifier(f"{parsed.event}_{function}")))
+        return named
 
     def retprobe(
         self,
@@ -2198,7 +2223,8 @@ def spawn(
     stderr: int | HasFileno | None = None,
 ) -> Session:
     """Start `argv` under dynprobe, stopped before its first instruction; returns the session.
-    `stdin`/`stdout`/`stderr`: the command's, as file descriptors or open files (default: ours)."""
+    `stdin`/`stdout`/`stderr`: the command's, as file descriptors, open files or
+    subprocess.DEVNULL (default: ours)."""
     if not argv:
         raise ProcessError("no command given")
     exe = argv[0] if "/" in argv[0] else shutil.which(argv[0])
@@ -2218,8 +2244,13 @@ def spawn(
             "(a pyenv shim's: `pyenv which python3`)"
         )
     load_elf(exe)  # a non-ELF or 32-bit command is refused before it runs
-    stdio = [f if f is None or isinstance(f, int) else f.fileno() for f in (stdin, stdout, stderr)]
-    tracee = ptrace_spawn(argv, env, *stdio)
+    with contextlib.ExitStack() as opened:
+        stdio: list[int | None] = []
+        for stream in (stdin, stdout, stderr):
+            if stream == subprocess.DEVNULL:
+                stream = opened.enter_context(open(os.devnull, "r+b"))
+            stdio.append(stream if stream is None or isinstance(stream, int) else stream.fileno())
+        tracee = ptrace_spawn(argv, env, *stdio)
     try:
         return Session(tracee, spawned=True, follow_fork=follow_fork)
     except BaseException:

@@ -73,5 +73,9 @@ def default_event_name(location: Location, is_return: bool = False) -> str:
         raw = f"{kind}_{location.basename}_{location.label}"
     else:
         raw = f"{kind}_" + location.label.replace("+0x", "_").replace("+", "_")
-    clean = "".join(c if c.isalnum() or c == "_" else "_" for c in raw)
-    return clean[:64]
+    return identifier(raw)
+
+
+def identifier(text: str) -> str:
+    """`text` as (part of) an event name: letters, digits and '_', at most 64 of them."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in text)[:64]

@@ -1,4 +1,5 @@
-"""Parser of `p[:[GRP/]EVENT] PATH:SYMBOL[+OFFS]|PATH:0xOFF [FETCHARGS]` and the `r` form.
+"""Parser of `p[:[GRP/]EVENT] PATH:SYMBOL[+OFFS]|PATH:0xOFF [FETCHARGS]` and the `r` form. SYMBOL
+may be a shell-style pattern ('str*', '[ab]?'): the session expands it (`Session.expand`).
 
 Errors carry a code from `ERRORS`, a message and the column where the fault is, as the kernel's
 tracefs error_log does, so the CLI prints the spec with a caret under the fault.
@@ -127,7 +128,7 @@ def _parse_head(word: str, spec: str, col: int) -> tuple[str, int | None, str | 
 
 
 # A symbol, or a C++ name as demangled ('ns::Class::method', 'Class::~Class', 'ns::f(long)').
-_SYMBOL = re.compile(r"[A-Za-z_.$~][^\s+]*\Z")
+_SYMBOL = re.compile(r"[A-Za-z_.$~*?\[][^\s+]*\Z")  # a name, or a shell-style pattern of names
 
 
 def _check_location(loc: str, spec: str, col: int) -> None:

@@ -46,6 +46,7 @@ class Segment:
 
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")])
 _STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
+_VER_FLG_BASE = 1  # a version definition that names the file itself, not a version
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
 
 
@@ -92,7 +93,7 @@ class ElfImage:
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.needed, self.rpath, self.runpath = self._dynamic(elf)
-            self.functions, self.objects, self.ifuncs = self._symbols(elf)
+            self.functions, self.objects, self.ifuncs, self.default_versions = self._symbols(elf)
             self.debug_file = None if elf.get_section_by_name(".symtab") else self._debug_file(elf)
             if self.debug_file is not None:
                 self._add_debug_symbols(self.debug_file)
@@ -138,7 +139,7 @@ class ElfImage:
         """The functions only the debug file names (static ones, an indirect function's
         implementations); addresses the file's own symbols name keep their names."""
         with open(debug_file, "rb") as f:
-            functions, objects, ifuncs = self._symbols(ELFFile(io.BytesIO(f.read())))
+            functions, objects, ifuncs, _ = self._symbols(ELFFile(io.BytesIO(f.read())))
         named = {f.addr for f in self.functions}
         self.functions = sorted([*self.functions, *(f for f in functions if f.addr not in named)], key=_symbol_order)
         for mine, theirs in ((self.objects, objects), (self.ifuncs, ifuncs)):
@@ -171,19 +172,21 @@ class ElfImage:
         return needed, rpath, runpath
 
     @staticmethod
-    def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int], dict[str, int]]:
-        """Functions (sorted by address), data symbols (name -> address, for @SYM) and indirect
-        functions (name -> resolver: symbols/ifunc.py) of .symtab and .dynsym. The tables are
-        decoded in bulk with numpy: pyelftools parses a symbol at a time, ~50 us each, which is
-        seconds for a binary with 10^5 functions."""
+    def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
+        """Functions (sorted by address), data symbols (name -> address, for @SYM), indirect
+        functions (name -> resolver: symbols/ifunc.py) of .symtab and .dynsym, and the default
+        version of each versioned name ('exp' -> 'GLIBC_2.29'). The tables are decoded in bulk
+        with numpy: pyelftools parses a symbol at a time, ~50 us each, which is seconds for a
+        binary with 10^5 functions."""
         seen: dict[tuple[str, int], Function] = {}
         objects: dict[str, int] = {}
         ifuncs: dict[str, int] = {}
+        defaults: dict[str, str] = {}
         for table in (".symtab", ".dynsym"):
             section = elf.get_section_by_name(table)
             if not isinstance(section, SymbolTableSection) or section["sh_entsize"] != _SYM.itemsize:
                 continue
-            old = ElfImage._old_versions(elf) if table == ".dynsym" else {}
+            old, default = ElfImage._versions(elf) if table == ".dynsym" else ({}, {})
             strtab = elf.get_section(section["sh_link"]).data()
             syms = np.frombuffer(section.data(), dtype=_SYM)
             kind = syms["info"] & 0xF
@@ -203,32 +206,41 @@ class ElfImage:
                     # A name's default version is the name ('exp@@GLIBC_2.29' in .symtab); an
                     # older one keeps its version ('exp@GLIBC_2.2.5'): programs linked today call
                     # the default, and a probe on the name must be there.
-                    clean = name.split("@@", 1)[0] if row not in old else f"{name}@{old[row]}"
+                    clean, _, version = name.partition("@@")
+                    if row in old:
+                        clean = f"{name}@{old[row]}"
+                    elif version or row in default:
+                        defaults.setdefault(clean, version or default[row])
                     if into is None:
                         seen.setdefault((clean, value), Function(clean, value, size))
                     else:
                         into.setdefault(clean, value)
-        return sorted(seen.values(), key=_symbol_order), objects, ifuncs
+        return sorted(seen.values(), key=_symbol_order), objects, ifuncs, defaults
 
     @staticmethod
-    def _old_versions(elf: ELFFile) -> dict[int, str]:
+    def _versions(elf: ELFFile) -> tuple[dict[int, str], dict[int, str]]:
         """.dynsym index -> the version of each symbol that is not its name's default (hidden in
-        .gnu.version: a compatibility symbol such as memcpy@GLIBC_2.2.5 or exp@GLIBC_2.2.5)."""
+        .gnu.version: a compatibility symbol such as memcpy@GLIBC_2.2.5 or exp@GLIBC_2.2.5), and
+        of each that is (exp@@GLIBC_2.29, as `nm -D` prints it). Symbols this file defines only:
+        versions it needs from others are not in .gnu.version_d."""
         versym = elf.get_section_by_name(".gnu.version")
-        if versym is None:
-            return {}
-        indices = np.frombuffer(versym.data(), dtype="<u2")
-        hidden = np.nonzero(indices & 0x8000)[0]
-        if not len(hidden):
-            return {}
-        names: dict[int, str] = {}
         verdef = elf.get_section_by_name(".gnu.version_d")
-        if isinstance(verdef, GNUVerDefSection):
-            for definition, auxiliaries in verdef.iter_versions():
-                first = next(iter(auxiliaries), None)
-                if first is not None:
-                    names[definition["vd_ndx"]] = first.name
-        return {int(i): names.get(int(indices[i]) & 0x7FFF, "old") for i in hidden}
+        if versym is None or not isinstance(verdef, GNUVerDefSection):
+            return {}, {}
+        names: dict[int, str] = {}
+        for definition, auxiliaries in verdef.iter_versions():
+            first = next(iter(auxiliaries), None)
+            if first is not None and not definition["vd_flags"] & _VER_FLG_BASE:
+                names[definition["vd_ndx"]] = first.name
+        indices = np.frombuffer(versym.data(), dtype="<u2")
+        old: dict[int, str] = {}
+        default: dict[int, str] = {}
+        for i in np.nonzero(np.isin(indices & 0x7FFF, list(names)))[0].tolist():
+            index = int(indices[i])
+            (old if index & 0x8000 else default)[i] = names[index & 0x7FFF]
+        for i in np.nonzero(indices & 0x8000)[0].tolist():
+            old.setdefault(i, "old")
+        return old, default
 
     # --- address arithmetic -----------------------------------------------------------------
     @property

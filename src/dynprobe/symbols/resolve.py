@@ -6,6 +6,7 @@ mapped, in every process that maps it, and again after exec or dlopen.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 from dynprobe.errors import SymbolError
 from dynprobe.spec.model import split_location
 from dynprobe.symbols import files
+from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import ElfImage, Function, load_elf
-from dynprobe.symbols.ifunc import implementation
+from dynprobe.symbols.ifunc import callable_functions, implementation
 from dynprobe.symbols.loader import ld_cache
 from dynprobe.symbols.maps import Mapping
 
@@ -71,7 +73,24 @@ def parse_symbol_offset(text: str) -> tuple[str, int]:
     return text, 0
 
 
+def unversioned(image: ElfImage, symbol: str) -> str:
+    """A name as `nm -D` prints it -> the name dynprobe knows it by: the default version is the
+    plain name (`exp@@GLIBC_2.29`, and `exp@GLIBC_2.29` if that is the default: `exp`), an
+    older one keeps its version (`exp@GLIBC_2.2.5`)."""
+    name, sep, version = symbol.partition("@")
+    if not sep:
+        return symbol
+    default = image.default_versions.get(name)
+    if version.removeprefix("@") == default:
+        return name
+    if version.startswith("@"):
+        have = f"its default version is {name}@@{default}" if default else f"{name} has no versioned symbol"
+        raise SymbolError(f"no function {symbol!r} in {image.path}: {have}")
+    return symbol
+
+
 def resolve_symbol(image: ElfImage, symbol: str, offset: int) -> Location:
+    symbol = unversioned(image, symbol)
     # An indirect function (libc's memcpy, strlen): what runs is the implementation it resolves
     # to, not the resolver at its address (nor an old compatibility symbol of the same name).
     found = [implementation(image, symbol)] if symbol in image.ifuncs else image.functions_named(symbol)
@@ -121,6 +140,43 @@ def resolve(
         if sep or "::" in symbol or not str(exc).startswith("no function"):
             raise
         raise SymbolError(f"{exc} (for a library function, name the library: libc:{symbol})") from exc
+
+
+MAX_MATCHES = 10_000  # functions one pattern may name
+
+
+def is_pattern(symbol: str) -> bool:
+    """A shell-style pattern ('str*', 'parse_?', 'mem[cs]*'), as perf probe and funccount take."""
+    return any(c in symbol for c in "*?[")
+
+
+def expand_pattern(
+    text: str, main_exe: str, maps: list[Mapping] | None = None, libraries: Callable[[], dict[str, str]] | None = None
+) -> list[str]:
+    """The locations a location with a pattern ('libc:str*', 'parse_*+4') names: 'PATH:NAME[+OFF]'
+    for each function whose name (or demangled name) matches, one per address (of aliases,
+    the name shown: malloc, not __libc_malloc), in address order. SymbolError if none does,
+    or more than MAX_MATCHES."""
+    path_part, sep, what = split_location(text)
+    path = find_file(path_part, maps, libraries) if sep else main_exe
+    image = load_elf(path)
+    pattern, offset = parse_symbol_offset(what)
+    found: dict[int, Function] = {}
+    versions = "@" in pattern  # (old versions of a name, exp@GLIBC_2.2.5, only when asked for)
+    for func in callable_functions(image):
+        if func.addr in found or ("@" in func.name and not versions):
+            continue
+        if any(fnmatch.fnmatchcase(n, pattern) for n in names_of(func.name)):
+            found[func.addr] = func
+    if not found:
+        raise SymbolError(f"no function of {image.path} matches {pattern!r}")
+    if len(found) > MAX_MATCHES:
+        raise SymbolError(
+            f"{len(found):,} functions of {image.path} match {pattern!r}, more than {MAX_MATCHES:,} probes "
+            "from one pattern: narrow it"
+        )
+    suffix = f"+{offset:#x}" if offset else ""
+    return [f"{image.path}:{func.name}{suffix}" for func in found.values()]
 
 
 def resolve_address(addr: int, maps: list[Mapping]) -> Location:
