@@ -210,9 +210,9 @@ def test_a_name_means_its_default_version(tmp_path: Path) -> None:
     # nm -D's names: exp@@GLIBC_2.29 (and exp@GLIBC_2.29) are the default version, exp
     assert [p.hits for p in probes] == [1000, 0, 1000, 1000]  # type: ignore[attr-defined]
     with dynprobe.spawn(argv, stdout=subprocess.DEVNULL) as session:
-        with pytest.raises(SymbolError, match="'exp@@GLIBC_2.2.5' in .*: its default version is exp@@GLIBC_2.29"):
+        with pytest.raises(SymbolError, match=r"'exp@@GLIBC_2\.2\.5' in .*: its default version is exp@@GLIBC_2\.29"):
             session.probe("libm:exp@@GLIBC_2.2.5")
-        with pytest.raises(SymbolError, match="'exp@@NOPE' .*: its default version is exp@@GLIBC_2.29"):
+        with pytest.raises(SymbolError, match=r"'exp@@NOPE' .*: its default version is exp@@GLIBC_2\.29"):
             session.probe("libm:exp@@NOPE")
 
 
@@ -228,9 +228,9 @@ def test_a_pattern_names_each_function_once(counter: str) -> None:
         named = session.expand("p:c/hit counter:[wp][ou]*+1")
         assert [s.event for s in named] == ["hit_work_1", "hit_pushy_1"]
         probes = [session.probe(s) for s in session.expand("p counter:[wp][ou]*")]
-        with pytest.raises(SymbolError, match="no function of .*counter matches 'nothing\\*'"):
+        with pytest.raises(SymbolError, match=r"no function of .*counter matches 'nothing\*'"):
             session.expand("p counter:nothing*")
-        with pytest.raises(dynprobe.SessionError, match="is a pattern: session.expand"):
+        with pytest.raises(dynprobe.SessionError, match=r"is a pattern: session\.expand"):
             session.probe("p counter:wo*")
         libc = session.expand("p libc:mem*")  # memcpy and memmove share an implementation here
         assert len({s.location for s in libc}) == len(libc) > 3
