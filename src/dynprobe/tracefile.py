@@ -15,6 +15,7 @@ truncated file yields what it holds and says where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Collection, Iterator
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynprobe.errors import DynprobeError
+from dynprobe.output import files
 from dynprobe.symbols.demangle import Demangle, display
 
 if TYPE_CHECKING:
@@ -48,11 +50,61 @@ def record_dtype(record_size: int) -> np.dtype[Any]:
 
 
 def write_info(directory: str, info: dict[str, Any]) -> None:
-    """info.json, replaced whole (a reader never sees half of it)."""
+    """info.json, replaced whole (a reader never sees half of it), in a directory of ours."""
     path = os.path.join(directory, INFO)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"format": FORMAT, "version": VERSION, **info}, f)
-    os.replace(path + ".tmp", path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(path + ".tmp", flags, 0o600), "w") as f:
+            json.dump({"format": FORMAT, "version": VERSION, **info}, f)
+        os.replace(path + ".tmp", path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path + ".tmp")
+        raise
+
+
+_OURS = {INFO, INFO + ".tmp", EVENTS}  # what a trace directory holds
+
+
+def is_trace_directory(path: str) -> bool:
+    """A directory dynprobe wrote: its files are a trace's, and its info says so."""
+    try:
+        names = set(os.listdir(path))
+        with open(os.path.join(path, INFO), "rb") as f:
+            info = json.loads(f.read(1 << 26))
+    except (OSError, ValueError):
+        return False
+    return names <= _OURS and isinstance(info, dict) and info.get("format") == FORMAT
+
+
+def create_trace_directory(path: str) -> None:
+    """A new trace directory at `path` (mode 0700). An earlier trace there is kept as PATH.old
+    (replacing an older PATH.old only if that is a trace too); an empty directory is taken;
+    anything else is refused. Nothing that is not a trace dynprobe wrote is ever deleted."""
+    kind = files.kind_of(path)
+    try:
+        if kind == "directory" and not os.listdir(path):
+            os.rmdir(path)
+        elif kind == "directory" and is_trace_directory(path):
+            old = path + ".old"
+            if files.kind_of(old) is not None:
+                if files.kind_of(old) != "directory" or not is_trace_directory(old):
+                    raise files.OutputError(f"{old} is in the way (not a trace): move it, or choose another -o")
+                remove_trace_directory(old)
+            os.rename(path, old)
+        elif kind is not None:
+            raise files.OutputError(f"{path} exists and is not a trace directory: choose another name with -o")
+    except OSError as exc:
+        raise files.OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    files.make_directory(path)
+
+
+def remove_trace_directory(path: str) -> None:
+    """Delete a trace directory dynprobe wrote (its files only; anything else stays)."""
+    for name in _OURS:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    os.rmdir(path)
 
 
 @dataclass

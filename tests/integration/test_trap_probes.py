@@ -242,7 +242,8 @@ def test_a_pattern_naming_too_many_functions_is_refused(counter: str, monkeypatc
     from dynprobe.symbols import resolve
 
     monkeypatch.setattr(resolve, "MAX_MATCHES", 3)
-    with dynprobe.spawn([counter, "10", "1"], stdout=subprocess.DEVNULL) as session, pytest.raises(
-        SymbolError, match=r"functions of .*libc.* match 'str\*', more than 3 probes from one pattern"
+    with (
+        dynprobe.spawn([counter, "10", "1"], stdout=subprocess.DEVNULL) as session,
+        pytest.raises(SymbolError, match=r"functions of .*libc.* match 'str\*', more than 3 probes from one pattern"),
     ):
         session.expand("p libc:str*")

@@ -34,8 +34,10 @@ def add_interval_option(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits where EXPR holds") -> None:
     p.add_argument("specs", nargs="*", metavar="SPEC", help="probe specifications")
-    p.add_argument("-f", "--file", action="append", default=[], metavar="SPECFILE",
-                   help="read probe specifications from a file, one per line ('#' starts a comment)")  # fmt: skip
+    p.add_argument(
+        "-f", "--file", action="append", default=[], metavar="SPECFILE",
+        help="read probe specs from a file ('-': standard input), one a line ('#' starts a comment)",
+    )  # fmt: skip
     p.add_argument("--filter", metavar="EXPR", help=f"{filter_help}, e.g. 'a == 5 and (b > 0 or c != 1)'")
     p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
                    help="keep every probe a trap probe (no jump optimization), for comparisons")  # fmt: skip
@@ -45,14 +47,28 @@ def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits 
                    help="at the end, per probe: mode (optimized, or trap and why), hits, missed, lost")  # fmt: skip
 
 
+MAX_SPEC_FILE = 64 << 20  # bytes of a spec file read at most
+
+
 def read_spec_files(paths: list[str]) -> list[str]:
+    """The specs of each file, one a line ('#' starts a comment); '-' is the standard input."""
     specs: list[str] = []
     for path in paths:
+        name = "the standard input" if path == "-" else f"spec file {path}"
         try:
-            with open(path) as f:
-                lines = f.read().splitlines()
+            if path == "-":
+                data = sys.stdin.buffer.read(MAX_SPEC_FILE + 1)
+            else:
+                with open(path, "rb") as f:
+                    data = f.read(MAX_SPEC_FILE + 1)
         except OSError as exc:
-            raise DynprobeError(f"cannot read spec file {path}: {exc.strerror}") from exc
+            raise DynprobeError(f"cannot read {name}: {exc.strerror}") from exc
+        if len(data) > MAX_SPEC_FILE:
+            raise DynprobeError(f"{name} is larger than {MAX_SPEC_FILE >> 20} MiB: not a list of probe specs")
+        try:
+            lines = data.decode().splitlines()
+        except UnicodeDecodeError:
+            raise DynprobeError(f"{name} is not text (UTF-8): give a file of probe specs, one a line") from None
         specs.extend(s for line in lines if (s := line.split("#", 1)[0].strip()))
     return specs
 

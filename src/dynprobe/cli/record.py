@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -25,9 +24,9 @@ from dynprobe.cli.common import (
 from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
-from dynprobe.output import callgraph
+from dynprobe.output import callgraph, files
 from dynprobe.symbols.elf import load_elf
-from dynprobe.tracefile import EVENTS, INFO, Trace, write_info
+from dynprobe.tracefile import EVENTS, INFO, Trace, create_trace_directory, remove_trace_directory, write_info
 
 if TYPE_CHECKING:
     from dynprobe.core.ftrace import FunctionTracer
@@ -123,15 +122,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     d.set_defaults(run=run_dump)
 
 
-def _prepare_directory(path: str) -> None:
-    """An empty directory at `path`; an earlier trace there is replaced, anything else refused."""
-    if os.path.exists(path):
-        if not os.path.isdir(path) or (os.listdir(path) and not os.path.exists(os.path.join(path, INFO))):
-            raise UsageError(f"{path} exists and is not a trace directory; choose another with -o")
-        shutil.rmtree(path)
-    os.makedirs(path)
-
-
 def _why(reason: str) -> str:
     """A reason code of Tracing.not_patched, explained."""
     for codes in (Refusal, OptimizeRefusal):
@@ -172,13 +162,16 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
     out = args.output
     status: int | None = None
     try:
+        create_trace_directory(out)  # before the target is touched: a bad -o is said at once
+    except DynprobeError as exc:
+        return report_error(exc)
+    try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
             tracer = session.function_tracer(
                 args.filter, args.notrace, args.lib, graph=True, depth=args.depth, threshold_ns=args.threshold
             )
-            _prepare_directory(out)
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
@@ -188,7 +181,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                             for path in sorted({f.path for f in session.tracing.functions})],
                 "clock": session.clock(),
             }  # fmt: skip
-            with open(os.path.join(out, EVENTS), "wb") as events:
+            with files.create_binary(os.path.join(out, EVENTS)) as events:
                 session.write_raw(events, decode=False)
                 write_info(out, info)
                 if len(tracer.functions) < PROGRESS_FROM or not sys.stderr.isatty():
@@ -206,7 +199,6 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 later = f", {pending} more once their library is mapped" if pending else ""
                 functions = f"{tracer.patched} function{'' if tracer.patched == 1 else 's'}"
                 if not tracer.patched and not pending:
-                    shutil.rmtree(out, ignore_errors=True)
                     why = _why(refused.most_common(1)[0][0])
                     raise SessionError(f"no function could be patched ({reasons}): {why}")
                 print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
@@ -216,8 +208,16 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 status = run_target(session)
                 session.close()  # counts after the detach: an attached program ran on until then
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
+                failure = session.output_failure
+                if failure is None:
+                    try:
+                        events.flush()
+                    except OSError as exc:
+                        failure = exc.strerror or str(exc)
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
                         clock=session.clock())  # fmt: skip
+            if failure is not None:
+                return _stopped_writing(out, info, failure, session.records_drained, session.records_discarded)
             write_info(out, info)
             dropped = f" ({lost} records lost: a thread's ring was full; a larger --ring-size keeps them)"
             dropped = dropped if lost else ""
@@ -226,11 +226,29 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
             where = "" if getattr(args, "live", False) else f" in {out}"  # live: a temporary directory
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
+    except OSError as exc:  # closing the events file (its last bytes) on a full disk
+        return report_error(DynprobeError(f"cannot write {os.path.join(out, EVENTS)}: {exc.strerror or exc}"))
     except DynprobeError as exc:
+        written = os.path.join(out, EVENTS)
+        if not os.path.exists(written) or not os.path.getsize(written):
+            with contextlib.suppress(OSError):
+                remove_trace_directory(out)  # nothing was recorded
         return report_error(exc)
     if args.pid is not None:
         return 0
     return status if status is not None else 130
+
+
+def _stopped_writing(out: str, info: dict[str, object], failure: str, written: int, dropped: int) -> int:
+    """The trace could not be written on (a full disk): recording stopped, the program let go;
+    what was written is readable up to where it stops."""
+    info["stopped"] = failure
+    with contextlib.suppress(OSError):  # (then the trace reads as one cut short)
+        write_info(out, info)
+    print(f"dynprobe: error: cannot write {os.path.join(out, EVENTS)}: {failure}: recording stopped, the "
+          f"program let go; {written} records written (readable up to there), {dropped} drained after it dropped",
+          file=sys.stderr)  # fmt: skip
+    return 1
 
 
 @contextlib.contextmanager
@@ -284,7 +302,7 @@ def _read(
         return report_error(UsageError("reading a trace runs no command"))
     try:
         with _trace(args) as trace:
-            out: TextIO = open(output, "w") if output else sys.stdout  # noqa: SIM115
+            out: TextIO = files.create_text(output) if output else sys.stdout
             try:
                 show(trace, out)
             finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
@@ -23,6 +24,7 @@ from dynprobe.cli.probes import (
 from dynprobe.core.probe import BatchHandler, EventColumns, Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
+from dynprobe.output import files
 from dynprobe.output.ftrace import ftrace_lines, json_lines
 
 EXAMPLES = """\
@@ -65,19 +67,30 @@ class EventPrinter(BatchHandler):
         self.format = json_lines if as_json else ftrace_lines
         self.lines = 0
         self.broken = False
+        self.failure: str | None = None  # why the output could not be written (a full disk)
+        self.on_failure: Callable[[], object] | None = None
 
     def on_batches(self, batches: list[EventColumns]) -> None:
         lines = [line for columns in batches for line in self.format(columns)]
         if len(batches) > 1:
             times = [t for columns in batches for t in columns.time_ns]
             lines = [lines[i] for i in sorted(range(len(lines)), key=times.__getitem__)]
-        if self.broken or not lines:
+        if self.broken or self.failure or not lines:
             return
         try:
             self.out.write("\n".join(lines) + "\n")
         except BrokenPipeError:
             self.broken = True  # `| head`: keep tracing quietly until the target ends
+        except OSError as exc:
+            self.failed(exc)
         self.lines += len(lines)
+
+    def failed(self, exc: OSError) -> None:
+        """The output cannot be written: the first failure stops the session (`on_failure`)."""
+        if self.failure is None:
+            self.failure = exc.strerror or str(exc)
+            if self.on_failure is not None:
+                self.on_failure()
 
 
 def trace(session: Session, request: ProbeRequest, printer: EventPrinter) -> list[Probe]:
@@ -87,19 +100,28 @@ def trace(session: Session, request: ProbeRequest, printer: EventPrinter) -> lis
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         request = check_request(args)
-        out: TextIO = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
+        out: TextIO = files.create_text(args.output) if args.output else sys.stdout
     except DynprobeError as exc:
         return report_error(exc)
-    except OSError as exc:
-        return report_error(DynprobeError(f"cannot write {args.output}: {exc.strerror}"))
     printer = EventPrinter(out, args.json)
     status: int | None = None
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
+            printer.on_failure = session.request_stop
             probes = trace(session, request, printer)
             status = run_target(session)
             session.close()
+            if out is not sys.stdout:
+                try:
+                    out.flush()
+                except OSError as exc:
+                    printer.failed(exc)
+            if printer.failure is not None:
+                where = args.output or "the standard output"
+                print(f"dynprobe: error: cannot write {where}: {printer.failure}: tracing stopped, the program "
+                      f"let go; {printer.lines} events written", file=sys.stderr)  # fmt: skip
+                return 1
             if not args.quiet:
                 print_stats(probes, args.stats)
                 if not args.stats and not request.trap:
@@ -108,10 +130,10 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     except DynprobeError as exc:
         return report_error(exc)
     finally:
-        if out is not sys.stdout:
-            out.close()
-        else:
-            with contextlib.suppress(BrokenPipeError):
+        with contextlib.suppress(OSError):  # (a failure to write is said above)
+            if out is not sys.stdout:
+                out.close()
+            else:
                 out.flush()
     if args.pid is not None:
         return 0

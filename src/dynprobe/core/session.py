@@ -117,6 +117,7 @@ _EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKi
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
+_WAKE_SIGNAL = signal.SIGURG  # `request_stop` wakes the tracing thread with it (ignored by default)
 
 
 @dataclass
@@ -280,6 +281,7 @@ class Session:
         self._exited_unknown: set[int] = set()
         self._pending: deque[Event] = deque()
         self._stop_requested = False
+        self._wakeable_run = False  # see _wakeable
         self._closed = False
         self._started = False
         self._in_run = False  # see _running
@@ -663,7 +665,7 @@ class Session:
         deadline = None if timeout is None else time.monotonic() + timeout
         if any(p.action is not None for p in self.probes) or self.tracing.tracers:
             self._ensure_consumer().start()  # before the tracer pins itself: it runs elsewhere
-        with self._tracer_pinned(), self._running():
+        with self._tracer_pinned(), self._running(), self._wakeable():
             self._optimizer.flush()  # everything placed so far, before the target runs on
             self._start()
             while self._processes and not self._stop_requested:
@@ -771,6 +773,39 @@ class Session:
     def stop(self) -> None:
         """Make `run()` return after the event at hand (call it from a handler)."""
         self._stop_requested = True
+
+    def request_stop(self) -> None:
+        """Make `run()` return soon, from any thread (the consumer's, when its output failed):
+        run() in the main thread is woken from its wait; elsewhere, at the next event."""
+        self._stop_requested = True
+        if self._wakeable_run:
+            with contextlib.suppress(OSError):
+                signal.pthread_kill(threading.main_thread().ident or 0, _WAKE_SIGNAL)
+
+    @property
+    def output_failure(self) -> str | None:
+        """Why drained records could not be written (a full disk), if they could not: the
+        session stopped then; `records_discarded` were drained after it."""
+        return self._consumer.failure if self._consumer is not None else None
+
+    @property
+    def records_discarded(self) -> int:
+        return self._consumer.discarded if self._consumer is not None else 0
+
+    @contextlib.contextmanager
+    def _wakeable(self) -> Iterator[None]:
+        """While `run()` runs in the main thread, `request_stop` may wake it: a handler of
+        _WAKE_SIGNAL interrupts the wait for a stop (as SIGINT does)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(_WAKE_SIGNAL, self.interrupt_wait)
+        self._wakeable_run = True
+        try:
+            yield
+        finally:
+            self._wakeable_run = False
+            signal.signal(_WAKE_SIGNAL, previous)
 
     def interrupt_wait(self, signum: int, frame: FrameType | None) -> None:
         """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()`
@@ -2031,6 +2066,7 @@ class Session:
                 lambda i: 0 <= i < len(self._by_index) and (self._by_index[i] is not None or i in self.tracing.tracers),
                 self._warn,
             )  # fmt: skip
+            self._consumer.on_failure = self.request_stop
             if self._started and not self._closed:
                 self._consumer.start()
         return self._consumer

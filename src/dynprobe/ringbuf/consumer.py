@@ -210,6 +210,9 @@ class Consumer:
         self.drained = 0
         # Raw output: every drained chunk as (u32 pid, u32 tid, u64 count) + the records, as is.
         self.raw_sink: BinaryIO | None = None
+        self.failure: str | None = None  # why records can no longer be written (see `fail`)
+        self.on_failure: Callable[[], object] | None = None
+        self.discarded = 0  # records drained after a failure, not delivered
         self.decode = True  # False: raw output only, no per-probe batches (fastest drain)
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
         self._stop = threading.Event()
@@ -309,21 +312,26 @@ class Consumer:
         lay = self.layout
         words = area.pool.words[area.index]
         try:
+            if self.failure is not None:
+                return self._discard(words)
             if self.raw_sink is not None and not self.decode:
                 self._spool_area(areas, tid, area)
                 return []
             records = take_records(words, memoryview(area.pool.view), area.offset, lay)
+            if len(records) and self.raw_sink is not None:
+                self.raw_sink.write(_chunk_header(areas.pid, tid, len(records)))
+                records.tofile(self.raw_sink)
         except (RingCorrupted, ValueError) as exc:
             self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
             words[L.TAIL // 8] = words[L.HEAD // 8]
             self.corrupt += 1
             return []
+        except OSError as exc:  # writing the raw output: a full disk, a file system gone read-only
+            self.fail(exc.strerror or str(exc))
+            return self._discard(words)
         if not len(records):
             return []
         self.fullest = max(self.fullest, len(records))
-        if self.raw_sink is not None:
-            self.raw_sink.write(_chunk_header(areas.pid, tid, len(records)))
-            records.tofile(self.raw_sink)
         header = records.view(_header_dtype(lay.record_size))[:, 0]
         probe, cpu, faults = header["probe"], header["cpu"], header["faults"]
         times = self.clock.to_ns(header["tsc"])
@@ -340,6 +348,23 @@ class Consumer:
             rows = probe == index
             out.append(RecordBatch(int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows]))
         return out
+
+    def fail(self, why: str) -> None:
+        """What was drained can no longer be written (`why`): from now on records are drained
+        and counted (`discarded`), not delivered; `on_failure` is told once."""
+        if self.failure is None:
+            self.failure = why
+            if self.on_failure is not None:
+                self.on_failure()
+
+    def _discard(self, words: np.ndarray) -> list[RecordBatch]:
+        try:
+            n = _unread(words, self.layout)[1]
+        except RingCorrupted:
+            n = 0
+        words[L.TAIL // 8] = words[L.HEAD // 8]
+        self.discarded += n
+        return []
 
     def _spool_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> None:
         """Raw output only: the records go from the ring to the file; nothing is decoded."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import io
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,20 +57,38 @@ def _symbol_order(func: Function) -> tuple[int, int, bool, str]:
     return func.addr, -func.size, func.name.startswith("_"), func.name
 
 
+MAX_FILE_SIZE = 1 << 31  # bytes: a larger "ELF file" is refused, not read
+
+
+def _read_file(path: str) -> bytes:
+    """The bytes of a regular file: a device (/dev/zero), a FIFO or a directory is refused
+    without a read (O_NONBLOCK: opening a FIFO does not wait for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SymbolError(f"no such file: {path}") from None
+    except OSError as exc:
+        raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise SymbolError(f"{path} is a directory, not an ELF file")
+        if not stat.S_ISREG(info.st_mode):
+            raise ElfError(f"{path} is not a regular file, nor an ELF file")
+        if info.st_size > MAX_FILE_SIZE:
+            raise ElfError(f"{path} is larger than {MAX_FILE_SIZE >> 30} GiB: not read as an ELF file")
+        try:
+            return f.read(MAX_FILE_SIZE)
+        except OSError as exc:
+            raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
+
+
 class ElfImage:
     """One ELF file on disk, parsed once (use `load_elf` for the cached instance)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            with open(path, "rb") as f:
-                self.data = f.read()
-        except FileNotFoundError as exc:
-            raise SymbolError(f"no such file: {path}") from exc
-        except IsADirectoryError as exc:
-            raise SymbolError(f"{path} is a directory, not an ELF file") from exc
-        except PermissionError as exc:
-            raise SymbolError(f"cannot read {path}: permission denied") from exc
+        self.data = _read_file(path)
         if self.data[:4] != b"\x7fELF":
             raise ElfError(f"{path} is not an ELF file")
         if self.data[4] != 2:
