@@ -9,7 +9,7 @@ CC     ?= gcc
 
 EXAMPLES := examples/bin/wordcount
 
-.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains clean
+.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains stress-test stress-kill clean
 
 all: test
 
@@ -59,6 +59,14 @@ test: venv tracefs toolchains lint typecheck
 
 bench: venv tracefs toolchains
 	$(PY) bench/run.py
+
+# The suite 20 times in a row, every other run on a loaded machine (tests/stress.sh RUNS).
+stress-test: venv tracefs toolchains
+	bash tests/stress.sh 20
+
+# dynprobe SIGKILLed at random moments in every mode, 100 runs each (tests/killing.py).
+stress-kill: venv
+	$(PY) -m tests.killing --runs 100
 
 clean:
 	rm -rf $(VENV) examples/bin bench/build tests/.build

@@ -296,8 +296,7 @@ def test_the_guardian_survives_a_pkill_aimed_at_the_tracer(spinner: str) -> None
     command line (or name) matches. The guardian, a fork of the tracer, has a name and a
     command line of its own: it survives and puts the target's code back. Emulated here for a
     marker only the tracer's command line holds (pkill itself could match this test's runner).
-    The probe is optimized first: a thread stopped at a trap when its tracer dies is beyond
-    any guardian (README)."""
+    (A thread at a trap probe is the rescue handler's: tests/integration/test_killed_tracer.py.)"""
     marker = f"dynprobe-tracer-{os.getpid()}-{time.monotonic_ns()}"
     with spinning(spinner, "4") as proc:
         code = (

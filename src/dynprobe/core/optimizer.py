@@ -242,6 +242,8 @@ class Optimizer:
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:
         """Put the original bytes back (and the int3 if `arm`); the detour becomes dirty."""
         with self.session.world_stopped(proc):
+            if arm:
+                self.session.rescue_knows(proc, site)
             data = (bytes([INT3]) + site.region[1:]) if arm else site.region
             with contextlib.suppress(OSError):  # the process is exiting
                 proc.tracee.patch(site.addr, data, site.region)

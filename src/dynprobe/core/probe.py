@@ -291,6 +291,9 @@ class Site:
     # made for
     actions: PlacedCode | None = None
     actions_probes: tuple[Probe, ...] = ()
+    # A thread at its int3 when the tracer dies waits for the guardian before going on (the
+    # unwinder's entries: the guardian puts the pending return addresses back first)
+    rescue_wait: bool = False
     refusal: OptimizeRefusal | None = None  # why it is a trap now
     static_refusal: OptimizeRefusal | None = None  # why it can never be optimized (found once)
 

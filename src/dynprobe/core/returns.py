@@ -234,7 +234,7 @@ class ReturnProbes:
                     continue
                 location = Location(path, offset, func.addr, func, name)
                 try:
-                    self.session.add_internal_site(proc, location, addr, callback)
+                    self.session.add_internal_site(proc, location, addr, callback, rescue_wait=True)
                 except (ProbeRefused, OSError) as exc:
                     self.session.warn(f"cannot watch {name} in {path} for C++ exceptions: {exc}")
 

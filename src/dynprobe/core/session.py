@@ -42,9 +42,11 @@ from dynprobe.arch.x86_64 import (
     prepare,
 )
 from dynprobe.arch.x86_64.codegen import RSEQ_CPU_ID, build_trap_actions
+from dynprobe.core import rescue
 from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tracing
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
 from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
+from dynprobe.core.rescue import Rescue
 from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
 from dynprobe.core.slots import PlacedCode, SlotCache
@@ -67,8 +69,10 @@ from dynprobe.ptrace.events import (
     EventKind,
     decode_status,
     in_tracing_stop,
+    peek_stop,
     poll_event,
     sigchld_blocked,
+    take_stop,
     wait_event,
 )
 from dynprobe.ptrace.guardian import Guardian
@@ -154,6 +158,7 @@ class TracedProcess:
     needed: dict[str, str] | None = None  # the libraries its loader maps (symbols/loader.py), once asked
     rseq_offset_at: int | None = None  # where its glibc keeps __rseq_offset (set with its areas)
     rseq_offset: int | None = None  # its value, once read at a trap stop (0: none; see cpu_at_stop)
+    rescue: Rescue | None = None  # its SIGTRAP handler for when dynprobe dies (core/rescue.py)
 
     def libraries(self) -> dict[str, str]:
         """The libraries the process's loader maps (or has mapped) at start: where a library
@@ -203,6 +208,23 @@ def _signals_held() -> Iterator[None]:
             signal.signal(sig, handler)
         for signum in dict.fromkeys(caught):
             signal.raise_signal(signum)
+
+
+def _set_regs(proc: TracedProcess, tid: int, regs: Regs) -> None:
+    """The registers of a thread stopped at a trap of ours, about to resume: its rescue handler
+    is told first (should dynprobe die before the resume, the thread goes on as set; `_resume`
+    takes that back once it is on its way)."""
+    if proc.rescue is not None:
+        proc.rescue.mark(tid, int(regs.rip))
+    sc.set_regs(tid, regs)
+
+
+def _resume(proc: TracedProcess, tid: int, sig: int = 0, step: bool = False) -> None:
+    """Resume a thread whose registers `_set_regs` set. The mark goes: a later trap of the
+    thread at that very rip (an emulated one-byte push resumes at site + 1) is another one."""
+    proc.tracee.resume(tid, sig, step)
+    if proc.rescue is not None:
+        proc.rescue.mark(0, 0)
 
 
 def _exe_of(pid: int) -> str:
@@ -313,6 +335,7 @@ class Session:
         try:
             proc = TracedProcess(tracee, _exe_of(tracee.pid))
             self._add_process(proc)
+            self._install_rescue(proc)
             self._sync_process(proc)
         except BaseException:
             self._guardian.dismiss()
@@ -602,6 +625,9 @@ class Session:
             for proc, site in deferred:
                 if site.armed and not site.optimized and proc.status is None and proc.sites.get(site.addr) is site:
                     self._write_int3(proc, site)
+            for proc in self._processes.values():
+                if proc.rescue is not None and proc.rescue.stale:
+                    proc.rescue.publish(list(proc.sites.values()))
 
     @staticmethod
     def _action_kind(action: str | ActionKind | None, python: bool, on_event: EventHandler | None) -> ActionKind | None:
@@ -757,18 +783,17 @@ class Session:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`
         seconds passed first. A timed wait sleeps in sigtimedwait for SIGCHLD: no timer signal
         has to find this thread inside waitpid (with the consumer thread, process signals could
-        land elsewhere; SIGINT and SIGTERM are blocked there, so Ctrl-C still arrives here)."""
-        try:
-            if timeout is None:
-                return os.waitpid(-1, sc.WALL)
-            with sigchld_blocked():
-                pid, status = os.waitpid(-1, sc.WALL | os.WNOHANG)
-                if pid == 0:
-                    signal.sigtimedwait([signal.SIGCHLD], timeout)
-                    pid, status = os.waitpid(-1, sc.WALL | os.WNOHANG)
-            return (pid, status) if pid else None
-        except ChildProcessError:
-            return -1, 0
+        land elsewhere; SIGINT and SIGTERM are blocked there, so Ctrl-C still arrives here).
+        The stop is only seen here, not taken (`peek_stop`): `_serve_breakpoint` serves an
+        int3 hit, whose resume takes it, and takes any other stop."""
+        if timeout is None:
+            return peek_stop(block=True)
+        with sigchld_blocked():
+            stop = peek_stop(block=False)
+            if stop is None:
+                signal.sigtimedwait([signal.SIGCHLD], timeout)
+                stop = peek_stop(block=False)
+        return stop
 
     def stop(self) -> None:
         """Make `run()` return after the event at hand (call it from a handler)."""
@@ -846,13 +871,20 @@ class Session:
             if proc is not None and pid not in proc.stepping:
                 regs = sc.get_regs(pid)
                 site = proc.sites.get(regs.rip - 1)
-                if site is not None and site.armed:
-                    state = proc.tracee.threads[pid]
+                state = proc.tracee.threads.get(pid)
+                if site is not None and site.armed and state is not None:
                     state.stopped = True
                     state.in_event_stop = False
-                    self._on_breakpoint(proc, pid, site, regs)
+                    state.at_trap = site.addr
+                    self._on_breakpoint(proc, pid, site, regs)  # (its resume takes the stop)
                     return True
-        self._pending.append(decode_status(pid, status))
+                if state is not None and (site is not None or (regs.rip - 1) in proc.retired):
+                    state.stopped = True
+                    if self._past_trap(proc, pid, regs, site):
+                        return True
+        taken = take_stop(pid)
+        if taken is not None:
+            self._pending.append(decode_status(pid, taken))
         return False
 
     def _handle(self, event: Event) -> None:
@@ -957,6 +989,7 @@ class Session:
         else:
             self._last_maps.pop(child_pid, None)  # (an earlier process's, if its pid was reused)
         child.slots.inherit(parent.slots)
+        child.rescue = parent.rescue  # its handler and its page (shared memory) came with the fork
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
         child.tracing = parent.tracing.copy()
@@ -992,6 +1025,7 @@ class Session:
                     if site.armed:
                         with contextlib.suppress(OSError):
                             child.tracee.unpatch(site.addr, site.original[:1])
+                self._uninstall_rescue(child, child_pid)
                 with contextlib.suppress(OSError):
                     sc.detach(child_pid, orphan.sig if orphan.kind == EventKind.SIGNAL else 0)
             self._guardian.journal.forget(child_pid)
@@ -1040,6 +1074,8 @@ class Session:
             return
         proc.tracee.open_memory()
         proc.exe = _exe_of(pid)
+        proc.rescue = None  # the exec took the handler and its page with the old image
+        self._install_rescue(proc)
         self._sync_process(proc)
         proc.tracee.resume(pid)
 
@@ -1066,21 +1102,7 @@ class Session:
                 if site is not None and site.armed:
                     self._on_breakpoint(proc, tid, site, regs)
                     return
-                if site is not None and site.optimized and sc.get_siginfo(tid).si_code == sc.SI_KERNEL:
-                    # It hit the int3 just before the jump replaced it: run the jump instead.
-                    regs.rip -= 1
-                    sc.set_regs(tid, regs)
-                    proc.tracee.resume(tid)
-                    return
-                if (
-                    (regs.rip - 1) in proc.retired
-                    and sc.get_siginfo(tid).si_code == sc.SI_KERNEL
-                    and proc.tracee.read(regs.rip - 1, 1)[0] != INT3
-                ):
-                    # It hit our int3 just before we took it out: run the original instruction.
-                    regs.rip -= 1
-                    sc.set_regs(tid, regs)
-                    proc.tracee.resume(tid)
+                if self._past_trap(proc, tid, regs, site):
                     return
             elif sc.get_siginfo(tid).si_code != sc.SI_KERNEL:
                 self._finish_step(proc, tid, step)
@@ -1100,6 +1122,25 @@ class Session:
             self._deliver_fault(proc, tid, sig)
             return
         proc.tracee.resume(tid, sig)
+
+    @staticmethod
+    def _past_trap(proc: TracedProcess, tid: int, regs: Regs, site: Site | None) -> bool:
+        """A thread that hit an int3 of ours just before a jump replaced it (run the jump) or
+        just before we took it out (run the original instruction) goes back to the site and
+        on. False (nothing done) for any other SIGTRAP stop at `regs`."""
+        rip = int(regs.rip)
+        if (
+            not (
+                (site is not None and site.optimized)
+                or ((rip - 1) in proc.retired and proc.tracee.read(rip - 1, 1)[0] != INT3)
+            )
+            or sc.get_siginfo(tid).si_code != sc.SI_KERNEL
+        ):
+            return False
+        regs.rip = rip - 1
+        _set_regs(proc, tid, regs)
+        _resume(proc, tid)
+        return True
 
     def _slot_site(self, proc: TracedProcess, addr: int) -> Site | None:
         if not proc.slots.contains(addr):
@@ -1164,8 +1205,8 @@ class Session:
             if probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source)):
                 # The handler moved rip itself: the instruction is skipped, no post-handler runs.
                 self._act_at_stop(proc, tid, site, regs, actions)
-                sc.set_regs(tid, regs)
-                proc.tracee.resume(tid)
+                _set_regs(proc, tid, regs)
+                _resume(proc, tid)
                 return
         user_tf = bool(regs.eflags & FLAG_TF)
         plan = site.plan
@@ -1193,11 +1234,11 @@ class Session:
                     self._run_post(proc, tid, post, regs, site, context or self._context(proc, tid, regs, site))
                 if stamps and not user_tf:  # (the target's own single step must see its instruction)
                     self.returns.stamp_on_resume(proc, tid, regs, stamps)
-                sc.set_regs(tid, regs)
+                _set_regs(proc, tid, regs)
                 if user_tf:
                     self._deliver_step_trap(proc, tid)
                 else:
-                    proc.tracee.resume(tid)
+                    _resume(proc, tid)
                 return
             kind = _STEP if post or user_tf else _BOOST
         if site.slot is None and not self._give_slot(proc, site):
@@ -1213,12 +1254,12 @@ class Session:
             regs.rip = stub[0]
         elif stamps and kind is _BOOST:
             self.returns.stamp_on_resume(proc, tid, regs, stamps)
-        sc.set_regs(tid, regs)
+        _set_regs(proc, tid, regs)
         if kind is _BOOST:
-            proc.tracee.resume(tid)
+            _resume(proc, tid)
         else:
             proc.stepping[tid] = StepState(site, post, user_tf)
-            proc.tracee.resume(tid, step=True)
+            _resume(proc, tid, step=True)
 
     def _act_at_stop(self, proc: TracedProcess, tid: int, site: Site, regs: Regs, probes: list[Probe]) -> None:
         if probes:
@@ -1378,7 +1419,7 @@ class Session:
                     regs.r11 &= ~FLAG_TF
         if step.probes:
             self._run_post(proc, tid, step.probes, regs, site, self._context(proc, tid, regs, site))
-        sc.set_regs(tid, regs)
+        _set_regs(proc, tid, regs)
         for extra in step.held_signals[1:]:
             with contextlib.suppress(OSError):
                 sc.tgkill(proc.pid, tid, extra)
@@ -1388,7 +1429,7 @@ class Session:
                 with contextlib.suppress(OSError):
                     sc.tgkill(proc.pid, tid, sig)
         else:
-            proc.tracee.resume(tid, step.held_signals[0] if step.held_signals else 0)
+            _resume(proc, tid, step.held_signals[0] if step.held_signals else 0)
 
     def _deliver_step_trap(self, proc: TracedProcess, tid: int) -> None:
         info = sc.get_siginfo(tid)
@@ -1396,7 +1437,7 @@ class Session:
         info.si_code = sc.TRAP_TRACE
         info.si_addr = int(sc.get_regs(tid).rip)
         sc.set_siginfo(tid, info)
-        proc.tracee.resume(tid, signal.SIGTRAP)
+        _resume(proc, tid, signal.SIGTRAP)
 
     # --- sites ---------------------------------------------------------------------------------------
     def _sync_process(
@@ -1508,14 +1549,17 @@ class Session:
         proc.loader_hook = addr
 
     def add_internal_site(
-        self, proc: TracedProcess, location: Location, addr: int, callback: Callable[[int, Regs], None]
-    ) -> None:
+        self, proc: TracedProcess, location: Location, addr: int, callback: Callable[[int, Regs], None],
+        *, rescue_wait: bool = False,
+    ) -> None:  # fmt: skip
         """A trap of dynprobe's own at `addr` (a function of a mapped file): `callback(tid,
-        regs)` runs at each hit, before any probe of the same site."""
+        regs)` runs at each hit, before any probe of the same site (`rescue_wait`: see
+        Site.rescue_wait)."""
         site = proc.sites.get(addr)
         if site is None:
             site = proc.sites[addr] = self._make_site(proc, location, addr)
         site.internal = callback
+        site.rescue_wait = rescue_wait
         self._set_armed(proc, site, True)
 
     def arm_site(self, proc: TracedProcess, site: Site) -> None:
@@ -1614,6 +1658,38 @@ class Session:
             proc._map_tid, proc._scratch = tid, self._entry_point(proc) or near
             return proc.slots.allocate(near, size)
 
+    def _install_rescue(self, proc: TracedProcess) -> None:
+        """The process's rescue handler (core/rescue.py), with every thread stopped: a killed
+        tracer then leaves no thread to die of a SIGTRAP of its. Not in a process where we may
+        run no code (seccomp, without the right to suspend it), nor one that handles SIGTRAP."""
+        if not proc.follow:
+            return
+        try:
+            with self.world_stopped(proc) as tid:
+                if tid is None or not proc.tracee.may_run_code(tid):
+                    _debug(f"pid {proc.pid}: no rescue handler (it may not run our code)")
+                    return
+                if proc.slots.stub() is None:  # the first region of ours, for the remote syscalls' stub
+                    near = self._entry_point(proc) or int(sc.get_regs(tid).rip)
+                    slot = self.allocate_slot(proc, near)
+                    if slot is None:
+                        return
+                    proc.slots.free(slot)
+                proc.rescue = rescue.install(self, proc, tid)
+                if proc.rescue is not None and proc.tracee.journal is not None:
+                    proc.tracee.journal.record_rescue(proc.pid, proc.rescue.page)
+        except (ProcessError, OSError) as exc:
+            _debug(f"pid {proc.pid}: no rescue handler: {exc}")
+
+    @staticmethod
+    def _uninstall_rescue(proc: TracedProcess, tid: int) -> None:
+        """The program's own disposition of SIGTRAP back, through stopped thread `tid`."""
+        if proc.rescue is not None and proc.slots.stub() is not None:
+            try:
+                rescue.uninstall(proc, proc.rescue, tid)
+            except (ProcessError, OSError) as exc:
+                _debug(f"pid {proc.pid}: the rescue handler stays: {exc}")
+
     def _entry_point(self, proc: TracedProcess) -> int | None:
         """Where the main executable's entry point is mapped in `proc`."""
         try:
@@ -1658,7 +1734,17 @@ class Session:
                 self._write_int3(proc, site)
 
     @staticmethod
-    def _write_int3(proc: TracedProcess, site: Site) -> None:
+    def rescue_knows(proc: TracedProcess, site: Site) -> None:
+        """The process's rescue table has `site`, before an int3 of ours goes there."""
+        table = proc.rescue
+        if table is not None and site.addr not in table.known:
+            if proc.tracee.batching:
+                table.stale = True  # published at the batch's end, before its writes go out
+            else:
+                table.publish(list(proc.sites.values()))
+
+    def _write_int3(self, proc: TracedProcess, site: Site) -> None:
+        self.rescue_knows(proc, site)
         try:
             proc.tracee.patch(site.addr, bytes([INT3]), site.original[:1])
         except OSError as exc:
@@ -1712,7 +1798,9 @@ class Session:
         quiet_slices = 0
         with sigchld_blocked():
             while waiting:
-                event = poll_event()
+                # Each thread's own stop, never another's: a thread being served at a trap
+                # keeps its stop until its resume (see peek_stop).
+                event = next((e for e in map(poll_event, list(waiting)) if e is not None), None)
                 if event is None:
                     signal.sigtimedwait([signal.SIGCHLD], WAIT_SLICE)
                     quiet_slices += 1
@@ -1731,9 +1819,6 @@ class Session:
                         quiet_slices = 0
                     continue
                 quiet_slices = 0
-                if event.tid not in waiting:
-                    self._pending.append(event)
-                    continue
                 waiting.discard(event.tid)
                 if event.kind in (EventKind.EXITED, EventKind.KILLED):
                     self._pending.append(event)
@@ -1741,9 +1826,27 @@ class Session:
                 state = proc.tracee.threads[event.tid]
                 state.stopped = True
                 state.in_event_stop = event.kind in EVENT_STOPS
-                if event.kind != EventKind.STOP:
+                if event.kind != EventKind.STOP and not self._rewound(proc, event):
                     state.deferred.append(event)
         return running
+
+    @staticmethod
+    def _rewound(proc: TracedProcess, event: Event) -> bool:
+        """A taken stop at one of our int3s becomes a plain stop at the site: the thread hits
+        it again when it runs on (and should dynprobe die first, it runs the site, not the
+        middle of its instruction: a taken stop is resumed with no signal)."""
+        if event.kind != EventKind.SIGNAL or event.sig != signal.SIGTRAP:
+            return False
+        try:
+            regs = sc.get_regs(event.tid)
+            site = proc.sites.get(int(regs.rip) - 1)
+            if site is None or not (site.armed or site.optimized):
+                return False
+            regs.rip = site.addr
+            sc.set_regs(event.tid, regs)
+        except OSError:
+            return False
+        return True
 
     def detach(self) -> None:
         """Restore every byte written, move threads out of slots and traps, and let all go."""
@@ -1779,6 +1882,9 @@ class Session:
                     with contextlib.suppress(OSError):
                         proc.tracee.unpatch(site.addr, site.original[:1])
                     site.armed = False
+            stopped = next((t for t, st in proc.tracee.threads.items() if st.stopped), None)
+            if stopped is not None:
+                self._uninstall_rescue(proc, stopped)
             for tid, state in list(proc.tracee.threads.items()):
                 if state.stopped:
                     try:

@@ -99,6 +99,43 @@ def sigchld_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+_CLD_EXITED, _CLD_KILLED, _CLD_DUMPED = 1, 2, 3
+
+
+def peek_stop(block: bool) -> tuple[int, int] | None:
+    """(tid, waitpid status) of the next stop or end of any tracee, left to be taken (WNOWAIT):
+    (-1, 0) when there is no tracee, None when none is ready (not blocking).
+
+    A stop taken by a wait is the tracer's: should the tracer die before it resumes the thread,
+    the kernel lets it go with no signal, where it stopped. A thread at one of our int3s would
+    run on from the middle of an instruction. Left untaken, it goes on with its SIGTRAP, which
+    its rescue handler serves (arch/x86_64/rescue.py). Resuming it takes the stop."""
+    options = os.WEXITED | os.WSTOPPED | os.WNOWAIT | sc.WALL | (0 if block else os.WNOHANG)
+    try:
+        info = os.waitid(os.P_ALL, 0, options)
+    except ChildProcessError:
+        return -1, 0
+    if info is None or not info.si_pid:
+        return None
+    code, value = info.si_code, info.si_status
+    if code == _CLD_EXITED:
+        status = (value & 0xFF) << 8
+    elif code in (_CLD_KILLED, _CLD_DUMPED):
+        status = value | (0x80 if code == _CLD_DUMPED else 0)
+    else:  # CLD_TRAPPED, CLD_STOPPED: the stop's code, with a ptrace event in its high bits
+        status = (value << 8) | 0x7F
+    return info.si_pid, status
+
+
+def take_stop(tid: int) -> int | None:
+    """Take the stop (or end) of `tid` that `peek_stop` saw: its waitpid status (None: gone)."""
+    try:
+        pid, status = os.waitpid(tid, sc.WALL | os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return status if pid else None
+
+
 def poll_event(tid: int = -1) -> Event | None:
     try:
         pid, status = os.waitpid(tid, sc.WALL | os.WNOHANG)

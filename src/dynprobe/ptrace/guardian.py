@@ -1,32 +1,26 @@
-"""The guardian: a small process that puts a target's code back if its tracer dies (DESIGN.md
-section 3, HAZARDS.md 21).
+"""The guardian: a small process that puts a target's code back if its tracer dies.
 
-A tracer killed by SIGKILL or the OOM killer leaves its int3s and jumps in the target; the next
-thread to reach an int3 dies of SIGTRAP. The session forks a guardian when it starts and keeps an
-undo journal in memory the two share: every span of the target's own code dynprobe has changed,
-with the bytes that were there. The guardian waits for the tracer thread to let go of a robust
+A tracer killed by SIGKILL or the OOM killer leaves its int3s and jumps in the target. The
+session forks a guardian when it starts and keeps an undo journal in memory the two share: every
+span of the target's own code dynprobe has changed, with the bytes that were there, and the remote
+system call it is running, if any. The guardian waits for the tracer thread to let go of a robust
 mutex (`_Lifeline`): the kernel releases it, marked as its owner's death, as soon as the thread
-starts to exit, before the tracer's memory is torn down (milliseconds for a big Python process,
-while hits on the target's int3s stop for a tracer that will never answer) and before the
-tracees are let go. A dismissal (a word on a pipe, then the mutex released) ends it; otherwise
-the guardian restores what the journal lists:
+starts to exit, before the tracer's memory is torn down (milliseconds for a big Python process)
+and before the tracees are let go. A dismissal (a word on a pipe, then the mutex released) ends
+it; otherwise the guardian restores what the journal lists:
 
-- int3s first, at once, while the target runs: a one-byte write cannot be torn. A thread that had
-  not reached an int3 by then never will (with a 2 GiB tracer killed while two processes hit a
-  trap probe 100 times a second each, 12 of 12 survived; waiting for the tracer's files to close
-  instead, 8 of 12);
-- then longer spans (an optimized probe's or a traced function's `jmp`), with every thread stopped:
-  the guardian attaches, writes, and detaches. Until then the jumps keep working, their detours
-  need no tracer. Without permission to attach it leaves them, and says so;
-- and, while the threads are stopped, the return addresses that return probes and the function
-  tracer hooked: each thread's pending frames return to their callers directly again (the
-  trampoline would still take them there, but a C++ exception or a backtrace cannot walk
-  through it without the tracer, which traps the unwinder to put them back).
+- int3s first, at once, while the target runs: a one-byte write cannot be torn;
+- then, with every thread stopped (the guardian attaches, writes, and detaches): a thread left
+  in a remote system call gets its registers back (its stub ends in a `jmp $` it waits in),
+  longer spans (an optimized probe's or a traced function's `jmp`, a borrowed stub) go back,
+  and the return addresses that return probes and the function tracer hooked are put back
+  (the trampoline would still take them to their callers, but a C++ exception or a backtrace
+  cannot walk through it without the tracer, which traps the unwinder to put them back).
+  Without permission to attach it leaves the jumps, which need no tracer, and says so;
+- last, it tells each process's rescue handler it is done (core/rescue.py).
 
-What it cannot save: a thread that was stopped at a trap probe, or inside a remote system call, at
-the moment the tracer died resumes in the middle of an instruction (the kernel lets it go where it
-stopped). Trap probes are safe to lose the tracer on only while no thread is at one; optimized
-probes, return probes and the function tracer run in the target and are always safe.
+The threads the kernel lets go with a SIGTRAP of dynprobe's (stopped at a trap probe, or hitting
+an int3 before the guardian put it back) are the rescue handler's, in the target.
 
 The journal is written only by the tracer and read only after it is gone, so it needs no lock: an
 entry's `kind` byte is written last when one is made and first when one is dropped, and a span's
@@ -47,6 +41,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+from dynprobe.arch.x86_64 import REMOTE_SYSCALL
+from dynprobe.arch.x86_64.regs import Regs
 from dynprobe.errors import ProcessError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
@@ -56,11 +52,15 @@ from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
 
 _HEADER = struct.Struct("<8sQ")  # magic, entries in use (the high-water mark)
 _LIFELINE_AT = 64  # a pthread_mutex_t (40 bytes), never written by the journal
-_ENTRIES_AT = 128
-_MAGIC = b"dpundo1\0"
+# The remote syscall in progress (one at a time: the tracer runs them): pid (0: none, written
+# last), tid, the stub's address, the thread's registers before it
+_SYSCALL_AT = 128
+_SYSCALL = struct.Struct(f"<IIQ{ctypes.sizeof(Regs)}s")
+_ENTRIES_AT = 512
+_MAGIC = b"dpundo2\0"
 _ENTRY = struct.Struct("<IBBxxQ16s")  # pid, kind, length, address, original bytes
 _KIND_AT, _LENGTH_AT, _BYTES_AT = 4, 5, 16
-_FREE, _PATCH, _RETURNS = 0, 1, 2
+_FREE, _PATCH, _RETURNS, _RESCUE = 0, 1, 2, 3  # _RESCUE: the address of the process's rescue page
 _RETURNS_BYTES = struct.Struct("<Q8x")  # a _RETURNS entry's bytes: the shadow stack's offset in a thread area
 MAX_SPAN = 16  # bytes of one entry (dynprobe changes at most the 5 bytes of a jump)
 CAPACITY = 1 << 18  # entries (8 MiB of address space; pages are touched only as entries are used)
@@ -80,6 +80,7 @@ class Journal:
         self._free: list[int] = []
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
         self._returns: dict[int, int] = {}  # pid -> its _RETURNS entry
+        self._rescues: dict[int, int] = {}  # pid -> its _RESCUE entry
         self.full = False  # more spans than entries: the rest are not journaled
         self.on_full: Callable[[], object] | None = None  # told once, when that happens
 
@@ -128,6 +129,31 @@ class Journal:
         self.memory[at + _KIND_AT] = _RETURNS
         self._returns[pid] = entry
 
+    def record_rescue(self, pid: int, page: int) -> None:
+        """The process has a rescue handler (core/rescue.py), whose page is at `page`: the
+        guardian tells it when it has put everything back (RESCUE_RESCUED)."""
+        self._release(self._rescues.pop(pid, None))
+        entry = self._take()
+        if entry is None:
+            return
+        at = self._at(entry)
+        _ENTRY.pack_into(self.memory, at, pid, _FREE, 0, page, b"")
+        self.memory[at + _KIND_AT] = _RESCUE
+        self._rescues[pid] = entry
+
+    def begin_syscall(self, pid: int, tid: int, stub: int, regs: bytes) -> None:
+        """Thread `tid` runs a remote syscall from `stub`; `regs` are its registers before it."""
+        _SYSCALL.pack_into(self.memory, _SYSCALL_AT, 0, tid, stub, regs)
+        self.memory[_SYSCALL_AT : _SYSCALL_AT + 4] = pid.to_bytes(4, "little")
+
+    def end_syscall(self) -> None:
+        self.memory[_SYSCALL_AT : _SYSCALL_AT + 4] = bytes(4)
+
+    def syscall(self) -> tuple[int, int, int, bytes] | None:
+        """(pid, tid, stub, registers) of the remote syscall in progress, if one is."""
+        pid, tid, stub, regs = _SYSCALL.unpack_from(self.memory, _SYSCALL_AT)
+        return (pid, tid, stub, regs) if pid else None
+
     def drop(self, pid: int, addr: int) -> None:
         """The bytes at `addr` are the original ones again."""
         self._release(self._index.pop((pid, addr), None))
@@ -142,6 +168,7 @@ class Journal:
         for key in [k for k in self._index if k[0] == pid]:
             self.drop(*key)
         self._release(self._returns.pop(pid, None))
+        self._release(self._rescues.pop(pid, None))
 
     def inherit(self, parent: int, child: int) -> None:
         """A forked child has a copy of its parent's changed code and hooked returns."""
@@ -154,6 +181,9 @@ class Journal:
         if hooks is not None:
             _, _, _, points, data = _ENTRY.unpack_from(self.memory, self._at(hooks))
             self.record_returns(child, points, _RETURNS_BYTES.unpack(data)[0])
+        rescue = self._rescues.get(parent)
+        if rescue is not None:
+            self.record_rescue(child, _ENTRY.unpack_from(self.memory, self._at(rescue))[3])
 
     def spans(self) -> dict[int, list[tuple[int, bytes]]]:
         """Every journaled span by pid: (address, original bytes). Read from the shared memory
@@ -170,14 +200,19 @@ class Journal:
     def returns(self) -> dict[int, tuple[int, int]]:
         """pid -> (trampoline entry point 0, shadow stack offset) of processes that hook returns.
         Read from the shared memory alone."""
+        return {pid: (points, _RETURNS_BYTES.unpack(data)[0]) for pid, points, data in self._of_kind(_RETURNS)}
+
+    def rescues(self) -> dict[int, int]:
+        """pid -> the address of its rescue page. Read from the shared memory alone."""
+        return {pid: page for pid, page, _ in self._of_kind(_RESCUE)}
+
+    def _of_kind(self, wanted: int) -> Iterator[tuple[int, int, bytes]]:
         magic, used = _HEADER.unpack_from(self.memory, 0)
         assert magic == _MAGIC
-        out: dict[int, tuple[int, int]] = {}
         for entry in range(min(used, self.capacity)):
-            pid, kind, _, points, data = _ENTRY.unpack_from(self.memory, self._at(entry))
-            if kind == _RETURNS:
-                out[pid] = (points, _RETURNS_BYTES.unpack(data)[0])
-        return out
+            pid, kind, _, address, data = _ENTRY.unpack_from(self.memory, self._at(entry))
+            if kind == wanted:
+                yield pid, address, data
 
     def _take(self) -> int | None:
         if self._free:
@@ -335,7 +370,7 @@ def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline, trac
     os.write(done_w, os.getpid().to_bytes(8, "little"))
     if (lifeline.wait(word_r) if lifeline.held else _word(word_r)) == b"d":
         return
-    for line in rescue(journal.spans(), journal.returns()):
+    for line in rescue(journal.spans(), journal.returns(), journal.syscall(), journal.rescues()):
         with contextlib.suppress(OSError):
             print(f"dynprobe guardian: {line}", file=sys.stderr, flush=True)
 
@@ -349,10 +384,17 @@ def _word(word_r: int) -> bytes:
             continue
 
 
-def rescue(spans: dict[int, list[tuple[int, bytes]]], returns: dict[int, tuple[int, int]]) -> Iterator[str]:
-    """Put the journaled spans back, int3s first, and hooked returns back to their callers;
-    yields a line per process for the user."""
-    for pid in {**spans, **returns}:
+def rescue(
+    spans: dict[int, list[tuple[int, bytes]]],
+    returns: dict[int, tuple[int, int]],
+    syscall: tuple[int, int, int, bytes] | None = None,
+    rescues: dict[int, int] | None = None,
+) -> Iterator[str]:
+    """Put the journaled spans back, int3s first, a thread left in a remote syscall and hooked
+    returns back to their callers, then tell each process's rescue handler it is done; yields
+    a line per process for the user."""
+    rescues = rescues or {}
+    for pid in {**spans, **returns, **rescues}:
         try:
             fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         except OSError:
@@ -363,11 +405,16 @@ def rescue(spans: dict[int, list[tuple[int, bytes]]], returns: dict[int, tuple[i
             short = [(a, b) for a, b in changed if len(b) == 1]
             long = [(a, b) for a, b in changed if len(b) > 1]
             restored = sum(_put_back(fd, addr, original) for addr, original in short)
-            if long or pid in returns:
+            in_syscall = syscall is not None and syscall[0] == pid
+            if long or pid in returns or in_syscall:
                 with _stopped(pid) as threads:
+                    if in_syscall and syscall is not None:
+                        _out_of_syscall(*syscall[1:])  # before its stub goes (it may be borrowed code)
                     restored += sum(_put_back(fd, addr, original) for addr, original in long) if threads else 0
                     if pid in returns:
                         plain = sum(_plain_returns(fd, tid, *returns[pid]) for tid in threads)
+            if pid in rescues:  # threads waiting in the rescue handler go on
+                _put_back(fd, rescues[pid] + L.RESCUE_RESCUED, (1).to_bytes(8, "little"))
         finally:
             os.close(fd)
         left = len(changed) - restored
@@ -378,9 +425,18 @@ def rescue(spans: dict[int, list[tuple[int, bytes]]], returns: dict[int, tuple[i
         )
 
 
+def _out_of_syscall(tid: int, stub: int, saved: bytes) -> None:
+    """A thread the tracer left in a remote syscall (at its stub, or in the stub's `jmp $` once
+    the syscall returned) gets its registers back."""
+    with contextlib.suppress(OSError):
+        rip = int(sc.get_regs(tid).rip)
+        if stub <= rip < stub + len(REMOTE_SYSCALL):
+            sc.set_regs(tid, Regs.from_buffer_copy(saved))
+
+
 # Every change dynprobe makes to a target's code starts with one of these. A span whose first byte
 # is something else is not ours (any more): a library unloaded and another mapped in its place.
-_OUR_FIRST_BYTES = (0xCC, 0xE9)  # int3, jmp rel32
+_OUR_FIRST_BYTES = (0xCC, 0xE9, REMOTE_SYSCALL[0])  # int3, jmp rel32, a remote syscall's stub
 
 
 def _ours(fd: int, addr: int, original: bytes) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dynprobe.arch.x86_64 import REMOTE_SYSCALL
+from dynprobe.arch.x86_64 import REMOTE_SYSCALL, Regs
 from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, SeccompFiltered, ThreadGone
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, thread_state, wait_event
@@ -24,10 +24,13 @@ from dynprobe.ptrace.events import Event, EventKind, thread_state, wait_event
 if TYPE_CHECKING:
     from dynprobe.ptrace.guardian import Journal
 
+# TRACESYSGOOD: a syscall stop of ours (remote syscalls) is SIGTRAP | 0x80, which a tracer that
+# dies in it leaves as no signal at all (a plain SIGTRAP would be sent to the thread).
 TRACE_OPTIONS = (
     sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEEXEC
-    | sc.PTRACE_O_TRACEVFORKDONE
+    | sc.PTRACE_O_TRACEVFORKDONE | sc.PTRACE_O_TRACESYSGOOD
 )  # fmt: skip
+_SYSCALL_STOP = signal.SIGTRAP | 0x80
 
 SYS_MMAP = 9
 SYS_MUNMAP = 11
@@ -55,6 +58,9 @@ class ThreadState:
     in_event_stop: bool = False
     # Events seen while stopping the world, handled once the world runs again.
     deferred: list[Event] = field(default_factory=list)
+    # Stopped at our int3 at this site, its stop not taken (being served; see peek_stop): a
+    # remote syscall run in it leaves it at the site, should dynprobe die before its resume.
+    at_trap: int | None = None
 
 
 def tracer_of(pid: int, tid: int | None = None) -> int:
@@ -124,6 +130,11 @@ class Tracee:
         if len(data) != size:
             raise OSError(errno.EFAULT, f"short read at {addr:#x}")
         return data
+
+    @property
+    def batching(self) -> bool:
+        """Within `batched()`: writes are held until its end."""
+        return self._pages is not None
 
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
@@ -268,6 +279,7 @@ class Tracee:
                 pass  # exited meanwhile
         state.stopped = False
         state.in_event_stop = False
+        state.at_trap = None
 
     def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
         """Run syscall `nr` in stopped thread `tid`, using `scratch` (3 executable bytes we own or
@@ -321,69 +333,70 @@ class Tracee:
 
     def _remote_syscall(self, tid: int, state: ThreadState, scratch: int, nr: int, args: tuple[int, ...]) -> int:
         original = self.read(scratch, len(REMOTE_SYSCALL))
-        self.write(scratch, REMOTE_SYSCALL)
+        self.patch(scratch, REMOTE_SYSCALL, original)  # journaled: it may be borrowed program code
         if self._pages is not None:
             self._write_out()  # the stub and everything before it, in memory before it runs
             self._pages.clear()  # the syscall may change the memory map
         try:
             if state.in_event_stop:
-                self._leave_event_stop(tid, scratch + len(REMOTE_SYSCALL) - 1)
-            result = self._run_syscall(tid, scratch, nr, args)
+                self._leave_event_stop(tid)
+            result = self._run_syscall(tid, state, scratch, nr, args)
         except BaseException:
             with contextlib.suppress(OSError):  # the process may be gone with its memory
-                self.write(scratch, original)
+                self.unpatch(scratch, original)
             raise
-        self.write(scratch, original)
+        self.unpatch(scratch, original)
         return result
 
-    def _leave_event_stop(self, tid: int, int3_addr: int) -> None:
-        """Let the syscall the thread is stopped in return, straight onto an int3 of ours, so the
-        thread is in a signal stop with the syscall's real result in rax and rip back in place."""
-        regs = sc.get_regs(tid)
-        resume_at = int(regs.rip)
-        regs.rip = int3_addr
-        sc.set_regs(tid, regs)
-        sc.cont(tid)
-        self._wait_trap(tid)
-        regs = sc.get_regs(tid)
-        regs.rip = resume_at
-        sc.set_regs(tid, regs)
+    def _leave_event_stop(self, tid: int) -> None:
+        """Let the syscall the thread is stopped in (an event stop: exec, clone, ...) return, to
+        its exit stop: its real result in rax, rip back in place."""
+        self._to_syscall_stop(tid)
         self.threads[tid].in_event_stop = False
 
-    def _wait_trap(self, tid: int) -> None:
-        """Wait for `tid` to stop on our int3; signals arriving meanwhile are kept for later. A
-        thread that ends meanwhile (its process exits) raises ProcessLookupError, as a thread
-        gone under us does, with its exit event kept in its deferred events."""
+    def _to_syscall_stop(self, tid: int) -> None:
+        """Resume `tid` to its next syscall stop; signals arriving meanwhile are kept for later.
+        A thread that ends meanwhile (its process exits) raises ThreadGone, as a thread gone
+        under us does, with its exit event kept in its deferred events."""
+        sc.to_syscall_stop(tid)
         while True:
             event = wait_event(tid)
             if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
                 if event is not None:
                     self.threads[tid].deferred.append(event)
                 raise ThreadGone(f"thread {tid} of {self.pid} ended during a remote syscall")
-            if event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP:
+            if event.kind == EventKind.SIGNAL and event.sig == _SYSCALL_STOP:
                 return
             if event.kind == EventKind.SIGNAL:
                 self.threads[tid].deferred.append(event)
-            sc.cont(tid)
+            sc.to_syscall_stop(tid)
 
-    def _run_syscall(self, tid: int, scratch: int, nr: int, args: tuple[int, ...]) -> int:
-        saved = sc.get_regs(tid)
+    def _run_syscall(self, tid: int, state: ThreadState, scratch: int, nr: int, args: tuple[int, ...]) -> int:
+        """The syscall run from `scratch` to its exit stop, with the thread's registers as they
+        were put back after it. Should dynprobe die meanwhile, the guardian puts them back (the
+        journal holds them); a thread at our int3 is put back at the site (see
+        ThreadState.at_trap)."""
+        saved = _restarted(sc.get_regs(tid))
+        if state.at_trap is not None:
+            saved.rip = state.at_trap
         regs = saved.copy()
         regs.rax = nr
         for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
             setattr(regs, name, value & ((1 << 64) - 1))
         regs.rip = scratch
         regs.orig_rax = (1 << 64) - 1  # not inside a syscall: no restart logic on resume
+        if self.journal is not None:
+            self.journal.begin_syscall(self.pid, tid, scratch, bytes(saved))
         try:
             sc.set_regs(tid, regs)
-            sc.cont(tid)
-            self._wait_trap(tid)
+            self._to_syscall_stop(tid)  # its entry
+            self._to_syscall_stop(tid)  # its exit
             result = int(sc.get_regs(tid).rax)
-        except BaseException:
-            with contextlib.suppress(OSError):  # gone, or it keeps the first error
+        finally:
+            with contextlib.suppress(OSError):  # gone: its exit event settles the rest
                 sc.set_regs(tid, saved)
-            raise
-        sc.set_regs(tid, saved)
+            if self.journal is not None:
+                self.journal.end_syscall()
         if result >= (1 << 64) - 4095:
             result -= 1 << 64
         return result
@@ -463,6 +476,27 @@ class Tracee:
             return {}, "/"
         pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
         return {key: value for key, _, value in pairs}, cwd
+
+
+_ERESTARTSYS, _ERESTARTNOINTR, _ERESTARTNOHAND, _ERESTART_RESTARTBLOCK = 512, 513, 514, 516
+_SYS_RESTART_SYSCALL = 219
+_MASK64 = (1 << 64) - 1
+
+
+def _restarted(regs: Regs) -> Regs:
+    """A thread stopped in a system call that a signal or a stop interrupted is due to restart
+    it, which the kernel does on its way back to user space from that stop. A remote syscall
+    takes it back through the exit of ours instead, where nothing restarts it (a futex wait
+    would return -ERESTARTSYS to the program, and glibc aborts): the registers it goes back to
+    restart it themselves, as the kernel would have (`rip` back onto the `syscall`)."""
+    if regs.orig_rax & (1 << 63):
+        return regs  # not in a syscall
+    error = -regs.rax & _MASK64
+    if error in (_ERESTARTSYS, _ERESTARTNOINTR, _ERESTARTNOHAND, _ERESTART_RESTARTBLOCK):
+        regs.rax = _SYS_RESTART_SYSCALL if error == _ERESTART_RESTARTBLOCK else regs.orig_rax
+        regs.rip -= 2
+        regs.orig_rax = _MASK64
+    return regs
 
 
 def _spawn_child(

@@ -26,6 +26,7 @@ PTRACE_PEEKUSER = 3
 PTRACE_CONT = 7
 PTRACE_KILL = 8
 PTRACE_SINGLESTEP = 9
+PTRACE_SYSCALL = 24
 PTRACE_GETREGS = 12
 PTRACE_SETREGS = 13
 PTRACE_DETACH = 17
@@ -102,6 +103,11 @@ def cont(tid: int, sig: int = 0) -> None:
         ptrace(PTRACE_CONT, tid, 0, sig)
     elif _ptrace_hot(PTRACE_CONT, tid, None, None) == -1:
         _check(-1, f"ptrace(PTRACE_CONT, {tid})")
+
+
+def to_syscall_stop(tid: int) -> None:
+    """Resume `tid` until its next system call's entry or exit (PTRACE_SYSCALL)."""
+    ptrace(PTRACE_SYSCALL, tid)
 
 
 def singlestep(tid: int, sig: int = 0) -> None:

@@ -149,3 +149,25 @@ class AreaLayout:
 
 def _page_up(n: int) -> int:
     return (n + PAGE - 1) & ~(PAGE - 1)
+
+
+# --- the rescue page (one per process; arch/x86_64/rescue.py, core/rescue.py) --------------------
+# What the target's SIGTRAP handler needs to go on if its tracer dies: which int3s are dynprobe's
+# (a sorted table, in two halves: the tracer writes the one not in use, then points the header
+# at it), the original byte of each, the one thread whose registers the tracer was changing, and
+# the program's own disposition of SIGTRAP. Then, after the header page, the table.
+RESCUE_MAGIC = 0x0031_4353_5250_5944  # "DYPRSC1\0"
+RESCUE_TABLE = 0x08  # u64: entries in use (low 32 bits), which half (bit 32)
+RESCUE_MARK_TID = 0x10  # the thread the tracer is resuming, and the rip it gave it
+RESCUE_MARK_RIP = 0x18
+RESCUE_RESCUED = 0x20  # u64: the guardian has put the code back (set by it, through /proc)
+RESCUE_OWN = 0x28  # the program's sa_handler of SIGTRAP when ours went in: SIG_DFL (0) or SIG_IGN (1)
+RESCUE_ACTION = 0x40  # struct kernel_sigaction (handler, flags, restorer, mask): ours
+RESCUE_OLD_ACTION = 0x60  # what rt_sigaction says was there
+RESCUE_DEFAULT_ACTION = 0x80  # SIG_DFL: how a foreign SIGTRAP is re-raised
+RESCUE_MEM_PATH = 0xA0  # b"/proc/self/mem\0": where the handler writes an original byte back
+RESCUE_ENTRIES = PAGE  # the table's first half
+RESCUE_ENTRY = 16  # u64 address, u8 original byte, u8 flags
+RESCUE_WAIT = 1  # flag: wait for the guardian first (an unwinder's entry: pending returns go back)
+RESCUE_CAPACITY = 1 << 15  # entries per half
+RESCUE_BYTES = RESCUE_ENTRIES + 2 * RESCUE_CAPACITY * RESCUE_ENTRY

@@ -27,7 +27,9 @@ from dynprobe.arch.x86_64.regs import FLAG_TF, Regs, canonical_name
 from dynprobe.arch.x86_64.relocate import jump_to, out_of_line, relocate
 
 SLOT_SIZE = 64  # relocated instruction (<= 15, a far jcc grows to ~21) + jmp back (<= 14)
-REMOTE_SYSCALL = b"\x0f\x05\xcc"  # syscall; int3
+# syscall; jmp $: the tracer takes the thread at its syscall's exit (PTRACE_SYSCALL); one left
+# there by a tracer that died waits in the loop for the guardian, which puts its registers back
+REMOTE_SYSCALL = b"\x0f\x05\xeb\xfe"
 
 __all__ = [
     "FLAG_TF",
