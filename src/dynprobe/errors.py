@@ -37,6 +37,11 @@ class SeccompFiltered(ProcessError):
     CAP_SYS_ADMIN): a system call of ours run in it could be refused, or kill the process."""
 
 
+class SharedMemoryRefused(ProcessError):
+    """The memory dynprobe had the target make for it could not be taken safely (see
+    Tracee.map_shared): its probes stay traps."""
+
+
 class NoSuchProcess(ProcessError):
     """The pid does not exist (or exited while we worked on it)."""
 
@@ -113,6 +118,7 @@ class OptimizeRefusal(enum.Enum):
     NO_MEMORY = "no executable memory within +-2 GB of the site for a detour"
     DISABLED = "optimization is turned off (--no-optimize, session.optimize = False)"
     INTERNAL_SITE = "dynprobe's own hook (the loader breakpoint) stays a trap"
+    SHARED_MEMORY = "the target's shared memory could not be taken safely (another file in its place; no pidfd_getfd)"
 
 
 class ProbeRefused(DynprobeError):

@@ -23,7 +23,7 @@ from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optim
 from dynprobe.core.slots import PlacedCode
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
-from dynprobe.errors import OptimizeRefusal, ProcessError
+from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
 from dynprobe.gcpause import gc_paused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
@@ -334,10 +334,26 @@ class Optimizer:
                 self.session.warn(f"pid {proc.pid}: {OptimizeRefusal.SECCOMP.value}: its probes stay traps")
                 return False
             proc.areas = self.session.new_areas(proc)
-        for tid, state in list(proc.tracee.threads.items()):
-            if state.stopped and tid not in proc.areas.by_tid:
-                self.give_area(proc, tid)
+        try:
+            for tid, state in list(proc.tracee.threads.items()):
+                if state.stopped and tid not in proc.areas.by_tid:
+                    self.give_area(proc, tid)
+        except SharedMemoryRefused as exc:
+            self.retreat(proc, exc)
+            return False
         return True
+
+    def retreat(self, proc: TracedProcess, why: SharedMemoryRefused) -> None:
+        """No thread area can be had safely in `proc` any more (the target put another file in
+        place of the memory it made for dynprobe): a thread without one must never run a
+        detour, so every jump of the process goes back to a trap, and its functions are no
+        longer traced. Nothing of that file is mapped or written."""
+        proc.areas_refused = OptimizeRefusal.SHARED_MEMORY
+        self.session.warn(f"{why}: its probes stay traps")
+        with self.session.world_stopped(proc):
+            for site in [s for s in proc.sites.values() if s.optimized]:
+                self.unoptimize(proc, site, arm=site.wanted)
+            self.session.tracing.restore(proc)
 
     def give_area(self, proc: TracedProcess, tid: int) -> None:
         """Point a stopped thread's GS base at its own area. A thread killed meanwhile (another
@@ -371,7 +387,10 @@ class Optimizer:
         if proc.areas is None and proc.gs_inherited:
             proc.areas = self.session.new_areas(proc)
         if proc.areas is not None and tid not in proc.areas.by_tid:
-            self.give_area(proc, tid)
+            try:
+                self.give_area(proc, tid)
+            except SharedMemoryRefused as exc:
+                self.retreat(proc, exc)
 
 
 def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:

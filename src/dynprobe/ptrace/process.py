@@ -7,17 +7,27 @@ no PTRACE_POKETEXT word loop). The file must be reopened after exec (it names th
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
 import signal
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from dynprobe.arch.x86_64 import REMOTE_SYSCALL, Regs
-from dynprobe.errors import AlreadyTraced, NoSuchProcess, PermissionDenied, ProcessError, SeccompFiltered, ThreadGone
+from dynprobe.errors import (
+    AlreadyTraced,
+    NoSuchProcess,
+    PermissionDenied,
+    ProcessError,
+    SeccompFiltered,
+    SharedMemoryRefused,
+    ThreadGone,
+)
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, thread_state, wait_event
 
@@ -416,9 +426,11 @@ class Tracee:
 
     def map_shared(self, tid: int, scratch: int, size: int) -> tuple[int, mmap.mmap]:
         """Memory shared between the target and us: a memfd the target creates and maps, which we
-        map through /proc/PID/fd before the target closes its descriptor. Nothing is ever named
-        in /dev/shm, and the memory goes away with the last mapping. `scratch` holds the stub
-        (3 bytes) and the memfd's name after it. Returns (address in the target, our mapping)."""
+        map too, through a descriptor of our own (`_own_copy`), before the target closes its
+        descriptor. Nothing is ever named in /dev/shm, and the memory goes away with the last
+        mapping. `scratch` holds the stub and the memfd's name after it. Returns (address in
+        the target, our mapping); SharedMemoryRefused if what the target's descriptor holds by
+        then is not that memfd."""
         name_at = scratch + 8
         saved = self.read(name_at, len(SHARED_NAME))
         self.write(name_at, SHARED_NAME)
@@ -430,17 +442,17 @@ class Tracee:
             raise
         self.write(name_at, saved)
         if fd < 0:
-            raise ProcessError(f"memfd_create in pid {self.pid} failed: {os.strerror(-fd)}")
+            raise SharedMemoryRefused(f"memfd_create in pid {self.pid} failed: {os.strerror(-fd)}")
         try:
             err = self.remote_syscall(tid, scratch, SYS_FTRUNCATE, fd, size)
             if err < 0:
-                raise ProcessError(f"cannot size shared memory in pid {self.pid}: {os.strerror(-err)}")
+                raise SharedMemoryRefused(f"cannot size shared memory in pid {self.pid}: {os.strerror(-err)}")
             addr = self.remote_syscall(
                 tid, scratch, SYS_MMAP, 0, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0
             )  # fmt: skip
             if -4096 < addr < 0:
-                raise ProcessError(f"cannot map shared memory in pid {self.pid}: {os.strerror(-addr)}")
-            ours = os.open(f"/proc/{self.pid}/fd/{fd}", os.O_RDWR)
+                raise SharedMemoryRefused(f"cannot map shared memory in pid {self.pid}: {os.strerror(-addr)}")
+            ours = self._own_copy(fd, size, addr)
             try:
                 view = mmap.mmap(ours, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             finally:
@@ -451,6 +463,42 @@ class Tracee:
             raise
         self.remote_syscall(tid, scratch, SYS_CLOSE, fd)
         return addr, view
+
+    def _own_copy(self, fd: int, size: int, addr: int) -> int:
+        """A descriptor of ours for the target's `fd`, through pidfd_getfd (Linux 5.6): never by
+        a path (/proc/PID/fd/N is the target's to change: a hostile target can put any file it
+        may open there between our syscalls, which we would then open with our rights), and
+        with the access the target's own descriptor has, no more. Checked to be the memfd we
+        asked for: a regular file with no links, `size` bytes, named so, the file mapped at
+        `addr` in the target. SharedMemoryRefused (nothing mapped or written) otherwise."""
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except OSError as exc:
+            raise SharedMemoryRefused(f"cannot reach the descriptors of pid {self.pid}: {exc.strerror}") from exc
+        try:
+            ours = _pidfd_getfd(pidfd, fd)
+        except OSError as exc:
+            why = "Linux 5.6 or later is needed" if exc.errno == errno.ENOSYS else exc.strerror
+            raise SharedMemoryRefused(f"cannot take the shared memory of pid {self.pid}: {why}") from exc
+        finally:
+            os.close(pidfd)
+        try:
+            info = os.fstat(ours)
+            name = os.readlink(f"/proc/self/fd/{ours}")
+            mapped = _mapped_file(self.pid, addr)
+        except OSError as exc:
+            os.close(ours)
+            raise SharedMemoryRefused(f"cannot check the shared memory of pid {self.pid}: {exc.strerror}") from exc
+        expected = f"/memfd:{SHARED_NAME.rstrip(bytes(1)).decode()} (deleted)"
+        if not (
+            stat.S_ISREG(info.st_mode) and info.st_nlink == 0 and info.st_size == size and name == expected
+            and mapped == (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino)
+        ):  # fmt: skip
+            os.close(ours)
+            raise SharedMemoryRefused(
+                f"pid {self.pid} put another file in place of dynprobe's shared memory ({name}): not used"
+            )
+        return ours
 
     def commit(self, tid: int, scratch: int, addr: int, size: int) -> int:
         """Fault in `size` bytes of shared memory at `addr` for writing, in the target's page
@@ -476,6 +524,31 @@ class Tracee:
             return {}, "/"
         pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
         return {key: value for key, _, value in pairs}, cwd
+
+
+_SYS_PIDFD_GETFD = 438
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    result = int(_libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0))
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    os.set_inheritable(result, False)
+    return result
+
+
+def _mapped_file(pid: int, addr: int) -> tuple[int, int, int] | None:
+    """(major, minor, inode) of the file the mapping at `addr` in `pid` maps (/proc/PID/maps)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and int(fields[0].split("-")[0], 16) == addr:
+                major, minor = (int(part, 16) for part in fields[3].split(":"))
+                return major, minor, int(fields[4])
+    return None
 
 
 _ERESTARTSYS, _ERESTARTNOINTR, _ERESTARTNOHAND, _ERESTART_RESTARTBLOCK = 512, 513, 514, 516

@@ -1,0 +1,94 @@
+"""A hostile target, traced by root: what it controls (its descriptors, its libraries) never makes
+dynprobe open, map or write a file with root's rights, nor run the target's code in a process of
+dynprobe's."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dynprobe
+from dynprobe.ptrace.process import Tracee
+from tests.conftest import build_target
+
+
+@pytest.fixture
+def nobody_can_reach() -> Iterator[Path]:
+    """A directory `nobody` may pass through (not read), in which root keeps a 0600 file."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the target runs as nobody, dynprobe as root")
+    where = Path(tempfile.mkdtemp(prefix="dynprobe-hostile-", dir="/tmp"))
+    where.chmod(0o711)
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where)
+
+
+def test_a_descriptor_swapped_under_the_shared_memory_is_never_used(
+    nobody_can_reach: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target (as nobody) watches for the memory it makes for dynprobe to be mapped, then
+    puts a descriptor of root's 0600 file (opened O_PATH, which needs no right on it) in place
+    of the memfd's, before dynprobe takes it; it starts threads all the time, so dynprobe maps
+    pools of thread areas while its other threads run. Over sessions making at least 200
+    mappings: dynprobe takes the memory with pidfd_getfd (never by /proc/PID/fd, which it would
+    open with root's rights) and checks it is its memfd, so the file is never mapped nor
+    written; the target wins the race now and then, and that session's probes stay traps
+    (SHARED_MEMORY) while it goes on; the target runs on."""
+    victim = nobody_can_reach / "root-only"
+    victim.write_bytes(b"root's secret\n")
+    os.truncate(victim, 64 << 20)  # larger than any mapping dynprobe makes
+    victim.chmod(0o600)
+    before = victim.stat()
+    mappings = 0
+    map_shared = Tracee.map_shared
+
+    def counted(self: Tracee, tid: int, scratch: int, size: int) -> tuple[int, mmap.mmap]:
+        nonlocal mappings
+        mappings += 1
+        return map_shared(self, tid, scratch, size)
+
+    monkeypatch.setattr(Tracee, "map_shared", counted)
+    target = build_target("hostile_fds", flags=("-O1", "-pthread"))
+    proc = subprocess.Popen([target, str(victim)], stdout=subprocess.PIPE, text=True, user="nobody")
+    refused = 0
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        sessions = 0
+        while mappings < 200 and sessions < 100:
+            sessions += 1
+            with dynprobe.attach(proc.pid) as session:
+                probe = session.probe("work", action="count")
+                session.optimize_now()
+                session.run(timeout=0.2)
+                process = session.process(proc.pid)
+                assert process is not None
+                if process.areas_refused is not None:
+                    refused += 1
+                    assert process.areas_refused == dynprobe.OptimizeRefusal.SHARED_MEMORY
+                    assert probe.mode == dynprobe.ProbeMode.TRAP
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and out.startswith("calls="), out
+    assert mappings >= 200 and refused > 0, (mappings, refused)  # the race was run, and won at times
+    after = victim.stat()
+    with open(victim, "rb") as f:
+        assert f.read(14) == b"root's secret\n" and not f.read().strip(bytes(1))
+    assert (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == (
+        before.st_size,
+        before.st_mtime_ns,
+        before.st_ctime_ns,
+    )
