@@ -315,9 +315,10 @@ def test_native_entry_stamp(area: NativeArea) -> None:
 def test_native_latency_of_a_return_stamped_before_its_entry_is_zero(area: NativeArea) -> None:
     """$latency at a return whose entry's time stamp is later than the return's (the stamps are
     not ordered; the thread may have moved to a CPU whose counter is behind) is 0, never a huge
-    wrapped value; an entry stamped 2^20 ticks earlier gives 2^20 ns with mult 2^32 (1 ns a
-    tick). The return code runs as the trampoline runs it: the entry's offset above the six
-    saved registers, then a jump to `finish` (here: pop them, return)."""
+    wrapped value; an entry stamped 2^40 ticks earlier gives 2^40 ns and a little more (the
+    time to get there: under 2^40 ticks) with mult 2^32 (1 ns a tick). The return code runs as
+    the trampoline runs it: the entry's offset above the six saved registers, then a jump to
+    `finish` (here: pop them, return)."""
     value = parse_spec("r f ns=$latency:u64").args[0]
     prog = Program(0, ActionKind.HIST, value=value, hist_index=1)
     entry = 2 * L.SHADOW_ENTRY
@@ -332,11 +333,11 @@ def test_native_latency_of_a_return_stamped_before_its_entry_is_zero(area: Nativ
 
     now = area.call(lambda base: read_tsc_code())
     at = (LAYOUT.shadow + entry + L.ENTRY_TSC) // 8
-    for stamp in (now + (1 << 40), now - (1 << 20)):
+    for stamp in (now + (1 << 40), now - (1 << 40)):
         area.words[at] = stamp
         area.call(code_at, entry)
     buckets = area.words[LAYOUT.hist(1) // 8 : LAYOUT.hist(1) // 8 + L.HIST_BUCKETS].tolist()
-    assert buckets[0] == 1 and sum(buckets[21:23]) == 1 and sum(buckets) == 2  # 2^20 ns and a little more
+    assert buckets[0] == 1 and buckets[41] == 1 and sum(buckets) == 2  # [2^40, 2^41) ns
 
 
 def test_native_tsc_steps() -> None:

@@ -61,8 +61,8 @@ HARNESS = textwrap.dedent(
     elif scenario == "site, waiting for the guardian":
         code_page[0x8000] = 0xCC
         table((forty_two, 0xB8, L.RESCUE_WAIT))
+        started = time.monotonic()  # (before the timer: it may fire before this thread runs on)
         threading.Timer(0.2, lambda: struct.pack_into("<Q", page, L.RESCUE_RESCUED, 1)).start()
-        started = time.monotonic()
         print(call(forty_two), time.monotonic() - started >= 0.2)
     elif scenario == "moved back to the site":
         # the tracer had moved the thread back to the site (rip == site) before dying: here, an
