@@ -359,8 +359,9 @@ def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], co
     assert len(re.findall(r"^\d\d:\d\d:\d\d$", out, flags=re.M)) == len(intervals) and "\ntotal:\n" in out
     assert len(intervals) >= 3 and all(n > 0 for n in intervals[1:]), out  # (the first: start-up)
     assert 0 <= total - sum(intervals) <= 20, out  # what came after the last interval (not a sum of sums)
-    if args[0] == "latency":
-        assert out.count("[16M, 32M)") == len(intervals) + 1
+    if args[0] == "latency":  # a 20 ms nap: 16.7 ms or more (a loaded machine may make it longer)
+        rows = [line for line in out.splitlines() if line.startswith(("[", "< 1 tick"))]
+        assert rows and all(re.match(r"\[(16M|32M|64M|128M|256M), ", row) for row in rows), out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM ignored"])

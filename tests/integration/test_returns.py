@@ -329,8 +329,9 @@ def test_killed_tracer_leaves_returns_working(ret: str) -> None:
         try:
             assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
             code = (
-                f"import dynprobe, sys; s = dynprobe.attach({proc.pid}); s.probe('r:t/nap nap', action='count');"
-                "s.run(timeout=0.5); print(s.probes[0].hits, s.probes[0].mode.value, flush=True); s.run()"
+                f"import dynprobe, sys; s = dynprobe.attach({proc.pid}); p = s.probe('r:t/nap nap', action='count')\n"
+                "while not p.hits: s.run(timeout=0.1)  # (a loaded machine: the first returns take a while)\n"
+                "print(p.hits, p.mode.value, flush=True); s.run()"
             )
             tracer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
             assert tracer.stdout is not None
