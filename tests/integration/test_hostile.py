@@ -9,7 +9,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,3 +94,55 @@ def test_a_descriptor_swapped_under_the_shared_memory_is_never_used(
         before.st_mtime_ns,
         before.st_ctime_ns,
     )
+
+
+def test_the_target_s_library_never_runs_in_dynprobe(tmp_path: Path) -> None:
+    """A library with an indirect function and a constructor that notes the pid of every process
+    that loads it: every command that touches the library (list of the file, list -p, probes,
+    return probes, the function tracer over it, spawn before it is loaded) resolves the indirect
+    function from what the target's loader did, never by loading the library into a process of
+    dynprobe's (its constructor would run with dynprobe's rights: root's)."""
+    marker = tmp_path / "loaded-by"
+    lib = build_target("libhostile.so", "hostile_lib.c", flags=("-O1", "-fPIC", "-shared", f'-DMARKER="{marker}"'))
+    prog = build_target(
+        "hostile_prog",
+        "hostile_prog.c",
+        flags=("-O1", f"-L{Path(lib).parent}", "-lhostile", f"-Wl,-rpath,{Path(lib).parent}"),
+    )
+    proc = subprocess.Popen([prog], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        dp = [sys.executable, "-m", "dynprobe.cli.main"]
+        listed = subprocess.run([*dp, "list", lib], capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and "hostile_impl" in listed.stdout and "hostile_fn" not in listed.stdout
+        listed = subprocess.run(
+            [*dp, "list", "-p", str(proc.pid), "hostile*"], capture_output=True, text=True, timeout=60
+        )
+        assert listed.returncode == 0 and "hostile_fn" in listed.stdout, listed.stdout + listed.stderr
+        for command in (
+            ["count", "p libhostile:hostile_fn"],
+            ["trace", "p libhostile:hostile_fn x=%di", "-o", str(tmp_path / "events.txt")],
+            ["latency", "libhostile:hostile_fn"],
+            ["record", "--lib", "libhostile", "-o", str(tmp_path / "t.data")],
+        ):
+            tracer = subprocess.Popen([*dp, *command, "-p", str(proc.pid)], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)  # fmt: skip
+            time.sleep(1.5)
+            tracer.send_signal(signal.SIGINT)
+            out, err = tracer.communicate(timeout=60)
+            assert tracer.returncode == 0 and "error" not in err, err
+            if command[0] == "count":
+                assert int(out.split()[-1]) > 0, out  # the implementation was found: it counts
+        unloaded = r"indirect function: .* no traced process has it loaded"
+        with (
+            dynprobe.spawn([prog], stdout=subprocess.DEVNULL) as session,
+            pytest.raises(dynprobe.SymbolError, match=unloaded),
+        ):
+            session.probe("libhostile:hostile_fn")  # before its loader ran
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert set(marker.read_text().split()) == {str(proc.pid)}  # the target alone (the spawned one never ran)

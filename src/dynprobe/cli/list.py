@@ -6,6 +6,7 @@ import argparse
 import fnmatch
 import os
 import sys
+from collections.abc import Callable
 
 from dynprobe.arch.x86_64 import ResumeKind, decode_one, plan_resume
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
@@ -15,6 +16,7 @@ from dynprobe.symbols.demangle import display, names_of
 from dynprobe.symbols.elf import ElfImage, load_elf
 from dynprobe.symbols.ifunc import callable_functions
 from dynprobe.symbols.maps import read_maps
+from dynprobe.symbols.resolve import loaded_in
 
 EXAMPLES = """\
 examples:
@@ -77,14 +79,35 @@ def _modules(args: argparse.Namespace) -> list[tuple[str, int]]:
     return [(os.path.realpath(args.binary), 0)]
 
 
+def _memory(pid: int | None) -> Callable[[int], int | None] | None:
+    """8 bytes of process `pid`'s memory at a time (its indirect functions' relocated slots)."""
+    if pid is None:
+        return None
+    try:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+    def read(addr: int) -> int | None:
+        try:
+            data = os.pread(fd, 8, addr)
+        except OSError:
+            return None
+        return int.from_bytes(data, "little") if len(data) == 8 else None
+
+    return read
+
+
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         rows = []
         modules = _modules(args)
+        maps = read_maps(args.pid) if args.pid is not None else None
+        memory = _memory(args.pid)
         stripped = [p for p, _ in modules if not any(f.size for f in load_elf(p).functions)]
         for path, bias in modules:
             image = load_elf(path)
-            for func in callable_functions(image):
+            for func in callable_functions(image, loaded_in(image, maps, memory)):
                 if any(fnmatch.fnmatchcase(n, args.glob) for n in names_of(func.name)):
                     verdicts = (entry_verdict(image, func.addr), jump_verdict(image, func.addr, func.size))
                     name = display(func.name, args.demangle)

@@ -42,8 +42,8 @@ from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
-from dynprobe.symbols.elf import load_elf
-from dynprobe.symbols.ifunc import callable_functions
+from dynprobe.symbols.elf import ElfImage, load_elf
+from dynprobe.symbols.ifunc import LoadedIn, callable_functions
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, maps_file, read_maps
 
 if TYPE_CHECKING:
@@ -162,15 +162,20 @@ class Tracing:
 
     # --- choosing functions ---------------------------------------------------------------------------
     def select(
-        self, paths: Iterable[str], include: Iterable[str] = (), exclude: Iterable[str] = ()
+        self,
+        paths: Iterable[str],
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        loaded: Callable[[ElfImage], LoadedIn | None] = lambda image: None,
     ) -> list[TracedFunction]:
         """The functions (symbols with a size) of the files at `paths` whose names (demangled
-        too) match a glob of `include` (all if none) and none of `exclude`."""
+        too) match a glob of `include` (all if none) and none of `exclude` (`loaded`: where a
+        file is mapped, for its indirect functions: symbols/ifunc.py)."""
         include, exclude = list(include), list(exclude)
         chosen = []
         for path in paths:
             image = load_elf(path)
-            for func in callable_functions(image):
+            for func in callable_functions(image, loaded(image)):
                 if not image.is_executable(func.addr):
                     continue
                 if func.addr <= image.entry < func.end or func.name in NOT_CALLED:

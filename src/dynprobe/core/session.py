@@ -106,7 +106,15 @@ from dynprobe.symbols.maps import (
     read_maps,
     root_of,
 )
-from dynprobe.symbols.resolve import Location, expand_pattern, find_file, is_pattern, resolve, resolve_address
+from dynprobe.symbols.resolve import (
+    Location,
+    expand_pattern,
+    find_file,
+    is_pattern,
+    loaded_in,
+    resolve,
+    resolve_address,
+)
 
 LOADER_HOOK = "_dl_debug_state"
 RSEQ_OFFSET = "__rseq_offset"  # glibc 2.35+: where its threads' rseq areas are, from the thread pointer
@@ -424,7 +432,7 @@ class Session:
                 raise SessionError(
                     f"{spec.location!r} is a pattern: session.expand(spec) gives a spec for each function it names"
                 )
-            location = resolve(spec.location, main.exe, maps, main.libraries)
+            location = resolve(spec.location, main.exe, maps, main.libraries, main.tracee.peek_u64)
         is_return = spec.kind == "r"
         refusal = check_location(location)
         if refusal is None and is_return:
@@ -479,7 +487,7 @@ class Session:
         if main is None:
             raise SessionError("the target has exited; no probe can be placed")
         maps = self._maps_now.get(main.pid) or read_maps(main.pid)
-        locations = expand_pattern(parsed.location, main.exe, maps, main.libraries)
+        locations = expand_pattern(parsed.location, main.exe, maps, main.libraries, main.tracee.peek_u64)
         if parsed.event is None or len(locations) == 1:
             return [dataclasses.replace(parsed, location=where) for where in locations]
         named = []  # each event named after its function too: EVENT_strlen, EVENT_strcmp_4
@@ -556,7 +564,9 @@ class Session:
             raise SessionError("the target has exited; nothing can be traced")
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps, main.libraries) for name in libraries]
-        selected = self.tracing.select(paths, filter, exclude)
+        selected = self.tracing.select(
+            paths, filter, exclude, lambda image: loaded_in(image, maps, main.tracee.peek_u64)
+        )
         if not selected and not any(f.size for path in paths for f in load_elf(path).functions):
             names = ", ".join(os.path.basename(p) for p in paths)
             raise SessionError(

@@ -262,6 +262,13 @@ class Tracee:
     def read_u64(self, addr: int) -> int:
         return int(struct.unpack("<Q", self.read(addr, 8))[0])
 
+    def peek_u64(self, addr: int) -> int | None:
+        """`read_u64`, None where the memory cannot be read."""
+        try:
+            return self.read_u64(addr)
+        except OSError:
+            return None
+
     # --- threads ----------------------------------------------------------------------------
     def resume(self, tid: int, sig: int = 0, step: bool = False) -> None:
         """Resume a stopped thread. With `home_cpu` set, the thread wakes up on that CPU: its

@@ -7,9 +7,11 @@ covers (stripped binaries), the .eh_frame unwind table gives function ranges too
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import os
 import stat
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +50,9 @@ class Segment:
 _SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")])
 _STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
 _VER_FLG_BASE = 1  # a version definition that names the file itself, not a version
+_RELA = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
+_R_X86_64_IRELATIVE = 37
+_SYMBOL_RELOCATIONS = (1, 6, 7)  # R_X86_64_64, GLOB_DAT, JUMP_SLOT
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
 
 
@@ -372,6 +377,49 @@ class ElfImage:
             return self.objects[name]
         func = self.by_name.get(name)
         return func.addr if func else None
+
+    @functools.cached_property
+    def irelative(self) -> dict[int, list[int]]:
+        """The file's R_X86_64_IRELATIVE relocations: resolver (the addend) -> the GOT slots the
+        loader fills with what it returns (symbols/ifunc.py). Decoded in bulk."""
+        out: dict[int, list[int]] = {}
+        for rows, _ in self._relocations():
+            mine = rows[(rows["info"] & 0xFFFF_FFFF) == _R_X86_64_IRELATIVE]
+            for slot, resolver in zip(mine["offset"].tolist(), mine["addend"].tolist(), strict=True):
+                out.setdefault(resolver, []).append(slot)
+        return out
+
+    @functools.cached_property
+    def symbol_slots(self) -> dict[str, list[int]]:
+        """name -> the slots (GOT entries, function pointers: R_X86_64_GLOB_DAT, JUMP_SLOT, 64)
+        where the loader writes the address of that symbol of another module. Decoded in bulk."""
+        out: dict[str, list[int]] = {}
+        for rows, names in self._relocations():
+            kind = rows["info"] & 0xFFFF_FFFF
+            mine = rows[np.isin(kind, _SYMBOL_RELOCATIONS) & (rows["info"] >> np.uint64(32) != 0)]
+            for slot, index in zip(mine["offset"].tolist(), (mine["info"] >> np.uint64(32)).tolist(), strict=True):
+                name = names(index)
+                if name:
+                    out.setdefault(name, []).append(slot)
+        return out
+
+    def _relocations(self) -> Iterator[tuple[np.ndarray, Callable[[int], str]]]:
+        """Each SHT_RELA section's rows, and the name of a symbol of its symbol table by index."""
+        for section in self._elf.iter_sections():
+            if section["sh_type"] != "SHT_RELA" or section["sh_entsize"] != _RELA.itemsize:
+                continue
+            table = self._elf.get_section(section["sh_link"]) if section["sh_link"] else None
+            symbols = np.frombuffer(table.data(), dtype=_SYM) if isinstance(table, SymbolTableSection) else None
+            strtab = self._elf.get_section(table["sh_link"]).data() if symbols is not None and table else b""
+
+            def name(index: int, symbols: np.ndarray | None = symbols, strtab: bytes = strtab) -> str:
+                if symbols is None or index >= len(symbols):
+                    return ""
+                start = int(symbols["name"][index])
+                end = strtab.find(b"\0", start)
+                return strtab[start : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
+
+            yield np.frombuffer(section.data(), dtype=_RELA), name
 
     def branch_targets(self) -> frozenset[int]:
         """Targets of every direct branch in the file's functions (decoded once, then cached):

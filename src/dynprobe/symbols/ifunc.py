@@ -4,105 +4,133 @@ Such a symbol's address is a resolver, which the loader runs once to pick an imp
 the CPU (`__memmove_avx_unaligned_erms`, ...), and every call goes to that implementation. A probe
 on the symbol's address would probe the resolver and count nothing (a classic trap of perf probe
 and bpftrace); a newer symbol of the same name can even hide behind an old compatibility one
-(memcpy@GLIBC_2.2.5). dynprobe probes what programs run: the implementation `dlsym` returns, on
-this machine. In this process when it has the very file loaded (libc always is), else in a
-throwaway Python that loads it (so the library's constructors never run here). The target is
-assumed to pick as this machine's loader does (a GLIBC_TUNABLES that masks CPU features in the
-target's environment would make it pick another).
+(memcpy@GLIBC_2.2.5). dynprobe probes what programs run: the implementation the loader picked.
+
+It never runs the library's code itself (the target's library, run in dynprobe's process, would
+run its constructors with dynprobe's rights: as root, a way to root for the library's owner). It
+learns the implementation:
+
+- from its own process, when it has the very file mapped (libc always is): dlsym, on code it
+  runs anyway;
+- else from the target's memory, where the loader has relocated the file: the library's own
+  calls of the function go through a GOT slot relocated by R_X86_64_IRELATIVE, whose addend is
+  the resolver, and which holds the implementation the resolver returned.
+
+Otherwise (a file no process has relocated yet) the name cannot be resolved: SymbolError says
+so, and what to do.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
-import subprocess
-import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from dynprobe.errors import SymbolError
 from dynprobe.symbols.elf import ElfImage, Function
 
-_DLSYM_SCRIPT = """
-import ctypes, json, sys
-lib = ctypes.CDLL(sys.argv[1])
-out = {}
-for name in sys.argv[2:]:
-    try:
-        out[name] = ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-    except AttributeError:
-        pass
-base = next(int(line.split("-")[0], 16) for line in open("/proc/self/maps")
-            if line.rstrip().endswith(" " + sys.argv[1]) and line.split()[2] == "00000000")
-print(json.dumps({"base": base, "addresses": out}))
-"""
+
+@dataclass(frozen=True)
+class LoadedIn:
+    """A process that has the file mapped: what to add to its link-time addresses, a read of 8
+    bytes of its memory (None where it cannot be read), and where its other modules keep the
+    address of a symbol of the file (GOT slots: Elf.symbol_slots, where they are)."""
+
+    bias: int
+    read_u64: Callable[[int], int | None]
+    references: Callable[[str], list[int]] = lambda name: []
 
 
-def implementations(image: ElfImage, names: list[str]) -> dict[str, Function]:
+def implementations(image: ElfImage, names: list[str], loaded: LoadedIn | None = None) -> dict[str, Function]:
     """The implementation each IFUNC of `names` (symbols of `image`) resolves to, as a
-    Function named after the IFUNC; names that cannot be resolved are left out."""
+    Function named after the IFUNC; names that cannot be resolved are left out. `loaded`: a
+    process that has the file mapped (see the module's docstring)."""
     wanted = tuple(sorted(n for n in set(names) if n in image.ifuncs))
     if not wanted:
         return {}
-    found = _resolved(image.path, wanted)
+    found = _resolved_here(image.path, wanted)
+    if loaded is not None:
+        for name in wanted:
+            if name not in found:
+                vaddr = _relocated(image, name, loaded)
+                if vaddr is not None:
+                    found[name] = vaddr - image.first_page
     out = {}
-    for name, vaddr in found.items():
-        vaddr += image.first_page
+    for name, offset in found.items():
+        vaddr = offset + image.first_page
         func = image.function_at(vaddr)
         if func is not None and func.addr == vaddr and image.is_executable(vaddr):
             out[name] = Function(name, vaddr, func.size)
     return out
 
 
-def callable_functions(image: ElfImage) -> list[Function]:
+def _relocated(image: ElfImage, name: str, loaded: LoadedIn) -> int | None:
+    """The link-time address of the implementation the loader put where the process keeps the
+    address of indirect function `name`: a GOT slot of `image` relocated by R_X86_64_IRELATIVE
+    with its resolver as the addend (the library's own calls), else a slot of another module
+    naming it (a program's calls, once bound). None: no such slot holds an address in the
+    file's code yet."""
+    resolver = image.ifuncs[name]
+    slots = [slot + loaded.bias for slot in image.irelative.get(resolver, ())] + loaded.references(name)
+    for slot in slots:
+        value = loaded.read_u64(slot)
+        if value is None or value == resolver + loaded.bias:
+            continue
+        vaddr = value - loaded.bias
+        func = image.function_at(vaddr)
+        if func is not None and func.addr == vaddr and image.is_executable(vaddr):
+            return vaddr
+    return None
+
+
+def callable_functions(image: ElfImage, loaded: LoadedIn | None = None) -> list[Function]:
     """The functions programs call by name: symbols with a size, where an indirect function's
     name means its implementation (not its resolver, nor an old compatibility function of the
-    same name, memcpy@GLIBC_2.2.5), and names that implementation alone."""
-    resolved = implementations(image, list(image.ifuncs))
+    same name, memcpy@GLIBC_2.2.5), and names that implementation alone. An indirect function
+    that cannot be resolved (`implementations`) is left out."""
+    resolved = implementations(image, list(image.ifuncs), loaded)
     taken = {f.addr for f in resolved.values()}  # (named by a debug file too: __strlen_avx2)
     plain = [f for f in image.functions if f.size and f.name not in image.ifuncs and f.addr not in taken]
     return sorted([*plain, *resolved.values()], key=lambda f: f.addr)
 
 
-def implementation(image: ElfImage, name: str) -> Function:
+def implementation(image: ElfImage, name: str, loaded: LoadedIn | None = None) -> Function:
     """`implementations` for one name; SymbolError if it cannot be resolved."""
-    func = implementations(image, [name]).get(name)
+    func = implementations(image, [name], loaded).get(name)
     if func is None:
         raise SymbolError(
-            f"{name!r} in {image.path} is an indirect function (its implementation is chosen at load time) "
-            "and dynprobe could not tell which one runs here: probe the implementation by name or PATH:0xOFFSET"
+            f"{name!r} in {image.path} is an indirect function: its implementation is chosen when a program "
+            "loads the library, and no traced process has it loaded yet (dynprobe never runs the library's "
+            "code itself): probe a process that has loaded it (-p PID), or its implementation by name or "
+            "PATH:0xOFFSET"
         )
     return func
 
 
 @functools.cache
-def _resolved(path: str, names: tuple[str, ...]) -> dict[str, int]:
-    """name -> the implementation's offset from the file's first page, as `dlsym` resolves it."""
+def _resolved_here(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    """name -> the implementation's offset from the file's first page, as `dlsym` resolves it in
+    this process, if it has the file `path` mapped (it runs that code anyway); else nothing."""
     mine = _loaded_here(path)
-    if mine is not None:
-        base, handle = mine
-        out = {}
-        for name in names:
-            try:
-                addr = ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
-            except AttributeError:
-                continue
-            if addr is not None:
-                out[name] = addr - base
-        return out
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _DLSYM_SCRIPT, path, *names], capture_output=True, text=True, timeout=30
-        )
-        reply = json.loads(done.stdout)
-    except (OSError, subprocess.SubprocessError, ValueError):
+    if mine is None:
         return {}
-    return {name: int(addr) - int(reply["base"]) for name, addr in reply["addresses"].items() if addr}
+    base, handle = mine
+    out = {}
+    for name in names:
+        try:
+            addr = ctypes.cast(getattr(handle, name), ctypes.c_void_p).value
+        except AttributeError:
+            continue
+        if addr is not None:
+            out[name] = addr - base
+    return out
 
 
 def _loaded_here(path: str) -> tuple[int, ctypes.CDLL] | None:
-    """(where it starts, a handle) if this process has the file `path` mapped: then dlsym costs
-    nothing and loads nothing."""
+    """(where it starts, a handle) if this process has the file `path` mapped: dlsym then costs
+    nothing and loads nothing (RTLD_NOLOAD)."""
     try:
         key = os.stat(path)
         with open("/proc/self/maps") as maps:

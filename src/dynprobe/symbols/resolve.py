@@ -16,9 +16,9 @@ from dynprobe.spec.model import split_location
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import ElfImage, Function, load_elf
-from dynprobe.symbols.ifunc import callable_functions, implementation
+from dynprobe.symbols.ifunc import LoadedIn, callable_functions, implementation
 from dynprobe.symbols.loader import ld_cache
-from dynprobe.symbols.maps import Mapping
+from dynprobe.symbols.maps import Mapping, file_key, load_bias
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,38 @@ def unversioned(image: ElfImage, symbol: str) -> str:
     return symbol
 
 
-def resolve_symbol(image: ElfImage, symbol: str, offset: int) -> Location:
+Memory = Callable[[int], int | None]  # 8 bytes of a process's memory (None: not readable)
+
+
+def loaded_in(image: ElfImage, maps: list[Mapping] | None, memory: Memory | None) -> LoadedIn | None:
+    """Where a process (its `maps` and `memory`) has `image` mapped, for resolving its indirect
+    functions from what its loader did (symbols/ifunc.py); None if it has not."""
+    if maps is None or memory is None:
+        return None
+    bias = load_bias(maps, file_key(image.path), image.path, image.first_page)
+    if bias is None:
+        return None
+
+    def references(name: str) -> list[int]:
+        out = []
+        for m in maps:
+            if m.offset or not m.path.startswith("/") or files.real_path(m.path) == image.path:
+                continue
+            try:
+                other = load_elf(m.path)
+            except SymbolError:
+                continue
+            out += [m.start - other.first_page + slot for slot in other.symbol_slots.get(name, ())]
+        return out
+
+    return LoadedIn(bias, memory, references)
+
+
+def resolve_symbol(image: ElfImage, symbol: str, offset: int, loaded: LoadedIn | None = None) -> Location:
     symbol = unversioned(image, symbol)
     # An indirect function (libc's memcpy, strlen): what runs is the implementation it resolves
     # to, not the resolver at its address (nor an old compatibility symbol of the same name).
-    found = [implementation(image, symbol)] if symbol in image.ifuncs else image.functions_named(symbol)
+    found = [implementation(image, symbol, loaded)] if symbol in image.ifuncs else image.functions_named(symbol)
     if not found:
         raise SymbolError(f"no function {symbol!r} in {image.path}")
     if len(found) > 1:
@@ -119,10 +146,14 @@ def resolve_file_offset(image: ElfImage, file_off: int) -> Location:
 
 
 def resolve(
-    text: str, main_exe: str, maps: list[Mapping] | None = None, libraries: Callable[[], dict[str, str]] | None = None
+    text: str,
+    main_exe: str,
+    maps: list[Mapping] | None = None,
+    libraries: Callable[[], dict[str, str]] | None = None,
+    memory: Memory | None = None,
 ) -> Location:
     """Resolve a location string. Bare symbols refer to `main_exe`; a file is found as
-    `find_file` finds it."""
+    `find_file` finds it; `memory` (the process of `maps`) resolves indirect functions."""
     path_part, sep, what = split_location(text)
     path = find_file(path_part, maps, libraries) if sep else main_exe
     image = load_elf(path)
@@ -135,7 +166,7 @@ def resolve(
     if not symbol:
         raise SymbolError(f"no symbol in {text!r}")
     try:
-        return resolve_symbol(image, symbol, offset)
+        return resolve_symbol(image, symbol, offset, loaded_in(image, maps, memory))
     except SymbolError as exc:
         if sep or "::" in symbol or not str(exc).startswith("no function"):
             raise
@@ -151,7 +182,11 @@ def is_pattern(symbol: str) -> bool:
 
 
 def expand_pattern(
-    text: str, main_exe: str, maps: list[Mapping] | None = None, libraries: Callable[[], dict[str, str]] | None = None
+    text: str,
+    main_exe: str,
+    maps: list[Mapping] | None = None,
+    libraries: Callable[[], dict[str, str]] | None = None,
+    memory: Memory | None = None,
 ) -> list[str]:
     """The locations a location with a pattern ('libc:str*', 'parse_*+4') names: 'PATH:NAME[+OFF]'
     for each function whose name (or demangled name) matches, one per address (of aliases,
@@ -163,7 +198,7 @@ def expand_pattern(
     pattern, offset = parse_symbol_offset(what)
     found: dict[int, Function] = {}
     versions = "@" in pattern  # (old versions of a name, exp@GLIBC_2.2.5, only when asked for)
-    for func in callable_functions(image):
+    for func in callable_functions(image, loaded_in(image, maps, memory)):
         if func.addr in found or ("@" in func.name and not versions):
             continue
         if any(fnmatch.fnmatchcase(n, pattern) for n in names_of(func.name)):
