@@ -483,6 +483,7 @@ def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> No
     would keep int3s and jumps of a tracer that is gone): it is raised once the detach is done."""
     code = (
         "import os, signal, dynprobe\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored where started in the background)\n"
         "from dynprobe.core.session import Session\n"
         "detach = Session.detach\n"
         "def interrupted(self):\n"
