@@ -20,12 +20,13 @@ import json
 import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 
 from dynprobe.errors import DynprobeError
 from dynprobe.output import files
+from dynprobe.ringbuf.layout import MARGIN_NS, MAX_RECORD_SIZE
 from dynprobe.symbols.demangle import Demangle, display
 
 if TYPE_CHECKING:
@@ -40,6 +41,68 @@ READ_RECORDS = 1 << 20  # records read at a time: a reader's memory stays flat w
 
 class TraceError(DynprobeError):
     """A trace directory that cannot be read."""
+
+
+MAX_INFO = 1 << 28  # bytes: an info.json of a million functions is ~100 MiB
+
+
+def _read_info(directory: str) -> dict[str, Any]:
+    """info.json, checked: a trace may come from anywhere (and `complete` is the writer's word)."""
+    path = os.path.join(directory, INFO)
+    try:
+        data = files.read_regular(path, MAX_INFO)
+    except FileNotFoundError:
+        raise TraceError(f"{directory} is not a trace: {INFO} is missing") from None
+    except OSError as exc:
+        raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
+    try:
+        info = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise TraceError(f"{path} is not JSON: {str(exc)[:200]}") from None
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise TraceError(f"{path} is not a dynprobe trace")
+    version = info.get("version")
+    if not _is_int(version):
+        raise TraceError(f"{path} is damaged: no format version")
+    if version > VERSION:
+        raise TraceError(f"{directory} was written by a newer dynprobe (format {version}; this one reads {VERSION})")
+    wrong = _wrong_in(info)
+    if wrong is not None:
+        raise TraceError(f"{path} is damaged: {wrong}")
+    return info
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wrong_in(info: dict[str, Any]) -> str | None:
+    """What in info.json is not as `dynprobe record` writes it, or None."""
+    clock = info.get("clock")
+    if not isinstance(clock, dict):
+        return "no clock"
+    if not all(_is_int(clock.get(k)) and 0 <= clock[k] < 1 << 63 for k in ("tsc0", "ns0")):
+        return "the clock's tsc0 or ns0 is not a time"
+    if "tsc_now" in clock and not (_is_int(clock["tsc_now"]) and 0 <= clock["tsc_now"] < 1 << 63):
+        return "the clock's tsc_now is not a time"
+    scale = clock.get("scale")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 1e-6 < scale < 1e6:
+        return "the clock's scale is not a clock's"
+    size = info.get("record_size")
+    if not _is_int(size) or size & (size - 1) or not 16 <= size <= MAX_RECORD_SIZE:
+        return f"record_size is not a power of two from 16 to {MAX_RECORD_SIZE}"
+    functions = info.get("functions", [])
+    if not isinstance(functions, list) or not all(
+        isinstance(f, list) and f and isinstance(f[0], str) for f in functions
+    ):
+        return "the function table is not a list of [name, ...]"
+    threads = info.get("threads", {})
+    if not isinstance(threads, dict) or not all(k.isdigit() and isinstance(v, str) for k, v in threads.items()):
+        return "the thread names are not a table of tid: name"
+    for key in ("pid", "threshold_ns", "depth", "calls", "missed", "lost"):
+        if info.get(key) is not None and not (_is_int(info[key]) and 0 <= info[key] < 1 << 63):
+            return f"{key} is not a number"
+    return None
 
 
 def record_dtype(record_size: int) -> np.dtype[Any]:
@@ -70,9 +133,8 @@ def is_trace_directory(path: str) -> bool:
     """A directory dynprobe wrote: its files are a trace's, and its info says so."""
     try:
         names = set(os.listdir(path))
-        with open(os.path.join(path, INFO), "rb") as f:
-            info = json.loads(f.read(1 << 26))
-    except (OSError, ValueError):
+        info = json.loads(files.read_regular(os.path.join(path, INFO), MAX_INFO))
+    except (OSError, ValueError, RecursionError):
         return False
     return names <= _OURS and isinstance(info, dict) and info.get("format") == FORMAT
 
@@ -140,30 +202,23 @@ class Trace:
         self.directory = directory
         self.demangle = Demangle(demangle)
         self.only = frozenset(threads)
-        path = os.path.join(directory, INFO)
         if not os.path.isdir(directory):
             raise TraceError(f"no trace directory {directory}")
-        try:
-            with open(path) as f:
-                info = json.load(f)
-        except FileNotFoundError:
-            raise TraceError(f"{directory} is not a trace: {INFO} is missing") from None
-        except (OSError, ValueError) as exc:
-            raise TraceError(f"{path} cannot be read: {exc}") from None
-        if not isinstance(info, dict) or info.get("format") != FORMAT:
-            raise TraceError(f"{path} is not a dynprobe trace")
-        version = info.get("version")
-        if not isinstance(version, int) or version > VERSION:
-            raise TraceError(
-                f"{directory} was written by a newer dynprobe (format {version}; this one reads {VERSION})"
-            )
-        self.info = info
+        self.info = info = _read_info(directory)
         self.functions: list[str] = [display(f[0], self.demangle) for f in info.get("functions", [])]
         self.threads: dict[int, str] = {int(k): v for k, v in info.get("threads", {}).items()}
         clock = info["clock"]
-        self._tsc0, self._ns0, self._scale = int(clock["tsc0"]), int(clock["ns0"]), float(clock["scale"])
-        self.record = record_dtype(int(info["record_size"]))
+        self._tsc0: int = clock["tsc0"]
+        self._ns0: int = clock["ns0"]
+        self._scale = float(clock["scale"])
+        # No record is older than the session's clock, nor newer than its last reading (known
+        # once the trace is complete); MARGIN_NS either way, for the readings themselves.
+        margin = int(MARGIN_NS / self._scale)
+        self._first_tsc = max(0, self._tsc0 - margin)
+        self._last_tsc = clock["tsc_now"] + margin if "tsc_now" in clock and self.complete else (1 << 64) - 1
+        self.record = record_dtype(info["record_size"])
         self.truncated_at: int | None = None  # the byte offset where a truncated file stops
+        self.rejected = 0  # records left out: a function id past the table, an impossible time
 
     @property
     def complete(self) -> bool:
@@ -195,7 +250,7 @@ class Trace:
     def chunks(self) -> Iterator[Chunk]:
         path = os.path.join(self.directory, EVENTS)
         try:
-            f = open(path, "rb")  # noqa: SIM115
+            f = files.open_regular(path)
         except OSError as exc:
             raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
         latest: dict[int, int] = {}  # tid -> its last time
@@ -225,6 +280,9 @@ class Trace:
                     if not len(records):
                         break  # the file shrank while read
                     left -= len(records)
+                    records = self._possible(records)
+                    if not len(records):
+                        continue
                     kind, times = records["kind"], self._ns(records["tsc"])
                     # A thread's events happened in the order it wrote them, but its time stamps
                     # are not ordered (no fence) and a thread may move to a CPU whose counter is a
@@ -237,6 +295,17 @@ class Trace:
                     return
                 offset += _CHUNK_HEADER.itemsize + want
 
+    def _possible(self, records: np.ndarray) -> np.ndarray:
+        """The records that can be true: the target wrote them into its own memory, and could
+        write any function id or time stamp."""
+        tsc = records["tsc"]
+        possible = (records["func"] < len(self.functions)) & (tsc >= self._first_tsc) & (tsc <= self._last_tsc)
+        if possible.all():
+            return records
+        self.rejected += int(np.count_nonzero(~possible))
+        kept: np.ndarray = records[possible]
+        return kept
+
     def _ns(self, tsc: np.ndarray) -> np.ndarray:
-        delta = tsc.astype(np.int64) - np.int64(self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF)
+        delta = tsc.astype(np.int64) - np.int64(self._tsc0)
         return (delta * self._scale).astype(np.int64) + self._ns0

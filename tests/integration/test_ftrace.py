@@ -12,7 +12,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -277,19 +279,71 @@ def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
         ("missing", "is not a trace: info.json is missing"),
         ("newer", "was written by a newer dynprobe (format 99; this one reads 2)"),
         ("nodir", "no trace directory"),
+        ("no clock", "info.json is damaged: no clock"),
+        ("record_size", "info.json is damaged: record_size is not a power of two from 16 to 4096"),
+        ("threshold", "info.json is damaged: threshold_ns is not a number"),
+        ("functions", "info.json is damaged: the function table is not a list of [name, ...]"),
+        ("nested", "info.json is not JSON: maximum recursion depth exceeded"),
+        ("binary", "info.json is not JSON:"),
+        ("fifo info", "info.json cannot be read: not a regular file"),
+        ("fifo events", "events.raw cannot be read: not a regular file"),
     ],
 )
 def test_bad_trace_directory_one_line(ret: str, tmp_path: Path, damage: str, message: str) -> None:
     _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "3")
     info = Path(trace) / "info.json"
+    edits: dict[str, Callable[[dict[str, Any]], object]] = {
+        "newer": lambda i: i.update(version=99),
+        "no clock": lambda i: i.pop("clock"),
+        "record_size": lambda i: i.update(record_size=1 << 40),
+        "threshold": lambda i: i.update(threshold_ns="10us"),
+        "functions": lambda i: i.update(functions=[[1, "a.out", 0, 0]]),
+    }
     if damage == "missing":
         info.unlink()
-    elif damage == "newer":
-        info.write_text(json.dumps({**json.loads(info.read_text()), "version": 99}))
+    elif damage in edits:
+        content = json.loads(info.read_text())
+        edits[damage](content)
+        info.write_text(json.dumps(content))
+    elif damage == "nested":
+        info.write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "binary":
+        info.write_bytes(b"\xff\xfe" * 100)
+    elif damage.startswith("fifo"):  # read, a FIFO would block dynprobe for ever
+        fifo = info if damage == "fifo info" else Path(trace) / "events.raw"
+        fifo.unlink()
+        os.mkfifo(fifo)
     else:
         trace += "-nothing"
     r = dp("replay", trace)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+
+
+def test_forged_records_are_left_out_with_a_count(ret: str, tmp_path: Path) -> None:
+    """The target writes its ring: a function id past the table, a time before the recording
+    began or after it ended, are left out (a forged id once made replay build 12e9 strings)."""
+    _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "4")
+    events = Path(trace) / "events.raw"
+    data = bytearray(events.read_bytes())
+    record_size = json.loads((Path(trace) / "info.json").read_text())["record_size"]
+    assert int.from_bytes(data[8:16], "little") == 8  # one chunk: 4 entries, then 4 exits
+
+    def forge(index: int, offset: int, value: int, size: int) -> None:
+        at = 16 + index * record_size + offset
+        data[at : at + size] = value.to_bytes(size, "little")
+
+    forge(2, 8, 1, 8)  # the third entry: a time stamp at the counter's start, before the recording
+    forge(3, 4, 0xFFFF_FFF0, 4)  # the fourth: a function id past the table
+    forge(4, 8, 1 << 62, 8)  # its exit: a time long after the recording ended
+    forge(5, 4, 1, 4)  # the third's exit: function 1 of a table of 1
+    events.write_bytes(data)
+    r = dp("replay", trace)
+    assert r.returncode == 0 and r.stderr.splitlines() == [
+        "dynprobe: warning: 4 records left out: a function id past the trace's table or a time outside the "
+        "recording (written by the traced program itself?)"
+    ], r.stderr
+    assert masked(r.stdout) == ["  | fact() {", "T |   fact();", "T | } /* fact */"]
+    assert len(list(Trace(trace).events())) == 4
 
 
 def test_truncated_trace_replays_what_it_has(ret: str, tmp_path: Path) -> None:

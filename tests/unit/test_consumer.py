@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from dynprobe.ringbuf.consumer import (
     Consumer,
     RecordBatch,
     RingCorrupted,
+    TscClock,
     decode_fields,
     decode_string,
     spool_records,
@@ -24,13 +26,15 @@ from dynprobe.ringbuf.consumer import (
 )
 
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=2, ring_bytes=1 << 12, record_size=32)
+CLOCK = TscClock()
 
 
 def make_areas() -> ThreadAreas:
     return ThreadAreas(1, LAYOUT, lambda tid, size: (0x1000, mmap.mmap(-1, size)), lambda tid, addr: None)
 
 
-def write_record(areas: ThreadAreas, tid: int, probe: int, value: int) -> None:
+def write_record(areas: ThreadAreas, tid: int, probe: int, value: int, *, cpu: int = 0, tsc: int | None = None) -> None:
+    """A record as the target's code writes it: time stamped now, unless told otherwise."""
     area = areas.by_tid[tid]
     words = area.pool.words[area.index]
     head = int(words[L.HEAD // 8])
@@ -38,7 +42,8 @@ def write_record(areas: ThreadAreas, tid: int, probe: int, value: int) -> None:
     base = area.offset + LAYOUT.ring + slot * LAYOUT.record_size
     view = area.pool.view
     view[base : base + 2] = probe.to_bytes(2, "little")
-    view[base + 8 : base + 16] = (1000 + head).to_bytes(8, "little")
+    view[base + 2 : base + 4] = cpu.to_bytes(2, "little")
+    view[base + 8 : base + 16] = (CLOCK.read() if tsc is None else tsc).to_bytes(8, "little")
     view[base + 16 : base + 24] = value.to_bytes(8, "little")
     words[L.HEAD // 8] = head + 1
 
@@ -125,6 +130,49 @@ def test_consumer_delivers_and_counts() -> None:
     consumer.drain()  # folds the ended thread's counters; its area is clean and free again
     assert consumer.counters(1) == (3, 0, 0)
     assert areas.assign(12) == area and int(area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8]) == 0
+
+
+def test_records_the_target_cannot_have_written_honestly_are_left_out() -> None:
+    """The target writes its ring: a CPU number past the machine's, a time before the session
+    began or a second past now are impossible; they are counted and said once, not delivered."""
+    got: list[RecordBatch] = []
+    errors: list[str] = []
+    consumer = Consumer(LAYOUT, got.extend, lambda i: i < 3, errors.append, without_cpu=lambda i: i == 2)
+    areas = make_areas()
+    consumer.add(areas)
+    areas.assign(10)
+    second = int(1e9 / consumer.clock.params()["scale"])
+    write_record(areas, 10, 2, 0, cpu=5000)  # a function tracer's: no CPU number there
+    write_record(areas, 10, 1, 1)
+    write_record(areas, 10, 1, 2, cpu=5000)
+    write_record(areas, 10, 1, 3, tsc=1)
+    write_record(areas, 10, 1, 4, tsc=CLOCK.read() + 10 * second)
+    write_record(areas, 10, 1, 5, cpu=os.sysconf("SC_NPROCESSORS_CONF") - 1)
+    assert consumer.drain() == 3
+    assert [int.from_bytes(bytes(r[16:24]), "little") for b in got for r in b.raw] == [1, 5, 0]
+    assert consumer.corrupt == 3 and len(errors) == 1
+    assert errors[0].startswith("impossible records of thread 10 of pid 1: 3 with a CPU number past the machine's")
+
+
+def test_counts_the_time_does_not_allow_are_left_out() -> None:
+    """The target writes its counters: a thread's count of more than HITS_PER_NS hits a
+    nanosecond since the session began is left out of the sums, live and once folded, and said."""
+    errors: list[str] = []
+    consumer = Consumer(LAYOUT, lambda batches: None, lambda i: i < 3, errors.append)
+    areas = make_areas()
+    consumer.add(areas)
+    for tid, hits in ((10, 7), (11, 1 << 62), (12, 5)):
+        area = areas.assign(tid)
+        area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8] = hits
+    assert consumer.counters(1) == (12, 0, 0)
+    assert errors == [
+        "impossible counts of thread 11 of pid 1: more than 4 a nanosecond since the session began (written by "
+        "the program itself?), left out"
+    ]
+    areas.retire(11)
+    areas.retire(12)
+    consumer.drain()  # folded: thread 12's counts kept, thread 11's left out
+    assert consumer.counters(1) == (12, 0, 0)
 
 
 def test_a_sleeping_consumer_starts_draining_as_soon_as_rings_appear(monkeypatch: pytest.MonkeyPatch) -> None:

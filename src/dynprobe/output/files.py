@@ -1,4 +1,5 @@
-"""Files and directories dynprobe writes: created new, ours alone, never through a link.
+"""Files and directories dynprobe writes (created new, ours alone, never through a link), and
+the files it is handed to read (regular files only).
 
 dynprobe often runs as root, in directories other users can write (/tmp), and what it writes
 holds data fetched from the traced process. So every output is created with O_CREAT | O_EXCL |
@@ -7,7 +8,9 @@ else planted at the name is refused, never followed or truncated. An earlier out
 the name is kept as NAME.old (as perf and uftrace do); an earlier NAME.old goes only if it is
 a regular file (a trace directory: `tracefile.create_trace_directory`).
 
-Every failure is a DynprobeError of one line: what could not be written, and why.
+Every failure is a DynprobeError of one line: what could not be written, and why. A file to
+read (an ELF file, a trace) may be anything a path can name: a FIFO would block the open or the
+read, a device never end; `open_regular` refuses them before any read.
 """
 
 from __future__ import annotations
@@ -78,6 +81,37 @@ def create_binary(path: str) -> BinaryIO:
 
 def create_text(path: str) -> TextIO:
     return os.fdopen(create_fd(path), "w")
+
+
+class NotRegularFile(OSError):
+    """A file dynprobe was handed to read is not a regular file (strerror: what it is)."""
+
+
+class FileTooLarge(OSError):
+    """A file dynprobe was handed to read is larger than it reads."""
+
+
+def open_regular(path: str) -> BinaryIO:
+    """`path` opened for reading if it is a regular file; anything else raises NotRegularFile
+    without a read (O_NONBLOCK: opening a FIFO does not wait for a writer). Other failures
+    raise their OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise NotRegularFile(0, what)
+    return os.fdopen(fd, "rb")
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (`open_regular`; FileTooLarge if
+    larger). Memory is taken for what the file holds, not for the limit."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise FileTooLarge(0, f"larger than {limit >> 20} MiB")
+        return f.read(size)
 
 
 def make_directory(path: str) -> None:

@@ -31,6 +31,13 @@ from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 
 _STEPS_AT = 64  # where tsc_steps_code goes in the clock's page, after read_tsc_code
 _STEP_READS = 4096
+_TSC_MASK = 0x7FFF_FFFF_FFFF_FFFF
+# What the target cannot have written honestly (it can write its rings and counters): a time
+# stamp L.MARGIN_NS or more outside the session, a CPU number past the machine's, a count that
+# grew faster than HITS_PER_NS a nanosecond (a hit runs several instructions, and its counter
+# is an add that depends on the last).
+HITS_PER_NS = 4
+CPUS = os.sysconf("SC_NPROCESSORS_CONF")  # CPU numbers are below it
 
 
 class TscClock:
@@ -80,8 +87,14 @@ class TscClock:
             self._scale = (ns - self._ns0) / (tsc - self._tsc0)
 
     def params(self) -> dict[str, float]:
-        """ns = (tsc - tsc0) * scale + ns0, as `to_ns` computes it."""
-        return {"tsc0": self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF, "ns0": self._ns0, "scale": self._scale}
+        """ns = (tsc - tsc0) * scale + ns0, as `to_ns` computes it; tsc_now: the counter now
+        (no record of the session can be later)."""
+        return {"tsc0": self._tsc0 & _TSC_MASK, "ns0": self._ns0, "scale": self._scale, "tsc_now": self.read()}
+
+    def plausible(self, tsc: np.ndarray) -> np.ndarray:
+        """Which time stamps can be the session's: from its start to now, L.MARGIN_NS either way."""
+        margin = int(L.MARGIN_NS / self._scale)
+        return (tsc >= np.uint64(max(0, (self._tsc0 & _TSC_MASK) - margin))) & (tsc <= np.uint64(self.read() + margin))
 
     @property
     def mult(self) -> int:
@@ -92,7 +105,7 @@ class TscClock:
         return round(ticks * self._scale)
 
     def to_ns(self, tsc: np.ndarray) -> np.ndarray:
-        delta = tsc.astype(np.int64) - np.int64(self._tsc0 & 0x7FFF_FFFF_FFFF_FFFF)
+        delta = tsc.astype(np.int64) - np.int64(self._tsc0 & _TSC_MASK)
         return (delta * self._scale).astype(np.int64) + self._ns0
 
 
@@ -190,10 +203,15 @@ class Consumer:
         known_probe: Callable[[int], bool],
         on_error: Callable[[str], None],
         interval: float = 0.005,
+        *,
+        without_cpu: Callable[[int], bool] = lambda index: False,
     ) -> None:
         self.layout = layout
         self.deliver = deliver
         self.known_probe = known_probe
+        # Indexes whose records hold something else where a probe's hold the CPU number (the
+        # function tracer's: the entry or exit, and the call's frame)
+        self.without_cpu = without_cpu
         self.on_error = on_error
         self.interval = interval
         self.fullest = 0  # the most records one area had in the last pass
@@ -207,6 +225,7 @@ class Consumer:
         self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
         self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
         self.corrupt = 0  # records or rings rejected
+        self.started = time.monotonic()
         self.drained = 0
         # Raw output: every drained chunk as (u32 pid, u32 tid, u64 count) + the records, as is.
         self.raw_sink: BinaryIO | None = None
@@ -287,7 +306,7 @@ class Consumer:
                     retired, areas.retired = areas.retired, []
                 for tid, area in retired:
                     batches += self._drain_area(areas, tid, area)
-                    self._fold(area)
+                    self._fold(areas, tid, area)
                     areas.recycle(area)
             self.deliver(batches)  # also when empty: events served at stops wait there
             self.drained += sum(len(b.raw) for b in batches)
@@ -333,6 +352,17 @@ class Consumer:
             return []
         self.fullest = max(self.fullest, len(records))
         header = records.view(_header_dtype(lay.record_size))[:, 0]
+        possible = self.clock.plausible(header["tsc"]) & self._cpu_possible(header)
+        if not possible.all():
+            bad = int(np.count_nonzero(~possible))
+            self.corrupt += bad
+            self._error(
+                f"impossible records of thread {tid} of pid {areas.pid}: {bad} with a CPU number past the "
+                "machine's or a time outside the session (written by the program itself?), left out"
+            )
+            records, header = records[possible], header[possible]
+            if not len(records):
+                return []
         probe, cpu, faults = header["probe"], header["cpu"], header["faults"]
         times = self.clock.to_ns(header["tsc"])
         first = int(probe[0])
@@ -348,6 +378,17 @@ class Consumer:
             rows = probe == index
             out.append(RecordBatch(int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows]))
         return out
+
+    def _cpu_possible(self, header: np.ndarray) -> np.ndarray | bool:
+        """Which records have a CPU number below the machine's count, or no CPU number."""
+        probe = header["probe"]
+        if probe.max() == probe.min() and self.without_cpu(int(probe[0])):  # (a thread's records: often one's)
+            return True
+        possible: np.ndarray = header["cpu"] < CPUS
+        if not possible.all():
+            others = [i for i in np.unique(probe[~possible]).tolist() if self.without_cpu(i)]
+            possible |= np.isin(probe, others)
+        return possible
 
     def fail(self, why: str) -> None:
         """What was drained can no longer be written (`why`): from now on records are drained
@@ -377,10 +418,21 @@ class Consumer:
         self.drained += spooled
         self.fullest = max(self.fullest, spooled)
 
-    def _fold(self, area: AreaRef) -> None:
+    def _fold(self, areas: ThreadAreas, tid: int, area: AreaRef) -> None:
         words = area.pool.words[area.index]
-        self.folded += self._counter_block(words)
-        self.folded_hists += self._hist_block(words)
+        for folded, block in ((self.folded, self._counter_block), (self.folded_hists, self._hist_block)):
+            rows = block(words)
+            possible = rows.max(axis=1, initial=0) <= self._most_counted()
+            if not possible.all():
+                self._impossible_counts(areas.pid, tid)
+            folded += np.where(possible[:, None], rows, 0).astype(np.uint64)
+
+    def _most_counted(self) -> int:
+        return int((time.monotonic() - self.started) * 1e9 * HITS_PER_NS)
+
+    def _impossible_counts(self, pid: int, tid: int) -> None:
+        self._error(f"impossible counts of thread {tid} of pid {pid}: more than {HITS_PER_NS} a nanosecond "
+                    "since the session began (written by the program itself?), left out")  # fmt: skip
 
     def _counter_block(self, words: np.ndarray) -> np.ndarray:
         lay = self.layout
@@ -404,9 +456,14 @@ class Consumer:
         of ended threads."""
         with self._lock:
             total: np.ndarray = folded[index].copy()
+            most = self._most_counted()
             for areas in self.processes:
-                for _tid, area in areas.live():
-                    total += block(area.pool.words[area.index])[index]
+                for tid, area in areas.live():
+                    row = block(area.pool.words[area.index])[index]
+                    if int(row.max()) > most:
+                        self._impossible_counts(areas.pid, tid)
+                        continue
+                    total += row
         return total
 
     def counters(self, probe_index: int) -> tuple[int, int, int]:

@@ -83,6 +83,7 @@ DEFAULT_RING_BYTES = 1 << 20
 MIN_RING_BYTES = 1 << 12
 MAX_RING_BYTES = 1 << 30
 MAX_RECORD_SIZE = 1 << 12
+MARGIN_NS = 1_000_000_000  # a record's time stamp is at most this far outside its session
 
 
 def check_ring_bytes(size: int) -> str | None:

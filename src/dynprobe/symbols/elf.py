@@ -7,15 +7,17 @@ covers (stripped binaries), the .eh_frame unwind table gives function ranges too
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import io
 import os
-import stat
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from elftools.common.exceptions import ELFError, ELFParseError
+from elftools.common.exceptions import DWARFError, ELFError
+from elftools.construct.core import ConstructError
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 from elftools.elf.gnuversions import GNUVerDefSection
@@ -23,6 +25,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from dynprobe.errors import ElfError, SymbolError
 from dynprobe.gcpause import gc_paused
+from dynprobe.output.files import FileTooLarge, NotRegularFile, read_regular
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 
@@ -67,25 +70,37 @@ MAX_FILE_SIZE = 1 << 31  # bytes: a larger "ELF file" is refused, not read
 
 def _read_file(path: str) -> bytes:
     """The bytes of a regular file: a device (/dev/zero), a FIFO or a directory is refused
-    without a read (O_NONBLOCK: opening a FIFO does not wait for a writer)."""
+    without a read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular(path, MAX_FILE_SIZE)
+    except FileTooLarge:
+        raise ElfError(f"{path} is larger than {MAX_FILE_SIZE >> 30} GiB: not read as an ELF file") from None
+    except NotRegularFile as exc:
+        if exc.strerror == "a directory":
+            raise SymbolError(f"{path} is a directory, not an ELF file") from None
+        raise ElfError(f"{path} is not a regular file: name an ELF file (a program or a shared library)") from None
     except FileNotFoundError:
         raise SymbolError(f"no such file: {path}") from None
     except OSError as exc:
         raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise SymbolError(f"{path} is a directory, not an ELF file")
-        if not stat.S_ISREG(info.st_mode):
-            raise ElfError(f"{path} is not a regular file, nor an ELF file")
-        if info.st_size > MAX_FILE_SIZE:
-            raise ElfError(f"{path} is larger than {MAX_FILE_SIZE >> 30} GiB: not read as an ELF file")
-        try:
-            return f.read(MAX_FILE_SIZE)
-        except OSError as exc:
-            raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
+
+
+# What pyelftools (and arithmetic on the fields it reads) raise for a malformed file: a file
+# comes from anywhere, and its counts, offsets and sizes can be anything.
+_MALFORMED = (
+    ELFError, DWARFError, ConstructError, KeyError, ValueError, IndexError, AssertionError, OverflowError,
+    TypeError, struct.error,
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _parsing(path: str) -> Iterator[None]:
+    """A malformed file's error, whatever pyelftools raised, as one ElfError."""
+    try:
+        yield
+    except _MALFORMED as exc:
+        why = str(exc).strip().split("\n", 1)[0][:200] or type(exc).__name__
+        raise ElfError(f"{path} is not a valid ELF file: {why}") from exc
 
 
 class ElfImage:
@@ -98,7 +113,7 @@ class ElfImage:
             raise ElfError(f"{path} is not an ELF file")
         if self.data[4] != 2:
             raise ElfError(f"{path} is a 32-bit ELF file; dynprobe traces x86-64 programs only")
-        try:
+        with _parsing(path):
             elf = ELFFile(io.BytesIO(self.data))
             if elf["e_machine"] != "EM_X86_64":
                 raise ElfError(f"{path} is built for {elf['e_machine']}, not x86-64")
@@ -125,8 +140,6 @@ class ElfImage:
             self._branch_targets: frozenset[int] | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
             self._elf = elf
-        except (ELFError, ELFParseError, KeyError, ValueError) as exc:
-            raise ElfError(f"{path} is not a valid ELF file: {exc}") from exc
         self._starts = [f.addr for f in self.functions]
         self.by_name: dict[str, Function] = {}
         for func in self.functions:
@@ -151,19 +164,21 @@ class ElfImage:
         for candidate in candidates:
             if os.path.isfile(candidate) and not os.path.samefile(candidate, self.path):
                 try:
-                    with open(candidate, "rb") as f:
-                        other = ELFFile(io.BytesIO(f.read()))
-                        if self.build_id in (None, self._build_id(other)):
-                            return candidate
-                except (OSError, ELFError, ELFParseError):
+                    other = ELFFile(io.BytesIO(read_regular(candidate, MAX_FILE_SIZE)))
+                    if self.build_id in (None, self._build_id(other)):
+                        return candidate
+                except (OSError, *_MALFORMED):
                     continue
         return None
 
     def _add_debug_symbols(self, debug_file: str) -> None:
         """The functions only the debug file names (static ones, an indirect function's
         implementations); addresses the file's own symbols name keep their names."""
-        with open(debug_file, "rb") as f:
-            functions, objects, ifuncs, _ = self._symbols(ELFFile(io.BytesIO(f.read())))
+        try:
+            data = read_regular(debug_file, MAX_FILE_SIZE)
+        except OSError:
+            return  # gone or replaced since it was checked: the file's own symbols only
+        functions, objects, ifuncs, _ = self._symbols(ELFFile(io.BytesIO(data)))
         named = {f.addr for f in self.functions}
         self.functions = sorted([*self.functions, *(f for f in functions if f.addr not in named)], key=_symbol_order)
         for mine, theirs in ((self.objects, objects), (self.ifuncs, ifuncs)):
@@ -314,7 +329,8 @@ class ElfImage:
     def eh_frame_ranges(self) -> list[tuple[int, int]]:
         """(start, end) of every function the unwind tables describe, sorted."""
         if self._eh_ranges is None:
-            self._eh_ranges = self._eh_frame_hdr_ranges()
+            with _parsing(self.path):
+                self._eh_ranges = self._eh_frame_hdr_ranges()
         if self._eh_ranges is None:
             ranges: list[tuple[int, int]] = []
             try:
@@ -326,7 +342,7 @@ class ElfImage:
                             if "initial_location" in header:
                                 start = header["initial_location"]
                                 ranges.append((start, start + header["address_range"]))
-            except (ELFError, ELFParseError, KeyError, ValueError, AssertionError):
+            except _MALFORMED:
                 ranges = []
             self._eh_ranges = sorted(ranges)
         return self._eh_ranges
@@ -383,10 +399,11 @@ class ElfImage:
         """The file's R_X86_64_IRELATIVE relocations: resolver (the addend) -> the GOT slots the
         loader fills with what it returns (symbols/ifunc.py). Decoded in bulk."""
         out: dict[int, list[int]] = {}
-        for rows, _ in self._relocations():
-            mine = rows[(rows["info"] & 0xFFFF_FFFF) == _R_X86_64_IRELATIVE]
-            for slot, resolver in zip(mine["offset"].tolist(), mine["addend"].tolist(), strict=True):
-                out.setdefault(resolver, []).append(slot)
+        with _parsing(self.path):
+            for rows, _ in self._relocations():
+                mine = rows[(rows["info"] & 0xFFFF_FFFF) == _R_X86_64_IRELATIVE]
+                for slot, resolver in zip(mine["offset"].tolist(), mine["addend"].tolist(), strict=True):
+                    out.setdefault(resolver, []).append(slot)
         return out
 
     @functools.cached_property
@@ -394,13 +411,14 @@ class ElfImage:
         """name -> the slots (GOT entries, function pointers: R_X86_64_GLOB_DAT, JUMP_SLOT, 64)
         where the loader writes the address of that symbol of another module. Decoded in bulk."""
         out: dict[str, list[int]] = {}
-        for rows, names in self._relocations():
-            kind = rows["info"] & 0xFFFF_FFFF
-            mine = rows[np.isin(kind, _SYMBOL_RELOCATIONS) & (rows["info"] >> np.uint64(32) != 0)]
-            for slot, index in zip(mine["offset"].tolist(), (mine["info"] >> np.uint64(32)).tolist(), strict=True):
-                name = names(index)
-                if name:
-                    out.setdefault(name, []).append(slot)
+        with _parsing(self.path):
+            for rows, names in self._relocations():
+                kind = rows["info"] & 0xFFFF_FFFF
+                mine = rows[np.isin(kind, _SYMBOL_RELOCATIONS) & (rows["info"] >> np.uint64(32) != 0)]
+                for slot, index in zip(mine["offset"].tolist(), (mine["info"] >> np.uint64(32)).tolist(), strict=True):
+                    name = names(index)
+                    if name:
+                        out.setdefault(name, []).append(slot)
         return out
 
     def _relocations(self) -> Iterator[tuple[np.ndarray, Callable[[int], str]]]:
@@ -431,8 +449,9 @@ class ElfImage:
             ranges = {(f.addr, f.end) for f in self.functions if f.size}
             ranges.update((start, end) for start, end in self.eh_frame_ranges() if end > start)
             targets: set[int] = set()
-            for start, end in ranges:
-                targets |= branch_targets(self.code(start, end - start), start)
+            with _parsing(self.path):
+                for start, end in ranges:
+                    targets |= branch_targets(self.code(start, end - start), start)
             self._branch_targets = frozenset(targets)
         return self._branch_targets
 
