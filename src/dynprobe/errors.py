@@ -73,8 +73,17 @@ class ParseError(DynprobeError):
         self.column = column
 
     def caret(self) -> str:
-        """The spec with a caret under the offending column, as tracefs' error_log shows it."""
-        return f"{self.spec}\n{' ' * self.column}^"
+        """The spec with a caret under the offending column, as tracefs' error_log shows it; a long
+        spec is cut to the 80 characters around the column, with "..." where it was cut."""
+        start = max(0, min(self.column - 40, len(self.spec) - 80))
+        end = start + 80
+        shown = self.spec[start:end]
+        column = self.column - start
+        if start > 0:
+            shown, column = "..." + shown, column + 3
+        if end < len(self.spec):
+            shown += "..."
+        return f"{shown}\n{' ' * column}^"
 
 
 class Refusal(enum.Enum):

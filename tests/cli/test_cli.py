@@ -15,6 +15,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -327,16 +328,42 @@ def test_a_probe_that_stays_a_trap_says_what_its_hits_cost(options: list[str]) -
         assert "mode=trap (JUMP_INTO_REGION)" in r.stderr and "mode=optimized" in r.stderr
 
 
-def interrupted_after(seconds: float, sig: int, *args: str) -> tuple[int, str, str]:
-    """`dynprobe ARGS...` sent `sig` (alone, not its command) after `seconds`: (status, stdout, stderr)."""
+def interrupted_when(ready: Callable[[subprocess.Popen[str], list[str]], bool], sig: int, *args: str
+                     ) -> tuple[int, str, str]:  # fmt: skip
+    """`dynprobe ARGS...` sent `sig` (alone, not its command) once `ready(process, lines of its
+    stdout so far)`, asked every 10 ms: (status, stdout, stderr)."""
     with subprocess.Popen([*DYNPROBE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))  # type: ignore[union-attr]
+        reader.start()
         try:
-            time.sleep(seconds)
+            while not ready(proc, list(lines)):
+                assert proc.poll() is None, (lines, proc.stderr.read())
+                time.sleep(0.01)
             proc.send_signal(sig)
-            out, err = proc.communicate(timeout=30)
+            err = proc.stderr.read()
+            proc.wait(timeout=30)
         finally:
             proc.kill()
-    return proc.returncode, out, err
+            reader.join()
+    return proc.returncode, "".join(lines), err
+
+
+def command_runs(name: str) -> Callable[[subprocess.Popen[str], list[str]], bool]:
+    """Ready once dynprobe's command runs as `name` (exec'd: the set-up is over)."""
+
+    def ready(proc: subprocess.Popen[str], lines: list[str]) -> bool:
+        return any(Path(f"/proc/{child}/comm").read_text().strip() == name for child in children_of(proc.pid))
+
+    return ready
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    except OSError:
+        return []
 
 
 @pytest.mark.parametrize(
@@ -353,7 +380,11 @@ def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], co
     20 ms: about 7 calls per 0.15 s, as bcc's funccount and funclatency print them), then the
     total when dynprobe alone gets SIGTERM; the command it started gets it too (as with strace),
     and its status is dynprobe's."""
-    status, out, err = interrupted_after(1.5, signal.SIGTERM, *args, "-i", "0.15", "--", ret, "sleep")
+
+    def four_intervals(proc: subprocess.Popen[str], lines: list[str]) -> bool:
+        return sum(bool(re.match(r"^\d\d:\d\d:\d\d$", line)) for line in lines) >= 4
+
+    status, out, err = interrupted_when(four_intervals, signal.SIGTERM, *args, "-i", "0.15", "--", ret, "sleep")
     assert status == 128 + signal.SIGTERM, err  # the command's: killed by SIGTERM
     *intervals, total = [int(n) for n in re.findall(count, out, flags=re.M)]
     assert len(re.findall(r"^\d\d:\d\d:\d\d$", out, flags=re.M)) == len(intervals) and "\ntotal:\n" in out
@@ -370,7 +401,7 @@ def test_a_command_that_does_not_end_runs_on_detached(sig: int) -> None:
     command itself), or SIGTERM, which its command ignores: dynprobe waits a moment, says so, and
     leaves the command running, no longer traced."""
     cmd = ["/bin/sh", "-c", "trap '' TERM; exec sleep 30 >/dev/null 2>&1"]  # (our pipes closed in it)
-    status, _, err = interrupted_after(1.0, sig, "count", "libc:nanosleep", "--", *cmd)
+    status, _, err = interrupted_when(command_runs("sleep"), sig, "count", "libc:nanosleep", "--", *cmd)
     name = signal.Signals(sig).name
     m = re.search(rf"dynprobe: pid (\d+) did not end after {name}; it runs on, detached", err)
     assert status == 130 and m is not None, err
@@ -425,9 +456,10 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
 def test_a_ring_size_that_is_not_a_size_is_a_usage_error(wordcount: str, command: str) -> None:
     r = dp(command, *(["p add_word"] if command == "count" else []), "--ring-size", "64Q", "--", wordcount)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.splitlines()[-1] == (
-        f"dynprobe {command}: error: argument --ring-size: '64Q' is not a size (bytes, or with K, M or G: 64M)"
-    )
+    assert r.stderr.splitlines() == [
+        f"dynprobe {command}: error: argument --ring-size: '64Q' is not a size (bytes, or with K, M or G: 64M) "
+        f"(see 'dynprobe {command} --help')"
+    ]
 
 
 @pytest.mark.parametrize("mode", [[], ["--trap"]], ids=["optimized", "trap"])

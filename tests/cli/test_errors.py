@@ -5,12 +5,16 @@ be, and the program unharmed (it runs to its end, with its own output)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from dynprobe.ptrace.process import tracer_of
 
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 
@@ -54,7 +58,7 @@ RUNNING = {  # each command that runs a program, as given before its target
 TARGETS = [
     (["-p", "999999999"], "no process with pid 999999999"),
     (["--", "/nonexistent/program"], "no such file: /nonexistent/program"),
-    (["--", "/dev/zero"], "/dev/zero is not a regular file, nor an ELF file"),
+    (["--", "/dev/zero"], "/dev/zero is not a regular file: name an ELF file"),
 ]
 SPEC_FILES = [
     ("/nonexistent/specs", "cannot read spec file /nonexistent/specs: No such file or directory"),
@@ -170,3 +174,75 @@ def test_a_full_disk(command: str, full_disk: Path, trace_dir: str, tmp_path: Pa
     one_error_line(r, "No space left on device")
     if command != "dump":
         assert r.stdout.splitlines()[-1] == "done"  # the program's own output, whole
+
+
+@pytest.fixture
+def zombie() -> Iterator[int]:
+    """A process that has ended and that its parent (this test) has not reaped yet."""
+    child = subprocess.Popen(["true"])
+    try:
+        while (Path(f"/proc/{child.pid}/stat").read_bytes().rsplit(b")", 1)[1].split() or [b""])[0] != b"Z":
+            time.sleep(0.01)
+        yield child.pid
+    finally:
+        child.wait()
+
+
+def test_a_zombie_is_said_to_have_ended(zombie: int) -> None:
+    for command in ("trace", "count", "record"):
+        one_error_line(dp(*RUNNING[command], "-p", str(zombie)), f"pid {zombie} has ended (a zombie")
+
+
+DEEP = "(" * 5000 + "%di > 0" + ")" * 5000
+LONG = " or ".join(["%di == 1"] * 100)
+VALUES = [  # each refused in one line, before the program is touched
+    (["count", "-i", "nan", "p add_word"], "an interval is 0.01 to 86400 seconds, not 'nan'"),
+    (["hist", "-i", "1e-9", "p add_word n=%si", "--value", "n"], "an interval is 0.01 to 86400 seconds, not '1e-9'"),
+    (["latency", "-i", "inf", "add_word"], "an interval is 0.01 to 86400 seconds, not 'inf'"),
+    (["record", "--threshold", "inf"], "a time is 0 or more, finite and under 2^63 ns, not 'inf'"),
+    (["record", "--threshold", "1e400us"], "a time is 0 or more, finite and under 2^63 ns, not '1e400'"),
+    (["count", "--filter", DEEP, "p add_word"], "FILTER_TOO_DEEP: parentheses nested deeper than 16 levels"),
+    (["trace", "--filter", LONG, "p add_word"], "FILTER_TOO_LONG: more than 64 comparisons in one filter"),
+    (["count", "--ring-size=-4K", "p add_word"], "'-4K' is not a size (bytes, or with K, M or G: 64M)"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), VALUES, ids=lambda value: str(value)[:40])
+def test_values_out_of_range(args: list[str], says: str, wordcount: str) -> None:
+    r = dp(*args, "--", wordcount, "a")
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr and says in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) <= 3 and not r.stdout  # (a spec's error shows it, and a caret)
+
+
+def test_sigterm_while_probes_are_placed_detaches(spinner: str, tmp_path: Path) -> None:
+    """SIGTERM during the set-up (libc's ~3,000 functions being patched) unwinds it as Ctrl-C
+    does: every byte written is restored, the program runs on untraced, nothing is left."""
+    target = subprocess.Popen([spinner, "1"], stdout=subprocess.PIPE, text=True)
+    assert target.stdout is not None and target.stdout.readline() == "ready\n"
+    out = tmp_path / "t.data"
+    tracer = subprocess.Popen([*DYNPROBE, "record", "--lib", "libc", "-o", str(out), "-p", str(target.pid)],
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        while tracer_of(target.pid) != tracer.pid:  # attached: the set-up has begun
+            assert tracer.poll() is None, tracer.communicate()
+            time.sleep(0.001)
+        tracer.send_signal(signal.SIGTERM)
+        _, err = tracer.communicate(timeout=60)
+        assert tracer.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+        assert "dynprobe: tracing" not in err  # (it came before the set-up was done)
+        assert tracer_of(target.pid) == 0 and not out.exists()
+        libc = next(line.split() for line in Path(f"/proc/{target.pid}/maps").read_text().splitlines()
+                    if "r-xp" in line and "/libc.so" in line)  # fmt: skip
+        start, end = (int(x, 16) for x in libc[0].split("-"))
+        with open(f"/proc/{target.pid}/mem", "rb") as mem, open(libc[5], "rb") as file:
+            mem.seek(start)
+            file.seek(int(libc[2], 16))
+            assert mem.read(end - start) == file.read(end - start)  # not an int3 nor a jump left
+        target.send_signal(signal.SIGTERM)
+        out_text, _ = target.communicate(timeout=30)
+        assert target.returncode == 0 and "ticks=" in out_text
+    finally:
+        for p in (tracer, target):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -20,6 +20,8 @@ ERROR_TABLE: dict[str, tuple[str, int, bool]] = {
     "FILTER_STRING": ("s == 1", 0, False),
     "FILTER_BAD_NUMBER": ("a == five", 5, False),
     "FILTER_PAREN": ("(a == 1 or b == 2", 0, False),
+    "FILTER_TOO_DEEP": ("(" * 17 + "a == 1" + ")" * 17, 16, False),  # (16 levels parse)
+    "FILTER_TOO_LONG": (" or ".join(["a == 1"] * 65), 64 * len("a == 1 or "), False),
     "VALUE_UNKNOWN": ("nope", 0, True),
     "VALUE_STRING": ("s", 0, True),
 }
@@ -36,6 +38,21 @@ def test_error_codes(code: str) -> None:
 
 def test_every_error_code_has_a_case() -> None:
     assert set(ERROR_TABLE) == set(FILTER_ERRORS)
+
+
+def test_the_limits_themselves_parse() -> None:
+    parse_filter("(" * 16 + "a == 1" + ")" * 16, ARGS)
+    parse_filter(" or ".join(["a == 1"] * 64), ARGS)
+
+
+def test_a_long_text_s_caret_shows_the_80_characters_around_the_fault() -> None:
+    with pytest.raises(ParseError) as info:
+        parse_filter("(" * 5000 + "a == 1" + ")" * 5000, ARGS)
+    assert info.value.caret().splitlines() == ["(" * 80 + "...", " " * 16 + "^"]
+    text = " or ".join(["a == 1"] * 100)
+    with pytest.raises(ParseError) as info:
+        parse_filter(text, ARGS)
+    assert info.value.caret().splitlines() == ["..." + text[600:680] + "...", " " * 43 + "^"]
 
 
 def test_and_binds_tighter_than_or() -> None:

@@ -55,7 +55,9 @@ def test_error_code_and_column(code: str, case: tuple[str, int]) -> None:
         parse_spec(spec)
     assert info.value.code == code, info.value
     assert info.value.column == column, info.value.caret()
-    assert info.value.caret().splitlines()[1] == " " * column + "^"
+    text, caret = info.value.caret().splitlines()
+    assert text.replace("...", "") in spec and caret.endswith("^")
+    assert text[len(caret) - 1 : len(caret) + 2] == spec[column : column + 3]  # the caret is under the fault
 
 
 def test_every_error_code_is_tested() -> None:

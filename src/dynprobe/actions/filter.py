@@ -16,6 +16,9 @@ from dynprobe.errors import ParseError
 from dynprobe.spec.model import ArgType, FetchArg
 from dynprobe.spec.parser import parse_fetch_arg
 
+MAX_DEPTH = 16
+MAX_COMPARISONS = 64
+
 FILTER_ERRORS: dict[str, str] = {
     "FILTER_EMPTY": "the filter is empty",
     "FILTER_SYNTAX": "expected NAME OP NUMBER, '(' or the end (operators: == != < <= > >=; join with and/or)",
@@ -23,6 +26,8 @@ FILTER_ERRORS: dict[str, str] = {
     "FILTER_STRING": "strings cannot be compared in a filter",
     "FILTER_BAD_NUMBER": "not a number (decimal, 0x hex or negative)",
     "FILTER_PAREN": "a '(' has no matching ')'",
+    "FILTER_TOO_DEEP": f"parentheses nested deeper than {MAX_DEPTH} levels",
+    "FILTER_TOO_LONG": f"more than {MAX_COMPARISONS} comparisons in one filter",
     "VALUE_UNKNOWN": "the histogram value is not a fetch argument of this probe, nor a fetch argument itself",
     "VALUE_STRING": "cannot make a histogram of a string; give an integer type",
 }
@@ -58,6 +63,8 @@ class _Parser:
             self.tokens.append((m.group(kind), m.start(kind)))
             pos = m.end()
         self.pos = 0
+        self.depth = 0
+        self.comparisons = 0
 
     def peek(self) -> tuple[str, int] | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -86,12 +93,19 @@ class _Parser:
     def comparison(self) -> Filter:
         word, col = self.take()
         if word == "(":
+            self.depth += 1
+            if self.depth > MAX_DEPTH:
+                raise _fail("FILTER_TOO_DEEP", self.text, col)
             node = self.expression()
             closing = self.peek()
             if closing is None or closing[0] != ")":
                 raise _fail("FILTER_PAREN", self.text, col)
             self.pos += 1
+            self.depth -= 1
             return node
+        self.comparisons += 1
+        if self.comparisons > MAX_COMPARISONS:
+            raise _fail("FILTER_TOO_LONG", self.text, col)
         arg = self.operand(word, col)
         op, op_col = self.take()
         if op not in _OPS:

@@ -41,10 +41,25 @@ def byte_size(text: str) -> int:
     """An argparse type: a size in bytes, with an optional K, M or G (KiB, MiB, GiB) after it."""
     digits = text.strip().lower().removesuffix("ib").removesuffix("b")
     unit = digits[-1:] if digits[-1:] in _SIZE_UNITS else ""
+    number = digits[: len(digits) - len(unit)]
+    if not number.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with K, M or G: 64M)")
+    return int(number) * _SIZE_UNITS[unit]
+
+
+MIN_INTERVAL = 0.01  # seconds: a shorter one would keep the tracer printing while the program waits
+MAX_INTERVAL = 86_400.0
+
+
+def interval_seconds(text: str) -> float:
+    """An argparse type: an interval in seconds, from MIN_INTERVAL to a day."""
     try:
-        return int(digits[: len(digits) - len(unit)]) * _SIZE_UNITS[unit]
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or with K, M or G: 64M)") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (e.g. 1 or 0.5)") from None
+    if not MIN_INTERVAL <= value <= MAX_INTERVAL:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"an interval is {MIN_INTERVAL} to {MAX_INTERVAL:.0f} seconds, not {text!r}")
+    return value
 
 
 def add_demangle_option(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dynprobe.actions.filter import parse_filter
-from dynprobe.cli.common import UsageError, byte_size, open_session, report_error, run_target
+from dynprobe.cli.common import UsageError, byte_size, interval_seconds, open_session, report_error, run_target
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal
@@ -28,7 +28,7 @@ PROGRESS_FROM = 200  # probes: fewer attach too fast for a bar to help
 
 
 def add_interval_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("-i", "--interval", type=float, metavar="SECONDS",
+    p.add_argument("-i", "--interval", type=interval_seconds, metavar="SECONDS",
                    help=f"also print, every SECONDS, the {what} of that interval (the total at the end)")  # fmt: skip
 
 
@@ -232,8 +232,6 @@ def run_aggregating(
     every -i seconds with what that interval saw (the time as title, as bcc's funccount and
     funclatency print), and at the end with everything (title "total:" after intervals, else
     None)."""
-    if args.interval is not None and args.interval <= 0:
-        return report_error(DynprobeError("the interval must be a positive number of seconds"))
     last: dict[int, Tally] = {}
 
     def interval() -> None:

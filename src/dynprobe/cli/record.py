@@ -54,8 +54,8 @@ def _time(text: str) -> int:
         value = float(text) * factor
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a time: {text!r} (e.g. 500ns, 10us, 1.5ms)") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("a time is not negative")
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"a time is 0 or more, finite and under 2^63 ns, not {text!r}")
     return int(value)
 
 
@@ -229,14 +229,22 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
     except OSError as exc:  # closing the events file (its last bytes) on a full disk
         return report_error(DynprobeError(f"cannot write {os.path.join(out, EVENTS)}: {exc.strerror or exc}"))
     except DynprobeError as exc:
-        written = os.path.join(out, EVENTS)
-        if not os.path.exists(written) or not os.path.getsize(written):
-            with contextlib.suppress(OSError):
-                remove_trace_directory(out)  # nothing was recorded
+        _remove_if_empty(out)
         return report_error(exc)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM while probes were placed
+        _remove_if_empty(out)
+        raise
     if args.pid is not None:
         return 0
     return status if status is not None else 130
+
+
+def _remove_if_empty(out: str) -> None:
+    """The trace directory goes when nothing was recorded in it."""
+    written = os.path.join(out, EVENTS)
+    if not os.path.exists(written) or not os.path.getsize(written):
+        with contextlib.suppress(OSError):
+            remove_trace_directory(out)
 
 
 def _stopped_writing(out: str, info: dict[str, object], failure: str, written: int, dropped: int) -> int:
@@ -257,6 +265,9 @@ def _trace(args: argparse.Namespace) -> Iterator[Trace]:
     if not trace.complete:
         print(f"dynprobe: warning: {args.directory} was not closed (the recording was cut short)", file=sys.stderr)
     yield trace
+    if trace.rejected:
+        print(f"dynprobe: warning: {trace.rejected} records left out: a function id past the trace's table or a "
+              "time outside the recording (written by the traced program itself?)", file=sys.stderr)  # fmt: skip
     if trace.truncated_at is not None:
         print(
             f"dynprobe: warning: {args.directory}/{EVENTS} is truncated: read up to byte {trace.truncated_at}",

@@ -89,6 +89,14 @@ def _ptrace_error(exc: OSError, pid: int) -> ProcessError:
     if exc.errno == errno.ESRCH:
         return NoSuchProcess(f"no process with pid {pid}")
     if exc.errno == errno.EPERM:
+        if thread_state(pid, pid) == b"Z":
+            with contextlib.suppress(NoSuchProcess, PermissionDenied):
+                if any(thread_state(pid, tid) not in (b"Z", b"X", None) for tid in list_threads(pid)):
+                    return ProcessError(
+                        f"the main thread of pid {pid} has ended while others run: dynprobe attaches through the "
+                        "main thread; start the program under dynprobe instead"
+                    )
+            return NoSuchProcess(f"pid {pid} has ended (a zombie its parent has not reaped): nothing runs to trace")
         other = tracer_of(pid)
         if other and other != os.getpid():
             return AlreadyTraced(f"pid {pid} is already traced by pid {other}; detach that tracer first")
@@ -126,6 +134,15 @@ class Tracee:
             self._mem_fd = os.open(f"/proc/{self.pid}/mem", os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise ProcessError(f"cannot open the memory of pid {self.pid}: {exc.strerror}") from exc
+
+    def image_gone(self) -> bool:
+        """The process's memory is no longer the one `open_memory` opened: it exec'd (its exec
+        stop may not be handled yet) or it ended. (A read of an unmapped page fails; a read of
+        a memory the process has let go reads nothing.)"""
+        try:
+            return not os.pread(self._mem_fd, 1, 0)
+        except OSError:
+            return False
 
     def close_memory(self) -> None:
         if self._mem_fd >= 0:
@@ -666,6 +683,33 @@ def thread_cpu(pid: int, tid: int) -> int:
         return int(fields[36])
     except (IndexError, ValueError):
         return -1
+
+
+def start_time(pid: int) -> int:
+    """When the process started (field 22 of /proc/PID/stat, clock ticks since boot). 0 if it
+    is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2 :].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def identity(pid: int, pidfd: int | None = None) -> tuple[int, int]:
+    """Who has `pid` now (a pid is another process's once its own has ended): its start time,
+    and the inode of a pidfd of it (`pidfd`, or one opened here). From Linux 6.9 (pidfs) that
+    inode is one process's for the life of the system; before, every pidfd has the same one,
+    and the start time (in 10 ms ticks) is all there is. (0, 0) if it is gone."""
+    try:
+        fd = os.pidfd_open(pid) if pidfd is None else pidfd
+    except OSError:
+        return 0, 0
+    try:
+        return start_time(pid), os.fstat(fd).st_ino
+    finally:
+        if pidfd is None:
+            os.close(fd)
 
 
 def sigtrap_pending(pid: int, tid: int) -> bool:
