@@ -4,6 +4,7 @@ dynprobe's."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import shutil
@@ -18,7 +19,9 @@ from pathlib import Path
 import pytest
 
 import dynprobe
+from dynprobe.ptrace.guardian import Journal, rescue
 from dynprobe.ptrace.process import Tracee
+from dynprobe.symbols.elf import load_elf
 from tests.conftest import build_target
 
 
@@ -146,3 +149,69 @@ def test_the_target_s_library_never_runs_in_dynprobe(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert set(marker.read_text().split()) == {str(proc.pid)}  # the target alone (the spawned one never ran)
+
+
+ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def _spinner_without_aslr(spinner: str) -> subprocess.Popen[str]:
+    libc = ctypes.CDLL(None)
+    proc = subprocess.Popen([spinner, "0"], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: libc.personality(ADDR_NO_RANDOMIZE))  # fmt: skip
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def _tick_of(pid: int, spinner: str) -> int:
+    path = os.path.realpath(spinner)
+    first = next(line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if line.endswith(path))
+    image = load_elf(spinner)
+    tick = image.address_of("tick")
+    assert tick is not None
+    return int(first.split("-")[0], 16) - image.first_page + tick
+
+
+def test_the_guardian_never_writes_to_a_pid_another_process_took(spinner: str) -> None:
+    """The tracer died and so did its target; its pid went to another process (here, on
+    purpose, through ns_last_pid): the guardian puts nothing back into that one. The same
+    journal entry for the process that is still there is put back (the check is what stops it)."""
+    last_pid = Path("/proc/sys/kernel/ns_last_pid")
+    if os.geteuid() != 0 or not os.access(last_pid, os.W_OK):
+        pytest.skip("needs root, to give a process a chosen pid (/proc/sys/kernel/ns_last_pid)")
+    first = _spinner_without_aslr(spinner)
+    tick = _tick_of(first.pid, spinner)
+    with open(f"/proc/{first.pid}/mem", "rb") as mem:
+        mem.seek(tick)
+        original = mem.read(1)
+    journal = Journal(capacity=16)
+    journal.record(first.pid, tick, original)  # as if an int3 were there
+    first.kill()
+    first.wait()
+    time.sleep(0.02)  # a tick of the start time (10 ms): what a kernel without pidfs goes by
+    for _ in range(100):  # another process may take the pid first: then again
+        last_pid.write_text(str(first.pid - 1))
+        second = _spinner_without_aslr(spinner)
+        if second.pid == first.pid:
+            break
+        second.kill()
+        second.wait()
+    else:
+        pytest.fail(f"pid {first.pid} could not be given to a new process")
+    try:
+        assert _tick_of(second.pid, spinner) == tick
+        with open(f"/proc/{second.pid}/mem", "r+b", buffering=0) as mem:
+            mem.seek(tick)
+            mem.write(b"\xcc")  # what the guardian would take for its own int3
+            assert list(rescue(journal.spans(), {}, None, {}, journal.identities())) == []
+            mem.seek(tick)
+            assert mem.read(1) == b"\xcc"
+            mine = Journal(capacity=16)
+            mine.record(second.pid, tick, original)
+            assert list(rescue(mine.spans(), {}, None, {}, mine.identities())) == [
+                f"dynprobe let pid {second.pid} go without detaching; 1 probe site(s) put back"
+            ]
+            mem.seek(tick)
+            assert mem.read(1) == original
+    finally:
+        second.kill()
+        second.wait()

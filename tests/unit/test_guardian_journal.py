@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 from dynprobe.ptrace.guardian import Journal
+from dynprobe.ptrace.process import identity
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
 
@@ -26,12 +27,13 @@ def test_spans_grow_shrink_and_go() -> None:
 
 
 def test_entries_are_reused_and_kept_apart_by_process() -> None:
-    journal = Journal(capacity=2)
+    journal = Journal(capacity=4)  # two processes: each one's start time, and a span
     journal.record(1, 0x1000, b"\x55")
     journal.record(2, 0x1000, b"\x53")
     journal.drop(1, 0x1000)
     journal.record(1, 0x2000, REGION)  # the freed entry
     assert journal.spans() == {2: [(0x1000, b"\x53")], 1: [(0x2000, REGION)]}
+    assert journal.identities() == {1: identity(1), 2: identity(2)}
     assert not journal.full
     told: list[bool] = []
     journal.on_full = lambda: told.append(True)

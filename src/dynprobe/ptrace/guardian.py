@@ -47,6 +47,7 @@ from dynprobe.errors import ProcessError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ptrace.process import attach as attach_process
+from dynprobe.ptrace.process import identity
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
 
@@ -60,7 +61,10 @@ _ENTRIES_AT = 512
 _MAGIC = b"dpundo2\0"
 _ENTRY = struct.Struct("<IBBxxQ16s")  # pid, kind, length, address, original bytes
 _KIND_AT, _LENGTH_AT, _BYTES_AT = 4, 5, 16
-_FREE, _PATCH, _RETURNS, _RESCUE = 0, 1, 2, 3  # _RESCUE: the address of the process's rescue page
+# _RESCUE: the address of the process's rescue page; _PROCESS: who the process is (its start
+# time in the address field, its pidfd's inode in the bytes: ptrace.process.identity), which
+# the guardian checks (a pid names another process once its own has ended)
+_FREE, _PATCH, _RETURNS, _RESCUE, _PROCESS = 0, 1, 2, 3, 4
 _RETURNS_BYTES = struct.Struct("<Q8x")  # a _RETURNS entry's bytes: the shadow stack's offset in a thread area
 MAX_SPAN = 16  # bytes of one entry (dynprobe changes at most the 5 bytes of a jump)
 CAPACITY = 1 << 18  # entries (8 MiB of address space; pages are touched only as entries are used)
@@ -81,6 +85,7 @@ class Journal:
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
         self._returns: dict[int, int] = {}  # pid -> its _RETURNS entry
         self._rescues: dict[int, int] = {}  # pid -> its _RESCUE entry
+        self._processes: dict[int, int] = {}  # pid -> its _PROCESS entry
         self.full = False  # more spans than entries: the rest are not journaled
         self.on_full: Callable[[], object] | None = None  # told once, when that happens
 
@@ -108,6 +113,7 @@ class Journal:
             self.memory[at + _BYTES_AT : at + _BYTES_AT + len(original)] = original
             self.memory[at + _LENGTH_AT] = len(original)
             return
+        self._known(pid)
         entry = self._take()
         if entry is None:
             return
@@ -121,6 +127,7 @@ class Journal:
         thread's shadow stack at `shadow` in the thread area its GS base points to."""
         if pid in self._returns:
             return
+        self._known(pid)
         entry = self._take()
         if entry is None:
             return
@@ -133,6 +140,7 @@ class Journal:
         """The process has a rescue handler (core/rescue.py), whose page is at `page`: the
         guardian tells it when it has put everything back (RESCUE_RESCUED)."""
         self._release(self._rescues.pop(pid, None))
+        self._known(pid)
         entry = self._take()
         if entry is None:
             return
@@ -143,6 +151,7 @@ class Journal:
 
     def begin_syscall(self, pid: int, tid: int, stub: int, regs: bytes) -> None:
         """Thread `tid` runs a remote syscall from `stub`; `regs` are its registers before it."""
+        self._known(pid)
         _SYSCALL.pack_into(self.memory, _SYSCALL_AT, 0, tid, stub, regs)
         self.memory[_SYSCALL_AT : _SYSCALL_AT + 4] = pid.to_bytes(4, "little")
 
@@ -169,6 +178,20 @@ class Journal:
             self.drop(*key)
         self._release(self._returns.pop(pid, None))
         self._release(self._rescues.pop(pid, None))
+        self._release(self._processes.pop(pid, None))
+
+    def _known(self, pid: int) -> None:
+        """Who the process is, journaled once, before its first entry."""
+        if pid in self._processes:
+            return
+        entry = self._take()
+        if entry is None:
+            return
+        at = self._at(entry)
+        started, inode = identity(pid)
+        _ENTRY.pack_into(self.memory, at, pid, _FREE, 0, started, inode.to_bytes(8, "little"))
+        self.memory[at + _KIND_AT] = _PROCESS
+        self._processes[pid] = entry
 
     def inherit(self, parent: int, child: int) -> None:
         """A forked child has a copy of its parent's changed code and hooked returns."""
@@ -205,6 +228,11 @@ class Journal:
     def rescues(self) -> dict[int, int]:
         """pid -> the address of its rescue page. Read from the shared memory alone."""
         return {pid: page for pid, page, _ in self._of_kind(_RESCUE)}
+
+    def identities(self) -> dict[int, tuple[int, int]]:
+        """pid -> who its process was (ptrace.process.identity). Read from the shared memory
+        alone."""
+        return {pid: (started, int.from_bytes(data[:8], "little")) for pid, started, data in self._of_kind(_PROCESS)}
 
     def _of_kind(self, wanted: int) -> Iterator[tuple[int, int, bytes]]:
         magic, used = _HEADER.unpack_from(self.memory, 0)
@@ -370,7 +398,7 @@ def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline, trac
     os.write(done_w, os.getpid().to_bytes(8, "little"))
     if (lifeline.wait(word_r) if lifeline.held else _word(word_r)) == b"d":
         return
-    for line in rescue(journal.spans(), journal.returns(), journal.syscall(), journal.rescues()):
+    for line in rescue(journal.spans(), journal.returns(), journal.syscall(), journal.rescues(), journal.identities()):
         with contextlib.suppress(OSError):
             print(f"dynprobe guardian: {line}", file=sys.stderr, flush=True)
 
@@ -389,18 +417,19 @@ def rescue(
     returns: dict[int, tuple[int, int]],
     syscall: tuple[int, int, int, bytes] | None = None,
     rescues: dict[int, int] | None = None,
+    identities: dict[int, tuple[int, int]] | None = None,
 ) -> Iterator[str]:
     """Put the journaled spans back, int3s first, a thread left in a remote syscall and hooked
     returns back to their callers, then tell each process's rescue handler it is done; yields
-    a line per process for the user."""
-    rescues = rescues or {}
+    a line per process for the user. Only in the processes journaled (`identities`): a pid
+    whose process has ended may be another's by now."""
+    rescues, identities = rescues or {}, identities or {}
     for pid in {**spans, **returns, **rescues}:
-        try:
-            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            continue  # exited: nothing to save
-        plain = 0
-        try:
+        with _same_process(pid, identities.get(pid)) as same:
+            if same is None:
+                continue  # ended: nothing to save
+            fd, still_same = same
+            plain = 0
             changed = [(a, b) for a, b in spans.get(pid, []) if _ours(fd, a, b)]
             short = [(a, b) for a, b in changed if len(b) == 1]
             long = [(a, b) for a, b in changed if len(b) > 1]
@@ -408,21 +437,51 @@ def rescue(
             in_syscall = syscall is not None and syscall[0] == pid
             if long or pid in returns or in_syscall:
                 with _stopped(pid) as threads:
-                    if in_syscall and syscall is not None:
+                    if threads and not still_same():  # (the attach was to whoever has the pid now)
+                        threads = []
+                    if in_syscall and syscall is not None and threads:
                         _out_of_syscall(*syscall[1:])  # before its stub goes (it may be borrowed code)
                     restored += sum(_put_back(fd, addr, original) for addr, original in long) if threads else 0
                     if pid in returns:
                         plain = sum(_plain_returns(fd, tid, *returns[pid]) for tid in threads)
             if pid in rescues:  # threads waiting in the rescue handler go on
                 _put_back(fd, rescues[pid] + L.RESCUE_RESCUED, (1).to_bytes(8, "little"))
-        finally:
-            os.close(fd)
         left = len(changed) - restored
         yield (
             f"dynprobe let pid {pid} go without detaching; {restored} probe site(s) put back"
             + (f", {left} left as jumps (they work without dynprobe)" if left else "")
             + (f", {plain} pending return(s) back to their callers" if plain else "")
         )
+
+
+@contextlib.contextmanager
+def _same_process(pid: int, journaled: tuple[int, int] | None) -> Iterator[tuple[int, Callable[[], bool]] | None]:
+    """The memory (/proc/PID/mem, open) of the process journaled as `pid`, and a check that it
+    is still alive (then `pid` is still its own); None if it has ended. A pidfd is taken first:
+    it names one process, for good. If that is the one journaled, and it is alive once
+    /proc/PID/mem is open, the memory opened is its own."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        yield None  # gone
+        return
+    try:
+
+        def alive() -> bool:
+            return not select.select([pidfd], [], [], 0)[0]  # a pidfd reads once its process has ended
+
+        try:
+            fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            yield None
+            return
+        try:
+            same = journaled is not None and journaled[0] and identity(pid, pidfd) == journaled
+            yield (fd, alive) if same and alive() else None
+        finally:
+            os.close(fd)
+    finally:
+        os.close(pidfd)
 
 
 def _out_of_syscall(tid: int, stub: int, saved: bytes) -> None:
