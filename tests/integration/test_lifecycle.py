@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,24 @@ def test_library_named_before_the_loader_ran_is_the_one_it_maps(linked: Path, wh
             assert (probe.hits if how == "probe" else tracer.calls) == 3  # (the decoy's other_func is too short)
         out.seek(0)
         assert out.read() == plain
+
+
+def test_an_exec_taken_while_stopping_the_process_is_not_written_over() -> None:
+    """A thread execs while the tracer is held (a Python handler) and an optimization falls
+    due: the stop-the-world for it takes the exec stop. Nothing of the old image is written
+    (it was: a read of the gone image, a traceback, the guardian left to restore); the exec
+    is handled next and the new program runs to its end."""
+    target = build_target("exec_race", flags=("-O1", "-pthread"))
+    true = os.path.realpath("/bin/true")
+    with open(os.devnull, "w") as devnull, dynprobe.spawn([target], stdout=devnull.fileno()) as session:
+
+        def held(hit: object) -> None:
+            session.probe("other")  # queued: optimized in 10 ms, at the loop's next turn
+            while os.readlink(f"/proc/{session.pid}/exe") != true:  # the other thread has exec'd
+                time.sleep(0.001)
+
+        session.probe("hit", pre=held)
+        assert session.run(timeout=60) == 0
 
 
 def test_leader_pthread_exit_while_others_run() -> None:

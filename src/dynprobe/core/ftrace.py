@@ -354,6 +354,8 @@ class Tracing:
         tracer.started = False
         for proc in self.session.traced_processes():
             with self.session.world_stopped(proc), proc.tracee.batched():
+                if proc.tracee.image_gone():
+                    continue
                 for site in list(proc.tracing.sites.values()):
                     if tracer in site.ops:
                         site.ops.remove(tracer)

@@ -242,6 +242,8 @@ class Optimizer:
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:
         """Put the original bytes back (and the int3 if `arm`); the detour becomes dirty."""
         with self.session.world_stopped(proc):
+            if proc.tracee.image_gone():
+                return  # the site went with the old image
             if arm:
                 self.session.rescue_knows(proc, site)
             data = (bytes([INT3]) + site.region[1:]) if arm else site.region
@@ -351,6 +353,8 @@ class Optimizer:
         proc.areas_refused = OptimizeRefusal.SHARED_MEMORY
         self.session.warn(f"{why}: its probes stay traps")
         with self.session.world_stopped(proc):
+            if proc.tracee.image_gone():
+                return
             for site in [s for s in proc.sites.values() if s.optimized]:
                 self.unoptimize(proc, site, arm=site.wanted)
             self.session.tracing.restore(proc)

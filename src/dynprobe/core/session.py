@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import errno
 import os
 import shutil
 import signal
@@ -89,7 +90,7 @@ from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
-from dynprobe.ringbuf.consumer import Consumer, RecordBatch, decode_fields, decode_string
+from dynprobe.ringbuf.consumer import CPUS, Consumer, RecordBatch, decode_fields, decode_string
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
 from dynprobe.spec.parser import parse_probe
@@ -118,7 +119,6 @@ from dynprobe.symbols.resolve import (
 
 LOADER_HOOK = "_dl_debug_state"
 RSEQ_OFFSET = "__rseq_offset"  # glibc 2.35+: where its threads' rseq areas are, from the thread pointer
-_CPUS = os.sysconf("SC_NPROCESSORS_CONF")  # CPU numbers are below it
 COMM_REFRESH = 0.5  # seconds a thread's name is taken as known
 # Reasons a site stays a trap for as long as its probes are there (not the optimizer's delay).
 _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, OptimizeRefusal.PYTHON_HANDLER)
@@ -912,7 +912,7 @@ class Session:
         state.stopped = event.kind not in (EventKind.EXITED, EventKind.KILLED)
         state.in_event_stop = event.kind in EVENT_STOPS
         kind = event.kind
-        if state.stopped:
+        if state.stopped and kind is not EventKind.EXEC:  # (an exec: the areas went with the old image)
             self._optimizer.thread_stopped(proc, event.tid)
         if kind in (EventKind.EXITED, EventKind.KILLED):
             self._on_exit(proc, event)
@@ -1057,8 +1057,9 @@ class Session:
                 self._owner.pop(tid, None)
         if event.tid != pid:  # a non-leader thread exec'd: it now has the leader's tid
             self._owner[pid] = proc
-        proc.tracee.threads.setdefault(pid, ThreadState(pid))
-        proc.tracee.threads[pid].stopped = True
+        # A fresh state: nothing of the thread whose tid the exec'ing one took (stopped at a trap
+        # of the old image, say) carries over.
+        proc.tracee.threads[pid] = ThreadState(pid, in_event_stop=True)
         proc.sites.clear()
         proc.stepping.clear()
         proc.retired.clear()
@@ -1212,7 +1213,13 @@ class Session:
             if not now:
                 now = time.monotonic()
             source = context or (lambda: self._context(proc, tid, regs, site))
-            if probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source)):
+            moved = probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source))
+            # A handler takes its time, and the process goes on meanwhile: another thread's
+            # exec or exit_group may have ended this one, whose tid an exec'd thread then
+            # takes. The exec's or exit's event, handled next, settles it.
+            if proc.tracee.image_gone():
+                raise ProcessLookupError(errno.ESRCH, f"pid {proc.pid} exec'd or ended while a handler ran")
+            if moved:
                 # The handler moved rip itself: the instruction is skipped, no post-handler runs.
                 self._act_at_stop(proc, tid, site, regs, actions)
                 _set_regs(proc, tid, regs)
@@ -1380,7 +1387,7 @@ class Session:
                 )
             except OSError:
                 cpu = -1
-            if 0 <= cpu < _CPUS:
+            if 0 <= cpu < CPUS:
                 return cpu
         return thread_cpu(proc.pid, tid)
 
@@ -1783,11 +1790,13 @@ class Session:
     # --- stop the world, detach -----------------------------------------------------------------------
     @contextlib.contextmanager
     def world_stopped(self, proc: TracedProcess) -> Iterator[int | None]:
-        """Every thread of `proc` stopped; yields one tid usable for remote syscalls (None when
-        every thread is exiting: the process is going away)."""
+        """Every thread of `proc` stopped; yields one tid usable for remote syscalls, or None
+        when there is nothing to work on: the process is going away, or it has exec'd (what we
+        know of its memory is of the old image; its exec event, handled next, starts over)."""
         interrupted = self._stop_all(proc)
         try:
-            yield next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+            gone = proc.tracee.image_gone()
+            yield None if gone else next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
         finally:
             if self._started and not self._closed:
                 for t in interrupted:
@@ -2180,7 +2189,7 @@ class Session:
             self._consumer = Consumer(
                 self.layout, self._deliver,
                 lambda i: 0 <= i < len(self._by_index) and (self._by_index[i] is not None or i in self.tracing.tracers),
-                self._warn,
+                self._warn, without_cpu=lambda i: i in self.tracing.tracers,
             )  # fmt: skip
             self._consumer.on_failure = self.request_stop
             if self._started and not self._closed:
