@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 CC     ?= gcc
 
-EXAMPLES := examples/bin/wordcount
+EXAMPLES := examples/bin/wordcount examples/bin/app
 
 .PHONY: all venv demo test lint typecheck unit bench tracefs toolchains stress-test stress-kill clean
 

@@ -16,6 +16,7 @@ step $DP count --stats 'p:demo/hash hash' 'p:demo/add add_word' 'p libc:malloc' 
 step $DP hist 'p:demo/len add_word len=%si:s32' --value len -- $APP
 step $DP trace 'r:demo/hash hash s=+0($arg1):string ret=$retval:u32 ns=$latency:u64' -- $APP "to be or not"
 step $DP latency hash add_word --stats -- $APP "to be or not to be that is the question"
+step $DP count --top 5 'p libc:mem*' 'p libc:str*' -- examples/bin/app README.md
 step $DP trace --trap --stats 'p:demo/hash hash' -- $APP "trap mode, for comparison"
 TRACE=$(mktemp -d)/wordcount.data
 step $DP record -o "$TRACE" -- $APP "to be or not to be"

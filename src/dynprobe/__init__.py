@@ -23,17 +23,24 @@ from dynprobe.errors import (
     Refusal,
     SeccompFiltered,
     SessionError,
+    SharedMemoryRefused,
     SymbolError,
+    ThreadGone,
 )
+from dynprobe.output.files import OutputError
+from dynprobe.output.hist import Bucket, Histogram
 from dynprobe.tracefile import Trace, TraceError, TraceEvent
 
 __all__ = [
     "AlreadyTraced",
+    "Bucket",
     "DynprobeError",
     "ElfError",
+    "Histogram",
     "Hit",
     "NoSuchProcess",
     "OptimizeRefusal",
+    "OutputError",
     "ParseError",
     "PermissionDenied",
     "Probe",
@@ -46,7 +53,9 @@ __all__ = [
     "SeccompFiltered",
     "Session",
     "SessionError",
+    "SharedMemoryRefused",
     "SymbolError",
+    "ThreadGone",
     "Trace",
     "TraceError",
     "TraceEvent",

@@ -63,22 +63,24 @@ class ElfError(SymbolError):
 
 
 class ParseError(DynprobeError):
-    """A probe specification does not parse; carries a code and the column of the fault."""
+    """A probe specification (or filter) does not parse: `code`, `message`, the `spec`, and
+    where: `column`, 1-based as the message says it, `offset` the 0-based index in `spec`."""
 
-    def __init__(self, code: str, message: str, spec: str, column: int) -> None:
-        super().__init__(f"{code}: {message} (column {column + 1})")
+    def __init__(self, code: str, message: str, spec: str, offset: int) -> None:
+        super().__init__(f"{code}: {message} (column {offset + 1})")
         self.code = code
         self.message = message
         self.spec = spec
-        self.column = column
+        self.offset = offset
+        self.column = offset + 1
 
     def caret(self) -> str:
         """The spec with a caret under the offending column, as tracefs' error_log shows it; a long
         spec is cut to the 80 characters around the column, with "..." where it was cut."""
-        start = max(0, min(self.column - 40, len(self.spec) - 80))
+        start = max(0, min(self.offset - 40, len(self.spec) - 80))
         end = start + 80
         shown = self.spec[start:end]
-        column = self.column - start
+        column = self.offset - start
         if start > 0:
             shown, column = "..." + shown, column + 3
         if end < len(self.spec):

@@ -39,12 +39,12 @@ def sigs() -> str:
 def test_trace_prints_ftrace_lines_and_summary(wordcount: str) -> None:
     r = dp("trace", "p:demo/add add_word w=+0(%di):string len=%si:s32", "--", wordcount, "a b a")
     assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stdout.splitlines() if "demo/add" in line]
+    lines = [line for line in r.stderr.splitlines() if "demo/add" in line and ": (0x" in line]
     assert len(lines) == 3
     assert lines[0].split()[0] == f"wordcount-{lines[0].split('-')[1].split()[0]}"
     assert lines[0].endswith('w="a" len=1') and lines[1].endswith('w="b" len=1')
     assert "demo/add" in r.stderr and "hits=3" in r.stderr
-    assert "2 distinct words" in r.stdout.splitlines()  # the target's own output, unchanged
+    assert r.stdout == "2 distinct words\n"  # the target's own output, alone (events on stderr)
 
 
 def test_trace_json_to_file_and_spec_file(wordcount: str, tmp_path: Path) -> None:
@@ -70,13 +70,13 @@ def test_exit_status_is_the_commands(sigs: str) -> None:
 def test_list_binary_and_pid(wordcount: str) -> None:
     r = dp("list", wordcount)
     assert r.returncode == 0
-    names = {line.split()[2] for line in r.stdout.splitlines()[1:]}
+    names = {line.split()[-1] for line in r.stdout.splitlines()[1:]}
     assert {"main", "hash", "add_word"} <= names
     nm = subprocess.run(["nm", "--defined-only", wordcount], capture_output=True, text=True).stdout
     nm_funcs = {line.split()[2] for line in nm.splitlines() if line.split()[1] in "tT"}
     assert names <= nm_funcs  # every listed function is a function symbol nm knows
     r = dp("list", wordcount, "add_*")
-    assert [line.split()[2] for line in r.stdout.splitlines()[1:]] == ["add_word"]
+    assert [line.split()[-1] for line in r.stdout.splitlines()[1:]] == ["add_word"]
     proc = subprocess.Popen(["sleep", "30"])
     try:
         r = dp("list", "-p", str(proc.pid), "nanosleep")
@@ -87,9 +87,61 @@ def test_list_binary_and_pid(wordcount: str) -> None:
 
 
 def test_help_of_each_command_has_examples() -> None:
-    for cmd in ("trace", "count", "hist", "list"):
+    commands = re.findall(r"^    ([a-z]+) ", dp("--help").stdout, re.M)
+    assert len(commands) == 10
+    for cmd in commands:
         r = dp(cmd, "--help")
-        assert r.returncode == 0 and "examples:" in r.stdout
+        assert r.returncode == 0 and "examples:" in r.stdout, cmd
+
+
+def test_list_takes_what_specs_take_and_names_aliases_once(wordcount: str) -> None:
+    """`list libc`, `list 'libc:mem*'`, `list -p PID 'libc:malloc*'`: a library by the name specs
+    give it; malloc once (not __libc_malloc too), under the name programs call."""
+    by_name = dp("list", "libc", "malloc*")
+    assert by_name.returncode == 0, by_name.stderr
+    functions = [line.split()[-1] for line in by_name.stdout.splitlines()[1:]]
+    assert "malloc" in functions and "__libc_malloc" not in functions
+    addresses = [line.split()[0] for line in by_name.stdout.splitlines()[1:]]
+    assert len(addresses) == len(set(addresses))  # one row per address
+    assert dp("list", "libc:malloc*").stdout == by_name.stdout
+    with subprocess.Popen(["sleep", "30"]) as proc:
+        try:
+            mapped = dp("list", "-p", str(proc.pid), "libc:malloc*")
+        finally:
+            proc.kill()
+    assert mapped.returncode == 0, mapped.stderr
+    assert [line.split()[-1] for line in mapped.stdout.splitlines()[1:]] == functions
+    assert {line.split()[2] for line in mapped.stdout.splitlines()[1:]} == {"libc.so.6"}
+    r = dp("list", wordcount, "main")
+    header, row = r.stdout.splitlines()
+    assert header.split() == ["ADDRESS", "SIZE", "MODULE", "TRAP", "JUMP", "FUNCTION"] and row.split()[-1] == "main"
+
+
+def test_specs_from_stdin_top_and_all(wordcount: str) -> None:
+    """`-f -` reads specs from stdin; probes with no hits are left out unless --all; --top N
+    keeps the N most hit, and a line says what was left out."""
+    specs = "p:wc/add add_word\np:wc/hash hash\np:wc/never libc:abort\n"
+    r = subprocess.run([*DYNPROBE, "count", "-o", "-", "-f", "-", "--", wordcount, "a b a"], input=specs,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("  ")]
+    assert rows == [["wc/add", "3"], ["wc/hash", "3"], ["(not", "shown:", "1", "with", "no", "hits", "(--all", "shows",
+                                                          "them))"]]  # fmt: skip
+    r = subprocess.run([*DYNPROBE, "count", "-o", "-", "--all", "-f", "-", "--", wordcount, "a b a"], input=specs,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert [line.split()[0] for line in r.stdout.splitlines() if line.startswith("  ")] == ["wc/add", "wc/hash",
+                                                                                            "wc/never"]  # fmt: skip
+    r = dp("count", "-o", "-", "--top", "1", "p:wc/add add_word", "p:wc/main main", "--", wordcount, "a b a")
+    assert r.stdout.splitlines()[1:] == ["hits:", f"  {'wc/add'} {3:>12}", "  (not shown: 1 past the top 1)"]
+
+
+def test_a_missing_function_names_the_library_that_has_it(wordcount: str) -> None:
+    r = dp("latency", "malloc", "--", wordcount)
+    assert r.returncode == 1 and r.stderr == (
+        f"dynprobe: error: no function 'malloc' in {wordcount}; libc.so.6 has it: libc:malloc\n"
+    )
+    r = dp("latency", "no_such_function", "--", wordcount)
+    assert r.returncode == 1 and r.stderr == f"dynprobe: error: no function 'no_such_function' in {wordcount}\n"
 
 
 def test_malformed_spec_prints_a_caret(wordcount: str) -> None:
@@ -104,7 +156,8 @@ def test_malformed_spec_prints_a_caret(wordcount: str) -> None:
 
 
 def test_return_probe_events_print_caller_and_function(ret: str) -> None:
-    r = dp("trace", "r:app/add add a=$arg1:s64 ret=$retval:s64 ns=$latency:u64", "r fact", "--", ret, "loop", "3")
+    spec = "r:app/add add a=$arg1:s64 ret=$retval:s64 ns=$latency:u64"
+    r = dp("trace", "-o", "-", spec, "r fact", "--", ret, "loop", "3")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if "app/add" in line]
     assert len(lines) == 3
@@ -117,7 +170,7 @@ def test_return_probe_events_print_caller_and_function(ret: str) -> None:
 
 def test_lost_records_are_reported_with_the_remedy(ret: str) -> None:
     """A ring too small for the events (4 KiB: 128 records) loses records: said without --stats."""
-    r = dp("trace", "--ring-size", "4K", "p:app/add add a=%di", "--", ret, "loop", "100000")
+    r = dp("trace", "-o", "-", "--ring-size", "4K", "p:app/add add a=%di", "--", ret, "loop", "100000")
     assert r.returncode == 0, r.stderr
     lost = int(re.search(r"app/add .* hits=100000 missed=0 lost=(\d+)$", r.stderr, re.M).group(1))  # type: ignore[union-attr]
     assert 0 < lost < 100000 and r.stdout.count("app/add") == 100000 - lost
@@ -125,7 +178,7 @@ def test_lost_records_are_reported_with_the_remedy(ret: str) -> None:
 
 
 def test_latency_histogram_per_function(ret: str) -> None:
-    r = dp("latency", "add", "nap", "--stats", "--", ret, "loop", "1000")
+    r = dp("latency", "-o", "-", "--all", "add", "nap", "--stats", "--", ret, "loop", "1000")
     assert r.returncode == 0, r.stderr
     out = r.stdout.splitlines()
     assert out[0] == "500500"
@@ -234,7 +287,7 @@ def test_attach_already_traced_is_one_line(sigs: str) -> None:
 def test_ctrl_c_detaches_from_attached_process(spinner: str) -> None:
     target = subprocess.Popen([spinner, "2"], stdout=subprocess.PIPE, text=True)
     assert target.stdout is not None and target.stdout.readline() == "ready\n"
-    tracer = subprocess.Popen([*DYNPROBE, "trace", "p:s/tick tick", "-p", str(target.pid)],
+    tracer = subprocess.Popen([*DYNPROBE, "trace", "-o", "-", "p:s/tick tick", "-p", str(target.pid)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert tracer.stdout is not None and "s/tick" in tracer.stdout.readline()
@@ -252,7 +305,7 @@ def test_ctrl_c_detaches_from_attached_process(spinner: str) -> None:
 
 
 def test_count_with_stats_and_filter(wordcount: str) -> None:
-    r = dp("count", "p:wc/long add_word n=%si:s32", "p:wc/short add_word n=%si:s32", "--filter", "n > 1",
+    r = dp("count", "-o", "-", "p:wc/long add_word n=%si:s32", "p:wc/short add_word n=%si:s32", "--filter", "n > 1",
            "--stats", "--", wordcount, "a bb ccc a")  # fmt: skip
     assert r.returncode == 0, r.stderr
     counts = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("  ")}
@@ -263,7 +316,7 @@ def test_count_with_stats_and_filter(wordcount: str) -> None:
 def test_count_a_pattern(wordcount: str) -> None:
     """A probe per function a pattern names, each named after it; a pattern naming none says
     so in one line."""
-    r = dp("count", "p:wc/f [ah][da]*", "--", wordcount, "a b a")
+    r = dp("count", "-o", "-", "p:wc/f [ah][da]*", "--", wordcount, "a b a")
     assert r.returncode == 0, r.stderr
     counts = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("  ")}
     assert counts == {"wc/f_add_word": 3, "wc/f_hash": 3}
@@ -274,21 +327,21 @@ def test_count_a_pattern(wordcount: str) -> None:
 
 
 def test_count_trap_mode_says_why(wordcount: str) -> None:
-    r = dp("count", "--trap", "--stats", "p hash", "--", wordcount, "a b")
+    r = dp("count", "-o", "-", "--trap", "--stats", "p hash", "--", wordcount, "a b")
     assert r.returncode == 0, r.stderr
     assert "uprobes/p_hash            2" in r.stdout
     assert "mode=trap (DISABLED)" in r.stderr
 
 
 def test_hist_of_a_fetched_value(wordcount: str) -> None:
-    r = dp("hist", "p add_word len=%si:s32", "--value", "len", "--", wordcount, "a bb ccc dddd")
+    r = dp("hist", "-o", "-", "p add_word len=%si:s32", "--value", "len", "--", wordcount, "a bb ccc dddd")
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("[")]
     assert [row.split("|")[0].split() for row in rows] == [["[1]", "1"], ["[2,", "4)", "2"], ["[4,", "8)", "1"]]
 
 
 def test_trace_filter_keeps_matching_events(wordcount: str) -> None:
-    r = dp("trace", "p:wc/add add_word w=+0(%di):string n=%si:u32", "--filter", "n == 2", "--",
+    r = dp("trace", "-o", "-", "p:wc/add add_word w=+0(%di):string n=%si:u32", "--filter", "n == 2", "--",
            wordcount, "a bb ccc bb")  # fmt: skip
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if "wc/add" in line]
@@ -384,7 +437,8 @@ def test_interval_prints_as_it_goes_and_at_the_end(ret: str, args: list[str], co
     def four_intervals(proc: subprocess.Popen[str], lines: list[str]) -> bool:
         return sum(bool(re.match(r"^\d\d:\d\d:\d\d$", line)) for line in lines) >= 4
 
-    status, out, err = interrupted_when(four_intervals, signal.SIGTERM, *args, "-i", "0.15", "--", ret, "sleep")
+    options = ["-o", "-", "-i", "0.15"]
+    status, out, err = interrupted_when(four_intervals, signal.SIGTERM, *args, *options, "--", ret, "sleep")
     assert status == 128 + signal.SIGTERM, err  # the command's: killed by SIGTERM
     *intervals, total = [int(n) for n in re.findall(count, out, flags=re.M)]
     assert len(re.findall(r"^\d\d:\d\d:\d\d$", out, flags=re.M)) == len(intervals) and "\ntotal:\n" in out
@@ -466,7 +520,7 @@ def test_a_ring_size_that_is_not_a_size_is_a_usage_error(wordcount: str, command
 def test_symbol_type_after_the_target_ended(wordcount: str, mode: list[str]) -> None:
     """Events are formatted by the consumer, possibly after the target exited: `symbol` values
     still name the function (the maps dynprobe saw last)."""
-    r = dp("trace", *mode, "p add_word ret=+0(%sp):symbol", "--", wordcount, "x y")
+    r = dp("trace", "-o", "-", *mode, "p add_word ret=+0(%sp):symbol", "--", wordcount, "x y")
     assert r.returncode == 0, r.stderr
     values = [line.split("ret=")[1] for line in r.stdout.splitlines() if "ret=" in line]
     assert len(values) == 2 and all(re.fullmatch(r"(main|count_text)\+0x[0-9a-f]+", v) for v in values), values
@@ -511,7 +565,7 @@ def test_big_attach_shows_progress_on_the_terminal_only(tmp_path: Path) -> None:
     reader = threading.Thread(target=read_terminal)
     reader.start()
     try:
-        r = subprocess.run([sys.executable, "-m", "dynprobe", "count", "-f", str(specs), "--", str(binary)],
+        r = subprocess.run([sys.executable, "-m", "dynprobe", "count", "-o", "-", "-f", str(specs), "--", str(binary)],
                            stdout=subprocess.PIPE, stderr=secondary, text=True, timeout=60)  # fmt: skip
     finally:
         os.close(secondary)
@@ -521,3 +575,36 @@ def test_big_attach_shows_progress_on_the_terminal_only(tmp_path: Path) -> None:
     assert r.stdout.count(" 1\n") == n and "\x1b" not in r.stdout
     text = shown.decode(errors="replace")
     assert "placing probes" in text and "optimizing" in text and f"{n}/{n}" in text
+
+
+OUTPUT_COMMANDS = {
+    "trace": ["trace", "p emit n=%si:u64"],
+    "count": ["count", "emit", "libc:fwrite"],
+    "hist": ["hist", "p emit n=%si", "--value", "n"],
+    "latency": ["latency", "emit"],
+    "record": ["record", "-o", "{dir}/trace.data"],
+    "live": ["live"],
+}
+
+
+@pytest.mark.parametrize("command", OUTPUT_COMMANDS, ids=list(OUTPUT_COMMANDS))
+def test_results_never_reach_the_programs_output(command: str, tmp_path: Path) -> None:
+    """A program that writes binary data on its stdout writes the same bytes under every command
+    that runs it; the results are on stderr by default, or in -o FILE (then stderr has only
+    dynprobe's summary)."""
+    binout = build_target("binout", flags=("-O1",))
+    alone = subprocess.run([binout], capture_output=True, check=True).stdout
+    assert len(alone) == 64 * 4096
+    args = [a.format(dir=tmp_path) for a in OUTPUT_COMMANDS[command]]
+    traced = subprocess.run([*DYNPROBE, *args, "--", binout], capture_output=True, timeout=120)
+    assert traced.returncode == 0, traced.stderr
+    assert traced.stdout == alone
+    results = {"trace": b"emit: (0x", "count": b"p_emit", "hist": b"[4K, 8K)", "record": b"recorded in",
+               "latency": b"@latency_ns[emit]: 64 calls", "live": b"emit();"}  # fmt: skip
+    assert results[command] in traced.stderr, traced.stderr
+    if command not in ("record", "live"):
+        out = tmp_path / "results.txt"
+        to_file = subprocess.run([*DYNPROBE, *args, "-o", str(out), "--", binout], capture_output=True, timeout=120)
+        assert to_file.returncode == 0 and to_file.stdout == alone, to_file.stderr
+        assert results[command] in out.read_bytes() and results[command] not in to_file.stderr
+        assert out.stat().st_mode & 0o777 == 0o600

@@ -5,8 +5,10 @@ dynprobe's."""
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -123,19 +125,23 @@ def test_the_target_s_library_never_runs_in_dynprobe(tmp_path: Path) -> None:
         )
         assert listed.returncode == 0 and "hostile_fn" in listed.stdout, listed.stdout + listed.stderr
         for command in (
-            ["count", "p libhostile:hostile_fn"],
+            ["count", "-o", "-", "-i", "0.05", "p libhostile:hostile_fn"],
             ["trace", "p libhostile:hostile_fn x=%di", "-o", str(tmp_path / "events.txt")],
             ["latency", "libhostile:hostile_fn"],
             ["record", "--lib", "libhostile", "-o", str(tmp_path / "t.data")],
         ):
             tracer = subprocess.Popen([*dp, *command, "-p", str(proc.pid)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)  # fmt: skip
-            time.sleep(1.5)
+            assert tracer.stderr is not None and tracer.stdout is not None
+            for line in tracer.stderr:  # until its probes are in: "... placed in pid", "dynprobe: tracing"
+                if "placed in pid" in line or line.startswith("dynprobe: tracing"):
+                    break
+            if command[0] == "count":  # the implementation was found: an interval counts its calls
+                lines = itertools.islice(tracer.stdout, 2000)  # (a bound: 1,000 intervals of 50 ms)
+                assert any(re.search(r"p_hostile_fn +[1-9]", line) for line in lines)
             tracer.send_signal(signal.SIGINT)
-            out, err = tracer.communicate(timeout=60)
+            _, err = tracer.communicate(timeout=60)
             assert tracer.returncode == 0 and "error" not in err, err
-            if command[0] == "count":
-                assert int(out.split()[-1]) > 0, out  # the implementation was found: it counts
         unloaded = r"indirect function: .* no traced process has it loaded"
         with (
             dynprobe.spawn([prog], stdout=subprocess.DEVNULL) as session,

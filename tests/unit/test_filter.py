@@ -32,7 +32,7 @@ def test_error_codes(code: str) -> None:
     text, column, value = ERROR_TABLE[code]
     with pytest.raises(ParseError) as info:
         parse_value(text, ARGS) if value else parse_filter(text, ARGS)
-    assert (info.value.code, info.value.column) == (code, column)
+    assert (info.value.code, info.value.offset) == (code, column)
     assert info.value.message == FILTER_ERRORS[code]
 
 

@@ -54,7 +54,8 @@ def test_error_code_and_column(code: str, case: tuple[str, int]) -> None:
     with pytest.raises(ParseError) as info:
         parse_spec(spec)
     assert info.value.code == code, info.value
-    assert info.value.column == column, info.value.caret()
+    assert info.value.offset == column, info.value.caret()
+    assert info.value.column == column + 1 and str(info.value).endswith(f"(column {column + 1})")  # one convention
     text, caret = info.value.caret().splitlines()
     assert text.replace("...", "") in spec and caret.endswith("^")
     assert text[len(caret) - 1 : len(caret) + 2] == spec[column : column + 3]  # the caret is under the fault

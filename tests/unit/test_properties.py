@@ -19,7 +19,7 @@ def test_parser_accepts_or_reports_a_column_inside_the_spec(text: str) -> None:
     try:
         spec = parse_spec(text)
     except ParseError as exc:
-        assert 0 <= exc.column <= len(text)
+        assert 0 <= exc.offset <= len(text) and exc.column == exc.offset + 1
         assert exc.caret().splitlines()[-1].endswith("^")
     else:
         assert spec.kind in ("p", "r") and spec.location

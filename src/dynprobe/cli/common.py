@@ -10,9 +10,11 @@ import sys
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import TextIO
 
 from dynprobe.core.session import Session, attach, spawn
 from dynprobe.errors import DynprobeError, ParseError
+from dynprobe.output import files
 from dynprobe.symbols.demangle import Demangle
 
 
@@ -47,6 +49,13 @@ def byte_size(text: str) -> int:
     return int(number) * _SIZE_UNITS[unit]
 
 
+def positive_count(text: str) -> int:
+    """An argparse type: a whole number, 1 or more."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (1 or more)")
+    return int(text)
+
+
 MIN_INTERVAL = 0.01  # seconds: a shorter one would keep the tracer printing while the program waits
 MAX_INTERVAL = 86_400.0
 
@@ -75,6 +84,39 @@ def add_target_options(parser: argparse.ArgumentParser) -> None:
                         help="trace children created by fork/vfork too (default: they run unprobed)")  # fmt: skip
 
 
+def add_output_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "-o", "--output", metavar="FILE",
+        help=f"write {what} to FILE, created new ('-': the standard output; default: the standard error, "
+        "so that nothing reaches the program's own output)",
+    )  # fmt: skip
+
+
+def open_output(path: str | None) -> TextIO:
+    """Where a command's results go: the standard error unless `-o FILE` (or `-o -`, the
+    standard output) says otherwise. A command dynprobe runs shares its standard output, and a
+    table or a line in it would corrupt what the program writes (`gzip -c > out.gz`)."""
+    if path is None:
+        return sys.stderr
+    if path == "-":
+        return sys.stdout
+    return files.create_text(path)
+
+
+def close_output(out: TextIO) -> None:
+    """Flush (a standard stream) or close (a file) what `open_output` gave; raises OSError."""
+    if out in (sys.stdout, sys.stderr):
+        out.flush()
+    else:
+        out.close()
+
+
+def output_name(path: str | None) -> str:
+    if path is None:
+        return "the standard error"
+    return "the standard output" if path == "-" else path
+
+
 def open_session(args: argparse.Namespace, command: list[str]) -> Session:
     if args.pid is not None and command:
         raise UsageError("give either -p PID or -- COMMAND, not both")
@@ -85,8 +127,15 @@ def open_session(args: argparse.Namespace, command: list[str]) -> Session:
     return spawn(command, follow_fork=args.follow_fork)
 
 
-def run_target(session: Session, interval: float | None = None, tick: Callable[[], None] | None = None) -> int | None:
-    """Run until the target ends or Ctrl-C / SIGTERM; call `tick` every `interval` seconds.
+def run_target(
+    session: Session,
+    interval: float | None = None,
+    tick: Callable[[], None] | None = None,
+    *,
+    ready: Callable[[], None] | None = None,
+) -> int | None:
+    """Run until the target ends or Ctrl-C / SIGTERM; call `ready` once Ctrl-C is taken as the
+    end of the run (what it prints may tell the user to press it), `tick` every `interval` seconds.
     Returns the target's exit status (128+N: killed by signal N), or None when interrupted and
     no status is known (attached: it runs on). A command dynprobe started and that ends soon
     after gives its status; SIGTERM is passed on to it once detached, as strace does (`kill`,
@@ -105,6 +154,8 @@ def run_target(session: Session, interval: float | None = None, tick: Callable[[
     # as the command: collections while the target runs need not walk it again (~0.2 s).
     gc.freeze()
     try:
+        if ready is not None:
+            ready()
         while True:
             try:
                 status = session.run(timeout=interval)
@@ -140,7 +191,7 @@ def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | No
         try:
             done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return None  # reaped already
+            return session.exit_status  # reaped by the detach, which kept its status
         if done:
             code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
             return code if code >= 0 else 128 - code

@@ -4,10 +4,10 @@ printed every -i seconds and at the end."""
 from __future__ import annotations
 
 import argparse
-import sys
+from typing import TextIO
 
 from dynprobe.cli.common import add_target_options, report_error
-from dynprobe.cli.probes import Tally, add_interval_option, add_probe_options, check_request, run_aggregating
+from dynprobe.cli.probes import Shown, add_aggregate_options, add_probe_options, check_request, run_aggregating
 from dynprobe.errors import DynprobeError
 
 EXAMPLES = """\
@@ -25,17 +25,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_probe_options(p, filter_help="count only hits where EXPR holds")
-    add_interval_option(p, "counts")
+    add_aggregate_options(p, "counts")
     add_target_options(p)
     p.set_defaults(run=run)
 
 
-def print_counts(tallies: list[Tally], title: str | None) -> None:
-    width = max(len(t.probe.name) for t in tallies)
-    out = sys.stdout
-    print(title or "hits:", file=out)
-    for t in sorted(tallies, key=lambda t: -t.hits):
+def print_counts(shown: Shown, out: TextIO) -> None:
+    """The most hit first, as funccount prints them."""
+    width = max((len(t.probe.name) for t in shown.tallies), default=0)
+    print(shown.title or "hits:", file=out)
+    for t in sorted(shown.tallies, key=lambda t: -t.hits):
         print(f"  {t.probe.name:<{width}} {t.hits:>12}", file=out)
+    if (line := shown.left_out_line()) is not None:
+        print(line, file=out)
     out.flush()
 
 

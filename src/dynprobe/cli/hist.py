@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
+from typing import TextIO
 
 from dynprobe.actions.filter import parse_value
 from dynprobe.cli.common import add_target_options, report_error
-from dynprobe.cli.probes import Tally, add_interval_option, add_probe_options, check_request, run_aggregating
+from dynprobe.cli.probes import Shown, Tally, add_aggregate_options, add_probe_options, check_request, run_aggregating
 from dynprobe.errors import DynprobeError
-from dynprobe.output.hist import log2_lines, zero_label
+from dynprobe.output.hist import Histogram, zero_label
 
 EXAMPLES = """\
 examples:
@@ -29,23 +29,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_probe_options(p)
     p.add_argument("--value", required=True, metavar="FETCHARG",
                    help="what to count: a fetch argument's name, or a fetch argument (%%di, +8(%%si):u32)")  # fmt: skip
-    add_interval_option(p, "histograms")
+    add_aggregate_options(p, "histograms")
     add_target_options(p)
     p.set_defaults(run=run)
 
 
-def print_histograms(
-    tallies: list[Tally], title: str | None, heading: Callable[[Tally], str], empty: str = "(no hits)"
-) -> None:
-    """Each probe's histogram under its `heading`, after `title` (the time, every -i seconds)."""
-    out = sys.stdout
-    if title:
-        print(title, file=out)
-    for t in tallies:
+def print_histograms(shown: Shown, out: TextIO, heading: Callable[[Tally], str], empty: str = "(no hits)") -> None:
+    """Each probe's histogram under its `heading`, after the title (the time, every -i seconds)."""
+    if shown.title:
+        print(shown.title, file=out)
+    for t in shown.tallies:
         print(heading(t), file=out)
-        lines = log2_lines(t.histogram, zero_label(t.probe.value))
-        print("\n".join(lines) if lines else f"  {empty}", file=out)
+        print(str(Histogram(t.histogram, zero_label(t.probe.value))) or f"  {empty}", file=out)
         print(file=out)
+    if (line := shown.left_out_line()) is not None:
+        print(line.strip(), file=out)
     out.flush()
 
 
@@ -59,5 +57,5 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value=args.value, filter=request.filter),
-        lambda tallies, title: print_histograms(tallies, title, lambda t: f"@{t.probe.name}[{args.value}]:"),
+        lambda shown, out: print_histograms(shown, out, lambda t: f"@{t.probe.name}[{args.value}]:"),
     )  # fmt: skip

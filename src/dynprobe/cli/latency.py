@@ -9,7 +9,7 @@ import re
 
 from dynprobe.cli.common import UsageError, add_target_options, report_error
 from dynprobe.cli.hist import print_histograms
-from dynprobe.cli.probes import ProbeRequest, Tally, add_interval_option, run_aggregating
+from dynprobe.cli.probes import ProbeRequest, Tally, add_aggregate_options, run_aggregating
 from dynprobe.errors import DynprobeError
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY
 from dynprobe.spec.parser import parse_probe
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("functions", nargs="+", metavar="FUNC", help="SYMBOL or PATH:SYMBOL (a function's entry)")
-    add_interval_option(p, "histograms")
+    add_aggregate_options(p, "histograms")
     p.add_argument("--maxactive", type=int, metavar="N",
                    help="pending calls per thread and function (default max(10, 2 x CPUs))")  # fmt: skip
     p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
@@ -77,6 +77,6 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="hist", value="ns"),
-        lambda tallies, title: print_histograms(tallies, title, _heading, "(no returns)"),
+        lambda shown, out: print_histograms(shown, out, _heading, "(no returns)"),
         "--maxactive {}",
     )  # fmt: skip

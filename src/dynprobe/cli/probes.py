@@ -9,10 +9,22 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from dynprobe.actions.filter import parse_filter
-from dynprobe.cli.common import UsageError, byte_size, interval_seconds, open_session, report_error, run_target
+from dynprobe.cli.common import (
+    UsageError,
+    add_output_option,
+    byte_size,
+    close_output,
+    interval_seconds,
+    open_output,
+    open_session,
+    output_name,
+    positive_count,
+    report_error,
+    run_target,
+)
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal
@@ -27,9 +39,13 @@ if TYPE_CHECKING:
 PROGRESS_FROM = 200  # probes: fewer attach too fast for a bar to help
 
 
-def add_interval_option(p: argparse.ArgumentParser, what: str) -> None:
+def add_aggregate_options(p: argparse.ArgumentParser, what: str) -> None:
+    """What `count`, `hist` and `latency` take beyond their probes: when to print, what, where."""
     p.add_argument("-i", "--interval", type=interval_seconds, metavar="SECONDS",
                    help=f"also print, every SECONDS, the {what} of that interval (the total at the end)")  # fmt: skip
+    p.add_argument("--top", type=positive_count, metavar="N", help="only the N probes hit most (funccount's -T)")
+    p.add_argument("--all", action="store_true", help="also the probes with no hits (left out by default)")
+    add_output_option(p, f"the {what}")
 
 
 def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits where EXPR holds") -> None:
@@ -129,6 +145,13 @@ def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpe
         return probes
 
 
+def say_placed(probes: list[Probe], pid: int | None) -> None:
+    """Attached to a running process, dynprobe runs until Ctrl-C: say when the probes are in."""
+    if pid is not None:
+        what = "1 probe" if len(probes) == 1 else f"{len(probes)} probes"
+        print(f"dynprobe: {what} placed in pid {pid}; Ctrl-C ends (the program runs on)", file=sys.stderr)
+
+
 @contextmanager
 def progress_bar() -> Iterator[Progress]:
     # Imported here: rich takes ~40 ms to import, and most runs show no bar.
@@ -211,7 +234,7 @@ class Tally:
 
     @classmethod
     def of(cls, probe: Probe) -> Tally:
-        return cls(probe, *probe.hits_and_missed(), probe.histogram)
+        return cls(probe, *probe.hits_and_missed(), list(probe.histogram))
 
     def since(self, before: Tally | None) -> Tally:
         if before is None:
@@ -219,33 +242,69 @@ class Tally:
         histogram = [now - then for now, then in zip(self.histogram, before.histogram, strict=True)]
         return Tally(self.probe, self.hits - before.hits, self.missed - before.missed, histogram)
 
+    @property
+    def seen(self) -> int:
+        """Hits, missed calls and (a return probe's) returns: 0 for a probe nothing reached."""
+        return self.hits + self.missed + sum(self.histogram)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """The tallies a report prints (in the order given) and what it leaves out: probes with no
+    hits (unless --all), those past the N most hit (--top N)."""
+
+    tallies: list[Tally]
+    title: str | None
+    no_hits: int = 0
+    past_top: int = 0
+
+    @classmethod
+    def of(cls, tallies: list[Tally], title: str | None, args: argparse.Namespace) -> Shown:
+        # (a lone probe is shown, hit or not: its row is the whole answer)
+        shown = tallies if args.all or len(tallies) == 1 else [t for t in tallies if t.seen]
+        no_hits = len(tallies) - len(shown)
+        if args.top is not None and len(shown) > args.top:
+            most = {id(t) for t in sorted(shown, key=lambda t: -t.seen)[: args.top]}
+            shown = [t for t in shown if id(t) in most]
+        return cls(shown, title, no_hits, len(tallies) - no_hits - len(shown))
+
+    def left_out_line(self) -> str | None:
+        parts = [f"{self.past_top} past the top {len(self.tallies)}"] if self.past_top else []
+        parts += [f"{self.no_hits} with no hits (--all shows them)"] if self.no_hits else []
+        return f"  (not shown: {', '.join(parts)})" if parts else None
+
 
 def run_aggregating(
     args: argparse.Namespace,
     command: list[str],
     request: ProbeRequest,
     place: Callable[[Session, ProbeSpec], Probe],
-    report: Callable[[list[Tally], str | None], None],
+    report: Callable[[Shown, TextIO], None],
     more_instances: str = MAXACTIVE_IN_SPEC,
 ) -> int:
-    """`count`, `hist` and `latency`: place the probes, run the target, `report(tallies, title)`
-    every -i seconds with what that interval saw (the time as title, as bcc's funccount and
-    funclatency print), and at the end with everything (title "total:" after intervals, else
-    None)."""
+    """`count`, `hist` and `latency`: place the probes, run the target, `report` every -i
+    seconds what that interval saw (the time as title, as bcc's funccount and funclatency
+    print), and at the end everything (title "total:" after intervals, else None), on the
+    standard error or -o FILE."""
     last: dict[int, Tally] = {}
+    try:
+        out = open_output(args.output)
+    except DynprobeError as exc:
+        return report_error(exc)
 
     def interval() -> None:
         now = [Tally.of(p) for p in probes]
-        report([t.since(last.get(t.probe.index)) for t in now], time.strftime("%H:%M:%S"))
+        report(Shown.of([t.since(last.get(t.probe.index)) for t in now], time.strftime("%H:%M:%S"), args), out)
         last.update((t.probe.index, t) for t in now)
 
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             probes = place_all(session, request, lambda spec: place(session, spec))
-            status = run_target(session, args.interval, interval)
+            status = run_target(session, args.interval, interval, ready=lambda: say_placed(probes, args.pid))
             session.close()
-            report([Tally.of(p) for p in probes], "total:" if last else None)
+            report(Shown.of([Tally.of(p) for p in probes], "total:" if last else None, args), out)
+            close_output(out)
             if args.stats:
                 print_stats(probes, True)
             elif not request.trap:
@@ -255,6 +314,8 @@ def run_aggregating(
         return report_error(exc)
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        return report_error(DynprobeError(f"cannot write {output_name(args.output)}: {exc.strerror or exc}"))
     if args.pid is not None:
         return 0
     return status if status is not None else 130

@@ -15,9 +15,13 @@ from typing import TYPE_CHECKING, TextIO
 from dynprobe.cli.common import (
     UsageError,
     add_demangle_option,
+    add_output_option,
     add_target_options,
     byte_size,
+    close_output,
+    open_output,
     open_session,
+    output_name,
     report_error,
     run_target,
 )
@@ -40,6 +44,31 @@ examples:
   dynprobe record --lib libz -F 'deflate*' -F main -p 1234      Ctrl-C stops, the program runs on
 then: dynprobe replay | report | dump --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
 """
+LIVE_EXAMPLES = """\
+examples:
+  dynprobe live -- ./app input.txt                   the call graph on the standard error
+  dynprobe live -F 'parse_*' --threshold 10us -o calls.txt -- ./app
+  dynprobe live -d app.data -- ./app                 and keep the trace for report, dump
+"""
+READING_EXAMPLES = {
+    "replay": """\
+examples:
+  dynprobe replay                          the call graph of dynprobe.data, with durations
+  dynprobe replay parse.data --tid 4242    one thread's
+  dynprobe replay --demangle full | less
+""",
+    "report": """\
+examples:
+  dynprobe report                          per function: total, self, calls, average
+  dynprobe report -s self -t 10us          by self time, counting calls of 10 us or more
+  dynprobe report parse.data -o report.txt
+""",
+    "dump": """\
+examples:
+  dynprobe dump --chrome -o trace.json     open in ui.perfetto.dev or chrome://tracing
+  dynprobe dump --flame | flamegraph.pl > flame.svg
+""",
+}
 
 
 def _time(text: str) -> int:
@@ -59,7 +88,14 @@ def _time(text: str) -> int:
     return int(value)
 
 
-def _add_record_options(p: argparse.ArgumentParser) -> None:
+def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
+    if live:
+        p.add_argument("-d", "--data", metavar="DIR",
+                       help="keep the trace in DIR (default: a temporary directory, removed after)")  # fmt: skip
+        add_output_option(p, "the call graph")
+    else:
+        p.add_argument("-o", "-d", "--output", "--data", dest="data", default=DEFAULT_DIR, metavar="DIR",
+                       help=f"the trace directory (default {DEFAULT_DIR})")  # fmt: skip
     p.add_argument(
         "-F", "--filter", action="append", default=[], metavar="GLOB", help="trace only functions matching GLOB"
     )
@@ -73,9 +109,6 @@ def _add_record_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="trace this library's functions too (libz, /path/lib.so)",
     )
-    p.add_argument(
-        "-o", "--output", default=DEFAULT_DIR, metavar="DIR", help=f"the trace directory (default {DEFAULT_DIR})"
-    )
     p.add_argument("--ring-size", type=byte_size, default=1 << 25, metavar="BYTES",
                    help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
     p.add_argument("--depth", type=int, metavar="N", help="record calls nested at most N traced calls deep")
@@ -85,6 +118,7 @@ def _add_record_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_reading_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", metavar="FILE", help="write to FILE, created new, instead of the standard output")
     p.add_argument("--tid", type=int, action="append", default=[], metavar="TID", help="only this thread (repeatable)")
     add_demangle_option(p)
 
@@ -96,15 +130,22 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "named libraries), recorded in the target and written to a trace directory.",
         epilog=RECORD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    _add_record_options(p)
+    _add_record_options(p, live=False)
     p.set_defaults(run=run_record)
-    live = sub.add_parser("live", help="record and replay in one go",
-                          description="Record (as `record`) into a temporary directory, then replay it.")  # fmt: skip
-    _add_record_options(live)
+    live = sub.add_parser(
+        "live", help="record and replay in one go",
+        description="Record (as `record`) into a temporary directory, then replay it: the call graph on "
+        "the standard error (or -o FILE), apart from the program's own output.",
+        epilog=LIVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    _add_record_options(live, live=True)
     add_demangle_option(live)
     live.set_defaults(run=run_live)
     for name, help_text in (("replay", "print the call graph of a trace"), ("report", "time per function of a trace")):
-        q = sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+        q = sub.add_parser(
+            name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+            epilog=READING_EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter,
+        )  # fmt: skip
         q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
         if name == "report":
             q.add_argument("-s", "--sort", choices=["total", "self", "calls", "avg", "name"], default="total")
@@ -112,12 +153,14 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                            help="count only calls of TIME or more (10us, 1ms)")  # fmt: skip
         _add_reading_options(q)
         q.set_defaults(run=run_replay if name == "replay" else run_report)
-    d = sub.add_parser("dump", help="convert a trace for other tools", description="Convert a trace directory.")
+    d = sub.add_parser(
+        "dump", help="convert a trace for other tools", description="Convert a trace directory.",
+        epilog=READING_EXAMPLES["dump"], formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     d.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
     form = d.add_mutually_exclusive_group(required=True)
     form.add_argument("--chrome", action="store_true", help="Trace Event JSON (Perfetto UI, chrome://tracing)")
     form.add_argument("--flame", action="store_true", help="folded stacks with self time in ns (flamegraph.pl)")
-    d.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     _add_reading_options(d)
     d.set_defaults(run=run_dump)
 
@@ -159,7 +202,7 @@ def _note_libraries_not_loaded(session: Session, tracer: FunctionTracer) -> None
 
 
 def run_record(args: argparse.Namespace, command: list[str]) -> int:
-    out = args.output
+    out = args.data
     status: int | None = None
     try:
         create_trace_directory(out)  # before the target is touched: a bad -o is said at once
@@ -201,11 +244,14 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 if not tracer.patched and not pending:
                     why = _why(refused.most_common(1)[0][0])
                     raise SessionError(f"no function could be patched ({reasons}): {why}")
-                print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
-                _note_libraries_not_loaded(session, tracer)
-                if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
-                    _hint_libraries(tracer.functions[0].path)
-                status = run_target(session)
+
+                def ready() -> None:
+                    print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
+                    _note_libraries_not_loaded(session, tracer)
+                    if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
+                        _hint_libraries(tracer.functions[0].path)
+
+                status = run_target(session, ready=ready)
                 session.close()  # counts after the detach: an attached program ran on until then
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
                 failure = session.output_failure
@@ -224,7 +270,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             what = f"{calls} call{'' if calls == 1 else 's'} recorded"
             if args.threshold:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
-            where = "" if getattr(args, "live", False) else f" in {out}"  # live: a temporary directory
+            where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
     except OSError as exc:  # closing the events file (its last bytes) on a full disk
         return report_error(DynprobeError(f"cannot write {os.path.join(out, EVENTS)}: {exc.strerror or exc}"))
@@ -276,14 +322,17 @@ def _trace(args: argparse.Namespace) -> Iterator[Trace]:
 
 
 def run_live(args: argparse.Namespace, command: list[str]) -> int:
-    with tempfile.TemporaryDirectory(prefix="dynprobe-live-") as tmp:
-        args.output, args.live = os.path.join(tmp, "trace"), True
+    with contextlib.ExitStack() as stack:
+        args.temporary = args.data is None
+        if args.temporary:
+            args.data = os.path.join(stack.enter_context(tempfile.TemporaryDirectory(prefix="dynprobe-live-")), "trace")
         status = run_record(args, command)
-        if os.path.exists(os.path.join(args.output, INFO)):
+        if os.path.exists(os.path.join(args.data, INFO)):
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            reading = argparse.Namespace(directory=args.output, demangle=args.demangle, tid=[])
-            replayed = run_replay(reading, [])
+            reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output)
+            replayed = _read(reading, [], lambda t, out: callgraph.replay(t, out, _threshold(t, reading)),
+                             default=sys.stderr)  # fmt: skip
             return status or replayed
         return status
 
@@ -303,26 +352,33 @@ def run_report(args: argparse.Namespace, command: list[str]) -> int:
 
 def run_dump(args: argparse.Namespace, command: list[str]) -> int:
     write = callgraph.dump_chrome if args.chrome else callgraph.dump_flame
-    return _read(args, command, write, args.output)
+    return _read(args, command, write)
 
 
 def _read(
-    args: argparse.Namespace, command: list[str], show: Callable[[Trace, TextIO], object], output: str | None = None
+    args: argparse.Namespace,
+    command: list[str],
+    show: Callable[[Trace, TextIO], object],
+    *,
+    default: TextIO = sys.stdout,
 ) -> int:
+    """Read a trace directory and `show` it on -o FILE, or `default`: the standard output for
+    `replay`, `report` and `dump`, which run no program."""
     if command:
         return report_error(UsageError("reading a trace runs no command"))
+    output: str | None = args.output
     try:
         with _trace(args) as trace:
-            out: TextIO = files.create_text(output) if output else sys.stdout
+            out = default if output is None else open_output(output)
             try:
                 show(trace, out)
             finally:
-                if out is not sys.stdout:
-                    out.close()
+                close_output(out)
     except DynprobeError as exc:
         return report_error(exc)
     except BrokenPipeError:
         return 0
     except OSError as exc:
-        return report_error(DynprobeError(f"cannot write {output}: {exc.strerror}"))
+        where = output_name(output) if output is not None or default is sys.stderr else "the standard output"
+        return report_error(DynprobeError(f"cannot write {where}: {exc.strerror}"))
     return 0

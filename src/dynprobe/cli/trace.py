@@ -11,7 +11,16 @@ import sys
 from collections.abc import Callable
 from typing import TextIO
 
-from dynprobe.cli.common import add_target_options, open_session, report_error, run_target
+from dynprobe.cli.common import (
+    add_output_option,
+    add_target_options,
+    close_output,
+    open_output,
+    open_session,
+    output_name,
+    report_error,
+    run_target,
+)
 from dynprobe.cli.probes import (
     ProbeRequest,
     add_probe_options,
@@ -20,11 +29,11 @@ from dynprobe.cli.probes import (
     note_traps,
     place_all,
     print_stats,
+    say_placed,
 )
 from dynprobe.core.probe import BatchHandler, EventColumns, Probe
 from dynprobe.core.session import Session, print_warning
 from dynprobe.errors import DynprobeError
-from dynprobe.output import files
 from dynprobe.output.ftrace import ftrace_lines, json_lines
 
 EXAMPLES = """\
@@ -51,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )  # fmt: skip
     add_probe_options(p)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of ftrace lines")
-    p.add_argument("-o", "--output", metavar="FILE", help="write events to FILE instead of stdout")
+    add_output_option(p, "the events")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
     add_target_options(p)
     p.set_defaults(run=run)
@@ -100,7 +109,7 @@ def trace(session: Session, request: ProbeRequest, printer: EventPrinter) -> lis
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         request = check_request(args)
-        out: TextIO = files.create_text(args.output) if args.output else sys.stdout
+        out = open_output(args.output)
     except DynprobeError as exc:
         return report_error(exc)
     printer = EventPrinter(out, args.json)
@@ -110,17 +119,15 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             session.on_warning = print_warning
             printer.on_failure = session.request_stop
             probes = trace(session, request, printer)
-            status = run_target(session)
+            status = run_target(session, ready=lambda: say_placed(probes, args.pid))
             session.close()
-            if out is not sys.stdout:
-                try:
-                    out.flush()
-                except OSError as exc:
-                    printer.failed(exc)
+            try:
+                out.flush()
+            except OSError as exc:
+                printer.failed(exc)
             if printer.failure is not None:
-                where = args.output or "the standard output"
-                print(f"dynprobe: error: cannot write {where}: {printer.failure}: tracing stopped, the program "
-                      f"let go; {printer.lines} events written", file=sys.stderr)  # fmt: skip
+                print(f"dynprobe: error: cannot write {output_name(args.output)}: {printer.failure}: tracing "
+                      f"stopped, the program let go; {printer.lines} events written", file=sys.stderr)  # fmt: skip
                 return 1
             if not args.quiet:
                 print_stats(probes, args.stats)
@@ -131,10 +138,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return report_error(exc)
     finally:
         with contextlib.suppress(OSError):  # (a failure to write is said above)
-            if out is not sys.stdout:
-                out.close()
-            else:
-                out.flush()
+            close_output(out)
     if args.pid is not None:
         return 0
     return status if status is not None else 130

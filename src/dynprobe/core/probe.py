@@ -14,11 +14,14 @@ from typing import TYPE_CHECKING
 
 from dynprobe.actions.model import ActionKind, Field, Filter, Program, record_fields
 from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
+from dynprobe.arch.x86_64.regs import canonical_name
 from dynprobe.core.slots import PlacedCode
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.output.hist import Histogram, zero_label
 from dynprobe.ringbuf.layout import HIST_BUCKETS
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
 from dynprobe.spec.model import ArgType, Caller, FetchArg
+from dynprobe.spec.parser import integer_type
 from dynprobe.symbols.resolve import Location
 
 if TYPE_CHECKING:
@@ -133,8 +136,27 @@ class Hit:
 
     @property
     def retval(self) -> int:
-        """At a return: the return value (rax; writable through `regs`)."""
+        """At a return: the return value (rax, unsigned; writable through `regs`); `ret(type)`
+        gives it typed."""
         return int(self.regs.rax)
+
+    def ret(self, type_name: str = "u64") -> int:
+        """At a return: the return value as `type_name` says (u8..u64, s8..s64, x8..x64, as
+        fetch arguments write them): `hit.ret("s32")` of an int function is negative when it is."""
+        return integer_type(type_name).cast(int(self.regs.rax))
+
+    def arg(self, index: int, type_name: str = "u64") -> int:
+        """The `index`-th integer argument (1-based, as $argN) read from its register now (at
+        a function's entry: the argument), as `type_name` says: `hit.arg(1, "s32")`."""
+        return integer_type(type_name).cast(self.regs.arg(index))
+
+    def reg(self, name: str, type_name: str = "u64") -> int:
+        """A register by the name fetch arguments or `regs` give it ("di", "%di", "rdi"), as
+        `type_name` says: `hit.reg("si", "s64")`."""
+        canonical = canonical_name(name)
+        if canonical is None:
+            raise ValueError(f"unknown register: {name}")
+        return integer_type(type_name).cast(int(getattr(self.regs, canonical)))
 
     @property
     def memory(self) -> object:
@@ -227,9 +249,10 @@ class Probe:
         return self.session.counters_of(self)[2]
 
     @property
-    def histogram(self) -> list[int]:
-        """log2 buckets of `value`: [0] zero or negative, [k] in [2^(k-1), 2^k), [65] faulted."""
-        return self.session.histogram_of(self)
+    def histogram(self) -> Histogram:
+        """The log2 histogram of `value` (`Histogram`: counts by bucket, `buckets()` with their
+        ranges, str() as `dynprobe hist` prints it)."""
+        return Histogram(self.session.histogram_of(self), zero_label(self.value))
 
     @property
     def mode(self) -> ProbeMode:

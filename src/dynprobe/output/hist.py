@@ -14,6 +14,10 @@ takes time; the clock may not see it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import overload
+
 from dynprobe.ringbuf.layout import HIST_FAULTED
 from dynprobe.spec.model import FetchArg, Latency
 
@@ -60,3 +64,64 @@ def log2_lines(buckets: list[int], zero: str = ZERO_SIGNED) -> list[str]:
     if len(buckets) > HIST_FAULTED and buckets[HIST_FAULTED]:
         lines.append(f"{'(fault)':<16} {buckets[HIST_FAULTED]:>10}")
     return lines
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One row of a histogram: values in [low, high) (low None: any value up to high, bucket 0
+    of a signed value), `label` as printed."""
+
+    low: int | None
+    high: int
+    label: str
+    count: int
+
+
+class Histogram(Sequence[int]):
+    """A probe's log2 histogram: its counts by bucket (index k: [2^(k-1), 2^k); 0: zero, or
+    zero or less for a signed value; the last: fetches that faulted), its `buckets()` with
+    their ranges, and, as str(), the rows the CLI prints."""
+
+    def __init__(self, counts: Sequence[int], zero: str = ZERO_SIGNED) -> None:
+        self.counts = list(counts)
+        self.zero = zero
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return self.counts[index]
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @property
+    def faulted(self) -> int:
+        """Hits whose value could not be read."""
+        return self.counts[HIST_FAULTED] if len(self.counts) > HIST_FAULTED else 0
+
+    @property
+    def total(self) -> int:
+        """Values counted (faulted fetches aside)."""
+        return sum(self.counts[:HIST_FAULTED])
+
+    def buckets(self, *, empty: bool = False) -> list[Bucket]:
+        """The buckets that counted something (`empty`: every bucket), lowest first."""
+        rows = []
+        for k, count in enumerate(self.counts[:HIST_FAULTED]):
+            if count or empty:
+                low = (None if self.zero == ZERO_SIGNED else 0) if k == 0 else 1 << (k - 1)
+                rows.append(Bucket(low, 1 << k if k else 1, bucket_label(k, self.zero), count))
+        return rows
+
+    def __str__(self) -> str:
+        return "\n".join(log2_lines(self.counts, self.zero))
+
+    def __repr__(self) -> str:
+        return f"Histogram({self.counts!r}, {self.zero!r})"

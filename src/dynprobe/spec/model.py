@@ -101,6 +101,11 @@ class ArgType:
     def __str__(self) -> str:
         return self.kind if self.kind in ("string", "ustring", "symbol") else f"{self.kind}{self.bits}"
 
+    def cast(self, value: int) -> int:
+        """`value` cut to this type's bits, as a signed number for s8..s64."""
+        cut = value & ((1 << self.bits) - 1)
+        return cut - (1 << self.bits) if self.kind == "s" and cut >> (self.bits - 1) else cut
+
 
 @dataclass(frozen=True)
 class FetchArg:

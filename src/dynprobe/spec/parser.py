@@ -76,6 +76,14 @@ _TYPES.update({t: ArgType(t) for t in ("string", "ustring", "symbol")})
 _DEFAULT_TYPE = ArgType("x", 64)
 
 
+def integer_type(name: str) -> ArgType:
+    """The integer type a name means (u8..u64, s8..s64, x8..x64, as fetch arguments write it)."""
+    found = _TYPES.get(name)
+    if found is None or found.kind not in ("u", "s", "x"):
+        raise _fail("BAD_TYPE", name, 0, f"{name!r} is not an integer type")
+    return found
+
+
 def _fail(code: str, spec: str, column: int, detail: str = "") -> ParseError:
     message = ERRORS[code] + (f": {detail}" if detail else "")
     return ParseError(code, message, spec, column)

@@ -170,7 +170,28 @@ def resolve(
     except SymbolError as exc:
         if sep or "::" in symbol or not str(exc).startswith("no function"):
             raise
-        raise SymbolError(f"{exc} (for a library function, name the library: libc:{symbol})") from exc
+        library = _library_with(symbol, maps, libraries)
+        if library is None:
+            raise
+        short = os.path.basename(library).split(".so", 1)[0]
+        raise SymbolError(f"{exc}; {os.path.basename(library)} has it: {short}:{symbol}") from exc
+
+
+def _library_with(
+    symbol: str, maps: list[Mapping] | None, libraries: Callable[[], dict[str, str]] | None
+) -> str | None:
+    """A library the target maps, or will, with a function named `symbol` (for the hint of a
+    symbol the program itself lacks)."""
+    paths = {m.path for m in maps or [] if m.path.startswith("/") and ".so" in os.path.basename(m.path)}
+    paths.update((libraries() if libraries else {}).values())
+    for path in sorted(paths):
+        try:
+            image = load_elf(path)
+        except SymbolError:
+            continue
+        if image.functions_named(symbol) or symbol in image.ifuncs:
+            return path
+    return None
 
 
 MAX_MATCHES = 10_000  # functions one pattern may name
@@ -181,6 +202,20 @@ def is_pattern(symbol: str) -> bool:
     return any(c in symbol for c in "*?[")
 
 
+def functions_matching(image: ElfImage, pattern: str, loaded: LoadedIn | None = None) -> list[Function]:
+    """The functions of `image` whose name (or demangled name) matches the shell-style
+    `pattern`, one per address (of aliases, the name shown: malloc, not __libc_malloc), in
+    address order; old versions of a name (exp@GLIBC_2.2.5) only when the pattern has an '@'."""
+    found: dict[int, Function] = {}
+    versions = "@" in pattern
+    for func in callable_functions(image, loaded):
+        if func.addr in found or ("@" in func.name and not versions):
+            continue
+        if any(fnmatch.fnmatchcase(n, pattern) for n in names_of(func.name)):
+            found[func.addr] = func
+    return list(found.values())
+
+
 def expand_pattern(
     text: str,
     main_exe: str,
@@ -189,20 +224,12 @@ def expand_pattern(
     memory: Memory | None = None,
 ) -> list[str]:
     """The locations a location with a pattern ('libc:str*', 'parse_*+4') names: 'PATH:NAME[+OFF]'
-    for each function whose name (or demangled name) matches, one per address (of aliases,
-    the name shown: malloc, not __libc_malloc), in address order. SymbolError if none does,
-    or more than MAX_MATCHES."""
+    for each of its `functions_matching`. SymbolError if none does, or more than MAX_MATCHES."""
     path_part, sep, what = split_location(text)
     path = find_file(path_part, maps, libraries) if sep else main_exe
     image = load_elf(path)
     pattern, offset = parse_symbol_offset(what)
-    found: dict[int, Function] = {}
-    versions = "@" in pattern  # (old versions of a name, exp@GLIBC_2.2.5, only when asked for)
-    for func in callable_functions(image, loaded_in(image, maps, memory)):
-        if func.addr in found or ("@" in func.name and not versions):
-            continue
-        if any(fnmatch.fnmatchcase(n, pattern) for n in names_of(func.name)):
-            found[func.addr] = func
+    found = functions_matching(image, pattern, loaded_in(image, maps, memory))
     if not found:
         raise SymbolError(f"no function of {image.path} matches {pattern!r}")
     if len(found) > MAX_MATCHES:
@@ -211,7 +238,7 @@ def expand_pattern(
             "from one pattern: narrow it"
         )
     suffix = f"+{offset:#x}" if offset else ""
-    return [f"{image.path}:{func.name}{suffix}" for func in found.values()]
+    return [f"{image.path}:{func.name}{suffix}" for func in found]
 
 
 def resolve_address(addr: int, maps: list[Mapping]) -> Location:
