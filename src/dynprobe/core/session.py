@@ -82,6 +82,7 @@ from dynprobe.ptrace.process import (
     ThreadState,
     Tracee,
     list_threads,
+    runs_no_code_to_take,
     sigtrap_pending,
     thread_cpu,
     tracer_of,
@@ -235,6 +236,14 @@ def _resume(proc: TracedProcess, tid: int, sig: int = 0, step: bool = False) -> 
         proc.rescue.mark(0, 0)
 
 
+def _in_syscall_stop(tid: int) -> bool:
+    """Whether stopped thread `tid` is at a system-call stop (where our remote syscalls end)."""
+    try:
+        return int(sc.get_siginfo(tid).si_code) == signal.SIGTRAP | 0x80
+    except OSError:
+        return False
+
+
 def _exe_of(pid: int) -> str:
     try:
         return root_of(pid) + os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
@@ -311,6 +320,7 @@ class Session:
         self._exited_unknown: set[int] = set()
         self._pending: deque[Event] = deque()
         self._stop_requested = False
+        self._interrupted = False  # interrupt_wait was called, maybe before run() began
         self._wakeable_run = False  # see _wakeable
         self._closed = False
         self._started = False
@@ -698,6 +708,8 @@ class Session:
         `stop()` was called."""
         self._check_open()
         self._stop_requested = False
+        if self._interrupted:  # (a signal that came before this run: it ends this one)
+            self._stop_requested, self._interrupted = True, False
         deadline = None if timeout is None else time.monotonic() + timeout
         if any(p.action is not None for p in self.probes) or self.tracing.tracers:
             self._ensure_consumer().start()  # before the tracer pins itself: it runs elsewhere
@@ -846,7 +858,7 @@ class Session:
         """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()`
         return promptly: it never raises (an exception in the middle of waitpid could lose an
         event); it sets a flag and PTRACE_INTERRUPTs a running tracee so waitpid wakes up."""
-        self._stop_requested = True
+        self._interrupted = self._stop_requested = True
         for proc in self._processes.values():
             for tid, state in proc.tracee.threads.items():
                 if not state.stopped:
@@ -1885,9 +1897,15 @@ class Session:
             # Events that arrived for this process but were not handled yet belong to its threads.
             for event in [e for e in self._pending if self._owner.get(e.tid) is proc]:
                 self._pending.remove(event)
+                if event.tid == self.main_pid and event.kind in (EventKind.EXITED, EventKind.KILLED):
+                    # The command ended as it was being stopped: reaped, its status is here alone.
+                    self.exit_status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
                 state = proc.tracee.threads.get(event.tid)
                 if state is not None:
                     state.deferred.append(event)
+            for tid, state in proc.tracee.threads.items():
+                if state.stopped:
+                    self._deliver_held_signal(proc, tid, state)
             self._adopt_unseen_threads(proc)
             self._optimizer.restore_all(proc)
             self.tracing.restore(proc)
@@ -1947,6 +1965,30 @@ class Session:
                     self._detach_thread(proc, tid, self._state_from_stop(tid, event))
                 except OSError as exc:
                     _debug(f"detach: thread {tid}: {exc}")
+
+    def _deliver_held_signal(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
+        """A thread stopped with a signal for the program (a terminal's SIGINT) takes it now,
+        before dynprobe's last system calls run in it: resumed from that stop without it, the
+        signal would be lost, and a system call it interrupted (pause) restarted instead of
+        failing with EINTR. A single step with the signal sets up its handler as the kernel
+        would and stops before the handler's first instruction (or the signal ends the
+        process); a signal whose taking would run the program's code is left to the detach."""
+        held = [e for e in state.deferred if e.kind == EventKind.SIGNAL and e.sig not in _FAULT_SIGNALS]
+        if not held or not runs_no_code_to_take(proc.pid, tid, held[-1].sig):
+            return
+        try:
+            if sc.get_siginfo(tid).si_signo != held[-1].sig:
+                return  # no longer in that signal's stop: the detach delivers what it can
+            sc.singlestep(tid, held[-1].sig)
+        except OSError as exc:
+            _debug(f"detach: thread {tid}: signal {held[-1].sig} not delivered ahead: {exc}")
+            return
+        state.deferred.remove(held[-1])
+        event = self._wait_stop(tid, timeout=1.0)
+        if event is not None and event.kind == EventKind.SIGNAL and event.sig != signal.SIGTRAP:
+            state.deferred.append(event)  # another signal came meanwhile: the detach delivers it
+        elif event is not None and event.kind in (EventKind.EXITED, EventKind.KILLED):
+            self._pending.append(event)  # the signal ended it (its default action)
 
     @staticmethod
     def _wait_stop(tid: int, timeout: float) -> Event | None:
@@ -2014,6 +2056,11 @@ class Session:
             sig = signal.SIGTRAP  # the target's own trap: it is due to it
         if step is not None and step.held_signals:
             sig = step.held_signals[0]
+        elif sig and sig not in _FAULT_SIGNALS and state.interrupted is not None and _in_syscall_stop(tid):
+            # A signal that came while our system call ran in it: sent on from this stop (as
+            # the kernel does from a system-call stop), with the registers of the call it
+            # interrupted, so that its handler's return restarts it or fails it with EINTR.
+            sc.set_regs(tid, state.interrupted)
         with contextlib.suppress(OSError):
             sc.detach(tid, sig)
 

@@ -71,6 +71,11 @@ class ThreadState:
     # Stopped at our int3 at this site, its stop not taken (being served; see peek_stop): a
     # remote syscall run in it leaves it at the site, should dynprobe die before its resume.
     at_trap: int | None = None
+    # Stopped inside a system call a signal or stop interrupted: its registers as the kernel
+    # left them, before a remote syscall made them restart it (`_restarted`). A signal
+    # delivered at its next resume needs them: its handler's return then decides, as the
+    # kernel does, whether the call is restarted or fails with EINTR. Cleared by a resume.
+    interrupted: Regs | None = None
 
 
 def tracer_of(pid: int, tid: int | None = None) -> int:
@@ -293,6 +298,7 @@ class Tracee:
         the target never runs with a mask it did not set (a cross-CPU wake-up of an idle vCPU
         costs ~10x a whole trap round trip on one CPU)."""
         state = self.threads[tid]
+        state.interrupted = None
         restore = None
         if self.home_cpu is not None:
             try:
@@ -410,7 +416,10 @@ class Tracee:
         were put back after it. Should dynprobe die meanwhile, the guardian puts them back (the
         journal holds them); a thread at our int3 is put back at the site (see
         ThreadState.at_trap)."""
-        saved = _restarted(sc.get_regs(tid))
+        raw = sc.get_regs(tid)
+        saved = _restarted(raw.copy())
+        if saved.rip != raw.rip and state.interrupted is None:
+            state.interrupted = raw
         if state.at_trap is not None:
             saved.rip = state.at_trap
         regs = saved.copy()
@@ -712,16 +721,35 @@ def identity(pid: int, pidfd: int | None = None) -> tuple[int, int]:
             os.close(fd)
 
 
-def sigtrap_pending(pid: int, tid: int) -> bool:
-    """Whether SIGTRAP waits in the thread's own signal queue (SigPnd of /proc/PID/task/TID/status)."""
+def _signal_set(pid: int, tid: int, field: str) -> int:
+    """A signal set of /proc/PID/task/TID/status (SigPnd, SigIgn, SigCgt) as a mask; 0 if unread."""
     try:
         with open(f"/proc/{pid}/task/{tid}/status") as f:
             for line in f:
-                if line.startswith("SigPnd:"):
-                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTRAP - 1)))
-    except (OSError, ValueError):
+                if line.startswith(field + ":"):
+                    return int(line.split()[1], 16)
+    except (OSError, ValueError, IndexError):
         pass
-    return False
+    return 0
+
+
+def sigtrap_pending(pid: int, tid: int) -> bool:
+    """Whether SIGTRAP waits in the thread's own signal queue."""
+    return bool(_signal_set(pid, tid, "SigPnd") & (1 << (signal.SIGTRAP - 1)))
+
+
+_DEFAULT_IGNORE_OR_STOP = {signal.SIGCHLD, signal.SIGURG, signal.SIGWINCH, signal.SIGCONT, signal.SIGSTOP,
+                           signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}  # fmt: skip
+
+
+def runs_no_code_to_take(pid: int, tid: int, sig: int) -> bool:
+    """Whether taking `sig` runs no instruction of the thread: a handler is set up (it runs
+    later), or the default action ends the process; not so for an ignored signal, nor one whose
+    default is to be ignored or to stop."""
+    bit = 1 << (sig - 1)
+    if _signal_set(pid, tid, "SigCgt") & bit:
+        return True
+    return not _signal_set(pid, tid, "SigIgn") & bit and sig not in _DEFAULT_IGNORE_OR_STOP
 
 
 def list_threads(pid: int) -> list[int]:
