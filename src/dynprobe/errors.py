@@ -106,6 +106,10 @@ class Refusal(enum.Enum):
     GS_IN_USE = "the target uses the GS segment base itself: return probes need a thread area there"
     SECCOMP = "a seccomp filter dynprobe may not suspend (without CAP_SYS_ADMIN): no memory can be made for it"
     FUNCTION_TRACED = "the function tracer patched these bytes; stop that tracer first"
+    RETURNS_TWICE = (
+        "the function returns twice (setjmp, vfork, getcontext, swapcontext): a replaced return address "
+        "would be taken again after its return"
+    )
 
 
 class OptimizeRefusal(enum.Enum):

@@ -592,3 +592,22 @@ def test_indirect_functions_are_traced_by_their_name(tmp_path: Path) -> None:
     # (libc has no symbols for either: the unwind tables say where they are)
     assert [e.function.name for e in events if not e.exit] == ["strlen"] * 3
     assert tracer.patched == 1 and tracer.not_patched == {"JUMP_INTO_REGION": 1}
+
+
+def test_libc_functions_that_return_twice_never_crash_the_program(tmp_path: Path) -> None:
+    """`record --lib libc` over setjmp/longjmp, sigsetjmp/siglongjmp, getcontext/setcontext,
+    swapcontext coroutines, vfork and pthread_exit: the program's output and status are its own
+    (a return hook in setjmp crashed it: the jmp_buf kept the hook, taken again by longjmp).
+    The functions that return twice are left unpatched and counted; a return probe on one is
+    refused."""
+    twice = build_target("twice", flags=("-O1", "-pthread"))
+    alone = subprocess.run([twice], capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 0 and alone.stdout == "jumps=4 resumed=1 switches=4 child=3 thread=7\n"
+    r = dp("record", "--lib", "libc", "-o", str(tmp_path / "t.data"), "--", twice)
+    assert (r.returncode, r.stdout) == (0, alone.stdout), r.stderr
+    assert re.search(r"not patched: \d+ \(.*RETURNS_TWICE \d+", r.stderr), r.stderr
+    names = {f[0] for f in Trace(str(tmp_path / "t.data")).info["functions"]}
+    assert {"longjmp", "pthread_exit", "setcontext"} <= names
+    with dynprobe.spawn([twice], stdout=subprocess.DEVNULL) as session, pytest.raises(ProbeRefused) as refused:
+        session.retprobe("libc:_setjmp")
+    assert refused.value.reason == Refusal.RETURNS_TWICE

@@ -35,6 +35,7 @@ from dynprobe.arch.x86_64.codegen import (
     call_to,
 )
 from dynprobe.arch.x86_64.optimize import can_optimize
+from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.core.slots import PlacedCode
 from dynprobe.errors import OptimizeRefusal, Refusal, SessionError
 from dynprobe.gcpause import gc_paused
@@ -244,6 +245,9 @@ class Tracing:
             if progress is not None and done % 100 == 0:
                 progress(100)
             if tracer.graph:
+                if func.name in RETURNS_TWICE:
+                    tracer.not_patched[Refusal.RETURNS_TWICE.name] += 1
+                    continue
                 if func.path not in refusals:
                     refusals[func.path] = session.returns.refusal(proc, func.path)
                 refusal = refusals[func.path]

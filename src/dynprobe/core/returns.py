@@ -71,6 +71,12 @@ if TYPE_CHECKING:
 
 # Where the unwinder starts reading return addresses: exceptions (throw, rethrow, the forced unwind
 # of pthread_cancel/pthread_exit) and backtrace(); and where an exception has been caught.
+# Functions that return twice, the second time to a return address saved by the first call
+# (in a jmp_buf, a ucontext, or the stack a vfork child shared): one replaced by a return hook
+# would be taken after the hook's entry was used, and the program would jump to nowhere.
+RETURNS_TWICE = frozenset(
+    {"setjmp", "_setjmp", "__sigsetjmp", "sigsetjmp", "vfork", "__vfork", "getcontext", "swapcontext"}
+)
 UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind")
 BACKTRACE_ENTRY = "_Unwind_Backtrace"
 CATCH_ENTRY = "__cxa_begin_catch"

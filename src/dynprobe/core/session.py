@@ -48,7 +48,7 @@ from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tr
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
 from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.rescue import Rescue
-from dynprobe.core.returns import ProcessReturns, ReturnProbes, default_maxactive
+from dynprobe.core.returns import RETURNS_TWICE, ProcessReturns, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
 from dynprobe.core.slots import PlacedCode, SlotCache
 from dynprobe.debug import ENABLED as DEBUG
@@ -549,6 +549,8 @@ class Session:
     def _return_refusal(self, proc: TracedProcess, location: Location) -> Refusal | None:
         if location.function is None or location.function.addr != location.vaddr:
             return Refusal.NOT_FUNCTION_ENTRY
+        if location.function.name in RETURNS_TWICE:
+            return Refusal.RETURNS_TWICE
         return self.returns.refusal(proc, location.path)
 
     def function_tracer(
