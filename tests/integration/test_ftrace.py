@@ -611,3 +611,27 @@ def test_libc_functions_that_return_twice_never_crash_the_program(tmp_path: Path
     with dynprobe.spawn([twice], stdout=subprocess.DEVNULL) as session, pytest.raises(ProbeRefused) as refused:
         session.retprobe("libc:_setjmp")
     assert refused.value.reason == Refusal.RETURNS_TWICE
+
+
+DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
+REAL_PROGRAMS = {
+    "sort": ["sort", "{input}"],
+    "gzip": ["gzip", "-c", "{input}"],
+    "python3": ["/usr/bin/python3", "-c", "import json, re; print(json.dumps(sorted(re.findall('[a-z]+', 'b a c'))))"],
+    "sqlite3": ["sqlite3", ":memory:", "create table t(x); insert into t values (3), (1); select * from t order by x;"],
+}
+
+
+@pytest.mark.parametrize("program", REAL_PROGRAMS, ids=list(REAL_PROGRAMS))
+def test_real_programs_under_record_lib_libc_print_and_exit_as_alone(program: str, tmp_path: Path) -> None:
+    argv = REAL_PROGRAMS[program]
+    if shutil.which(argv[0]) is None:
+        pytest.skip(f"{argv[0]} is not installed here")
+    text = tmp_path / "input.txt"
+    text.write_text("".join(f"line {i * 7919 % 1000}\n" for i in range(2000)))
+    argv = [a.format(input=text) for a in argv]
+    alone = subprocess.run(argv, capture_output=True, timeout=60)
+    record = ["record", "--lib", "libc", "-o", str(tmp_path / "t.data")]
+    traced = subprocess.run([*DYNPROBE, *record, "--", *argv], capture_output=True, timeout=300)
+    assert (traced.returncode, traced.stdout) == (alone.returncode, alone.stdout), traced.stderr
+    assert re.search(rb"dynprobe: [1-9]\d* calls recorded", traced.stderr), traced.stderr
