@@ -635,3 +635,12 @@ def test_real_programs_under_record_lib_libc_print_and_exit_as_alone(program: st
     traced = subprocess.run([*DYNPROBE, *record, "--", *argv], capture_output=True, timeout=300)
     assert (traced.returncode, traced.stdout) == (alone.returncode, alone.stdout), traced.stderr
     assert re.search(rb"dynprobe: [1-9]\d* calls recorded", traced.stderr), traced.stderr
+
+
+def test_record_names_the_programs_functions_it_could_not_trace(tmp_path: Path) -> None:
+    """A function with a switch table cannot be patched: it is absent from the call graph, and
+    record says which, by name and why, not only how many."""
+    switchy = build_target("switchy", flags=("-O1", "-fjump-tables"))
+    r = dp("record", "-o", str(tmp_path / "t.data"), "--", switchy)
+    assert r.returncode == 0 and r.stdout == "10\n", r.stderr
+    assert r.stderr.splitlines()[-1] == "dynprobe: not traced, of switchy's functions: dispatch (INDIRECT_JUMP)"

@@ -251,6 +251,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                     if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
                         _hint_libraries(tracer.functions[0].path)
 
+                main = session.process(session.pid)
+                program = os.path.realpath(main.exe) if main is not None else None
                 status = run_target(session, ready=ready)
                 session.close()  # counts after the detach: an attached program ran on until then
                 calls, missed, lost = tracer.calls, tracer.missed, tracer.lost
@@ -272,6 +274,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
             where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
+            _name_refused(tracer, program)
     except OSError as exc:  # closing the events file (its last bytes) on a full disk
         return report_error(DynprobeError(f"cannot write {os.path.join(out, EVENTS)}: {exc.strerror or exc}"))
     except DynprobeError as exc:
@@ -283,6 +286,20 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
     if args.pid is not None:
         return 0
     return status if status is not None else 130
+
+
+MAX_NAMED = 20
+
+
+def _name_refused(tracer: FunctionTracer, program: str | None) -> None:
+    """The program's own functions that could not be patched, by name and why: absent from the
+    call graph, they should not be a mystery (a library's are counted in the first line)."""
+    own = sorted((func.name, reason) for reason, funcs in tracer.refused.items() for func in funcs
+                 if os.path.realpath(func.path) == program)  # fmt: skip
+    if own:
+        named = ", ".join(f"{name} ({reason})" for name, reason in own[:MAX_NAMED])
+        more = f" and {len(own) - MAX_NAMED} more" if len(own) > MAX_NAMED else ""
+        print(f"dynprobe: not traced, of {os.path.basename(program or '')}'s functions: {named}{more}", file=sys.stderr)
 
 
 def _remove_if_empty(out: str) -> None:

@@ -127,7 +127,14 @@ class FunctionTracer:
         self.patched = 0
         self.nop_entries = 0  # of them, patched over the NOPs compilers leave for tracers
         self.not_patched: Counter[str] = Counter()  # reason -> functions
+        self.refused: dict[str, list[TracedFunction]] = {}  # reason -> the functions themselves
         self.unmapped: dict[int, set[int]] = {}  # pid -> functions whose library is not mapped there
+
+    def refuse(self, func: TracedFunction, reason: str) -> None:
+        """`func` could not be patched, for `reason` (a Refusal or OptimizeRefusal name)."""
+        self.not_patched[reason] += 1
+        if reason != "NOT_MAPPED":  # (patched when its library is)
+            self.refused.setdefault(reason, []).append(func)
 
     def start(self, progress: Callable[[int], object] | None = None) -> None:
         """Patch its functions in every traced process; `progress(n)` is told as n more are done."""
@@ -217,6 +224,7 @@ class Tracing:
         tracer.started = True
         tracer.patched = tracer.nop_entries = 0
         tracer.not_patched.clear()
+        tracer.refused.clear()
         tracer.unmapped.clear()
         for proc in self.session.traced_processes():
             with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
@@ -246,13 +254,13 @@ class Tracing:
                 progress(100)
             if tracer.graph:
                 if func.name in RETURNS_TWICE:
-                    tracer.not_patched[Refusal.RETURNS_TWICE.name] += 1
+                    tracer.refuse(func, Refusal.RETURNS_TWICE.name)
                     continue
                 if func.path not in refusals:
                     refusals[func.path] = session.returns.refusal(proc, func.path)
                 refusal = refusals[func.path]
                 if refusal is not None:
-                    tracer.not_patched[refusal.name] += 1
+                    tracer.refuse(func, refusal.name)
                     continue
             site = state.sites.get(func.id)
             if site is not None:
@@ -264,7 +272,7 @@ class Tracing:
             if reason is None:
                 tracer.patched += 1
             else:
-                tracer.not_patched[reason] += 1
+                tracer.refuse(func, reason)
                 if reason == "NOT_MAPPED":
                     tracer.unmapped.setdefault(proc.pid, set()).add(func.id)
 
