@@ -44,7 +44,7 @@ lint: venv
 typecheck: venv
 	$(VENV)/bin/mypy src
 
-# A Go toolchain lets the return-probe tests check that Go programs are refused (HAZARDS.md 1);
+# A Go toolchain lets the return-probe tests check that Go programs are refused (hazard 1);
 # uftrace is the function tracer's reference (same call graphs, and the benchmark's comparison).
 toolchains:
 	@command -v go >/dev/null || (apt-get install -y -qq golang-go >/dev/null 2>&1 || \

@@ -113,7 +113,7 @@ class Refusal(enum.Enum):
 
 
 class OptimizeRefusal(enum.Enum):
-    """Why a site stays a trap probe instead of taking a 5-byte jump (DESIGN.md section 5)."""
+    """Why a site stays a trap probe instead of taking a 5-byte jump (docs/architecture.md §5)."""
 
     FUNCTION_UNKNOWN = "the containing function (symbol with a size) is unknown"
     TOO_SHORT = "fewer than 5 bytes of whole instructions remain to the end of the function"

@@ -1,4 +1,4 @@
-"""Attach to running processes, detach leaving every byte as found; HAZARDS 21-23."""
+"""Attach to running processes, detach leaving every byte as found; hazards 21-23."""
 
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def test_attach_never_fails_on_a_thread_that_has_just_ended(spinner: str) -> Non
 
 
 def test_attach_while_threads_are_created(spinner: str) -> None:
-    """HAZARDS 23: new threads appear during attach and stop-the-world; all see the probes."""
+    """Hazard 23: new threads appear during attach and stop-the-world; all see the probes."""
     proc = start([spinner, "2", "churn"])
     try:
         for _ in range(3):
@@ -146,7 +146,7 @@ def test_attach_not_permitted(running: subprocess.Popen[str]) -> None:
 
 
 def test_replaced_binary_is_refused(spinner: str) -> None:
-    """HAZARDS 22: the file was replaced on disk (as an upgrade does) since the process mapped it."""
+    """Hazard 22: the file was replaced on disk (as an upgrade does) since the process mapped it."""
     copy = str(BUILD / "spinner-replaced")
     shutil.copy(spinner, copy)
     proc = start([copy, "1"])
@@ -200,7 +200,7 @@ def _killed_tracer(argv: list[str], ready: str, delay: float = 0.0) -> str:
 
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
 def test_a_killed_tracer_s_guardian_puts_the_code_back(spinner: str, delay: float) -> None:
-    """HAZARDS 21: SIGKILL the tracer while its probes are in place (a jump on `tick`, which two
+    """Hazard 21: SIGKILL the tracer while its probes are in place (a jump on `tick`, which two
     threads call 2,000 times a second, an optimized count on clock_gettime, and trap probes with
     Python handlers on functions not running then). The guardian restores every byte, so the
     target's SIGTERM handler, which had a trap probe, runs and the target ends normally."""
@@ -219,7 +219,7 @@ def test_a_killed_tracer_s_guardian_puts_the_code_back(spinner: str, delay: floa
 
 
 def test_a_killed_function_tracer_s_guardian_puts_the_code_back(spinner: str, tmp_path: Path) -> None:
-    """HAZARDS 21 for `dynprobe record -p`: every function entry of the program is a jump, and
+    """Hazard 21 for `dynprobe record -p`: every function entry of the program is a jump, and
     new threads keep coming."""
     with spinning(spinner, "2", "churn", "20") as proc:
         argv = [sys.executable, "-m", "dynprobe", "record", "-o", str(tmp_path / "t.data"), "-p", str(proc.pid)]
@@ -231,7 +231,7 @@ def test_a_killed_function_tracer_s_guardian_puts_the_code_back(spinner: str, tm
 
 @pytest.mark.parametrize("hooks", ["retprobe", "function tracer"])
 def test_a_killed_tracer_s_pending_returns_go_back_to_their_callers(hooks: str, tmp_path: Path) -> None:
-    """HAZARDS 21 with returns pending: the tracer dies while a hooked function waits, which
+    """Hazard 21 with returns pending: the tracer dies while a hooked function waits, which
     then throws a C++ exception through its own frame. The unwinder cannot walk through the
     return trampoline: the guardian has put the original return address back."""
     target = build_target("ret_blocked", "ret_blocked.cpp", flags=("-O1", "-lstdc++"))
@@ -292,7 +292,7 @@ def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
 
 
 def test_the_guardian_survives_a_pkill_aimed_at_the_tracer(spinner: str) -> None:
-    """HAZARDS 21: `pkill -9 -f dynprobe` (or `pkill -9 dynprobe`) kills every process whose
+    """Hazard 21: `pkill -9 -f dynprobe` (or `pkill -9 dynprobe`) kills every process whose
     command line (or name) matches. The guardian, a fork of the tracer, has a name and a
     command line of its own: it survives and puts the target's code back. Emulated here for a
     marker only the tracer's command line holds (pkill itself could match this test's runner).
@@ -332,7 +332,7 @@ def test_the_guardian_survives_a_pkill_aimed_at_the_tracer(spinner: str) -> None
 
 
 def test_sites_whose_bytes_are_not_the_files_are_refused() -> None:
-    """HAZARDS 22 / DESIGN 4: memory that differs from the file, and someone else's int3."""
+    """Hazard 22 / docs/architecture.md §4: memory that differs from the file, and someone else's int3."""
     selfmod = build_target("selfmod", flags=("-O1",))
     proc = start([selfmod])
     try:
@@ -504,7 +504,7 @@ def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> No
 
 
 def test_a_detach_that_cannot_finish_hands_over_to_the_guardian(spinner: str) -> None:
-    """DESIGN 3: a detach that fails half-way (here: putting the optimized sites back raises)
+    """docs/architecture.md §3: a detach that fails half-way (here: putting the optimized sites back raises)
     still lets every thread go; the guardian then puts back what is left."""
     with spinning(spinner, "2", "idle", "20") as proc:
         session = dynprobe.attach(proc.pid)

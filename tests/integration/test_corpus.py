@@ -1,4 +1,4 @@
-"""HAZARDS 8: a corpus of single instructions, each snapshotted by the target itself (every GPR,
+"""Hazard 8: a corpus of single instructions, each snapshotted by the target itself (every GPR,
 rflags, xmm0/xmm1, a 64 KiB memory region, a RIP-relative store target): the snapshot with a probe
 on the instruction must be bit-identical to the one without, and the expected resume path ran."""
 
@@ -92,7 +92,7 @@ def test_snapshots_identical_with_probe(corpus: str, post: bool) -> None:
 @pytest.mark.parametrize("kw", [{}, {"filter": "%ax != 12345 and %flags != 0"}, {"filter": "%cx != 7"}],
                          ids=["count", "filter-reading-flags", "filter"])  # fmt: skip
 def test_snapshots_identical_at_optimized_sites(corpus: str, kw: dict[str, str]) -> None:
-    """HAZARDS 8 for jumps: a count probe on each instruction, optimized where the rules allow;
+    """Hazard 8 for jumps: a count probe on each instruction, optimized where the rules allow;
     the snapshots (registers, flags, xmm, memory outside the scratch below the red zone) are
     bit-identical, and the instructions that can be relocated were run from a detour. Each form
     of detour: count only (seto/lahf), full with flags in r11, full with pushfq."""

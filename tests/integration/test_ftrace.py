@@ -561,7 +561,7 @@ def test_cxx_names_as_probe_locations(names: str) -> None:
 
 
 def test_a_library_unloaded_and_loaded_again_is_traced_again() -> None:
-    """HAZARDS 20 for the tracer: lib_a is dlopen'ed, closed, lib_b takes its place, lib_a comes
+    """Hazard 20 for the tracer: lib_a is dlopen'ed, closed, lib_b takes its place, lib_a comes
     back (tests/targets/dl.c, two rounds). Each load of lib_a is patched anew, and lib_b, mapped
     where lib_a's patched function was, is left as it is."""
     lib_a = build_target("libdl_a", "libdl_a.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_a.so")

@@ -1,4 +1,4 @@
-"""HAZARDS 7-11: instruction boundaries, faults in slots, signals during steps, the target's own traps."""
+"""Hazards 7-11: instruction boundaries, faults in slots, signals during steps, the target's own traps."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def every_instruction(path: str, functions: list[str]) -> list[int]:
 
 
 def test_probing_every_instruction_leaves_results_unchanged(wordcount: str) -> None:
-    """HAZARDS 7: a probe on every instruction of several functions at once; same output."""
+    """Hazard 7: a probe on every instruction of several functions at once; same output."""
     argv = [wordcount, "a b c a b a", "x y z x"]
     plain = run_plain(argv).stdout
     addrs = every_instruction(wordcount, ["hash", "add_word", "main"])
@@ -69,7 +69,7 @@ def test_offset_inside_an_instruction_is_refused(wordcount: str) -> None:
 
 @pytest.mark.parametrize("post", [False, True], ids=["boosted", "single-stepped"])
 def test_fault_in_slot_is_reported_at_the_original_address(faults: str, post: bool) -> None:
-    """HAZARDS 9: divide by zero, bad load and ud2 run out of line; the target's SA_SIGINFO handler
+    """Hazard 9: divide by zero, bad load and ud2 run out of line; the target's SA_SIGINFO handler
     sees the original rip and si_addr."""
     plain = run_plain([faults]).stdout
     syms = symbols(faults)
@@ -84,7 +84,7 @@ def test_fault_in_slot_is_reported_at_the_original_address(faults: str, post: bo
 
 @pytest.mark.parametrize("post", [False, True], ids=["emulated", "with-post-handler"])
 def test_signal_storm_over_probed_loop(signals: str, post: bool) -> None:
-    """HAZARDS 10: SIGALRM every 200 us while every call of a probed function traps."""
+    """Hazard 10: SIGALRM every 200 us while every call of a probed function traps."""
     plain = run_plain([signals, "storm", "3000"]).stdout.split(" alarms")[0]
     handler = (lambda h: None) if post else None
     status, out, probe = traced([signals, "storm", "3000"], lambda s: s.probe("step_me", post=handler))
@@ -95,7 +95,7 @@ def test_signal_storm_over_probed_loop(signals: str, post: bool) -> None:
 
 
 def test_target_that_single_steps_itself(signals: str) -> None:
-    """HAZARDS 10: TF set by the target: its SIGTRAP count is the same with probes on the stepped code."""
+    """Hazard 10: TF set by the target: its SIGTRAP count is the same with probes on the stepped code."""
     plain = run_plain([signals, "selfstep"]).stdout
     addrs = every_instruction(signals, ["step_me"])
     status, out, probes = traced([signals, "selfstep"], lambda s: [s.probe(at(signals, a)) for a in addrs])
@@ -104,7 +104,7 @@ def test_target_that_single_steps_itself(signals: str) -> None:
 
 
 def test_target_own_int3_reaches_its_handler_once(signals: str) -> None:
-    """HAZARDS 11: the target's own int3 is not mistaken for ours."""
+    """Hazard 11: the target's own int3 is not mistaken for ours."""
     plain = run_plain([signals, "own"]).stdout
     assert plain.startswith("own_traps=1")
     status, out, probe = traced([signals, "own"], lambda s: s.probe("step_me"))

@@ -1,4 +1,4 @@
-"""HAZARDS 19-20: fork, vfork+exec, fork in a threaded program, exec of a probed binary, dlopen."""
+"""Hazards 19-20: fork, vfork+exec, fork in a threaded program, exec of a probed binary, dlopen."""
 
 from __future__ import annotations
 

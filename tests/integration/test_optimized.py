@@ -1,6 +1,6 @@
 """Optimized probes on live processes: exact counts through mode changes with threads running,
 which mode each probe ends in and why, the red zone, fetches that fault, ring losses, the target's
-own GS, an untrusted target, fork and exec (HAZARDS 12-18, 24-26)."""
+own GS, an untrusted target, fork and exec (hazards 12-18, 24-26)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Forever:
 
 @pytest.mark.parametrize("threads", [1, 8])
 def test_exact_counts_across_1000_optimize_unoptimize_cycles(opt: str, threads: int) -> None:
-    """HAZARDS 14: threads hammer the probed function while its site turns from jump to trap and
+    """Hazard 14: threads hammer the probed function while its site turns from jump to trap and
     back 1000 times (each change under stop-the-world); the target counts its own calls: no hit
     is lost or counted twice, in either mode or in between."""
     target = Forever(opt, threads)
@@ -92,7 +92,7 @@ def test_exact_counts_across_1000_optimize_unoptimize_cycles(opt: str, threads: 
 
 
 def test_attach_optimize_detach_cycles_leave_the_program_unharmed(opt: str) -> None:
-    """HAZARDS 14/21: 8 threads call the probed function nonstop while dynprobe attaches,
+    """Hazards 14/21: 8 threads call the probed function nonstop while dynprobe attaches,
     optimizes and detaches 30 times; every call returns the right value, text is restored."""
     proc = subprocess.Popen([opt, "forever", "8"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -116,7 +116,7 @@ def test_attach_optimize_detach_cycles_leave_the_program_unharmed(opt: str) -> N
 
 @pytest.mark.parametrize("placed", ["one by one", "in a batch"])
 def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
-    """HAZARDS 12, 13, 17: odd shapes are traps with the reason, or jumps that keep results. In
+    """Hazards 12, 13, 17: odd shapes are traps with the reason, or jumps that keep results. In
     a batch, sites are optimized at its end without a trap first: those refused get theirs then."""
     rounds = 2000
 
@@ -174,7 +174,7 @@ def test_a_five_byte_leaf_ending_in_ret_is_optimized_for_every_mechanism(opt: st
 
 
 def test_record_of_faulting_fetches_and_strings(opt: str) -> None:
-    """HAZARDS 24: a NULL dereference, a string running into an unmapped page, a 4 KiB string:
+    """Hazard 24: a NULL dereference, a string running into an unmapped page, a 4 KiB string:
     values marked faulted or truncated; the target never sees a signal."""
     events: list[ProbeEvent] = []
 
@@ -199,7 +199,7 @@ def test_record_of_faulting_fetches_and_strings(opt: str) -> None:
 
 
 def test_a_million_events_into_a_small_ring_lose_exactly(opt: str) -> None:
-    """HAZARDS 25: what is not delivered is counted lost, exactly; per-thread times increase."""
+    """Hazard 25: what is not delivered is counted lost, exactly; per-thread times increase."""
     n = 1_000_000
     got: list[int] = []
     times: list[int] = []
@@ -246,7 +246,7 @@ def test_target_using_gs_keeps_trap_probes(opt: str) -> None:
 
 
 def test_scribbling_target_gets_a_clear_error_not_a_crash(opt: str) -> None:
-    """HAZARDS 26: the target overwrites its thread area (head, tail); the consumer says so."""
+    """Hazard 26: the target overwrites its thread area (head, tail); the consumer says so."""
     events: list[ProbeEvent] = []
     warnings: list[str] = []
 
@@ -260,7 +260,7 @@ def test_scribbling_target_gets_a_clear_error_not_a_crash(opt: str) -> None:
 
 
 def test_threaded_malloc_and_clock_gettime(opt: str) -> None:
-    """HAZARDS 18: actions never call anything, so probing malloc cannot recurse; counts are exact
+    """Hazard 18: actions never call anything, so probing malloc cannot recurse; counts are exact
     for what the program itself calls (at least that many: libc calls malloc too)."""
 
     def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
@@ -291,7 +291,7 @@ def test_probe_inside_an_optimized_region_turns_it_back(opt: str) -> None:
 @pytest.mark.parametrize("mode", ["fork", "vfork", "threads", "exec"])
 @pytest.mark.parametrize("follow", [False, True], ids=["unfollowed", "followed"])
 def test_fork_vfork_exec_with_optimized_probes(mode: str, follow: bool) -> None:
-    """HAZARDS 19 with jumps: a child not followed gets the original bytes back before it runs; a
+    """Hazard 19 with jumps: a child not followed gets the original bytes back before it runs; a
     followed child gets thread areas of its own; after exec the probe is optimized again."""
     forks = build_target("forks", flags=("-O1", "-pthread"))
     plain = run_plain([forks, mode]).stdout

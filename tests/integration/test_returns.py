@@ -1,6 +1,6 @@
 """Return probes on live processes: recursion, longjmp, C++ exceptions, coroutines, threads,
 signals, exit(), fork, stacks that move, backtrace(), Python handlers, detach and a killed tracer
-with instances pending (HAZARDS 1-6). Each scenario runs with optimized entries and with traps."""
+with instances pending (hazards 1-6). Each scenario runs with optimized entries and with traps."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-/* HAZARDS 20: a library loaded later by dlopen, closed, and another library at the same address. */
+/* Hazard 20: a library loaded later by dlopen, closed, and another library at the same address. */
 #include <dlfcn.h>
 #include <stdio.h>
 

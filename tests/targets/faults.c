@@ -1,4 +1,4 @@
-/* HAZARDS 9: faults inside probed instructions. An SA_SIGINFO handler prints si_addr and the rip
+/* Hazard 9: faults inside probed instructions. An SA_SIGINFO handler prints si_addr and the rip
  * of the fault relative to the faulting label, then jumps out with siglongjmp. */
 #define _GNU_SOURCE
 #include <setjmp.h>

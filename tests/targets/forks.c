@@ -1,4 +1,4 @@
-/* HAZARDS 19: fork, vfork+exec, fork in a threaded program, exec of a probed binary. */
+/* Hazard 19: fork, vfork+exec, fork in a threaded program, exec of a probed binary. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>

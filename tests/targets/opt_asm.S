@@ -1,8 +1,8 @@
-/* Functions whose shape decides what an optimized probe may do (HAZARDS 12, 13, 16, 17). */
+/* Functions whose shape decides what an optimized probe may do (hazards 12, 13, 16, 17). */
     .intel_syntax noprefix
     .text
 
-/* HAZARDS 12: a loop jumps back to entry+2, inside the 5 bytes a jump would replace. */
+/* Hazard 12: a loop jumps back to entry+2, inside the 5 bytes a jump would replace. */
     .globl jump_into
     .type jump_into, @function
 jump_into:                     /* rdi = n: returns n (counts down through entry+2) */
@@ -15,14 +15,14 @@ jump_into:                     /* rdi = n: returns n (counts down through entry+
 2:  ret
     .size jump_into, .-jump_into
 
-/* HAZARDS 13: one byte. */
+/* Hazard 13: one byte. */
     .globl one_ret
     .type one_ret, @function
 one_ret:
     ret
     .size one_ret, .-one_ret
 
-/* HAZARDS 13: a call within the first 5 bytes (it ends the region: relocated as push + jmp). */
+/* Hazard 13: a call within the first 5 bytes (it ends the region: relocated as push + jmp). */
     .globl call_first
     .type call_first, @function
 call_first:                    /* returns add_one(rdi) * 2 */
@@ -38,7 +38,7 @@ add_one:
     ret
     .size add_one, .-add_one
 
-/* HAZARDS 16: a leaf keeps live data in its red zone across the probed instructions. */
+/* Hazard 16: a leaf keeps live data in its red zone across the probed instructions. */
     .globl redzone_leaf
     .type redzone_leaf, @function
 redzone_leaf:                  /* returns rdi + rsi, through the red zone */
@@ -51,7 +51,7 @@ redzone_leaf:                  /* returns rdi + rsi, through the red zone */
     ret
     .size redzone_leaf, .-redzone_leaf
 
-/* HAZARDS 17: an IBT entry, called through a pointer. */
+/* Hazard 17: an IBT entry, called through a pointer. */
     .globl endbr_func
     .type endbr_func, @function
 endbr_func:                    /* returns rdi * 3 */

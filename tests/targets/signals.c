@@ -1,4 +1,4 @@
-/* HAZARDS 10/11: a SIGALRM storm over a probed loop (exact counts), a target that single-steps
+/* Hazards 10/11: a SIGALRM storm over a probed loop (exact counts), a target that single-steps
  * itself through probed code (its trap count), and the target's own int3 (its handler runs once). */
 #include <signal.h>
 #include <stdio.h>

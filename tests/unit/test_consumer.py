@@ -1,5 +1,5 @@
 """The consumer: ring reading with wrap-around, bulk decoding, and a target that scribbles over
-its shared memory (HAZARDS 26): random contents give clear errors, never a crash or a bad read."""
+its shared memory (hazard 26): random contents give clear errors, never a crash or a bad read."""
 
 from __future__ import annotations
 

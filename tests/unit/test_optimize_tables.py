@@ -1,4 +1,4 @@
-"""can_optimize reasons and region relocation, as byte tables (DESIGN.md section 5, HAZARDS 12-15)."""
+"""can_optimize reasons and region relocation, as byte tables (docs/architecture.md §5, hazards 12-15)."""
 
 from __future__ import annotations
 

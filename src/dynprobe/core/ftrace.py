@@ -1,4 +1,4 @@
-"""The function tracer: ftrace for user space (DESIGN.md section 8).
+"""The function tracer: ftrace for user space (docs/architecture.md §8).
 
 A tracer instance ("ops": which functions, graph mode or not) gets its own generated code in each
 process (`codegen.build_ops_code`): an entry record, and in graph mode a shadow-stack entry whose

@@ -1,4 +1,4 @@
-"""Jump optimization of probe sites (DESIGN.md section 5) and the thread areas it needs (section 6).
+"""Jump optimization of probe sites (docs/architecture.md §5) and the thread areas it needs (§6).
 
 A site whose enabled probes all run in-process actions starts as a trap (correct at once) and is
 queued; `flush()` turns queued sites into jumps in one stop-the-world per process: thread areas

@@ -205,7 +205,7 @@ class Probe:
     jumps: set[tuple[int, int]] = field(default_factory=set)  # (pid, site) where it is optimized
     sites: dict[int, int] = field(default_factory=dict)  # pid -> where it was placed (kept after exit)
     refusal: OptimizeRefusal | None = None  # why its site was last left a trap
-    # Return probes (DESIGN.md section 7): `pre` is unused; `on_entry` runs at the entry (a
+    # Return probes (docs/architecture.md §7): `pre` is unused; `on_entry` runs at the entry (a
     # true result vetoes the instance), `on_return` at the return.
     is_return: bool = False
     maxactive: int = 0

@@ -1,4 +1,4 @@
-"""Return probes: kretprobes for user space (DESIGN.md section 7).
+"""Return probes: kretprobes for user space (docs/architecture.md §7).
 
 A return probe sits on its function's first instruction. There it takes an entry of the thread's
 shadow stack (in the thread area), keeps what the return needs in it (the original return

@@ -326,7 +326,7 @@ class Session:
         self._started = False
         self._in_run = False  # see _running
         self.stats = {"stops": 0, "fixups": 0}
-        # Optimized probes (DESIGN.md sections 5, 6). The ring size and record size are fixed
+        # Optimized probes (docs/architecture.md §5, §6). The ring size and record size are fixed
         # when the first thread area is made; set them before placing probes.
         self.optimize = True
         self.ring_bytes = L.DEFAULT_RING_BYTES

@@ -358,7 +358,7 @@ class Guardian:
 
 _PR_SET_NAME = 15
 # Neither its name nor its command line says "dynprobe": `pkill -9 dynprobe` or `pkill -9 -f
-# dynprobe`, aimed at the tracer, must not take the guardian with it (HAZARDS 21).
+# dynprobe`, aimed at the tracer, must not take the guardian with it (hazard 21).
 GUARDIAN_NAME = b"dp-guardian"
 GUARDIAN_TITLE = "dp-guardian (tracer {pid})"
 

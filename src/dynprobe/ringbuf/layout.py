@@ -8,7 +8,7 @@ A thread area (one per target thread, reached by generated code through the thre
     ....    histograms      HIST_BUCKETS u64 per histogram
     ....    ring            `ring_bytes` (a power of two) of fixed-size records
     ....    shadow stack    SHADOW_CAPACITY entries of SHADOW_ENTRY bytes: the thread's pending
-                            return-probe instances (DESIGN.md section 7)
+                            return-probe instances (docs/architecture.md §7)
 
 Thread areas live in pools: one shared memory file (memfd) per pool, mapped by the target and by
 the tracer; pages never touched cost nothing, so the counter and histogram tables are generous.

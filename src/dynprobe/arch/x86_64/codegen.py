@@ -14,7 +14,7 @@ signal, so a signal handler that hits the same probe cannot lose an update. Reco
 re-entrancy flag instead (a nested hit is counted as missed), as the kernel's kprobes do.
 
 A load from an address the target supplies may fault: each such load is listed in `fixups` with
-the code to continue at; the tracer moves a thread that faults there to it (DESIGN.md section 6).
+the code to continue at; the tracer moves a thread that faults there to it (docs/architecture.md §6).
 
 Pure: programs + layout + addresses in, bytes + fix-up table out. Encoding is iced-x86's.
 """
@@ -967,7 +967,7 @@ def build_entry_stamp() -> bytes:
     return asm.encode(0)[0]
 
 
-# --- the function tracer (DESIGN.md section 8) ---------------------------------------------------------
+# --- the function tracer (docs/architecture.md §8) ---------------------------------------------------------
 # A tracer record's kind, in the record header's CPU field: bit 0 exit, bits 1-15 the call's
 # frame, its shadow entry's index + 1 (0: none, the call is not followed to its return). A frame
 # is reused only once its call is over (returned, or left by longjmp or an exception): readers
