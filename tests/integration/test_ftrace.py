@@ -496,10 +496,10 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
 @pytest.mark.parametrize("threshold", [[], ["--threshold", "1ns"]], ids=["all", "threshold"])
 @pytest.mark.parametrize("follow", [False, True], ids=["child-let-go", "child-followed"])
 def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool, threshold: list[str]) -> None:
-    """The parent's calls; a followed child's own calls too (the frames it inherited return in the
-    child, and their entries were the parent's: those returns are not shown). With a threshold
-    (entries held back when the parent forks), the same calls."""
-    args = ["--follow-fork", *threshold] if follow else threshold
+    """The parent's calls; a followed child's own calls too (the default: the frames it inherited
+    return in the child, and their entries were the parent's: those returns are not shown). With
+    a threshold (entries held back when the parent forks), the same calls."""
+    args = threshold if follow else ["--no-follow-fork", *threshold]
     r, trace = record(tmp_path, *args, "-F", "forking", "-F", "fork_outer", "-F", "add", "--", ret, "fork")
     assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]
     assert calls_of(trace) == {"forking": 1, "fork_outer": 1, **({"add": 1} if follow else {})}
@@ -644,3 +644,23 @@ def test_record_names_the_programs_functions_it_could_not_trace(tmp_path: Path) 
     r = dp("record", "-o", str(tmp_path / "t.data"), "--", switchy)
     assert r.returncode == 0 and r.stdout == "10\n", r.stderr
     assert r.stderr.splitlines()[-1] == "dynprobe: not traced, of switchy's functions: dispatch (INDIRECT_JUMP)"
+
+
+def test_record_follows_children_and_the_programs_they_exec(tmp_path: Path) -> None:
+    """As uftrace does, by default: a child made by fork that execs, and one made by posix_spawn
+    (a vfork-style clone then exec), are traced in the program they run, with their own threads;
+    --no-follow-fork traces the parent alone. The program's output and status are its own."""
+    execer = build_target("execer", flags=("-O1",))
+    for options, expected in (
+        ([], {("in_child", "main"), ("in_spawned", "main"), ("in_parent", "main")}),
+        (["--no-follow-fork"], {("in_parent", "main")}),
+    ):
+        trace = tmp_path / f"t{len(options)}.data"
+        r = dp("record", *options, "-o", str(trace), "--", execer)
+        assert (r.returncode, r.stdout) == (0, "10 20 0\n"), r.stderr
+        by_thread: dict[int, list[str]] = {}
+        for event in Trace(str(trace)).events():
+            if not event.exit:
+                by_thread.setdefault(event.tid, []).append(event.function)
+        assert {(calls[1], calls[0]) for calls in by_thread.values()} == expected, by_thread
+        assert len(by_thread) == len(expected)

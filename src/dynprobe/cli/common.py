@@ -78,10 +78,17 @@ def add_demangle_option(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def add_target_options(parser: argparse.ArgumentParser) -> None:
+def add_target_options(parser: argparse.ArgumentParser, *, follow: bool = False) -> None:
+    """-p PID, and whether children are followed: `follow` is the default (`record`: as uftrace,
+    a program's children and the programs they exec are traced)."""
     parser.add_argument("-p", "--pid", type=int, help="attach to this running process (every thread)")
-    parser.add_argument("--follow-fork", action="store_true",
-                        help="trace children created by fork/vfork too (default: they run unprobed)")  # fmt: skip
+    if follow:
+        parser.add_argument("--no-follow-fork", dest="follow_fork", action="store_false",
+                            help="let children created by fork/vfork run untraced (default: traced, "
+                            "and the programs they exec)")  # fmt: skip
+    else:
+        parser.add_argument("--follow-fork", action="store_true",
+                            help="trace children created by fork/vfork too (default: they run unprobed)")  # fmt: skip
 
 
 def add_output_option(parser: argparse.ArgumentParser, what: str) -> None:

@@ -114,7 +114,7 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     p.add_argument("--depth", type=int, metavar="N", help="record calls nested at most N traced calls deep")
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
-    add_target_options(p)
+    add_target_options(p, follow=True)
 
 
 def _add_reading_options(p: argparse.ArgumentParser) -> None:
@@ -201,6 +201,18 @@ def _note_libraries_not_loaded(session: Session, tracer: FunctionTracer) -> None
                   "its functions are traced if the program loads it later (dlopen)", file=sys.stderr)  # fmt: skip
 
 
+def _function_table(session: Session) -> dict[str, object]:
+    """The trace's functions (by id) and their files: it grows when a followed process execs
+    another program."""
+    functions = session.tracing.functions
+    return {
+        "functions": [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in functions],
+        "modules": [
+            {"path": path, "build_id": load_elf(path).build_id} for path in sorted({f.path for f in functions})
+        ],
+    }
+
+
 def run_record(args: argparse.Namespace, command: list[str]) -> int:
     out = args.data
     status: int | None = None
@@ -219,9 +231,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
                 "threshold_ns": args.threshold, "depth": args.depth,
-                "functions": [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in session.tracing.functions],
-                "modules": [{"path": path, "build_id": load_elf(path).build_id}
-                            for path in sorted({f.path for f in session.tracing.functions})],
+                **_function_table(session),
                 "clock": session.clock(),
             }  # fmt: skip
             with files.create_binary(os.path.join(out, EVENTS)) as events:
@@ -263,7 +273,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                     except OSError as exc:
                         failure = exc.strerror or str(exc)
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
-                        clock=session.clock())  # fmt: skip
+                        clock=session.clock(), **_function_table(session))  # fmt: skip
             if failure is not None:
                 return _stopped_writing(out, info, failure, session.records_drained, session.records_discarded)
             write_info(out, info)
@@ -294,8 +304,14 @@ MAX_NAMED = 20
 def _name_refused(tracer: FunctionTracer, program: str | None) -> None:
     """The program's own functions that could not be patched, by name and why: absent from the
     call graph, they should not be a mystery (a library's are counted in the first line)."""
-    own = sorted((func.name, reason) for reason, funcs in tracer.refused.items() for func in funcs
-                 if os.path.realpath(func.path) == program)  # fmt: skip
+    own = sorted(
+        {
+            (func.name, reason)
+            for reason, funcs in tracer.refused.items()
+            for func in funcs
+            if os.path.realpath(func.path) == program
+        }
+    )  # fmt: skip (a name once, whatever the processes)
     if own:
         named = ", ".join(f"{name} ({reason})" for name, reason in own[:MAX_NAMED])
         more = f" and {len(own) - MAX_NAMED} more" if len(own) > MAX_NAMED else ""

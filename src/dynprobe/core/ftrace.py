@@ -37,7 +37,8 @@ from dynprobe.arch.x86_64.codegen import (
 from dynprobe.arch.x86_64.optimize import can_optimize
 from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.core.slots import PlacedCode
-from dynprobe.errors import OptimizeRefusal, Refusal, SessionError
+from dynprobe.debug import debug as _debug
+from dynprobe.errors import OptimizeRefusal, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
@@ -46,6 +47,7 @@ from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import ElfImage, load_elf
 from dynprobe.symbols.ifunc import LoadedIn, callable_functions
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, maps_file, read_maps
+from dynprobe.symbols.resolve import find_file
 
 if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
@@ -108,6 +110,16 @@ class ProcessTracing:
         )
 
 
+@dataclass(frozen=True)
+class Selection:
+    """What a tracer traces, as asked: globs of names to include (all if none) and exclude, and
+    libraries by name or path besides the program. Chosen again in a program a process execs."""
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    libraries: tuple[str, ...] = ()
+
+
 class FunctionTracer:
     """One tracer instance: a set of functions, graph mode (entries and exits) or entries only.
     `start()` patches its functions in every traced process, `stop()` takes them back."""
@@ -129,6 +141,7 @@ class FunctionTracer:
         self.not_patched: Counter[str] = Counter()  # reason -> functions
         self.refused: dict[str, list[TracedFunction]] = {}  # reason -> the functions themselves
         self.unmapped: dict[int, set[int]] = {}  # pid -> functions whose library is not mapped there
+        self.selection = Selection()
 
     def refuse(self, func: TracedFunction, reason: str) -> None:
         """`func` could not be patched, for `reason` (a Refusal or OptimizeRefusal name)."""
@@ -334,6 +347,23 @@ class Tracing:
                 tracer.not_patched["NOT_MAPPED"] -= len(ids)
                 self._start_in(proc, tracer, [f for f in tracer.functions if f.id in ids])
                 tracer.not_patched += Counter()  # drop zero counts
+
+    def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """`proc` runs a new program (exec, followed): each started tracer chooses its functions
+        again in it, as it chose them in the first (new ones join its table), and patches them
+        (those of libraries once the loader maps them)."""
+        for tracer in [t for t in self.tracers.values() if t.started]:
+            tracer.unmapped.pop(proc.pid, None)
+            selection = tracer.selection
+            try:
+                paths = [proc.exe] + [find_file(name, maps, proc.libraries) for name in selection.libraries]
+                chosen = self.select(paths, selection.include, selection.exclude)
+            except (SymbolError, SessionError) as exc:
+                _debug(f"pid {proc.pid} exec'd {proc.exe}: not traced: {exc}")
+                continue
+            known = {f.id for f in tracer.functions}
+            tracer.functions.extend(f for f in chosen if f.id not in known)
+            self._start_in(proc, tracer, chosen)
 
     def forked(self, parent: int, child: int) -> None:
         """A fork child has its parent's sites, and waits for the same libraries."""

@@ -44,7 +44,7 @@ from dynprobe.arch.x86_64 import (
 )
 from dynprobe.arch.x86_64.codegen import RSEQ_CPU_ID, build_trap_actions
 from dynprobe.core import rescue
-from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, TracerEvent, Tracing
+from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, Selection, TracerEvent, Tracing
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
 from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
 from dynprobe.core.rescue import Rescue
@@ -585,7 +585,9 @@ class Session:
                 f"{names}: no function symbols (stripped, no debug file found); trace the libraries it uses "
                 "(--lib libc, libraries=[...] in the API), or a build with symbols"
             )
-        return self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
+        tracer = self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
+        tracer.selection = Selection(tuple(filter), tuple(exclude), tuple(libraries))
+        return tracer
 
     def reserve_index(self) -> int:
         """A counters-and-records index for something that is not a probe (a function tracer)."""
@@ -1102,6 +1104,9 @@ class Session:
         proc.rescue = None  # the exec took the handler and its page with the old image
         self._install_rescue(proc)
         self._sync_process(proc)
+        if self.tracing.tracers:
+            with files.unchanged(), proc.tracee.batched():
+                self.tracing.execed(proc, read_maps(pid))
         proc.tracee.resume(pid)
 
     def _on_signal(self, proc: TracedProcess, event: Event) -> None:
