@@ -103,6 +103,13 @@ def test_library_named_before_the_loader_ran_is_the_one_it_maps(linked: Path, wh
         assert out.read() == plain
 
 
+def _exe(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except FileNotFoundError:
+        return None  # (between two images, in the middle of an exec)
+
+
 def test_an_exec_taken_while_stopping_the_process_is_not_written_over() -> None:
     """A thread execs while the tracer is held (a Python handler) and an optimization falls
     due: the stop-the-world for it takes the exec stop. Nothing of the old image is written
@@ -114,7 +121,10 @@ def test_an_exec_taken_while_stopping_the_process_is_not_written_over() -> None:
 
         def held(hit: object) -> None:
             session.probe("other")  # queued: optimized in 10 ms, at the loop's next turn
-            while os.readlink(f"/proc/{session.pid}/exe") != true:  # the other thread has exec'd
+            # Until the other thread has exec'd; a while at most: an exec from a thread may need
+            # the tracer (the leader's exit, reported to it), which this handler holds.
+            deadline = time.monotonic() + 2
+            while _exe(session.pid) != true and time.monotonic() < deadline:
                 time.sleep(0.001)
 
         session.probe("hit", pre=held)
