@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from dynprobe.core.returns import default_maxactive
+from dynprobe.symbols.ifunc import is_fragment
 from tests.conftest import build_target
 from tests.integration.helpers import held_by_other_tracer
 
@@ -608,3 +609,24 @@ def test_results_never_reach_the_programs_output(command: str, tmp_path: Path) -
         assert to_file.returncode == 0 and to_file.stdout == alone, to_file.stderr
         assert results[command] in out.read_bytes() and results[command] not in to_file.stderr
         assert out.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_pattern_names_each_function_once_and_apart() -> None:
+    """Two static functions of one name are two probes, each named with its offset (a bare name
+    would mean one of them); a function with two public names is one probe, under the shorter."""
+    dupnames = build_target("dupnames", "dupnames_a.c", "dupnames_b.c", "dupnames_main.c", flags=("-O2",))
+    r = dp("count", "-o", "-", "--all", "p:d/f helper", "p:d/h helper*", "p pl*", "--", dupnames)
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "20", r.stderr
+    counts = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("  ")}
+    helpers = sorted((n, c) for n, c in counts.items() if n.startswith("d/h_helper_"))
+    assert [c for _, c in helpers] == [1, 2] or [c for _, c in helpers] == [2, 1], counts
+    assert counts["uprobes/p_plain"] == 1 and not [n for n in counts if "longer_alias" in n], counts
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [("strfromd.cold", True), ("f.cold.3", True), ("cold", False), ("str_to_mpn.part.0.constprop.0", False),
+     ("coldstart", False), ("x.isra.0", False)],
+)  # fmt: skip
+def test_cold_fragments_are_not_functions(name: str, fragment: bool) -> None:
+    assert is_fragment(name) == fragment

@@ -44,9 +44,11 @@ examples:
   dynprobe trace 'p:app/rd read_block n=%si:u32' --filter 'n > 4096' -- ./app
   dynprobe trace -f probes.txt --stats -- ./server --port 8080
 
-Probe syntax (as tracefs uprobe_events):
+Probe syntax (as tracefs uprobe_events; SYMBOL may be a glob: 'p libc:str*'):
   p[:[GRP/]EVENT] [PATH:]SYMBOL[+OFFS]|PATH:0xFILEOFFSET [NAME=]FETCHARG[:TYPE] ...
+  r[MAXACTIVE][:[GRP/]EVENT] [PATH:]SYMBOL [NAME=]FETCHARG[:TYPE] ...      (at the return)
   FETCHARG: %REG  @ADDR  @SYM[+|-OFFS]  $stackN  $stack  $argN  $comm  +|-OFFS(FETCHARG)
+            $retval  $latency (return probes)
   TYPE: u8..u64 s8..s64 x8..x64 string ustring symbol
 Filter: NAME OP NUMBER joined with and/or (OP: == != < <= > >=); NAME is a fetch argument's name.
 """

@@ -498,12 +498,15 @@ class Session:
             raise SessionError("the target has exited; no probe can be placed")
         maps = self._maps_now.get(main.pid) or read_maps(main.pid)
         locations = expand_pattern(parsed.location, main.exe, maps, main.libraries, main.tracee.peek_u64)
-        if parsed.event is None or len(locations) == 1:
-            return [dataclasses.replace(parsed, location=where) for where in locations]
-        named = []  # each event named after its function too: EVENT_strlen, EVENT_strcmp_4
-        for where in locations:
-            function = split_location(where)[2].replace("+0x", "_")
-            named.append(dataclasses.replace(parsed, location=where, event=identifier(f"{parsed.event}_{function}")))
+        if len(locations) == 1:
+            return [dataclasses.replace(parsed, location=locations[0][0])]
+        named = []  # each event named after its function: p_strlen, EVENT_strlen, EVENT_strcmp_4
+        for where, name in locations:
+            what = split_location(where)[2]
+            # (a name several functions have is located by offset: named with it too)
+            function = f"{name}_{what[2:]}" if what.startswith("0x") else what.replace("+0x", "_")
+            prefix = parsed.event or parsed.kind
+            named.append(dataclasses.replace(parsed, location=where, event=identifier(f"{prefix}_{function}")))
         return named
 
     def retprobe(

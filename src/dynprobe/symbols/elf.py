@@ -59,10 +59,11 @@ _SYMBOL_RELOCATIONS = (1, 6, 7)  # R_X86_64_64, GLOB_DAT, JUMP_SLOT
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
 
 
-def _symbol_order(func: Function) -> tuple[int, int, bool, str]:
+def _symbol_order(func: Function) -> tuple[int, int, bool, int, str]:
     """Functions by address; of aliases at one address, the longest, then a public name
-    (malloc before __libc_malloc): the first is the one shown."""
-    return func.addr, -func.size, func.name.startswith("_"), func.name
+    (malloc before __libc_malloc), then the shortest (strtol before strtoimax, strtold before
+    strtof64x: the plain name programs call): the first is the one shown."""
+    return func.addr, -func.size, func.name.startswith("_"), len(func.name), func.name
 
 
 MAX_FILE_SIZE = 1 << 31  # bytes: a larger "ELF file" is refused, not read
@@ -372,6 +373,15 @@ class ElfImage:
         sizes = raw[at] | raw[at + 1].astype(np.int64) << 8 | raw[at + 2].astype(np.int64) << 16
         sizes |= raw[at + 3].astype(np.int64) << 24
         return sorted(zip(starts.tolist(), (starts + sizes).tolist(), strict=True))
+
+    @functools.cached_property
+    def shared_names(self) -> dict[str, list[int]]:
+        """Names several functions have (static functions of different source files), with
+        their addresses: a bare name would mean one of them."""
+        addresses: dict[str, set[int]] = {}
+        for func in self.functions:
+            addresses.setdefault(func.name, set()).add(func.addr)
+        return {name: sorted(where) for name, where in addresses.items() if len(where) > 1}
 
     def functions_named(self, name: str) -> list[Function]:
         """The functions a name means: the symbol itself, else those whose demangled name it

@@ -92,8 +92,18 @@ def callable_functions(image: ElfImage, loaded: LoadedIn | None = None) -> list[
     that cannot be resolved (`implementations`) is left out."""
     resolved = implementations(image, list(image.ifuncs), loaded)
     taken = {f.addr for f in resolved.values()}  # (named by a debug file too: __strlen_avx2)
-    plain = [f for f in image.functions if f.size and f.name not in image.ifuncs and f.addr not in taken]
+    resolvers = set(image.ifuncs.values())  # (a resolver's own local name: memchr_ifunc)
+    plain = [
+        f for f in image.functions
+        if f.size and f.name not in image.ifuncs and f.addr not in taken | resolvers and not is_fragment(f.name)
+    ]  # fmt: skip
     return sorted([*plain, *resolved.values()], key=lambda f: f.addr)
+
+
+def is_fragment(name: str) -> bool:
+    """A piece of another function the compiler moved away ('strfromd.cold', 'f.cold.3'):
+    entered by a jump, never called, it is no function to probe or trace."""
+    return "cold" in name.split(".")[1:]
 
 
 def implementation(image: ElfImage, name: str, loaded: LoadedIn | None = None) -> Function:

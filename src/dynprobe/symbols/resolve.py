@@ -123,6 +123,11 @@ def resolve_symbol(image: ElfImage, symbol: str, offset: int, loaded: LoadedIn |
     found = [implementation(image, symbol, loaded)] if symbol in image.ifuncs else image.functions_named(symbol)
     if not found:
         raise SymbolError(f"no function {symbol!r} in {image.path}")
+    same = image.shared_names.get(symbol, [])
+    if same:  # static functions of one name in different source files
+        offsets = ", ".join(f"{image.path}:{image.vaddr_to_offset(a) or a:#x}" for a in same[:4])
+        raise SymbolError(f"{symbol!r} names {len(same)} functions in {image.path} (static functions of different "
+                          f"files): give one by its offset: {offsets}{', ...' if len(same) > 4 else ''}")  # fmt: skip
     if len(found) > 1:
         names = ", ".join(f.name for f in found[:4]) + (", ..." if len(found) > 4 else "")
         raise SymbolError(f"{symbol!r} names {len(found)} functions in {image.path} (overloads): "
@@ -222,9 +227,11 @@ def expand_pattern(
     maps: list[Mapping] | None = None,
     libraries: Callable[[], dict[str, str]] | None = None,
     memory: Memory | None = None,
-) -> list[str]:
-    """The locations a location with a pattern ('libc:str*', 'parse_*+4') names: 'PATH:NAME[+OFF]'
-    for each of its `functions_matching`. SymbolError if none does, or more than MAX_MATCHES."""
+) -> list[tuple[str, str]]:
+    """The locations a location with a pattern ('libc:str*', 'parse_*+4') names, with the name
+    of each function: 'PATH:NAME[+OFF]' for each of its `functions_matching`, or
+    'PATH:0xFILEOFFSET' for a name several functions have (static functions of different
+    files). SymbolError if none does, or more than MAX_MATCHES."""
     path_part, sep, what = split_location(text)
     path = find_file(path_part, maps, libraries) if sep else main_exe
     image = load_elf(path)
@@ -238,7 +245,14 @@ def expand_pattern(
             "from one pattern: narrow it"
         )
     suffix = f"+{offset:#x}" if offset else ""
-    return [f"{image.path}:{func.name}{suffix}" for func in found]
+    located = []
+    for func in found:
+        file_offset = image.vaddr_to_offset(func.addr + offset)
+        if func.name in image.shared_names and file_offset is not None:
+            located.append((f"{image.path}:{file_offset:#x}", func.name))
+        else:
+            located.append((f"{image.path}:{func.name}{suffix}", func.name))
+    return located
 
 
 def resolve_address(addr: int, maps: list[Mapping]) -> Location:
