@@ -630,3 +630,10 @@ def test_a_pattern_names_each_function_once_and_apart() -> None:
 )  # fmt: skip
 def test_cold_fragments_are_not_functions(name: str, fragment: bool) -> None:
     assert is_fragment(name) == fragment
+
+
+def test_a_probe_on_a_library_never_loaded_says_so(wordcount: str) -> None:
+    r = dp("count", "-o", "-", "p libz:deflate", "p libc:malloc", "--", wordcount, "a")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^dynprobe: 1 probe never placed: the program did not load the library: uprobes/p_deflate "
+                     r"\(libz\.so[.\d]*\)$", r.stderr, re.M), r.stderr  # fmt: skip

@@ -197,6 +197,18 @@ def note_traps(probes: list[Probe]) -> None:
         print(f"dynprobe: each hit cost a stop (~10 us) for {which}: {named}", file=sys.stderr)
 
 
+def note_never_placed(probes: list[Probe]) -> None:
+    """A probe on a library the program never loaded waited to the end (its counts are 0
+    because it never was in the program, not because nothing called it): say so."""
+    waited = [p for p in probes if not p.sites]
+    if waited:
+        named = ", ".join(f"{p.name} ({p.location.basename})" for p in waited[:5]) + (
+            ", ..." if len(waited) > 5 else ""
+        )
+        which = "1 probe" if len(waited) == 1 else f"{len(waited)} probes"
+        print(f"dynprobe: {which} never placed: the program did not load the library: {named}", file=sys.stderr)
+
+
 def print_stats(probes: list[Probe], stats: bool) -> None:
     """One line per probe on stderr: where, hits, missed, lost if any (with --stats: lost and
     mode always); records lost to a full ring say how to keep them."""
@@ -310,6 +322,7 @@ def run_aggregating(
             elif not request.trap:
                 note_traps(probes)
             note_missed_returns(probes, more_instances)
+            note_never_placed(probes)
     except DynprobeError as exc:
         return report_error(exc)
     except BrokenPipeError:

@@ -26,6 +26,7 @@ from dynprobe.cli.probes import (
     add_probe_options,
     check_request,
     note_missed_returns,
+    note_never_placed,
     note_traps,
     place_all,
     print_stats,
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                 if not args.stats and not request.trap:
                     note_traps(probes)
                 note_missed_returns(probes)
+                note_never_placed(probes)
     except DynprobeError as exc:
         return report_error(exc)
     finally:
