@@ -203,7 +203,8 @@ class Trace:
         self.demangle = Demangle(demangle)
         self.only = frozenset(threads)
         if not os.path.isdir(directory):
-            raise TraceError(f"no trace directory {directory}")
+            what = "not a directory" if os.path.exists(directory) else "no such directory"
+            raise TraceError(f"no trace directory {directory} ({what}): `dynprobe record` writes one")
         self.info = info = _read_info(directory)
         self.functions: list[str] = [display(f[0], self.demangle) for f in info.get("functions", [])]
         self.threads: dict[int, str] = {int(k): v for k, v in info.get("threads", {}).items()}

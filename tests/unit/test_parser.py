@@ -122,3 +122,11 @@ def test_parse_probe_accepts_bare_locations(text: str, location: str) -> None:
 def test_strings_print_on_one_line(text: str, truncated: bool, shown: str) -> None:
     """An event is one line: a string's control characters are escaped, as are its quotes."""
     assert format_value(StringValue(text, truncated), parse_spec("p f s=+0(%di):string").args[0].type) == shown
+
+
+def test_a_probe_type_that_is_not_one() -> None:
+    """'q add_word x=%di' is a spec with a wrong type, not the bare location 'q'."""
+    with pytest.raises(ParseError) as info:
+        parse_probe("q add_word x=%di")
+    assert str(info.value) == "BAD_PROBE_TYPE: a probe starts with 'p' (probe) or 'r' (return probe): q (column 1)"
+    assert parse_probe("main+4").location == "main+4"  # a bare location is still one

@@ -315,4 +315,7 @@ def parse_probe(text: str) -> ProbeSpec:
     head = stripped.split(None, 1)[0] if stripped else ""
     kind = head.split(":", 1)[0]
     is_spec = kind[:1] in ("p", "r") and (len(kind) == 1 or kind[1:].isdigit()) and " " in stripped
+    if not is_spec and " " in stripped and len(kind) == 1 and kind.isalpha():
+        # 'q add_word': a probe type that is not one (a bare location takes no arguments)
+        raise _fail("BAD_PROBE_TYPE", text, text.index(kind), kind)
     return parse_spec(text if is_spec or not stripped else f"p {stripped}")
