@@ -408,9 +408,16 @@ def command_runs(name: str) -> Callable[[subprocess.Popen[str], list[str]], bool
     """Ready once dynprobe's command runs as `name` (exec'd: the set-up is over)."""
 
     def ready(proc: subprocess.Popen[str], lines: list[str]) -> bool:
-        return any(Path(f"/proc/{child}/comm").read_text().strip() == name for child in children_of(proc.pid))
+        return any(comm_of(child) == name for child in children_of(proc.pid))
 
     return ready
+
+
+def comm_of(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None  # (a child that has just ended)
 
 
 def children_of(pid: int) -> list[int]:

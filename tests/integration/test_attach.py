@@ -411,14 +411,15 @@ def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
     probe stays a trap (its entry `push rbp` is emulated: no memory needed) and says why, and a
     probe that needs a slot is refused. (Before: the program was killed, 'Bad system call'.)"""
     target = build_target("seccomp", flags=("-O0",))
-    proc = start([target, "1.5"])
+    proc = start([target, "usr1"])  # (it runs until told: a loaded machine attaches slowly)
     with dynprobe.attach(proc.pid) as session:
         probe = session.probe("work", action="count")
         session.run(timeout=0.4)
         assert probe.mode == dynprobe.ProbeMode.OPTIMIZED and probe.hits > 100
+    proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
-    proc = start([target, "1.5"])
+    proc = start([target, "usr1"])
     code = (
         "import dynprobe\n"
         f"with dynprobe.attach({proc.pid}) as s:\n"
@@ -434,6 +435,7 @@ def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert tracer.stdout.splitlines() == ["TRAP SECCOMP True", "SECCOMP"], tracer.stdout + tracer.stderr
+    proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
 
