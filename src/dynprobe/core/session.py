@@ -1989,6 +1989,9 @@ class Session:
         try:
             if sc.get_siginfo(tid).si_signo != held[-1].sig:
                 return  # no longer in that signal's stop: the detach delivers what it can
+            rip = int(sc.get_regs(tid).rip)
+            if (rip - 1) in proc.sites or self._slot_site(proc, rip) or self.in_own_code(proc, rip):
+                return  # (its handler would return where the detach is about to move it from)
             sc.singlestep(tid, held[-1].sig)
         except OSError as exc:
             _debug(f"detach: thread {tid}: signal {held[-1].sig} not delivered ahead: {exc}")
