@@ -620,9 +620,14 @@ def test_results_never_reach_the_programs_output(command: str, tmp_path: Path) -
 
 def test_a_pattern_names_each_function_once_and_apart() -> None:
     """Two static functions of one name are two probes, each named with its offset (a bare name
-    would mean one of them); a function with two public names is one probe, under the shorter."""
+    would mean one of them: refused, with the offsets); a function with two public names is one
+    probe, under the shorter."""
     dupnames = build_target("dupnames", "dupnames_a.c", "dupnames_b.c", "dupnames_main.c", flags=("-O2",))
-    r = dp("count", "-o", "-", "--all", "p:d/f helper", "p:d/h helper*", "p pl*", "--", dupnames)
+    r = dp("count", "p helper", "--", dupnames)
+    assert r.returncode == 1 and re.fullmatch(
+        rf"dynprobe: error: 'helper' names 2 functions in {dupnames} \(static functions of different files\): give "
+        rf"one by its offset: {dupnames}:0x[0-9a-f]+, {dupnames}:0x[0-9a-f]+\n", r.stderr), r.stderr  # fmt: skip
+    r = dp("count", "-o", "-", "--all", "p:d/h helper*", "p pl*", "--", dupnames)
     assert r.returncode == 0 and r.stdout.splitlines()[0] == "20", r.stderr
     counts = {line.split()[0]: int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("  ")}
     helpers = sorted((n, c) for n, c in counts.items() if n.startswith("d/h_helper_"))

@@ -500,11 +500,14 @@ class Session:
         locations = expand_pattern(parsed.location, main.exe, maps, main.libraries, main.tracee.peek_u64)
         if len(locations) == 1:
             return [dataclasses.replace(parsed, location=locations[0][0])]
-        named = []  # each event named after its function: p_strlen, EVENT_strlen, EVENT_strcmp_4
+        named = []  # each event named after its function: p_strlen (by default), EVENT_strcmp_4
         for where, name in locations:
             what = split_location(where)[2]
-            # (a name several functions have is located by offset: named with it too)
-            function = f"{name}_{what[2:]}" if what.startswith("0x") else what.replace("+0x", "_")
+            by_offset = what.startswith("0x")  # a name several functions have: named with its offset
+            if parsed.event is None and not by_offset:
+                named.append(dataclasses.replace(parsed, location=where))
+                continue
+            function = f"{name}_{what[2:]}" if by_offset else what.replace("+0x", "_")
             prefix = parsed.event or parsed.kind
             named.append(dataclasses.replace(parsed, location=where, event=identifier(f"{prefix}_{function}")))
         return named
