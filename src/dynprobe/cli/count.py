@@ -22,7 +22,7 @@ examples:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "count", help="count probe hits", description="Count hits per probe, in the target.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )  # fmt: skip
     add_probe_options(p, filter_help="count only hits where EXPR holds")
     add_aggregate_options(p, "counts")

@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "hist", help="log2 histogram of a fetched value",
         description="A log2 histogram of one fetch argument per hit, aggregated in the target.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )  # fmt: skip
     add_probe_options(p)
     p.add_argument("--value", required=True, metavar="FETCHARG",

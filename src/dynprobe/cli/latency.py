@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "latency", help="log2 histogram of function latencies",
         description="A log2 histogram of each function's latency (entry to return, in nanoseconds), "
         "aggregated in the target by return probes.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )  # fmt: skip
     p.add_argument("functions", nargs="+", metavar="FUNC", help="SYMBOL or PATH:SYMBOL (a function's entry)")
     add_aggregate_options(p, "histograms")

@@ -33,7 +33,7 @@ Aliases (malloc, __libc_malloc) are listed once, under the name programs call.
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "list", help="list probe-able functions", description="List functions that can be probed.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )  # fmt: skip
     p.add_argument("module", nargs="?", metavar="MODULE[:GLOB]",
                    help="an ELF file, or a library as specs name it (libc); with -p, a lone GLOB")  # fmt: skip

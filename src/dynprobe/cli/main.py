@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 from types import FrameType
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 from dynprobe import __version__
 from dynprobe.cli import count, hist, latency, record, trace
@@ -15,7 +15,12 @@ from dynprobe.cli.common import split_command
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line, as every other error (argparse prints the usage first)."""
+    """Usage errors in one line, as every other error (argparse prints the usage first); the
+    examples of a command's epilog printed as written."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")

@@ -128,7 +128,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "record", help="trace every function's entry and exit into a trace directory",
         description="The function tracer: entries and exits of the functions of the program (and the "
         "named libraries), recorded in the target and written to a trace directory.",
-        epilog=RECORD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=RECORD_EXAMPLES,
     )  # fmt: skip
     _add_record_options(p, live=False)
     p.set_defaults(run=run_record)
@@ -136,7 +136,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "live", help="record and replay in one go",
         description="Record (as `record`) into a temporary directory, then replay it: the call graph on "
         "the standard error (or -o FILE), apart from the program's own output.",
-        epilog=LIVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=LIVE_EXAMPLES,
     )  # fmt: skip
     _add_record_options(live, live=True)
     add_demangle_option(live)
@@ -144,7 +144,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     for name, help_text in (("replay", "print the call graph of a trace"), ("report", "time per function of a trace")):
         q = sub.add_parser(
             name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
-            epilog=READING_EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=READING_EXAMPLES[name],
         )  # fmt: skip
         q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
         if name == "report":
@@ -155,7 +155,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         q.set_defaults(run=run_replay if name == "replay" else run_report)
     d = sub.add_parser(
         "dump", help="convert a trace for other tools", description="Convert a trace directory.",
-        epilog=READING_EXAMPLES["dump"], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=READING_EXAMPLES["dump"],
     )  # fmt: skip
     d.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
     form = d.add_mutually_exclusive_group(required=True)

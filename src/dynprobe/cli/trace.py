@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "trace", help="print an event line per probe hit",
         description="Place probes and print one line per hit, in the ftrace trace format.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXAMPLES,
     )  # fmt: skip
     add_probe_options(p)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of ftrace lines")
