@@ -7,7 +7,14 @@ import argparse
 from typing import TextIO
 
 from dynprobe.cli.common import add_target_options, report_error
-from dynprobe.cli.probes import Shown, add_aggregate_options, add_probe_options, check_request, run_aggregating
+from dynprobe.cli.probes import (
+    Shown,
+    add_aggregate_options,
+    add_probe_options,
+    check_request,
+    run_aggregating,
+    write_report,
+)
 from dynprobe.errors import DynprobeError
 
 EXAMPLES = """\
@@ -33,12 +40,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def print_counts(shown: Shown, out: TextIO) -> None:
     """The most hit first, as funccount prints them."""
     width = max((len(t.probe.name) for t in shown.tallies), default=0)
-    print(shown.title or "hits:", file=out)
-    for t in sorted(shown.tallies, key=lambda t: -t.hits):
-        print(f"  {t.probe.name:<{width}} {t.hits:>12}", file=out)
+    lines = [shown.title or "hits:"]
+    lines += [f"  {t.probe.name:<{width}} {t.hits:>12}" for t in sorted(shown.tallies, key=lambda t: -t.hits)]
     if (line := shown.left_out_line()) is not None:
-        print(line, file=out)
-    out.flush()
+        lines.append(line)
+    write_report(out, lines)
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:

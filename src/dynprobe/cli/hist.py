@@ -8,7 +8,15 @@ from typing import TextIO
 
 from dynprobe.actions.filter import parse_value
 from dynprobe.cli.common import add_target_options, report_error
-from dynprobe.cli.probes import Shown, Tally, add_aggregate_options, add_probe_options, check_request, run_aggregating
+from dynprobe.cli.probes import (
+    Shown,
+    Tally,
+    add_aggregate_options,
+    add_probe_options,
+    check_request,
+    run_aggregating,
+    write_report,
+)
 from dynprobe.errors import DynprobeError
 from dynprobe.output.hist import Histogram, zero_label
 
@@ -36,15 +44,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def print_histograms(shown: Shown, out: TextIO, heading: Callable[[Tally], str], empty: str = "(no hits)") -> None:
     """Each probe's histogram under its `heading`, after the title (the time, every -i seconds)."""
-    if shown.title:
-        print(shown.title, file=out)
+    lines = [shown.title] if shown.title else []
     for t in shown.tallies:
-        print(heading(t), file=out)
-        print(str(Histogram(t.histogram, zero_label(t.probe.value))) or f"  {empty}", file=out)
-        print(file=out)
+        lines += [heading(t), str(Histogram(t.histogram, zero_label(t.probe.value))) or f"  {empty}", ""]
     if (line := shown.left_out_line()) is not None:
-        print(line.strip(), file=out)
-    out.flush()
+        lines.append(line.strip())
+    write_report(out, lines)
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:

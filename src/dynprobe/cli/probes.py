@@ -286,6 +286,13 @@ class Shown:
         return f"  (not shown: {', '.join(parts)})" if parts else None
 
 
+def write_report(out: TextIO, lines: list[str]) -> None:
+    """A report in one write: the program may write to the same stream (its stderr is ours),
+    and a line of its own must not land inside one of ours."""
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
 def run_aggregating(
     args: argparse.Namespace,
     command: list[str],
