@@ -118,9 +118,10 @@ def close_output(out: TextIO) -> None:
         out.close()
 
 
-def output_name(path: str | None) -> str:
+def output_name(path: str | None, default: TextIO = sys.stderr) -> str:
+    """What `-o path` names in a message (`default`: the stream without -o)."""
     if path is None:
-        return "the standard error"
+        return "the standard error" if default is sys.stderr else "the standard output"
     return "the standard output" if path == "-" else path
 
 

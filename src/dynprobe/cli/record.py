@@ -412,6 +412,5 @@ def _read(
     except BrokenPipeError:
         return 0
     except OSError as exc:
-        where = output_name(output) if output is not None or default is sys.stderr else "the standard output"
-        return report_error(DynprobeError(f"cannot write {where}: {exc.strerror}"))
+        return report_error(DynprobeError(f"cannot write {output_name(output, default)}: {exc.strerror}"))
     return 0
