@@ -282,8 +282,8 @@ def count_cli(count: int) -> float:
     specs = BUILD / f"many{count}.specs"
     specs.write_text("".join(f"p f{i}\n" for i in range(count)))
     t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "count", "-f", str(specs), "--", binary],
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "count", "-o", "-", "-f", str(specs), "--",
+                             binary], capture_output=True, text=True)  # fmt: skip
     elapsed = time.perf_counter() - t0
     assert result.returncode == 0 and result.stdout.count(" 1\n") == count, result.stderr[-500:]
     return elapsed
@@ -291,13 +291,14 @@ def count_cli(count: int) -> float:
 
 def cli_seed(seed: str, calls: int, command: list[str]) -> int:
     """Elapsed microseconds the seed reports when run under `dynprobe COMMAND... -- seed calls`
-    (its line is the first line of stdout: the command's own output goes after it, or to -o)."""
-    with tempfile.NamedTemporaryFile(suffix=".txt") as events:
-        output = ["-o", events.name] if command[0] == "trace" else []
+    (its line is the first line of stdout: the command's results go to stderr, or to -o)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        events = Path(tmp) / "events.txt"  # (created by dynprobe: it writes only files it creates)
+        output = ["-o", str(events)] if command[0] == "trace" else []
         argv = [sys.executable, "-m", "dynprobe.cli.main", *command, *output, "--", seed, str(calls)]
         result = subprocess.run(argv, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr[-500:]
-        assert not output or len(events.read().splitlines()) == calls, "trace printed a line per hit"
+        assert not output or len(events.read_text().splitlines()) == calls, "trace printed a line per hit"
     return int(result.stdout.split("\n", 1)[0])
 
 
