@@ -93,7 +93,16 @@ def test_decode_sign_and_width() -> None:
     raw = np.zeros((2, 32), dtype=np.uint8)
     raw[0, 16:24] = np.frombuffer((0xFFFF_FFFF_FFFF_FF80).to_bytes(8, "little"), dtype=np.uint8)
     raw[1, 16:24] = np.frombuffer((0x1234_5678_9ABC_DEF0).to_bytes(8, "little"), dtype=np.uint8)
-    batch = RecordBatch(0, 1, 1, raw, np.zeros(2, np.int64), np.zeros(2, np.uint16), np.zeros(2, np.uint32))
+    batch = RecordBatch(
+        0,
+        1,
+        1,
+        raw,
+        np.zeros(2, np.int64),
+        np.zeros(2, np.uint16),
+        np.zeros(2, np.uint32),
+        np.arange(2, dtype=np.uint64),
+    )
     cols = decode_fields(batch, [(0, 16, "s", 8), (1, 16, "u", 16), (2, 16, "x", 64)])
     assert cols[0].tolist() == [-128, -16]
     assert cols[1].tolist() == [0xFF80, 0xDEF0]
@@ -104,7 +113,9 @@ def test_string_length_past_capacity_is_clamped() -> None:
     raw = np.zeros((1, 128), dtype=np.uint8)
     raw[0, 16:18] = [0xFF, 0xFF]  # a scribbled length
     raw[0, 20:84] = ord("z")
-    batch = RecordBatch(0, 1, 1, raw, np.zeros(1, np.int64), np.zeros(1, np.uint16), np.zeros(1, np.uint32))
+    batch = RecordBatch(
+        0, 1, 1, raw, np.zeros(1, np.int64), np.zeros(1, np.uint16), np.zeros(1, np.uint32), np.zeros(1, np.uint64)
+    )
     [(data, truncated)] = decode_string(batch, 16)
     assert data == b"z" * L.STRING_CAPACITY and truncated
 
@@ -130,6 +141,23 @@ def test_consumer_delivers_and_counts() -> None:
     consumer.drain()  # folds the ended thread's counters; its area is clean and free again
     assert consumer.counters(1) == (3, 0, 0)
     assert areas.assign(12) == area and int(area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8]) == 0
+
+
+def test_records_stamped_in_one_tick_keep_the_order_they_were_written_in() -> None:
+    """A clock that moves in steps (AMD's Zen: 10 ns) stamps a call and the call it makes alike:
+    the batches split a thread's records by probe, and `order` puts them back as written."""
+    got: list[RecordBatch] = []
+    consumer = Consumer(LAYOUT, got.extend, lambda i: i < 3, lambda message: None)
+    areas = make_areas()
+    consumer.add(areas)
+    areas.assign(10)
+    now = CLOCK.read()
+    for probe, value in [(1, 0), (2, 1), (2, 2), (1, 3)]:  # a, h, h, a, as add_word calls hash
+        write_record(areas, 10, probe, value, tsc=now)
+    consumer.drain()
+    rows = [(t, o, int.from_bytes(bytes(r[16:24]), "little"))
+            for b in got for t, o, r in zip(b.time_ns.tolist(), b.order.tolist(), b.raw, strict=True)]  # fmt: skip
+    assert len(got) == 2 and [value for *_, value in sorted(rows, key=lambda row: row[:2])] == [0, 1, 2, 3]
 
 
 def test_records_the_target_cannot_have_written_honestly_are_left_out() -> None:

@@ -65,7 +65,7 @@ def _heading(t: Tally) -> str:
     tick = t.probe.session.clock_tick_ns()
     # On a CPU whose counter moves in steps (AMD's Zen: every 10 ns), a call may end in the
     # tick it began in: say how long a tick is, once per histogram that has such calls.
-    clock = f" (a tick of the clock: {tick:.0f} ns)" if tick and t.histogram[0] else ""
+    clock = f" (a tick of the clock: {tick:.3g} ns)" if tick and t.histogram[0] else ""
     return f"@latency_ns[{t.probe.location.label}]: {sum(t.histogram)} calls{missed}{clock}"
 
 

@@ -85,8 +85,8 @@ class EventPrinter(BatchHandler):
     def on_batches(self, batches: list[EventColumns]) -> None:
         lines = [line for columns in batches for line in self.format(columns)]
         if len(batches) > 1:
-            times = [t for columns in batches for t in columns.time_ns]
-            lines = [lines[i] for i in sorted(range(len(lines)), key=times.__getitem__)]
+            keys = [key for columns in batches for key in zip(columns.time_ns, columns.orders(), strict=True)]
+            lines = [lines[i] for i in sorted(range(len(lines)), key=keys.__getitem__)]
         if self.broken or self.failure or not lines:
             return
         try:

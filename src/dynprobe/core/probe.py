@@ -53,6 +53,7 @@ class ProbeEvent:
     comm: str
     symbolize: Callable[[int], str | None] | None = None
     caller: int | None = None  # a return event: where the function returned to
+    order: int = 0  # RecordBatch.order: after time, what puts a thread's events in order
 
     @property
     def time(self) -> float:
@@ -80,6 +81,7 @@ class EventColumns:
     cpu: list[int]
     values: list[list[Value]]  # one column per fetch argument, in the spec's order
     callers: list[int | None] | None = None  # a return probe's: where each call returned to
+    order: list[int] | None = None  # RecordBatch.order (None: an event served at a stop)
 
     @classmethod
     def of(cls, event: ProbeEvent) -> EventColumns:
@@ -87,7 +89,7 @@ class EventColumns:
         return cls(
             event.probe, event.pid, event.tid, event.comm, event.address, event.symbolize, [event.time_ns],
             [event.cpu], [[event.values[a.name]] for a in event.probe.args],
-            [event.caller] if event.probe.is_return else None,
+            [event.caller] if event.probe.is_return else None, [event.order],
         )  # fmt: skip
 
     def events(self) -> list[ProbeEvent]:
@@ -95,9 +97,13 @@ class EventColumns:
         callers = self.callers or [None] * len(self.time_ns)
         return [
             ProbeEvent(self.probe, self.pid, self.tid, cpu, t, self.address, dict(zip(names, row, strict=True)),
-                       self.comm, self.symbolize, caller)
-            for t, cpu, caller, *row in zip(self.time_ns, self.cpu, callers, *self.values, strict=True)
+                       self.comm, self.symbolize, caller, order)
+            for t, order, cpu, caller, *row in zip(self.time_ns, self.orders(), self.cpu, callers, *self.values,
+                                                   strict=True)
         ]  # fmt: skip
+
+    def orders(self) -> list[int]:
+        return self.order or [0] * len(self.time_ns)
 
 
 class BatchHandler:

@@ -2154,8 +2154,8 @@ class Session:
         return self._ensure_consumer().clock.ticks_to_ns(ticks)
 
     def clock_tick_ns(self) -> float:
-        """How long a tick of the time-stamp counter is, where two readings can be equal (0:
-        they never are here). Time stamps closer than that may read the same."""
+        """The smallest step between two readings of the time-stamp counter, in ns: time stamps
+        closer than that may read the same."""
         return float(self._ensure_consumer().clock.tick_ns)
 
     def tsc_mult(self) -> int:
@@ -2309,7 +2309,7 @@ class Session:
                 events.extend(decoded.events())
         for handler, taken in columns.items():
             self._call_handler(taken[0].probe, lambda: handler.on_batches(taken))  # noqa: B023
-        events.sort(key=lambda e: e.time_ns)
+        events.sort(key=lambda e: (e.time_ns, e.order))
         for event in events:
             on_event = event.probe.on_event
             assert on_event is not None
@@ -2345,7 +2345,7 @@ class Session:
             callers = [v if isinstance(v, int) else None for v in values.pop(0)]
         return EventColumns(
             probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self._symbolizer(batch.pid),
-            batch.time_ns.tolist(), batch.cpu.tolist(), values, callers,
+            batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(),
         )  # fmt: skip
 
     def thread_names(self) -> dict[int, str]:

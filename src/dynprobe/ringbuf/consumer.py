@@ -25,12 +25,12 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_steps_code
+from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 
-_STEPS_AT = 64  # where tsc_steps_code goes in the clock's page, after read_tsc_code
-_STEP_READS = 4096
+_READINGS_AT = 64  # where tsc_readings_code goes in the clock's page, after read_tsc_code
+_READINGS = 4096
 _TSC_MASK = 0x7FFF_FFFF_FFFF_FFFF
 # What the target cannot have written honestly (it can write its rings and counters): a time
 # stamp L.MARGIN_NS or more outside the session, a CPU number past the machine's, a count that
@@ -46,11 +46,11 @@ class TscClock:
     def __init__(self) -> None:
         self._page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
         self._page.write(read_tsc_code())
-        self._page.seek(_STEPS_AT)
-        self._page.write(tsc_steps_code())
+        self._page.seek(_READINGS_AT)
+        self._page.write(tsc_readings_code())
         address = ctypes.addressof(ctypes.c_char.from_buffer(self._page))
         self.read = ctypes.CFUNCTYPE(ctypes.c_uint64)(address)
-        self._steps = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64))(address + _STEPS_AT)
+        self._readings = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_void_p)(address + _READINGS_AT)
         self._tsc0, self._ns0 = self._pair()
         time.sleep(0.005)
         self._scale = 1.0
@@ -58,16 +58,16 @@ class TscClock:
         self.tick_ns = self._tick()
 
     def _tick(self) -> float:
-        """The counter's tick in ns where two readings back to back can be equal, else 0.
-
-        Some CPUs count in steps: AMD's Zen adds ~25 to the counter every 10 ns (a 100 MHz
-        clock times the P0 frequency's ratio). Where a reading takes less than a step, two
-        time stamps around a short call may be equal: the call was shorter than the clock can
-        tell. Where it takes longer (as on most CPUs), no two readings are ever equal."""
-        out = (ctypes.c_uint64 * 2)()
-        self._steps(_STEP_READS, out)
-        same, smallest = int(out[0]), int(out[1])
-        return smallest * self._scale if same and smallest != (1 << 64) - 1 else 0.0
+        """How far apart, in ns, two readings of the counter back to back typically are (the
+        median step): what the clock can tell apart. Some CPUs count in steps (AMD's Zen adds ~25
+        to the counter every 10 ns, a 100 MHz clock times the P0 frequency's ratio): two time
+        stamps around a call shorter than a step may be equal. Elsewhere a step is a reading's
+        own time: no two are equal."""
+        readings = np.zeros(_READINGS, dtype=np.uint64)
+        self._readings(_READINGS, readings.ctypes.data)
+        steps = np.diff(readings.astype(np.int64))
+        steps = steps[steps > 0]
+        return float(np.median(steps)) * self._scale if len(steps) else 0.0
 
     def _pair(self) -> tuple[int, int]:
         """A (tsc, monotonic ns) reading: the tightest of a few tries."""
@@ -177,7 +177,9 @@ def spool_records(
 
 @dataclass(frozen=True)
 class RecordBatch:
-    """Records of one probe from one thread: the raw bytes and their decoded header columns."""
+    """Records of one probe from one thread: the raw bytes and their decoded header columns.
+    `order` numbers the records as the consumer read them (a thread's in the order it wrote
+    them): two events of one thread stamped in the same tick of the clock keep their order."""
 
     probe_index: int
     pid: int
@@ -186,6 +188,7 @@ class RecordBatch:
     time_ns: np.ndarray  # CLOCK_MONOTONIC
     cpu: np.ndarray
     faults: np.ndarray
+    order: np.ndarray
 
 
 IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
@@ -225,6 +228,7 @@ class Consumer:
         self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
         self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
         self.corrupt = 0  # records or rings rejected
+        self.records_read = 0  # numbers the next record read (RecordBatch.order)
         self.started = time.monotonic()
         self.drained = 0
         # Raw output: every drained chunk as (u32 pid, u32 tid, u64 count) + the records, as is.
@@ -365,9 +369,11 @@ class Consumer:
                 return []
         probe, cpu, faults = header["probe"], header["cpu"], header["faults"]
         times = self.clock.to_ns(header["tsc"])
+        order = np.arange(self.records_read, self.records_read + len(records), dtype=np.uint64)
+        self.records_read += len(records)
         first = int(probe[0])
         if probe.max() == probe.min() and self.known_probe(first):  # (a thread's records: often one probe's)
-            return [RecordBatch(first, areas.pid, tid, records, times, cpu, faults)]
+            return [RecordBatch(first, areas.pid, tid, records, times, cpu, faults, order)]
         out = []
         for index in np.unique(probe):
             if not self.known_probe(int(index)):
@@ -376,7 +382,11 @@ class Consumer:
                 self._error(f"thread {tid} of pid {areas.pid}: {bad} record(s) of unknown probe {int(index)}")
                 continue
             rows = probe == index
-            out.append(RecordBatch(int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows]))
+            out.append(
+                RecordBatch(
+                    int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows], order[rows]
+                )
+            )
         return out
 
     def _cpu_possible(self, header: np.ndarray) -> np.ndarray | bool:

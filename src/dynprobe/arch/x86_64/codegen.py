@@ -1294,38 +1294,19 @@ def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict
     return code, {label: starts[i] for label, i in indices.items()}
 
 
-def tsc_steps_code() -> bytes:
-    """A C-callable `void f(uint64_t reads, uint64_t out[2])`: reads the time-stamp counter
-    `reads` + 1 times back to back; out[0] = how often two reads gave the same value, out[1] the
-    smallest difference that was not 0 (the counter's tick, where it stands still between reads)."""
+def tsc_readings_code() -> bytes:
+    """A C-callable `void f(uint64_t reads, uint64_t *out)`: reads the time-stamp counter `reads`
+    times back to back into out[0..reads) (how finely the clock can tell two moments apart)."""
     asm = _Asm()
-    loop, nonzero, step = asm.label(), asm.label(), asm.label()
-
-    def read_into(reg: RegisterT) -> None:
-        asm.add(iced.Instruction.create(C.RDTSC))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, reg, R.RAX))
-
-    read_into(R.R8)  # the previous reading
-    asm.add(iced.Instruction.create_reg_i32(C.MOV_RM64_IMM32, R.R9, -1))
-    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.R10D, R.R10D))
+    loop = asm.label()
     asm.bind(loop)
-    read_into(R.RCX)
-    asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RCX, R.R8))
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.R8, R.RAX))
-    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
-    asm.jump(C.JNE_REL32_64, nonzero)
-    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R10))
-    asm.jump(C.JMP_REL32_64, step)
-    asm.bind(nonzero)
-    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.R9))
-    asm.add(iced.Instruction.create_reg_reg(C.CMOVB_R64_RM64, R.R9, R.RCX))
-    asm.bind(step)
+    asm.add(iced.Instruction.create(C.RDTSC))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSI), R.RAX))
+    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RSI, 8))
     asm.add(iced.Instruction.create_reg(C.DEC_RM64, R.RDI))
     asm.jump(C.JNE_REL32_64, loop)
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSI), R.R10))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSI, 8), R.R9))
     asm.add(iced.Instruction.create(C.RETNQ))
     return asm.encode(0)[0]
 
