@@ -234,9 +234,12 @@ class Trace:
         return name if self.demangle is Demangle.FULL and "(" in name else f"{name}()"
 
     def events(self) -> Iterator[TraceEvent]:
-        """Every entry and exit, a thread's in time order (threads one after another, as the
-        trace holds them), read in chunks: a trace larger than memory is fine."""
-        for chunk in self.chunks():
+        """Every entry and exit the trace's recorded filters keep, a thread's in time order
+        (threads one after another, as the trace holds them), read in chunks: a trace larger
+        than memory is fine."""
+        from dynprobe.output.callfilter import chunks_of
+
+        for chunk in chunks_of(self):
             for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
                 yield TraceEvent(chunk.pid, chunk.tid, t, bool(kind), self.name(func))
 

@@ -548,7 +548,7 @@ def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
         "dynprobe: error: wordcount-stripped: no function symbols (stripped, no debug file found); "
         "trace the libraries it uses (--lib libc, libraries=[...] in the API), or a build with symbols\n"
     )
-    r = dp("record", "-o", str(tmp_path / "t.data"), "--lib", "libc", "-F", "malloc", "--", stripped, "a b")
+    r = dp("record", "-o", str(tmp_path / "t.data"), "--lib", "libc", "-P", "malloc", "--", stripped, "a b")
     assert r.returncode == 0, r.stderr
 
 

@@ -54,7 +54,7 @@ def record(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
 
 
 def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
-    r, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    r, trace = record(tmp_path, "-P", "main", "-P", "fact", "--", ret, "fact", "3")
     assert r.stdout == "6\n" and "dynprobe: tracing 2 functions" in r.stderr
     replay = dp("replay", trace)
     assert replay.returncode == 0, replay.stderr
@@ -82,7 +82,7 @@ _BY_DEPTH = {
 def test_depth_leaves_out_deeper_calls(ret: str, tmp_path: Path, depth: int) -> None:
     """--depth N: calls nested deeper than N traced calls are not recorded (decided in the target);
     main -> fact(3) -> fact(2) -> fact(1)."""
-    r, trace = record(tmp_path, "--depth", str(depth), "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    r, trace = record(tmp_path, "--depth", str(depth), "-P", "main", "-P", "fact", "--", ret, "fact", "3")
     assert r.stdout == "6\n" and f"dynprobe: {depth} call{'s' if depth > 1 else ''} recorded in" in r.stderr
     assert masked(dp("replay", trace).stdout) == _BY_DEPTH[depth]
 
@@ -91,7 +91,7 @@ def test_live_records_then_replays_and_keeps_nothing(ret: str, tmp_path: Path) -
     """`dynprobe live`: the program's output alone on stdout; its call graph on stderr, as
     record + replay give it; the temporary trace is gone after, and stderr does not name it."""
     before = set(Path(tempfile.gettempdir()).glob("dynprobe-live-*"))
-    r = dp("live", "-F", "main", "-F", "fact", "--", ret, "fact", "3", cwd=tmp_path)
+    r = dp("live", "-P", "main", "-P", "fact", "--", ret, "fact", "3", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     graph = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("dynprobe: "))
     assert r.stdout == "6\n" and masked(graph) == [
@@ -104,7 +104,7 @@ def test_live_records_then_replays_and_keeps_nothing(ret: str, tmp_path: Path) -
 
 def test_trace_read_from_python(ret: str, tmp_path: Path) -> None:
     """dynprobe.Trace: the events of a trace and its profile, as report shows it."""
-    _, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    _, trace = record(tmp_path, "-P", "main", "-P", "fact", "--", ret, "fact", "3")
     events = list(dynprobe.Trace(trace).events())
     assert [(e.function, e.exit) for e in events] == [
         ("main", False), ("fact", False), ("fact", False), ("fact", False), ("fact", True), ("fact", True),
@@ -118,7 +118,7 @@ def test_trace_read_from_python(ret: str, tmp_path: Path) -> None:
 
 
 def test_mutual_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
-    r, trace = record(tmp_path, "-F", "is_even", "-F", "is_odd", "--", ret, "evenodd", "3")
+    r, trace = record(tmp_path, "-P", "is_even", "-P", "is_odd", "--", ret, "evenodd", "3")
     assert r.stdout == "0\n"
     assert masked(dp("replay", trace).stdout) == [
         "  | is_even() {",
@@ -133,7 +133,7 @@ def test_mutual_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
 
 def test_signal_handler_golden_call_graph(ret: str, tmp_path: Path) -> None:
     """The handler runs inside the call that raised the signal, and nests there."""
-    r, trace = record(tmp_path, "-F", "signaller", "-F", "on_usr1", "-F", "add", "--", ret, "raise")
+    r, trace = record(tmp_path, "-P", "signaller", "-P", "on_usr1", "-P", "add", "--", ret, "raise")
     assert r.stdout == "11\n"  # SIGUSR1 is 10
     assert masked(dp("replay", trace).stdout) == [
         "  | signaller() {",
@@ -145,7 +145,7 @@ def test_signal_handler_golden_call_graph(ret: str, tmp_path: Path) -> None:
 
 
 def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
-    _, trace = record(tmp_path, "-F", "worker", "-F", "add", "--", ret, "threads", "3", "2")
+    _, trace = record(tmp_path, "-P", "worker", "-P", "add", "--", ret, "threads", "3", "2")
     lines = dp("replay", trace).stdout.splitlines()[1:]
     by_thread: dict[str, list[str]] = {}
     for line in lines:
@@ -164,8 +164,8 @@ def test_threads_each_have_their_call_graph(ret: str, tmp_path: Path) -> None:
 
 
 def test_cxx_exceptions_and_a_library(ret_cxx: str, tmp_path: Path) -> None:
-    r, trace = record(tmp_path, "--lib", str(BUILD / "libret_lib.so"), "-F", "catcher", "-F", "rethrower", "-F",
-                      "middle", "-F", "thrower", "-F", "via_lib", "-F", "lib_*", "--", ret_cxx, "12")  # fmt: skip
+    r, trace = record(tmp_path, "--lib", str(BUILD / "libret_lib.so"), "-P", "catcher", "-P", "rethrower", "-P",
+                      "middle", "-P", "thrower", "-P", "via_lib", "-P", "lib_.*", "--", ret_cxx, "12")  # fmt: skip
     assert r.stdout == run_plain([ret_cxx, "12"]).stdout
     calls = {line.split()[-1]: int(line.split()[-4]) for line in dp("report", trace).stdout.splitlines()[2:]}
     # a function returns when nothing it called threw past it: 12 calls, 4 throws (n % 3 == 0),
@@ -175,7 +175,7 @@ def test_cxx_exceptions_and_a_library(ret_cxx: str, tmp_path: Path) -> None:
 
 
 def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
-    _, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", ret, "fact", "3")
+    _, trace = record(tmp_path, "-P", "main", "-P", "fact", "--", ret, "fact", "3")
     chrome = dp("dump", "--chrome", trace, "-o", str(tmp_path / "t.json"))
     assert chrome.returncode == 0, chrome.stderr
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -290,7 +290,7 @@ def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
     ],
 )
 def test_bad_trace_directory_one_line(ret: str, tmp_path: Path, damage: str, message: str) -> None:
-    _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "3")
+    _, trace = record(tmp_path, "-P", "fact", "--", ret, "fact", "3")
     info = Path(trace) / "info.json"
     edits: dict[str, Callable[[dict[str, Any]], object]] = {
         "newer": lambda i: i.update(version=99),
@@ -322,7 +322,7 @@ def test_bad_trace_directory_one_line(ret: str, tmp_path: Path, damage: str, mes
 def test_forged_records_are_left_out_with_a_count(ret: str, tmp_path: Path) -> None:
     """The target writes its ring: a function id past the table, a time before the recording
     began or after it ended, are left out (a forged id once made replay build 12e9 strings)."""
-    _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "4")
+    _, trace = record(tmp_path, "-P", "fact", "--", ret, "fact", "4")
     events = Path(trace) / "events.raw"
     data = bytearray(events.read_bytes())
     record_size = json.loads((Path(trace) / "info.json").read_text())["record_size"]
@@ -347,7 +347,7 @@ def test_forged_records_are_left_out_with_a_count(ret: str, tmp_path: Path) -> N
 
 
 def test_truncated_trace_replays_what_it_has(ret: str, tmp_path: Path) -> None:
-    _, trace = record(tmp_path, "-F", "fact", "--", ret, "fact", "3")
+    _, trace = record(tmp_path, "-P", "fact", "--", ret, "fact", "3")
     events = Path(trace) / "events.raw"
     data = events.read_bytes()
     events.write_bytes(data[: len(data) - 20])  # the last record and a half gone
@@ -357,7 +357,7 @@ def test_truncated_trace_replays_what_it_has(ret: str, tmp_path: Path) -> None:
 
 
 def test_filters_that_match_nothing_say_so(ret: str, tmp_path: Path) -> None:
-    r = dp("record", "-o", str(tmp_path / "t"), "-F", "no_such_function*", "--", ret, "fact", "3")
+    r = dp("record", "-o", str(tmp_path / "t"), "-P", "no_such_function.*", "--", ret, "fact", "3")
     assert r.returncode == 1 and "no function to trace: the filters match nothing" in r.stderr
     assert not os.path.exists(tmp_path / "t")
 
@@ -373,7 +373,7 @@ def test_a_library_the_program_does_not_load_is_named(ret: str, ret_cxx: str, tm
         "dynprobe: libret_lib.so is not a library ret loads at start: its functions are traced if the "
         "program loads it later (dlopen)"
     ]
-    r = dp("record", "-o", str(tmp_path / "u"), "--lib", library, "-F", "lib_*", "--", ret_cxx, "3")
+    r = dp("record", "-o", str(tmp_path / "u"), "--lib", library, "-P", "lib_.*", "--", ret_cxx, "3")
     assert r.returncode == 0 and "loads at start" not in r.stderr, r.stderr
 
 
@@ -388,7 +388,7 @@ def test_a_library_the_program_does_not_load_is_named(ret: str, ret_cxx: str, tm
 def test_patchable_nop_entries(flags: tuple[str, ...], tmp_path: Path) -> None:
     """Functions built with a NOP area for tracers are patched over it (after endbr64)."""
     binary = build_target("ret_" + flags[-1].strip("-=").replace("=", "_"), "ret.c", flags=("-O1", "-pthread", *flags))
-    r, trace = record(tmp_path, "-F", "main", "-F", "fact", "--", binary, "fact", "3")
+    r, trace = record(tmp_path, "-P", "main", "-P", "fact", "--", binary, "fact", "3")
     assert r.stdout == "6\n" and "tracing 2 functions (2 at their patchable NOP entry)" in r.stderr
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "main() {", "  fact() {", "    fact() {", "      fact();", "    } /* fact */", "  } /* fact */", "} /* main */",
@@ -404,7 +404,7 @@ def test_pg_entries_that_call_mcount_through_the_got(tmp_path: Path) -> None:
     for name in ("is_even", "is_odd"):  # push rbp; mov rbp,rsp; call [rip+...]
         assert image.code(image.by_name[name].addr, 6)[-2:] == b"\xff\x15"
     trace = str(tmp_path / "trace")
-    r = dp("record", "-o", trace, "-F", "is_even", "-F", "is_odd", "--", binary, "evenodd", "3", cwd=tmp_path)
+    r = dp("record", "-o", trace, "-P", "is_even", "-P", "is_odd", "--", binary, "evenodd", "3", cwd=tmp_path)
     assert r.returncode == 0 and r.stdout == "0\n" and "tracing 2 functions" in r.stderr, r.stderr
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "is_even() {", "  is_odd() {", "    is_even() {", "      is_odd();", "    } /* is_even */", "  } /* is_odd */",
@@ -423,7 +423,7 @@ def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:
     flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
     binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
     theirs = tmp_path / "uftrace.data"
-    args = ["-F", "main", "-F", "worker", "-F", "add"]
+    args = ["-P", "main", "-P", "worker", "-P", "add"]
     subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *args, binary,
                     "threads", "2", "3"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
     uftrace_graph = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
@@ -456,7 +456,7 @@ def calls_of(trace: str, *options: str) -> dict[str, int]:
 def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) -> None:
     """Frames left by longjmp close with their caller; a signal handler's calls nest where the
     signal came; a call through a pointer and a library function are traced like any call."""
-    _, trace = record(tmp_path, "-F", "main", "-F", "dive", "-F", "fact", "--", ret, "longjmp", "3", "2")
+    _, trace = record(tmp_path, "-P", "main", "-P", "dive", "-P", "fact", "--", ret, "longjmp", "3", "2")
     assert calls_of(trace) == {"main": 1, "fact": 5}  # dive never returns
     # Each jump's calls are left where the next ones reuse their frames: no pile-up of open calls
     # (10^5 jumps would indent by 10^5 levels), each chain starts at main's depth.
@@ -472,7 +472,7 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
     # events wait for nothing, they are missed and counted (the ring takes one writer at a time).
     # ~7 in 8 land there: a signal every 100 us (~150 in the run) leaves some handler calls
     # recorded (every 500 us, ~20, left none about one run in 12).
-    r, trace = record(tmp_path, "-F", "add", "-F", "on_alarm", "--", ret, "signal", "300000", "100")
+    r, trace = record(tmp_path, "-P", "add", "-P", "on_alarm", "--", ret, "signal", "300000", "100")
     handler_calls = int(r.stdout.split()[1])
     calls = calls_of(trace)
     missed = json.loads((Path(trace) / "info.json").read_text())["missed"]
@@ -481,10 +481,10 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
     replay = dp("replay", trace).stdout
     assert "on_alarm() {" in replay and re.search(r"\| +  add\(\);", replay)  # add inside the handler
 
-    r, trace = record(tmp_path, "-F", "add", "--", ret, "pointer", "5")
+    r, trace = record(tmp_path, "-P", "add", "--", ret, "pointer", "5")
     assert r.stdout == "15\n" and calls_of(trace) == {"add": 5}
 
-    r, trace = record(tmp_path, "--lib", "libc", "-F", "main", "-F", "printf", "--", ret, "loop", "3")
+    r, trace = record(tmp_path, "--lib", "libc", "-P", "main", "-P", "printf", "--", ret, "loop", "3")
     assert r.stdout == "6\n" and "tracing 1 function, 1 more once their library is mapped" in r.stderr
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "main() {",
@@ -500,7 +500,7 @@ def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool, thre
     return in the child, and their entries were the parent's: those returns are not shown). With
     a threshold (entries held back when the parent forks), the same calls."""
     args = threshold if follow else ["--no-follow-fork", *threshold]
-    r, trace = record(tmp_path, *args, "-F", "forking", "-F", "fork_outer", "-F", "add", "--", ret, "fork")
+    r, trace = record(tmp_path, *args, "-P", "forking", "-P", "fork_outer", "-P", "add", "--", ret, "fork")
     assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]
     assert calls_of(trace) == {"forking": 1, "fork_outer": 1, **({"add": 1} if follow else {})}
 
@@ -508,7 +508,7 @@ def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool, thre
 def test_threshold_drops_short_calls_in_the_target(ret: str, tmp_path: Path) -> None:
     """`--threshold`: a call that ends sooner takes its records back in the target (its callees'
     with them); the trace holds exactly the calls that lasted, in call-graph order."""
-    r, trace = record(tmp_path, "--threshold", "1ms", "-F", "main", "-F", "add", "-F", "slow", "-F", "nap", "--",
+    r, trace = record(tmp_path, "--threshold", "1ms", "-P", "main", "-P", "add", "-P", "slow", "-P", "nap", "--",
                       ret, "mixed", "100")  # fmt: skip
     assert r.stdout == "5050\n"
     assert "121 calls traced, those of 1.000 ms or more recorded" in r.stderr  # 90 + 10 x (slow, nap, add) + main
@@ -524,9 +524,9 @@ def names() -> str:
 
 
 def test_cxx_names_demangled_in_filters_and_call_graphs(names: str, tmp_path: Path) -> None:
-    """-F matches demangled names; replay shows uftrace's simple form, --demangle full and no
+    """-P matches demangled names; replay shows uftrace's simple form, --demangle full and no
     the others; aliases (the destructor's D1 and D2, one address) are one function."""
-    r, trace = record(tmp_path, "-F", "app::*", "-N", "app::twice", "--", names)
+    r, trace = record(tmp_path, "-P", "app::.*", "-U", "app::twice", "--", names)
     assert r.stdout == "12 3 4 2\ntotal=6\n" and "tracing 4 functions" in r.stderr, r.stderr
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "app::Counter::add();",
@@ -664,3 +664,69 @@ def test_record_follows_children_and_the_programs_they_exec(tmp_path: Path) -> N
                 by_thread.setdefault(event.tid, []).append(event.function)
         assert {(calls[1], calls[0]) for calls in by_thread.values()} == expected, by_thread
         assert len(by_thread) == len(expected)
+
+
+def call_tree(replay: str) -> list[list[tuple[int, str]]]:
+    """Per thread, each line of a replay as (depth, call), durations and thread ids dropped."""
+    threads: dict[str, list[tuple[int, str]]] = {}
+    for line in replay.splitlines()[1:]:
+        found = re.findall(r"\[ *(\d+)\]", line)
+        if not found or "| " not in line:
+            continue
+        call = line.split("| ", 1)[1]
+        threads.setdefault(found[0], []).append(((len(call) - len(call.lstrip())) // 2, call.strip()))
+    return sorted(threads.values())
+
+
+@pytest.mark.parametrize(
+    ("program", "filters"),
+    [
+        (["fact", "4"], ["-F", "fact"]),
+        (["evenodd", "5"], ["-F", "is_odd", "-D", "2"]),
+        (["evenodd", "4"], ["-F", "is_.*"]),
+        (["threads", "2", "3"], ["-F", "worker", "-N", "add"]),
+        (["fact", "5"], ["-N", "fact", "-F", "main"]),
+    ],
+)
+def test_filters_mean_what_uftrace_s_mean(tmp_path: Path, program: list[str], filters: list[str]) -> None:
+    """-F keeps a function's calls with everything under them, -N drops them with everything
+    under them, -D counts from the nearest -F call; patterns are regular expressions. The call
+    trees are uftrace's (dynamic patching of the same -mnop-mcount binary), thread by thread,
+    whether the filters are given to record or to replay."""
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *filters, binary,
+                    *program], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    expected = call_tree(subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True,
+                                        text=True).stdout)  # fmt: skip
+    assert expected and all(expected)
+    _, filtered = record(tmp_path, *filters, "--", binary, *program)
+    assert call_tree(dp("replay", filtered).stdout) == expected
+    whole = str(tmp_path / "whole")
+    assert dp("record", "-o", whole, "--", binary, *program, cwd=tmp_path).returncode == 0
+    assert call_tree(dp("replay", *filters, whole).stdout) == expected
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        (["-F", "main", "-N", "dive"],
+         ["main() {", *(f"{'  ' * d}fact() {{" for d in range(1, 5)), "          fact();",
+          *(f"{'  ' * d}}} /* fact */" for d in range(4, 0, -1)), "} /* main */"]),
+        (["-F", "dive"], [*(f"{'  ' * d}dive() {{" for d in range(4))] * 2),
+        (["-F", "main", "-D", "2"], ["main() {", "  dive() {", "  dive() {", "  fact();", "} /* main */"]),
+    ],
+)  # fmt: skip
+def test_filters_after_a_longjmp(ret: str, tmp_path: Path, filters: list[str], expected: list[str]) -> None:
+    """A longjmp out of a kept call ends it (its frame is entered again): fact, called by main
+    after the jumps, is under main, not under the dive calls the jump left (uftrace v0.13 with
+    --no-libcall keeps them open: it sees fact 8 dives deep under -F dive, and nothing under
+    -F main -D 2). Left calls show open, as replay shows them without filters."""
+    whole = str(tmp_path / "whole")
+    assert dp("record", "-o", whole, "--", ret, "longjmp", "2", "3").returncode == 0
+    tree = call_tree(dp("replay", *filters, whole).stdout)
+    assert tree == [[((len(line) - len(line.lstrip())) // 2, line.strip()) for line in expected]]

@@ -29,7 +29,9 @@ from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
 from dynprobe.output import callgraph, files
+from dynprobe.output.callfilter import CallFilter
 from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.patterns import MatchKind, NamePattern
 from dynprobe.tracefile import EVENTS, INFO, Trace, create_trace_directory, remove_trace_directory, write_info
 
 if TYPE_CHECKING:
@@ -40,14 +42,14 @@ DEFAULT_DIR = "dynprobe.data"
 RECORD_EXAMPLES = """\
 examples:
   dynprobe record -- ./app input.txt                 every function of ./app, into dynprobe.data/
-  dynprobe record -F 'parse_*' -N 'parse_debug*' -o parse.data -- ./app
-  dynprobe record --lib libz -F 'deflate*' -F main -p 1234      Ctrl-C stops, the program runs on
+  dynprobe record -F parse -N 'debug_.*' -o parse.data -- ./app     parse's calls, all under them
+  dynprobe record --lib libz -P 'deflate.*@libz' -P main -p 1234    only these patched; Ctrl-C stops
 then: dynprobe replay | report | dump --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
 """
 LIVE_EXAMPLES = """\
 examples:
   dynprobe live -- ./app input.txt                   the call graph on the standard error
-  dynprobe live -F 'parse_*' --threshold 10us -o calls.txt -- ./app
+  dynprobe live -F parse -D 3 --threshold 10us -o calls.txt -- ./app
   dynprobe live -d app.data -- ./app                 and keep the trace for report, dump
 """
 READING_EXAMPLES = {
@@ -55,6 +57,7 @@ READING_EXAMPLES = {
 examples:
   dynprobe replay                          the call graph of dynprobe.data, with durations
   dynprobe replay parse.data --tid 4242    one thread's
+  dynprobe replay -F main -D 2 -N 'log_.*' main's calls two deep, without log_* and their callees
   dynprobe replay --demangle full | less
 """,
     "report": """\
@@ -96,12 +99,11 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     else:
         p.add_argument("-o", "-d", "--output", "--data", dest="data", default=DEFAULT_DIR, metavar="DIR",
                        help=f"the trace directory (default {DEFAULT_DIR})")  # fmt: skip
-    p.add_argument(
-        "-F", "--filter", action="append", default=[], metavar="GLOB", help="trace only functions matching GLOB"
-    )
-    p.add_argument(
-        "-N", "--notrace", action="append", default=[], metavar="GLOB", help="do not trace functions matching GLOB"
-    )
+    p.add_argument("-P", "--patch", action="append", default=[], metavar="FUNC",
+                   help="patch only the functions FUNC names (all if none): the others run untouched")  # fmt: skip
+    p.add_argument("-U", "--unpatch", action="append", default=[], metavar="FUNC",
+                   help="do not patch the functions FUNC names")  # fmt: skip
+    _add_filter_options(p)
     p.add_argument(
         "--lib",
         action="append",
@@ -111,15 +113,38 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     )
     p.add_argument("--ring-size", type=byte_size, default=1 << 25, metavar="BYTES",
                    help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
-    p.add_argument("--depth", type=int, metavar="N", help="record calls nested at most N traced calls deep")
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
     add_target_options(p, follow=True)
 
 
+def _add_filter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-F", "--filter", action="append", default=[], metavar="FUNC",
+                   help="only FUNC's calls and the calls under them (as uftrace's -F)")  # fmt: skip
+    p.add_argument("-N", "--notrace", action="append", default=[], metavar="FUNC",
+                   help="leave out FUNC's calls and the calls under them")  # fmt: skip
+    p.add_argument("-D", "--depth", type=int, metavar="N",
+                   help="calls at most N deep, counted from the nearest -F call (else the outermost)")  # fmt: skip
+    p.add_argument("--match", choices=[k.value for k in MatchKind], default=MatchKind.REGEX.value,
+                   help="FUNC is a regular expression found in the name (default, as in uftrace) or a glob of the "
+                   "whole name; a name without special characters is that function; FUNC@MODULE: only MODULE's "
+                   "functions (alloc.*@libc, main@app)")  # fmt: skip
+
+
+def _call_filter(args: argparse.Namespace) -> CallFilter:
+    """-F, -N and -D as the reader applies them (a bad pattern or depth: a one-line error)."""
+    if args.depth is not None and args.depth < 1:
+        raise UsageError(f"-D {args.depth}: a depth is 1 or more")
+    kind = MatchKind(args.match)
+    return CallFilter(
+        tuple(NamePattern(t, kind) for t in args.filter), tuple(NamePattern(t, kind) for t in args.notrace), args.depth
+    )
+
+
 def _add_reading_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE, created new, instead of the standard output")
     p.add_argument("--tid", type=int, action="append", default=[], metavar="TID", help="only this thread (repeatable)")
+    _add_filter_options(p)
     add_demangle_option(p)
 
 
@@ -217,20 +242,27 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
     out = args.data
     status: int | None = None
     try:
+        filters = _call_filter(args)
+        kind = MatchKind(args.match)
+        patch = tuple(NamePattern(t, kind) for t in args.patch)
+        unpatch = tuple(NamePattern(t, kind) for t in args.unpatch)
         create_trace_directory(out)  # before the target is touched: a bad -o is said at once
     except DynprobeError as exc:
         return report_error(exc)
+    # Under -F, depth counts from the outermost kept call, which only a reader knows; without,
+    # the target leaves out what is deeper (it counts its traced calls).
+    depth = args.depth if not args.filter else None
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
             tracer = session.function_tracer(
-                args.filter, args.notrace, args.lib, graph=True, depth=args.depth, threshold_ns=args.threshold
+                patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold
             )
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
-                "threshold_ns": args.threshold, "depth": args.depth,
+                "threshold_ns": args.threshold, "depth": depth, "filters": filters.to_info() if filters else None,
                 **_function_table(session),
                 "clock": session.clock(),
             }  # fmt: skip
@@ -258,7 +290,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 def ready() -> None:
                     print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
                     _note_libraries_not_loaded(session, tracer)
-                    if not args.lib and not args.filter and len(tracer.functions) < FEW_FUNCTIONS:
+                    if not args.lib and not args.patch and len(tracer.functions) < FEW_FUNCTIONS:
                         _hint_libraries(tracer.functions[0].path)
 
                 main = session.process(session.pid)
@@ -363,8 +395,9 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
         if os.path.exists(os.path.join(args.data, INFO)):
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output)
-            replayed = _read(reading, [], lambda t, out: callgraph.replay(t, out, _threshold(t, reading)),
+            reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output,
+                                         filter=[], notrace=[], depth=None, match=args.match)  # fmt: skip
+            replayed = _read(reading, [], lambda t, out, f: callgraph.replay(t, out, _threshold(t, reading), f),
                              default=sys.stderr)  # fmt: skip
             return status or replayed
         return status
@@ -376,11 +409,11 @@ def _threshold(trace: Trace, args: argparse.Namespace) -> int:
 
 
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda t, out: callgraph.replay(t, out, _threshold(t, args)))
+    return _read(args, command, lambda t, out, f: callgraph.replay(t, out, _threshold(t, args), f))
 
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda t, out: callgraph.report(t, out, args.sort, _threshold(t, args)))
+    return _read(args, command, lambda t, out, f: callgraph.report(t, out, args.sort, _threshold(t, args), f))
 
 
 def run_dump(args: argparse.Namespace, command: list[str]) -> int:
@@ -391,20 +424,21 @@ def run_dump(args: argparse.Namespace, command: list[str]) -> int:
 def _read(
     args: argparse.Namespace,
     command: list[str],
-    show: Callable[[Trace, TextIO], object],
+    show: Callable[[Trace, TextIO, CallFilter], object],
     *,
     default: TextIO = sys.stdout,
 ) -> int:
-    """Read a trace directory and `show` it on -o FILE, or `default`: the standard output for
-    `replay`, `report` and `dump`, which run no program."""
+    """Read a trace directory and `show` it, filtered by -F, -N, -D, on -o FILE, or `default`:
+    the standard output for `replay`, `report` and `dump`, which run no program."""
     if command:
         return report_error(UsageError("reading a trace runs no command"))
     output: str | None = args.output
     try:
+        filters = _call_filter(args)
         with _trace(args) as trace:
             out = default if output is None else open_output(output)
             try:
-                show(trace, out)
+                show(trace, out, filters)
             finally:
                 close_output(out)
     except DynprobeError as exc:

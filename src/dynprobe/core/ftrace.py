@@ -15,7 +15,6 @@ time stamp; `session.write_raw` spools them to disk (`dynprobe record`), or `on_
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import ElfImage, load_elf
 from dynprobe.symbols.ifunc import LoadedIn, callable_functions
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, maps_file, read_maps
+from dynprobe.symbols.patterns import NamePattern, as_patterns
 from dynprobe.symbols.resolve import find_file
 
 if TYPE_CHECKING:
@@ -115,8 +115,8 @@ class Selection:
     """What a tracer traces, as asked: globs of names to include (all if none) and exclude, and
     libraries by name or path besides the program. Chosen again in a program a process execs."""
 
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
+    include: tuple[NamePattern, ...] = ()
+    exclude: tuple[NamePattern, ...] = ()
     libraries: tuple[str, ...] = ()
 
 
@@ -185,14 +185,14 @@ class Tracing:
     def select(
         self,
         paths: Iterable[str],
-        include: Iterable[str] = (),
-        exclude: Iterable[str] = (),
+        include: Iterable[str | NamePattern] = (),
+        exclude: Iterable[str | NamePattern] = (),
         loaded: Callable[[ElfImage], LoadedIn | None] = lambda image: None,
     ) -> list[TracedFunction]:
         """The functions (symbols with a size) of the files at `paths` whose names (demangled
-        too) match a glob of `include` (all if none) and none of `exclude` (`loaded`: where a
-        file is mapped, for its indirect functions: symbols/ifunc.py)."""
-        include, exclude = list(include), list(exclude)
+        too) match a pattern of `include` (all if none) and none of `exclude` (a string is a
+        glob; `loaded`: where a file is mapped, for its indirect functions: symbols/ifunc.py)."""
+        include, exclude = as_patterns(include), as_patterns(exclude)
         chosen = []
         for path in paths:
             image = load_elf(path)
@@ -202,9 +202,9 @@ class Tracing:
                 if func.addr <= image.entry < func.end or func.name in NOT_CALLED:
                     continue  # entered without a call: [rsp] is not a return address
                 names = names_of(func.name)  # C++: 'ns::Class::*' matches too
-                if include and not any(fnmatch.fnmatchcase(n, g) for g in include for n in names):
+                if include and not any(p.matches(names, image.path) for p in include):
                     continue
-                if any(fnmatch.fnmatchcase(n, g) for g in exclude for n in names):
+                if any(p.matches(names, image.path) for p in exclude):
                     continue
                 chosen.append(self._function(image.path, func.addr, func.size, func.name))
         # Aliases (C++ C1/C2 constructors, glibc's __libc_malloc and malloc) are one function.

@@ -108,6 +108,7 @@ from dynprobe.symbols.maps import (
     read_maps,
     root_of,
 )
+from dynprobe.symbols.patterns import NamePattern, as_patterns
 from dynprobe.symbols.resolve import (
     Location,
     expand_pattern,
@@ -561,8 +562,8 @@ class Session:
 
     def function_tracer(
         self,
-        filter: Iterable[str] = (),  # ftrace's word (set_ftrace_filter)
-        exclude: Iterable[str] = (),
+        filter: Iterable[str | NamePattern] = (),  # ftrace's word (set_ftrace_filter)
+        exclude: Iterable[str | NamePattern] = (),
         libraries: Iterable[str] = (),
         graph: bool = True,
         on_event: Callable[[TracerEvent], object] | None = None,
@@ -571,7 +572,8 @@ class Session:
     ) -> FunctionTracer:
         """A function tracer (an ftrace ops: filter, action, graph or not) over the functions of
         the main executable (and of `libraries`, by name or path, as mapped) whose names match a
-        glob of `filter` (all if none) and none of `exclude` (set_ftrace_notrace). Graph mode
+        pattern of `filter` (all if none) and none of `exclude` (set_ftrace_notrace; a string is
+        a glob, a NamePattern a regular expression or glob with an optional @MODULE). Graph mode
         records entries and exits (the return-probe mechanism), else entries only; `depth` (graph
         mode) leaves out calls nested deeper than that many traced calls, `threshold_ns` calls
         that end sooner (dropped in the target: they cost no disk). Call `start()` on it; events
@@ -592,7 +594,7 @@ class Session:
                 "(--lib libc, libraries=[...] in the API), or a build with symbols"
             )
         tracer = self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
-        tracer.selection = Selection(tuple(filter), tuple(exclude), tuple(libraries))
+        tracer.selection = Selection(as_patterns(filter), as_patterns(exclude), tuple(libraries))
         return tracer
 
     def reserve_index(self) -> int:

@@ -12,6 +12,7 @@ from typing import TextIO
 
 import numpy as np
 
+from dynprobe.output.callfilter import CallFilter, chunks_of
 from dynprobe.tracefile import Chunk, Trace
 
 EXIT = 1
@@ -29,9 +30,10 @@ def duration(ns: int) -> str:
 _BATCH = 1 << 20  # events: a thread's chunks read one after another are worked on together
 
 
-def _batches(trace: Trace) -> Iterator[Chunk]:
-    """The trace's chunks, those of one thread that follow each other joined (up to _BATCH
-    events): the consumer drains small chunks, and numpy's work is per call, not per event."""
+def _batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
+    """The trace's chunks (filtered: output/callfilter.py), those of one thread that follow each
+    other joined (up to _BATCH events): the consumer drains small chunks, and numpy's work is
+    per call, not per event."""
     held: list[Chunk] = []
 
     def joined() -> Chunk:
@@ -42,7 +44,7 @@ def _batches(trace: Trace) -> Iterator[Chunk]:
         return Chunk(first.pid, first.tid, *columns)
 
     events = 0
-    for chunk in trace.chunks():
+    for chunk in chunks_of(trace, filters):
         if held and (chunk.tid != held[0].tid or events >= _BATCH):
             yield joined()
             held, events = [], 0
@@ -52,9 +54,9 @@ def _batches(trace: Trace) -> Iterator[Chunk]:
         yield joined()
 
 
-def _events(trace: Trace) -> Iterator[tuple[int, int, int, int]]:
+def _events(trace: Trace, filters: CallFilter | None) -> Iterator[tuple[int, int, int, int]]:
     """(tid, kind, function, time ns) in the order recorded (per thread: in time order)."""
-    for chunk in _batches(trace):
+    for chunk in _batches(trace, filters):
         tid = chunk.tid
         for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
             yield tid, kind, func, t
@@ -359,7 +361,7 @@ def _segment_calls(
     return funcs[done], spent[done], spent[done] - callees[done], after[done] == 0
 
 
-def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
+def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter | None = None) -> int:
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
         # DURATION     TID     FUNCTION
@@ -380,7 +382,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0) -> int:
         return names[func] if func < len(names) else trace.call_text(func)
 
     texts = _Texts(name, trace.name)
-    for chunk in _batches(trace):
+    for chunk in _batches(trace, filters):
         tid = chunk.tid
         stack = stacks.setdefault(tid, _OpenCalls())
         waiting = pending.pop(tid, None)
@@ -468,7 +470,7 @@ class Profile:
 _SUMMED_RUN = 8  # calls with no callee in a row, from which numpy sums them
 
 
-def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profile:
+def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: CallFilter | None = None) -> Profile:
     """One pass; per thread only its open calls (functions, entry times, time in callees).
     Calls shorter than `threshold_ns` are not counted (their time still is their caller's).
     Written for speed: plain lists indexed by function id, no object per call."""
@@ -577,7 +579,7 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0) -> Profil
         np.add.at(totaled[3], func, spent)
         return True
 
-    for chunk in _batches(trace):
+    for chunk in _batches(trace, filters):
         stack = stacks.setdefault(chunk.tid, _OpenCalls())
         columns: tuple[list[int], ...] | None = None  # the chunk as lists, once events go one by one
         size = len(chunk.kind)
@@ -612,8 +614,10 @@ SORT_KEYS = {
 }
 
 
-def report(trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0) -> None:
-    prof = profile(trace, threshold_ns=threshold_ns)
+def report(
+    trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0, filters: CallFilter | None = None
+) -> None:
+    prof = profile(trace, threshold_ns=threshold_ns, filters=filters)
     rows = sorted(
         prof.functions.items(), key=lambda kv: trace.name(kv[0]) if sort == "name" else SORT_KEYS[sort](kv[1])
     )
@@ -626,11 +630,11 @@ def report(trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0
         )
 
 
-def dump_chrome(trace: Trace, out: TextIO) -> None:
+def dump_chrome(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
     """Trace Event Format (Perfetto UI, chrome://tracing): B/E pairs in microseconds."""
     out.write('{"displayTimeUnit":"ns","traceEvents":[')
     first = True
-    for tid, kind, func, t in _events(trace):
+    for tid, kind, func, t in _events(trace, filters):
         pid = trace.info.get("pid", 0)
         event = {"name": trace.name(func), "ph": "E" if kind == EXIT else "B", "ts": t / 1000, "pid": pid, "tid": tid}
         out.write(("" if first else ",\n") + json.dumps(event, separators=(",", ":")))
@@ -642,8 +646,8 @@ def dump_chrome(trace: Trace, out: TextIO) -> None:
     out.write("]}\n")
 
 
-def dump_flame(trace: Trace, out: TextIO) -> None:
+def dump_flame(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
     """Folded stacks (`main;parse;read_token 1234`, self time in ns) for flamegraph.pl, speedscope."""
-    for path, ns in sorted(profile(trace, folded=True).folded.items()):
+    for path, ns in sorted(profile(trace, folded=True, filters=filters).folded.items()):
         if ns > 0:
             out.write(";".join(trace.name(f) for f in path) + f" {ns}\n")
