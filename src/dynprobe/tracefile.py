@@ -37,6 +37,7 @@ VERSION = 2
 INFO, EVENTS = "info.json", "events.raw"
 _CHUNK_HEADER = np.dtype([("who", "<u8"), ("count", "<u8")])
 READ_RECORDS = 1 << 20  # records read at a time: a reader's memory stays flat whatever the ring size
+MAX_OPEN_CALLS = 1 << 15  # calls a thread can be inside (its frames: 15 bits)
 
 
 class TraceError(DynprobeError):
@@ -96,6 +97,11 @@ def _wrong_in(info: dict[str, Any]) -> str | None:
         isinstance(f, list) and f and isinstance(f[0], str) for f in functions
     ):
         return "the function table is not a list of [name, ...]"
+    inherited = info.get("inherited", {})
+    if not isinstance(inherited, dict) or not all(
+        k.isdigit() and _open_calls(v, len(functions)) for k, v in inherited.items()
+    ):  # fmt: skip
+        return "the calls forked children inherited are not a table of tid: [time, [[function, frame], ...]]"
     threads = info.get("threads", {})
     if not isinstance(threads, dict) or not all(k.isdigit() and isinstance(v, str) for k, v in threads.items()):
         return "the thread names are not a table of tid: name"
@@ -103,6 +109,18 @@ def _wrong_in(info: dict[str, Any]) -> str | None:
         if info.get(key) is not None and not (_is_int(info[key]) and 0 <= info[key] < 1 << 63):
             return f"{key} is not a number"
     return None
+
+
+def _open_calls(value: object, functions: int) -> bool:
+    """[time ns, [[function id, frame], ...]]: the calls a forked child's thread was inside."""
+    if not (isinstance(value, list) and len(value) == 2 and _is_int(value[0]) and 0 <= value[0] < 1 << 63):
+        return False
+    calls = value[1]
+    return isinstance(calls, list) and len(calls) <= MAX_OPEN_CALLS and all(
+        isinstance(c, list) and len(c) == 2 and all(_is_int(v) for v in c) and 0 <= c[0] < functions
+        and 0 < c[1] < 1 << 15
+        for c in calls
+    )  # fmt: skip
 
 
 def record_dtype(record_size: int) -> np.dtype[Any]:
@@ -177,6 +195,10 @@ class Chunk:
     frame: np.ndarray  # u16: the call's frame (an id reused once the call is over), 0: unknown
     func: np.ndarray  # u32 function ids
     time_ns: np.ndarray  # i64 CLOCK_MONOTONIC
+    # Entries of the calls a forked child's thread was inside when it began (its parent's, as
+    # the fork left them; stamped with the fork), outermost first: readers open them silently,
+    # so the child's calls go on at its parent's depth, as in uftrace.
+    inherited: bool = False
 
 
 @dataclass(frozen=True)
@@ -258,6 +280,7 @@ class Trace:
         except OSError as exc:
             raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
         latest: dict[int, int] = {}  # tid -> its last time
+        inherited: dict[str, list[Any]] = self.info.get("inherited", {})
         with f:
             size = os.fstat(f.fileno()).st_size
             offset = 0
@@ -292,12 +315,21 @@ class Trace:
                     # are not ordered (no fence) and a thread may move to a CPU whose counter is a
                     # little behind: none goes back in time (no call lasts less than 0).
                     times = np.maximum.accumulate(np.maximum(times, latest.get(who, times[0])))
+                    if who not in latest and str(who >> 32) in inherited:
+                        yield self._inherited(who, *inherited[str(who >> 32)])
                     latest[who] = int(times[-1])
                     yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
                 if left or available < count:
                     self.truncated_at = offset
                     return
                 offset += _CHUNK_HEADER.itemsize + want
+
+    @staticmethod
+    def _inherited(who: int, time_ns: int, calls: list[list[int]]) -> Chunk:
+        func, frame = np.array(calls, dtype=np.int64).reshape(-1, 2).T
+        n = len(calls)
+        return Chunk(who & 0xFFFF_FFFF, who >> 32, np.zeros(n, np.uint16), frame.astype(np.uint16),
+                     func.astype(np.uint32), np.full(n, time_ns, np.int64), inherited=True)  # fmt: skip
 
     def _possible(self, records: np.ndarray) -> np.ndarray:
         """The records that can be true: the target wrote them into its own memory, and could

@@ -496,13 +496,15 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
 @pytest.mark.parametrize("threshold", [[], ["--threshold", "1ns"]], ids=["all", "threshold"])
 @pytest.mark.parametrize("follow", [False, True], ids=["child-let-go", "child-followed"])
 def test_fork_with_traced_functions(ret: str, tmp_path: Path, follow: bool, threshold: list[str]) -> None:
-    """The parent's calls; a followed child's own calls too (the default: the frames it inherited
-    return in the child, and their entries were the parent's: those returns are not shown). With
-    a threshold (entries held back when the parent forks), the same calls."""
+    """The parent's calls; a followed child's own calls too (the default), and its returns from
+    the calls it began inside, counted as calls, as uftrace counts them. With a threshold, the
+    entries the parent held back when it forked are not the child's: those returns are not
+    recorded in it."""
     args = threshold if follow else ["--no-follow-fork", *threshold]
     r, trace = record(tmp_path, *args, "-P", "forking", "-P", "fork_outer", "-P", "add", "--", ret, "fork")
     assert sorted(r.stdout.split("\n")) == ["", "child 20", "parent 30"]
-    assert calls_of(trace) == {"forking": 1, "fork_outer": 1, **({"add": 1} if follow else {})}
+    inherited = 2 if follow and not threshold else 1
+    assert calls_of(trace) == {"forking": inherited, "fork_outer": inherited, **({"add": 1} if follow else {})}
 
 
 def test_threshold_drops_short_calls_in_the_target(ret: str, tmp_path: Path) -> None:
@@ -730,3 +732,41 @@ def test_filters_after_a_longjmp(ret: str, tmp_path: Path, filters: list[str], e
     assert dp("record", "-o", whole, "--", ret, "longjmp", "2", "3").returncode == 0
     tree = call_tree(dp("replay", *filters, whole).stdout)
     assert tree == [[((len(line) - len(line.lstrip())) // 2, line.strip()) for line in expected]]
+
+
+def test_a_forked_child_goes_on_at_its_parent_s_depth(tmp_path: Path) -> None:
+    """The child returns from the calls it began inside (its parent's, fork_outer and forking)
+    at their depth, and its own calls nest under them, as uftrace shows a child (with its
+    library calls, fork among them, left out here: dynprobe traces the program's functions)."""
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    ours_dir = str(tmp_path / "ours")
+    assert dp("record", "-o", ours_dir, "-F", "main", "--", binary, "fork").returncode == 0
+    program = {"main", "fork_outer", "forking", "add"}
+
+    def own_calls(replay: str) -> list[list[tuple[int, str]]]:
+        """Lines of the program's functions; `f() {` then `} /* f */` at one depth is `f();`."""
+        trees = []
+        for tree in call_tree(replay):
+            kept = [(d, c) for d, c in tree if re.sub(r"[^\w].*", "", c.lstrip("} /*")) in program]
+            merged: list[tuple[int, str]] = []
+            for depth, call in kept:
+                if merged and call.startswith("} /* ") and merged[-1] == (depth, call[5:-3] + "() {"):
+                    merged[-1] = (depth, call[5:-3] + "();")
+                else:
+                    merged.append((depth, call))
+            trees.append(merged)
+        return sorted(trees)
+
+    ours = own_calls(dp("replay", ours_dir).stdout)
+    parent = [(0, "main() {"), (1, "fork_outer() {"), (2, "forking();"), (1, "} /* fork_outer */"), (0, "} /* main */")]
+    child = [(2, "} /* forking */"), (1, "} /* fork_outer */"), (1, "add();")]
+    assert ours == sorted([parent, child])
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-event", "-d", str(theirs), binary, "fork"], check=True,
+                   capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    assert own_calls(replayed.stdout) == ours

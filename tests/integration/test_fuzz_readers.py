@@ -5,10 +5,13 @@ never another exception, a hang, or memory taken for what a file only claims to 
 
 from __future__ import annotations
 
+import json
 import resource
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import build_target
 
@@ -32,9 +35,19 @@ def test_malformed_elf_files(wordcount: str) -> None:
     fuzz("elf", wordcount, names, library, "--cases", "1500")
 
 
-def test_malformed_trace_directories(ret: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("program", "cases"),
+    [(["-N", "add", "-D", "3", "--", "threads", "3", "2"], 3000), (["-F", "main", "--", "fork"], 1000)],
+    ids=["threads-filtered", "forked-child"],
+)
+def test_malformed_trace_directories(ret: str, tmp_path: Path, program: list[str], cases: int) -> None:
+    """Traces with what record writes of filters (-F, -N, -D) and of the calls a forked child
+    began inside, damaged at random."""
     trace = tmp_path / "trace"
-    r = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "record", "-o", str(trace), "--", ret,
-                        "threads", "3", "2"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    options, argv = program[: program.index("--")], program[program.index("--") + 1 :]
+    r = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "record", "-o", str(trace), *options, "--", ret,
+                        *argv], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    fuzz("trace", str(trace), "--cases", "3000")
+    info = json.loads((trace / "info.json").read_text())
+    assert info["filters"] and (argv[0] != "fork" or info["inherited"])
+    fuzz("trace", str(trace), "--cases", str(cases))

@@ -55,7 +55,7 @@ def run(events: list[tuple[int, int, int]], calls: CallFilter) -> list[tuple[int
     kind, func, frame = (np.array(column) for column in zip(*events, strict=True))
     chunk = Chunk(1, 1, kind.astype(np.uint16), frame.astype(np.uint16), func.astype(np.uint32),
                   np.arange(len(events), dtype=np.int64))  # fmt: skip
-    kept = list(_filtered(iter([chunk]), FUNCTIONS, calls))
+    kept = list(_filtered(iter([chunk]), calls.masks(FUNCTIONS)))
     return [(k, f) for c in kept for k, f in zip(c.kind.tolist(), c.func.tolist(), strict=True)]
 
 

@@ -226,15 +226,17 @@ def _note_libraries_not_loaded(session: Session, tracer: FunctionTracer) -> None
                   "its functions are traced if the program loads it later (dlopen)", file=sys.stderr)  # fmt: skip
 
 
-def _function_table(session: Session) -> dict[str, object]:
-    """The trace's functions (by id) and their files: it grows when a followed process execs
-    another program."""
+def _function_table(session: Session, filters: CallFilter) -> dict[str, object]:
+    """The trace's functions (by id) and their files, and the ids -F and -N name: they grow when
+    a followed process execs another program."""
     functions = session.tracing.functions
+    table: list[list[object]] = [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in functions]
     return {
-        "functions": [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in functions],
+        "functions": table,
         "modules": [
             {"path": path, "build_id": load_elf(path).build_id} for path in sorted({f.path for f in functions})
         ],
+        "filters": filters.to_info(table) if filters else None,
     }
 
 
@@ -262,8 +264,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
-                "threshold_ns": args.threshold, "depth": depth, "filters": filters.to_info() if filters else None,
-                **_function_table(session),
+                "threshold_ns": args.threshold, "depth": depth, **_function_table(session, filters),
                 "clock": session.clock(),
             }  # fmt: skip
             with files.create_binary(os.path.join(out, EVENTS)) as events:
@@ -304,8 +305,9 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                         events.flush()
                     except OSError as exc:
                         failure = exc.strerror or str(exc)
+            inherited = {str(tid): [began, calls] for tid, (began, calls) in tracer.inherited.items()}
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
-                        clock=session.clock(), **_function_table(session))  # fmt: skip
+                        clock=session.clock(), inherited=inherited, **_function_table(session, filters))  # fmt: skip
             if failure is not None:
                 return _stopped_writing(out, info, failure, session.records_drained, session.records_discarded)
             write_info(out, info)

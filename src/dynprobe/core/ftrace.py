@@ -15,6 +15,7 @@ time stamp; `session.write_raw` spools them to disk (`dynprobe record`), or `on_
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 
 from dynprobe.arch.x86_64 import jump_to
 from dynprobe.arch.x86_64.codegen import (
+    FRAME_SHIFT,
     SITE_CALL_AT,
     TRACE_EXIT,
     OpsCode,
@@ -142,6 +144,9 @@ class FunctionTracer:
         self.refused: dict[str, list[TracedFunction]] = {}  # reason -> the functions themselves
         self.unmapped: dict[int, set[int]] = {}  # pid -> functions whose library is not mapped there
         self.selection = Selection()
+        # A forked child's thread -> (when it began, the calls of this tracer it began inside:
+        # (function id, frame), outermost first), for readers to go on at its parent's depth
+        self.inherited: dict[int, tuple[int, list[tuple[int, int]]]] = {}
 
     def refuse(self, func: TracedFunction, reason: str) -> None:
         """`func` could not be patched, for `reason` (a Refusal or OptimizeRefusal name)."""
@@ -180,6 +185,16 @@ class Tracing:
         self.functions: list[TracedFunction] = []
         self._ids: dict[tuple[str, int], TracedFunction] = {}
         self.tracers: dict[int, FunctionTracer] = {}
+
+    def began_inside(self, tid: int, entries: list[tuple[int, int, int]]) -> None:
+        """A forked child's thread `tid` begins inside the calls its parent had open: its copy of
+        the shadow stack, as (probe index, return-address slot, data) of each entry."""
+        began = time.monotonic_ns()
+        for tracer in self.tracers.values():
+            calls = [(data & 0xFFFF_FFFF, (data >> 32 & 0xFFFF) >> FRAME_SHIFT)
+                     for index, _, data in sorted(entries, key=lambda e: -e[1]) if index == tracer.index]  # fmt: skip
+            if calls and tracer.graph:
+                tracer.inherited[tid] = (began, calls)
 
     # --- choosing functions ---------------------------------------------------------------------------
     def select(
@@ -352,6 +367,8 @@ class Tracing:
         """`proc` runs a new program (exec, followed): each started tracer chooses its functions
         again in it, as it chose them in the first (new ones join its table), and patches them
         (those of libraries once the loader maps them)."""
+        for tracer in self.tracers.values():
+            tracer.inherited.pop(proc.pid, None)  # (the calls it began inside are gone with their program)
         for tracer in [t for t in self.tracers.values() if t.started]:
             tracer.unmapped.pop(proc.pid, None)
             selection = tracer.selection

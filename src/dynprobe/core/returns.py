@@ -580,11 +580,14 @@ class ReturnProbes:
         for at in (L.TAIL, L.HEAD, L.RESERVE):
             words[at // 8] = snap[L.HEAD // 8]
         top = min(int(snap[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
+        entries = []
         for k in range(top):
             at = self._at(k)
             index = int(snap[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if snap[at] and index < lay.max_probes:
                 words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
+                entries.append((index, int(snap[at]), int(snap[at + L.ENTRY_DATA // 8])))
+        self.session.tracing.began_inside(tid, entries)
 
     # --- detach -----------------------------------------------------------------------------------------
     def before_detach(self, proc: TracedProcess) -> None:

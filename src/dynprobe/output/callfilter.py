@@ -15,10 +15,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynprobe.symbols.demangle import Demangle, display
-from dynprobe.symbols.patterns import MatchKind, NamePattern
+from dynprobe.symbols.patterns import NamePattern
 from dynprobe.tracefile import Chunk, Trace
 
 EXIT = 1
+
+
+@dataclass(frozen=True)
+class Masks:
+    """A filter resolved against a trace's function table: per function id, whether -F (None:
+    no -F, every call is under one) and -N name it; and the depth."""
+
+    include: list[bool] | None
+    exclude: list[bool]
+    depth: int | None
 
 
 @dataclass(frozen=True)
@@ -30,30 +40,43 @@ class CallFilter:
     def __bool__(self) -> bool:
         return bool(self.include or self.exclude or self.depth is not None)
 
-    def to_info(self) -> dict[str, object]:
-        """What a trace's info.json keeps of it."""
-        kinds = {p.kind.value for p in self.include + self.exclude} or {MatchKind.REGEX.value}
-        return {"include": [p.text for p in self.include], "exclude": [p.text for p in self.exclude],
-                "match": kinds.pop(), "depth": self.depth}  # fmt: skip
+    def masks(self, functions: list[list[object]]) -> Masks:
+        return Masks(_matching(self.include, functions) if self.include else None,
+                     _matching(self.exclude, functions), self.depth)  # fmt: skip
 
-    @classmethod
-    def of_trace(cls, trace: Trace) -> CallFilter:
-        """The filters a trace was recorded with (none if it has none, or they do not read)."""
-        saved = trace.info.get("filters")
-        if not isinstance(saved, dict):
-            return cls()
-        kind = MatchKind(saved.get("match")) if saved.get("match") in ("regex", "glob") else MatchKind.REGEX
+    def to_info(self, functions: list[list[object]]) -> dict[str, object]:
+        """What a trace's info.json keeps of it: the function ids it names (a reader never runs
+        a regular expression a trace file gives it)."""
+        masks = self.masks(functions)
+        return {"include": None if masks.include is None else _ids(masks.include), "exclude": _ids(masks.exclude),
+                "depth": self.depth}  # fmt: skip
 
-        def texts(key: str) -> list[str]:
-            value = saved.get(key)
-            return [t for t in value if isinstance(t, str)] if isinstance(value, list) else []
 
-        depth = saved.get("depth")
-        return cls(
-            tuple(NamePattern(t, kind) for t in texts("include")),
-            tuple(NamePattern(t, kind) for t in texts("exclude")),
-            depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None,
-        )
+def _ids(mask: list[bool]) -> list[int]:
+    return [i for i, named in enumerate(mask) if named]
+
+
+def recorded_masks(trace: Trace) -> Masks | None:
+    """The filters a trace was recorded with (None if none, or if they do not read as record
+    writes them)."""
+    saved = trace.info.get("filters")
+    if not isinstance(saved, dict):
+        return None
+    count = len(trace.info.get("functions", []))
+
+    def mask(key: str) -> list[bool] | None:
+        ids = saved.get(key)
+        if not isinstance(ids, list):
+            return None
+        named = [False] * count
+        for i in ids:
+            if isinstance(i, int) and 0 <= i < count:
+                named[i] = True
+        return named
+
+    depth = saved.get("depth")
+    depth = depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None
+    return Masks(mask("include"), mask("exclude") or [False] * count, depth)
 
 
 def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) -> list[bool]:
@@ -61,7 +84,7 @@ def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) ->
     demangled)."""
     result = []
     for entry in functions:
-        name, module = str(entry[0]), str(entry[1])
+        name, module = str(entry[0]), str(entry[1]) if len(entry) > 1 else ""
         names = {name, display(name, Demangle.SIMPLE), display(name, Demangle.FULL)}
         result.append(any(p.matches(names, module) for p in patterns))
     return result
@@ -87,17 +110,17 @@ def chunks_of(trace: Trace, readers: CallFilter | None = None) -> Iterator[Chunk
     """The trace's chunks as filtered when recorded, then by a reader's filters (`-F` within
     what the recording kept)."""
     chunks = trace.chunks()
-    for calls in (CallFilter.of_trace(trace), readers):
-        if calls:
-            chunks = _filtered(chunks, trace.info.get("functions", []), calls)
+    functions = trace.info.get("functions", [])
+    for masks in (recorded_masks(trace), readers.masks(functions) if readers else None):
+        if masks is not None:
+            chunks = _filtered(chunks, masks)
     return chunks
 
 
-def _filtered(chunks: Iterator[Chunk], functions: list[list[object]], calls: CallFilter) -> Iterator[Chunk]:
-    """`chunks` with only the events of the calls `calls` keeps."""
-    include = _matching(calls.include, functions) if calls.include else None
-    exclude = _matching(calls.exclude, functions)
-    deepest = calls.depth if calls.depth is not None else 1 << 62
+def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
+    """`chunks` with only the events of the calls `masks` keep."""
+    include, exclude = masks.include, masks.exclude
+    deepest = masks.depth if masks.depth is not None else 1 << 62
     threads: dict[int, _Thread] = {}
     for chunk in chunks:
         thread = threads.setdefault(chunk.tid, _Thread())
@@ -123,7 +146,7 @@ def _filtered(chunks: Iterator[Chunk], functions: list[list[object]], calls: Cal
             else:  # a trace without frames: the innermost open call of the function
                 index = next((i for i in range(len(open_calls) - 1, -1, -1) if open_calls[i][0] == func), None)
             if index is None:  # entered before the trace began
-                keep.append(include is None and not exclude[func] and calls.depth is None)
+                keep.append(include is None and not exclude[func] and masks.depth is None)
                 continue
             keep.append(open_calls[index][5] == 1)
             thread.cut(index)
@@ -131,6 +154,5 @@ def _filtered(chunks: Iterator[Chunk], functions: list[list[object]], calls: Cal
         if mask.all():
             yield chunk
         elif mask.any():
-            yield Chunk(
-                chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask], chunk.time_ns[mask]
-            )
+            yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
+                        chunk.time_ns[mask], chunk.inherited)  # fmt: skip

@@ -40,12 +40,14 @@ def _batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
         if len(held) == 1:
             return held[0]
         first = held[0]
-        columns = (np.concatenate([getattr(c, name) for c in held]) for name in ("kind", "frame", "func", "time_ns"))
-        return Chunk(first.pid, first.tid, *columns)
+        kind, frame, func, time_ns = (
+            np.concatenate([getattr(c, name) for c in held]) for name in ("kind", "frame", "func", "time_ns")
+        )
+        return Chunk(first.pid, first.tid, kind, frame, func, time_ns)
 
     events = 0
     for chunk in chunks_of(trace, filters):
-        if held and (chunk.tid != held[0].tid or events >= _BATCH):
+        if held and (chunk.tid != held[0].tid or events >= _BATCH or chunk.inherited or held[0].inherited):
             yield joined()
             held, events = [], 0
         held.append(chunk)
@@ -93,6 +95,11 @@ class _OpenCalls:
             self.at[frame] = len(self.calls)
         self.calls.append([func, t, frame, 0])
         self.opened[func] = self.opened.get(func, 0) + 1
+
+    def inherit(self, chunk: Chunk) -> None:
+        """Open the calls a forked child's thread began inside (Chunk.inherited)."""
+        for func, t, frame in zip(chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist(), strict=True):
+            self.push(func, t, frame)
 
     def first_reused(self, frames: np.ndarray) -> int | None:
         """The index of the first of `frames` that is open (None if none is)."""
@@ -385,6 +392,9 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
     for chunk in _batches(trace, filters):
         tid = chunk.tid
         stack = stacks.setdefault(tid, _OpenCalls())
+        if chunk.inherited:  # a forked child goes on inside its parent's calls, not shown again
+            stack.inherit(chunk)
+            continue
         waiting = pending.pop(tid, None)
         head = f" [{tid:>6}] | "
         lines: list[str] = []
@@ -581,6 +591,9 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
 
     for chunk in _batches(trace, filters):
         stack = stacks.setdefault(chunk.tid, _OpenCalls())
+        if chunk.inherited:
+            stack.inherit(chunk)
+            continue
         columns: tuple[list[int], ...] | None = None  # the chunk as lists, once events go one by one
         size = len(chunk.kind)
         events += size
