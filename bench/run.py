@@ -248,14 +248,14 @@ def function_tracing(calls: int) -> dict[str, Any]:
 
 
 def deep_tracing(calls: int) -> dict[int, float]:
-    """ns per traced call (`dynprobe record -F rec`) of a recursion 1, 10, 100 and 1,000 deep."""
+    """ns per traced call (`dynprobe record -P rec`) of a recursion 1, 10, 100 and 1,000 deep."""
     binary = compile_c(HERE / "targets" / "deep.c", BUILD / "deep", "-O1")
     costs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for depth in (1, 10, 100, 1000):
             argv = [binary, str(depth), str(calls // (depth + 1))]
             untraced = run_seed(argv)
-            cmd = [sys.executable, "-m", "dynprobe.cli.main", "record", "-o", os.path.join(tmp, "t"), "-F", "rec",
+            cmd = [sys.executable, "-m", "dynprobe.cli.main", "record", "-o", os.path.join(tmp, "t"), "-P", "rec",
                    "--ring-size", str(1 << 26), "--"]  # fmt: skip
             traced = int(subprocess.run([*cmd, *argv], capture_output=True, text=True, check=True).stdout)
             costs[depth] = (traced - untraced) * 1000 / (calls // (depth + 1) * (depth + 1))

@@ -543,7 +543,10 @@ def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
         "dynprobe: wordcount-stripped has no function symbols (stripped, no debug file found): "
         "probe the libraries it uses (libc:malloc), or an offset in it (wordcount-stripped:0x1139)\n"
     )
-    r = dp("record", "-o", str(tmp_path / "t.data"), "--", stripped, "a b")
+    r = dp("record", "-o", str(tmp_path / "t.data"), "--", stripped, "a b")  # its calls to libraries
+    assert r.returncode == 0 and "dynprobe: tracing " in r.stderr, r.stderr
+    assert "malloc();" in dp("replay", str(tmp_path / "t.data")).stdout
+    r = dp("record", "-o", str(tmp_path / "t2.data"), "--no-libcall", "--", stripped, "a b")
     assert r.returncode != 0 and r.stderr == (
         "dynprobe: error: wordcount-stripped: no function symbols (stripped, no debug file found); "
         "trace the libraries it uses (--lib libc, libraries=[...] in the API), or a build with symbols\n"
@@ -610,7 +613,7 @@ def test_results_never_reach_the_programs_output(command: str, tmp_path: Path) -
     assert traced.returncode == 0, traced.stderr
     assert traced.stdout == alone
     results = {"trace": b"emit: (0x", "count": b"p_emit", "hist": b"[4K, 8K)", "record": b"recorded in",
-               "latency": b"@latency_ns[emit]: 64 calls", "live": b"emit();"}  # fmt: skip
+               "latency": b"@latency_ns[emit]: 64 calls", "live": b"emit() {"}  # fmt: skip
     assert results[command] in traced.stderr, traced.stderr
     if command != "record":  # (whose -o is its trace directory)
         out = tmp_path / "results.txt"

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 
 import dynprobe
 from dynprobe.core.ftrace import TracerEvent
+from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.errors import ProbeRefused, Refusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.symbols.elf import load_elf
@@ -484,7 +485,7 @@ def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) ->
     r, trace = record(tmp_path, "-P", "add", "--", ret, "pointer", "5")
     assert r.stdout == "15\n" and calls_of(trace) == {"add": 5}
 
-    r, trace = record(tmp_path, "--lib", "libc", "-P", "main", "-P", "printf", "--", ret, "loop", "3")
+    r, trace = record(tmp_path, "--no-libcall", "--lib", "libc", "-P", "main", "-P", "printf", "--", ret, "loop", "3")
     assert r.stdout == "6\n" and "tracing 1 function, 1 more once their library is mapped" in r.stderr
     assert [line.split("| ", 1)[1] for line in masked(dp("replay", trace).stdout)] == [
         "main() {",
@@ -658,7 +659,7 @@ def test_record_follows_children_and_the_programs_they_exec(tmp_path: Path) -> N
         (["--no-follow-fork"], {("in_parent", "main")}),
     ):
         trace = tmp_path / f"t{len(options)}.data"
-        r = dp("record", *options, "-o", str(trace), "--", execer)
+        r = dp("record", "--no-libcall", *options, "-o", str(trace), "--", execer)
         assert (r.returncode, r.stdout) == (0, "10 20 0\n"), r.stderr
         by_thread: dict[int, list[str]] = {}
         for event in Trace(str(trace)).events():
@@ -668,15 +669,24 @@ def test_record_follows_children_and_the_programs_they_exec(tmp_path: Path) -> N
         assert len(by_thread) == len(expected)
 
 
-def call_tree(replay: str) -> list[list[tuple[int, str]]]:
-    """Per thread, each line of a replay as (depth, call), durations and thread ids dropped."""
+def call_tree(replay: str, leave_out: Collection[str] = ()) -> list[list[tuple[int, str]]]:
+    """Per thread, each line of a replay as (depth, call), durations and thread ids dropped, the
+    lines of functions in `leave_out` too. `f() {` then `} /* f */` is `f();` (uftrace writes a
+    call so when other threads' lines come between, as it merges threads by time)."""
     threads: dict[str, list[tuple[int, str]]] = {}
     for line in replay.splitlines()[1:]:
         found = re.findall(r"\[ *(\d+)\]", line)
         if not found or "| " not in line:
             continue
-        call = line.split("| ", 1)[1]
-        threads.setdefault(found[0], []).append(((len(call) - len(call.lstrip())) // 2, call.strip()))
+        text = line.split("| ", 1)[1]
+        depth, call = (len(text) - len(text.lstrip())) // 2, text.strip()
+        if re.sub(r"\W.*", "", call.removeprefix("} /* ")) in leave_out:
+            continue
+        tree = threads.setdefault(found[0], [])
+        if call.startswith("} /* ") and tree and tree[-1] == (depth, call[5:-3] + "() {"):
+            tree[-1] = (depth, call[5:-3] + "();")
+        else:
+            tree.append((depth, call))
     return sorted(threads.values())
 
 
@@ -706,10 +716,10 @@ def test_filters_mean_what_uftrace_s_mean(tmp_path: Path, program: list[str], fi
     expected = call_tree(subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True,
                                         text=True).stdout)  # fmt: skip
     assert expected and all(expected)
-    _, filtered = record(tmp_path, *filters, "--", binary, *program)
+    _, filtered = record(tmp_path, "--no-libcall", *filters, "--", binary, *program)
     assert call_tree(dp("replay", filtered).stdout) == expected
     whole = str(tmp_path / "whole")
-    assert dp("record", "-o", whole, "--", binary, *program, cwd=tmp_path).returncode == 0
+    assert dp("record", "-o", whole, "--no-libcall", "--", binary, *program, cwd=tmp_path).returncode == 0
     assert call_tree(dp("replay", *filters, whole).stdout) == expected
 
 
@@ -729,7 +739,7 @@ def test_filters_after_a_longjmp(ret: str, tmp_path: Path, filters: list[str], e
     --no-libcall keeps them open: it sees fact 8 dives deep under -F dive, and nothing under
     -F main -D 2). Left calls show open, as replay shows them without filters."""
     whole = str(tmp_path / "whole")
-    assert dp("record", "-o", whole, "--", ret, "longjmp", "2", "3").returncode == 0
+    assert dp("record", "-o", whole, "--no-libcall", "--", ret, "longjmp", "2", "3").returncode == 0
     tree = call_tree(dp("replay", *filters, whole).stdout)
     assert tree == [[((len(line) - len(line.lstrip())) // 2, line.strip()) for line in expected]]
 
@@ -745,18 +755,9 @@ def test_a_forked_child_goes_on_at_its_parent_s_depth(tmp_path: Path) -> None:
     program = {"main", "fork_outer", "forking", "add"}
 
     def own_calls(replay: str) -> list[list[tuple[int, str]]]:
-        """Lines of the program's functions; `f() {` then `} /* f */` at one depth is `f();`."""
-        trees = []
-        for tree in call_tree(replay):
-            kept = [(d, c) for d, c in tree if re.sub(r"[^\w].*", "", c.lstrip("} /*")) in program]
-            merged: list[tuple[int, str]] = []
-            for depth, call in kept:
-                if merged and call.startswith("} /* ") and merged[-1] == (depth, call[5:-3] + "() {"):
-                    merged[-1] = (depth, call[5:-3] + "();")
-                else:
-                    merged.append((depth, call))
-            trees.append(merged)
-        return sorted(trees)
+        """The lines of the program's functions."""
+        names = {re.sub(r"\W.*", "", c.removeprefix("} /* ")) for tree in call_tree(replay) for _, c in tree}
+        return call_tree(replay, names - program)
 
     ours = own_calls(dp("replay", ours_dir).stdout)
     parent = [(0, "main() {"), (1, "fork_outer() {"), (2, "forking();"), (1, "} /* fork_outer */"), (0, "} /* main */")]
@@ -770,3 +771,25 @@ def test_a_forked_child_goes_on_at_its_parent_s_depth(tmp_path: Path) -> None:
                    capture_output=True, cwd=tmp_path)  # fmt: skip
     replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
     assert own_calls(replayed.stdout) == ours
+
+
+@pytest.mark.parametrize("program", [["fact", "3"], ["threads", "2", "2"], ["longjmp", "2", "2"]])
+def test_library_calls_as_the_program_makes_them(tmp_path: Path, program: list[str]) -> None:
+    """By default, as uftrace: the calls the program makes to library functions, named after
+    them (`printf();` under the caller), not libc's insides, nor its start-up frames. The same
+    trees as uftrace's, thread by thread (main's subtree: start-up code differs, uftrace does
+    not patch crt's functions)."""
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    _, trace = record(tmp_path, "-F", "main", "-F", "worker", "--", binary, *program)
+    ours = call_tree(dp("replay", trace).stdout)
+    main = next(tree for tree in ours if tree[0] == (0, "main() {"))
+    assert (1, "printf();") in main and not any("vfprintf" in call or "_IO_" in call for _, call in main)
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-event", "-F", "main", "-F", "worker", "-d", str(theirs), binary,
+                    *program], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    assert ours == call_tree(replayed.stdout, RETURNS_TWICE)  # (shown by uftrace; not yet by dynprobe)

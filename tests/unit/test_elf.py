@@ -6,6 +6,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
+from dynprobe.arch.x86_64.optimize import plt_slot
 from dynprobe.symbols.elf import ElfImage
 from tests.conftest import build_target
 
@@ -74,3 +77,20 @@ def test_mapping_at_finds_each_address_s_mapping_and_none_in_the_gaps() -> None:
         assert mapping_at(maps, addr) is by_scan(addr), hex(addr)
     assert mapping_at(maps, maps[0].start - 1) is None
     assert any(by_scan(m.end) is None for m in maps)  # some gaps were tried
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("-O1",), ("-O1", "-fno-PIE", "-no-pie"), ("-O1", "-Wl,-z,now"), ("-O1", "-fcf-protection=full", "-Wl,-z,ibtplt")],
+    ids=["pie-lazy", "no-pie", "bind-now", "ibt-plt"],
+)
+def test_plt_stubs_are_named_after_the_slot_they_jump_through(flags: tuple[str, ...]) -> None:
+    """Each stub of .plt, .plt.sec and .plt.got, however the program was linked: one stub per
+    library function the program calls, at a stub's start, reading that function's GOT slot."""
+    binary = build_target(f"ret_plt_{'_'.join(f.strip('-=,') for f in flags)}", "ret.c", flags=(*flags, "-pthread"))
+    image = ElfImage(binary)
+    stubs = {f.name: f for f in image.plt_stubs}
+    assert {"printf", "fork", "pthread_create", "longjmp"} <= set(stubs)
+    for name, stub in stubs.items():
+        slot = plt_slot(image.code(stub.addr, stub.size), stub.addr)
+        assert slot in image.symbol_slots[name] and stub.size in (8, 16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.arch.x86_64 import decode_one
-from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, plt_slot, relocate_region
 from dynprobe.errors import OptimizeRefusal
 
 F = 0x401000  # function start
@@ -35,6 +35,12 @@ TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
     "another probe inside": ("554889e5" + "4883ec10c9c3", 0, (1,), OptimizeRefusal.REGION_OVERLAP),
     "another probe right after is fine": ("554889e54883ec10c9c3", 0, (8,), 8),
     "rip-relative load": ("488b0510000000" + "c3", 0, (), 7),
+    # PLT stubs: a jump through one pointer (a GOT slot), never into a function, ends the region
+    "lazy .plt: jmp [rip+x]; push 3; jmp PLT0": ("ff25e22f0000" + "6803000000" + "e9c0ffffff", 0, (), 6),
+    ".plt.sec after endbr64: bnd jmp [rip+x]": ("f30f1efa" + "f2ff25d52f0000" + "0f1f440000", 4, (), 7),
+    ".plt.got: jmp [rip+x]; xchg ax,ax": ("ff25da2f0000" + "6690", 0, (), 6),
+    "jmp [rip+x] inside the region": ("ff25da2f0000" + "90" * 4, 0, (), 6),
+    "jmp [rip+x] before more of the region": ("31c0" + "ff25da2f0000" + "90", 0, (), 2 + 6),
 }
 
 
@@ -108,3 +114,28 @@ def test_final_indirect_call_becomes_push_return_address_and_jmp_through_its_ope
     assert out[4 + 5 : 4 + 20] == b"\xc7\x04\x24" + ret.to_bytes(4, "little") + b"\xc7\x44\x24\x04" + bytes(4)
     jmp = decode_one(out[24:], detour + 24)
     assert jmp is not None and str(jmp) == jump and 24 + jmp.len == len(out)
+
+
+@pytest.mark.parametrize(
+    ("code", "slot"),
+    [
+        ("ff25e22f0000" + "6803000000" + "e9c0ffffff", F + 6 + 0x2FE2),  # lazy .plt
+        ("f30f1efa" + "f2ff25d52f0000" + "0f1f440000", F + 11 + 0x2FD5),  # .plt.sec (IBT)
+        ("ff25da2f0000" + "6690", F + 6 + 0x2FDA),  # .plt.got
+        ("ff35e22f0000" + "f2ff25e32f0000", None),  # PLT0: pushes first
+        ("f30f1efa" + "6800000000" + "f2e9e1ffffff", None),  # an IBT .plt entry (lazy): pushes
+        ("ff24c500104000", None),  # through a table: no stub
+    ],
+)
+def test_plt_slot(code: str, slot: int | None) -> None:
+    assert plt_slot(bytes.fromhex(code), F) == slot
+
+
+def test_a_plt_stub_s_jump_is_relocated_through_the_same_slot() -> None:
+    plan = can_optimize(bytes.fromhex("f30f1efa" + "f2ff25d52f0000" + "0f1f440000"), F, F + 4)
+    assert isinstance(plan, OptimizePlan)
+    detour = F + 0x100000
+    code = relocate_region(plan, detour)
+    assert code is not None
+    jump = decode_one(code, detour)
+    assert jump is not None and jump.is_jmp_near_indirect and jump.ip_rel_memory_address == F + 11 + 0x2FD5

@@ -104,6 +104,9 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     p.add_argument("-U", "--unpatch", action="append", default=[], metavar="FUNC",
                    help="do not patch the functions FUNC names")  # fmt: skip
     _add_filter_options(p)
+    p.add_argument("--no-libcall", dest="libcall", action="store_false",
+                   help="leave out the program's calls to library functions (shown by default, as uftrace shows "
+                   "them: `malloc();` where the program calls it)")  # fmt: skip
     p.add_argument(
         "--lib",
         action="append",
@@ -259,8 +262,9 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
             tracer = session.function_tracer(
-                patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold
-            )
+                patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold,
+                library_calls=args.libcall,
+            )  # fmt: skip
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,

@@ -120,6 +120,7 @@ class Selection:
     include: tuple[NamePattern, ...] = ()
     exclude: tuple[NamePattern, ...] = ()
     libraries: tuple[str, ...] = ()
+    library_calls: bool = False  # the program's calls to libraries, through its PLT
 
 
 class FunctionTracer:
@@ -203,15 +204,21 @@ class Tracing:
         include: Iterable[str | NamePattern] = (),
         exclude: Iterable[str | NamePattern] = (),
         loaded: Callable[[ElfImage], LoadedIn | None] = lambda image: None,
+        *,
+        calls_of: Iterable[str] = (),
     ) -> list[TracedFunction]:
         """The functions (symbols with a size) of the files at `paths` whose names (demangled
         too) match a pattern of `include` (all if none) and none of `exclude` (a string is a
-        glob; `loaded`: where a file is mapped, for its indirect functions: symbols/ifunc.py)."""
+        glob; `loaded`: where a file is mapped, for its indirect functions: symbols/ifunc.py).
+        With them, the PLT stubs of the files at `calls_of`: each traces the calls the file
+        makes to a library function, named after it (uftrace's library calls)."""
         include, exclude = as_patterns(include), as_patterns(exclude)
         chosen = []
-        for path in paths:
-            image = load_elf(path)
-            for func in callable_functions(image, loaded(image)):
+        images = [load_elf(path) for path in paths]
+        candidates = [(image, callable_functions(image, loaded(image))) for image in images]
+        candidates += [(image, image.plt_stubs) for image in map(load_elf, calls_of)]
+        for image, functions in candidates:
+            for func in functions:
                 if not image.is_executable(func.addr):
                     continue
                 if func.addr <= image.entry < func.end or func.name in NOT_CALLED:
@@ -374,7 +381,8 @@ class Tracing:
             selection = tracer.selection
             try:
                 paths = [proc.exe] + [find_file(name, maps, proc.libraries) for name in selection.libraries]
-                chosen = self.select(paths, selection.include, selection.exclude)
+                calls_of = [proc.exe] if selection.library_calls else []
+                chosen = self.select(paths, selection.include, selection.exclude, calls_of=calls_of)
             except (SymbolError, SessionError) as exc:
                 _debug(f"pid {proc.pid} exec'd {proc.exe}: not traced: {exc}")
                 continue

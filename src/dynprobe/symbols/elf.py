@@ -56,6 +56,7 @@ _VER_FLG_BASE = 1  # a version definition that names the file itself, not a vers
 _RELA = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
 _R_X86_64_IRELATIVE = 37
 _SYMBOL_RELOCATIONS = (1, 6, 7)  # R_X86_64_64, GLOB_DAT, JUMP_SLOT
+_PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
 
 
@@ -430,6 +431,27 @@ class ElfImage:
                     if name:
                         out.setdefault(name, []).append(slot)
         return out
+
+    @functools.cached_property
+    def plt_stubs(self) -> list[Function]:
+        """The stubs of .plt, .plt.sec and .plt.got, each a Function named after the symbol whose
+        slot it jumps through (the library function the file calls), one entry long."""
+        from dynprobe.arch.x86_64.optimize import plt_slot
+
+        by_slot = {slot: name for name, slots in self.symbol_slots.items() for slot in slots}
+        stubs = []
+        with _parsing(self.path):
+            for section in self._elf.iter_sections():
+                if section.name not in _PLT_SECTIONS or section["sh_type"] != "SHT_PROGBITS":
+                    continue
+                entry = section["sh_entsize"] if section["sh_entsize"] in (8, 16) else 16
+                start, end = section["sh_addr"], section["sh_addr"] + min(section["sh_size"], len(self.data))
+                for at in range(start, end - entry + 1, entry):
+                    slot = plt_slot(self.code(at, entry), at)
+                    name = by_slot.get(slot) if slot is not None else None
+                    if name:
+                        stubs.append(Function(name, at, entry))
+        return stubs
 
     def _relocations(self) -> Iterator[tuple[np.ndarray, Callable[[int], str]]]:
         """Each SHT_RELA section's rows, and the name of a symbol of its symbol table by index."""

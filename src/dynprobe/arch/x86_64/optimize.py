@@ -3,7 +3,8 @@
 The rules are the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for user space:
 the 5 bytes replace whole instructions (the "region"), all of which must run correctly from the
 detour; no jump anywhere in the function may land inside the region (it would land in the middle
-of our jmp); the function must not jump indirectly (a jump table could hold such a target); a
+of our jmp); the function must not jump indirectly (a jump table could hold such a target),
+except through one pointer (`jmp [rip+x]`: a PLT stub, a tail call), which may end the region; a
 `ret` can only end the region (a 5-byte leaf function: `lea eax,[rdi+rdi+1]; ret`); a call can
 only end it too, and is relocated as "push the original return address; jmp" (an indirect one as
 a `jmp` through the same operand), so no return address ever points into a detour.
@@ -60,6 +61,29 @@ def _branch_target(insn: iced.Instruction) -> int | None:
     return None
 
 
+def is_pointer_jump(insn: iced.Instruction) -> bool:
+    """`jmp [rip+x]`: a jump through one pointer (a PLT stub's, a tail call through the GOT),
+    not through a table indexed by a register (a switch), so it never lands inside a function."""
+    return (
+        insn.is_jmp_near_indirect
+        and insn.op0_kind == iced.OpKind.MEMORY
+        and insn.memory_base == iced.Register.RIP
+        and insn.memory_index == iced.Register.NONE
+    )
+
+
+def plt_slot(code: bytes, start: int) -> int | None:
+    """The pointer a PLT stub at `start` jumps through (`jmp [rip+x]`, `bnd jmp [rip+x]`, after
+    an `endbr64` or not), or None for code that is no such stub (PLT0, a lazy entry of an IBT
+    .plt that pushes its index)."""
+    for insn in iter_instructions(code, start):
+        if is_pointer_jump(insn):
+            return int(insn.ip_rel_memory_address)
+        if insn.mnemonic not in (_M.ENDBR64, _M.NOP):
+            return None
+    return None
+
+
 def branch_targets(code: bytes, start: int) -> set[int]:
     """Targets of the direct jumps, jccs and calls in `code` (one function, placed at `start`)."""
     return {t for insn in iter_instructions(code, start) if (t := _branch_target(insn)) is not None}
@@ -99,7 +123,7 @@ def can_optimize(
         addr += insn.len
     region_end = addr
     for insn in insns:
-        if insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect:
+        if (insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect) and not is_pointer_jump(insn):
             return OptimizeRefusal.INDIRECT_JUMP
         target = _branch_target(insn)
         if target is not None and site < target < region_end:
@@ -116,6 +140,8 @@ def can_optimize(
             return OptimizeRefusal.UNRELOCATABLE_INSN
         if insn.is_call_near_indirect and (insn is not region[-1] or insn.code != iced.Code.CALL_RM64):
             return OptimizeRefusal.UNRELOCATABLE_INSN  # its callee would return into the patched bytes
+        if insn.is_jmp_near_indirect and insn is not region[-1]:
+            return OptimizeRefusal.UNRELOCATABLE_INSN
     # A direct call (5 bytes or more) always ends the region, which stops at the first instruction
     # boundary at or past site+5; an indirect one (`call [rip+mcount@GOT]` of -pg code) must end it.
     return OptimizePlan(site, tuple(region))
