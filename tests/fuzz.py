@@ -144,6 +144,8 @@ def read_trace(path: str) -> None:
         lambda t: callgraph.report(t, io.StringIO(), "total"),
         lambda t: callgraph.dump_chrome(t, io.StringIO()),
         lambda t: callgraph.dump_flame(t, io.StringIO()),
+        lambda t: callgraph.graph(t, io.StringIO()),
+        lambda t: callgraph.graph(t, io.StringIO(), "main"),
     ):
         show(Trace(path))
 

@@ -244,6 +244,13 @@ class Trace:
         self.rejected = 0  # records left out: a function id past the table, an impossible time
 
     @property
+    def program(self) -> str:
+        """The traced program's file name (from the command it ran), or 'program'."""
+        command = self.info.get("command")
+        first = command[0] if isinstance(command, list) and command else None
+        return os.path.basename(first) if isinstance(first, str) and first else "program"
+
+    @property
     def complete(self) -> bool:
         return bool(self.info.get("complete"))
 

@@ -793,3 +793,41 @@ def test_library_calls_as_the_program_makes_them(tmp_path: Path, program: list[s
                     *program], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
     replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
     assert ours == call_tree(replayed.stdout, RETURNS_TWICE)  # (shown by uftrace; not yet by dynprobe)
+
+
+@pytest.mark.parametrize(
+    ("program", "function"),
+    [(["threads", "2", "3"], None), (["fork"], None), (["fork"], "fork_outer"), (["evenodd", "5"], "is_odd"),
+     (["fact", "4"], "strcmp")],
+)  # fmt: skip
+def test_graph_as_uftrace_draws_it(tmp_path: Path, program: list[str], function: str | None) -> None:
+    """`graph`: every thread's call paths merged in one tree with calls and total times, or a
+    function's backtraces and the tree of its calls; drawn as uftrace draws them (times, the
+    session id and addresses left out of the comparison)."""
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    filters = ["-F", "main", "-F", "worker"]
+    _, trace = record(tmp_path, *filters, "--", binary, *program)
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-event", *filters, "-d", str(theirs), binary, *program],
+                   check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    wanted = [function] if function else []
+
+    def masked(text: str) -> list[str]:
+        lines = text.splitlines()[1:]  # (uftrace's heading names its session)
+        return [re.sub(r" \(0x[0-9a-f]+\)$", "", re.sub(r" *[0-9.]+ [mu]?s", " T", line)).rstrip() for line in lines]
+
+    ours = dp("graph", "-d", trace, *wanted)
+    assert ours.returncode == 0, ours.stderr
+    replayed = subprocess.run(
+        [uftrace, "graph", "-d", str(theirs), *wanted], check=True, capture_output=True, text=True
+    )
+    drawn = masked(ours.stdout)
+    if program == ["fork"] and function is None:  # uftrace shows no call of _exit (it never returns)
+        assert drawn[-3:] == ["             :  |", " T :  +-(1) _exit", ""]
+        del drawn[-3:-1]
+    assert drawn == masked(replayed.stdout)
+    assert ours.stdout.startswith(f"# Function Call Graph for '{function or os.path.basename(binary)}'\n")

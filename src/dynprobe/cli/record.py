@@ -66,6 +66,11 @@ examples:
   dynprobe report -s self -t 10us          by self time, counting calls of 10 us or more
   dynprobe report parse.data -o report.txt
 """,
+    "graph": """\
+examples:
+  dynprobe graph                           every call path of dynprobe.data, with calls and total time
+  dynprobe graph parse -d parse.data       what led to parse, and what parse calls
+""",
     "dump": """\
 examples:
   dynprobe dump --chrome -o trace.json     open in ui.perfetto.dev or chrome://tracing
@@ -181,6 +186,17 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                            help="count only calls of TIME or more (10us, 1ms)")  # fmt: skip
         _add_reading_options(q)
         q.set_defaults(run=run_replay if name == "replay" else run_report)
+    g = sub.add_parser(
+        "graph", help="the call graph of a trace, or of one function, as uftrace's graph",
+        description="The call paths of every thread merged in one tree, with calls and total time; "
+        "with a FUNCTION, the paths that led to it (backtraces) and the tree of its calls.",
+        epilog=READING_EXAMPLES["graph"],
+    )  # fmt: skip
+    g.add_argument("function", nargs="?", metavar="FUNCTION", help="one function's calls (default: the program's)")
+    g.add_argument("-d", "--data", dest="directory", default=DEFAULT_DIR, metavar="DIR",
+                   help=f"the trace directory (default {DEFAULT_DIR})")  # fmt: skip
+    _add_reading_options(g)
+    g.set_defaults(run=run_graph)
     d = sub.add_parser(
         "dump", help="convert a trace for other tools", description="Convert a trace directory.",
         epilog=READING_EXAMPLES["dump"],
@@ -420,6 +436,14 @@ def run_replay(args: argparse.Namespace, command: list[str]) -> int:
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:
     return _read(args, command, lambda t, out, f: callgraph.report(t, out, args.sort, _threshold(t, args), f))
+
+
+def run_graph(args: argparse.Namespace, command: list[str]) -> int:
+    def show(trace: Trace, out: TextIO, filters: CallFilter) -> None:
+        if not callgraph.graph(trace, out, args.function, filters) and args.function is not None:
+            raise DynprobeError(f"no call of {args.function} in {args.directory}")
+
+    return _read(args, command, show)
 
 
 def run_dump(args: argparse.Namespace, command: list[str]) -> int:

@@ -1,6 +1,7 @@
 """What a trace directory says, read in one pass over its chunks: the call graph of each thread
-(`replay`, uftrace's layout), time per function (`report`), Chrome/Perfetto JSON and folded
-stacks for flame graphs (`dump`). Each keeps per thread only the stack of open calls.
+(`replay`, uftrace's layout), time per function (`report`), the call paths merged in one tree
+(`graph`), Chrome/Perfetto JSON and folded stacks for flame graphs (`dump`). Each keeps per
+thread only the stack of open calls (`graph`: its tree of call paths).
 """
 
 from __future__ import annotations
@@ -664,3 +665,123 @@ def dump_flame(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> 
     for path, ns in sorted(profile(trace, folded=True, filters=filters).folded.items()):
         if ns > 0:
             out.write(";".join(trace.name(f) for f in path) + f" {ns}\n")
+
+
+@dataclass
+class _Node:
+    """A call path of `graph`: its function, calls, their total time, when it was first called,
+    callees."""
+
+    func: int
+    first: int
+    calls: int = 0
+    time: int = 0
+    children: dict[int, _Node] = field(default_factory=dict)
+
+    def child(self, func: int, t: int) -> _Node:
+        node = self.children.get(func)
+        if node is None:
+            node = self.children[func] = _Node(func, t)
+        node.first = min(node.first, t)  # (threads are read one after another)
+        return node
+
+
+def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallFilter | None = None) -> int:
+    """uftrace's `graph`: the call paths of every thread merged in one tree, each with its calls
+    and total time, callees in the order they were first called; under a `function`, only its
+    calls' paths, after the paths that led to it (its backtraces). Returns how many calls of
+    the root (`function`, or the program: 1) there were."""
+    root = _Node(-1, 0)
+    traces: dict[tuple[int, ...], list[int]] = {}  # backtrace -> [hits, time]
+    targets = {f for f in range(len(trace.functions)) if trace.name(f) == function} if function else set()
+    # Per thread, its open calls: [node (None: outside `function`), entry time, frame, function,
+    # backtrace], and the time of its last event
+    stacks: dict[int, list[tuple[_Node | None, int, int, int, tuple[int, ...] | None]]] = {}
+    last: dict[int, int] = {}
+    for chunk in _batches(trace, filters):
+        stack = stacks.setdefault(chunk.tid, [])
+        for kind, func, t, frame in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(),
+                                        chunk.frame.tolist(), strict=True):  # fmt: skip
+            if kind != EXIT:
+                if frame:  # a frame entered again: the calls that held it were left (longjmp)
+                    held = next((i for i, call in enumerate(stack) if call[2] == frame), None)
+                    if held is not None:
+                        del stack[held:]
+                caller = stack[-1][0] if stack else (None if function else root)
+                node, path = None, None
+                if caller is not None:
+                    node = caller.child(func, t)
+                elif func in targets:
+                    node, path = root, (*(call[3] for call in stack), func)
+                    traces.setdefault(path, [0, 0])[0] += 0 if chunk.inherited else 1
+                if node is not None and not chunk.inherited:
+                    node.calls += 1
+                stack.append((node, t, frame, func, path))
+                continue
+            at = next((i for i in range(len(stack) - 1, -1, -1)
+                       if (stack[i][2] == frame if frame else stack[i][3] == func)), None)  # fmt: skip
+            if at is None:
+                continue
+            node, began, _, _, path = stack[at]
+            del stack[at:]
+            if node is not None:
+                node.time += t - began
+            if path is not None:
+                traces[path][1] += t - began
+        if len(chunk.time_ns):
+            last[chunk.tid] = int(chunk.time_ns[-1])
+    for tid, stack in stacks.items():  # calls still running when the trace ended
+        for node, began, _, _, _ in stack:
+            if node is not None:
+                node.time += last.get(tid, began) - began
+    if function is None:
+        root.calls, root.time = 1, sum(c.time for c in root.children.values())
+    name = function or trace.program
+    if function is not None and not root.calls:
+        return 0
+    out.write(f"# Function Call Graph for '{name}'\n")
+    if traces:
+        out.write("=============== BACKTRACE ===============\n")
+        for number, (path, (hits, spent)) in enumerate(traces.items()):
+            out.write(f" backtrace #{number}: hit {hits}, time {duration(spent)[1:]}\n")
+            out.writelines(f"   [{depth}] {trace.name(f)}\n" for depth, f in enumerate(path))
+        out.write("\n")
+    out.write("========== FUNCTION CALL GRAPH ==========\n# TOTAL TIME   FUNCTION\n")
+    _graph_lines(out, root, name, trace)
+    out.write("\n")
+    return root.calls
+
+
+def _graph_lines(out: TextIO, root: _Node, root_name: str, trace: Trace) -> None:
+    """The tree as uftrace draws it: a node with several callees marks its column with `|`, each
+    of them drawn with `+-` and a blank line between them; a single callee stays in its caller's
+    column."""
+    marks: list[bool] = []
+
+    def columns(indent: int, line: bool) -> str:
+        last = max((i for i in range(indent) if marks[i]), default=-1) if line else -1
+        return "".join(
+            (" | " if marks[i] else "   ") if not line or i < last else (" +-" if i == last else "---")
+            for i in range(indent)
+        )
+
+    def draw(node: _Node, name: str, indent: int, line: bool, last_of_several: bool) -> None:
+        out.write(f" {duration(node.time)} : {columns(indent, line)}({node.calls}) {name}\n")
+        start = indent
+        if len(node.children) > 1:
+            while len(marks) <= indent:
+                marks.append(False)
+            marks[indent] = True
+            indent += 1
+        if last_of_several and start > 0:
+            marks[start - 1] = False
+        children = sorted(node.children.values(), key=lambda child: child.first)
+        for i, child in enumerate(children):
+            draw(child, trace.name(child.func), indent, len(children) > 1, len(children) > 1 and i == len(children) - 1)
+            if i < len(children) - 1:
+                out.write(f" {' ' * 11} : {columns(indent, False)}\n")
+        if start < len(marks):
+            marks[start] = False
+
+    marks.extend([False] * 64)
+    draw(root, root_name, 0, len(root.children) > 1, False)
