@@ -698,11 +698,15 @@ def call_tree(replay: str, leave_out: Collection[str] = ()) -> list[list[tuple[i
         (["evenodd", "4"], ["-F", "is_.*"]),
         (["threads", "2", "3"], ["-F", "worker", "-N", "add"]),
         (["fact", "5"], ["-N", "fact", "-F", "main"]),
+        (["evenodd", "3"], ["-C", "is_odd"]),
+        (["threads", "2", "3"], ["-C", "add"]),
+        (["fact", "4"], ["-C", "fact", "-F", "main"]),
     ],
 )
 def test_filters_mean_what_uftrace_s_mean(tmp_path: Path, program: list[str], filters: list[str]) -> None:
     """-F keeps a function's calls with everything under them, -N drops them with everything
-    under them, -D counts from the nearest -F call; patterns are regular expressions. The call
+    under them, -D counts from the nearest -F call, -C keeps a function's calls and the calls
+    that led to them; patterns are regular expressions. The call
     trees are uftrace's (dynamic patching of the same -mnop-mcount binary), thread by thread,
     whether the filters are given to record or to replay."""
     uftrace = shutil.which("uftrace")

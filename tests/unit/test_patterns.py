@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dynprobe.errors import SymbolError
-from dynprobe.output.callfilter import CallFilter, _filtered
+from dynprobe.output.callfilter import CallFilter, _callers, _filtered
 from dynprobe.symbols.patterns import MatchKind, NamePattern, as_patterns
 from dynprobe.tracefile import Chunk
 
@@ -84,3 +84,21 @@ def test_a_frame_entered_again_ends_what_a_longjmp_left() -> None:
     events = [(0, MAIN, 1), (0, B, 2), (0, C, 3), (0, A, 2), (1, A, 2), (1, MAIN, 1)]
     assert run(events, CallFilter(as_patterns(["b"]))) == [(0, B), (0, C)]
     assert run(events, CallFilter((), as_patterns(["b"]))) == [(0, MAIN), (0, A), (1, A), (1, MAIN)]
+
+
+@pytest.mark.parametrize(
+    ("name", "kept"),
+    [
+        ("c", [(0, MAIN), (0, A), (0, B), (0, C), (1, C), (1, B), (1, A), (1, MAIN)]),
+        ("b", [(0, MAIN), (0, A), (0, B), (1, B), (1, A), (0, B), (1, B), (1, MAIN)]),  # c: b's, hidden
+        ("nothing", []),
+    ],
+)
+def test_callers_keep_a_function_s_calls_and_the_way_to_them(name: str, kept: list[tuple[int, int]]) -> None:
+    kind, func, frame = (np.array(column) for column in zip(*NESTED, strict=True))
+    chunk = Chunk(1, 1, kind.astype(np.uint16), frame.astype(np.uint16), func.astype(np.uint32),
+                  np.arange(len(NESTED), dtype=np.int64))  # fmt: skip
+    masks = CallFilter(callers=as_patterns([name])).masks(FUNCTIONS)
+    assert masks.callers is not None
+    out = list(_callers(iter([chunk]), masks.callers))
+    assert [(k, f) for c in out for k, f in zip(c.kind.tolist(), c.func.tolist(), strict=True)] == kept

@@ -131,6 +131,8 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
                    help="only FUNC's calls and the calls under them (as uftrace's -F)")  # fmt: skip
     p.add_argument("-N", "--notrace", action="append", default=[], metavar="FUNC",
                    help="leave out FUNC's calls and the calls under them")  # fmt: skip
+    p.add_argument("-C", "--caller-filter", dest="callers", action="append", default=[], metavar="FUNC",
+                   help="only FUNC's calls and the calls that led to them")  # fmt: skip
     p.add_argument("-D", "--depth", type=int, metavar="N",
                    help="calls at most N deep, counted from the nearest -F call (else the outermost)")  # fmt: skip
     p.add_argument("--match", choices=[k.value for k in MatchKind], default=MatchKind.REGEX.value,
@@ -145,8 +147,9 @@ def _call_filter(args: argparse.Namespace) -> CallFilter:
         raise UsageError(f"-D {args.depth}: a depth is 1 or more")
     kind = MatchKind(args.match)
     return CallFilter(
-        tuple(NamePattern(t, kind) for t in args.filter), tuple(NamePattern(t, kind) for t in args.notrace), args.depth
-    )
+        tuple(NamePattern(t, kind) for t in args.filter), tuple(NamePattern(t, kind) for t in args.notrace),
+        args.depth, tuple(NamePattern(t, kind) for t in args.callers),
+    )  # fmt: skip
 
 
 def _add_reading_options(p: argparse.ArgumentParser) -> None:
@@ -418,7 +421,7 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output,
-                                         filter=[], notrace=[], depth=None, match=args.match)  # fmt: skip
+                                         filter=[], notrace=[], callers=[], depth=None, match=args.match)  # fmt: skip
             replayed = _read(reading, [], lambda t, out, f: callgraph.replay(t, out, _threshold(t, reading), f),
                              default=sys.stderr)  # fmt: skip
             return status or replayed

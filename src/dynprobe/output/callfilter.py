@@ -29,6 +29,12 @@ class Masks:
     include: list[bool] | None
     exclude: list[bool]
     depth: int | None
+    callers: list[bool] | None = None  # -C (None: none given)
+
+    @property
+    def subtrees(self) -> bool:
+        """Whether -F, -N or -D leave anything out."""
+        return self.include is not None or any(self.exclude) or self.depth is not None
 
 
 @dataclass(frozen=True)
@@ -36,20 +42,22 @@ class CallFilter:
     include: tuple[NamePattern, ...] = ()
     exclude: tuple[NamePattern, ...] = ()
     depth: int | None = None
+    callers: tuple[NamePattern, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.include or self.exclude or self.depth is not None)
+        return bool(self.include or self.exclude or self.depth is not None or self.callers)
 
     def masks(self, functions: list[list[object]]) -> Masks:
         return Masks(_matching(self.include, functions) if self.include else None,
-                     _matching(self.exclude, functions), self.depth)  # fmt: skip
+                     _matching(self.exclude, functions), self.depth,
+                     _matching(self.callers, functions) if self.callers else None)  # fmt: skip
 
     def to_info(self, functions: list[list[object]]) -> dict[str, object]:
         """What a trace's info.json keeps of it: the function ids it names (a reader never runs
         a regular expression a trace file gives it)."""
         masks = self.masks(functions)
         return {"include": None if masks.include is None else _ids(masks.include), "exclude": _ids(masks.exclude),
-                "depth": self.depth}  # fmt: skip
+                "depth": self.depth, "callers": None if masks.callers is None else _ids(masks.callers)}  # fmt: skip
 
 
 def _ids(mask: list[bool]) -> list[int]:
@@ -76,7 +84,7 @@ def recorded_masks(trace: Trace) -> Masks | None:
 
     depth = saved.get("depth")
     depth = depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None
-    return Masks(mask("include"), mask("exclude") or [False] * count, depth)
+    return Masks(mask("include"), mask("exclude") or [False] * count, depth, mask("callers"))
 
 
 def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) -> list[bool]:
@@ -91,8 +99,8 @@ def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) ->
 
 
 class _Thread:
-    """One thread's open calls, outermost first: [function, frame, inside an -F call, inside an
-    -N call, its depth as -D counts it (0 if not kept), kept]."""
+    """One thread's open calls, outermost first (each a list of ints, its frame second), and
+    where each frame's call is."""
 
     __slots__ = ("at", "calls")
 
@@ -112,9 +120,52 @@ def chunks_of(trace: Trace, readers: CallFilter | None = None) -> Iterator[Chunk
     chunks = trace.chunks()
     functions = trace.info.get("functions", [])
     for masks in (recorded_masks(trace), readers.masks(functions) if readers else None):
-        if masks is not None:
+        if masks is not None and masks.subtrees:
             chunks = _filtered(chunks, masks)
+        if masks is not None and masks.callers is not None:
+            chunks = _callers(chunks, masks.callers)
     return chunks
+
+
+def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
+    """Only the calls of `targets` functions and the calls on the way to them (uftrace's -C): a
+    call's entry is held back until a target is called under it; a target's other callees are
+    left out."""
+    threads: dict[int, _Thread] = {}
+    for chunk in chunks:
+        thread = threads.setdefault(chunk.tid, _Thread())
+        open_calls, at = thread.calls, thread.at
+        kept: list[tuple[int, int, int, int]] = []  # (kind, frame, function, time)
+        for kind, func, frame, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(),
+                                        chunk.time_ns.tolist(), strict=True):  # fmt: skip
+            if kind != EXIT:
+                if frame and frame in at:  # a frame entered again: what held it was left
+                    thread.cut(at[frame])
+                if targets[func]:  # [function, frame, entry time, shown]
+                    for call in open_calls:
+                        if not call[3]:
+                            kept.append((0, call[1], call[0], call[2]))
+                            call[3] = 1
+                    kept.append((0, frame, func, t))
+                if frame:
+                    at[frame] = len(open_calls)
+                open_calls.append([func, frame, t, int(targets[func])])
+                continue
+            index = at.get(frame) if frame else _innermost(open_calls, func)
+            if index is None:
+                continue
+            if open_calls[index][3]:
+                kept.append((EXIT, frame, func, t))
+            thread.cut(index)
+        if kept:
+            kind_, frame_, func_, time_ = (np.array(column) for column in zip(*kept, strict=True))
+            yield Chunk(chunk.pid, chunk.tid, kind_.astype(np.uint16), frame_.astype(np.uint16),
+                        func_.astype(np.uint32), time_.astype(np.int64), chunk.inherited)  # fmt: skip
+
+
+def _innermost(open_calls: list[list[int]], func: int) -> int | None:
+    """A trace without frames: the innermost open call of `func`."""
+    return next((i for i in range(len(open_calls) - 1, -1, -1) if open_calls[i][0] == func), None)
 
 
 def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
@@ -130,6 +181,8 @@ def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
             if kind != EXIT:
                 if frame and frame in at:  # a frame entered again: what held it was left
                     thread.cut(at[frame])
+                # [function, frame, inside an -F call, inside an -N call, its depth as -D counts
+                # it (0 if not kept), kept]
                 parent = open_calls[-1] if open_calls else None
                 matched = include is not None and include[func]
                 inside = include is None or matched or (parent is not None and parent[2] == 1)
@@ -141,10 +194,7 @@ def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
                 open_calls.append([func, frame, int(inside), int(dropped), depth + kept, int(kept)])
                 keep.append(kept)
                 continue
-            if frame:
-                index = at.get(frame)
-            else:  # a trace without frames: the innermost open call of the function
-                index = next((i for i in range(len(open_calls) - 1, -1, -1) if open_calls[i][0] == func), None)
+            index = at.get(frame) if frame else _innermost(open_calls, func)
             if index is None:  # entered before the trace began
                 keep.append(include is None and not exclude[func] and masks.depth is None)
                 continue
