@@ -243,6 +243,31 @@ class Trace:
         self.truncated_at: int | None = None  # the byte offset where a truncated file stops
         self.rejected = 0  # records left out: a function id past the table, an impossible time
 
+    def first_ns(self) -> int:
+        """When the first event of the trace happened (CLOCK_MONOTONIC ns; when the recording
+        began if it has none): `-r` times count from there, as uftrace's elapsed times do. Reads
+        the chunk headers and each thread's first record only."""
+        first: dict[int, int] = {}
+        path = os.path.join(self.directory, EVENTS)
+        try:
+            f = files.open_regular(path)
+        except OSError as exc:
+            raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            offset = 0
+            while size - offset >= _CHUNK_HEADER.itemsize + self.record.itemsize:
+                header = np.fromfile(f, dtype=_CHUNK_HEADER, count=1)[0]
+                who, count = int(header["who"]), int(header["count"])
+                if who not in first and count:
+                    record = self._possible(np.fromfile(f, dtype=self.record, count=1))
+                    if len(record):
+                        first[who] = int(self._ns(record["tsc"])[0])
+                    f.seek(offset + _CHUNK_HEADER.itemsize)
+                offset += _CHUNK_HEADER.itemsize + count * self.record.itemsize
+                f.seek(offset)
+        return min(first.values(), default=self._ns0)
+
     @property
     def program(self) -> str:
         """The traced program's file name (from the command it ran), or 'program'."""

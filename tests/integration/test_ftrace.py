@@ -835,3 +835,24 @@ def test_graph_as_uftrace_draws_it(tmp_path: Path, program: list[str], function:
         del drawn[-3:-1]
     assert drawn == masked(replayed.stdout)
     assert ours.stdout.startswith(f"# Function Call Graph for '{function or os.path.basename(binary)}'\n")
+
+
+def test_a_time_range_shows_what_happened_in_it(ret: str, tmp_path: Path) -> None:
+    """-r START~STOP (times since the trace's first event, either end open): the events in it."""
+    _, trace = record(tmp_path, "--", ret, "mixed", "20")
+    first = Trace(trace).first_ns()
+    times = sorted(e.time_ns - first for e in Trace(trace).events())
+    assert times[0] == 0
+    middle = times[len(times) // 2]
+
+    def events(*options: str) -> int:
+        r = dp("dump", "--chrome", *options, trace)
+        assert r.returncode == 0, r.stderr
+        return sum(1 for e in json.loads(r.stdout)["traceEvents"] if e["ph"] in "BE")
+
+    assert events() == events("-r", "0ns~") == len(times)
+    assert events("-r", f"~{middle}ns") == sum(t <= middle for t in times)
+    assert events("-r", f"{middle}ns~") == sum(t >= middle for t in times)
+    assert events("-r", f"{times[-1] + 1}ns~") == 0
+    r = dp("replay", "-r", "5ms", trace)
+    assert r.returncode == 2 and "not a time range: '5ms' (START~STOP" in r.stderr

@@ -148,13 +148,23 @@ def _call_filter(args: argparse.Namespace) -> CallFilter:
     kind = MatchKind(args.match)
     return CallFilter(
         tuple(NamePattern(t, kind) for t in args.filter), tuple(NamePattern(t, kind) for t in args.notrace),
-        args.depth, tuple(NamePattern(t, kind) for t in args.callers),
+        args.depth, tuple(NamePattern(t, kind) for t in args.callers), getattr(args, "time_range", None),
     )  # fmt: skip
+
+
+def _time_range(text: str) -> tuple[int | None, int | None]:
+    """'START~STOP' (either may be left out), times since the trace's first event: '10ms~20ms'."""
+    start, tilde, stop = text.partition("~")
+    if not tilde or not (start or stop):
+        raise argparse.ArgumentTypeError(f"not a time range: {text!r} (START~STOP, e.g. 10ms~1.5s, 2s~, ~500us)")
+    return (_time(start) if start else None, _time(stop) if stop else None)
 
 
 def _add_reading_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write to FILE, created new, instead of the standard output")
     p.add_argument("--tid", type=int, action="append", default=[], metavar="TID", help="only this thread (repeatable)")
+    p.add_argument("-r", "--time-range", type=_time_range, metavar="START~STOP",
+                   help="only what happened from START to STOP after the first event (10ms~1.5s, 2s~)")  # fmt: skip
     _add_filter_options(p)
     add_demangle_option(p)
 

@@ -43,9 +43,11 @@ class CallFilter:
     exclude: tuple[NamePattern, ...] = ()
     depth: int | None = None
     callers: tuple[NamePattern, ...] = ()
+    # A reader's -r: the events from, to (ns since the trace's first event; None: open-ended)
+    time_range: tuple[int | None, int | None] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.include or self.exclude or self.depth is not None or self.callers)
+        return bool(self.include or self.exclude or self.depth is not None or self.callers or self.time_range)
 
     def masks(self, functions: list[list[object]]) -> Masks:
         return Masks(_matching(self.include, functions) if self.include else None,
@@ -124,7 +126,27 @@ def chunks_of(trace: Trace, readers: CallFilter | None = None) -> Iterator[Chunk
             chunks = _filtered(chunks, masks)
         if masks is not None and masks.callers is not None:
             chunks = _callers(chunks, masks.callers)
+    if readers is not None and readers.time_range is not None:
+        chunks = _within(chunks, trace.first_ns(), readers.time_range)
     return chunks
+
+
+def _within(chunks: Iterator[Chunk], began: int, time_range: tuple[int | None, int | None]) -> Iterator[Chunk]:
+    """The events of `chunks` in `time_range` (ns since `began`, either end open): a call that
+    began before it shows its return only, one that ends after it its entry only."""
+    start, stop = time_range
+    for chunk in chunks:
+        since = chunk.time_ns - began
+        mask = np.ones(len(since), dtype=bool)
+        if start is not None:
+            mask &= since >= start
+        if stop is not None:
+            mask &= since <= stop
+        if mask.all():
+            yield chunk
+        elif mask.any():
+            yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
+                        chunk.time_ns[mask], chunk.inherited)  # fmt: skip
 
 
 def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
