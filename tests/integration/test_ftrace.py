@@ -701,25 +701,39 @@ def call_tree(replay: str, leave_out: Collection[str] = ()) -> list[list[tuple[i
         (["evenodd", "3"], ["-C", "is_odd"]),
         (["threads", "2", "3"], ["-C", "add"]),
         (["fact", "4"], ["-C", "fact", "-F", "main"]),
+        (["evenodd", "3"], ["-F", "main", "-T", "is_odd@trace_off"]),
+        (["evenodd", "3"], ["-T", "is_odd@trace_on", "--disable"]),
+        (["evenodd", "5"], ["-F", "main", "-T", "is_odd@depth=1"]),
+        (["evenodd", "3"], ["-F", "main", "-T", "is_odd@notrace"]),
     ],
 )
 def test_filters_mean_what_uftrace_s_mean(tmp_path: Path, program: list[str], filters: list[str]) -> None:
     """-F keeps a function's calls with everything under them, -N drops them with everything
     under them, -D counts from the nearest -F call, -C keeps a function's calls and the calls
-    that led to them; patterns are regular expressions. The call
-    trees are uftrace's (dynamic patching of the same -mnop-mcount binary), thread by thread,
-    whether the filters are given to record or to replay."""
+    that led to them, triggers start and stop showing or set a depth under a function; patterns
+    are regular expressions. The call trees are uftrace's (dynamic patching of the same
+    -mnop-mcount binary, the filters given to its replay), thread by thread, whether the filters
+    are given to record or to replay. (uftrace's record applies them as it records: after a
+    trace_on of --disable, it no longer knows the depth the calls began at; dynprobe's record
+    keeps them for the readers, which know it.)"""
     uftrace = shutil.which("uftrace")
     if uftrace is None:
         pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
     flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
     binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
-    theirs = tmp_path / "uftrace.data"
-    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *filters, binary,
-                    *program], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    expected = call_tree(subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True,
-                                        text=True).stdout)  # fmt: skip
+
+    def uftrace_tree(recording: list[str], replaying: list[str]) -> list[list[tuple[int, str]]]:
+        theirs = tmp_path / f"uftrace{len(recording)}.data"
+        subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *recording,
+                        binary, *program], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+        replayed = subprocess.run([uftrace, "replay", "-d", str(theirs), *replaying], check=True, capture_output=True,
+                                  text=True)  # fmt: skip
+        return call_tree(replayed.stdout)
+
+    expected = uftrace_tree([], filters)
     assert expected and all(expected)
+    if "--disable" not in filters:
+        assert uftrace_tree(filters, []) == expected
     _, filtered = record(tmp_path, "--no-libcall", *filters, "--", binary, *program)
     assert call_tree(dp("replay", filtered).stdout) == expected
     whole = str(tmp_path / "whole")

@@ -37,7 +37,10 @@ def test_malformed_elf_files(wordcount: str) -> None:
 
 @pytest.mark.parametrize(
     ("program", "cases"),
-    [(["-N", "add", "-D", "3", "--", "threads", "3", "2"], 3000), (["-F", "main", "--", "fork"], 1000)],
+    [
+        (["-N", "add", "-D", "3", "-T", "worker@depth=2,trace_on", "--", "threads", "3", "2"], 3000),
+        (["-F", "main", "--", "fork"], 1000),
+    ],
     ids=["threads-filtered", "forked-child"],
 )
 def test_malformed_trace_directories(ret: str, tmp_path: Path, program: list[str], cases: int) -> None:

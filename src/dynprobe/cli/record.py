@@ -29,7 +29,7 @@ from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
 from dynprobe.output import callgraph, files
-from dynprobe.output.callfilter import CallFilter
+from dynprobe.output.callfilter import CallFilter, Trigger
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.patterns import MatchKind, NamePattern
 from dynprobe.tracefile import EVENTS, INFO, Trace, create_trace_directory, remove_trace_directory, write_info
@@ -133,6 +133,10 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
                    help="leave out FUNC's calls and the calls under them")  # fmt: skip
     p.add_argument("-C", "--caller-filter", dest="callers", action="append", default=[], metavar="FUNC",
                    help="only FUNC's calls and the calls that led to them")  # fmt: skip
+    p.add_argument("-T", "--trigger", dest="triggers", action="append", default=[], type=_trigger,
+                   metavar="FUNC@ACTIONS", help="at FUNC's calls: depth=N (calls under it at most N deep), "
+                   "trace_on, trace_off (showing starts, stops), filter, notrace (-F, -N); with commas")  # fmt: skip
+    p.add_argument("--disable", action="store_true", help="show nothing until a trace_on trigger")
     p.add_argument("-D", "--depth", type=int, metavar="N",
                    help="calls at most N deep, counted from the nearest -F call (else the outermost)")  # fmt: skip
     p.add_argument("--match", choices=[k.value for k in MatchKind], default=MatchKind.REGEX.value,
@@ -141,14 +145,42 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
                    "functions (alloc.*@libc, main@app)")  # fmt: skip
 
 
+_ACTIONS = ("trace_on", "traceon", "trace_off", "traceoff", "filter", "notrace")
+
+
+def _trigger(text: str) -> tuple[str, list[str]]:
+    """'FUNC@ACTION,ACTION' (FUNC may itself name its module: malloc@libc@trace_off)."""
+    func, at, actions = text.rpartition("@")
+    given = actions.split(",") if at and func else []
+    for action in given:
+        name, _, value = action.partition("=")
+        if not (action in _ACTIONS or (name == "depth" and value.isdigit() and int(value) >= 1)):
+            raise argparse.ArgumentTypeError(
+                f"not a trigger: {text!r} (FUNC@ACTIONS, the actions among depth=N, trace_on, trace_off, filter, "
+                "notrace)"
+            )
+    if not given:
+        raise argparse.ArgumentTypeError(f"not a trigger: {text!r} (FUNC@ACTIONS, e.g. parse@depth=2,trace_on)")
+    return func, given
+
+
 def _call_filter(args: argparse.Namespace) -> CallFilter:
     """-F, -N and -D as the reader applies them (a bad pattern or depth: a one-line error)."""
     if args.depth is not None and args.depth < 1:
         raise UsageError(f"-D {args.depth}: a depth is 1 or more")
     kind = MatchKind(args.match)
+    include, exclude, triggers = list(args.filter), list(args.notrace), []
+    for func, actions in args.triggers:
+        include += [func] if "filter" in actions else []
+        exclude += [func] if "notrace" in actions else []
+        depth = next((int(a.partition("=")[2]) for a in actions if a.startswith("depth=")), None)
+        on, off = bool({"trace_on", "traceon"} & set(actions)), bool({"trace_off", "traceoff"} & set(actions))
+        if depth is not None or on or off:
+            triggers.append(Trigger(NamePattern(func, kind), depth, on, off))
     return CallFilter(
-        tuple(NamePattern(t, kind) for t in args.filter), tuple(NamePattern(t, kind) for t in args.notrace),
+        tuple(NamePattern(t, kind) for t in include), tuple(NamePattern(t, kind) for t in exclude),
         args.depth, tuple(NamePattern(t, kind) for t in args.callers), getattr(args, "time_range", None),
+        tuple(triggers), args.disable,
     )  # fmt: skip
 
 
@@ -431,7 +463,8 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output,
-                                         filter=[], notrace=[], callers=[], depth=None, match=args.match)  # fmt: skip
+                                         filter=[], notrace=[], callers=[], triggers=[], disable=False, depth=None,
+                                         match=args.match)  # fmt: skip
             replayed = _read(reading, [], lambda t, out, f: callgraph.replay(t, out, _threshold(t, reading), f),
                              default=sys.stderr)  # fmt: skip
             return status or replayed

@@ -10,7 +10,7 @@ when reading), as uftrace applies filters at record time or at replay time alike
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,17 +24,34 @@ EXIT = 1
 @dataclass(frozen=True)
 class Masks:
     """A filter resolved against a trace's function table: per function id, whether -F (None:
-    no -F, every call is under one) and -N name it; and the depth."""
+    no -F, every call is under one), -N, -C and the trace_on and trace_off triggers name it;
+    the depth, and the depth triggers (function id -> depth)."""
 
     include: list[bool] | None
     exclude: list[bool]
     depth: int | None
     callers: list[bool] | None = None  # -C (None: none given)
+    depths: dict[int, int] = field(default_factory=dict)
+    on: list[bool] | None = None
+    off: list[bool] | None = None
+    disabled: bool = False  # tracing starts off (until a trace_on)
 
     @property
     def subtrees(self) -> bool:
-        """Whether -F, -N or -D leave anything out."""
-        return self.include is not None or any(self.exclude) or self.depth is not None
+        """Whether -F, -N, -D or triggers leave anything out."""
+        return (self.include is not None or any(self.exclude) or self.depth is not None or bool(self.depths)
+                or self.on is not None or self.off is not None or self.disabled)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """uftrace's -T FUNC@ACTIONS, those that act on what is shown: depth=N (calls under FUNC at
+    most N deep), trace_on and trace_off (showing starts or stops at FUNC's entry)."""
+
+    pattern: NamePattern
+    depth: int | None = None
+    trace_on: bool = False
+    trace_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,21 +62,37 @@ class CallFilter:
     callers: tuple[NamePattern, ...] = ()
     # A reader's -r: the events from, to (ns since the trace's first event; None: open-ended)
     time_range: tuple[int | None, int | None] | None = None
+    triggers: tuple[Trigger, ...] = ()
+    disabled: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.include or self.exclude or self.depth is not None or self.callers or self.time_range)
+        return bool(self.include or self.exclude or self.depth is not None or self.callers or self.time_range
+                    or self.triggers or self.disabled)  # fmt: skip
 
     def masks(self, functions: list[list[object]]) -> Masks:
-        return Masks(_matching(self.include, functions) if self.include else None,
-                     _matching(self.exclude, functions), self.depth,
-                     _matching(self.callers, functions) if self.callers else None)  # fmt: skip
+        depths: dict[int, int] = {}
+        for trigger in self.triggers:
+            if trigger.depth is not None:
+                depths.update((f, trigger.depth) for f in _ids(_matching([trigger.pattern], functions)))
+        on = [t.pattern for t in self.triggers if t.trace_on]
+        off = [t.pattern for t in self.triggers if t.trace_off]
+        return Masks(
+            _matching(self.include, functions) if self.include else None, _matching(self.exclude, functions),
+            self.depth, _matching(self.callers, functions) if self.callers else None, depths,
+            _matching(on, functions) if on else None, _matching(off, functions) if off else None, self.disabled,
+        )  # fmt: skip
 
     def to_info(self, functions: list[list[object]]) -> dict[str, object]:
         """What a trace's info.json keeps of it: the function ids it names (a reader never runs
         a regular expression a trace file gives it)."""
         masks = self.masks(functions)
-        return {"include": None if masks.include is None else _ids(masks.include), "exclude": _ids(masks.exclude),
-                "depth": self.depth, "callers": None if masks.callers is None else _ids(masks.callers)}  # fmt: skip
+        return {
+            "include": None if masks.include is None else _ids(masks.include), "exclude": _ids(masks.exclude),
+            "depth": self.depth, "callers": None if masks.callers is None else _ids(masks.callers),
+            "depths": [[f, d] for f, d in masks.depths.items()],
+            "on": None if masks.on is None else _ids(masks.on), "off": None if masks.off is None else _ids(masks.off),
+            "disabled": self.disabled,
+        }  # fmt: skip
 
 
 def _ids(mask: list[bool]) -> list[int]:
@@ -84,9 +117,18 @@ def recorded_masks(trace: Trace) -> Masks | None:
                 named[i] = True
         return named
 
-    depth = saved.get("depth")
-    depth = depth if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0 else None
-    return Masks(mask("include"), mask("exclude") or [False] * count, depth, mask("callers"))
+    def positive(value: object) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    pairs = saved.get("depths")
+    depths = {}
+    for pair in pairs if isinstance(pairs, list) else []:
+        if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and 0 <= pair[0] < count:
+            depth = positive(pair[1])
+            if depth is not None:
+                depths[pair[0]] = depth
+    return Masks(mask("include"), mask("exclude") or [False] * count, positive(saved.get("depth")), mask("callers"),
+                 depths, mask("on"), mask("off"), saved.get("disabled") is True)  # fmt: skip
 
 
 def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) -> list[bool]:
@@ -191,40 +233,70 @@ def _innermost(open_calls: list[list[int]], func: int) -> int | None:
 
 
 def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
-    """`chunks` with only the events of the calls `masks` keep."""
-    include, exclude = masks.include, masks.exclude
+    """`chunks` with only the events of the calls `masks` keep. Showing that starts again (a
+    trace_on) first opens, silently, the kept calls it starts inside (an inherited chunk):
+    their returns show at their depth, as in uftrace."""
+    include, exclude, on, off = masks.include, masks.exclude, masks.on, masks.off
     deepest = masks.depth if masks.depth is not None else 1 << 62
     threads: dict[int, _Thread] = {}
+    showing: dict[int, bool] = {}
     for chunk in chunks:
         thread = threads.setdefault(chunk.tid, _Thread())
+        shown = showing.setdefault(chunk.tid, not masks.disabled)
         open_calls, at = thread.calls, thread.at
-        keep = []
-        for kind, func, frame in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(), strict=True):
+        keep: list[bool] = []
+        start = 0  # of the part of the chunk not yet given out
+        columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(), chunk.time_ns.tolist())
+        for i, (kind, func, frame, t) in enumerate(zip(*columns, strict=True)):
             if kind != EXIT:
                 if frame and frame in at:  # a frame entered again: what held it was left
                     thread.cut(at[frame])
-                # [function, frame, inside an -F call, inside an -N call, its depth as -D counts
-                # it (0 if not kept), kept]
+                if off is not None and off[func]:
+                    shown = False
+                elif on is not None and on[func] and not shown:
+                    shown = True
+                    yield from _part(chunk, keep, start, i)
+                    keep, start = [], i
+                    opened = [call for call in open_calls if call[5]]
+                    if opened:
+                        yield _opened(chunk, opened)
+                # [function, frame, inside an -F call, inside an -N call, how many levels deeper
+                # calls may be kept (-D, depth triggers), kept, entry time]
                 parent = open_calls[-1] if open_calls else None
                 matched = include is not None and include[func]
                 inside = include is None or matched or (parent is not None and parent[2] == 1)
                 dropped = exclude[func] or (parent is not None and parent[3] == 1)
-                depth = parent[4] if parent is not None and not matched else 0  # an -F call: counted anew
-                kept = inside and not dropped and depth < deepest
+                levels = masks.depths.get(func, deepest if matched or parent is None else parent[4])
+                kept = inside and not dropped and levels >= 1
                 if frame:
                     at[frame] = len(open_calls)
-                open_calls.append([func, frame, int(inside), int(dropped), depth + kept, int(kept)])
-                keep.append(kept)
+                open_calls.append([func, frame, int(inside), int(dropped), levels - kept, int(kept), t])
+                keep.append(kept and shown)
                 continue
             index = at.get(frame) if frame else _innermost(open_calls, func)
             if index is None:  # entered before the trace began
-                keep.append(include is None and not exclude[func] and masks.depth is None)
+                keep.append(shown and include is None and not exclude[func] and masks.depth is None)
                 continue
-            keep.append(open_calls[index][5] == 1)
+            keep.append(shown and open_calls[index][5] == 1)
             thread.cut(index)
-        mask = np.array(keep, dtype=bool)
-        if mask.all():
-            yield chunk
-        elif mask.any():
-            yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
-                        chunk.time_ns[mask], chunk.inherited)  # fmt: skip
+        showing[chunk.tid] = shown
+        yield from _part(chunk, keep, start, len(chunk.kind))
+
+
+def _part(chunk: Chunk, keep: list[bool], start: int, end: int) -> Iterator[Chunk]:
+    """The events `keep` says of chunk[start:end]."""
+    mask = np.zeros(len(chunk.kind), dtype=bool)
+    mask[start:end] = keep
+    if mask.all():
+        yield chunk
+    elif mask.any():
+        yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
+                    chunk.time_ns[mask], chunk.inherited)  # fmt: skip
+
+
+def _opened(chunk: Chunk, calls: list[list[int]]) -> Chunk:
+    """The entries of `calls` (open calls of _filtered), as an inherited chunk: opened unseen."""
+    n = len(calls)
+    return Chunk(chunk.pid, chunk.tid, np.zeros(n, np.uint16), np.array([c[1] for c in calls], np.uint16),
+                 np.array([c[0] for c in calls], np.uint32), np.array([c[6] for c in calls], np.int64),
+                 inherited=True)  # fmt: skip
