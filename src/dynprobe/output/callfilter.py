@@ -184,11 +184,7 @@ def _within(chunks: Iterator[Chunk], began: int, time_range: tuple[int | None, i
             mask &= since >= start
         if stop is not None:
             mask &= since <= stop
-        if mask.all():
-            yield chunk
-        elif mask.any():
-            yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
-                        chunk.time_ns[mask], chunk.inherited)  # fmt: skip
+        yield from _masked(chunk, mask)
 
 
 def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
@@ -287,6 +283,11 @@ def _part(chunk: Chunk, keep: list[bool], start: int, end: int) -> Iterator[Chun
     """The events `keep` says of chunk[start:end]."""
     mask = np.zeros(len(chunk.kind), dtype=bool)
     mask[start:end] = keep
+    return _masked(chunk, mask)
+
+
+def _masked(chunk: Chunk, mask: np.ndarray) -> Iterator[Chunk]:
+    """The events of `chunk` where `mask` holds (the chunk itself if all, nothing if none)."""
     if mask.all():
         yield chunk
     elif mask.any():
