@@ -616,6 +616,34 @@ def test_libc_functions_that_return_twice_never_crash_the_program(tmp_path: Path
     assert refused.value.reason == Refusal.RETURNS_TWICE
 
 
+@pytest.mark.parametrize(
+    ("target", "argv", "options"),
+    [
+        ("ret_cxx", ["12"], []),
+        ("ret_cxx", ["12"], ["--lib", "libstdc++", "--lib", "libgcc_s"]),
+        ("twice", [], []),
+        ("ret", ["longjmp", "3", "2"], []),
+        ("ret", ["signal", "2000", "100"], []),
+        ("ret", ["swap", "5"], []),
+        ("ret", ["backtrace"], []),
+        ("ret", ["exit", "7"], []),
+        ("ret", ["threads", "3", "100"], []),
+    ],
+    ids=["cxx", "cxx-libstdc++", "twice", "longjmp", "signal", "swap", "backtrace", "exit", "threads"],
+)
+def test_library_calls_never_crash_the_program(
+    ret: str, ret_cxx: str, target: str, argv: list[str], options: list[str], tmp_path: Path
+) -> None:
+    """`record` traces the program's library calls by default: exceptions thrown and resumed
+    through them (_Unwind_Resume, called where a cleanup ends, unwinds from its caller: its own
+    hooked return address goes back first), setjmp/longjmp, contexts, vfork, pthread_exit,
+    signals, backtrace(), exit: the program prints and exits as it does alone."""
+    binary = {"ret": ret, "ret_cxx": ret_cxx}.get(target) or build_target(target, flags=("-O1", "-pthread"))
+    alone = subprocess.run([binary, *argv], capture_output=True, text=True, timeout=60)
+    r = dp("record", *options, "-o", str(tmp_path / "t.data"), "--", binary, *argv)
+    assert (r.returncode, r.stdout) == (alone.returncode, alone.stdout), r.stderr
+
+
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 REAL_PROGRAMS = {
     "sort": ["sort", "{input}"],

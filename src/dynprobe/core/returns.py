@@ -69,15 +69,16 @@ from dynprobe.symbols.resolve import Location, resolve_address
 if TYPE_CHECKING:
     from dynprobe.core.session import Session, TracedProcess
 
-# Where the unwinder starts reading return addresses: exceptions (throw, rethrow, the forced unwind
-# of pthread_cancel/pthread_exit) and backtrace(); and where an exception has been caught.
+# Where the unwinder starts reading return addresses: exceptions (throw, a cleanup's resume,
+# rethrow, the forced unwind of pthread_cancel/pthread_exit) and backtrace(); and where an
+# exception has been caught.
 # Functions that return twice, the second time to a return address saved by the first call
 # (in a jmp_buf, a ucontext, or the stack a vfork child shared): one replaced by a return hook
 # would be taken after the hook's entry was used, and the program would jump to nowhere.
 RETURNS_TWICE = frozenset(
     {"setjmp", "_setjmp", "__sigsetjmp", "sigsetjmp", "vfork", "__vfork", "getcontext", "swapcontext"}
 )
-UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind")
+UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind")
 BACKTRACE_ENTRY = "_Unwind_Backtrace"
 CATCH_ENTRY = "__cxa_begin_catch"
 RETURN_CODE_ROOM = 512
@@ -460,7 +461,9 @@ class ReturnProbes:
         returns = proc.returns
         if words is None or returns is None:
             return
-        above = [e for e in self._entries(words) if e[2] > int(regs.rsp)]
+        # (its own return address, at rsp, is the first it reads: _Unwind_Resume called where
+        # the program calls a library, its return hooked, unwinds from its caller)
+        above = [e for e in self._entries(words) if e[2] >= int(regs.rsp)]
         for k in self._swap(proc, words, above, restore=True):
             words[self._at(k) + L.ENTRY_PROBE // 8] |= np.uint64(L.ENTRY_RESTORED << 32)
 
