@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -102,6 +103,19 @@ def test_a_planted_symbolic_link_is_never_followed(command: str, wordcount: str,
     r = dp(*args)
     one_error_line(r, str(link))
     assert secret.read_text() == "keep me\n" and link.is_symlink()
+
+
+def test_results_can_go_to_dev_null_and_never_to_a_fifo(wordcount: str, tmp_path: Path) -> None:
+    """-o /dev/null (a character device: only root makes one) is written as it is, its mode
+    untouched; a FIFO someone put at the name is refused (it would block), left as it was."""
+    before = os.stat("/dev/null")
+    assert dp("trace", "p add_word", "-o", "/dev/null", "--", wordcount, "a b").returncode == 0
+    after = os.stat("/dev/null")
+    assert (after.st_mode, after.st_uid) == (before.st_mode, before.st_uid)
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    one_error_line(dp("trace", "p add_word", "-o", str(fifo), "--", wordcount, "a"), "is not a regular file")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)
 
 
 def test_outputs_are_ours_alone_and_an_old_one_is_kept(wordcount: str, tmp_path: Path) -> None:

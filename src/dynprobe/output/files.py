@@ -6,7 +6,8 @@ holds data fetched from the traced process. So every output is created with O_CR
 O_NOFOLLOW, mode 0600 (directories 0700), as perf writes perf.data: a symbolic link or anything
 else planted at the name is refused, never followed or truncated. An earlier output of ours at
 the name is kept as NAME.old (as perf and uftrace do); an earlier NAME.old goes only if it is
-a regular file (a trace directory: `tracefile.create_trace_directory`).
+a regular file (a trace directory: `tracefile.create_trace_directory`). A character device
+(/dev/null) is written as it is.
 
 Every failure is a DynprobeError of one line: what could not be written, and why. A file to
 read (an ELF file, a trace) may be anything a path can name: a FIFO would block the open or the
@@ -65,7 +66,17 @@ def keep_old(path: str) -> None:
 
 def create_fd(path: str) -> int:
     """A new file at `path` (O_EXCL | O_NOFOLLOW, mode 0600 whatever the umask), open for
-    writing; what was there is kept as PATH.old (`keep_old`)."""
+    writing; what was there is kept as PATH.old (`keep_old`). A character device named (-o
+    /dev/null) is written as it is: only root makes one, wherever it is."""
+    try:
+        device = stat.S_ISCHR(os.lstat(path).st_mode)
+    except OSError:
+        device = False
+    if device:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _refused(path, exc) from None
     keep_old(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
