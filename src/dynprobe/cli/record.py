@@ -165,7 +165,8 @@ def _trigger(text: str) -> tuple[str, list[str]]:
 
 
 def _call_filter(args: argparse.Namespace) -> CallFilter:
-    """-F, -N and -D as the reader applies them (a bad pattern or depth: a one-line error)."""
+    """-F, -N, -C, -T, --disable, -D (and a reader's -r) as the readers apply them (a bad pattern
+    or depth: a one-line error)."""
     if args.depth is not None and args.depth < 1:
         raise UsageError(f"-D {args.depth}: a depth is 1 or more")
     kind = MatchKind(args.match)
@@ -268,6 +269,8 @@ _RUNTIME = ("libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "libg
 
 def _hint_libraries(exe: str) -> None:
     """A program whose code is in its libraries (a Python built with --enable-shared): say which."""
+    if sum(1 for f in load_elf(exe).functions if f.size) >= FEW_FUNCTIONS:
+        return
     needed = [name.split(".so")[0] for name in load_elf(exe).needed if not name.startswith(_RUNTIME)]
     if needed:
         libs = " ".join(f"--lib {name}" for name in needed)
@@ -315,8 +318,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         create_trace_directory(out)  # before the target is touched: a bad -o is said at once
     except DynprobeError as exc:
         return report_error(exc)
-    # Under -F, depth counts from the outermost kept call, which only a reader knows; without,
-    # the target leaves out what is deeper (it counts its traced calls).
+    # Under -F, depth counts from the nearest -F call, which only a reader knows; without, the
+    # target leaves out what is deeper (it counts its traced calls).
     depth = args.depth if not args.filter else None
     try:
         with open_session(args, command) as session:
@@ -356,8 +359,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 def ready() -> None:
                     print(f"dynprobe: tracing {functions}{nops}{later}{skipped}", file=sys.stderr)
                     _note_libraries_not_loaded(session, tracer)
-                    if not args.lib and not args.patch and len(tracer.functions) < FEW_FUNCTIONS:
-                        _hint_libraries(tracer.functions[0].path)
+                    if not args.lib and not args.patch and program is not None:
+                        _hint_libraries(program)
 
                 main = session.process(session.pid)
                 program = os.path.realpath(main.exe) if main is not None else None
