@@ -144,6 +144,11 @@ def test_a_missing_function_names_the_library_that_has_it(wordcount: str) -> Non
     )
     r = dp("latency", "no_such_function", "--", wordcount)
     assert r.returncode == 1 and r.stderr == f"dynprobe: error: no function 'no_such_function' in {wordcount}\n"
+    r = dp("count", "p add_wrod", "--", wordcount)  # a slip of the keyboard: the name meant
+    assert (
+        r.returncode == 1
+        and r.stderr == f"dynprobe: error: no function 'add_wrod' in {wordcount}; did you mean add_word?\n"
+    )
 
 
 def test_malformed_spec_prints_a_caret(wordcount: str) -> None:

@@ -6,6 +6,7 @@ mapped, in every process that maps it, and again after exec or dlopen.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import os
 from collections.abc import Callable
@@ -122,7 +123,9 @@ def resolve_symbol(image: ElfImage, symbol: str, offset: int, loaded: LoadedIn |
     # to, not the resolver at its address (nor an old compatibility symbol of the same name).
     found = [implementation(image, symbol, loaded)] if symbol in image.ifuncs else image.functions_named(symbol)
     if not found:
-        raise SymbolError(f"no function {symbol!r} in {image.path}")
+        close = difflib.get_close_matches(symbol, [*image.by_name, *image.ifuncs], n=3, cutoff=0.8)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise SymbolError(f"no function {symbol!r} in {image.path}{hint}")
     same = image.shared_names.get(symbol, [])
     if same:  # static functions of one name in different source files
         offsets = ", ".join(f"{image.path}:{image.vaddr_to_offset(a) or a:#x}" for a in same[:4])
