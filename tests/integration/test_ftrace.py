@@ -650,6 +650,7 @@ REAL_PROGRAMS = {
     "gzip": ["gzip", "-c", "{input}"],
     "python3": ["/usr/bin/python3", "-c", "import json, re; print(json.dumps(sorted(re.findall('[a-z]+', 'b a c'))))"],
     "sqlite3": ["sqlite3", ":memory:", "create table t(x); insert into t values (3), (1); select * from t order by x;"],
+    "python3-libm": ["/usr/bin/python3", "-c", "import math; print(math.sqrt(2), math.sin(1), math.lgamma(9.5))"],
 }
 
 
@@ -662,7 +663,8 @@ def test_real_programs_under_record_lib_libc_print_and_exit_as_alone(program: st
     text.write_text("".join(f"line {i * 7919 % 1000}\n" for i in range(2000)))
     argv = [a.format(input=text) for a in argv]
     alone = subprocess.run(argv, capture_output=True, timeout=60)
-    record = ["record", "--lib", "libc", "-o", str(tmp_path / "t.data")]
+    libraries = ["--lib", "libm", "--lib", "libc"] if program.endswith("libm") else ["--lib", "libc"]
+    record = ["record", *libraries, "-o", str(tmp_path / "t.data")]
     traced = subprocess.run([*DYNPROBE, *record, "--", *argv], capture_output=True, timeout=300)
     assert (traced.returncode, traced.stdout) == (alone.returncode, alone.stdout), traced.stderr
     assert re.search(rb"dynprobe: [1-9]\d* calls recorded", traced.stderr), traced.stderr
