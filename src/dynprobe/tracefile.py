@@ -2,8 +2,9 @@
 
     DIR/info.json    format name and version, command, pid, the clock (time-stamp counter ->
                      CLOCK_MONOTONIC ns), the modules (path, build id), the functions (index =
-                     id: name, file, address, size), the threads' names, counts (calls, missed,
-                     lost), "complete" once written out
+                     id: name, file, address, size, whether a PLT stub), the threads' names,
+                     the filters record was given (function ids), the calls forked children
+                     began inside, counts (calls, missed, lost), "complete" once written out
     DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
                      records of `record_size` bytes), each record u16 ops, u16 kind (bit 0:
                      exit; bits 1-15: the call's frame, 0 for none; version 1 had no frames),

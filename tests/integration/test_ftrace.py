@@ -833,6 +833,10 @@ def test_library_calls_as_the_program_makes_them(tmp_path: Path, program: list[s
     ours = call_tree(dp("replay", trace).stdout)
     main = next(tree for tree in ours if tree[0] == (0, "main() {"))
     assert (1, "printf();") in main and not any("vfprintf" in call or "_IO_" in call for _, call in main)
+    # FUNC@plt names the calls: without them, the tree of a recording without library calls
+    (tmp_path / "without").mkdir()
+    _, without = record(tmp_path / "without", "--no-libcall", "-F", "main", "-F", "worker", "--", binary, *program)
+    assert call_tree(dp("replay", "-N", ".*@plt", trace).stdout) == call_tree(dp("replay", without).stdout)
     uftrace = shutil.which("uftrace")
     if uftrace is None:
         pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")

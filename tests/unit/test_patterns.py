@@ -30,10 +30,18 @@ LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
         ("parse_*", MatchKind.GLOB, "parse_line", "/bin/app", True),
         ("parse_*", MatchKind.GLOB, "do_parse_line", "/bin/app", False),  # a glob is the whole name
         ("str*@libc", MatchKind.GLOB, "strlen", LIBC, True),
+        ("malloc@plt", MatchKind.REGEX, "malloc", "/bin/app", False),  # the function, not a call of it
     ],
 )
 def test_name_patterns(text: str, kind: MatchKind, name: str, path: str, matches: bool) -> None:
     assert NamePattern(text, kind).matches({name}, path) is matches
+
+
+def test_at_plt_names_the_calls_a_file_makes() -> None:
+    assert NamePattern("malloc@plt").matches({"malloc"}, "/bin/app", plt=True)
+    assert NamePattern(".*@plt").matches({"printf"}, "/bin/app", plt=True)
+    assert NamePattern("malloc@app").matches({"malloc"}, "/bin/app", plt=True)  # (a stub of app's)
+    assert not NamePattern("malloc@libc").matches({"malloc"}, "/bin/app", plt=True)
 
 
 def test_a_bad_regular_expression_is_one_clear_error() -> None:

@@ -297,7 +297,7 @@ def _function_table(session: Session, filters: CallFilter) -> dict[str, object]:
     """The trace's functions (by id) and their files, and the ids -F and -N name: they grow when
     a followed process execs another program."""
     functions = session.tracing.functions
-    table: list[list[object]] = [[f.name, os.path.basename(f.path), f.vaddr, f.size] for f in functions]
+    table: list[list[object]] = [[f.name, os.path.basename(f.path), f.vaddr, f.size, f.plt] for f in functions]
     return {
         "functions": table,
         "modules": [

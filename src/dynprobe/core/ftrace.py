@@ -69,6 +69,7 @@ class TracedFunction:
     vaddr: int
     size: int
     name: str
+    plt: bool = False  # a PLT stub of the file at `path`: its calls to the library function `name`
 
 
 @dataclass(frozen=True)
@@ -215,28 +216,28 @@ class Tracing:
         include, exclude = as_patterns(include), as_patterns(exclude)
         chosen = []
         images = [load_elf(path) for path in paths]
-        candidates = [(image, callable_functions(image, loaded(image))) for image in images]
-        candidates += [(image, image.plt_stubs) for image in map(load_elf, calls_of)]
-        for image, functions in candidates:
+        candidates = [(image, callable_functions(image, loaded(image)), False) for image in images]
+        candidates += [(image, image.plt_stubs, True) for image in map(load_elf, calls_of)]
+        for image, functions, plt in candidates:
             for func in functions:
                 if not image.is_executable(func.addr):
                     continue
                 if func.addr <= image.entry < func.end or func.name in NOT_CALLED:
                     continue  # entered without a call: [rsp] is not a return address
                 names = names_of(func.name)  # C++: 'ns::Class::*' matches too
-                if include and not any(p.matches(names, image.path) for p in include):
+                if include and not any(p.matches(names, image.path, plt=plt) for p in include):
                     continue
-                if any(p.matches(names, image.path) for p in exclude):
+                if any(p.matches(names, image.path, plt=plt) for p in exclude):
                     continue
-                chosen.append(self._function(image.path, func.addr, func.size, func.name))
+                chosen.append(self._function(image.path, func.addr, func.size, func.name, plt=plt))
         # Aliases (C++ C1/C2 constructors, glibc's __libc_malloc and malloc) are one function.
         return list({f.id: f for f in chosen}.values())
 
-    def _function(self, path: str, vaddr: int, size: int, name: str) -> TracedFunction:
+    def _function(self, path: str, vaddr: int, size: int, name: str, *, plt: bool = False) -> TracedFunction:
         key = (path, vaddr)
         func = self._ids.get(key)
         if func is None:
-            func = self._ids[key] = TracedFunction(len(self.functions), path, vaddr, size, name)
+            func = self._ids[key] = TracedFunction(len(self.functions), path, vaddr, size, name, plt)
             self.functions.append(func)
         return func
 

@@ -137,8 +137,9 @@ def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) ->
     result = []
     for entry in functions:
         name, module = str(entry[0]), str(entry[1]) if len(entry) > 1 else ""
+        plt = len(entry) > 4 and entry[4] is True
         names = {name, display(name, Demangle.SIMPLE), display(name, Demangle.FULL)}
-        result.append(any(p.matches(names, module) for p in patterns))
+        result.append(any(p.matches(names, module, plt=plt) for p in patterns))
     return result
 
 

@@ -1,6 +1,7 @@
 """Function name patterns as uftrace takes them: a regular expression (the default, found
 anywhere in the name) or a glob (the whole name), either with an optional `@MODULE`
-qualifier (`alloc@libc`: libc's functions only; `main@app`). A pattern with no special
+qualifier (`alloc@libc`: libc's functions only; `main@app`; `malloc@plt`: the program's calls to
+malloc, its PLT stub). A pattern with no special
 character names one function exactly, as in uftrace: `-F b` is b, not every name with a b."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dynprobe.errors import SymbolError
 _REGEX_SPECIAL = frozenset(".^$*+?()[]{}|\\")
 _GLOB_SPECIAL = frozenset("*?[")
 _VERSION = re.compile(r"[A-Z][A-Z0-9_]*_[0-9][0-9.]*")
+PLT = "plt"  # FUNC@plt: the calls a file makes to that library function
 
 
 class MatchKind(enum.Enum):
@@ -48,17 +50,20 @@ class NamePattern:
         object.__setattr__(self, "module", module or None)
         object.__setattr__(self, "_compiled", compiled)
 
-    def in_module(self, path: str) -> bool:
+    def in_module(self, path: str, *, plt: bool = False) -> bool:
         """Whether a function of the file at `path` (or of that base name) can match:
-        `@libc` is libc.so.6, `@app` the program app."""
+        `@libc` is libc.so.6, `@app` the program app, `@plt` the PLT stubs (`plt`: the
+        function is one, a call the file makes to a library)."""
         if self.module is None:
             return True
+        if self.module == PLT:
+            return plt
         base = os.path.basename(path)
         return base == self.module or base.startswith(self.module + ".")
 
-    def matches(self, names: Iterable[str], path: str) -> bool:
+    def matches(self, names: Iterable[str], path: str, *, plt: bool = False) -> bool:
         """Whether a function of the file at `path`, known by `names`, is one the pattern names."""
-        if not self.in_module(path):
+        if not self.in_module(path, plt=plt):
             return False
         compiled = self._compiled
         if compiled is None:
