@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
+
+if TYPE_CHECKING:
+    import dynprobe
 
 
 def symbols(path: str) -> dict[str, int]:
@@ -63,3 +68,12 @@ def held_by_other_tracer(pid: int) -> Iterator[subprocess.Popen[str]]:
     finally:
         holder.kill()
         holder.wait()
+
+
+def run_until(session: dynprobe.Session, done: Callable[[], bool], what: str) -> None:
+    """Let the target run until `done()` holds: a machine under load may not run it for a while
+    (a fixed run of 50 ms once saw no call at all). Fails, saying `what`, after a minute."""
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, f"after a minute, still not: {what}"
+        assert session.run(timeout=0.01) is None, "the target ended"
