@@ -64,9 +64,11 @@ bench: venv tracefs toolchains
 stress-test: venv tracefs toolchains
 	bash tests/stress.sh 20
 
-# dynprobe SIGKILLed at random moments in every mode, 100 runs each (tests/killing.py).
+# dynprobe SIGKILLed at random moments in every mode, 100 runs each, then again on a loaded
+# machine (tests/killing.py).
 stress-kill: venv
 	$(PY) -m tests.killing --runs 100
+	$(PY) -m tests.killing --runs 100 --loaded
 
 clean:
 	rm -rf $(VENV) examples/bin bench/build tests/.build

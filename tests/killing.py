@@ -3,7 +3,7 @@ with its own results, whatever the mechanism and whenever the kill (during the a
 optimization, the steady state or the detach). Used by tests/integration/test_killed_tracer.py
 and, for many more runs, by `make stress-kill`:
 
-    python -m tests.killing [--runs N] [--mode MODE ...] [--seed S]
+    python -m tests.killing [--runs N] [--mode MODE ...] [--seed S] [--loaded]
 """
 
 from __future__ import annotations
@@ -104,18 +104,28 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=100, help="runs per mode (default 100)")
     parser.add_argument("--mode", action="append", choices=list(MODES), help="only these modes (repeatable)")
     parser.add_argument("--seed", type=int, default=int(time.time()), help="random seed (printed, to replay a run)")
+    parser.add_argument("--loaded", action="store_true", help="with a CPU hog on every CPU, as on a busy machine")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     hot = hot_program()
-    print(f"seed {args.seed}; {args.runs} runs per mode; the program: {THREADS} threads, {SECONDS} s", flush=True)
+    load = " under a CPU hog per CPU" if args.loaded else ""
+    print(f"seed {args.seed}; {args.runs} runs per mode; the program: {THREADS} threads, {SECONDS} s{load}", flush=True)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] if (
+        args.loaded
+    ) else []  # fmt: skip
     failed = 0
-    for mode in args.mode or list(MODES):
-        outcomes = [kill_once(mode, rng, hot) for _ in range(args.runs)]
-        bad = [o for o in outcomes if not o.survived]
-        failed += len(bad)
-        print(f"{mode:<22} {len(outcomes) - len(bad):>4} of {len(outcomes)} survived", flush=True)
-        for o in bad:
-            print(f"    killed at {o.delay:.3f} s{' (detaching)' if o.detaching else ''}: {o.why}", flush=True)
+    try:
+        for mode in args.mode or list(MODES):
+            outcomes = [kill_once(mode, rng, hot) for _ in range(args.runs)]
+            bad = [o for o in outcomes if not o.survived]
+            failed += len(bad)
+            print(f"{mode:<22} {len(outcomes) - len(bad):>4} of {len(outcomes)} survived", flush=True)
+            for o in bad:
+                print(f"    killed at {o.delay:.3f} s{' (detaching)' if o.detaching else ''}: {o.why}", flush=True)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
     return 1 if failed else 0
 
 
