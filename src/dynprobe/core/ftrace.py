@@ -98,6 +98,9 @@ class ProcessTracing:
     sites: dict[int, TracerSite] = field(default_factory=dict)  # function id -> site
     code: list[tuple[int, OpsCode, int]] = field(default_factory=list)  # (ops index, code, size)
     lists: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)  # (ops, address, size)
+    # Detours of sites taken out at detach (address, size): a thread stopped in one still runs
+    # into the tracer's code, and leaves it before its thread area goes
+    retired: list[tuple[int, int]] = field(default_factory=list)
 
     def copy(self) -> ProcessTracing:
         """A fork child's: the same sites and code at the same addresses, its own bookkeeping."""
@@ -107,6 +110,8 @@ class ProcessTracing:
     def owns(self, rip: int) -> bool:
         """A thread at `rip` runs tracer code (it must leave it before the thread area goes)."""
         if any(s.detour <= rip < s.detour + s.size for s in self.sites.values()):
+            return True
+        if any(start <= rip < start + size for start, size in self.retired):
             return True
         return any(c.entry <= rip < c.entry + n for _, c, n in self.code) or any(
             a <= rip < a + n for _, a, n in self.lists
@@ -488,6 +493,7 @@ class Tracing:
                 proc.tracee.unpatch(site.addr, site.region)
             except OSError:
                 continue
+            proc.tracing.retired.append((site.detour, site.size))
         proc.tracing.sites.clear()
 
     # --- events ---------------------------------------------------------------------------------------

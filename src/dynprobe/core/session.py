@@ -1822,17 +1822,20 @@ class Session:
     def world_stopped(self, proc: TracedProcess) -> Iterator[int | None]:
         """Every thread of `proc` stopped; yields one tid usable for remote syscalls, or None
         when there is nothing to work on: the process is going away, or it has exec'd (what we
-        know of its memory is of the old image; its exec event, handled next, starts over)."""
-        interrupted = self._stop_all(proc)
-        try:
-            gone = proc.tracee.image_gone()
-            yield None if gone else next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
-        finally:
-            if self._started and not self._closed:
-                for t in interrupted:
-                    state = proc.tracee.threads.get(t)
-                    if state is not None:
-                        self._release(proc, state)
+        know of its memory is of the old image; its exec event, handled next, starts over).
+        A Ctrl-C meanwhile takes effect after the block: its changes to the target (a jump
+        written, its site not yet known) must not be cut short."""
+        with _signals_held():
+            interrupted = self._stop_all(proc)
+            try:
+                gone = proc.tracee.image_gone()
+                yield None if gone else next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+            finally:
+                if self._started and not self._closed:
+                    for t in interrupted:
+                        state = proc.tracee.threads.get(t)
+                        if state is not None:
+                            self._release(proc, state)
 
     def _stop_all(self, proc: TracedProcess) -> list[int]:
         """Interrupt every running thread of `proc` and wait until each has stopped. Events of
