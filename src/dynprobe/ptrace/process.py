@@ -14,6 +14,7 @@ import os
 import signal
 import stat
 import struct
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from dynprobe.errors import (
     ThreadGone,
 )
 from dynprobe.ptrace import syscalls as sc
-from dynprobe.ptrace.events import Event, EventKind, thread_state, wait_event
+from dynprobe.ptrace.events import Event, EventKind, poll_event, thread_state, wait_event
 
 if TYPE_CHECKING:
     from dynprobe.ptrace.guardian import Journal
@@ -41,6 +42,7 @@ TRACE_OPTIONS = (
     | sc.PTRACE_O_TRACEVFORKDONE | sc.PTRACE_O_TRACESYSGOOD
 )  # fmt: skip
 _SYSCALL_STOP = signal.SIGTRAP | 0x80
+ATTACH_POLL = 0.0005  # seconds between polls for the first stops of the threads seized
 
 SYS_MMAP = 9
 SYS_MUNMAP = 11
@@ -802,21 +804,37 @@ def attach(pid: int) -> Tracee:
         raise _ptrace_error(exc, pid) from exc
     tracee = Tracee(pid, [])
     # Wait on each seized thread by tid, never waitpid(-1): that would also take events of the
-    # caller's other children, and of other sessions' tracees.
+    # caller's other children, and of other sessions' tracees. Polled, never waited for one by
+    # one: a process exiting as it is seized reports its leader's end only once its other
+    # threads' ends have been taken (waiting for the leader first would wait forever).
     pending = list(seized)
     while pending:
-        tid = pending.pop(0)
-        event = wait_event(tid)
-        if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
+        ready = [(tid, event) for tid in pending if (event := poll_event(tid)) is not None]
+        gone = [tid for tid in pending if thread_state(pid, tid) is None and all(t != tid for t, _ in ready)]
+        if not ready and not gone:
+            time.sleep(ATTACH_POLL)
+            continue
+        for tid in gone:
+            pending.remove(tid)
             if tid == pid:
                 raise NoSuchProcess(f"pid {pid} exited while attaching")
-            continue
-        tracee.threads[tid] = ThreadState(tid, in_event_stop=event.kind in EVENT_STOPS)
-        if event.kind != EventKind.STOP:
-            # A group-stop too: a process stopped by job control (SIGSTOP, Ctrl-Z) is handled as
-            # one stopped while traced, held with PTRACE_LISTEN: it stays stopped until SIGCONT.
-            tracee.threads[tid].deferred.append(event)
-        if event.kind == EventKind.CLONE and event.msg not in seized:
-            seized.append(event.msg)  # born during attach: auto-attached, stopped at birth
-            pending.append(event.msg)
+        for tid, event in ready:
+            pending.remove(tid)
+            if event.kind in (EventKind.EXITED, EventKind.KILLED):
+                if tid == pid:
+                    raise NoSuchProcess(f"pid {pid} exited while attaching")
+                continue
+            _attached(tracee, tid, event, seized, pending)
     return tracee
+
+
+def _attached(tracee: Tracee, tid: int, event: Event, seized: list[int], pending: list[int]) -> None:
+    """A seized thread's first stop: its state, and a thread it made meanwhile to wait for."""
+    tracee.threads[tid] = ThreadState(tid, in_event_stop=event.kind in EVENT_STOPS)
+    if event.kind != EventKind.STOP:
+        # A group-stop too: a process stopped by job control (SIGSTOP, Ctrl-Z) is handled as one
+        # stopped while traced, held with PTRACE_LISTEN: it stays stopped until SIGCONT.
+        tracee.threads[tid].deferred.append(event)
+    if event.kind == EventKind.CLONE and event.msg not in seized:
+        seized.append(event.msg)  # born during attach: auto-attached, stopped at birth
+        pending.append(event.msg)
