@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeGuard
 
 import numpy as np
 
@@ -249,24 +249,11 @@ class Trace:
         began if it has none): `-r` times count from there, as uftrace's elapsed times do. Reads
         the chunk headers and each thread's first record only."""
         first: dict[int, int] = {}
-        path = os.path.join(self.directory, EVENTS)
-        try:
-            f = files.open_regular(path)
-        except OSError as exc:
-            raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            offset = 0
-            while size - offset >= _CHUNK_HEADER.itemsize + self.record.itemsize:
-                header = np.fromfile(f, dtype=_CHUNK_HEADER, count=1)[0]
-                who, count = int(header["who"]), int(header["count"])
-                if who not in first and count:
-                    record = self._possible(np.fromfile(f, dtype=self.record, count=1))
-                    if len(record):
-                        first[who] = int(self._ns(record["tsc"])[0])
-                    f.seek(offset + _CHUNK_HEADER.itemsize)
-                offset += _CHUNK_HEADER.itemsize + count * self.record.itemsize
-                f.seek(offset)
+        for f, _, who, held in self._headers():
+            if who not in first and held:
+                record = self._possible(np.fromfile(f, dtype=self.record, count=1))
+                if len(record):
+                    first[who] = int(self._ns(record["tsc"])[0])
         return min(first.values(), default=self._ns0)
 
     @property
@@ -306,14 +293,15 @@ class Trace:
         times = profile(self, threshold_ns=threshold_ns).functions
         return sorted(((self.name(f), ft) for f, ft in times.items()), key=lambda item: -item[1].total)
 
-    def chunks(self) -> Iterator[Chunk]:
+    def _headers(self) -> Iterator[tuple[BinaryIO, int, int, int]]:
+        """The chunks of the events file: (the file, placed at the chunk's first record; the
+        chunk's offset; who wrote it, pid | tid << 32; how many of its records the file holds).
+        A chunk the file cuts short is the last; `truncated_at` says where."""
         path = os.path.join(self.directory, EVENTS)
         try:
             f = files.open_regular(path)
         except OSError as exc:
             raise TraceError(f"{path} cannot be read: {exc.strerror}") from None
-        latest: dict[int, int] = {}  # tid -> its last time
-        inherited: dict[str, list[Any]] = self.info.get("inherited", {})
         with f:
             size = os.fstat(f.fileno()).st_size
             offset = 0
@@ -321,41 +309,42 @@ class Trace:
                 if size - offset < _CHUNK_HEADER.itemsize:
                     self.truncated_at = offset
                     return
+                f.seek(offset)
                 header = np.fromfile(f, dtype=_CHUNK_HEADER, count=1)[0]
                 count = int(header["count"])
-                want = count * self.record.itemsize
                 available = (size - offset - _CHUNK_HEADER.itemsize) // self.record.itemsize
-                who = int(header["who"])
-                if self.only and who >> 32 not in self.only:
-                    f.seek(min(count, available) * self.record.itemsize, os.SEEK_CUR)
-                    if available < count:
-                        self.truncated_at = offset
-                        return
-                    offset += _CHUNK_HEADER.itemsize + want
-                    continue
-                # A chunk holds up to a ring's worth (up to 1 GiB): read in pieces of READ_RECORDS
-                left = min(count, available)
-                while left:
-                    records = np.fromfile(f, dtype=self.record, count=min(left, READ_RECORDS))
-                    if not len(records):
-                        break  # the file shrank while read
-                    left -= len(records)
-                    records = self._possible(records)
-                    if not len(records):
-                        continue
-                    kind, times = records["kind"], self._ns(records["tsc"])
-                    # A thread's events happened in the order it wrote them, but its time stamps
-                    # are not ordered (no fence) and a thread may move to a CPU whose counter is a
-                    # little behind: none goes back in time (no call lasts less than 0).
-                    times = np.maximum.accumulate(np.maximum(times, latest.get(who, times[0])))
-                    if who not in latest and str(who >> 32) in inherited:
-                        yield self._inherited(who, *inherited[str(who >> 32)])
-                    latest[who] = int(times[-1])
-                    yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
-                if left or available < count:
+                yield f, offset, int(header["who"]), min(count, available)
+                if available < count:
                     self.truncated_at = offset
                     return
-                offset += _CHUNK_HEADER.itemsize + want
+                offset += _CHUNK_HEADER.itemsize + count * self.record.itemsize
+
+    def chunks(self) -> Iterator[Chunk]:
+        latest: dict[int, int] = {}  # tid -> its last time
+        inherited: dict[str, list[Any]] = self.info.get("inherited", {})
+        for f, offset, who, held in self._headers():
+            if self.only and who >> 32 not in self.only:
+                continue
+            # A chunk holds up to a ring's worth (up to 1 GiB): read in pieces of READ_RECORDS
+            left = held
+            while left:
+                records = np.fromfile(f, dtype=self.record, count=min(left, READ_RECORDS))
+                if not len(records):
+                    self.truncated_at = offset  # the file shrank while read
+                    return
+                left -= len(records)
+                records = self._possible(records)
+                if not len(records):
+                    continue
+                kind, times = records["kind"], self._ns(records["tsc"])
+                # A thread's events happened in the order it wrote them, but its time stamps
+                # are not ordered (no fence) and a thread may move to a CPU whose counter is a
+                # little behind: none goes back in time (no call lasts less than 0).
+                times = np.maximum.accumulate(np.maximum(times, latest.get(who, times[0])))
+                if who not in latest and str(who >> 32) in inherited:
+                    yield self._inherited(who, *inherited[str(who >> 32)])
+                latest[who] = int(times[-1])
+                yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
 
     @staticmethod
     def _inherited(who: int, time_ns: int, calls: list[list[int]]) -> Chunk:

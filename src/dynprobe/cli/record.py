@@ -124,6 +124,7 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
     add_target_options(p, follow=True)
+    p.set_defaults(time_range=None)  # (-r is a reader's)
 
 
 def _add_filter_options(p: argparse.ArgumentParser) -> None:
@@ -180,7 +181,7 @@ def _call_filter(args: argparse.Namespace) -> CallFilter:
             triggers.append(Trigger(NamePattern(func, kind), depth, on, off))
     return CallFilter(
         tuple(NamePattern(t, kind) for t in include), tuple(NamePattern(t, kind) for t in exclude),
-        args.depth, tuple(NamePattern(t, kind) for t in args.callers), getattr(args, "time_range", None),
+        args.depth, tuple(NamePattern(t, kind) for t in args.callers), args.time_range,
         tuple(triggers), args.disable,
     )  # fmt: skip
 
@@ -318,9 +319,10 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         create_trace_directory(out)  # before the target is touched: a bad -o is said at once
     except DynprobeError as exc:
         return report_error(exc)
-    # Under -F, depth counts from the nearest -F call, which only a reader knows; without, the
-    # target leaves out what is deeper (it counts its traced calls).
-    depth = args.depth if not args.filter else None
+    # Under -F (or a depth trigger), depth counts from the nearest -F call (or the trigger's),
+    # which only a reader knows; without, the target leaves out what is deeper (it counts its
+    # traced calls).
+    depth = args.depth if filters.depth_from_outermost else None
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
@@ -465,11 +467,10 @@ def run_live(args: argparse.Namespace, command: list[str]) -> int:
         if os.path.exists(os.path.join(args.data, INFO)):
             signal.signal(signal.SIGINT, signal.default_int_handler)  # the replay may be stopped
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output,
-                                         filter=[], notrace=[], callers=[], triggers=[], disable=False, depth=None,
-                                         match=args.match)  # fmt: skip
+            reading = argparse.Namespace(directory=args.data, demangle=args.demangle, tid=[], output=args.output)
+            # (the recording's own filters are in its info.json: the replay applies them)
             replayed = _read(reading, [], lambda t, out, f: callgraph.replay(t, out, _threshold(t, reading), f),
-                             default=sys.stderr)  # fmt: skip
+                             default=sys.stderr, filters=CallFilter())  # fmt: skip
             return status or replayed
         return status
 
@@ -506,14 +507,16 @@ def _read(
     show: Callable[[Trace, TextIO, CallFilter], object],
     *,
     default: TextIO = sys.stdout,
+    filters: CallFilter | None = None,
 ) -> int:
-    """Read a trace directory and `show` it, filtered by -F, -N, -D, on -o FILE, or `default`:
-    the standard output for `replay`, `report` and `dump`, which run no program."""
+    """Read a trace directory and `show` it, filtered by `filters` (default: the command's -F,
+    -N, -C, -T, -D, -r), on -o FILE, or `default`: the standard output for `replay`, `report`,
+    `graph` and `dump`, which run no program."""
     if command:
         return report_error(UsageError("reading a trace runs no command"))
     output: str | None = args.output
     try:
-        filters = _call_filter(args)
+        filters = _call_filter(args) if filters is None else filters
         with _trace(args) as trace:
             out = default if output is None else open_output(output)
             try:

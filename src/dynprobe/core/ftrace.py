@@ -197,9 +197,10 @@ class Tracing:
         """A forked child's thread `tid` begins inside the calls its parent had open: its copy of
         the shadow stack, as (probe index, return-address slot, data) of each entry."""
         began = time.monotonic_ns()
+        outermost_first = sorted(entries, key=lambda entry: -entry[1])  # (the stack grows down)
         for tracer in self.tracers.values():
             calls = [(data & 0xFFFF_FFFF, (data >> 32 & 0xFFFF) >> FRAME_SHIFT)
-                     for index, _, data in sorted(entries, key=lambda e: -e[1]) if index == tracer.index]  # fmt: skip
+                     for index, _, data in outermost_first if index == tracer.index]  # fmt: skip
             if calls and tracer.graph:
                 tracer.inherited[tid] = (began, calls)
 

@@ -2162,8 +2162,8 @@ class Session:
         return self._ensure_consumer().clock.ticks_to_ns(ticks)
 
     def clock_tick_ns(self) -> float:
-        """The smallest step between two readings of the time-stamp counter, in ns: time stamps
-        closer than that may read the same."""
+        """The typical (median) step between two readings of the time-stamp counter back to
+        back, in ns: time stamps closer than that may read the same."""
         return float(self._ensure_consumer().clock.tick_ns)
 
     def tsc_mult(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -69,17 +70,23 @@ class CallFilter:
         return bool(self.include or self.exclude or self.depth is not None or self.callers or self.time_range
                     or self.triggers or self.disabled)  # fmt: skip
 
+    @property
+    def depth_from_outermost(self) -> bool:
+        """Whether -D counts from a thread's outermost call alone (as the target can count it):
+        no -F, no depth trigger starts the count anew."""
+        return not self.include and all(t.depth is None for t in self.triggers)
+
     def masks(self, functions: list[list[object]]) -> Masks:
         depths: dict[int, int] = {}
         for trigger in self.triggers:
             if trigger.depth is not None:
-                depths.update((f, trigger.depth) for f in _ids(_matching([trigger.pattern], functions)))
+                depths.update((f, trigger.depth) for f, named in enumerate(_matching([trigger.pattern], functions))
+                              if named)  # fmt: skip
         on = [t.pattern for t in self.triggers if t.trace_on]
         off = [t.pattern for t in self.triggers if t.trace_off]
         return Masks(
-            _matching(self.include, functions) if self.include else None, _matching(self.exclude, functions),
-            self.depth, _matching(self.callers, functions) if self.callers else None, depths,
-            _matching(on, functions) if on else None, _matching(off, functions) if off else None, self.disabled,
+            _named(self.include, functions), _matching(self.exclude, functions), self.depth,
+            _named(self.callers, functions), depths, _named(on, functions), _named(off, functions), self.disabled,
         )  # fmt: skip
 
     def to_info(self, functions: list[list[object]]) -> dict[str, object]:
@@ -87,16 +94,19 @@ class CallFilter:
         a regular expression a trace file gives it)."""
         masks = self.masks(functions)
         return {
-            "include": None if masks.include is None else _ids(masks.include), "exclude": _ids(masks.exclude),
-            "depth": self.depth, "callers": None if masks.callers is None else _ids(masks.callers),
-            "depths": [[f, d] for f, d in masks.depths.items()],
-            "on": None if masks.on is None else _ids(masks.on), "off": None if masks.off is None else _ids(masks.off),
-            "disabled": self.disabled,
+            "include": _ids(masks.include), "exclude": _ids(masks.exclude), "depth": self.depth,
+            "callers": _ids(masks.callers), "depths": [[f, d] for f, d in masks.depths.items()],
+            "on": _ids(masks.on), "off": _ids(masks.off), "disabled": self.disabled,
         }  # fmt: skip
 
 
-def _ids(mask: list[bool]) -> list[int]:
-    return [i for i, named in enumerate(mask) if named]
+def _named(patterns: Sequence[NamePattern], functions: list[list[object]]) -> list[bool] | None:
+    """Per function id, whether one of `patterns` names it; None when there are no patterns."""
+    return _matching(patterns, functions) if patterns else None
+
+
+def _ids(mask: list[bool] | None) -> list[int] | None:
+    return None if mask is None else [i for i, named in enumerate(mask) if named]
 
 
 def recorded_masks(trace: Trace) -> Masks | None:
@@ -143,15 +153,31 @@ def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) ->
     return result
 
 
-class _Thread:
-    """One thread's open calls, outermost first (each a list of ints, its frame second), and
-    where each frame's call is."""
+class FrameStack:
+    """One thread's open calls, outermost first, each a list whose first two items are its
+    function and its frame (the rest is the reader's), and where each frame's call is. A frame
+    entered again ends the calls that held it (left by longjmp or an exception)."""
 
     __slots__ = ("at", "calls")
 
     def __init__(self) -> None:
-        self.calls: list[list[int]] = []
+        self.calls: list[list[Any]] = []
         self.at: dict[int, int] = {}  # frame -> its index in calls
+
+    def push(self, call: list[Any]) -> None:
+        frame = call[1]
+        if frame:
+            if frame in self.at:
+                self.cut(self.at[frame])
+            self.at[frame] = len(self.calls)
+        self.calls.append(call)
+
+    def find(self, func: int, frame: int) -> int | None:
+        """The open call an exit of `func` in `frame` ends (None: entered before the trace
+        began); a trace without frames: the innermost open call of `func`."""
+        if frame:
+            return self.at.get(frame)
+        return next((i for i in range(len(self.calls) - 1, -1, -1) if self.calls[i][0] == func), None)
 
     def cut(self, depth: int) -> None:
         for call in self.calls[depth:]:
@@ -192,30 +218,24 @@ def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
     """Only the calls of `targets` functions and the calls on the way to them (uftrace's -C): a
     call's entry is held back until a target is called under it; a target's other callees are
     left out."""
-    threads: dict[int, _Thread] = {}
+    threads: dict[int, FrameStack] = {}
     for chunk in chunks:
-        thread = threads.setdefault(chunk.tid, _Thread())
-        open_calls, at = thread.calls, thread.at
+        thread = threads.setdefault(chunk.tid, FrameStack())
         kept: list[tuple[int, int, int, int]] = []  # (kind, frame, function, time)
         for kind, func, frame, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(),
                                         chunk.time_ns.tolist(), strict=True):  # fmt: skip
             if kind != EXIT:
-                if frame and frame in at:  # a frame entered again: what held it was left
-                    thread.cut(at[frame])
-                if targets[func]:  # [function, frame, entry time, shown]
-                    for call in open_calls:
+                thread.push([func, frame, t, 0])  # [function, frame, entry time, shown]
+                if targets[func]:  # it and the calls it is under that are not shown yet
+                    for call in thread.calls:
                         if not call[3]:
                             kept.append((0, call[1], call[0], call[2]))
                             call[3] = 1
-                    kept.append((0, frame, func, t))
-                if frame:
-                    at[frame] = len(open_calls)
-                open_calls.append([func, frame, t, int(targets[func])])
                 continue
-            index = at.get(frame) if frame else _innermost(open_calls, func)
+            index = thread.find(func, frame)
             if index is None:
                 continue
-            if open_calls[index][3]:
+            if thread.calls[index][3]:
                 kept.append((EXIT, frame, func, t))
             thread.cut(index)
         if kept:
@@ -224,57 +244,49 @@ def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
                         func_.astype(np.uint32), time_.astype(np.int64), chunk.inherited)  # fmt: skip
 
 
-def _innermost(open_calls: list[list[int]], func: int) -> int | None:
-    """A trace without frames: the innermost open call of `func`."""
-    return next((i for i in range(len(open_calls) - 1, -1, -1) if open_calls[i][0] == func), None)
-
-
 def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
     """`chunks` with only the events of the calls `masks` keep. Showing that starts again (a
     trace_on) first opens, silently, the kept calls it starts inside (an inherited chunk):
     their returns show at their depth, as in uftrace."""
     include, exclude, on, off = masks.include, masks.exclude, masks.on, masks.off
     deepest = masks.depth if masks.depth is not None else 1 << 62
-    threads: dict[int, _Thread] = {}
+    threads: dict[int, FrameStack] = {}
     showing: dict[int, bool] = {}
     for chunk in chunks:
-        thread = threads.setdefault(chunk.tid, _Thread())
+        thread = threads.setdefault(chunk.tid, FrameStack())
         shown = showing.setdefault(chunk.tid, not masks.disabled)
-        open_calls, at = thread.calls, thread.at
         keep: list[bool] = []
         start = 0  # of the part of the chunk not yet given out
         columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(), chunk.time_ns.tolist())
         for i, (kind, func, frame, t) in enumerate(zip(*columns, strict=True)):
             if kind != EXIT:
-                if frame and frame in at:  # a frame entered again: what held it was left
-                    thread.cut(at[frame])
+                if frame in thread.at:  # a frame entered again: what held it was left
+                    thread.cut(thread.at[frame])
                 if off is not None and off[func]:
                     shown = False
                 elif on is not None and on[func] and not shown:
                     shown = True
                     yield from _part(chunk, keep, start, i)
                     keep, start = [], i
-                    opened = [call for call in open_calls if call[5]]
+                    opened = [call for call in thread.calls if call[5]]
                     if opened:
                         yield _opened(chunk, opened)
                 # [function, frame, inside an -F call, inside an -N call, how many levels deeper
                 # calls may be kept (-D, depth triggers), kept, entry time]
-                parent = open_calls[-1] if open_calls else None
+                parent = thread.calls[-1] if thread.calls else None
                 matched = include is not None and include[func]
                 inside = include is None or matched or (parent is not None and parent[2] == 1)
                 dropped = exclude[func] or (parent is not None and parent[3] == 1)
                 levels = masks.depths.get(func, deepest if matched or parent is None else parent[4])
                 kept = inside and not dropped and levels >= 1
-                if frame:
-                    at[frame] = len(open_calls)
-                open_calls.append([func, frame, int(inside), int(dropped), levels - kept, int(kept), t])
+                thread.push([func, frame, int(inside), int(dropped), levels - kept, int(kept), t])
                 keep.append(kept and shown)
                 continue
-            index = at.get(frame) if frame else _innermost(open_calls, func)
+            index = thread.find(func, frame)
             if index is None:  # entered before the trace began
                 keep.append(shown and include is None and not exclude[func] and masks.depth is None)
                 continue
-            keep.append(shown and open_calls[index][5] == 1)
+            keep.append(shown and thread.calls[index][5] == 1)
             thread.cut(index)
         showing[chunk.tid] = shown
         yield from _part(chunk, keep, start, len(chunk.kind))

@@ -13,7 +13,7 @@ from typing import TextIO
 
 import numpy as np
 
-from dynprobe.output.callfilter import CallFilter, chunks_of
+from dynprobe.output.callfilter import CallFilter, FrameStack, chunks_of
 from dynprobe.tracefile import Chunk, Trace
 
 EXIT = 1
@@ -694,36 +694,33 @@ def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallF
     root = _Node(-1, 0)
     traces: dict[tuple[int, ...], list[int]] = {}  # backtrace -> [hits, time]
     targets = {f for f in range(len(trace.functions)) if trace.name(f) == function} if function else set()
-    # Per thread, its open calls: [node (None: outside `function`), entry time, frame, function,
-    # backtrace], and the time of its last event
-    stacks: dict[int, list[tuple[_Node | None, int, int, int, tuple[int, ...] | None]]] = {}
+    # Per thread, its open calls: [function, frame, entry time, node (None: outside `function`),
+    # backtrace (of a call of `function`)], and the time of its last event
+    stacks: dict[int, FrameStack] = {}
     last: dict[int, int] = {}
     for chunk in _batches(trace, filters):
-        stack = stacks.setdefault(chunk.tid, [])
+        stack = stacks.setdefault(chunk.tid, FrameStack())
         for kind, func, t, frame in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(),
                                         chunk.frame.tolist(), strict=True):  # fmt: skip
             if kind != EXIT:
-                if frame:  # a frame entered again: the calls that held it were left (longjmp)
-                    held = next((i for i, call in enumerate(stack) if call[2] == frame), None)
-                    if held is not None:
-                        del stack[held:]
-                caller = stack[-1][0] if stack else (None if function else root)
+                if frame in stack.at:  # a frame entered again: the calls that held it were left
+                    stack.cut(stack.at[frame])
+                caller = stack.calls[-1][3] if stack.calls else (None if function else root)
                 node, path = None, None
                 if caller is not None:
                     node = caller.child(func, t)
                 elif func in targets:
-                    node, path = root, (*(call[3] for call in stack), func)
+                    node, path = root, (*(call[0] for call in stack.calls), func)
                     traces.setdefault(path, [0, 0])[0] += 0 if chunk.inherited else 1
                 if node is not None and not chunk.inherited:
                     node.calls += 1
-                stack.append((node, t, frame, func, path))
+                stack.push([func, frame, t, node, path])
                 continue
-            at = next((i for i in range(len(stack) - 1, -1, -1)
-                       if (stack[i][2] == frame if frame else stack[i][3] == func)), None)  # fmt: skip
+            at = stack.find(func, frame)
             if at is None:
                 continue
-            node, began, _, _, path = stack[at]
-            del stack[at:]
+            _, _, began, node, path = stack.calls[at]
+            stack.cut(at)
             if node is not None:
                 node.time += t - began
             if path is not None:
@@ -731,7 +728,7 @@ def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallF
         if len(chunk.time_ns):
             last[chunk.tid] = int(chunk.time_ns[-1])
     for tid, stack in stacks.items():  # calls still running when the trace ended
-        for node, began, _, _, _ in stack:
+        for _, _, began, node, _ in stack.calls:
             if node is not None:
                 node.time += last.get(tid, began) - began
     if function is None:

@@ -74,9 +74,13 @@ def create_fd(path: str) -> int:
         device = False
     if device:
         try:
-            return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
         except OSError as exc:
             raise _refused(path, exc) from None
+        if stat.S_ISCHR(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)  # put in its place since (a file someone else owns): never written
+        raise OutputError(f"{path} changed as it was opened: choose another name")
     keep_old(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
