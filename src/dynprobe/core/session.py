@@ -79,6 +79,7 @@ from dynprobe.ptrace.events import (
 from dynprobe.ptrace.guardian import Guardian
 from dynprobe.ptrace.process import (
     EVENT_STOPS,
+    TRACE_OPTIONS,
     ThreadState,
     Tracee,
     list_threads,
@@ -129,6 +130,7 @@ _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, Optimiz
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
 _EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKind.STEP, ActionKind.COUNT
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
+_TRACE_CHILDREN = sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEVFORKDONE
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
 _WAKE_SIGNAL = signal.SIGURG  # `request_stop` wakes the tracing thread with it (ignored by default)
@@ -235,6 +237,18 @@ def _resume(proc: TracedProcess, tid: int, sig: int = 0, step: bool = False) -> 
     proc.tracee.resume(tid, sig, step)
     if proc.rescue is not None:
         proc.rescue.mark(0, 0)
+
+
+def _in_sigtrap_stop(tid: int) -> bool:
+    """Whether stopped thread `tid` is in the signal-delivery stop of a SIGTRAP (an int3, a
+    single step), which a dying tracer lets go on to take that signal when not yet taken."""
+    try:
+        info = sc.get_siginfo(tid)
+    except OSError:
+        return False
+    return int(info.si_signo) == signal.SIGTRAP and int(info.si_code) >> 8 == 0 and (
+        int(info.si_code) != signal.SIGTRAP | 0x80
+    )
 
 
 def _in_syscall_stop(tid: int) -> bool:
@@ -1940,15 +1954,24 @@ class Session:
                     with contextlib.suppress(OSError):
                         proc.tracee.unpatch(site.addr, site.original[:1])
                     site.armed = False
-            stopped = next((t for t, st in proc.tracee.threads.items() if st.stopped), None)
-            if stopped is not None:
-                self._uninstall_rescue(proc, stopped)
+            # Every thread made ready to go while the rescue handler still stands: after it is
+            # gone, a killed dynprobe must leave no thread a SIGTRAP of ours.
+            due: dict[int, int] = {}
             for tid, state in list(proc.tracee.threads.items()):
-                if state.stopped:
-                    try:
-                        self._detach_thread(proc, tid, state)
-                    except OSError as exc:
-                        _debug(f"detach: thread {tid}: {exc}")
+                try:
+                    sig = self._settle_thread(proc, tid, state) if state.stopped else None
+                except OSError as exc:
+                    _debug(f"detach: thread {tid}: {exc}")
+                    continue
+                if sig is not None:
+                    due[tid] = sig
+            if due:
+                self._uninstall_rescue(proc, next(iter(due)))
+            for tid, sig in due.items():
+                try:
+                    self._detach_thread(proc, tid, sig)
+                except OSError as exc:
+                    _debug(f"detach: thread {tid}: {exc}")
         finally:
             self._detach_stragglers(proc)
             proc.tracee.close_memory()
@@ -1983,7 +2006,10 @@ class Session:
                 event = self._wait_stop(tid, timeout=1.0)
                 _debug(f"detach: thread {tid} of {proc.pid} was still traced; its stop: {event}")
                 try:
-                    self._detach_thread(proc, tid, self._state_from_stop(tid, event))
+                    state = proc.tracee.threads[tid] = self._state_from_stop(tid, event)
+                    sig = self._settle_thread(proc, tid, state)
+                    if sig is not None:
+                        self._detach_thread(proc, tid, sig)
                 except OSError as exc:
                     _debug(f"detach: thread {tid}: {exc}")
 
@@ -2004,6 +2030,7 @@ class Session:
             if (rip - 1) in proc.sites or self._slot_site(proc, rip) or self.in_own_code(proc, rip):
                 return  # (its handler would return where the detach is about to move it from)
             sc.singlestep(tid, held[-1].sig)
+            state.stepped = True
         except OSError as exc:
             _debug(f"detach: thread {tid}: signal {held[-1].sig} not delivered ahead: {exc}")
             return
@@ -2043,7 +2070,10 @@ class Session:
                 event = wait_event(tid)  # its first stop is imminent: it is born stopped
             proc.tracee.threads[tid] = self._state_from_stop(tid, event)
 
-    def _detach_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> None:
+    def _settle_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> int | None:
+        """Make stopped thread `tid` ready to be let go: off our sites and slots, and in a stop
+        that a killed dynprobe leaves harmless. Returns the signal its detach delivers (None:
+        it is gone)."""
         if not any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred) and (
             sigtrap_pending(proc.pid, tid)
         ):
@@ -2060,7 +2090,7 @@ class Session:
             regs = sc.get_regs(tid)
         except OSError as exc:
             _debug(f"detach: thread {tid}: no registers ({exc}); deferred {state.deferred}")
-            return
+            return None
         # Only a SIGTRAP stop we saw counts: GETSIGINFO of a PTRACE_INTERRUPT stop also reads as
         # SIGTRAP/SI_KERNEL, and a thread interrupted at site+1 (after an emulated push) must not
         # be rewound.
@@ -2072,15 +2102,45 @@ class Session:
         site = self._slot_site(proc, rip) or (step.site if step else None)
         if site is not None and site.in_slot(rip):
             regs.rip = site.original_rip(rip)
-            sc.set_regs(tid, regs)
+            _set_regs(proc, tid, regs)
         elif trapped and (rip - 1) in proc.sites:
             regs.rip = rip - 1  # stopped on our int3, now gone: run the original instruction
-            sc.set_regs(tid, regs)
+            _set_regs(proc, tid, regs)
         elif trapped and step is None and not sig:
             sig = signal.SIGTRAP  # the target's own trap: it is due to it
         if step is not None and step.held_signals:
             sig = step.held_signals[0]
-        elif sig and sig not in _FAULT_SIGNALS and state.interrupted is not None and _in_syscall_stop(tid):
+        if sig != signal.SIGTRAP and (state.stepped or _in_sigtrap_stop(tid)):
+            return self._park(proc, tid, state, sig)
+        return sig
+
+    def _park(self, proc: TracedProcess, tid: int, state: ThreadState, sig: int) -> int | None:
+        """Move a thread out of a stop that a dying dynprobe would leave with a SIGTRAP (an int3
+        stop not taken yet, the trap flag of a single step): resumed with the signal it is due,
+        and interrupted at once, it waits in an interrupt stop, which a tracer's death or the
+        detach ends as is. Threads and processes it creates meanwhile are not traced. Returns
+        the signal its detach delivers: that of a signal stop reached instead (None: gone)."""
+        with contextlib.suppress(OSError):
+            sc.set_options(tid, TRACE_OPTIONS & ~_TRACE_CHILDREN)
+        _resume(proc, tid, sig)
+        with contextlib.suppress(OSError):
+            sc.interrupt(tid)
+        event = self._wait_stop(tid, timeout=1.0)
+        if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
+            if event is not None:
+                self._pending.append(event)
+            proc.tracee.threads.pop(tid, None)
+            return None
+        state.stopped = True
+        state.in_event_stop = event.kind in EVENT_STOPS
+        return event.sig if event.kind == EventKind.SIGNAL else 0
+
+    def _detach_thread(self, proc: TracedProcess, tid: int, sig: int) -> None:
+        """Let settled thread `tid` go with signal `sig`."""
+        state = proc.tracee.threads.get(tid)
+        if sig and sig not in _FAULT_SIGNALS and state is not None and state.interrupted is not None and (
+            _in_syscall_stop(tid)
+        ):
             # A signal that came while our system call ran in it: sent on from this stop (as
             # the kernel does from a system-call stop), with the registers of the call it
             # interrupted, so that its handler's return restarts it or fails it with EINTR.
@@ -2220,6 +2280,7 @@ class Session:
                     if not self.in_own_code(proc, rip):
                         break
                     sc.singlestep(tid, 0)
+                    state.stepped = True
                     event = wait_event(tid)
                     if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
                         proc.tracee.threads.pop(tid, None)

@@ -78,6 +78,10 @@ class ThreadState:
     # delivered at its next resume needs them: its handler's return then decides, as the
     # kernel does, whether the call is restarted or fails with EINTR. Cleared by a resume.
     interrupted: Regs | None = None
+    # Last resumed by a single step: the kernel keeps its trap flag set until a resume without
+    # one (or a detach), also across a later interrupt stop. Should the tracer die meanwhile,
+    # the thread would take a SIGTRAP after its next instruction.
+    stepped: bool = False
 
 
 def tracer_of(pid: int, tid: int | None = None) -> int:
@@ -322,6 +326,7 @@ class Tracee:
         state.stopped = False
         state.in_event_stop = False
         state.at_trap = None
+        state.stepped = step
 
     def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
         """Run syscall `nr` in stopped thread `tid`, using `scratch` (3 executable bytes we own or
