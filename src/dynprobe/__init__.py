@@ -29,10 +29,12 @@ from dynprobe.errors import (
 )
 from dynprobe.output.files import OutputError
 from dynprobe.output.hist import Bucket, Histogram
+from dynprobe.spec.argspec import ArgSpecError
 from dynprobe.tracefile import Trace, TraceError, TraceEvent
 
 __all__ = [
     "AlreadyTraced",
+    "ArgSpecError",
     "Bucket",
     "DynprobeError",
     "ElfError",

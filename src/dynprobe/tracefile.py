@@ -4,11 +4,14 @@
                      CLOCK_MONOTONIC ns), the modules (path, build id), the functions (index =
                      id: name, file, address, size, whether a PLT stub), the threads' names,
                      the filters record was given (function ids), the calls forked children
-                     began inside, counts (calls, missed, lost), "complete" once written out
+                     began inside, the values functions record ("captures": function id ->
+                     [argument specs, return-value specs], as spec/argspec.py writes them),
+                     counts (calls, missed, lost), "complete" once written out
     DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
                      records of `record_size` bytes), each record u16 ops, u16 kind (bit 0:
-                     exit; bits 1-15: the call's frame, 0 for none; version 1 had no frames),
-                     u32 function id, u64 time stamp
+                     exit; bits 1-14: the call's frame, 0 for none; version 1 had no frames),
+                     u32 function id, u64 time stamp; from version 3, a call's values in data
+                     records after its entry or exit (kind bit 15: see codegen.TRACE_DATA)
 
 Readers never load the events whole: `Trace.chunks()` yields one chunk at a time (numpy), and a
 truncated file yields what it holds and says where it stopped.
@@ -20,21 +23,31 @@ import contextlib
 import json
 import os
 from collections.abc import Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeGuard
 
 import numpy as np
 
+from dynprobe.arch.x86_64.codegen import DATA_CUT, DATA_END, DATA_FAULTED, DATA_NULL, TRACE_DATA
 from dynprobe.errors import DynprobeError
 from dynprobe.output import files
 from dynprobe.ringbuf.layout import MARGIN_NS, MAX_RECORD_SIZE
+from dynprobe.spec.argspec import (
+    MAX_VALUES,
+    STRING_PIECES,
+    ArgSpec,
+    ArgSpecError,
+    parse_value,
+    show_string,
+    show_value,
+)
 from dynprobe.symbols.demangle import Demangle, display
 
 if TYPE_CHECKING:
     from dynprobe.output.callgraph import FunctionTime
 
 FORMAT = "dynprobe-trace"
-VERSION = 2
+VERSION = 3
 INFO, EVENTS = "info.json", "events.raw"
 _CHUNK_HEADER = np.dtype([("who", "<u8"), ("count", "<u8")])
 READ_RECORDS = 1 << 20  # records read at a time: a reader's memory stays flat whatever the ring size
@@ -103,6 +116,11 @@ def _wrong_in(info: dict[str, Any]) -> str | None:
         k.isdigit() and _open_calls(v, len(functions)) for k, v in inherited.items()
     ):  # fmt: skip
         return "the calls forked children inherited are not a table of tid: [time, [[function, frame], ...]]"
+    captures = info.get("captures", {})
+    if not isinstance(captures, dict) or not all(
+        k.isdigit() and int(k) < len(functions) and _capture(v) for k, v in captures.items()
+    ):  # fmt: skip
+        return "the recorded values are not a table of function id: [[argument, ...], [return value]]"
     threads = info.get("threads", {})
     if not isinstance(threads, dict) or not all(k.isdigit() and isinstance(v, str) for k, v in threads.items()):
         return "the thread names are not a table of tid: name"
@@ -122,6 +140,31 @@ def _open_calls(value: object, functions: int) -> bool:
         and 0 < c[1] < 1 << 15
         for c in calls
     )  # fmt: skip
+
+
+def _capture(value: object) -> bool:
+    """[[argument spec, ...], [return-value spec] or []], each as ArgSpec.text writes it."""
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, list) for v in value)):
+        return False
+    arguments, retval = value
+    if len(arguments) > MAX_VALUES or len(retval) > 1:
+        return False
+    try:
+        for specs, is_retval in ((arguments, False), (retval, True)):
+            for text in specs:
+                if not isinstance(text, str) or len(text) > 64:
+                    return False
+                parse_value(text, retval=is_retval)
+    except ArgSpecError:
+        return False
+    return True
+
+
+def _captures(info: dict[str, Any]) -> dict[int, tuple[list[ArgSpec], list[ArgSpec]]]:
+    return {
+        int(k): ([parse_value(t, retval=False) for t in v[0]], [parse_value(t, retval=True) for t in v[1]])
+        for k, v in info.get("captures", {}).items()
+    }
 
 
 def record_dtype(record_size: int) -> np.dtype[Any]:
@@ -200,6 +243,10 @@ class Chunk:
     # the fork left them; stamped with the fork), outermost first: readers open them silently,
     # so the child's calls go on at its parent's depth, as in uftrace.
     inherited: bool = False
+    # What an event's call recorded (-A, -R): index into `notes` ("(1, "a")" for an entry,
+    # " = 3" for an exit), -1 for nothing; None: no event of the chunk recorded values.
+    note: np.ndarray | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -241,8 +288,16 @@ class Trace:
         self._first_tsc = max(0, self._tsc0 - margin)
         self._last_tsc = clock["tsc_now"] + margin if "tsc_now" in clock and self.complete else (1 << 64) - 1
         self.record = record_dtype(info["record_size"])
+        self.captures = _captures(info)  # function id -> (argument specs, return-value specs)
         self.truncated_at: int | None = None  # the byte offset where a truncated file stops
         self.rejected = 0  # records left out: a function id past the table, an impossible time
+
+    def call_note(self, chunk: Chunk, i: int) -> str:
+        """What event `i` of `chunk` recorded ("(1, 2)", " = 3"), or ""."""
+        if chunk.note is None:
+            return ""
+        index = int(chunk.note[i])
+        return chunk.notes[index] if index >= 0 else ""
 
     def first_ns(self) -> int:
         """When the first event of the trace happened (CLOCK_MONOTONIC ns; when the recording
@@ -251,7 +306,8 @@ class Trace:
         first: dict[int, int] = {}
         for f, _, who, held in self._headers():
             if who not in first and held:
-                record = self._possible(np.fromfile(f, dtype=self.record, count=1))
+                record = np.fromfile(f, dtype=self.record, count=1)
+                record = record[self._possible(record)]
                 if len(record):
                     first[who] = int(self._ns(record["tsc"])[0])
         return min(first.values(), default=self._ns0)
@@ -327,13 +383,25 @@ class Trace:
                 continue
             # A chunk holds up to a ring's worth (up to 1 GiB): read in pieces of READ_RECORDS
             left = held
+            carried = None  # a piece's last call, whose data records may be in the next piece
             while left:
                 records = np.fromfile(f, dtype=self.record, count=min(left, READ_RECORDS))
                 if not len(records):
                     self.truncated_at = offset  # the file shrank while read
                     return
                 left -= len(records)
-                records = self._possible(records)
+                if carried is not None:
+                    records, carried = np.concatenate([carried, records]), None
+                data = records["kind"] & TRACE_DATA != 0
+                if left and data.any():
+                    last_call = int(np.flatnonzero(~data)[-1]) if (~data).any() else 0
+                    if last_call:
+                        records, carried, data = records[:last_call], records[last_call:], data[:last_call]
+                note, notes = self._notes(records, data) if data.any() else (None, [])
+                possible = self._possible(records) & ~data
+                if not possible.all():
+                    records = records[possible]
+                    note = note[possible] if note is not None else None
                 if not len(records):
                     continue
                 kind, times = records["kind"], self._ns(records["tsc"])
@@ -344,7 +412,8 @@ class Trace:
                 if who not in latest and str(who >> 32) in inherited:
                     yield self._inherited(who, *inherited[str(who >> 32)])
                 latest[who] = int(times[-1])
-                yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times)
+                yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times,
+                            note=note, notes=notes)  # fmt: skip
 
     @staticmethod
     def _inherited(who: int, time_ns: int, calls: list[list[int]]) -> Chunk:
@@ -354,16 +423,68 @@ class Trace:
                      func.astype(np.uint32), np.full(n, time_ns, np.int64), inherited=True)  # fmt: skip
 
     def _possible(self, records: np.ndarray) -> np.ndarray:
-        """The records that can be true: the target wrote them into its own memory, and could
-        write any function id or time stamp."""
-        tsc = records["tsc"]
-        possible = (records["func"] < len(self.functions)) & (tsc >= self._first_tsc) & (tsc <= self._last_tsc)
-        if possible.all():
-            return records
-        self.rejected += int(np.count_nonzero(~possible))
-        kept: np.ndarray = records[possible]
-        return kept
+        """Which calls' records can be true (a mask): the target wrote them into its own
+        memory, and could write any function id or time stamp. (Data records are not calls'.)"""
+        tsc, data = records["tsc"], records["kind"] & TRACE_DATA != 0
+        possible: np.ndarray = (
+            (records["func"] < len(self.functions)) & (tsc >= self._first_tsc) & (tsc <= self._last_tsc)
+        )
+        self.rejected += int(np.count_nonzero(~possible & ~data))
+        return possible
+
+    def _notes(self, records: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """What the calls' data records say (see Chunk.note): each data record belongs to the
+        call's record before it; one that does not fit its function's specs is left out."""
+        calls = np.flatnonzero(~data)
+        at = np.flatnonzero(data)
+        owners = np.searchsorted(calls, at) - 1
+        note = np.full(len(records), -1, dtype=np.int32)
+        notes: list[str] = []
+        kinds, funcs, values = records["kind"].tolist(), records["func"].tolist(), records["tsc"].tolist()
+        pieces: dict[int, list[tuple[int, int, int]]] = {}  # the owner's record -> its data records
+        for owner, i in zip(owners.tolist(), at.tolist(), strict=True):
+            if owner >= 0:
+                pieces.setdefault(int(calls[owner]), []).append((kinds[i] & 0xFF, funcs[i], values[i]))
+        for call, parts in pieces.items():
+            specs = self.captures.get(funcs[call])
+            if specs is None:
+                continue
+            exit = bool(kinds[call] & 1)
+            text = _shown(specs[1] if exit else specs[0], parts)
+            if text is not None:
+                note[call] = len(notes)
+                notes.append(f" = {text}" if exit else f"({text})")
+        return note, notes
 
     def _ns(self, tsc: np.ndarray) -> np.ndarray:
         delta = tsc.astype(np.int64) - np.int64(self._tsc0)
         return (delta * self._scale).astype(np.int64) + self._ns0
+
+
+def _shown(specs: list[ArgSpec], parts: list[tuple[int, int, int]]) -> str | None:
+    """The values of one call, from its data records (value number, bytes held | flags, the
+    8 bytes), as replay shows them: "1, \"a\"" (None if no record fits)."""
+    strings: dict[int, tuple[bytes, int, int]] = {}  # value number -> its bytes so far, flags, last payload
+    numbers: dict[int, int] = {}
+    for number, held, raw in parts:
+        if number >= len(specs):
+            continue
+        if not specs[number].is_string:
+            numbers[number] = raw
+            continue
+        so_far, flags, _ = strings.get(number, (b"", 0, 0))
+        if flags & (DATA_END | DATA_CUT | DATA_FAULTED | DATA_NULL) or len(so_far) >= 8 * STRING_PIECES:
+            continue  # (a string's records after its last: not ours)
+        strings[number] = (so_far + raw.to_bytes(8, "little")[: min(held & 0xFF, 8)], held & 0xF00, raw)
+    shown = []
+    for number, spec in enumerate(specs):
+        if number in numbers:
+            shown.append(show_value(spec, numbers[number]))
+        elif number in strings:
+            text, flags, raw = strings[number]
+            unreadable = flags & DATA_NULL or (flags & DATA_FAULTED and not text)
+            shown.append(show_string(text, cut=bool(flags & DATA_CUT), faulted=bool(flags & DATA_FAULTED),
+                                     pointer=raw if unreadable else None))  # fmt: skip
+        else:
+            shown.append("?")  # (its record lost, or not written)
+    return ", ".join(shown) if numbers or strings else None

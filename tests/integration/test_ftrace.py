@@ -278,7 +278,7 @@ def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
     ("damage", "message"),
     [
         ("missing", "is not a trace: info.json is missing"),
-        ("newer", "was written by a newer dynprobe (format 99; this one reads 2)"),
+        ("newer", "was written by a newer dynprobe (format 99; this one reads 3)"),
         ("nodir", "no trace directory"),
         ("no clock", "info.json is damaged: no clock"),
         ("record_size", "info.json is damaged: record_size is not a power of two from 16 to 4096"),
@@ -911,3 +911,92 @@ def test_a_time_range_shows_what_happened_in_it(ret: str, tmp_path: Path) -> Non
     assert events("-r", f"{times[-1] + 1}ns~") == 0
     r = dp("replay", "-r", "5ms", trace)
     assert r.returncode == 2 and "not a time range: '5ms' (START~STOP" in r.stderr
+
+
+ARGS_SPEC = [
+    "-A", "add@arg1/i32,arg2/i32", "-R", "add@retval/i32", "-A", "neg@arg1", "-R", "neg@retval",
+    "-A", "triple@arg1/u", "-R", "triple@retval/x", "-A", "echo@arg1/s", "-R", "echo@retval/s",
+    "-A", "given@arg1/s", "-R", "given@retval", "-A", "next_letter@arg1/c", "-R", "next_letter@retval/c",
+    "-A", "half@fparg1", "-R", "half@retval/f", "-A", "scale@fparg1/32,fparg2", "-R", "scale@retval/f32",
+    "-A", "eight@arg1,arg2,arg3,arg4,arg5,arg6,arg7,arg8", "-R", "eight@retval",
+    "-A", "outer@arg1", "-R", "outer@retval", "-A", "fact@arg1", "-R", "fact@retval",
+]  # fmt: skip
+_UFTRACE_FLAGS = ("-O1", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+
+
+def test_arguments_and_return_values_as_uftrace_shows_them(tmp_path: Path) -> None:
+    """-A and -R: integers of each size and format, strings (cut at 95 characters, escaped, a
+    null and an unmapped pointer), characters, floats and doubles, the 7th and 8th arguments
+    (on the stack), return values of calls with callees and of recursive calls; recorded by
+    the target's generated code and shown by replay line for line as uftrace shows them (the
+    same -mnop-mcount binary), the values read back through filters (-F, -C) too."""
+    binary = build_target("args_uftrace", "args.c", flags=_UFTRACE_FLAGS)
+    _, trace = record(tmp_path, "--no-libcall", *ARGS_SPEC, "--", binary, "2")
+    ours = call_tree(dp("replay", trace).stdout)
+    calls = [line for _, line in ours[0]]
+    for expected in [
+        "add(1, 2) = 3;", "add(-5, 3) = -2;", "neg(0xfffffffff8a432eb) = 0x75bcd15;",
+        "triple(0xffffffffffffffff) = 0xfffffffffffffffd;", 'echo("hello world") = "hello world";',
+        'echo("tab\there, quote" and newline\\n") = "tab\there, quote" and newline\\n";',
+        'given("NULL") = 0;', 'given("<0x10>") = 1;', "next_letter('a') = 'b';",
+        "half(3.000000) = 1.500000;", "scale(1.500000, 2.250000) = 3.375000;",
+        "eight(1, 2, 3, 4, 5, 6, 7, 8) = 36;", "} = 8; /* outer */", "fact(1) = 1;", "} = 24; /* fact */",
+    ]:  # fmt: skip
+        assert calls.count(expected) == 2, (expected, calls)
+    cut = f'"{"x" * 95}..."'
+    assert calls.count(f"echo({cut}) = {cut};") == 2
+    filtered = [line for _, line in call_tree(dp("replay", "-F", "outer", trace).stdout)[0]]
+    assert filtered == ["outer(3) {", "inner();", "} = 8; /* outer */"] * 2
+    callers = [line for _, line in call_tree(dp("replay", "-C", "inner", trace).stdout)[0]]
+    assert callers == ["main() {", *["outer(3) {", "inner();", "} = 8; /* outer */"] * 2, "} /* main */"]
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *ARGS_SPEC,
+                    binary, "2"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    profiling = {"__gmon_start__", "__monstartup", "__cxa_atexit", "atexit"}  # (-pg's start-up, not args.c's)
+    assert call_tree(dp("replay", trace).stdout, profiling) == call_tree(replayed.stdout, profiling)
+
+
+def test_auto_args_of_library_calls_as_uftrace_shows_them(tmp_path: Path) -> None:
+    """-a: the values of the library functions a program calls (strlen, printf, puts: their
+    prototypes known), as uftrace's -a shows them. (uftrace also reads the program's own
+    functions' from DWARF; dynprobe does not yet, so only library calls are compared.)"""
+    binary = build_target("args_uftrace", "args.c", flags=_UFTRACE_FLAGS)
+    _, trace = record(tmp_path, "-a", "-F", "main", "--", binary)
+    library = {"strlen", "printf", "puts"}
+
+    def calls_of_library(replay: str) -> list[str]:
+        return [line for _, line in call_tree(replay)[0] if re.sub(r"\W.*", "", line) in library]
+
+    ours = calls_of_library(dp("replay", trace).stdout)
+    assert ours == [
+        'strlen("hello world") = 11;', f'strlen("{"x" * 95}...") = 199;',
+        'strlen("tab\there, quote" and newline\\n") = 29;', 'printf("total %ld %d %zu\\n") = 20;',
+        'puts("done") = 5;',
+    ]  # fmt: skip
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "-a", "--no-event", "-F", "main", "-d", str(theirs), binary],
+                   check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    assert ours == calls_of_library(replayed.stdout)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["-A", "add"], "-A 'add': give FUNC@arg1,arg2/s"),
+        (["-A", "add@arg1/q"], "format 'q' is not one dynprobe records"),
+        (["-R", "add@arg1"], "-R records retval"),
+    ],
+)
+def test_bad_value_specs_are_one_line(ret: str, tmp_path: Path, options: list[str], message: str) -> None:
+    r = dp("record", "-o", str(tmp_path / "t"), *options, "--", ret)
+    assert r.returncode != 0
+    assert r.stderr.strip() == f"dynprobe: error: {message}" or message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -54,3 +54,18 @@ def test_malformed_trace_directories(ret: str, tmp_path: Path, program: list[str
     info = json.loads((trace / "info.json").read_text())
     assert info["filters"] and (argv[0] != "fork" or info["inherited"])
     fuzz("trace", str(trace), "--cases", str(cases))
+
+
+def test_malformed_traces_of_recorded_values(tmp_path: Path) -> None:
+    """Traces whose calls recorded arguments and return values (strings too) in data records,
+    damaged at random: the values' specs in info.json, the data records' numbers, sizes and
+    flags are the program's or the file's to forge."""
+    binary = build_target("args", "args.c", flags=("-O1",))
+    trace = tmp_path / "trace"
+    values = ["-A", "echo@arg1/s", "-R", "echo@retval/s", "-A", "eight@arg1,arg2/x,arg7,fparg1", "-R", "fact@retval",
+              "-A", "add@arg1/i32,arg2/u16", "-R", "next_letter@retval/c"]  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "record", "-o", str(trace), *values, "--", binary,
+                        "3"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads((trace / "info.json").read_text())["captures"]) == 5
+    fuzz("trace", str(trace), "--cases", "1500")

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dynprobe.arch.x86_64.codegen import DATA_END, TRACE_DATA
 from dynprobe.output import callgraph
 from dynprobe.output.callgraph import _ENTRY, _EXIT, _LEAF, _OpenCalls, _Texts, duration, profile
 from dynprobe.tracefile import Trace, record_dtype, write_info
@@ -228,3 +229,46 @@ def test_a_thread_s_time_never_goes_back(tmp_path: Path) -> None:
     out = io.StringIO()
     callgraph.replay(Trace(str(tmp_path)), out)
     assert "   0.000 us [     7] |   b();" in out.getvalue().splitlines()
+
+
+def _write_values_trace(directory: Path) -> list[str]:
+    """One thread: main calls add(i, i + 1) = 2i + 1 and echo("hello world") 30 times, their
+    values in data records after their entries and exits (as the tracer writes them), in
+    chunks cut between calls; returns the lines replay must show under main."""
+    records: list[tuple[int, int, int]] = [(1 << 1, 0, 1)]  # (kind, function or bytes | flags, time or value)
+    shown, t = [], 10
+    for i in range(30):
+        records += [(2 << 1, 1, t), (TRACE_DATA | 0, 8, i), (TRACE_DATA | 1, 8, i + 1)]
+        records += [(2 << 1 | 1, 1, t + 5), (TRACE_DATA | 0, 8, 2 * i + 1)]
+        text = int.from_bytes(b"hello wo", "little"), int.from_bytes(b"rld", "little")
+        records += [(2 << 1, 2, t + 6), (TRACE_DATA | 0, 8, text[0]), (TRACE_DATA | 0, 3 | DATA_END, text[1])]
+        records += [(2 << 1 | 1, 2, t + 9)]
+        shown += [f"add({i}, {i + 1}) = {2 * i + 1};", 'echo("hello world");']
+        t += 10
+    records.append((1 << 1 | 1, 0, t))
+    data = np.zeros(len(records), dtype=record_dtype(16))
+    data["kind"], data["func"], data["tsc"] = (np.array([r[k] for r in records], dtype=np.uint64) for k in range(3))
+    calls = [i for i, r in enumerate(records) if not r[0] & TRACE_DATA]
+    with open(directory / "events.raw", "wb") as f:
+        for chunk in np.split(data, calls[5::17]):  # chunks the reader joins again
+            f.write(np.array([(1 | 7 << 32, len(chunk))], dtype="<u8,<u8").tobytes())
+            f.write(chunk.tobytes())
+    captures = {"1": [["arg1/d64%rdi", "arg2/d64%rsi"], ["retval/d64"]], "2": [["arg1/s%rdi"], []]}
+    write_info(str(directory), {"functions": [[n, "x", 0, 1] for n in ("main", "add", "echo")], "record_size": 16,
+                                "clock": {"tsc0": 0, "ns0": 0, "scale": 1.0}, "captures": captures})  # fmt: skip
+    return shown
+
+
+def test_recorded_values_show_whatever_the_chunks_and_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data records belong to the call's record before them: replay shows them across chunks
+    joined into one batch, and across the bounded pieces a chunk is read in (a call's data
+    records never parted from it)."""
+    from dynprobe import tracefile
+
+    shown = _write_values_trace(tmp_path)
+    for pieces in (tracefile.READ_RECORDS, 4, 3):
+        monkeypatch.setattr(tracefile, "READ_RECORDS", pieces)
+        out = io.StringIO()
+        callgraph.replay(Trace(str(tmp_path)), out)
+        lines = [line.split("| ", 1)[1].strip() for line in out.getvalue().splitlines()[1:]]
+        assert lines == ["main() {", *shown, "} /* main */"], pieces

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -26,10 +27,12 @@ from dynprobe.cli.common import (
     run_target,
 )
 from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
+from dynprobe.core.ftrace import ValueRequest
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
 from dynprobe.output import callgraph, files
 from dynprobe.output.callfilter import CallFilter, Trigger
+from dynprobe.spec.argspec import AUTO_VALUES, ArgSpecError, parse_values
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.patterns import MatchKind, NamePattern
 from dynprobe.tracefile import EVENTS, INFO, Trace, create_trace_directory, remove_trace_directory, write_info
@@ -123,6 +126,14 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
                    help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
+    p.add_argument("-A", "--argument", dest="arguments", action="append", default=[], metavar="FUNC@ARGS",
+                   help="record FUNC's arguments, as uftrace: arg1,arg2/s,fparg1 (formats d i u x o c s f, "
+                   "a size in bits: arg1/x32; a place: arg1%%r12, arg7%%stack+1)")  # fmt: skip
+    p.add_argument("-R", "--retval", dest="retvals", action="append", default=[], metavar="FUNC@retval",
+                   help="record FUNC's return value (retval, retval/s, retval/x32, retval/f)")  # fmt: skip
+    p.add_argument("-a", "--auto-args", action="store_true",
+                   help="record the arguments and return values of known library functions (malloc, "
+                   "strcmp, printf, ...)")  # fmt: skip
     add_target_options(p, follow=True)
     p.set_defaults(time_range=None)  # (-r is a reader's)
 
@@ -294,9 +305,9 @@ def _note_libraries_not_loaded(session: Session, tracer: FunctionTracer) -> None
                   "its functions are traced if the program loads it later (dlopen)", file=sys.stderr)  # fmt: skip
 
 
-def _function_table(session: Session, filters: CallFilter) -> dict[str, object]:
-    """The trace's functions (by id) and their files, and the ids -F and -N name: they grow when
-    a followed process execs another program."""
+def _function_table(session: Session, tracer: FunctionTracer, filters: CallFilter) -> dict[str, object]:
+    """The trace's functions (by id) and their files, the ids -F and -N name and the values
+    functions record: they grow when a followed process execs another program."""
     functions = session.tracing.functions
     table: list[list[object]] = [[f.name, os.path.basename(f.path), f.vaddr, f.size, f.plt] for f in functions]
     return {
@@ -305,7 +316,32 @@ def _function_table(session: Session, filters: CallFilter) -> dict[str, object]:
             {"path": path, "build_id": load_elf(path).build_id} for path in sorted({f.path for f in functions})
         ],
         "filters": filters.to_info(table) if filters else None,
+        "captures": {
+            str(fid): [[v.text for v in c.arguments], [v.text for v in c.retval]] for fid, c in tracer.captures.items()
+        },
     }
+
+
+def _value_requests(args: argparse.Namespace, kind: MatchKind) -> list[ValueRequest]:
+    """-a's table, then -A and -R: 'FUNC@VALUES', VALUES comma-separated (a MODULE among them
+    qualifies FUNC, as uftrace's -A malloc@libc,arg1)."""
+    requests = []
+    if args.auto_args:
+        for name, texts in AUTO_VALUES.items():
+            for text, retval in zip(texts, (False, True), strict=True):
+                if text:
+                    requests.append(ValueRequest(NamePattern(name), tuple(parse_values(text, retval=retval)), True))
+    for given, retval in [(a, False) for a in args.arguments] + [(r, True) for r in args.retvals]:
+        func, at, rest = given.partition("@")
+        if not at or not func:
+            option = "-R" if retval else "-A"
+            raise ArgSpecError(f"{option} {given!r}: give FUNC@{'retval' if retval else 'arg1,arg2/s'}")
+        items = [item.strip() for item in rest.split(",")]
+        modules = [item for item in items if item and not re.match(r"(fp)?arg[0-9]|retval", item)]
+        values = parse_values(",".join(i for i in items if i not in modules), retval=retval)
+        patterns = [NamePattern(f"{func}@{module}", kind) for module in modules] or [NamePattern(func, kind)]
+        requests += [ValueRequest(pattern, tuple(values)) for pattern in patterns]
+    return requests
 
 
 def run_record(args: argparse.Namespace, command: list[str]) -> int:
@@ -316,6 +352,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         kind = MatchKind(args.match)
         patch = tuple(NamePattern(t, kind) for t in args.patch)
         unpatch = tuple(NamePattern(t, kind) for t in args.unpatch)
+        requests = _value_requests(args, kind)
         create_trace_directory(out)  # before the target is touched: a bad -o is said at once
     except DynprobeError as exc:
         return report_error(exc)
@@ -331,10 +368,11 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold,
                 library_calls=args.libcall,
             )  # fmt: skip
+            tracer.record_values(requests)
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
-                "threshold_ns": args.threshold, "depth": depth, **_function_table(session, filters),
+                "threshold_ns": args.threshold, "depth": depth, **_function_table(session, tracer, filters),
                 "clock": session.clock(),
             }  # fmt: skip
             with files.create_binary(os.path.join(out, EVENTS)) as events:
@@ -377,7 +415,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                         failure = exc.strerror or str(exc)
             inherited = {str(tid): [began, calls] for tid, (began, calls) in tracer.inherited.items()}
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
-                        clock=session.clock(), inherited=inherited, **_function_table(session, filters))  # fmt: skip
+                        clock=session.clock(), inherited=inherited)  # fmt: skip
+            info.update(_function_table(session, tracer, filters))
             if failure is not None:
                 return _stopped_writing(out, info, failure, session.records_drained, session.records_discarded)
             write_info(out, info)

@@ -28,7 +28,9 @@ from dynprobe.arch.x86_64 import jump_to
 from dynprobe.arch.x86_64.codegen import (
     FRAME_SHIFT,
     SITE_CALL_AT,
+    TRACE_DATA,
     TRACE_EXIT,
+    Captures,
     OpsCode,
     build_list_trampoline,
     build_ops_code,
@@ -43,6 +45,7 @@ from dynprobe.errors import OptimizeRefusal, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
+from dynprobe.spec.argspec import MAX_VALUES, ArgSpec
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
 from dynprobe.symbols.elf import ElfImage, load_elf
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
 ENDBR64 = bytes.fromhex("f30f1efa")
 # Entered by a jump or a signal return, not a call (and the program's entry point, found in the ELF)
 NOT_CALLED = frozenset({"_start", "__restore_rt", "_dl_start", "_dl_start_user", "__start_context"})
-OPS_CODE_ROOM = 2048
+OPS_CODE_SLACK = 64
 SITE_ROOM = 96
 REACH = (1 << 31) - (1 << 24)  # a rel32 call from a site detour reaches code this close
 
@@ -96,8 +99,10 @@ class TracerSite:
 @dataclass(eq=False)
 class ProcessTracing:
     sites: dict[int, TracerSite] = field(default_factory=dict)  # function id -> site
-    code: list[tuple[int, OpsCode, int]] = field(default_factory=list)  # (ops index, code, size)
-    lists: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)  # (ops, address, size)
+    # ((ops index, the values it records), its code, size)
+    code: list[tuple[tuple[int, Captures | None], OpsCode, int]] = field(default_factory=list)
+    # ((ops index, values) of each, address, size)
+    lists: list[tuple[tuple[tuple[int, Captures | None], ...], int, int]] = field(default_factory=list)
     # Detours of sites taken out at detach (address, size): a thread stopped in one still runs
     # into the tracer's code, and leaves it before its thread area goes
     retired: list[tuple[int, int]] = field(default_factory=list)
@@ -129,6 +134,17 @@ class Selection:
     library_calls: bool = False  # the program's calls to libraries, through its PLT
 
 
+@dataclass(frozen=True)
+class ValueRequest:
+    """One -A or -R: the functions `pattern` names record `values` (arguments, or the return
+    value). `auto`: from the table of known library functions (-a), which a user's request for
+    the same function replaces."""
+
+    pattern: NamePattern
+    values: tuple[ArgSpec, ...]
+    auto: bool = False
+
+
 class FunctionTracer:
     """One tracer instance: a set of functions, graph mode (entries and exits) or entries only.
     `start()` patches its functions in every traced process, `stop()` takes them back."""
@@ -154,6 +170,36 @@ class FunctionTracer:
         # A forked child's thread -> (when it began, the calls of this tracer it began inside:
         # (function id, frame), outermost first), for readers to go on at its parent's depth
         self.inherited: dict[int, tuple[int, list[tuple[int, int]]]] = {}
+        # function id -> the arguments and return value its records carry (`record_values`)
+        self.captures: dict[int, Captures] = {}
+        self.requests: tuple[ValueRequest, ...] = ()
+
+    def record_values(self, requests: Iterable[ValueRequest]) -> None:
+        """Have the functions `requests` name record those values, in graph mode for return
+        values (before start(): each function's code is chosen as it is patched)."""
+        self.requests = tuple(requests)
+        if not self.graph and any(v.retval for r in self.requests for v in r.values):
+            raise SessionError("return values are recorded in graph mode (where returns are traced)")
+        self.captures.clear()
+        self.choose_captures(self.functions)
+
+    def choose_captures(self, functions: Iterable[TracedFunction]) -> None:
+        """The values each of `functions` records, from the requests that name it: arguments
+        add up (up to MAX_VALUES), the last return value given counts."""
+        for func in functions:
+            names = names_of(func.name)
+            matching = [r for r in self.requests if r.pattern.matches(names, func.path, plt=func.plt)]
+            if any(not r.auto for r in matching):
+                matching = [r for r in matching if not r.auto]
+            arguments: list[ArgSpec] = []
+            retval: tuple[ArgSpec, ...] = ()
+            for request in matching:
+                if request.values[0].retval:
+                    retval = request.values
+                else:
+                    arguments += [v for v in request.values if v not in arguments]
+            if arguments or retval:
+                self.captures[func.id] = Captures(tuple(arguments[:MAX_VALUES]), retval)
 
     def refuse(self, func: TracedFunction, reason: str) -> None:
         """`func` could not be patched, for `reason` (a Refusal or OptimizeRefusal name)."""
@@ -348,7 +394,7 @@ class Tracing:
         at = self.session.allocate_slot(proc, addr, SITE_ROOM)
         if at is None:
             return OptimizeRefusal.NO_MEMORY.name
-        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, at), at)
+        detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, func, at), at)
         if isinstance(detour, OptimizeRefusal) or len(detour) > SITE_ROOM:
             proc.slots.free(at, SITE_ROOM)
             return detour.name if isinstance(detour, OptimizeRefusal) else "TOO_LARGE"
@@ -395,6 +441,7 @@ class Tracing:
                 continue
             known = {f.id for f in tracer.functions}
             tracer.functions.extend(f for f in chosen if f.id not in known)
+            tracer.choose_captures(chosen)
             self._start_in(proc, tracer, chosen)
 
     def forked(self, parent: int, child: int) -> None:
@@ -443,38 +490,47 @@ class Tracing:
             del proc.tracing.sites[site.function.id]
             return
         if len(site.ops) == 1:
-            target = self._ops_entry(proc, site.ops[0], site.detour)
+            target = self._ops_entry(proc, site.ops[0], site.function, site.detour)
         else:
-            target = self._list(proc, site.ops, site.detour)
+            target = self._list(proc, site.ops, site.function, site.detour)
         proc.tracee.write(site.detour + SITE_CALL_AT, call_to(site.detour, target))
 
     # --- generated code ------------------------------------------------------------------------------
-    def _ops_code(self, proc: TracedProcess, tracer: FunctionTracer, near: int) -> OpsCode:
-        for index, placed, _ in proc.tracing.code:
-            if index == tracer.index and abs(placed.entry - near) < REACH:
+    def _ops_code(self, proc: TracedProcess, tracer: FunctionTracer, func: TracedFunction, near: int) -> OpsCode:
+        """The code of `tracer` for `func` within reach of `near`: its instance's, or the
+        instance's for the values `func` records."""
+        captures = tracer.captures.get(func.id)
+        for key, placed, _ in proc.tracing.code:
+            if key == (tracer.index, captures) and abs(placed.entry - near) < REACH:
                 return placed
         session = self.session
-        at = session.allocate_slot(proc, near, OPS_CODE_ROOM)
-        if at is None:
-            raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
         trampoline = proc.returns.trampoline if tracer.graph and proc.returns is not None else None
         ticks = max(1, round(tracer.threshold_ns / session.clock()["scale"])) if tracer.threshold_ns else 0
-        code, where = build_ops_code(session.layout, tracer.index, trampoline, at, tracer.depth, ticks)
-        assert len(code) <= OPS_CODE_ROOM
-        proc.slots.shrink(at, OPS_CODE_ROOM, len(code))
+
+        def build(at: int) -> tuple[bytes, OpsCode]:
+            return build_ops_code(session.layout, tracer.index, trampoline, at, tracer.depth, ticks, captures)
+
+        room = len(build(near)[0]) + OPS_CODE_SLACK  # (branches out may take other sizes elsewhere)
+        at = session.allocate_slot(proc, near, room)
+        if at is None:
+            raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
+        code, where = build(at)
+        assert len(code) <= room
+        proc.slots.shrink(at, room, len(code))
         proc.tracee.write(at, code)
-        proc.tracing.code.append((tracer.index, where, len(code)))
+        proc.fixups.update(where.fixups)
+        proc.tracing.code.append(((tracer.index, captures), where, len(code)))
         return where
 
-    def _ops_entry(self, proc: TracedProcess, tracer: FunctionTracer, near: int) -> int:
-        return self._ops_code(proc, tracer, near).entry
+    def _ops_entry(self, proc: TracedProcess, tracer: FunctionTracer, func: TracedFunction, near: int) -> int:
+        return self._ops_code(proc, tracer, func, near).entry
 
-    def _list(self, proc: TracedProcess, tracers: list[FunctionTracer], near: int) -> int:
-        key = tuple(t.index for t in tracers)
+    def _list(self, proc: TracedProcess, tracers: list[FunctionTracer], func: TracedFunction, near: int) -> int:
+        key = tuple((t.index, t.captures.get(func.id)) for t in tracers)
         for ops, addr, _ in proc.tracing.lists:
             if ops == key and abs(addr - near) < REACH:
                 return addr
-        bodies = [self._ops_code(proc, t, near).body for t in tracers]
+        bodies = [self._ops_code(proc, t, func, near).body for t in tracers]
         points = proc.returns.trampoline.points if proc.returns is not None else None
         size = len(build_list_trampoline(bodies, near, points))  # (rel32 calls, an imm64: any address)
         at = self.session.allocate_slot(proc, near, size)
@@ -501,9 +557,12 @@ class Tracing:
     def deliver(self, tracer: FunctionTracer, batch: RecordBatch) -> None:
         if tracer.on_event is None:
             return
-        raw = batch.raw
+        raw, times = batch.raw, batch.time_ns
+        if tracer.captures:  # (the values' records: `dynprobe record` keeps them)
+            calls = raw[:, 3] & (TRACE_DATA >> 8) == 0
+            raw, times = raw[calls], times[calls]
         kinds = raw[:, 2:4].copy().view(np.uint16).ravel().tolist()
         ids = raw[:, 4:8].copy().view(np.uint32).ravel().tolist()
-        for t, kind, fid in zip(batch.time_ns.tolist(), kinds, ids, strict=True):
+        for t, kind, fid in zip(times.tolist(), kinds, ids, strict=True):
             if fid < len(self.functions):
                 tracer.on_event(TracerEvent(batch.pid, batch.tid, t, bool(kind & TRACE_EXIT), self.functions[fid]))

@@ -246,8 +246,10 @@ def _in_sigtrap_stop(tid: int) -> bool:
         info = sc.get_siginfo(tid)
     except OSError:
         return False
-    return int(info.si_signo) == signal.SIGTRAP and int(info.si_code) >> 8 == 0 and (
-        int(info.si_code) != signal.SIGTRAP | 0x80
+    return (
+        int(info.si_signo) == signal.SIGTRAP
+        and int(info.si_code) >> 8 == 0
+        and int(info.si_code) != signal.SIGTRAP | 0x80
     )
 
 
@@ -2138,8 +2140,12 @@ class Session:
     def _detach_thread(self, proc: TracedProcess, tid: int, sig: int) -> None:
         """Let settled thread `tid` go with signal `sig`."""
         state = proc.tracee.threads.get(tid)
-        if sig and sig not in _FAULT_SIGNALS and state is not None and state.interrupted is not None and (
-            _in_syscall_stop(tid)
+        if (
+            sig
+            and sig not in _FAULT_SIGNALS
+            and state is not None
+            and state.interrupted is not None
+            and _in_syscall_stop(tid)
         ):
             # A signal that came while our system call ran in it: sent on from this stop (as
             # the kernel does from a system-call stop), with the registers of the call it

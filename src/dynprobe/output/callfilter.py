@@ -221,27 +221,29 @@ def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
     threads: dict[int, FrameStack] = {}
     for chunk in chunks:
         thread = threads.setdefault(chunk.tid, FrameStack())
-        kept: list[tuple[int, int, int, int]] = []  # (kind, frame, function, time)
-        for kind, func, frame, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(),
-                                        chunk.time_ns.tolist(), strict=True):  # fmt: skip
+        kept: list[tuple[int, int, int, int, int]] = []  # (kind, frame, function, time, note)
+        notes = chunk.note.tolist() if chunk.note is not None else [-1] * len(chunk.kind)
+        for kind, func, frame, t, note in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(),
+                                              chunk.time_ns.tolist(), notes, strict=True):  # fmt: skip
             if kind != EXIT:
-                thread.push([func, frame, t, 0])  # [function, frame, entry time, shown]
+                thread.push([func, frame, t, 0, note])  # [function, frame, entry time, shown, note]
                 if targets[func]:  # it and the calls it is under that are not shown yet
                     for call in thread.calls:
                         if not call[3]:
-                            kept.append((0, call[1], call[0], call[2]))
+                            kept.append((0, call[1], call[0], call[2], call[4]))
                             call[3] = 1
                 continue
             index = thread.find(func, frame)
             if index is None:
                 continue
             if thread.calls[index][3]:
-                kept.append((EXIT, frame, func, t))
+                kept.append((EXIT, frame, func, t, note))
             thread.cut(index)
         if kept:
-            kind_, frame_, func_, time_ = (np.array(column) for column in zip(*kept, strict=True))
+            kind_, frame_, func_, time_, note_ = (np.array(column) for column in zip(*kept, strict=True))
             yield Chunk(chunk.pid, chunk.tid, kind_.astype(np.uint16), frame_.astype(np.uint16),
-                        func_.astype(np.uint32), time_.astype(np.int64), chunk.inherited)  # fmt: skip
+                        func_.astype(np.uint32), time_.astype(np.int64), chunk.inherited,
+                        note_.astype(np.int32) if chunk.note is not None else None, chunk.notes)  # fmt: skip
 
 
 def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
@@ -304,8 +306,9 @@ def _masked(chunk: Chunk, mask: np.ndarray) -> Iterator[Chunk]:
     if mask.all():
         yield chunk
     elif mask.any():
+        note = chunk.note[mask] if chunk.note is not None else None
         yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
-                    chunk.time_ns[mask], chunk.inherited)  # fmt: skip
+                    chunk.time_ns[mask], chunk.inherited, note, chunk.notes)  # fmt: skip
 
 
 def _opened(chunk: Chunk, calls: list[list[int]]) -> Chunk:

@@ -44,7 +44,15 @@ def _batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
         kind, frame, func, time_ns = (
             np.concatenate([getattr(c, name) for c in held]) for name in ("kind", "frame", "func", "time_ns")
         )
-        return Chunk(first.pid, first.tid, kind, frame, func, time_ns)
+        if all(c.note is None for c in held):
+            return Chunk(first.pid, first.tid, kind, frame, func, time_ns)
+        notes: list[str] = []
+        parts = []
+        for c in held:
+            note = c.note if c.note is not None else np.full(len(c.kind), -1, np.int32)
+            parts.append(np.where(note >= 0, note + len(notes), -1))
+            notes += c.notes
+        return Chunk(first.pid, first.tid, kind, frame, func, time_ns, note=np.concatenate(parts), notes=notes)
 
     events = 0
     for chunk in chunks_of(trace, filters):
@@ -382,11 +390,15 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
     out.write("# DURATION     TID     FUNCTION\n")
     names = [trace.call_text(f) for f in range(len(trace.functions))]
     stacks: dict[int, _OpenCalls] = {}
-    pending: dict[int, tuple[int, int, int]] = {}  # tid -> an entry not printed yet (a leaf if its exit is next)
+    # tid -> an entry not printed yet (a leaf if its exit is next): function, time, frame, arguments
+    pending: dict[int, tuple[int, int, int, str]] = {}
     blank = " " * 11
     count = 0
 
-    def name(func: int) -> str:
+    def name(func: int, note: str = "") -> str:
+        """A call as an entry shows it: with the arguments it recorded, if any."""
+        if note:
+            return trace.name(func) + note
         return names[func] if func < len(names) else trace.call_text(func)
 
     texts = _Texts(name, trace.name)
@@ -409,7 +421,8 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                 if kinds.item(end - 1) != EXIT:
                     end -= 1  # an entry and its exit, a call with no callee, stay together
                 part = slice(i, end)
-                segment = _plain_segment(kinds[part], funcs[part], times[part], frames[part], stack)
+                noted = chunk.note is not None and bool((chunk.note[part] >= 0).any())  # (values: one at a time)
+                segment = None if noted else _plain_segment(kinds[part], funcs[part], times[part], frames[part], stack)
                 if segment is None:
                     plain_from = end
                 else:
@@ -425,35 +438,37 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                     i = end
                     continue
             kind, func, t, frame = kinds.item(i), funcs.item(i), times.item(i), frames.item(i)
+            note = trace.call_note(chunk, i)
             i += 1
             if kind != EXIT:
                 if waiting is not None:
-                    lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
-                    stack.push(*waiting)
+                    lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
+                    stack.push(*waiting[:3])
                 if frame:
                     stack.forget(frame)
-                waiting = (func, t, frame)
+                waiting = (func, t, frame, note)
                 continue
             if waiting is not None:
                 if waiting[0] == func and waiting[2] == frame:
                     spent = t - waiting[1]
                     if spent >= threshold_ns:
-                        lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func)};")
+                        lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func, waiting[3])}{note};")
                     waiting = None
                     continue
-                lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0])} {{")
-                stack.push(*waiting)
+                lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
+                stack.push(*waiting[:3])
                 waiting = None
             call = stack.close(func, frame)
             if call is not None:
-                lines.append(f"{duration(t - call[1])}{head}{'  ' * len(stack)}}} /* {trace.name(func)} */")
+                returned = f"{note};" if note else ""
+                lines.append(f"{duration(t - call[1])}{head}{'  ' * len(stack)}}}{returned} /* {trace.name(func)} */")
         if waiting is not None:
             pending[tid] = waiting
         if lines:
             out.write("\n".join(lines) + "\n")
             count += len(lines)
     for tid, waiting in pending.items():
-        out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{name(waiting[0])} {{\n")
+        out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{name(waiting[0], waiting[3])} {{\n")
     return count
 
 

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_readings_code
+from dynprobe.arch.x86_64.codegen import TRACE_DATA, read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 
@@ -356,7 +356,10 @@ class Consumer:
             return []
         self.fullest = max(self.fullest, len(records))
         header = records.view(_header_dtype(lay.record_size))[:, 0]
-        possible = self.clock.plausible(header["tsc"]) & self._cpu_possible(header)
+        # (A function tracer's data records hold values where the time stamp goes: a probe's
+        # record with that bit in its CPU number is impossible anyway.)
+        plausible = self.clock.plausible(header["tsc"]) | (header["cpu"] & TRACE_DATA != 0)
+        possible = plausible & self._cpu_possible(header)
         if not possible.all():
             bad = int(np.count_nonzero(~possible))
             self.corrupt += bad

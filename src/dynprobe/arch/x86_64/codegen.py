@@ -37,6 +37,7 @@ from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import trampoline_point
+from dynprobe.spec.argspec import STRING_PIECES, ArgSpec
 from dynprobe.spec.model import (
     Absolute,
     Arg,
@@ -996,6 +997,7 @@ class OpsCode:
     entry: int
     body: int
     exit: int
+    fixups: tuple[tuple[int, int], ...] = ()  # (a load that may fault, where to go on): data records'
 
 
 def build_tracer_site(plan: OptimizePlan, function_id: int, target: int, at: int) -> bytes | OptimizeRefusal:
@@ -1028,11 +1030,13 @@ def call_to(site_detour: int, target: int) -> bytes:
 
 def ring_record(
     asm: _Asm, layout: L.AreaLayout, probe_index: int, slot: RegisterT, write: Callable[[], None],
-    publish: bool = True, reserved: Callable[[], None] | None = None,
+    publish: bool = True, reserved: Callable[[], None] | None = None, records: int = 1,
 ) -> None:  # fmt: skip
     """A record in the thread's ring: the next free slot's offset in `slot` (rax used too), then
     `write()` fills it and the head publishes it (x86 keeps stores in order) with every record
-    held back before it; a full ring counts the record lost. Unless `publish`, the record is
+    held back before it; a full ring counts the record lost. With `records` > 1, the ring must
+    have room for that many, which `write()` may fill after the first (see `_data_records`:
+    it leaves gs:[RESERVE] at the last one it wrote). Unless `publish`, the record is
     held back (`RESERVE` passes it, `HEAD` does not): a function tracer with a time threshold
     takes it back if the call ends too soon (`reserved()` sees its sequence number in `slot`).
     A signal handler hitting a probe while this thread writes a record would reuse the slot: the
@@ -1044,7 +1048,7 @@ def ring_record(
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, slot, _gs(L.RESERVE)))
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
-    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots - records + 1))
     asm.jump(C.JAE_REL32_64, full)  # also when a scribbled tail is ahead of head
     if reserved is not None:
         reserved()
@@ -1076,11 +1080,12 @@ def ring_record(
 def _trace_record(
     asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = TRACE_ENTRY, kind_in: RegisterT | None = None,
     publish: bool = True, reserved: Callable[[], None] | None = None,
-    function_id: iced.MemoryOperand | None = None, slot: RegisterT = R.RCX,
+    function_id: iced.MemoryOperand | None = None, slot: RegisterT = R.RCX, data: _Data | None = None,
 ) -> None:  # fmt: skip
     """A 16-byte record: u16 ops, u16 kind (`kind`, or the 16-bit register `kind_in`, not ax,
-    dx or `slot`'s), u32 function (esi, or the dword at `function_id`), u64 time stamp (rdtsc).
-    Uses rax, rdx and `slot`. `publish`, `reserved`: as in ring_record."""
+    dx or `slot`'s), u32 function (esi, or the dword at `function_id`), u64 time stamp (rdtsc),
+    then the `data` records of its values. Uses rax, rdx and `slot`. `publish`, `reserved`: as
+    in ring_record."""
     ring = layout.ring
 
     def write() -> None:
@@ -1098,8 +1103,156 @@ def _trace_record(
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, _gs(ring + L.RECORD_CPU, slot), kind_in))
         if function_id is None:
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, slot), R.ESI))
+        if data is not None:
+            _data_records(asm, layout, ops_index, data)
 
-    ring_record(asm, layout, ops_index, slot, write, publish, reserved)
+    records = 1 + (sum(STRING_PIECES if v.is_string else 1 for v in data.values) if data is not None else 0)
+    ring_record(asm, layout, ops_index, slot, write, publish, reserved, records)
+
+
+# Data records: the values a traced call's entry or exit record carries (uftrace's -A, -R), in
+# the records right after it (written and published with it): u16 ops, u16 TRACE_DATA | the
+# value's number in its spec, u32 the bytes the record holds (0-8) | DATA_* flags, then 8 bytes:
+# the value, or a piece of a string (a string takes a record per 8 bytes, up to STRING_PIECES).
+TRACE_DATA = 0x8000
+DATA_END, DATA_CUT, DATA_FAULTED, DATA_NULL = 1 << 8, 1 << 9, 1 << 10, 1 << 11
+_DATA_PUSHED = (R.RCX, R.RSI, R.RDI, R.R8)  # kept across the data records (r8 read from its push)
+
+
+@dataclass(frozen=True)
+class Captures:
+    """The values the entry records (`arguments`) and the exit records (`retval`) of some
+    traced functions carry."""
+
+    arguments: tuple[ArgSpec, ...] = ()
+    retval: tuple[ArgSpec, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The values of a record's data records, and where the call's registers are: `frame`
+    bytes up from rsp is the base its saved registers (SAVED_AT) and its return-address slot
+    (`slot_at`, an entry's) are counted from."""
+
+    values: Sequence[ArgSpec]
+    frame: int
+    slot_at: int | None = None
+
+
+def _data_records(asm: _Asm, layout: L.AreaLayout, ops_index: int, data: _Data) -> None:
+    """After a record at gs:[RESERVE]: the data records of `data.values`, from RESERVE + 1 on;
+    gs:[RESERVE] is left at the last (ring_record then publishes them all). Keeps every
+    register but rax and rdx."""
+    for reg in _DATA_PUSHED:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
+    frame = data.frame + 8 * len(_DATA_PUSHED)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, _gs(L.RESERVE)))  # rsi: the next record's number
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+    for number, value in enumerate(data.values):
+        _load_source(asm, value.source, frame, data.slot_at)
+        if value.is_string:
+            _string_records(asm, layout, ops_index, number)
+            continue
+        _data_slot(asm, layout)
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(layout.ring + L.RECORD_TSC, R.RDX), R.RAX))
+        _data_header(asm, layout, ops_index, number, 8)
+        asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RSI, -1)))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.RESERVE), R.RAX))
+    for reg in reversed(_DATA_PUSHED):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, reg))
+
+
+def _load_source(asm: _Asm, source: str, frame: int, slot_at: int | None) -> None:
+    """rax = the call's value at `source` (see ArgSpec.source)."""
+    if source.startswith("xmm"):
+        asm.add(iced.Instruction.create_reg_reg(C.MOVQ_RM64_XMM, R.RAX, getattr(R, source.upper())))
+    elif source.startswith("stack+"):
+        assert slot_at is not None, "a stack slot at a return"
+        at = frame + slot_at + 8 * int(source.removeprefix("stack+"))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, at)))
+    elif source in SAVED_AT:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, frame + SAVED_AT[source])))
+    elif source == "r8":
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, 0)))  # (pushed last)
+    else:
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, _REG[source]))
+
+
+def _data_slot(asm: _Asm, layout: L.AreaLayout) -> None:
+    """rdx = the ring offset of record number rsi."""
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDX, R.RSI))
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.RDX, layout.ring_slots - 1))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, layout.record_size.bit_length() - 1))
+
+
+def _data_header(asm: _Asm, layout: L.AreaLayout, ops_index: int, number: int, held: int | None) -> None:
+    """The header of the data record at rdx: `held` (bytes and flags), or eax's."""
+    ring = layout.ring
+    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RDX), ops_index))
+    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RDX), TRACE_DATA | number))
+    if held is None:
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RDX), R.EAX))
+    else:
+        asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RDX), held))
+
+
+def _string_records(asm: _Asm, layout: L.AreaLayout, ops_index: int, number: int) -> None:
+    """The string rax points to, 8 bytes a record (rsi: the next record's number, advanced):
+    the last record holds fewer bytes and DATA_END, or is full and DATA_CUT (no NUL in
+    8 * STRING_PIECES bytes), or DATA_FAULTED (unmapped memory came first: with no byte read,
+    the record holds the pointer); a null pointer is one record, DATA_NULL. Uses rax, rcx,
+    rdx, rdi, r8."""
+    ring = layout.ring
+    piece, byte, ended, faulted, some, null, done = (asm.label() for _ in range(7))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RAX))
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDI, R.RDI))
+    asm.jump(C.JE_REL32_64, null)
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ECX, R.ECX))  # ecx: bytes read
+    asm.bind(piece)
+    _data_slot(asm, layout)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(ring + L.RECORD_TSC, R.RDX), 0))
+    asm.bind(byte)
+    asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EAX, _mem(R.RDI, 0, R.RCX)), faulted)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R8D, R.ECX))
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM8, R.R8D, 7))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, iced.MemoryOperand(
+        R.RDX, R.R8, 1, ring + L.RECORD_TSC, 8, False, R.GS), R.AL))  # fmt: skip
+    asm.add(iced.Instruction.create_reg(C.INC_RM32, R.ECX))
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EAX, R.EAX))
+    asm.jump(C.JE_REL32_64, ended)
+    asm.add(iced.Instruction.create_reg_i32(C.TEST_RM32_IMM32, R.ECX, 7))
+    asm.jump(C.JNE_REL32_64, byte)
+    _data_header(asm, layout, ops_index, number, 8)  # a full piece
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.ECX, 8 * STRING_PIECES))
+    asm.jump(C.JB_REL32_64, piece)
+    asm.add(iced.Instruction.create_mem_u32(C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RDX), DATA_CUT))
+    asm.jump(C.JMP_REL32_64, done)
+    asm.bind(ended)  # ecx - 1 bytes before the NUL
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R32_M, R.EAX, _mem(R.RCX, -1)))
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM8, R.EAX, 7))
+    asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.EAX, DATA_END))
+    _data_header(asm, layout, ops_index, number, None)
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+    asm.jump(C.JMP_REL32_64, done)
+    asm.bind(faulted)  # ecx bytes could be read (none: the record holds the address instead)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.ECX, R.ECX))
+    asm.jump(C.JNE_REL32_64, some)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, R.RDX), R.RDI))
+    asm.bind(some)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.ECX))
+    asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM8, R.EAX, 7))
+    asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.EAX, DATA_FAULTED))
+    _data_header(asm, layout, ops_index, number, None)
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+    asm.jump(C.JMP_REL32_64, done)
+    asm.bind(null)
+    _data_slot(asm, layout)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(ring + L.RECORD_TSC, R.RDX), 0))
+    _data_header(asm, layout, ops_index, number, DATA_NULL)
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+    asm.bind(done)
 
 
 # An entry's frame, from rsp: the saved registers, the return address into the site (its
@@ -1144,7 +1297,7 @@ def build_list_trampoline(bodies: Sequence[int], at: int, points: int | None) ->
 
 def build_ops_code(
     layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, depth: int | None = None,
-    threshold: int = 0,
+    threshold: int = 0, captures: Captures | None = None,
 ) -> tuple[bytes, OpsCode]:  # fmt: skip
     """One tracer instance's code at `at`: its entry (called from a site: saves, runs the
     body inline, `_hook_and_return`), its body again as a function (for
@@ -1159,7 +1312,12 @@ def build_ops_code(
     own back with everything after it, which is its callees' (shorter still). A call that lasts
     publishes its exit with every held-back entry before it: its callers', which last longer.
     (Records of other writers publish held-back entries too: those calls then show up whatever
-    their length, and a reader's threshold hides them.)"""
+    their length, and a reader's threshold hides them.)
+
+    With `captures`, entry and exit records carry the values it names in data records: the
+    code of the functions that record values (one instance's code per set of values)."""
+    entry_values = captures.arguments if captures is not None else ()
+    exit_values = captures.retval if captures is not None else ()
     maxactive = L.SHADOW_CAPACITY if depth is None else depth
     journal = trampoline is not None and threshold > 0
     held = L.ENTRY_DATA + 8  # in a shadow entry: the sequence number of its held-back entry record
@@ -1173,8 +1331,10 @@ def build_ops_code(
             asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(layout.counter(ops_index, L.PENDING)), depth))
             asm.jump(C.JAE_REL32_64, done)
         asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS))))
+        frame = 0 if inline else 8  # (the list trampoline's call)
         if trampoline is None:
-            _trace_record(asm, layout, ops_index, function_id=_mem(R.RSP, _ID_AT) if inline else None)
+            data = _Data(entry_values, frame, _SLOT_AT) if entry_values else None
+            _trace_record(asm, layout, ops_index, function_id=_mem(R.RSP, _ID_AT) if inline else None, data=data)
             asm.bind(done)
             return
         if inline:
@@ -1199,9 +1359,10 @@ def build_ops_code(
             def reserved() -> None:  # r11: the record's sequence number
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + held, R.RSI), R.R11))
 
+            data = _Data(entry_values, frame if inline else frame + 16, _SLOT_AT) if entry_values else None
             _trace_record(
                 asm, layout, ops_index, kind_in=R.DI, publish=not journal, reserved=reserved if journal else None,
-                function_id=id_at, slot=R.R11,
+                function_id=id_at, slot=R.R11, data=data,
             )  # fmt: skip
 
         shadow_push(asm, layout, trampoline.points, ops_index, maxactive, exit_at, fill)
@@ -1210,7 +1371,7 @@ def build_ops_code(
             asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
         asm.bind(done)
 
-    def assemble(exit_at: int) -> tuple[bytes, dict[int, int]]:
+    def assemble(exit_at: int) -> tuple[bytes, dict[int, int], dict[int, int]]:
         asm = _Asm()
         callable_body, exit_ = asm.label(), asm.label()
         _save(asm)
@@ -1227,7 +1388,7 @@ def build_ops_code(
             asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM8, R.EDI, TRACE_EXIT))
             if journal:
                 _take_back_if_short(asm, layout, ops_index, shadow + held, threshold, trampoline.finish)
-            _trace_record(asm, layout, ops_index, kind_in=R.DI)
+            _trace_record(asm, layout, ops_index, kind_in=R.DI, data=_Data(exit_values, 0) if exit_values else None)
             asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
         else:
             asm.add(iced.Instruction.create(C.INT3))
@@ -1235,12 +1396,12 @@ def build_ops_code(
 
     # The shadow entries name the exit's address, known once encoded: a second pass with it (an
     # imm64 either way, so nothing moves).
-    _, first = assemble(0)
+    _, first, _ = assemble(0)
     exit_at = list(first.values())[1]
-    code, addresses = assemble(exit_at)
+    code, addresses, fixups = assemble(exit_at)
     body_at, check = addresses.values()
     assert check == exit_at
-    return code, OpsCode(at, body_at, exit_at)
+    return code, OpsCode(at, body_at, exit_at, tuple(fixups.items()))
 
 
 def _take_back_if_short(
@@ -1286,12 +1447,12 @@ def _take_back_if_short(
     asm.bind(write)
 
 
-def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict[int, int]]:
-    """Encode, and say where the instructions bound to `labels` landed."""
+def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict[int, int], dict[int, int]]:
+    """Encode, and say where the instructions bound to `labels` landed; the fix-ups too."""
     indices = {label: asm.bound[label] for label in labels}
-    code, _ = asm.encode(at)
+    code, fixups = asm.encode(at)
     starts = [int(insn.ip) for insn in iter_instructions(code, at)]
-    return code, {label: starts[i] for label, i in indices.items()}
+    return code, {label: starts[i] for label, i in indices.items()}, fixups
 
 
 def tsc_readings_code() -> bytes:
