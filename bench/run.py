@@ -221,12 +221,18 @@ def function_tracing(calls: int) -> dict[str, Any]:
             subprocess.run([sys.executable, "-m", "dynprobe.cli.main", command, trace], stdout=subprocess.DEVNULL,
                            check=True)  # fmt: skip
             results[f"{command}_events_per_s"] = 2 * calls / (time.perf_counter() - t0)
+        # An argument and the return value recorded (uftrace's -A, -R): two data records a call
+        values = ["-A", "test@arg1", "-R", "test@retval"]
+        cmd[-1:-1] = values
+        results["dynprobe_values_us"] = median_run(record, int)
         uftrace = shutil.which("uftrace")
         if uftrace is None:
             results["uftrace"] = "not installed"
             return results
+        pg = compile_c(source, BUILD / "seed-pg", "-O0", "-pg")
         builds = {
-            "uftrace_pg_us": (compile_c(source, BUILD / "seed-pg", "-O0", "-pg"), []),
+            "uftrace_pg_us": (pg, []),
+            "uftrace_pg_values_us": (pg, values),
             "uftrace_dynamic_us": (
                 compile_c(source, BUILD / "seed-nop", "-O0", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie"),
                 ["-P", "."],
