@@ -243,10 +243,22 @@ class Chunk:
     # the fork left them; stamped with the fork), outermost first: readers open them silently,
     # so the child's calls go on at its parent's depth, as in uftrace.
     inherited: bool = False
-    # What an event's call recorded (-A, -R): index into `notes` ("(1, "a")" for an entry,
-    # " = 3" for an exit), -1 for nothing; None: no event of the chunk recorded values.
+    # What is known of an event beyond the call: an index into `notes`, -1 for nothing; None:
+    # nothing for any event of the chunk.
     note: np.ndarray | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Note:
+    """An event's call's recorded values (-A, -R: "(1, "a")" for an entry, " = 3" for an exit),
+    and for an entry under a backtrace trigger, the functions of the calls it is under."""
+
+    values: str = ""
+    callers: tuple[int, ...] | None = None
+
+
+_NOTHING = Note()
 
 
 @dataclass(frozen=True)
@@ -292,12 +304,11 @@ class Trace:
         self.truncated_at: int | None = None  # the byte offset where a truncated file stops
         self.rejected = 0  # records left out: a function id past the table, an impossible time
 
-    def call_note(self, chunk: Chunk, i: int) -> str:
-        """What event `i` of `chunk` recorded ("(1, 2)", " = 3"), or ""."""
-        if chunk.note is None:
-            return ""
-        index = int(chunk.note[i])
-        return chunk.notes[index] if index >= 0 else ""
+    @staticmethod
+    def call_note(chunk: Chunk, i: int) -> Note:
+        """What is known of event `i` of `chunk` beyond the call."""
+        index = int(chunk.note[i]) if chunk.note is not None else -1
+        return chunk.notes[index] if index >= 0 else _NOTHING
 
     def first_ns(self) -> int:
         """When the first event of the trace happened (CLOCK_MONOTONIC ns; when the recording
@@ -397,7 +408,7 @@ class Trace:
                     last_call = int(np.flatnonzero(~data)[-1]) if (~data).any() else 0
                     if last_call:
                         records, carried, data = records[:last_call], records[last_call:], data[:last_call]
-                note, notes = self._notes(records, data) if data.any() else (None, [])
+                note, notes = self._notes(records, data) if data.any() else (None, list[Note]())
                 possible = self._possible(records) & ~data
                 if not possible.all():
                     records = records[possible]
@@ -432,14 +443,14 @@ class Trace:
         self.rejected += int(np.count_nonzero(~possible & ~data))
         return possible
 
-    def _notes(self, records: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    def _notes(self, records: np.ndarray, data: np.ndarray) -> tuple[np.ndarray, list[Note]]:
         """What the calls' data records say (see Chunk.note): each data record belongs to the
         call's record before it; one that does not fit its function's specs is left out."""
         calls = np.flatnonzero(~data)
         at = np.flatnonzero(data)
         owners = np.searchsorted(calls, at) - 1
         note = np.full(len(records), -1, dtype=np.int32)
-        notes: list[str] = []
+        notes: list[Note] = []
         kinds, funcs, values = records["kind"].tolist(), records["func"].tolist(), records["tsc"].tolist()
         pieces: dict[int, list[tuple[int, int, int]]] = {}  # the owner's record -> its data records
         for owner, i in zip(owners.tolist(), at.tolist(), strict=True):
@@ -453,7 +464,7 @@ class Trace:
             text = _shown(specs[1] if exit else specs[0], parts)
             if text is not None:
                 note[call] = len(notes)
-                notes.append(f" = {text}" if exit else f"({text})")
+                notes.append(Note(f" = {text}" if exit else f"({text})"))
         return note, notes
 
     def _ns(self, tsc: np.ndarray) -> np.ndarray:

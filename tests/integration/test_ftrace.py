@@ -736,6 +736,8 @@ def call_tree(replay: str, leave_out: Collection[str] = ()) -> list[list[tuple[i
         (["evenodd", "5"], ["-F", "main", "-T", "is_odd@depth=1"]),
         (["evenodd", "3"], ["-F", "main", "-T", "is_odd@notrace"]),
         (["evenodd", "5"], ["-T", "is_odd@filter", "-D", "2"]),  # (record: -D counted from is_odd, when read)
+        (["evenodd", "4"], ["-F", "main", "-T", "is_odd@backtrace"]),
+        (["fact", "4"], ["-F", "fact", "-T", "fact@backtrace"]),  # (main, not shown, is in the backtraces)
     ],
 )
 def test_filters_mean_what_uftrace_s_mean(tmp_path: Path, program: list[str], filters: list[str]) -> None:
@@ -763,8 +765,8 @@ def test_filters_mean_what_uftrace_s_mean(tmp_path: Path, program: list[str], fi
 
     expected = uftrace_tree([], filters)
     assert expected and all(expected)
-    if "--disable" not in filters:
-        assert uftrace_tree(filters, []) == expected
+    if "--disable" not in filters and not any(f.endswith("@backtrace") for f in filters):
+        assert uftrace_tree(filters, []) == expected  # (uftrace's record prints backtraces, replay does not)
     _, filtered = record(tmp_path, "--no-libcall", *filters, "--", binary, *program)
     assert call_tree(dp("replay", filtered).stdout) == expected
     whole = str(tmp_path / "whole")
@@ -1000,3 +1002,30 @@ def test_bad_value_specs_are_one_line(ret: str, tmp_path: Path, options: list[st
     assert r.returncode != 0
     assert r.stderr.strip() == f"dynprobe: error: {message}" or message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_finish_trigger_ends_the_trace_at_the_function_s_first_call(tmp_path: Path) -> None:
+    """-T FUNC@finish: the trace ends at FUNC's first call (its entry shown open), and replay says
+    which calls were left open, as uftrace's record with that trigger shows it; dynprobe keeps
+    the whole trace and ends it when reading, so a replay can be given the trigger too."""
+    uftrace = shutil.which("uftrace")
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    _, trace = record(tmp_path, "--no-libcall", "-T", "is_odd@finish", "--", binary, "evenodd", "4")
+    replayed = dp("replay", trace).stdout
+    tree = call_tree(replayed)
+    assert tree[0][-3:] == [(0, "main() {"), (1, "is_even() {"), (2, "is_odd() {")]
+    assert replayed.endswith("dynprobe stopped tracing with remaining functions\n" + "=" * 49
+                             + f"\ntask: {replayed.split('[')[1].split(']')[0].strip()}\n[2] is_odd\n[1] is_even\n"
+                             "[0] main\n\n")  # fmt: skip
+    whole = str(tmp_path / "whole")
+    assert dp("record", "-o", whole, "--no-libcall", "--", binary, "evenodd", "4", cwd=tmp_path).returncode == 0
+    assert call_tree(dp("replay", "-T", "is_odd@finish", whole).stdout) == tree
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-T", "is_odd@finish", "-d",
+                    str(theirs), binary, "evenodd", "4"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    profiling = {"__gmon_start__", "atexit"}  # (-pg's start-up: dynprobe traces it, uftrace does not)
+    assert call_tree(replayed.stdout) == call_tree(dp("replay", trace).stdout, profiling)

@@ -147,7 +147,8 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
                    help="only FUNC's calls and the calls that led to them")  # fmt: skip
     p.add_argument("-T", "--trigger", dest="triggers", action="append", default=[], type=_trigger,
                    metavar="FUNC@ACTIONS", help="at FUNC's calls: depth=N (calls under it at most N deep), "
-                   "trace_on, trace_off (showing starts, stops), filter, notrace (-F, -N); with commas")  # fmt: skip
+                   "trace_on, trace_off (showing starts, stops), filter, notrace (-F, -N), backtrace (replay shows "
+                   "the calls it is under), finish (the trace ends at its first call); with commas")  # fmt: skip
     p.add_argument("--disable", action="store_true", help="show nothing until a trace_on trigger")
     p.add_argument("-D", "--depth", type=int, metavar="N",
                    help="calls at most N deep, counted from the nearest -F call (else the outermost)")  # fmt: skip
@@ -157,7 +158,7 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
                    "functions (alloc.*@libc, main@app)")  # fmt: skip
 
 
-_ACTIONS = ("trace_on", "traceon", "trace_off", "traceoff", "filter", "notrace")
+_ACTIONS = ("trace_on", "traceon", "trace_off", "traceoff", "filter", "notrace", "backtrace", "finish")
 
 
 def _trigger(text: str) -> tuple[str, list[str]]:
@@ -169,7 +170,7 @@ def _trigger(text: str) -> tuple[str, list[str]]:
         if not (action in _ACTIONS or (name == "depth" and value.isdigit() and int(value) >= 1)):
             raise argparse.ArgumentTypeError(
                 f"not a trigger: {text!r} (FUNC@ACTIONS, the actions among depth=N, trace_on, trace_off, filter, "
-                "notrace)"
+                "notrace, backtrace, finish)"
             )
     if not given:
         raise argparse.ArgumentTypeError(f"not a trigger: {text!r} (FUNC@ACTIONS, e.g. parse@depth=2,trace_on)")
@@ -188,8 +189,9 @@ def _call_filter(args: argparse.Namespace) -> CallFilter:
         exclude += [func] if "notrace" in actions else []
         depth = next((int(a.partition("=")[2]) for a in actions if a.startswith("depth=")), None)
         on, off = bool({"trace_on", "traceon"} & set(actions)), bool({"trace_off", "traceoff"} & set(actions))
-        if depth is not None or on or off:
-            triggers.append(Trigger(NamePattern(func, kind), depth, on, off))
+        backtrace, finish = "backtrace" in actions, "finish" in actions
+        if depth is not None or on or off or backtrace or finish:
+            triggers.append(Trigger(NamePattern(func, kind), depth, on, off, backtrace, finish))
     return CallFilter(
         tuple(NamePattern(t, kind) for t in include), tuple(NamePattern(t, kind) for t in exclude),
         args.depth, tuple(NamePattern(t, kind) for t in args.callers), args.time_range,

@@ -9,6 +9,7 @@ when reading), as uftrace applies filters at record time or at replay time alike
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import numpy as np
 
 from dynprobe.symbols.demangle import Demangle, display
 from dynprobe.symbols.patterns import NamePattern
-from dynprobe.tracefile import Chunk, Trace
+from dynprobe.tracefile import Chunk, Note, Trace
 
 EXIT = 1
 
@@ -36,6 +37,8 @@ class Masks:
     on: list[bool] | None = None
     off: list[bool] | None = None
     disabled: bool = False  # tracing starts off (until a trace_on)
+    backtrace: list[bool] | None = None  # replay shows the calls a call of these is under
+    finish: list[bool] | None = None  # the trace ends at the first call of one of these
 
     @property
     def subtrees(self) -> bool:
@@ -47,12 +50,15 @@ class Masks:
 @dataclass(frozen=True)
 class Trigger:
     """uftrace's -T FUNC@ACTIONS, those that act on what is shown: depth=N (calls under FUNC at
-    most N deep), trace_on and trace_off (showing starts or stops at FUNC's entry)."""
+    most N deep), trace_on and trace_off (showing starts or stops at FUNC's entry), backtrace
+    and finish."""
 
     pattern: NamePattern
     depth: int | None = None
     trace_on: bool = False
     trace_off: bool = False
+    backtrace: bool = False  # replay shows the calls FUNC's calls are under, as comments
+    finish: bool = False  # the trace ends at FUNC's first call (every thread's, from then on)
 
 
 @dataclass(frozen=True)
@@ -84,9 +90,12 @@ class CallFilter:
                               if named)  # fmt: skip
         on = [t.pattern for t in self.triggers if t.trace_on]
         off = [t.pattern for t in self.triggers if t.trace_off]
+        backtrace = [t.pattern for t in self.triggers if t.backtrace]
+        finish = [t.pattern for t in self.triggers if t.finish]
         return Masks(
             _named(self.include, functions), _matching(self.exclude, functions), self.depth,
             _named(self.callers, functions), depths, _named(on, functions), _named(off, functions), self.disabled,
+            _named(backtrace, functions), _named(finish, functions),
         )  # fmt: skip
 
     def to_info(self, functions: list[list[object]]) -> dict[str, object]:
@@ -97,6 +106,7 @@ class CallFilter:
             "include": _ids(masks.include), "exclude": _ids(masks.exclude), "depth": self.depth,
             "callers": _ids(masks.callers), "depths": [[f, d] for f, d in masks.depths.items()],
             "on": _ids(masks.on), "off": _ids(masks.off), "disabled": self.disabled,
+            "backtrace": _ids(masks.backtrace), "finish": _ids(masks.finish),
         }  # fmt: skip
 
 
@@ -138,7 +148,8 @@ def recorded_masks(trace: Trace) -> Masks | None:
             if depth is not None:
                 depths[pair[0]] = depth
     return Masks(mask("include"), mask("exclude") or [False] * count, positive(saved.get("depth")), mask("callers"),
-                 depths, mask("on"), mask("off"), saved.get("disabled") is True)  # fmt: skip
+                 depths, mask("on"), mask("off"), saved.get("disabled") is True, mask("backtrace"),
+                 mask("finish"))  # fmt: skip
 
 
 def _matching(patterns: Sequence[NamePattern], functions: list[list[object]]) -> list[bool]:
@@ -185,19 +196,50 @@ class FrameStack:
         del self.calls[depth:]
 
 
+def all_masks(trace: Trace, readers: CallFilter | None) -> list[Masks]:
+    """The filters a trace was recorded with, then a reader's, resolved against its functions."""
+    functions = trace.info.get("functions", [])
+    return [m for m in (recorded_masks(trace), readers.masks(functions) if readers else None) if m is not None]
+
+
+def either(masks: list[Masks], name: str) -> list[bool] | None:
+    """Per function id, whether any of `masks` names it in its field `name` (None: none does)."""
+    named = [getattr(m, name) for m in masks if getattr(m, name) is not None]
+    return [any(column) for column in zip(*named, strict=True)] if named else None
+
+
 def chunks_of(trace: Trace, readers: CallFilter | None = None) -> Iterator[Chunk]:
     """The trace's chunks as filtered when recorded, then by a reader's filters (`-F` within
     what the recording kept)."""
     chunks = trace.chunks()
-    functions = trace.info.get("functions", [])
-    for masks in (recorded_masks(trace), readers.masks(functions) if readers else None):
-        if masks is not None and masks.subtrees:
-            chunks = _filtered(chunks, masks)
-        if masks is not None and masks.callers is not None:
-            chunks = _callers(chunks, masks.callers)
+    masks = all_masks(trace, readers)
+    finish = either(masks, "finish")
+    end = finish_time(trace, finish) if finish is not None else None
+    if end is not None:
+        chunks = _within(chunks, 0, (None, end))
+    backtrace = either(masks, "backtrace")
+    if backtrace is not None:
+        chunks = _backtraces(chunks, backtrace)
+    for mask in masks:
+        if mask.subtrees:
+            chunks = _filtered(chunks, mask)
+        if mask.callers is not None:
+            chunks = _callers(chunks, mask.callers)
     if readers is not None and readers.time_range is not None:
         chunks = _within(chunks, trace.first_ns(), readers.time_range)
     return chunks
+
+
+def finish_time(trace: Trace, finish: list[bool]) -> int | None:
+    """When the first call of a `finish` function began (None: none was called): uftrace's
+    finish trigger ends the trace there, in every thread. (A pass over the trace of its own.)"""
+    named = np.array(finish, dtype=bool)
+    first = None
+    for chunk in trace.chunks():
+        entries = chunk.time_ns[(chunk.kind != EXIT) & named[chunk.func]]
+        if len(entries) and (first is None or int(entries.min()) < first):
+            first = int(entries.min())
+    return first
 
 
 def _within(chunks: Iterator[Chunk], began: int, time_range: tuple[int | None, int | None]) -> Iterator[Chunk]:
@@ -212,6 +254,34 @@ def _within(chunks: Iterator[Chunk], began: int, time_range: tuple[int | None, i
         if stop is not None:
             mask &= since <= stop
         yield from _masked(chunk, mask)
+
+
+def _backtraces(chunks: Iterator[Chunk], marked: list[bool]) -> Iterator[Chunk]:
+    """Each entry of a `marked` function (a backtrace trigger's) noted with the calls it is
+    under: all of them, shown or not, as uftrace's backtrace walks the thread's stack."""
+    threads: dict[int, FrameStack] = {}
+    for chunk in chunks:
+        thread = threads.setdefault(chunk.tid, FrameStack())
+        note, notes = chunk.note, chunk.notes
+        for i, (kind, func, frame) in enumerate(zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(),
+                                                    strict=True)):  # fmt: skip
+            if kind == EXIT:
+                index = thread.find(func, frame)
+                if index is not None:
+                    thread.cut(index)
+                continue
+            if frame in thread.at:  # a frame entered again: what held it was left
+                thread.cut(thread.at[frame])
+            if marked[func]:
+                if notes is chunk.notes:  # (the chunk's own are left as they are)
+                    note = chunk.note.copy() if chunk.note is not None else np.full(len(chunk.kind), -1, np.int32)
+                    notes = list(chunk.notes)
+                assert note is not None
+                values = notes[note[i]].values if note[i] >= 0 else ""
+                note[i] = len(notes)
+                notes.append(Note(values, tuple(call[0] for call in thread.calls)))
+            thread.push([func, frame])
+        yield chunk if notes is chunk.notes else dataclasses.replace(chunk, note=note, notes=notes)
 
 
 def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:

@@ -13,8 +13,8 @@ from typing import TextIO
 
 import numpy as np
 
-from dynprobe.output.callfilter import CallFilter, FrameStack, chunks_of
-from dynprobe.tracefile import Chunk, Trace
+from dynprobe.output.callfilter import CallFilter, FrameStack, all_masks, chunks_of, either, finish_time
+from dynprobe.tracefile import Chunk, Note, Trace
 
 EXIT = 1
 
@@ -46,7 +46,7 @@ def _batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
         )
         if all(c.note is None for c in held):
             return Chunk(first.pid, first.tid, kind, frame, func, time_ns)
-        notes: list[str] = []
+        notes: list[Note] = []
         parts = []
         for c in held:
             note = c.note if c.note is not None else np.full(len(c.kind), -1, np.int32)
@@ -388,6 +388,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
     Calls left without an exit (longjmp, an exception) close with the frame that returns; calls
     with no callee shorter than `threshold_ns` are left out."""
     out.write("# DURATION     TID     FUNCTION\n")
+    masks = all_masks(trace, filters)
     names = [trace.call_text(f) for f in range(len(trace.functions))]
     stacks: dict[int, _OpenCalls] = {}
     # tid -> an entry not printed yet (a leaf if its exit is next): function, time, frame, arguments
@@ -421,7 +422,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                 if kinds.item(end - 1) != EXIT:
                     end -= 1  # an entry and its exit, a call with no callee, stay together
                 part = slice(i, end)
-                noted = chunk.note is not None and bool((chunk.note[part] >= 0).any())  # (values: one at a time)
+                noted = chunk.note is not None and bool((chunk.note[part] >= 0).any())  # (one at a time)
                 segment = None if noted else _plain_segment(kinds[part], funcs[part], times[part], frames[part], stack)
                 if segment is None:
                     plain_from = end
@@ -439,6 +440,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                     continue
             kind, func, t, frame = kinds.item(i), funcs.item(i), times.item(i), frames.item(i)
             note = trace.call_note(chunk, i)
+            values = note.values
             i += 1
             if kind != EXIT:
                 if waiting is not None:
@@ -446,13 +448,15 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                     stack.push(*waiting[:3])
                 if frame:
                     stack.forget(frame)
-                waiting = (func, t, frame, note)
+                if note.callers is not None:  # as uftrace's backtrace trigger shows it
+                    lines += [f"  backtrace{head}/* [{n:>2}] {trace.name(f)} */" for n, f in enumerate(note.callers)]
+                waiting = (func, t, frame, values)
                 continue
             if waiting is not None:
                 if waiting[0] == func and waiting[2] == frame:
                     spent = t - waiting[1]
                     if spent >= threshold_ns:
-                        lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func, waiting[3])}{note};")
+                        lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func, waiting[3])}{values};")
                     waiting = None
                     continue
                 lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
@@ -460,7 +464,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                 waiting = None
             call = stack.close(func, frame)
             if call is not None:
-                returned = f"{note};" if note else ""
+                returned = f"{values};" if values else ""
                 lines.append(f"{duration(t - call[1])}{head}{'  ' * len(stack)}}}{returned} /* {trace.name(func)} */")
         if waiting is not None:
             pending[tid] = waiting
@@ -469,6 +473,15 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
             count += len(lines)
     for tid, waiting in pending.items():
         out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{name(waiting[0], waiting[3])} {{\n")
+        stacks[tid].push(*waiting[:3])
+    finish = either(masks, "finish")
+    if finish is not None and finish_time(trace, finish) is not None:  # as uftrace says where it stopped
+        out.write("\ndynprobe stopped tracing with remaining functions\n" + "=" * 49 + "\n")
+        for tid, stack in stacks.items():
+            if len(stack):
+                out.write(f"task: {tid}\n")
+                out.write("".join(f"[{n}] {trace.name(c[0])}\n" for n, c in reversed(list(enumerate(stack.calls)))))
+        out.write("\n")
     return count
 
 
