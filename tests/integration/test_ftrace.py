@@ -1029,3 +1029,39 @@ def test_a_finish_trigger_ends_the_trace_at_the_function_s_first_call(tmp_path: 
     replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
     profiling = {"__gmon_start__", "atexit"}  # (-pg's start-up: dynprobe traces it, uftrace does not)
     assert call_tree(replayed.stdout) == call_tree(dp("replay", trace).stdout, profiling)
+
+
+@pytest.mark.parametrize(
+    "fields", ["duration", "tid,addr", "time,delta", "elapsed,task", "module", "+elapsed", "none",
+               "duration,tid,addr,time,delta,elapsed,task,module"],
+)  # fmt: skip
+def test_replay_fields_as_uftrace_lays_them_out(tmp_path: Path, fields: str) -> None:
+    """replay -f: uftrace's columns, headings and widths (the task and module names, and where
+    the call begins, as uftrace's); times are each run's own. (ADDRESS is the function's address;
+    uftrace's is a few bytes in, where its mcount call returns.)"""
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    _, trace = record(tmp_path, "--no-libcall", "--", binary, "evenodd", "3")
+    ours = dp("replay", "-F", "main", "-f", fields, trace).stdout.splitlines()
+    if fields == "none":
+        assert ours[0] == "main() {" and ours[-1] == "} /* main */"
+    else:
+        assert ours[0].startswith("#") and ours[0].endswith("FUNCTION")
+        assert len({line.index("| ") for line in ours[1:]}) == 1  # every call starts in one column
+        for line in ours[1:]:
+            assert ("task" not in fields or " ret_mnop-mcount " in line) and (
+                "module" not in fields or " ret_mnop-mcount_ | " in line
+            )
+            assert "time" not in fields or re.search(r" +\d+\.\d{9} ", line)
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), binary, "evenodd",
+                    "3"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "replay", "-F", "main", "-f", fields, "-d", str(theirs)], check=True,
+                              capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+    assert len(ours) == len(replayed)
+    for mine, uftraces in zip(ours, replayed, strict=True):
+        assert mine.find("| ") == uftraces.find("| ") and mine.split("| ", 1)[-1] == uftraces.split("| ", 1)[-1]
+    assert fields == "none" or ours[0] == replayed[0]

@@ -272,3 +272,20 @@ def test_recorded_values_show_whatever_the_chunks_and_pieces(tmp_path: Path, mon
         callgraph.replay(Trace(str(tmp_path)), out)
         lines = [line.split("| ", 1)[1].strip() for line in out.getvalue().splitlines()[1:]]
         assert lines == ["main() {", *shown, "} /* main */"], pieces
+
+
+@pytest.mark.parametrize(
+    ("text", "fields"),
+    [
+        ("none", ()), ("tid,duration", ("duration", "tid")), ("+elapsed", ("duration", "tid", "elapsed")),
+        ("module,time,addr", ("addr", "time", "module")),
+    ],
+)  # fmt: skip
+def test_replay_fields_are_uftrace_s_in_its_order(text: str, fields: tuple[str, ...]) -> None:
+    assert callgraph.parse_fields(text) == fields
+
+
+@pytest.mark.parametrize("text", ["", "+", "tid,bogus", "duration,,x"])
+def test_replay_fields_that_are_not_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="not a field"):
+        callgraph.parse_fields(text)

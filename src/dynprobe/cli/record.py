@@ -62,6 +62,8 @@ examples:
   dynprobe replay parse.data --tid 4242    one thread's
   dynprobe replay -F main -D 2 -N 'log_.*' main's calls two deep, without log_* and their callees
   dynprobe replay --demangle full | less
+  dynprobe replay -f time,tid,elapsed      uftrace's columns: time stamps, time since the first event
+  dynprobe replay -f none --no-args        calls alone (to diff two runs)
 """,
     "report": """\
 examples:
@@ -244,6 +246,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             q.add_argument("-s", "--sort", choices=["total", "self", "calls", "avg", "name"], default="total")
             q.add_argument("-t", "--threshold", type=_time, default=0, metavar="TIME",
                            help="count only calls of TIME or more (10us, 1ms)")  # fmt: skip
+        else:
+            q.add_argument("-f", "--output-fields", dest="fields", type=_fields, default=callgraph.DEFAULT_FIELDS,
+                           metavar="FIELDS", help=f"the columns before each call, as uftrace's: among "
+                           f"{', '.join(callgraph.FIELDS)} (comma-separated; +FIELD: added to duration,tid), "
+                           "or none")  # fmt: skip
+            q.add_argument("--no-args", dest="values", action="store_false",
+                           help="leave out the arguments and return values calls recorded (-A, -R)")  # fmt: skip
         _add_reading_options(q)
         q.set_defaults(run=run_replay if name == "replay" else run_report)
     g = sub.add_parser(
@@ -521,8 +530,16 @@ def _threshold(trace: Trace, args: argparse.Namespace) -> int:
     return max(int(trace.info.get("threshold_ns") or 0), int(getattr(args, "threshold", 0)))
 
 
+def _fields(text: str) -> tuple[str, ...]:
+    try:
+        return callgraph.parse_fields(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda t, out, f: callgraph.replay(t, out, _threshold(t, args), f))
+    return _read(args, command, lambda t, out, f: callgraph.replay(t, out, _threshold(t, args), f, args.fields,
+                                                                   args.values))  # fmt: skip
 
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:

@@ -377,7 +377,86 @@ def _segment_calls(
     return funcs[done], spent[done], spent[done] - callees[done], after[done] == 0
 
 
-def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter | None = None) -> int:
+# uftrace's replay -f fields, in the order they are shown: name -> (header, width)
+FIELDS = {
+    "duration": (" DURATION ", 10), "tid": ("   TID   ", 8), "addr": ("   ADDRESS  ", 12),
+    "time": ("     TIMESTAMP    ", 18), "delta": (" TIMEDELTA", 10), "elapsed": ("  ELAPSED ", 10),
+    "task": ("      TASK NAME", 15), "module": ("     MODULE NAME", 16),
+}  # fmt: skip
+DEFAULT_FIELDS = ("duration", "tid")
+
+
+def parse_fields(text: str) -> tuple[str, ...]:
+    """uftrace's -f: 'none', fields comma-separated ('time,tid'), or '+' and fields added to the
+    defaults ('+elapsed'). ValueError for a field that is not one."""
+    if text == "none":
+        return ()
+    added = text.startswith("+")
+    given = [f for f in text.removeprefix("+").split(",") if f]
+    unknown = [f for f in given if f not in FIELDS]
+    if unknown or not given:
+        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(FIELDS)}, or none)")
+    chosen = set(given) | (set(DEFAULT_FIELDS) if added else set())
+    return tuple(f for f in FIELDS if f in chosen)
+
+
+class _Columns:
+    """The fields of replay's lines before the call (uftrace's -f), each a space then its value
+    in its width, then " | "."""
+
+    def __init__(self, trace: Trace, fields: tuple[str, ...]) -> None:
+        self.trace, self.fields = trace, fields
+        self.first = trace.first_ns() if {"elapsed"} & set(fields) else 0
+        self.last: dict[int, int] = {}  # tid -> the time of its last line (delta)
+        self.width = sum(1 + FIELDS[f][1] for f in fields)
+
+    def header(self) -> str:
+        """uftrace's: each field's heading where its values start (after the space before them;
+        a longer heading runs into the next space), '#' first."""
+        if not self.fields:
+            return ""
+        line = [" "] * (self.width + 3)
+        at = 1
+        for name in self.fields:
+            heading, width = FIELDS[name]
+            line[at : at + len(heading)] = heading
+            at += width + 1
+        line[0] = "#"
+        return "".join(line[: self.width + 3]) + "FUNCTION\n"
+
+    def prefix(self, tid: int, func: int, t: int, spent: int | None, *, backtrace: bool = False) -> str:
+        if not self.fields:
+            return ""
+        values = []
+        for column in self.fields:
+            if column == "duration":
+                values.append(" backtrace" if backtrace else duration(spent)[1:] if spent is not None else " " * 10)
+            elif column == "tid":
+                values.append(f"[{tid:>6}]")
+            elif column == "addr":
+                entry = self.trace.info["functions"][func] if func < len(self.trace.functions) else []
+                address = entry[2] if len(entry) > 2 and isinstance(entry[2], int) else 0
+                values.append(f"{address:>12x}")
+            elif column == "time":
+                values.append(f"{t // 1_000_000_000:>8}.{t % 1_000_000_000:09}")
+            elif column in ("delta", "elapsed"):
+                since = t - (self.last.get(tid, t) if column == "delta" else self.first)
+                values.append(duration(since)[1:] if since > 0 else " " * 10)
+            elif column == "task":
+                values.append(self.trace.threads.get(tid, str(tid))[:15].rjust(15))
+            else:  # module
+                entry = self.trace.info["functions"][func] if func < len(self.trace.functions) else []
+                module = str(entry[1]) if len(entry) > 1 else "[unknown]"
+                values.append(module[:16].rjust(16))
+        if not backtrace:
+            self.last[tid] = t
+        return "".join(" " + v for v in values) + " | "
+
+
+def replay(
+    trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter | None = None,
+    fields: tuple[str, ...] = DEFAULT_FIELDS, values: bool = True,
+) -> int:  # fmt: skip
     """The call graph, one line per call (a call with no callee) or per entry and exit:
 
         # DURATION     TID     FUNCTION
@@ -386,14 +465,16 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
            5.000 us [  1234] | } /* main */
 
     Calls left without an exit (longjmp, an exception) close with the frame that returns; calls
-    with no callee shorter than `threshold_ns` are left out."""
-    out.write("# DURATION     TID     FUNCTION\n")
+    with no callee shorter than `threshold_ns` are left out. `fields`: the columns before the
+    call (uftrace's -f); `values`: the arguments and return values calls recorded."""
+    columns = _Columns(trace, fields)
+    out.write(columns.header())
+    plain = fields == DEFAULT_FIELDS  # (numpy lays out the default lines; others go one at a time)
     masks = all_masks(trace, filters)
     names = [trace.call_text(f) for f in range(len(trace.functions))]
     stacks: dict[int, _OpenCalls] = {}
     # tid -> an entry not printed yet (a leaf if its exit is next): function, time, frame, arguments
     pending: dict[int, tuple[int, int, int, str]] = {}
-    blank = " " * 11
     count = 0
 
     def name(func: int, note: str = "") -> str:
@@ -414,7 +495,7 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
         lines: list[str] = []
         kinds, funcs, times, frames = chunk.kind, chunk.func, chunk.time_ns, chunk.frame
         i, n = 0, len(kinds)
-        plain_from = 0  # a span that does not nest plainly goes one event at a time
+        plain_from = 0 if plain else n  # a span that does not nest plainly goes one event at a time
         while i < n:
             if waiting is None and i >= plain_from and n - i >= _PLAIN_FROM:
                 # Spans of events that nest plainly (most): laid out by numpy in one go.
@@ -440,39 +521,45 @@ def replay(trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter
                     continue
             kind, func, t, frame = kinds.item(i), funcs.item(i), times.item(i), frames.item(i)
             note = trace.call_note(chunk, i)
-            values = note.values
+            recorded = note.values if values else ""
             i += 1
             if kind != EXIT:
                 if waiting is not None:
-                    lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
+                    entry = columns.prefix(tid, waiting[0], waiting[1], None)
+                    lines.append(f"{entry}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
                     stack.push(*waiting[:3])
                 if frame:
                     stack.forget(frame)
                 if note.callers is not None:  # as uftrace's backtrace trigger shows it
-                    lines += [f"  backtrace{head}/* [{n:>2}] {trace.name(f)} */" for n, f in enumerate(note.callers)]
-                waiting = (func, t, frame, values)
+                    lines += [f"{columns.prefix(tid, f, t, None, backtrace=True)}/* [{n:>2}] {trace.name(f)} */"
+                              for n, f in enumerate(note.callers)]  # fmt: skip
+                waiting = (func, t, frame, recorded)
                 continue
             if waiting is not None:
                 if waiting[0] == func and waiting[2] == frame:
                     spent = t - waiting[1]
                     if spent >= threshold_ns:
-                        lines.append(f"{duration(spent)}{head}{'  ' * len(stack)}{name(func, waiting[3])}{values};")
+                        leaf = columns.prefix(tid, func, waiting[1], spent)
+                        lines.append(f"{leaf}{'  ' * len(stack)}{name(func, waiting[3])}{recorded};")
                     waiting = None
                     continue
-                lines.append(f"{blank}{head}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
+                entry = columns.prefix(tid, waiting[0], waiting[1], None)
+                lines.append(f"{entry}{'  ' * len(stack)}{name(waiting[0], waiting[3])} {{")
                 stack.push(*waiting[:3])
                 waiting = None
             call = stack.close(func, frame)
             if call is not None:
-                returned = f"{values};" if values else ""
-                lines.append(f"{duration(t - call[1])}{head}{'  ' * len(stack)}}}{returned} /* {trace.name(func)} */")
+                returned = f"{recorded};" if recorded else ""
+                ending = columns.prefix(tid, func, t, t - call[1])
+                lines.append(f"{ending}{'  ' * len(stack)}}}{returned} /* {trace.name(func)} */")
         if waiting is not None:
             pending[tid] = waiting
         if lines:
             out.write("\n".join(lines) + "\n")
             count += len(lines)
     for tid, waiting in pending.items():
-        out.write(f"{blank} [{tid:>6}] | {'  ' * len(stacks[tid])}{name(waiting[0], waiting[3])} {{\n")
+        entry = columns.prefix(tid, waiting[0], waiting[1], None)
+        out.write(f"{entry}{'  ' * len(stacks[tid])}{name(waiting[0], waiting[3])} {{\n")
         stacks[tid].push(*waiting[:3])
     finish = either(masks, "finish")
     if finish is not None and finish_time(trace, finish) is not None:  # as uftrace says where it stopped
