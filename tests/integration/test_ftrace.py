@@ -1065,3 +1065,19 @@ def test_replay_fields_as_uftrace_lays_them_out(tmp_path: Path, fields: str) -> 
     for mine, uftraces in zip(ours, replayed, strict=True):
         assert mine.find("| ") == uftraces.find("| ") and mine.split("| ", 1)[-1] == uftraces.split("| ", 1)[-1]
     assert fields == "none" or ours[0] == replayed[0]
+
+
+def test_nested_library_calls(ret_cxx: str, tmp_path: Path) -> None:
+    """--nest-libcall: the calls the program's libraries make to library functions show under
+    the library call that made them (libstdc++'s __cxa_allocate_exception calls malloc through its
+    PLT), as uftrace's --nest-libcall shows them; without it, the program's own library calls
+    have no callees. The program prints what it prints alone."""
+    r, trace = record(tmp_path, "--nest-libcall", "--", ret_cxx, "12")
+    assert r.stdout == run_plain([ret_cxx, "12"]).stdout
+    tree = call_tree(dp("replay", trace).stdout)[0]
+    at = tree.index(next(line for line in tree if line[1] == "__cxa_allocate_exception() {"))
+    assert tree[at + 1] == (tree[at][0] + 1, "malloc();")
+    plain = str(tmp_path / "plain")
+    assert dp("record", "-o", plain, "--", ret_cxx, "12").returncode == 0
+    calls = [line for _, line in call_tree(dp("replay", plain).stdout)[0]]
+    assert "__cxa_allocate_exception();" in calls and "__cxa_allocate_exception() {" not in calls

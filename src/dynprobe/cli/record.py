@@ -118,6 +118,11 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
                    help="leave out the program's calls to library functions (shown by default, as uftrace shows "
                    "them: `malloc();` where the program calls it)")  # fmt: skip
     p.add_argument(
+        "--nest-libcall",
+        action="store_true",
+        help="also the calls its libraries make to library functions (operator new() { malloc(); })",
+    )
+    p.add_argument(
         "--lib",
         action="append",
         default=[],
@@ -377,7 +382,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             session.ring_bytes = args.ring_size
             tracer = session.function_tracer(
                 patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold,
-                library_calls=args.libcall,
+                library_calls=args.libcall or args.nest_libcall, nested_calls=args.nest_libcall,
             )  # fmt: skip
             tracer.record_values(requests)
             info = {

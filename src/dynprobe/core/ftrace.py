@@ -15,6 +15,7 @@ time stamp; `session.write_raw` spools them to disk (`dynprobe record`), or `on_
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -132,6 +133,15 @@ class Selection:
     exclude: tuple[NamePattern, ...] = ()
     libraries: tuple[str, ...] = ()
     library_calls: bool = False  # the program's calls to libraries, through its PLT
+    nested_calls: bool = False  # and the calls its libraries make to others (uftrace's --nest-libcall)
+
+    def calls_of(self, exe: str, libraries: dict[str, str]) -> list[str]:
+        """The files whose PLT stubs are traced: the program's, and with nested calls those of
+        the libraries it loads at start (not the dynamic loader's)."""
+        if not self.library_calls:
+            return []
+        nested = [p for p in libraries.values() if not os.path.basename(p).startswith("ld-linux")]
+        return [exe, *(nested if self.nested_calls else [])]
 
 
 @dataclass(frozen=True)
@@ -434,7 +444,7 @@ class Tracing:
             selection = tracer.selection
             try:
                 paths = [proc.exe] + [find_file(name, maps, proc.libraries) for name in selection.libraries]
-                calls_of = [proc.exe] if selection.library_calls else []
+                calls_of = selection.calls_of(proc.exe, proc.libraries())
                 chosen = self.select(paths, selection.include, selection.exclude, calls_of=calls_of)
             except (SymbolError, SessionError) as exc:
                 _debug(f"pid {proc.pid} exec'd {proc.exe}: not traced: {exc}")

@@ -586,6 +586,7 @@ class Session:
         depth: int | None = None,
         threshold_ns: int = 0,
         library_calls: bool = False,
+        nested_calls: bool = False,
     ) -> FunctionTracer:
         """A function tracer (an ftrace ops: filter, action, graph or not) over the functions of
         the main executable (and of `libraries`, by name or path, as mapped) whose names match a
@@ -594,17 +595,19 @@ class Session:
         records entries and exits (the return-probe mechanism), else entries only; `depth` (graph
         mode) leaves out calls nested deeper than that many traced calls, `threshold_ns` calls
         that end sooner (dropped in the target: they cost no disk); `library_calls`: the calls the
-        program makes to library functions too (its PLT stubs, named after them). Call `start()`
-        on it; events go to `on_event` or, spooled raw, to `write_raw` (`dynprobe record`)."""
+        program makes to library functions too (its PLT stubs, named after them), and with
+        `nested_calls` those its libraries make. Call `start()` on it; events go to `on_event`
+        or, spooled raw, to `write_raw` (`dynprobe record`)."""
         self._check_open()
         main = self._processes.get(self.main_pid)
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps, main.libraries) for name in libraries]
+        selection = Selection(as_patterns(filter), as_patterns(exclude), tuple(libraries), library_calls, nested_calls)
         selected = self.tracing.select(
             paths, filter, exclude, lambda image: loaded_in(image, maps, main.tracee.peek_u64),
-            calls_of=[main.exe] if library_calls else [],
+            calls_of=selection.calls_of(main.exe, main.libraries()),
         )  # fmt: skip
         if not selected and not any(f.size for path in paths for f in load_elf(path).functions):
             names = ", ".join(os.path.basename(p) for p in paths)
@@ -613,7 +616,7 @@ class Session:
                 "(--lib libc, libraries=[...] in the API), or a build with symbols"
             )
         tracer = self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
-        tracer.selection = Selection(as_patterns(filter), as_patterns(exclude), tuple(libraries), library_calls)
+        tracer.selection = selection
         return tracer
 
     def reserve_index(self) -> int:
