@@ -69,7 +69,7 @@ def test_recursion_golden_call_graph(ret: str, tmp_path: Path) -> None:
         "T | } /* main */",
     ]
     report = dp("report", "-s", "calls", trace).stdout.splitlines()
-    assert [(line.split()[-4], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
+    assert [(line.split()[-2], line.split()[-1]) for line in report[2:]] == [("3", "fact"), ("1", "main")]
 
 
 _BY_DEPTH = {
@@ -168,7 +168,7 @@ def test_cxx_exceptions_and_a_library(ret_cxx: str, tmp_path: Path) -> None:
     r, trace = record(tmp_path, "--lib", str(BUILD / "libret_lib.so"), "-P", "catcher", "-P", "rethrower", "-P",
                       "middle", "-P", "thrower", "-P", "via_lib", "-P", "lib_.*", "--", ret_cxx, "12")  # fmt: skip
     assert r.stdout == run_plain([ret_cxx, "12"]).stdout
-    calls = {line.split()[-1]: int(line.split()[-4]) for line in dp("report", trace).stdout.splitlines()[2:]}
+    calls = {line.split()[-1]: int(line.split()[-2]) for line in dp("report", trace).stdout.splitlines()[2:]}
     # a function returns when nothing it called threw past it: 12 calls, 4 throws (n % 3 == 0),
     # 3 throws out of the library (n % 4 == 0)
     assert calls == {"catcher": 12, "rethrower": 8, "middle": 8, "thrower": 8, "via_lib": 12,
@@ -451,7 +451,7 @@ def test_same_call_graph_as_uftrace(tmp_path: Path) -> None:
 def calls_of(trace: str, *options: str) -> dict[str, int]:
     report = dp("report", *options, trace)
     assert report.returncode == 0, report.stderr
-    return {line.split()[-1]: int(line.split()[-4]) for line in report.stdout.splitlines()[2:]}
+    return {line.split()[-1]: int(line.split()[-2]) for line in report.stdout.splitlines()[2:]}
 
 
 def test_longjmp_signal_handler_pointer_and_library(ret: str, tmp_path: Path) -> None:
@@ -1081,3 +1081,32 @@ def test_nested_library_calls(ret_cxx: str, tmp_path: Path) -> None:
     assert dp("record", "-o", plain, "--", ret_cxx, "12").returncode == 0
     calls = [line for _, line in call_tree(dp("replay", plain).stdout)[0]]
     assert "__cxa_allocate_exception();" in calls and "__cxa_allocate_exception() {" not in calls
+
+
+def test_report_fields_as_uftrace_shows_them(tmp_path: Path) -> None:
+    """report -f: uftrace's columns and headings; per function its calls' average, shortest and
+    longest, with and without callees (fact 4: 4 calls, the longest the outermost, the shortest
+    the innermost, all of it its own); -s sorts by any of them."""
+    flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
+    binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
+    _, trace = record(tmp_path, "--no-libcall", "-P", "main", "-P", "fact", "--", binary, "fact", "4")
+    fields = "total,total-avg,total-min,total-max,self,self-avg,self-min,self-max,call"
+    lines = dp("report", "-f", fields, "-s", "call", trace).stdout.splitlines()
+    headings = ["Total time", "Total avg", "Total min", "Total max", "Self time", "Self avg", "Self min", "Self max"]
+    assert lines[0] == "".join(f"  {h:>10}" for h in [*headings, "Calls"]) + "  Function"
+    rows = {line.split()[-1]: line.split()[:-1] for line in lines[2:]}
+    assert list(rows) == ["fact", "main"]
+    fact = [float(v) * {"us": 1e3, "ms": 1e6, "s": 1e9}[u] for v, u in zip(rows["fact"][0:16:2], rows["fact"][1:16:2],
+                                                                           strict=True)]  # fmt: skip
+    total, average, shortest, longest, _, self_average, least_self, most_self = fact
+    assert rows["fact"][-1] == "4" and total == longest and shortest <= average <= longest
+    assert least_self <= self_average <= most_self and least_self <= shortest  # (the innermost: all self)
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), binary, "fact",
+                    "4"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
+    replayed = subprocess.run([uftrace, "report", "-f", fields, "-d", str(theirs)], check=True, capture_output=True,
+                              text=True).stdout.splitlines()  # fmt: skip
+    assert replayed[:2] == lines[:2]

@@ -248,7 +248,18 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         )  # fmt: skip
         q.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
         if name == "report":
-            q.add_argument("-s", "--sort", choices=["total", "self", "calls", "avg", "name"], default="total")
+            q.add_argument(
+                "-s",
+                "--sort",
+                choices=callgraph.SORT_KEYS,
+                default="total",
+                metavar="KEY",
+                help=f"sort by a field, largest first, or by name: {', '.join(callgraph.SORT_KEYS)}",
+            )
+            q.add_argument("-f", "--output-fields", dest="fields", type=_report_fields,
+                           default=callgraph.DEFAULT_REPORT_FIELDS, metavar="FIELDS",
+                           help=f"the columns, as uftrace's: among {', '.join(callgraph.REPORT_FIELDS)} "
+                           "(comma-separated; +FIELD: added to total,self,call)")  # fmt: skip
             q.add_argument("-t", "--threshold", type=_time, default=0, metavar="TIME",
                            help="count only calls of TIME or more (10us, 1ms)")  # fmt: skip
         else:
@@ -542,13 +553,21 @@ def _fields(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _report_fields(text: str) -> tuple[str, ...]:
+    try:
+        return callgraph.parse_report_fields(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:
     return _read(args, command, lambda t, out, f: callgraph.replay(t, out, _threshold(t, args), f, args.fields,
                                                                    args.values))  # fmt: skip
 
 
 def run_report(args: argparse.Namespace, command: list[str]) -> int:
-    return _read(args, command, lambda t, out, f: callgraph.report(t, out, args.sort, _threshold(t, args), f))
+    return _read(args, command, lambda t, out, f: callgraph.report(t, out, args.sort, _threshold(t, args), f,
+                                                                   args.fields))  # fmt: skip
 
 
 def run_graph(args: argparse.Namespace, command: list[str]) -> int:

@@ -578,10 +578,18 @@ class FunctionTime:
     total: int = 0  # ns, callees included; a recursive call's only in its outermost call
     self_time: int = 0  # ns, callees excluded
     spent: int = 0  # ns, the sum of every call's duration (recursive calls' too): for averages
+    shortest: int = 0  # ns, of one call: callees included
+    longest: int = 0
+    least_self: int = 0  # ns, of one call: callees excluded
+    most_self: int = 0
 
     @property
     def average(self) -> int:
         return self.spent // max(self.calls, 1)
+
+    @property
+    def self_average(self) -> int:
+        return self.self_time // max(self.calls, 1)
 
 
 @dataclass
@@ -594,6 +602,7 @@ class Profile:
 
 
 _SUMMED_RUN = 8  # calls with no callee in a row, from which numpy sums them
+_NONE = 1 << 62  # the shortest of no call yet
 
 
 def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: CallFilter | None = None) -> Profile:
@@ -602,6 +611,8 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
     Written for speed: plain lists indexed by function id, no object per call."""
     n = max(len(trace.functions), 1)
     calls, totals, selfs, spents = [0] * n, [0] * n, [0] * n, [0] * n
+    # per call: shortest and longest, with and without callees (`_NONE`: no call yet)
+    shortest, longest, least_self, most_self = [_NONE] * n, [0] * n, [_NONE] * n, [0] * n
     stacks: dict[int, _OpenCalls] = {}
     paths: dict[tuple[int, ...], int] = {}
     events = 0
@@ -644,6 +655,8 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
             if not opened.get(func):
                 totals[func] += spent
             selfs[func] += own
+            shortest[func], longest[func] = min(shortest[func], spent), max(longest[func], spent)
+            least_self[func], most_self[func] = min(least_self[func], own), max(most_self[func], own)
             if folded:
                 paths[path] = paths.get(path, 0) + own
 
@@ -658,12 +671,18 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
             spent, called = spent[keep], called[keep]
         functions, which = np.unique(called, return_inverse=True)
         sums = np.bincount(which, weights=spent).tolist()
-        for func, count, ns in zip(functions.tolist(), np.bincount(which).tolist(), sums, strict=True):
+        least, most = np.full(len(functions), _NONE, np.int64), np.zeros(len(functions), np.int64)
+        np.minimum.at(least, which, spent)
+        np.maximum.at(most, which, spent)
+        for func, count, ns, low, high in zip(functions.tolist(), np.bincount(which).tolist(), sums, least.tolist(),
+                                              most.tolist(), strict=True):  # fmt: skip
             calls[func] += count
             spents[func] += int(ns)
             if not stack.opened.get(func):
                 totals[func] += int(ns)
             selfs[func] += int(ns)
+            shortest[func], longest[func] = min(shortest[func], low), max(longest[func], high)
+            least_self[func], most_self[func] = min(least_self[func], low), max(most_self[func], high)
             if folded:
                 path = (*(c[0] for c in stack.calls), func)
                 paths[path] = paths.get(path, 0) + int(ns)
@@ -689,6 +708,7 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
         one_by_one(stack, columns, done, hi)
 
     totaled = np.zeros((4, n), dtype=np.int64)  # calls, total, self, spent of plain segments
+    extremes = np.array([[_NONE] * n, [0] * n, [_NONE] * n, [0] * n], dtype=np.int64)  # (as the lists above)
 
     def plain(stack: _OpenCalls, chunk: Chunk, lo: int, hi: int) -> bool:
         """Events lo..hi worked out by numpy (False: they do not nest plainly; nothing done)."""
@@ -703,6 +723,10 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
         np.add.at(totaled[1], func[outermost], spent[outermost])
         np.add.at(totaled[2], func, own)
         np.add.at(totaled[3], func, spent)
+        np.minimum.at(extremes[0], func, spent)
+        np.maximum.at(extremes[1], func, spent)
+        np.minimum.at(extremes[2], func, own)
+        np.maximum.at(extremes[3], func, own)
         return True
 
     for chunk in _batches(trace, filters):
@@ -725,38 +749,62 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
                 by_runs(stack, chunk, columns, i, end)
             i = end
     result = Profile(folded=paths, events=events)
-    extra = totaled.tolist()
+    extra, most = totaled.tolist(), extremes.tolist()
     for func in range(n):
         if calls[func] or extra[0][func]:
             result.functions[func] = FunctionTime(
                 calls[func] + extra[0][func], totals[func] + extra[1][func], selfs[func] + extra[2][func],
-                spents[func] + extra[3][func],
+                spents[func] + extra[3][func], min(shortest[func], most[0][func]), max(longest[func], most[1][func]),
+                min(least_self[func], most[2][func]), max(most_self[func], most[3][func]),
             )  # fmt: skip
     return result
 
 
-SORT_KEYS = {
-    "total": lambda ft: -ft.total,
-    "self": lambda ft: -ft.self_time,
-    "calls": lambda ft: -ft.calls,
-    "avg": lambda ft: -ft.average,
-}
+# uftrace's report -f fields: name -> (heading, the value of a function's times)
+REPORT_FIELDS: dict[str, tuple[str, Callable[[FunctionTime], int]]] = {
+    "total": ("Total time", lambda ft: ft.total), "total-avg": ("Total avg", lambda ft: ft.average),
+    "total-min": ("Total min", lambda ft: ft.shortest), "total-max": ("Total max", lambda ft: ft.longest),
+    "self": ("Self time", lambda ft: ft.self_time), "self-avg": ("Self avg", lambda ft: ft.self_average),
+    "self-min": ("Self min", lambda ft: ft.least_self), "self-max": ("Self max", lambda ft: ft.most_self),
+    "call": ("Calls", lambda ft: ft.calls),
+}  # fmt: skip
+DEFAULT_REPORT_FIELDS = ("total", "self", "call")
+
+
+def parse_report_fields(text: str) -> tuple[str, ...]:
+    """uftrace's report -f: fields comma-separated ('total,self-max,call'), '+' added to the
+    defaults. ValueError for a field that is not one."""
+    added = text.startswith("+")
+    given = [f for f in text.removeprefix("+").split(",") if f]
+    unknown = [f for f in given if f not in REPORT_FIELDS]
+    if unknown or not given:
+        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(REPORT_FIELDS)})")
+    chosen = set(given) | (set(DEFAULT_REPORT_FIELDS) if added else set())
+    return tuple(f for f in REPORT_FIELDS if f in chosen)
+
+
+# -s: any report field, and the names dynprobe took before (calls, avg, name)
+SORT_KEYS = [*REPORT_FIELDS, "calls", "avg", "func", "name"]
 
 
 def report(
-    trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0, filters: CallFilter | None = None
-) -> None:
+    trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0, filters: CallFilter | None = None,
+    fields: tuple[str, ...] = DEFAULT_REPORT_FIELDS,
+) -> None:  # fmt: skip
+    """Per function, uftrace's report: its `fields` (total time, self time, calls by default),
+    sorted by `sort` (a field, largest first, or the function's name)."""
     prof = profile(trace, threshold_ns=threshold_ns, filters=filters)
-    rows = sorted(
-        prof.functions.items(), key=lambda kv: trace.name(kv[0]) if sort == "name" else SORT_KEYS[sort](kv[1])
-    )
-    out.write(f"  {'Total time':>12}   {'Self time':>12}   {'Calls':>10}   {'Average':>12}   Function\n")
-    out.write(f"  {'=' * 12}   {'=' * 12}   {'=' * 10}   {'=' * 12}   {'=' * 20}\n")
+    key = {"calls": "call", "avg": "total-avg"}.get(sort, sort)
+    if key in ("func", "name"):
+        rows = sorted(prof.functions.items(), key=lambda kv: trace.name(kv[0]))
+    else:
+        rows = sorted(prof.functions.items(), key=lambda kv: -REPORT_FIELDS[key][1](kv[1]))
+    out.write("".join(f"  {REPORT_FIELDS[f][0]:>10}" for f in fields) + "  Function\n")
+    out.write("".join(f"  {'=' * 10}" for _ in fields) + f"  {'=' * 20}\n")
     for func, ft in rows:
-        out.write(
-            f"  {duration(ft.total):>12}   {duration(ft.self_time):>12}   {ft.calls:>10}   "
-            f"{duration(ft.average):>12}   {trace.name(func)}\n"
-        )
+        values = (REPORT_FIELDS[f][1](ft) for f in fields)
+        cells = (f"{v:>10}" if f == "call" else duration(v)[1:] for f, v in zip(fields, values, strict=True))
+        out.write("".join(f"  {c}" for c in cells) + f"  {trace.name(func)}\n")
 
 
 def dump_chrome(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
