@@ -404,10 +404,12 @@ class Trace:
                 if carried is not None:
                     records, carried = np.concatenate([carried, records]), None
                 data = records["kind"] & TRACE_DATA != 0
-                if left and data.any():
-                    last_call = int(np.flatnonzero(~data)[-1]) if (~data).any() else 0
-                    if last_call:
-                        records, carried, data = records[:last_call], records[last_call:], data[:last_call]
+                calls = np.flatnonzero(~data)
+                if left and self.captures and len(calls):  # (the next piece may hold its last call's values)
+                    last_call = int(calls[-1])
+                    records, carried, data = records[:last_call], records[last_call:], data[:last_call]
+                    if not len(records):
+                        continue
                 note, notes = self._notes(records, data) if data.any() else (None, list[Note]())
                 possible = self._possible(records) & ~data
                 if not possible.all():

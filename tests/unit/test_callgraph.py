@@ -266,7 +266,7 @@ def test_recorded_values_show_whatever_the_chunks_and_pieces(tmp_path: Path, mon
     from dynprobe import tracefile
 
     shown = _write_values_trace(tmp_path)
-    for pieces in (tracefile.READ_RECORDS, 4, 3):
+    for pieces in (tracefile.READ_RECORDS, *range(2, 10)):
         monkeypatch.setattr(tracefile, "READ_RECORDS", pieces)
         out = io.StringIO()
         callgraph.replay(Trace(str(tmp_path)), out)
