@@ -134,7 +134,7 @@ def test_values_show_as_uftrace_shows_them(text: str, raw: int, shown: str) -> N
 def test_strings_show_quoted_escaped_and_cut() -> None:
     assert show_string(b"hello") == '"hello"'
     assert show_string(b'tab\there "q"\n') == '"tab\there "q"\\n"'
-    assert show_string(b"\x1b[31mred") == '"\\x1b[31mred"'  # no terminal codes
+    assert show_string(b"\x1b[31mred\x08") == '"\\x1b[31mred\\b"'  # no terminal codes
     assert show_string("é".encode() + b"\xff") == '"é\\xff"'
     long = b"x" * (SHOWN_STRING + 1)
     assert show_string(long, cut=True) == '"' + "x" * SHOWN_STRING + '..."'

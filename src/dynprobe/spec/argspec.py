@@ -171,12 +171,13 @@ def show_string(data: bytes, *, cut: bool = False, faulted: bool = False, pointe
 
 
 def _escaped(data: bytes) -> str:
-    """The target's bytes as text: UTF-8 as is; a newline as uftrace shows it (\\n); other control
-    characters as \\xNN, so that no byte of the traced program drives the terminal."""
+    """The target's bytes as text: UTF-8 as is; a newline and a backspace as uftrace shows them
+    (\\n, \\b); other control characters as \\xNN, so that no byte of the traced program
+    drives the terminal."""
     out = []
     for char in data.decode("utf-8", "backslashreplace"):
-        if char == "\n":
-            out.append("\\n")
+        if char in "\n\b":
+            out.append("\\n" if char == "\n" else "\\b")
         elif (ord(char) < 0x20 and char != "\t") or ord(char) == 0x7F:
             out.append(f"\\x{ord(char):02x}")
         else:
