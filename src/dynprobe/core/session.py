@@ -2115,6 +2115,7 @@ class Session:
             sig = signal.SIGTRAP  # the target's own trap: it is due to it
         if step is not None and step.held_signals:
             sig = step.held_signals[0]
+        state.deferred = [e for e in state.deferred if e.kind != EventKind.SIGNAL]  # (in `sig` now)
         if sig != signal.SIGTRAP and (state.stepped or _in_sigtrap_stop(tid)):
             return self._park(proc, tid, state, sig)
         return sig
@@ -2141,8 +2142,17 @@ class Session:
         return event.sig if event.kind == EventKind.SIGNAL else 0
 
     def _detach_thread(self, proc: TracedProcess, tid: int, sig: int) -> None:
-        """Let settled thread `tid` go with signal `sig`."""
+        """Let settled thread `tid` go with signal `sig`, and the signals it reported since (a
+        pending one the remote system call that took the rescue handler out made it take)."""
         state = proc.tracee.threads.get(tid)
+        later = [e.sig for e in state.deferred if e.kind == EventKind.SIGNAL and e.sig != signal.SIGTRAP] if (
+            state is not None
+        ) else []  # fmt: skip
+        if later and not sig:
+            sig = later.pop()
+        for other in later:  # (queued again: the detach delivers one)
+            with contextlib.suppress(OSError):
+                sc.tgkill(proc.pid, tid, other)
         if (
             sig
             and sig not in _FAULT_SIGNALS
