@@ -221,10 +221,13 @@ def function_tracing(calls: int) -> dict[str, Any]:
             subprocess.run([sys.executable, "-m", "dynprobe.cli.main", command, trace], stdout=subprocess.DEVNULL,
                            check=True)  # fmt: skip
             results[f"{command}_events_per_s"] = 2 * calls / (time.perf_counter() - t0)
-        # An argument and the return value recorded (uftrace's -A, -R): two data records a call
+        # An argument and the return value recorded (uftrace's -A, -R): two data records a call,
+        # twice the records: a ring that holds them all
         values = ["-A", "test@arg1", "-R", "test@retval"]
+        cmd[cmd.index("--ring-size") + 1] = str(1 << 28)
         cmd[-1:-1] = values
         results["dynprobe_values_us"] = median_run(record, int)
+        results["dynprobe_values_lost"] = json.loads(Path(trace, "info.json").read_text())["lost"]
         uftrace = shutil.which("uftrace")
         if uftrace is None:
             results["uftrace"] = "not installed"
@@ -469,7 +472,8 @@ def main() -> int:
     }
     costs = ", ".join(f"{k.removesuffix('_us')} {v:.0f}" for k, v in per_call.items() if k != "untraced_us")
     out.print(f"function tracing, the seed loop traced whole, ns per traced call (entry + exit): {costs}; "
-              f"{tracing['dynprobe_lost']:,} lost; `dynprobe report` reads "
+              f"{tracing['dynprobe_lost']:,} lost ({tracing['dynprobe_values_lost']:,} with values); "
+              "`dynprobe report` reads "
               f"{tracing['report_events_per_s'] / 1e6:.2f} M events/s, `dynprobe replay` "
               f"{tracing['replay_events_per_s'] / 1e6:.2f} M events/s")  # fmt: skip
     out.print("function tracing at depth (recursion N deep), ns per traced call: "
