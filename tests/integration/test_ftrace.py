@@ -915,6 +915,17 @@ def test_a_time_range_shows_what_happened_in_it(ret: str, tmp_path: Path) -> Non
     assert r.returncode == 2 and "not a time range: '5ms' (START~STOP" in r.stderr
 
 
+def uftrace_reads(tmp_path: Path, recording: list[str], reading: list[str]) -> str:
+    """What `uftrace READING` prints of `uftrace record RECORDING` (run in tmp_path, its own data
+    directory); the test is skipped, saying why, where uftrace is not installed."""
+    uftrace = shutil.which("uftrace")
+    if uftrace is None:
+        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
+    theirs = tmp_path / "uftrace.data"
+    subprocess.run([uftrace, "record", "-d", str(theirs), *recording], check=True, capture_output=True, cwd=tmp_path)
+    return subprocess.run([uftrace, *reading, "-d", str(theirs)], check=True, capture_output=True, text=True).stdout
+
+
 ARGS_SPEC = [
     "-A", "add@arg1/i32,arg2/i32", "-R", "add@retval/i32", "-A", "neg@arg1", "-R", "neg@retval",
     "-A", "triple@arg1/u", "-R", "triple@retval/x", "-A", "echo@arg1/s", "-R", "echo@retval/s",
@@ -951,15 +962,9 @@ def test_arguments_and_return_values_as_uftrace_shows_them(tmp_path: Path) -> No
     assert filtered == ["outer(3) {", "inner();", "} = 8; /* outer */"] * 2
     callers = [line for _, line in call_tree(dp("replay", "-C", "inner", trace).stdout)[0]]
     assert callers == ["main() {", *["outer(3) {", "inner();", "} = 8; /* outer */"] * 2, "} /* main */"]
-    uftrace = shutil.which("uftrace")
-    if uftrace is None:
-        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
-    theirs = tmp_path / "uftrace.data"
-    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), *ARGS_SPEC,
-                    binary, "2"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    replayed = uftrace_reads(tmp_path, ["-P", ".", "--no-libcall", "--no-event", *ARGS_SPEC, binary, "2"], ["replay"])
     profiling = {"__gmon_start__", "__monstartup", "__cxa_atexit", "atexit"}  # (-pg's start-up, not args.c's)
-    assert call_tree(dp("replay", trace).stdout, profiling) == call_tree(replayed.stdout, profiling)
+    assert call_tree(dp("replay", trace).stdout, profiling) == call_tree(replayed, profiling)
 
 
 def test_auto_args_of_library_calls_as_uftrace_shows_them(tmp_path: Path) -> None:
@@ -979,14 +984,8 @@ def test_auto_args_of_library_calls_as_uftrace_shows_them(tmp_path: Path) -> Non
         'strlen("tab\there, quote" and newline\\n") = 29;', 'printf("total %ld %d %zu\\n") = 20;',
         'puts("done") = 5;',
     ]  # fmt: skip
-    uftrace = shutil.which("uftrace")
-    if uftrace is None:
-        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
-    theirs = tmp_path / "uftrace.data"
-    subprocess.run([uftrace, "record", "-P", ".", "-a", "--no-event", "-F", "main", "-d", str(theirs), binary],
-                   check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
-    assert ours == calls_of_library(replayed.stdout)
+    replayed = uftrace_reads(tmp_path, ["-P", ".", "-a", "--no-event", "-F", "main", binary], ["replay"])
+    assert ours == calls_of_library(replayed)
 
 
 @pytest.mark.parametrize(
@@ -1008,7 +1007,6 @@ def test_a_finish_trigger_ends_the_trace_at_the_function_s_first_call(tmp_path: 
     """-T FUNC@finish: the trace ends at FUNC's first call (its entry shown open), and replay says
     which calls were left open, as uftrace's record with that trigger shows it; dynprobe keeps
     the whole trace and ends it when reading, so a replay can be given the trigger too."""
-    uftrace = shutil.which("uftrace")
     flags = ("-O1", "-pthread", "-pg", "-mfentry", "-mnop-mcount", "-fno-PIE", "-no-pie")
     binary = build_target("ret_mnop-mcount_uftrace", "ret.c", flags=flags)
     _, trace = record(tmp_path, "--no-libcall", "-T", "is_odd@finish", "--", binary, "evenodd", "4")
@@ -1021,14 +1019,9 @@ def test_a_finish_trigger_ends_the_trace_at_the_function_s_first_call(tmp_path: 
     whole = str(tmp_path / "whole")
     assert dp("record", "-o", whole, "--no-libcall", "--", binary, "evenodd", "4", cwd=tmp_path).returncode == 0
     assert call_tree(dp("replay", "-T", "is_odd@finish", whole).stdout) == tree
-    if uftrace is None:
-        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
-    theirs = tmp_path / "uftrace.data"
-    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-T", "is_odd@finish", "-d",
-                    str(theirs), binary, "evenodd", "4"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    replayed = subprocess.run([uftrace, "replay", "-d", str(theirs)], check=True, capture_output=True, text=True)
+    recording = ["-P", ".", "--no-libcall", "--no-event", "-T", "is_odd@finish", binary, "evenodd", "4"]
     profiling = {"__gmon_start__", "atexit"}  # (-pg's start-up: dynprobe traces it, uftrace does not)
-    assert call_tree(replayed.stdout) == call_tree(dp("replay", trace).stdout, profiling)
+    assert call_tree(uftrace_reads(tmp_path, recording, ["replay"])) == call_tree(dp("replay", trace).stdout, profiling)
 
 
 @pytest.mark.parametrize(
@@ -1053,14 +1046,8 @@ def test_replay_fields_as_uftrace_lays_them_out(tmp_path: Path, fields: str) -> 
                 "module" not in fields or " ret_mnop-mcount_ | " in line
             )
             assert "time" not in fields or re.search(r" +\d+\.\d{9} ", line)
-    uftrace = shutil.which("uftrace")
-    if uftrace is None:
-        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
-    theirs = tmp_path / "uftrace.data"
-    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), binary, "evenodd",
-                    "3"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    replayed = subprocess.run([uftrace, "replay", "-F", "main", "-f", fields, "-d", str(theirs)], check=True,
-                              capture_output=True, text=True).stdout.splitlines()  # fmt: skip
+    recording = ["-P", ".", "--no-libcall", "--no-event", binary, "evenodd", "3"]
+    replayed = uftrace_reads(tmp_path, recording, ["replay", "-F", "main", "-f", fields]).splitlines()
     assert len(ours) == len(replayed)
     for mine, uftraces in zip(ours, replayed, strict=True):
         assert mine.find("| ") == uftraces.find("| ") and mine.split("| ", 1)[-1] == uftraces.split("| ", 1)[-1]
@@ -1101,12 +1088,5 @@ def test_report_fields_as_uftrace_shows_them(tmp_path: Path) -> None:
     total, average, shortest, longest, _, self_average, least_self, most_self = fact
     assert rows["fact"][-1] == "4" and total == longest and shortest <= average <= longest
     assert least_self <= self_average <= most_self and least_self <= shortest  # (the innermost: all self)
-    uftrace = shutil.which("uftrace")
-    if uftrace is None:
-        pytest.skip("uftrace is not installed (Debian package uftrace; `make test` installs it where it can)")
-    theirs = tmp_path / "uftrace.data"
-    subprocess.run([uftrace, "record", "-P", ".", "--no-libcall", "--no-event", "-d", str(theirs), binary, "fact",
-                    "4"], check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    replayed = subprocess.run([uftrace, "report", "-f", fields, "-d", str(theirs)], check=True, capture_output=True,
-                              text=True).stdout.splitlines()  # fmt: skip
-    assert replayed[:2] == lines[:2]
+    recording = ["-P", ".", "--no-libcall", "--no-event", binary, "fact", "4"]
+    assert uftrace_reads(tmp_path, recording, ["report", "-f", fields]).splitlines()[:2] == lines[:2]

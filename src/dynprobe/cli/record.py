@@ -257,15 +257,16 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                 metavar="KEY",
                 help=f"sort by a field, largest first, or by name: {', '.join(callgraph.SORT_KEYS)}",
             )
-            q.add_argument("-f", "--output-fields", dest="fields", type=_report_fields,
-                           default=callgraph.DEFAULT_REPORT_FIELDS, metavar="FIELDS",
+            q.add_argument("-f", "--output-fields", dest="fields", metavar="FIELDS",
+                           type=_field_option(callgraph.parse_report_fields), default=callgraph.DEFAULT_REPORT_FIELDS,
                            help=f"the columns, as uftrace's: among {', '.join(callgraph.REPORT_FIELDS)} "
                            "(comma-separated; +FIELD: added to total,self,call)")  # fmt: skip
             q.add_argument("-t", "--threshold", type=_time, default=0, metavar="TIME",
                            help="count only calls of TIME or more (10us, 1ms)")  # fmt: skip
         else:
-            q.add_argument("-f", "--output-fields", dest="fields", type=_fields, default=callgraph.DEFAULT_FIELDS,
-                           metavar="FIELDS", help=f"the columns before each call, as uftrace's: among "
+            q.add_argument("-f", "--output-fields", dest="fields", metavar="FIELDS",
+                           type=_field_option(callgraph.parse_fields), default=callgraph.DEFAULT_FIELDS,
+                           help=f"the columns before each call, as uftrace's: among "
                            f"{', '.join(callgraph.FIELDS)} (comma-separated; +FIELD: added to duration,tid), "
                            "or none")  # fmt: skip
             q.add_argument("--no-args", dest="values", action="store_false",
@@ -547,18 +548,16 @@ def _threshold(trace: Trace, args: argparse.Namespace) -> int:
     return max(int(trace.info.get("threshold_ns") or 0), int(getattr(args, "threshold", 0)))
 
 
-def _fields(text: str) -> tuple[str, ...]:
-    try:
-        return callgraph.parse_fields(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _field_option(parse: Callable[[str], tuple[str, ...]]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type of a -f option: `parse`'s fields, its error as argparse's."""
 
+    def fields(text: str) -> tuple[str, ...]:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-def _report_fields(text: str) -> tuple[str, ...]:
-    try:
-        return callgraph.parse_report_fields(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return fields
 
 
 def run_replay(args: argparse.Namespace, command: list[str]) -> int:

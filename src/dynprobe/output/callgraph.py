@@ -387,17 +387,20 @@ DEFAULT_FIELDS = ("duration", "tid")
 
 
 def parse_fields(text: str) -> tuple[str, ...]:
-    """uftrace's -f: 'none', fields comma-separated ('time,tid'), or '+' and fields added to the
-    defaults ('+elapsed'). ValueError for a field that is not one."""
-    if text == "none":
-        return ()
+    """replay's -f: 'none', or as `chosen_fields` ('time,tid', '+elapsed')."""
+    return () if text == "none" else chosen_fields(text, tuple(FIELDS), DEFAULT_FIELDS)
+
+
+def chosen_fields(text: str, known: tuple[str, ...], defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """uftrace's -f: fields comma-separated, or '+' and fields added to the `defaults`; in the
+    order of `known`. ValueError for a field that is not one."""
     added = text.startswith("+")
     given = [f for f in text.removeprefix("+").split(",") if f]
-    unknown = [f for f in given if f not in FIELDS]
+    unknown = [f for f in given if f not in known]
     if unknown or not given:
-        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(FIELDS)}, or none)")
-    chosen = set(given) | (set(DEFAULT_FIELDS) if added else set())
-    return tuple(f for f in FIELDS if f in chosen)
+        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(known)})")
+    chosen = set(given) | (set(defaults) if added else set())
+    return tuple(f for f in known if f in chosen)
 
 
 class _Columns:
@@ -772,15 +775,8 @@ DEFAULT_REPORT_FIELDS = ("total", "self", "call")
 
 
 def parse_report_fields(text: str) -> tuple[str, ...]:
-    """uftrace's report -f: fields comma-separated ('total,self-max,call'), '+' added to the
-    defaults. ValueError for a field that is not one."""
-    added = text.startswith("+")
-    given = [f for f in text.removeprefix("+").split(",") if f]
-    unknown = [f for f in given if f not in REPORT_FIELDS]
-    if unknown or not given:
-        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(REPORT_FIELDS)})")
-    chosen = set(given) | (set(DEFAULT_REPORT_FIELDS) if added else set())
-    return tuple(f for f in REPORT_FIELDS if f in chosen)
+    """report's -f, as `chosen_fields` ('total,self-max,call', '+total-avg')."""
+    return chosen_fields(text, tuple(REPORT_FIELDS), DEFAULT_REPORT_FIELDS)
 
 
 # -s: any report field, and the names dynprobe took before (calls, avg, name)
