@@ -431,13 +431,13 @@ class _Columns:
         if not self.fields:
             return ""
         values = []
+        entry = self.trace.info["functions"][func] if func < len(self.trace.functions) else []
         for column in self.fields:
             if column == "duration":
                 values.append(" backtrace" if backtrace else duration(spent)[1:] if spent is not None else " " * 10)
             elif column == "tid":
                 values.append(f"[{tid:>6}]")
             elif column == "addr":
-                entry = self.trace.info["functions"][func] if func < len(self.trace.functions) else []
                 address = entry[2] if len(entry) > 2 and isinstance(entry[2], int) else 0
                 values.append(f"{address:>12x}")
             elif column == "time":
@@ -448,7 +448,6 @@ class _Columns:
             elif column == "task":
                 values.append(self.trace.threads.get(tid, str(tid))[:15].rjust(15))
             else:  # module
-                entry = self.trace.info["functions"][func] if func < len(self.trace.functions) else []
                 module = str(entry[1]) if len(entry) > 1 else "[unknown]"
                 values.append(module[:16].rjust(16))
         if not backtrace:
