@@ -12,9 +12,26 @@ import textwrap
 
 import pytest
 
+# Seizes the thread, stops it, single-steps it and exits: the kernel lets the thread go with the
+# step's trap flag still set, and the SIGTRAP of its step is the rescue handler's.
+TRACER = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    PTRACE_SINGLESTEP, PTRACE_SEIZE, PTRACE_INTERRUPT = 9, 0x4206, 0x4207
+    tid = int(sys.argv[1])
+    assert libc.ptrace(PTRACE_SEIZE, tid, None, None) == 0, ctypes.get_errno()
+    assert libc.ptrace(PTRACE_INTERRUPT, tid, None, None) == 0, ctypes.get_errno()
+    os.waitpid(tid, os.WALL if hasattr(os, "WALL") else 0x40000000)
+    assert libc.ptrace(PTRACE_SINGLESTEP, tid, None, None) == 0, ctypes.get_errno()
+    os._exit(0)
+    """
+)
+
 HARNESS = textwrap.dedent(
     """
-    import ctypes, mmap, os, resource, signal, struct, sys, threading, time
+    import ctypes, mmap, os, resource, signal, struct, subprocess, sys, threading, time
     import numpy as np
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a death by SIGTRAP writes no core file
@@ -76,9 +93,25 @@ HARNESS = textwrap.dedent(
         resume = function(0x200, bytes.fromhex("ccb807000000c3"))  # int3; mov eax, 7; ret
         struct.pack_into("<QQ", page, L.RESCUE_MARK_TID, tid, resume + 1)
         print(call(resume))
-    elif scenario == "single step":
+    elif scenario == "a debugger's single step":
+        # A tracer steps a thread spinning until a flag is set, and dies before it sees the trap.
+        flag = function(0x380, bytes(8))
+        # mov rax, flag; spin: cmp byte [rax], 0; je spin; mov eax, 5; ret
+        spin = function(0x300, bytes.fromhex("48b8") + flag.to_bytes(8, "little")
+                        + bytes.fromhex("803800 74fb b805000000 c3"))
+        results = []
+        spinner = threading.Thread(target=lambda: results.append(call(spin)))
+        spinner.start()
+        time.sleep(0.05)
+        subprocess.run([sys.executable, "-c", sys.argv[3], str(spinner.native_id)], check=True)
+        code_page[0x8380] = 1
+        spinner.join()
+        print(results[0])
+    elif scenario == "the program's own single step":
         # pushfq; or qword [rsp], 0x100 (TF); popfq; nop; mov eax, 5; ret
-        print(call(function(0x300, bytes.fromhex("9c48810c24000100009d90b805000000c3"))))
+        print("before", flush=True)
+        call(function(0x300, bytes.fromhex("9c48810c24000100009d90b805000000c3")))
+        print("after")
     elif scenario == "foreign int3":
         print("before", flush=True)
         call(function(0x400, bytes.fromhex("ccc3")))
@@ -93,7 +126,7 @@ HARNESS = textwrap.dedent(
 
 def run(scenario: str, own: int = 0) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", HARNESS, scenario, str(own)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", HARNESS, scenario, str(own), TRACER], capture_output=True, text=True,
                           timeout=60, env=env)  # fmt: skip
 
 
@@ -104,7 +137,7 @@ def run(scenario: str, own: int = 0) -> subprocess.CompletedProcess[str]:
         ("site, waiting for the guardian", "42 True"),
         ("moved back to the site", "7"),
         ("resumed as the tracer set it", "7"),
-        ("single step", "5"),
+        ("a debugger's single step", "5"),
     ],
 )
 def test_a_thread_dynprobe_left_goes_on(scenario: str, out: str) -> None:
@@ -112,10 +145,11 @@ def test_a_thread_dynprobe_left_goes_on(scenario: str, out: str) -> None:
     assert (r.returncode, r.stdout.strip()) == (0, out), r.stderr
 
 
-def test_an_int3_not_dynprobe_s_kills_as_it_would_have() -> None:
+@pytest.mark.parametrize("scenario", ["foreign int3", "the program's own single step"])
+def test_a_trap_not_dynprobe_s_kills_as_it_would_have(scenario: str) -> None:
     """SIG_DFL: the handler puts the default back and raises it again: the process dies of
     SIGTRAP, with its core, as without dynprobe."""
-    r = run("foreign int3")
+    r = run(scenario)
     assert (r.returncode, r.stdout.strip()) == (-signal.SIGTRAP, "before"), r.stderr
 
 

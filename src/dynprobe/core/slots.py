@@ -4,7 +4,7 @@ Out-of-line slots are `SLOT_SIZE` bytes, detours of optimized probes as long as 
 (rounded up to `ALIGN`); a page holds many (a page per probe would waste memory, the seed's
 complaint about ftrace trampolines). Pages are mapped in the target with a remote mmap at a fixed
 hint within +-2 GB of the module, so RIP-relative operands and `jmp rel32` reach. The first bytes
-of each page are kept for the `syscall; int3` stub remote syscalls run.
+of each page are kept for the `syscall; jmp $` stub remote syscalls run.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ reaches the handler (ptrace takes them first). After, the handler:
    back to (rip in the table): writes the original byte back if it is still an int3 (through
    /proc/self/mem, which writes read-only code), waiting first for the guardian if the entry
    says so, then runs the original instruction (rip = the site);
-3. after a single step of ours (TF, TRAP_TRACE): clears TF and goes on;
+3. after a single step of ours (TRAP_TRACE with TF clear in the frame: the kernel takes a
+   debugger's forced TF out before it builds the frame) goes on; a step with TF in the frame is
+   the program's own (it set TF itself);
 4. for a SIGTRAP that is not dynprobe's: does what the program's own disposition would have
    (SIG_DFL: back to the default and raised again, so the program dies of it as it would have;
    SIG_IGN: ignored when sent, the default when the CPU raised it, as the kernel does).
@@ -92,8 +94,7 @@ def build_rescue_handler(page: int) -> tuple[bytes, int]:
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM32_IMM8, _mem(R.RBX, _SI_CODE), TRAP_TRACE))
     asm.jump(C.JNE_REL32_64, foreign)
     asm.add(iced.Instruction.create_mem_i32(C.BT_RM64_IMM8, _mem(R.R12, _UC_EFL), _TF_BIT))
-    asm.jump(C.JAE_REL32_64, foreign)  # CF clear: no TF
-    asm.add(iced.Instruction.create_mem_i32(C.BTR_RM64_IMM8, _mem(R.R12, _UC_EFL), _TF_BIT))
+    asm.jump(C.JB_REL32_64, foreign)  # CF set: TF, the program's own
     ret()
     # the site's entry is in rax
     asm.bind(found)
