@@ -9,7 +9,7 @@ CC     ?= gcc
 
 EXAMPLES := examples/bin/wordcount examples/bin/app
 
-.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains stress-test stress-kill clean
+.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains stress-test stress-kill mutate clean
 
 all: test
 
@@ -69,6 +69,10 @@ stress-test: venv tracefs toolchains
 stress-kill: venv
 	$(PY) -m tests.killing --runs 100
 	$(PY) -m tests.killing --runs 100 --loaded
+
+# Mutation testing of the pure core: each module's mutants against its unit tests (tests/mutation.py).
+mutate: venv
+	$(PY) -m tests.mutation
 
 clean:
 	rm -rf $(VENV) examples/bin bench/build tests/.build

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -11,9 +12,10 @@ import dynprobe
 from dynprobe.arch.x86_64 import ResumeKind
 from dynprobe.core.probe import Hit
 from dynprobe.errors import ProbeRefused, Refusal, SymbolError
+from dynprobe.symbols.elf import load_elf
 from tests.conftest import build_target
 
-from .helpers import run_plain, traced
+from .helpers import run_plain, symbols, traced
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +155,43 @@ def test_enable_disable_from_a_handler(counter: str) -> None:
     status, _, (watched, switch) = traced([counter, "20", "1"], setup)
     assert status == 0
     assert watched.hits == 5 and switch.hits == 20
+
+
+def test_the_last_probe_removed_from_an_armed_trap_puts_the_original_bytes_back(counter: str) -> None:
+    """`work`'s only probe removes itself at its 5th hit: its code is the file's again at once
+    (not repaired later by the rescue handler, which would also keep the program alive), and
+    still when the program next stops for dynprobe (printf, at its end); no hit after it."""
+    offset = load_elf(counter).vaddr_to_offset(symbols(counter)["work"])
+    assert offset is not None
+    with open(counter, "rb") as f:
+        f.seek(offset)
+        original = f.read(16)
+    seen: dict[str, object] = {}
+
+    def code_at_work(hit: Hit) -> bytes:
+        with open(f"/proc/{hit.pid}/mem", "rb", buffering=0) as mem:
+            return os.pread(mem.fileno(), 16, symbols_at_run["work"])
+
+    def setup(session: dynprobe.Session) -> dynprobe.Probe:
+        def pre(hit: Hit) -> None:
+            symbols_at_run.setdefault("work", int(hit.regs.rip))
+            if work.hits == 5:
+                work.remove()
+                seen["armed"] = work.armed_addresses
+                seen["at removal"] = code_at_work(hit)
+
+        def at_printf(hit: Hit) -> None:
+            seen["at the end"] = code_at_work(hit)
+
+        work = session.probe("p:t/work work", pre=pre)
+        session.probe("p:t/printf libc:printf", pre=at_printf)
+        return work
+
+    symbols_at_run: dict[str, int] = {}
+    status, out, work = traced([counter, "20", "1"], setup)
+    assert status == 0 and out == run_plain([counter, "20", "1"]).stdout
+    assert work.hits == 5 and work.removed and seen["armed"] == []
+    assert seen["at removal"] == original and seen["at the end"] == original
 
 
 def test_probe_on_main_and_constructor_hits(build: object) -> None:

@@ -7,7 +7,7 @@ import pytest
 from dynprobe.errors import ParseError
 from dynprobe.spec.fetch import StringValue, format_value
 from dynprobe.spec.model import Absolute, Arg, ArgType, Comm, Deref, Reg, Stack, StackPointer, SymbolAddr
-from dynprobe.spec.parser import ERRORS, parse_probe, parse_spec
+from dynprobe.spec.parser import ERRORS, integer_type, parse_probe, parse_spec
 
 # code -> (spec, column of the fault)
 ERROR_TABLE: dict[str, tuple[str, int]] = {
@@ -63,6 +63,36 @@ def test_error_code_and_column(code: str, case: tuple[str, int]) -> None:
 
 def test_every_error_code_is_tested() -> None:
     assert set(ERRORS) - RAISED_ELSEWHERE == set(ERROR_TABLE)
+
+
+# Codes raised from more than one place: every other place, with its column and what it says.
+OTHER_RAISE_SITES: list[tuple[str, str, int, str]] = [
+    ("BAD_PROBE_ADDR", "p :main", 2, "the file name before ':' is empty"),
+    ("BAD_PROBE_ADDR", "p /bin/ls:", 10, "nothing after ':'"),
+    ("BAD_PROBE_ADDR", "p /bin/ls:0xzz", 10, "'0xzz' is not an offset"),
+    ("BAD_PROBE_ADDR", "p /bin/ls:-main", 10, "'-main' is not a symbol name"),
+    ("BAD_MEM_ADDR", "p main @0xzz", 8, ""),
+    ("BAD_MEM_ADDR", "p main @+8", 8, ""),
+    ("BAD_MEM_ADDR", "p main @sym+zz", 12, ""),
+    ("NO_ARG_BODY", "p main +0()", 10, ""),
+]
+
+
+@pytest.mark.parametrize(("code", "spec", "column", "detail"), OTHER_RAISE_SITES)
+def test_every_raise_site(code: str, spec: str, column: int, detail: str) -> None:
+    with pytest.raises(ParseError) as info:
+        parse_spec(spec)
+    assert (info.value.code, info.value.offset) == (code, column), info.value
+    assert str(info.value) == f"{code}: {ERRORS[code]}" + (f": {detail}" if detail else "") + f" (column {column + 1})"
+
+
+def test_integer_type() -> None:
+    expected = [ArgType("u", 8), ArgType("s", 16), ArgType("x", 64)]
+    assert [integer_type(name) for name in ("u8", "s16", "x64")] == expected
+    for name in ("string", "symbol", "u128", ""):
+        with pytest.raises(ParseError) as info:
+            integer_type(name)
+        assert info.value.code == "BAD_TYPE" and f"{name!r} is not an integer type" in str(info.value)
 
 
 def test_full_spec() -> None:

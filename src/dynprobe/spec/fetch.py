@@ -86,9 +86,8 @@ def _address(fetch: Fetch, ctx: FetchContext) -> int:
         if base is None:
             raise _Faulted
         return base + fetch.offset
-    if isinstance(fetch, Deref):
-        return (_word(fetch.inner, ctx) + fetch.offset) & ((1 << 64) - 1)
-    raise _Faulted
+    assert isinstance(fetch, Deref), fetch
+    return (_word(fetch.inner, ctx) + fetch.offset) & ((1 << 64) - 1)
 
 
 def _read(ctx: FetchContext, addr: int, size: int) -> int:
@@ -127,10 +126,9 @@ def _string(fetch: Fetch, ctx: FetchContext) -> StringValue:
     nul = data.find(b"\0")
     if nul >= 0:
         return StringValue(data[:nul].decode("utf-8", "replace"))
-    if len(data) <= MAX_STRING:  # ran into unmapped memory before a NUL
-        if not data:
-            raise _Faulted
-        return StringValue(data.decode("utf-8", "replace"), truncated=True)
+    if not data:
+        raise _Faulted
+    # longer than MAX_STRING, or cut by unmapped memory before its NUL
     return StringValue(data[:MAX_STRING].decode("utf-8", "replace"), truncated=True)
 
 

@@ -1,0 +1,357 @@
+"""Mutation testing of dynprobe's pure core (`make mutate`): does a test fail when the code is
+wrong? Each module is mutated one change at a time (a comparison flipped, an arithmetic or
+bitwise operator swapped, an integer constant +-1, a boolean negated, a statement deleted) and
+its unit tests are run against each mutant; a mutant no test fails on "survived".
+
+    python -m tests.mutation [--module SUBSTRING ...] [--jobs N] [--list] [--survivors]
+
+Our own AST mutator rather than mutmut or cosmic-ray: the pure modules are mostly module-level
+constants and tables (ringbuf/layout.py), which mutmut 3's per-function trampolines do not
+mutate, and a run must fit in minutes, which a process started per mutant does not. Each
+worker keeps a copy of the package with compiled bytecode; a mutant is written into it and the
+tests run in a child forked from a worker that has already imported pytest and the heavy
+dependencies, so a mutant costs its tests, not an interpreter start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import compileall
+import importlib
+import multiprocessing
+import os
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "dynprobe"
+UNIT = ROOT / "tests" / "unit"
+
+# module (under src/dynprobe) -> the unit test files that exercise it
+MODULES: dict[str, tuple[str, ...]] = {
+    "spec/fetch.py": ("test_fetch.py", "test_parser.py"),
+    "spec/model.py": ("test_parser.py", "test_fetch.py", "test_filter.py"),
+    "spec/parser.py": ("test_parser.py", "test_fetch.py", "test_filter.py", "test_public_api.py"),
+    "spec/argspec.py": ("test_argspec.py",),
+    "actions/filter.py": ("test_filter.py", "test_codegen.py"),
+    "actions/model.py": ("test_filter.py", "test_codegen.py"),
+    "arch/x86_64/relocate.py": ("test_arch_tables.py", "test_optimize_tables.py", "test_relocation_edges.py"),
+    "arch/x86_64/optimize.py": ("test_optimize_tables.py", "test_relocation_edges.py", "test_codegen.py"),
+    "arch/x86_64/emulate.py": ("test_arch_tables.py", "test_properties.py"),
+    "arch/x86_64/codegen.py": ("test_codegen.py", "test_returns_code.py", "test_callgraph.py"),
+    "ringbuf/layout.py": ("test_layout.py", "test_consumer.py", "test_codegen.py", "test_returns_code.py"),
+}
+
+# Survivors no test can kill, because the mutant means the same: (module, the mutated line as
+# written, the change) -> why.
+EQUIVALENT: dict[tuple[str, str, str], str] = {}
+
+_COMPARE_SWAPS: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is,
+}  # fmt: skip
+_OPERATOR_SWAPS: dict[type[ast.operator], type[ast.operator]] = {
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult, ast.Div: ast.Mult,
+    ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.LShift: ast.RShift, ast.RShift: ast.LShift,
+    ast.BitAnd: ast.BitOr, ast.BitOr: ast.BitAnd, ast.BitXor: ast.BitOr,
+}  # fmt: skip
+_SYMBOLS: dict[type[ast.AST], str] = {
+    ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=", ast.In: "in",
+    ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not", ast.Add: "+", ast.Sub: "-", ast.Mult: "*",
+    ast.FloorDiv: "//", ast.Div: "/", ast.Mod: "%", ast.Pow: "**", ast.LShift: "<<", ast.RShift: ">>",
+    ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.And: "and", ast.Or: "or", ast.Not: "not",
+    ast.USub: "-", ast.Invert: "~",
+}  # fmt: skip
+# Calls whose deletion changes only what is logged.
+_QUIET_CALLS = {"_debug", "debug"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    line: int
+    text: str  # the line as written
+    change: str
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.line}: {self.change}    | {self.text}"
+
+
+@dataclass
+class _Edit:
+    """One change to the tree: `holder.field` (or `holder.field[index]`) set to `value`."""
+
+    holder: ast.AST
+    field: str
+    value: object
+    index: int | None = None
+
+    def swap(self) -> None:
+        """Apply the edit, and make this edit its own undo (the old value kept in its place)."""
+        container = getattr(self.holder, self.field)
+        if self.index is None:
+            old = container
+            setattr(self.holder, self.field, self.value)
+        else:
+            old = container[self.index]
+            container[self.index] = self.value
+        self.value = old
+
+
+def _skipped(node: ast.AST) -> Iterator[ast.AST]:
+    """Subtrees never mutated: messages (f-strings), annotations, decorators, `__all__`, blocks
+    only type checkers read, and debug logging."""
+    for child in ast.walk(node):
+        if isinstance(child, ast.JoinedStr):
+            yield child
+        elif isinstance(child, ast.arg) and child.annotation is not None:
+            yield child.annotation
+        elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield from child.decorator_list
+            if child.returns is not None:
+                yield child.returns
+        elif isinstance(child, ast.ClassDef):
+            yield from child.decorator_list
+        elif isinstance(child, ast.AnnAssign):
+            yield child.annotation
+        elif _only_for_tools(child):
+            yield child
+        elif isinstance(child, ast.Expr) and isinstance(child.value, ast.Call):
+            func = child.value.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if name in _QUIET_CALLS:
+                yield child
+
+
+def _only_for_tools(node: ast.AST) -> bool:
+    """`__all__ = ...`, or an `if TYPE_CHECKING:` block."""
+    if isinstance(node, ast.Assign):
+        return any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _edits(tree: ast.Module) -> Iterator[tuple[ast.AST, str, _Edit]]:
+    """Every mutation of `tree`: (the node it is at, what it does, the edit)."""
+    skip = {id(n) for s in _skipped(tree) for n in ast.walk(s)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Compare):
+            for i, op in enumerate(node.ops):
+                if type(op) in _COMPARE_SWAPS:
+                    new = _COMPARE_SWAPS[type(op)]()
+                    yield node, f"{_SYMBOLS[type(op)]} -> {_SYMBOLS[type(new)]}", _Edit(node, "ops", new, i)
+        elif isinstance(node, ast.BinOp | ast.AugAssign) and type(node.op) in _OPERATOR_SWAPS:
+            new_op = _OPERATOR_SWAPS[type(node.op)]()
+            yield node, f"{_SYMBOLS[type(node.op)]} -> {_SYMBOLS[type(new_op)]}", _Edit(node, "op", new_op)
+        elif isinstance(node, ast.BoolOp):
+            other = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+            yield node, f"{_SYMBOLS[type(node.op)]} -> {_SYMBOLS[type(other)]}", _Edit(node, "op", other)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not | ast.USub | ast.Invert):
+            yield node, f"drop {_SYMBOLS[type(node.op)]}", _Edit(node, "op", ast.UAdd())
+        elif isinstance(node, ast.Constant) and type(node.value) is bool:
+            yield node, f"{node.value} -> {not node.value}", _Edit(node, "value", not node.value)
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
+            for delta in (1, -1):
+                yield node, f"{node.value} -> {node.value + delta}", _Edit(node, "value", node.value + delta)
+        for field in ("body", "orelse", "finalbody"):
+            statements = getattr(node, field, None)
+            if not isinstance(statements, list):
+                continue
+            for i, statement in enumerate(statements):
+                if id(statement) in skip or not _deletable(statement):
+                    continue
+                text = ast.unparse(statement).splitlines()[0][:60]
+                yield statement, f"delete `{text}`", _Edit(node, field, ast.Pass(), i)
+
+
+def _deletable(statement: ast.stmt) -> bool:
+    """A statement whose deletion leaves valid code that may still run: a call for its effect,
+    a raise, a store into an object or a container, an augmented assignment, continue, break."""
+    if isinstance(statement, ast.Expr):
+        return isinstance(statement.value, ast.Call)
+    if isinstance(statement, ast.Assign):
+        return all(isinstance(t, ast.Attribute | ast.Subscript) for t in statement.targets)
+    return isinstance(statement, ast.Raise | ast.AugAssign | ast.Continue | ast.Break | ast.Delete)
+
+
+def mutants_of(module: str) -> list[Mutant]:
+    """Every mutant of `module` (a path under src/dynprobe), in a stable order."""
+    lines = (PACKAGE / module).read_text().splitlines()
+    out = []
+    for node, change, _ in _parsed(module)[1]:
+        line = getattr(node, "lineno", 0)
+        out.append(Mutant(module, line, lines[line - 1].strip() if line else "", change))
+    return out
+
+
+_trees: dict[str, tuple[ast.Module, list[tuple[ast.AST, str, _Edit]]]] = {}
+
+
+def _parsed(module: str) -> tuple[ast.Module, list[tuple[ast.AST, str, _Edit]]]:
+    if module not in _trees:
+        tree = ast.parse((PACKAGE / module).read_text())
+        _trees[module] = tree, list(_edits(tree))
+    return _trees[module]
+
+
+def mutated_source(module: str, index: int) -> str:
+    """The source of mutant `index` of `module` (as `mutants_of` orders them)."""
+    tree, edits = _parsed(module)
+    edit = edits[index][2]
+    edit.swap()
+    try:
+        return ast.unparse(tree)
+    finally:
+        edit.swap()
+
+
+# --- running ------------------------------------------------------------------------------------
+
+_worker_copy: Path | None = None
+
+
+def _start_worker() -> None:
+    """A copy of the package, compiled, for this worker's mutants; the heavy imports done once."""
+    global _worker_copy
+    for heavy in ("iced_x86", "numpy", "elftools.elf.elffile", "rich.console", "hypothesis", "pytest"):
+        importlib.import_module(heavy)
+
+    _worker_copy = Path(tempfile.mkdtemp(prefix="dynprobe-mutate-"))
+    shutil.copytree(PACKAGE, _worker_copy / "dynprobe", ignore=shutil.ignore_patterns("__pycache__"))
+    compileall.compile_dir(_worker_copy, quiet=1)
+
+
+def _run_tests(tests: tuple[str, ...], timeout: float) -> str:
+    """The tests, in a child of this worker, against the copy: 'killed', 'survived' or 'timeout'."""
+    assert _worker_copy is not None
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            os.chdir(_worker_copy)  # (hypothesis keeps its database in the working directory)
+            sys.path.insert(0, str(_worker_copy))
+            sys.dont_write_bytecode = True
+            os.environ["PYTHONPATH"] = os.pathsep.join([str(_worker_copy), str(ROOT)])
+            os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+            import pytest
+
+            args = ["-x", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")]
+            code = pytest.main([*args, *(str(UNIT / t) for t in tests)])
+            os._exit(int(code))
+        finally:
+            os._exit(99)
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+        if not ready:
+            os.killpg(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
+    if not ready:
+        return "timeout"
+    return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
+
+
+def _try(job: tuple[Mutant, int, float]) -> tuple[Mutant, str]:
+    mutant, index, timeout = job
+    assert _worker_copy is not None
+    source = mutated_source(mutant.module, index)
+    path = _worker_copy / "dynprobe" / mutant.module
+    original = (PACKAGE / mutant.module).read_text()
+    stamp = path.stat().st_mtime_ns
+    try:
+        path.write_text(source)
+        # Its compiled original must not be taken for it: a mutant of the same size written in
+        # the same second would be. (Python checks a .pyc by the source's size and mtime.)
+        os.utime(path, ns=(stamp + 10**12, stamp + 10**12))
+        return mutant, _run_tests(MODULES[mutant.module], timeout)
+    finally:
+        path.write_text(original)
+        os.utime(path, ns=(stamp, stamp))
+
+
+def _baseline(module: str) -> float:
+    """Its tests, unmutated, must pass; how long they take sets the mutants' timeout."""
+    started = time.monotonic()
+    if _run_tests(MODULES[module], timeout=600) != "survived":
+        raise SystemExit(f"the unit tests of {module} fail without any mutant: fix them first")
+    return time.monotonic() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", action="append", default=[], help="only modules whose path contains this")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--survivors", action="store_true", help="print every survivor")
+    args = parser.parse_args()
+    modules = [m for m in MODULES if not args.module or any(s in m for s in args.module)]
+    if not modules:
+        parser.error(f"no module matches {args.module}; known: {', '.join(MODULES)}")
+    everything = {m: mutants_of(m) for m in modules}
+    if args.list:
+        for found in everything.values():
+            for mutant in found:
+                print(mutant)
+        return 0
+    context = multiprocessing.get_context("fork")
+    started = time.monotonic()
+    with context.Pool(args.jobs, initializer=_start_worker) as pool:
+        timeouts = dict(zip(modules, pool.map(_baseline, modules), strict=True))
+        jobs = [(m, i, 3 * timeouts[m.module] + 10) for found in everything.values() for i, m in enumerate(found)]
+        outcomes = list(pool.imap_unordered(_try, jobs, chunksize=4))
+    return _report(modules, outcomes, time.monotonic() - started, show_all=args.survivors)
+
+
+def _report(modules: list[str], outcomes: list[tuple[Mutant, str]], seconds: float, *, show_all: bool) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    counts: dict[str, Counter[str]] = {m: Counter() for m in modules}
+    survivors: list[Mutant] = []
+    for mutant, outcome in outcomes:
+        key = (mutant.module, mutant.text, mutant.change)
+        if outcome == "survived" and key in EQUIVALENT:
+            outcome = "equivalent"
+        counts[mutant.module][outcome] += 1
+        if outcome == "survived":
+            survivors.append(mutant)
+    table = Table(title=f"mutation testing: {len(outcomes)} mutants in {seconds:.0f} s")
+    for heading in ("module", "mutants", "killed", "timeout", "equivalent", "survived", "score"):
+        table.add_column(heading, justify="left" if heading == "module" else "right")
+    below = []
+    for module in modules:
+        c = counts[module]
+        total = sum(c.values())
+        scored = total - c["equivalent"]
+        score = (c["killed"] + c["timeout"]) / scored if scored else 1.0
+        if score < 0.9:
+            below.append(module)
+        table.add_row(module, str(total), str(c["killed"]), str(c["timeout"]), str(c["equivalent"]),
+                      str(c["survived"]), f"{score:.1%}")  # fmt: skip
+    console = Console()
+    console.print(table)
+    for mutant in sorted(survivors, key=lambda m: (m.module, m.line)) if show_all or below else []:
+        if show_all or mutant.module in below:
+            console.print(str(mutant), markup=False, highlight=False)
+    if below:
+        console.print(f"below 90% killed: {', '.join(below)}")
+    return 1 if below else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

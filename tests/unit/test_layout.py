@@ -1,0 +1,163 @@
+"""The shared binary layouts (ringbuf/layout.py): every field naturally aligned, inside its
+table and apart from every other; the thread area's sections in order, page-aligned, each
+holding what it is sized for; the sizes the generated code and the consumer agree on."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dynprobe.ringbuf import layout as L
+
+CACHE_LINE = 64
+
+
+def check_fields(fields: dict[str, tuple[int, int]], size: int) -> None:
+    """Each (offset, bytes) naturally aligned (up to 8), inside `size`, overlapping no other."""
+    spans = sorted((offset, offset + width, name) for name, (offset, width) in fields.items())
+    for offset, end, name in spans:
+        assert offset % min(8, end - offset) == 0, f"{name} at {offset:#x} is not aligned"
+        assert offset >= 0 and end <= size, f"{name} ({offset:#x}..{end:#x}) outside 0..{size:#x}"
+    for (_, end, name), (offset, _, after) in itertools.pairwise(spans):
+        assert end <= offset, f"{name} overlaps {after}"
+
+
+def test_the_thread_area_header() -> None:
+    fields = {
+        "magic": (L.MAGIC, 8),
+        "tid": (L.TID, 8),
+        "busy": (L.BUSY, 8),
+        "reserve": (L.RESERVE, 8),
+        "head": (L.HEAD, CACHE_LINE),  # the producer's line
+        "tail": (L.TAIL, CACHE_LINE),  # the consumer's line
+        "shadow top": (L.SHADOW_TOP, 8),
+        "shadow busy": (L.SHADOW_BUSY, 8),
+        "stamp busy": (L.STAMP_BUSY, 8),
+        "stamp resume": (L.STAMP_RESUME, 8),
+        "stamp saved": (L.STAMP_SAVED, 3 * 8),  # rax, rdx, rsi
+        "stamp targets": (L.STAMP_TARGETS, 8 * L.STAMP_TARGETS_MAX),
+        "stamp discard": (L.STAMP_DISCARD, 8),
+    }
+    check_fields(fields, L.HEADER_BYTES)
+    assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0
+    assert L.HEADER_BYTES == L.PAGE
+    assert L.AREA_MAGIC.to_bytes(8, "little") == b"DYPREA1\0"
+
+
+def test_the_per_probe_counters_and_histogram_buckets() -> None:
+    assert sorted((L.HITS, L.MISSED, L.LOST, L.PENDING)) == list(range(L.PROBE_COUNTERS))
+    assert L.HIST_BUCKETS == 1 + 64 + 1  # <= 0, [2^(k-1), 2^k) for k = 1..64, faulted
+    assert L.HIST_FAULTED == L.HIST_BUCKETS - 1
+
+
+def test_the_record_header() -> None:
+    check_fields(
+        {
+            "probe": (L.RECORD_PROBE, 2),
+            "cpu": (L.RECORD_CPU, 2),
+            "faults": (L.RECORD_FAULTS, 4),
+            "tsc": (L.RECORD_TSC, 8),
+        },
+        L.RECORD_HEADER,
+    )
+    assert L.RECORD_HEADER == 16 and L.INT_FIELD == 8
+    assert L.STRING_FIELD == 2 + 2 + L.STRING_CAPACITY  # length, flags, bytes
+
+
+def test_a_shadow_stack_entry() -> None:
+    check_fields(
+        {
+            "slot": (L.ENTRY_SLOT, 8),
+            "return address": (L.ENTRY_RET, 8),
+            "handler": (L.ENTRY_HANDLER, 8),
+            "probe": (L.ENTRY_PROBE, 4),
+            "flags": (L.ENTRY_FLAGS, 4),
+            "tsc": (L.ENTRY_TSC, 8),
+            "data": (L.ENTRY_DATA, 6 * 8),  # $arg1..$arg6
+            "return tsc": (L.ENTRY_RETURN_TSC, 8),
+        },
+        L.SHADOW_ENTRY,
+    )
+    assert L.SHADOW_ENTRY & (L.SHADOW_ENTRY - 1) == 0
+
+
+def test_the_rescue_page() -> None:
+    check_fields(
+        {
+            "magic": (0, 8),
+            "table": (L.RESCUE_TABLE, 8),
+            "mark tid": (L.RESCUE_MARK_TID, 8),
+            "mark rip": (L.RESCUE_MARK_RIP, 8),
+            "rescued": (L.RESCUE_RESCUED, 8),
+            "own": (L.RESCUE_OWN, 8),
+            "action": (L.RESCUE_ACTION, 32),  # struct kernel_sigaction
+            "old action": (L.RESCUE_OLD_ACTION, 32),
+            "default action": (L.RESCUE_DEFAULT_ACTION, 32),
+            "mem path": (L.RESCUE_MEM_PATH, len(b"/proc/self/mem\0")),
+        },
+        L.RESCUE_ENTRIES,
+    )
+    assert L.RESCUE_ENTRIES == L.PAGE
+    assert L.RESCUE_BYTES == L.RESCUE_ENTRIES + 2 * L.RESCUE_CAPACITY * L.RESCUE_ENTRY
+    assert L.RESCUE_ENTRY == 8 + 1 + 1 + 6  # address, byte, flags, padding
+    assert L.RESCUE_MAGIC.to_bytes(8, "little") == b"DYPRSC1\0"
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        L.AreaLayout(),
+        L.AreaLayout(max_probes=1, max_hists=1, ring_bytes=L.MIN_RING_BYTES, record_size=16),
+        L.AreaLayout(max_probes=16384, max_hists=512, ring_bytes=L.MAX_RING_BYTES, record_size=L.MAX_RECORD_SIZE),
+        L.AreaLayout(max_probes=3, max_hists=7, ring_bytes=1 << 16, record_size=128),
+    ],
+)
+def test_the_thread_area_sections(layout: L.AreaLayout) -> None:
+    assert layout.counters == L.HEADER_BYTES
+    assert layout.hists % L.PAGE == 0 and layout.ring % L.PAGE == 0 and layout.shadow % L.PAGE == 0
+    last_counter = layout.counter(layout.max_probes - 1, L.PROBE_COUNTERS - 1)
+    assert layout.counter(0, L.HITS) == layout.counters
+    assert layout.counter(1, L.HITS) == layout.counter(0, L.HITS) + L.PROBE_COUNTERS * 8
+    assert last_counter + 8 <= layout.hists < last_counter + 8 + L.PAGE
+    last_bucket = layout.hist(layout.max_hists - 1) + (L.HIST_BUCKETS - 1) * 8
+    assert layout.hist(0) == layout.hists
+    assert layout.hist(1) == layout.hists + L.HIST_BUCKETS * 8
+    assert last_bucket + 8 <= layout.ring < last_bucket + 8 + L.PAGE
+    assert layout.shadow == layout.ring + layout.ring_bytes
+    assert layout.size == layout.shadow + L.SHADOW_CAPACITY * L.SHADOW_ENTRY
+    assert layout.ring_slots * layout.record_size == layout.ring_bytes
+    assert layout.prefetch_ahead == min(L.PAGE, layout.ring_bytes // 2)
+    assert layout.max_probes <= 1 << 16  # a record's probe index is a u16
+
+
+@pytest.mark.parametrize(
+    ("payload", "size"),
+    [(0, 16), (1, 32), (16, 32), (17, 64), (48, 64), (49, 128), (L.MAX_RECORD_SIZE - 16, L.MAX_RECORD_SIZE)],
+)
+def test_record_size_for(payload: int, size: int) -> None:
+    assert L.record_size_for(payload) == size
+
+
+@pytest.mark.parametrize(
+    ("size", "why"),
+    [
+        (L.MIN_RING_BYTES, None),
+        (L.MAX_RING_BYTES, None),
+        (L.DEFAULT_RING_BYTES, None),
+        (L.MIN_RING_BYTES // 2, "out of range"),
+        (L.MAX_RING_BYTES * 2, "out of range"),
+        (3 << 20, "not a power of two"),
+        (0, "not a power of two"),
+        (-4096, "not a power of two"),
+    ],
+)
+def test_check_ring_bytes(size: int, why: str | None) -> None:
+    found = L.check_ring_bytes(size)
+    assert (found is None) if why is None else (found is not None and why in found)
+
+
+def test_the_ring_limits() -> None:
+    for size in (L.MIN_RING_BYTES, L.MAX_RING_BYTES, L.DEFAULT_RING_BYTES, L.MAX_RECORD_SIZE):
+        assert size & (size - 1) == 0
+    assert L.MIN_RING_BYTES >= L.PAGE and L.MAX_RECORD_SIZE <= L.MIN_RING_BYTES
