@@ -104,6 +104,16 @@ def test_segment_registers_have_no_in_process_form() -> None:
     assert build_detour(plan(), [prog], LAYOUT, AT, True) == OptimizeRefusal.FETCH_UNSUPPORTED
 
 
+@pytest.mark.parametrize(("fields", "fits"), [(32, True), (33, False)])
+def test_a_record_has_at_most_32_fields(fields: int, fits: bool) -> None:
+    """One fault bit each in the record header's u32; a longer record stays a trap."""
+    spec = parse_spec("p f " + " ".join(f"a{i}=%di" for i in range(fields)))
+    layout = L.AreaLayout(max_probes=64, max_hists=4, ring_bytes=1 << 16, record_size=512)
+    prog = Program(0, ActionKind.RECORD, record_fields(spec.args))
+    built = build_detour(plan(), [prog], layout, AT, True)
+    assert (built != OptimizeRefusal.FETCH_UNSUPPORTED) is fits
+
+
 def test_read_tsc_code() -> None:
     assert mnemonics(read_tsc_code()) == ["rdtsc", "shl rdx,20h", "or rax,rdx", "ret"]
 

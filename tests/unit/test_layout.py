@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from dynprobe.ringbuf import layout as L
+from dynprobe.spec.parser import MAX_MAXACTIVE
 
 CACHE_LINE = 64
 
@@ -149,6 +150,7 @@ def test_record_size_for(payload: int, size: int) -> None:
         (L.MAX_RING_BYTES * 2, "out of range"),
         (3 << 20, "not a power of two"),
         (0, "not a power of two"),
+        (1, "out of range"),
         (-4096, "not a power of two"),
     ],
 )
@@ -161,3 +163,12 @@ def test_the_ring_limits() -> None:
     for size in (L.MIN_RING_BYTES, L.MAX_RING_BYTES, L.DEFAULT_RING_BYTES, L.MAX_RECORD_SIZE):
         assert size & (size - 1) == 0
     assert L.MIN_RING_BYTES >= L.PAGE and L.MAX_RECORD_SIZE <= L.MIN_RING_BYTES
+
+
+def test_every_maxactive_the_parser_takes_fits_the_shadow_stack() -> None:
+    assert MAX_MAXACTIVE == L.SHADOW_CAPACITY  # the kernel's limit, 4096
+
+
+def test_flags_are_single_bits() -> None:
+    for flag in (L.STRING_TRUNCATED, L.ENTRY_RESTORED, L.RESCUE_WAIT):
+        assert flag > 0 and flag & (flag - 1) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.arch.x86_64 import decode_one
-from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, plt_slot, relocate_region
+from dynprobe.arch.x86_64.optimize import OptimizePlan, branch_targets, can_optimize, plt_slot, relocate_region
 from dynprobe.errors import OptimizeRefusal
 
 F = 0x401000  # function start
@@ -26,6 +26,9 @@ TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
     "jump to the site itself is fine": ("4883ef014883c701" + "75f6" + "c3", 0, (), 4 + 4),
     "indirect jmp rax (tail call)": ("554889e5" + "90" * 4 + "ffe0", 0, (), OptimizeRefusal.INDIRECT_JUMP),
     "jump table jmp [rax*8+x]": ("554889e5" + "90" * 4 + "ff24c500104000" + "c3", 0, (), OptimizeRefusal.INDIRECT_JUMP),
+    "far indirect jmp [rax]": ("554889e5" + "90" * 4 + "ff28", 0, (), OptimizeRefusal.INDIRECT_JUMP),
+    "bytes the decoder stops at": ("554889e5" + "0f", 0, (), OptimizeRefusal.UNDECODABLE),
+    "nothing decodable": ("0f" * 6, 0, (), OptimizeRefusal.UNDECODABLE),
     "call alone is the region": ("e8000000005d" + "c3", 0, (), 5),
     "call ends the region": ("55e800000000" + "5dc3", 0, (), 1 + 5),
     "call through register inside the region": ("ffd0" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
@@ -53,6 +56,22 @@ def test_can_optimize(name: str, case: tuple[str, int, tuple[int, ...], Optimize
     else:
         assert isinstance(result, OptimizePlan), result
         assert result.length == expected and result.resume_at == F + site + expected
+
+
+def test_branch_targets() -> None:
+    # jne +2; call +0x10; jmp -4; jmp rax (no target); ret
+    code = bytes.fromhex("7502" + "e810000000" + "ebfc" + "ffe0" + "c3")
+    assert branch_targets(code, F) == {F + 2 + 2, F + 7 + 0x10, F + 9 - 4}
+
+
+@pytest.mark.parametrize("inside", [1, 7])
+def test_a_module_target_inside_the_region_at_the_default_bias(inside: int) -> None:
+    """Link-time addresses are run-time ones (bias 0): a target at the region's first or last
+    inner byte refuses the site."""
+    code = bytes.fromhex("554889e5" + "4883ec10" + "c9c3")
+    refused = can_optimize(code, F, F, module_targets={F + inside})
+    assert refused == OptimizeRefusal.JUMP_INTO_REGION
+    assert isinstance(can_optimize(code, F, F, module_targets={F, F + 8}), OptimizePlan)
 
 
 def test_empty_or_unknown_function() -> None:

@@ -6,7 +6,18 @@ import pytest
 
 from dynprobe.errors import ParseError
 from dynprobe.spec.fetch import StringValue, format_value
-from dynprobe.spec.model import Absolute, Arg, ArgType, Comm, Deref, Reg, Stack, StackPointer, SymbolAddr
+from dynprobe.spec.model import (
+    Absolute,
+    Arg,
+    ArgType,
+    Comm,
+    Deref,
+    Reg,
+    Stack,
+    StackPointer,
+    SymbolAddr,
+    split_location,
+)
 from dynprobe.spec.parser import ERRORS, integer_type, parse_probe, parse_spec
 
 # code -> (spec, column of the fault)
@@ -160,3 +171,51 @@ def test_a_probe_type_that_is_not_one() -> None:
         parse_probe("q add_word x=%di")
     assert str(info.value) == "BAD_PROBE_TYPE: a probe starts with 'p' (probe) or 'r' (return probe): q (column 1)"
     assert parse_probe("main+4").location == "main+4"  # a bare location is still one
+
+
+@pytest.mark.parametrize(
+    ("text", "parts"),
+    [
+        ("/bin/ls:main", ("/bin/ls", ":", "main")),
+        ("./app:ns::f", ("./app", ":", "ns::f")),
+        ("ns::f", ("", "", "ns::f")),
+        ("ns::Class::~Class", ("", "", "ns::Class::~Class")),
+        (":f", ("", ":", "f")),
+        ("a::b:c", ("a::b", ":", "c")),
+        ("lib:a::b::c", ("lib", ":", "a::b::c")),
+        ("::f", ("", "", "::f")),
+        ("x:", ("x", ":", "")),
+        ("main", ("", "", "main")),
+        ("f::", ("", "", "f::")),
+        (":a::", ("", ":", "a::")),
+        ("x:::b", ("x", ":", "::b")),
+    ],
+)
+def test_split_location(text: str, parts: tuple[str, str, str]) -> None:
+    """The file ends at the last ':' that is not half of a C++ '::'."""
+    assert split_location(text) == parts
+
+
+@pytest.mark.parametrize(
+    ("arg_type", "value", "cast"),
+    [
+        (ArgType("u", 8), 0x1FF, 0xFF),
+        (ArgType("s", 8), 0xFF, -1),
+        (ArgType("s", 8), 0x7F, 0x7F),
+        (ArgType("s", 8), 0x80, -0x80),
+        (ArgType("s", 16), 0x1_8000, -0x8000),
+        (ArgType("s", 32), 0xFFFF_FFFE, -2),
+        (ArgType("s", 64), (1 << 64) - 1, -1),
+        (ArgType("u", 64), (1 << 64) + 5, 5),
+        (ArgType("x", 16), -1, 0xFFFF),
+        (ArgType("x"), -1, (1 << 64) - 1),
+    ],
+)
+def test_arg_type_cast(arg_type: ArgType, value: int, cast: int) -> None:
+    assert arg_type.cast(value) == cast
+
+
+def test_arg_type_names() -> None:
+    assert [str(t) for t in (ArgType("u"), ArgType("s", 8), ArgType("x", 32), ArgType("string"))] == [
+        "u64", "s8", "x32", "string"
+    ]  # fmt: skip

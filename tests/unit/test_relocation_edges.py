@@ -9,7 +9,7 @@ import pytest
 from dynprobe.arch.x86_64 import decode_one
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region
-from dynprobe.arch.x86_64.relocate import in_rel32_reach, jump_to, out_of_line, relocate
+from dynprobe.arch.x86_64.relocate import call_as_jump, in_rel32_reach, jump_to, out_of_line, relocate
 from dynprobe.errors import OptimizeRefusal
 
 HIGH = 0x7F3A_9C41_2000  # where shared libraries run: far above 4 GiB
@@ -109,3 +109,35 @@ def test_a_module_s_branch_into_the_region_at_any_load_bias(bias: int) -> None:
     for fine in (link_site, link_site + 8, *([link_site + 2 + bias] if bias else [])):
         plan = can_optimize(code, site, site, module_targets={fine}, bias=bias)
         assert isinstance(plan, OptimizePlan), fine
+
+
+@pytest.mark.parametrize(
+    ("call", "jump"),
+    [
+        ("ff5424f0", "jmp qword ptr [rsp-8]"),
+        ("ff5424f8", "jmp qword ptr [rsp]"),
+        ("ff5424f9", "jmp qword ptr [rsp+1]"),
+        ("ff1480", None),
+    ],
+    ids=["[rsp-16]", "[rsp-8]", "[rsp-7]", "[rax+rax*4]"],
+)
+def test_an_indirect_call_through_the_stack_as_a_jump(call: str, jump: str | None) -> None:
+    """Its operand reads 8 bytes further up once the return address is pushed by hand; a
+    negative displacement stays one (wraps at 64 bits)."""
+    insn = decode_one(bytes.fromhex(call), HIGH)
+    assert insn is not None
+    moved = call_as_jump(insn)
+    if jump is None:  # not based on rsp: the same operand
+        assert moved.memory_displacement == insn.memory_displacement
+    else:
+        assert str(moved) == jump
+
+
+def test_an_eip_relative_operand_is_refused_where_it_cannot_be_kept() -> None:
+    """`mov eax, [eip+disp]` (addr32) reads below 4 GiB: from a slot far above, refused."""
+    insn = decode_one(bytes.fromhex("678b0510000000"), 0x40_1000)
+    assert insn is not None
+    assert relocate(insn, HIGH) is None
+    near = relocate(insn, 0x40_2000)
+    again = decode_one(near or b"", 0x40_2000)
+    assert again is not None and again.ip_rel_memory_address == insn.ip_rel_memory_address

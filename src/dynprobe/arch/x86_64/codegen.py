@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import iced_x86 as iced
 
 from dynprobe.actions.filter import filter_args
-from dynprobe.actions.model import ActionKind, Compare, Filter, Program, ReturnEntry
+from dynprobe.actions.model import MAX_FIELDS, ActionKind, Compare, Filter, Program, ReturnEntry
 from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, relocate_region
@@ -845,7 +845,7 @@ def _fetches_flags(prog: Program) -> bool:
 
 
 def _check_fields(prog: Program) -> None:
-    if len(prog.fields) > 32 or (prog.kind == ActionKind.HIST and prog.value is None):
+    if len(prog.fields) > MAX_FIELDS or (prog.kind == ActionKind.HIST and prog.value is None):
         raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
 
 

@@ -46,7 +46,7 @@ def relocate(insn: iced.Instruction, new_ip: int) -> bytes | None:
     if moved is None:
         return None
     new_mem, _ = _refers_to(moved)
-    if mem is not None and (new_mem != mem or moved.memory_displ_size == 0 or code[0] == 0x67):
+    if mem is not None and (new_mem != mem or code[0] == 0x67):
         return None
     if branch is not None:
         # A far-away branch target may become a short jcc over an indirect jmp; check every target.
