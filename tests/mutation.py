@@ -93,6 +93,16 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         ("actions/model.py", "hist_index: int = 0", change): "only a histogram program reads it, and each is given one"
         for change in ("0 -> 1", "0 -> -1")
     },
+    ("spec/argspec.py", 'number = struct.unpack("<f" if bits == 32 else "<d", value.to_bytes(bits // 8, "little"))[0]',
+     "0 -> -1"): "struct.unpack of one value: [0] and [-1] are the same",
+    ("actions/filter.py", "pos = 0", "0 -> -1"): "re's match() takes a negative position as 0",
+    ("actions/filter.py", "while pos < len(text):", "< -> <="): "at the end no token matches: the same break",
+    **{
+        ("actions/filter.py", 'arg = parse_fetch_arg(text, 0, 1, text, "p")', change): (
+            "the column and index of a fetch written in place: its errors become the filter's own, its name its text"
+        )
+        for change in ("0 -> 1", "0 -> -1", "1 -> 2", "1 -> 0")
+    },
     ("arch/x86_64/optimize.py", "if site + JMP_REL32_LEN > func_end:", "+ -> -"): (
         "the region's walk refuses the same sites as TOO_SHORT: no instruction starts past the function's end"
     ),

@@ -66,6 +66,7 @@ def test_specs_parse_to_where_the_call_has_the_value(text: str, retval: bool, sp
         ("arg1%stack+0", False, "is not a 64-bit register"),
         ("fparg1%rdi", False, "is not xmm0-xmm7"),
         ("retval%rdx", True, "no %LOCATION"),
+        ("arg1/8s", False, "after '/' comes a format"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(text: str, retval: bool, message: str) -> None:
@@ -77,8 +78,10 @@ def test_a_list_of_values_and_its_limits() -> None:
     assert [v.index for v in parse_values("arg1, arg2/s ,fparg1", retval=False)] == [1, 2, 1]
     with pytest.raises(ArgSpecError, match="no value"):
         parse_values(" , ", retval=False)
+    assert len(parse_values(",".join(f"arg{n}" for n in range(1, 17)), retval=False)) == 16
     with pytest.raises(ArgSpecError, match="at most 16"):
         parse_values(",".join(f"arg{n}" for n in range(1, 18)), retval=False)
+    assert [v.is_string for v in parse_values("arg1/s,arg2/d,arg3/c", retval=False)] == [True, False, False]
 
 
 def test_the_table_of_library_functions_parses() -> None:
@@ -107,6 +110,8 @@ def _spec(text: str) -> ArgSpec:
         ("arg1/d32", 0xFFFFFFFF, "-1"),
         ("arg1/i32", 0x1_FFFF_FFFE, "-2"),  # the upper half is not the value's
         ("arg1/i8", 0x80, "-128"),
+        ("arg1/i8", 0x40, "64"),
+        ("arg1", 1 << 32, "0x100000000"),
         ("arg1/i", 2**63, str(-(2**63))),
         ("arg1/u", 100000, "100000"),
         ("arg1/u", 100001, "0x186a1"),
@@ -136,8 +141,9 @@ def test_strings_show_quoted_escaped_and_cut() -> None:
     assert show_string(b'tab\there "q"\n') == '"tab\there "q"\\n"'
     assert show_string(b"\x1b[31mred\x08") == '"\\x1b[31mred\\b"'  # no terminal codes
     assert show_string("é".encode() + b"\xff") == '"é\\xff"'
-    long = b"x" * (SHOWN_STRING + 1)
-    assert show_string(long, cut=True) == '"' + "x" * SHOWN_STRING + '..."'
+    long = b"x" * 96  # all a string's 12 pieces of 8 bytes
+    assert SHOWN_STRING == 95 and show_string(long, cut=True) == '"' + "x" * 95 + '..."'
+    assert show_string(b"\x1f \x7e\x7f") == '"\\x1f ~\\x7f"'
     assert show_string(b"", pointer=0) == '"NULL"'  # (uftrace v0.13's way)
     assert show_string(b"", faulted=True, pointer=16) == '"<0x10>"'
     assert show_string(b"abc", faulted=True) == '"abc..."'

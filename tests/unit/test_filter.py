@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynprobe.actions.filter import FILTER_ERRORS, matches, parse_filter, parse_value
+from dynprobe.actions.filter import FILTER_ERRORS, filter_args, matches, parse_filter, parse_value
 from dynprobe.actions.model import Compare, Logical
 from dynprobe.errors import ParseError
 from dynprobe.spec.model import Arg, ArgType, Deref, Reg
@@ -92,3 +92,46 @@ def test_unsigned_comparisons_see_the_constant_as_the_code_does() -> None:
     assert matches(parse_filter("u == -1", args), {"u": 2**64 - 1})  # the same 64-bit pattern
     assert matches(parse_filter("s < 0", args), {"s": -5})
     assert not matches(parse_filter("u < 0", args), {"u": 5})  # unsigned: 0 is the least
+
+
+# FILTER_SYNTAX from each place that raises it: (text, column)
+SYNTAX_SITES = [
+    ("a == 1 & b == 2", 7),  # no token
+    ("a == 1   &", 9),  # the column is the token's, past the blanks
+    ("a ==", 4),  # ends early
+    ("a b 1", 2),  # no operator
+    ("== 1", 0),  # an operator where a name goes
+    (") == 1", 0),
+]
+
+
+@pytest.mark.parametrize(("text", "column"), SYNTAX_SITES)
+def test_every_syntax_error_site(text: str, column: int) -> None:
+    with pytest.raises(ParseError) as info:
+        parse_filter(text, ARGS)
+    assert (info.value.code, info.value.offset) == ("FILTER_SYNTAX", column)
+
+
+def test_blanks_after_the_filter_and_groups_one_after_another() -> None:
+    assert parse_filter("a == 1   ", ARGS) == parse_filter("a == 1", ARGS)
+    parse_filter(" or ".join(["(a == 1)"] * 20), ARGS)  # 20 groups, none nested
+    with pytest.raises(ParseError) as info:  # a group closed before counts no more
+        parse_filter("(a == 1) or " + "(" * 17 + "a == 1" + ")" * 17, ARGS)
+    assert info.value.code == "FILTER_TOO_DEEP"
+
+
+def test_two_fetch_arguments_written_in_place_are_two_values() -> None:
+    tree = parse_filter("+8(%si):u32 != 0 and +16(%si):u32 == 5", ARGS)
+    first, second = filter_args(tree)
+    assert (first.name, second.name) == ("+8(%si):u32", "+16(%si):u32")
+    assert matches(tree, {first.name: 1, second.name: 5})
+    assert not matches(tree, {first.name: 0, second.name: 5})
+    assert not matches(tree, {first.name: 1, second.name: 4})
+    assert parse_value("+8(%si):u32").name == "+8(%si):u32"
+
+
+def test_signed_comparisons_see_a_large_constant_as_the_code_does() -> None:
+    args = parse_spec("p main s=%si:s64").args
+    assert matches(parse_filter("s == 0xffffffffffffffff", args), {"s": -1})
+    assert matches(parse_filter("s == 0x4000000000000000", args), {"s": 1 << 62})
+    assert not matches(parse_filter("s < 0x8000000000000000", args), {"s": 5})  # that is -2^63

@@ -122,17 +122,24 @@ class _Parser:
             raise _fail("FILTER_SYNTAX", self.text, col)
         arg = self.args.get(word)
         if arg is None:
-            if not word.startswith(("%", "$", "@", "+", "-")):
+            arg = _written_in_place(word)
+            if arg is None:
                 raise _fail("FILTER_UNKNOWN_NAME", self.text, col)
-            try:
-                arg = parse_fetch_arg(word, 0, 0, word, "p")
-            except ParseError:
-                raise _fail("FILTER_UNKNOWN_NAME", self.text, col) from None
             if ":" not in word:
                 arg = FetchArg(word, arg.fetch, _SIGNED64, word)
         if arg.type.is_string:
             raise _fail("FILTER_STRING", self.text, col)
         return arg
+
+
+def _written_in_place(text: str) -> FetchArg | None:
+    """A fetch argument written in place (`$arg1`, `+8(%di):u32`), named by its text (two of
+    them in one filter are two values), or None if `text` is none."""
+    try:
+        arg = parse_fetch_arg(text, 0, 1, text, "p")
+    except ParseError:
+        return None
+    return FetchArg(text, arg.fetch, arg.type, text)
 
 
 def parse_filter(text: str, args: tuple[FetchArg, ...] = ()) -> Filter:
@@ -172,12 +179,9 @@ def matches(node: Filter, value_of: dict[str, int | None]) -> bool:
 
 def parse_value(text: str, args: tuple[FetchArg, ...] = ()) -> FetchArg:
     """A histogram's value: one of the probe's fetch arguments by name, or a fetch argument."""
-    arg = {a.name: a for a in args}.get(text)
+    arg = {a.name: a for a in args}.get(text) or _written_in_place(text)
     if arg is None:
-        try:
-            arg = parse_fetch_arg(text, 0, 0, text, "p")
-        except ParseError:
-            raise _fail("VALUE_UNKNOWN", text, 0) from None
+        raise _fail("VALUE_UNKNOWN", text, 0)
     if arg.type.is_string:
         raise _fail("VALUE_STRING", text, 0)
     return arg
