@@ -46,7 +46,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "actions/model.py": ("test_filter.py", "test_codegen.py"),
     "arch/x86_64/relocate.py": ("test_arch_tables.py", "test_optimize_tables.py", "test_relocation_edges.py"),
     "arch/x86_64/optimize.py": ("test_optimize_tables.py", "test_relocation_edges.py", "test_codegen.py"),
-    "arch/x86_64/emulate.py": ("test_arch_tables.py", "test_properties.py"),
+    "arch/x86_64/emulate.py": ("test_emulate.py", "test_arch_tables.py", "test_properties.py"),
     "arch/x86_64/codegen.py": ("test_codegen.py", "test_returns_code.py", "test_callgraph.py"),
     "ringbuf/layout.py": (
         "test_layout.py",
@@ -102,6 +102,22 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
             "the column and index of a fetch written in place: its errors become the filter's own, its name its text"
         )
         for change in ("0 -> 1", "0 -> -1", "1 -> 2", "1 -> 0")
+    },
+    ("arch/x86_64/emulate.py", "return lambda regs, read: emulate(insn, regs, read, checked=True)", "True -> False"): (
+        "`checked` only skips a test `prepare` has already passed"
+    ),
+    ("arch/x86_64/emulate.py", "if m == _M.RET and insn.code == iced.Code.RETNQ:", "== -> !="): (
+        "prepare's fast path for `ret`: without it the general path gives the same result"
+    ),
+    ("arch/x86_64/emulate.py", "if insn.flow_control == _FC.CONDITIONAL_BRANCH and insn.is_jcc_short_or_near:",
+     "and -> or"): "every conditional branch that is no jcc is a counter branch, emulated the line after",
+    **{
+        ("arch/x86_64/emulate.py", line, "64 -> 65"): "a 65-bit mask keeps the same 64 bits of a 64-bit register"
+        for line in (
+            "_C.LOOPE_REL8_64_RCX: (64, True, True), _C.LOOPE_REL8_64_ECX: (32, True, True),",
+            "_C.LOOPNE_REL8_64_RCX: (64, True, False), _C.LOOPNE_REL8_64_ECX: (32, True, False),",
+            "_C.JRCXZ_REL8_64: (64, False, None), _C.JECXZ_REL8_64: (32, False, None),",
+        )
     },
     ("arch/x86_64/optimize.py", "if site + JMP_REL32_LEN > func_end:", "+ -> -"): (
         "the region's walk refuses the same sites as TOO_SHORT: no instruction starts past the function's end"

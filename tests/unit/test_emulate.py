@@ -1,0 +1,208 @@
+"""The emulator (arch/x86_64/emulate.py) instruction by instruction: every register and flag it
+changes, what it reads and writes, the counter branches, what it refuses, and the prepared fast
+paths against the general one."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynprobe.arch.x86_64 import Regs, decode_one, emulate, prepare
+from dynprobe.arch.x86_64.emulate import EmulationFault, can_emulate
+
+SITE = 0x401000
+STACK = 0x7FFF_0000
+TARGET = SITE + 2 + 0x10  # where a rel8 +0x10 branch at SITE goes
+ZF = 0x40
+
+
+class Memory:
+    """Bytes at addresses; a read returns exactly what was asked or fails."""
+
+    def __init__(self, words: dict[int, int] | None = None) -> None:
+        self.data: dict[int, int] = {}
+        for addr, word in (words or {}).items():
+            for i, byte in enumerate(word.to_bytes(8, "little")):
+                self.data[addr + i] = byte
+
+    def read(self, addr: int, size: int) -> bytes:
+        if any(addr + i not in self.data for i in range(size)):
+            raise OSError(14, "bad address")
+        return bytes(self.data[addr + i] for i in range(size))
+
+
+def regs(**values: int) -> Regs:
+    r = Regs()
+    r.rsp = STACK
+    r.eflags = 0x202
+    for name, value in values.items():
+        r[name] = value
+    r.rip = SITE
+    return r
+
+
+def run(code: str, r: Regs, mem: Memory | None = None, *, prepared: bool = False) -> list[tuple[int, bytes]]:
+    insn = decode_one(bytes.fromhex(code), SITE)
+    assert insn is not None
+    if prepared:
+        emulator = prepare(insn)
+        assert emulator is not None
+        return emulator(r, (mem or Memory()).read)
+    return emulate(insn, r, (mem or Memory()).read)
+
+
+@pytest.mark.parametrize(
+    ("code", "pushed"),
+    [("6a05", 5), ("6aff", (1 << 64) - 1), ("6878563412", 0x12345678), ("68f0ffffff", (1 << 64) - 0x10)],
+    ids=["push 5", "push -1", "push imm32", "push -16"],
+)
+def test_push_immediate(code: str, pushed: int) -> None:
+    r = regs()
+    assert run(code, r) == [(STACK - 8, pushed.to_bytes(8, "little"))]
+    assert (r.rsp, r.rip) == (STACK - 8, SITE + len(code) // 2)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_push_and_pop_a_register(prepared: bool) -> None:
+    r = regs(rbx=0x1122_3344_5566_7788)
+    assert run("53", r, prepared=prepared) == [(STACK - 8, (0x1122_3344_5566_7788).to_bytes(8, "little"))]
+    assert (r.rsp, r.rip) == (STACK - 8, SITE + 1)
+    r = regs(rsp=0)  # the stack pointer wraps
+    run("53", r, prepared=prepared)
+    assert r.rsp == (1 << 64) - 8
+    r = regs()
+    assert run("58", r, Memory({STACK: 0xABCD})) == []
+    assert (r.rax, r.rsp, r.rip) == (0xABCD, STACK + 8, SITE + 1)
+
+
+def test_pushf_clears_rf_vm_and_tf_in_the_image() -> None:
+    r = regs(eflags=0x202 | 0x100 | 1 << 16 | 1 << 17 | 0x1)
+    assert run("9c", r) == [(STACK - 8, (0x203).to_bytes(8, "little"))]
+    assert (r.rsp, r.rip) == (STACK - 8, SITE + 1)
+
+
+def test_popf_takes_the_flags_user_space_may_set() -> None:
+    r = regs(eflags=0x202)
+    run("9d", r, Memory({STACK: 0x3000 | 0x1 | ZF | 1 << 21}))  # IOPL (kept), CF, ZF, ID
+    assert (r.eflags, r.rsp, r.rip) == (0x202 | 0x1 | ZF | 1 << 21, STACK + 8, SITE + 1)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_ret_and_ret_imm16(prepared: bool) -> None:
+    r = regs()
+    run("c3", r, Memory({STACK: 0x400123}), prepared=prepared)
+    assert (r.rip, r.rsp) == (0x400123, STACK + 8)
+    r = regs()
+    run("c21000", r, Memory({STACK: 0x400123}), prepared=prepared)
+    assert (r.rip, r.rsp) == (0x400123, STACK + 8 + 0x10)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_nops_only_advance(prepared: bool) -> None:
+    for code in ("90", "f30f1efa", "0f1f440000", "f390"):
+        r = regs()
+        before = r.copy()
+        assert run(code, r, prepared=prepared) == []
+        before.rip = SITE + len(code) // 2
+        assert r == before
+
+
+def test_mov_and_lea_advance() -> None:
+    r = regs(rdi=7)
+    run("4889f8", r)  # mov rax, rdi
+    assert (r.rax, r.rip) == (7, SITE + 3)
+    r = regs(rdi=7)
+    run("8d4701", r)  # lea eax, [rdi+1]
+    assert (r.rax, r.rip) == (8, SITE + 3)
+
+
+def test_call_through_a_register_and_memory() -> None:
+    r = regs(rax=0x7000)
+    assert run("ffd0", r) == [(STACK - 8, (SITE + 2).to_bytes(8, "little"))]
+    assert (r.rip, r.rsp) == (0x7000, STACK - 8)
+    r = regs(rax=0x5000)
+    run("ff10", r, Memory({0x5000: 0x7100}))  # call [rax]
+    assert r.rip == 0x7100
+
+
+# (code, rcx, eflags) -> (rcx after, taken)
+COUNTER_BRANCHES = [
+    ("e210", 2, 0, 1, True),  # loop
+    ("e210", 1, 0, 0, False),
+    ("e210", 0, 0, (1 << 64) - 1, True),  # wraps
+    ("e210", 1 << 32, 0, (1 << 32) - 1, True),
+    ("67e210", (5 << 32) | 1, 0, 0, False),  # loop with ecx: the upper half is not the counter, and is cleared
+    ("67e210", 5 << 32, 0, (1 << 32) - 1, True),
+    ("e110", 2, ZF, 1, True),  # loope
+    ("e110", 2, 0, 1, False),
+    ("e110", 1, ZF, 0, False),
+    ("67e110", (1 << 32) | 2, ZF, 1, True),
+    ("e010", 2, 0, 1, True),  # loopne
+    ("e010", 2, ZF, 1, False),
+    ("67e010", (1 << 32) | 2, ZF, 1, False),
+    ("e310", 0, 0, 0, True),  # jrcxz
+    ("e310", 1 << 32, 0, 1 << 32, False),
+    ("67e310", 1 << 32, 0, 1 << 32, True),  # jecxz
+    ("67e310", 1, 0, 1, False),
+    # the counter's top bit is the counter's: rcx's bit 63, ecx's bit 31
+    ("e110", (1 << 63) | 2, ZF, (1 << 63) | 1, True),
+    ("67e110", 0x8000_0002, ZF, 0x8000_0001, True),
+    ("e010", (1 << 63) | 2, 0, (1 << 63) | 1, True),
+    ("67e010", 0x8000_0002, 0, 0x8000_0001, True),
+    ("e310", 1 << 63, 0, 1 << 63, False),
+    ("67e310", 0x8000_0000, 0, 0x8000_0000, False),
+]
+
+
+@pytest.mark.parametrize(("code", "rcx", "flags", "after", "taken"), COUNTER_BRANCHES)
+def test_counter_branches(code: str, rcx: int, flags: int, after: int, taken: bool) -> None:
+    r = regs(rcx=rcx, eflags=0x202 | flags)
+    run(code, r)
+    length = len(code) // 2
+    assert r.rcx == after
+    assert r.rip == (SITE + length + 0x10 if taken else SITE + length)
+    assert r.eflags == 0x202 | flags  # no flag changes
+
+
+@pytest.mark.parametrize(
+    ("code", "emulated"),
+    [
+        ("53", True), ("58", True), ("6653", False), ("6658", False),  # push/pop 16-bit
+        ("ff30", False), ("8f00", False),  # push/pop memory
+        ("ff25e22f0000", True), ("ff28", False),  # jmp [rip+x]; jmp far [rax]
+        ("c7f800000000", False),  # xbegin: a conditional branch, not a jcc
+        ("8d4701", True), ("488d4701", True), ("668d4701", False),  # lea r32, r64, r16
+        ("488918", False), ("488b18", False),  # mov [rax], rbx; mov rbx, [rax]
+        ("cb", False), ("ca0800", False),  # far returns
+    ],
+)  # fmt: skip
+def test_what_is_emulated(code: str, emulated: bool) -> None:
+    insn = decode_one(bytes.fromhex(code), SITE)
+    assert insn is not None
+    assert can_emulate(insn) is emulated
+    assert (prepare(insn) is not None) is emulated
+    if not emulated:
+        with pytest.raises(EmulationFault):
+            emulate(insn, regs(rax=STACK), Memory({STACK: 0}).read)
+
+
+def test_a_short_or_failed_read_is_a_fault_before_any_change() -> None:
+    insn = decode_one(bytes.fromhex("c3"), SITE)
+    assert insn is not None
+    for read in (lambda addr, size: b"\x00" * 7, Memory().read):
+        r = regs()
+        with pytest.raises(EmulationFault):
+            emulate(insn, r, read)
+        assert r == regs()
+
+
+def test_lea_ignores_a_segment_prefix() -> None:
+    r = regs(rdi=0x1000, fs_base=0x7F00_0000_0000)
+    run("64488d07", r)  # lea rax, fs:[rdi]
+    assert r.rax == 0x1000
+
+
+def test_an_instruction_taken_as_checked_but_not_emulated_is_a_fault() -> None:
+    insn = decode_one(bytes.fromhex("4883c001"), SITE)  # add rax, 1
+    assert insn is not None
+    with pytest.raises(EmulationFault):
+        emulate(insn, regs(), Memory().read, checked=True)
