@@ -119,6 +119,17 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
             "_C.JRCXZ_REL8_64: (64, False, None), _C.JECXZ_REL8_64: (32, False, None),",
         )
     },
+    ("spec/parser.py", "reg = canonical_name(body[1:])", "1 -> 0"): "canonical_name takes a leading '%' off itself",
+    ("spec/parser.py", "if m.group(2):", "2 -> 3"): "the sign (group 2) and the offset (group 3) come together",
+    ("spec/parser.py", 'if eq >= 0 and (word.find("(") < 0 or eq < word.find("(")):', "< -> <="): (
+        "'=' and '(' are never at the same index"
+    ),
+    ("spec/parser.py", 'head = stripped.split(None, 1)[0] if stripped else ""', "1 -> 2"): (
+        "the first piece of a split is the same whatever the most splits"
+    ),
+    ("spec/parser.py", 'kind = head.split(":", 1)[0]', "1 -> 2"): (
+        "the first piece of a split is the same whatever the most splits"
+    ),
     ("arch/x86_64/optimize.py", "if site + JMP_REL32_LEN > func_end:", "+ -> -"): (
         "the region's walk refuses the same sites as TOO_SHORT: no instruction starts past the function's end"
     ),

@@ -86,7 +86,31 @@ OTHER_RAISE_SITES: list[tuple[str, str, int, str]] = [
     ("BAD_MEM_ADDR", "p main @+8", 8, ""),
     ("BAD_MEM_ADDR", "p main @sym+zz", 12, ""),
     ("NO_ARG_BODY", "p main +0()", 10, ""),
+    ("NO_ARG_BODY", "p main :u8", 7, ""),
+    ("BAD_PROBE_ADDR", "p -main", 2, "'-main' is not a symbol name"),
+    ("BAD_PROBE_ADDR", "p main+-1", 7, "'-1' is not an offset"),
+    ("BAD_ARG_NUM", "p main $arg0", 11, ""),
+    ("BAD_ARG_NUM", "p main $arg7", 11, ""),
+    ("DEREF_NEED_BRACE", "p main +8", 9, ""),
+    ("BAD_MEM_ADDR", "p main +0(@ns::v):u8", 11, ""),  # the ':' inside the parentheses are not the type's
+    ("BAD_MEM_ADDR", "p main +0(@ns::v)", 11, ""),
+    ("BAD_TYPE", "p main %di:", 11, ""),
+    ("BAD_ARG_NAME", "p main =%di", 7, ""),
+    ("BAD_FETCH_ARG", "p main (a=1)", 7, ""),  # '=' after '(' names nothing
+    ("BAD_ARG_NAME", "p main " + "a" * 65 + "=%di", 7, ""),
+    ("EVENT_TOO_LONG", "p:" + "e" * 65 + " main", 2, ""),
+    ("BAD_MAXACT", "r4097 main", 1, ""),
+    ("BAD_MAXACT", "r0 main", 1, ""),
 ]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["p:" + "e" * 64 + " main", "p main " + "a" * 64 + "=%di", "r1 main", "r4096 main", "p /bin/ls:0", "p main+0",
+     "p main $arg1 $arg6"],
+)  # fmt: skip
+def test_the_limits_themselves_parse(spec: str) -> None:
+    parse_spec(spec)
 
 
 @pytest.mark.parametrize(("code", "spec", "column", "detail"), OTHER_RAISE_SITES)
@@ -104,6 +128,7 @@ def test_integer_type() -> None:
         with pytest.raises(ParseError) as info:
             integer_type(name)
         assert info.value.code == "BAD_TYPE" and f"{name!r} is not an integer type" in str(info.value)
+        assert info.value.offset == 0
 
 
 def test_full_spec() -> None:

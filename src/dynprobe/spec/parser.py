@@ -147,7 +147,7 @@ def _check_location(loc: str, spec: str, col: int) -> None:
     if not what:
         raise _fail("BAD_PROBE_ADDR", spec, where, "nothing after ':'")
     if what[0].isdigit():
-        if _parse_int(what) is None or _parse_int(what) < 0:  # type: ignore[operator]
+        if _parse_int(what) is None:  # (it starts with a digit: never negative)
             raise _fail("BAD_PROBE_ADDR", spec, where, f"{what!r} is not an offset")
         return
     symbol, plus, offs = what.partition("+")
@@ -168,7 +168,7 @@ class _FetchParser:
         first = body[0]
         if first == "%":
             reg = canonical_name(body[1:])
-            if reg is None or not body[1:]:
+            if reg is None:
                 raise _fail("BAD_REG_NAME", self.spec, col, body)
             return Reg(reg)
         if first == "@":
@@ -267,8 +267,6 @@ def parse_fetch_arg(word: str, col: int, index: int, spec: str, kind: str) -> Fe
             raise _fail("BAD_ARG_NAME", spec, col)
         word = word[eq + 1 :]
         body_col = col + eq + 1
-        if not word:
-            raise _fail("NO_ARG_BODY", spec, body_col)
     body, type_text, type_off = _split_type(word)
     fetch = _FetchParser(spec, kind).parse(body, body_col)
     if type_text is None:
