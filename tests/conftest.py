@@ -25,9 +25,15 @@ def build_target(name: str, *sources: str, flags: tuple[str, ...] = (), output: 
     stamp = BUILD / f".{output or name}.sha"
     if out.exists() and stamp.exists() and stamp.read_text() == digest.hexdigest():
         return str(out)
-    cmd = ["gcc", "-g", "-o", str(out), *map(str, srcs), *flags]
+    # Built under a name of this process's, then renamed into place: two test processes
+    # (pytest -n) building the same target never run or overwrite a half-written one.
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    cmd = ["gcc", "-g", "-o", str(partial), *map(str, srcs), *flags]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
-    stamp.write_text(digest.hexdigest())
+    os.replace(partial, out)
+    partial_stamp = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+    partial_stamp.write_text(digest.hexdigest())
+    os.replace(partial_stamp, stamp)
     return str(out)
 
 

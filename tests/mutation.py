@@ -303,13 +303,14 @@ def mutated_source(module: str, index: int) -> str:
 _worker_copy: Path | None = None
 
 
-def _start_worker() -> None:
-    """A copy of the package, compiled, for this worker's mutants; the heavy imports done once."""
+def _start_worker(scratch: str) -> None:
+    """A copy of the package, compiled, for this worker's mutants (in `scratch`, which the run
+    removes at its end); the heavy imports done once."""
     global _worker_copy
     for heavy in ("iced_x86", "numpy", "elftools.elf.elffile", "rich.console", "hypothesis", "pytest"):
         importlib.import_module(heavy)
 
-    _worker_copy = Path(tempfile.mkdtemp(prefix="dynprobe-mutate-"))
+    _worker_copy = Path(tempfile.mkdtemp(dir=scratch))
     shutil.copytree(PACKAGE, _worker_copy / "dynprobe", ignore=shutil.ignore_patterns("__pycache__"))
     compileall.compile_dir(_worker_copy, quiet=1)
 
@@ -393,7 +394,10 @@ def main() -> int:
         return 0
     context = multiprocessing.get_context("fork")
     started = time.monotonic()
-    with context.Pool(args.jobs, initializer=_start_worker) as pool:
+    with (
+        tempfile.TemporaryDirectory(prefix="dynprobe-mutate-") as scratch,
+        context.Pool(args.jobs, initializer=_start_worker, initargs=(scratch,)) as pool,
+    ):
         timeouts = dict(zip(modules, pool.map(_baseline, modules), strict=True))
         jobs = [(m, i, 3 * timeouts[m.module] + 10) for found in everything.values() for i, m in enumerate(found)]
         outcomes = list(pool.imap_unordered(_try, jobs, chunksize=4))
