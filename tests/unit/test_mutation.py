@@ -1,0 +1,48 @@
+"""The mutator of `make mutate` (tests/mutation.py): which mutants a piece of code gets, what it
+leaves alone, and that every edit is undone."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+
+from tests.mutation import _edits
+
+SOURCE = textwrap.dedent(
+    """
+    __all__ = ["f"]
+    LIMIT = 4
+
+    def f(a: int = 8, b: bool = True) -> int:
+        _debug(f"a is {a + 1}")
+        if a < LIMIT and not b:
+            g()
+            raise ValueError("no")
+        a += 2
+        self.x = a
+        return -a << 1
+    """
+)
+
+
+def test_the_mutants_of_a_function() -> None:
+    changes = sorted(change for _, change, _ in _edits(ast.parse(SOURCE)))
+    assert changes == sorted([
+        "4 -> 5", "4 -> 3",  # LIMIT
+        "8 -> 9", "8 -> 7", "True -> False",  # defaults
+        "< -> <=", "and -> or", "drop not",
+        "delete `g()`", "delete `raise ValueError('no')`",
+        "+ -> -", "2 -> 3", "2 -> 1", "delete `a += 2`",
+        "delete `self.x = a`",
+        "drop -", "<< -> >>", "1 -> 2", "1 -> 0",
+    ])  # fmt: skip
+
+
+def test_every_edit_is_undone() -> None:
+    tree = ast.parse(SOURCE)
+    before = ast.unparse(tree)
+    for _, _, edit in list(_edits(tree)):
+        edit.swap()
+        assert ast.unparse(tree) != before
+        edit.swap()
+        assert ast.unparse(tree) == before
