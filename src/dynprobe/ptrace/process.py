@@ -329,8 +329,8 @@ class Tracee:
         state.stepped = step
 
     def remote_syscall(self, tid: int, scratch: int, nr: int, *args: int) -> int:
-        """Run syscall `nr` in stopped thread `tid`, using `scratch` (3 executable bytes we own or
-        may borrow: the caller saves and restores them) for REMOTE_SYSCALL (`syscall; jmp $`). Returns rax.
+        """Run syscall `nr` in stopped thread `tid`, using `scratch` (4 executable bytes we own or
+        may borrow: the caller saves and restores them) for `syscall; jmp $`. Returns rax.
 
         A thread under seccomp (a sandboxed program) would have our mmap or memfd_create refused,
         or be killed for it: its filter is suspended (PTRACE_O_SUSPEND_SECCOMP, CAP_SYS_ADMIN)
