@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import compileall
+import functools
 import importlib
 import multiprocessing
 import os
@@ -277,14 +278,11 @@ def mutants_of(module: str) -> list[Mutant]:
     return out
 
 
-_trees: dict[str, tuple[ast.Module, list[tuple[ast.AST, str, _Edit]]]] = {}
-
-
+@functools.cache
 def _parsed(module: str) -> tuple[ast.Module, list[tuple[ast.AST, str, _Edit]]]:
-    if module not in _trees:
-        tree = ast.parse((PACKAGE / module).read_text())
-        _trees[module] = tree, list(_edits(tree))
-    return _trees[module]
+    """The module's tree (parsed once a process: its edits are applied to it and undone) and its edits."""
+    tree = ast.parse((PACKAGE / module).read_text())
+    return tree, list(_edits(tree))
 
 
 def mutated_source(module: str, index: int) -> str:

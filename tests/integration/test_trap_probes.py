@@ -167,14 +167,15 @@ def test_the_last_probe_removed_from_an_armed_trap_puts_the_original_bytes_back(
         f.seek(offset)
         original = f.read(16)
     seen: dict[str, object] = {}
+    work_at: dict[int, int] = {}  # pid -> where `work` runs
 
     def code_at_work(hit: Hit) -> bytes:
         with open(f"/proc/{hit.pid}/mem", "rb", buffering=0) as mem:
-            return os.pread(mem.fileno(), 16, symbols_at_run["work"])
+            return os.pread(mem.fileno(), 16, work_at[hit.pid])
 
     def setup(session: dynprobe.Session) -> dynprobe.Probe:
         def pre(hit: Hit) -> None:
-            symbols_at_run.setdefault("work", int(hit.regs.rip))
+            work_at[hit.pid] = hit.address
             if work.hits == 5:
                 work.remove()
                 seen["armed"] = work.armed_addresses
@@ -187,7 +188,6 @@ def test_the_last_probe_removed_from_an_armed_trap_puts_the_original_bytes_back(
         session.probe("p:t/printf libc:printf", pre=at_printf)
         return work
 
-    symbols_at_run: dict[str, int] = {}
     status, out, work = traced([counter, "20", "1"], setup)
     assert status == 0 and out == run_plain([counter, "20", "1"]).stdout
     assert work.hits == 5 and work.removed and seen["armed"] == []

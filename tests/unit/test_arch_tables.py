@@ -1,4 +1,5 @@
-"""Byte tables for the x86-64 layer: resume plans, emulation and relocation, no process involved."""
+"""Byte tables for the x86-64 layer: resume plans and relocation, no process involved (emulation:
+test_emulate.py)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,14 @@ import pytest
 
 from dynprobe.arch.x86_64 import (
     Fixup,
-    Regs,
     ResumeKind,
     ResumePlan,
     decode_one,
-    emulate,
     instruction_starts,
     out_of_line,
     plan_resume,
     relocate,
 )
-from dynprobe.arch.x86_64.emulate import EmulationFault
 from dynprobe.errors import Refusal
 
 SITE = 0x401000
@@ -95,123 +93,6 @@ def test_undecodable() -> None:
     assert decode_one(bytes.fromhex("0f0b"), SITE) is not None  # ud2 is an instruction
 
 
-class FakeMemory:
-    def __init__(self, words: dict[int, int] | None = None) -> None:
-        self.words = dict(words or {})
-
-    def read(self, addr: int, size: int) -> bytes:
-        if addr not in self.words:
-            raise OSError(14, "bad address")
-        return self.words[addr].to_bytes(8, "little")[:size]
-
-
-def regs(**values: int) -> Regs:
-    r = Regs()
-    r.rsp = 0x7FFF0000
-    r.eflags = 0x202
-    for name, value in values.items():
-        r[name] = value
-    return r
-
-
-def run(code: str, r: Regs, mem: FakeMemory | None = None) -> list[tuple[int, bytes]]:
-    insn = decode_one(bytes.fromhex(code), SITE)
-    assert insn is not None
-    r.rip = SITE
-    return emulate(insn, r, (mem or FakeMemory()).read)
-
-
-def test_emulate_push_rbp() -> None:
-    r = regs(rbp=0x1122334455667788)
-    writes = run("55", r)
-    assert writes == [(0x7FFF0000 - 8, (0x1122334455667788).to_bytes(8, "little"))]
-    assert r.rsp == 0x7FFF0000 - 8 and r.rip == SITE + 1
-
-
-def test_emulate_push_rsp_pushes_old_value() -> None:
-    r = regs()
-    writes = run("54", r)
-    assert writes == [(0x7FFF0000 - 8, (0x7FFF0000).to_bytes(8, "little"))]
-
-
-def test_emulate_pop_rsp_loads_after_increment() -> None:
-    r = regs()
-    run("5c", r, FakeMemory({0x7FFF0000: 0x12345678}))
-    assert r.rsp == 0x12345678 and r.rip == SITE + 1
-
-
-def test_emulate_ret_and_ret_imm16() -> None:
-    r = regs()
-    run("c3", r, FakeMemory({0x7FFF0000: 0x400123}))
-    assert (r.rip, r.rsp) == (0x400123, 0x7FFF0008)
-    r = regs()
-    run("c21000", r, FakeMemory({0x7FFF0000: 0x400123}))
-    assert (r.rip, r.rsp) == (0x400123, 0x7FFF0018)
-
-
-def test_emulate_call_rel32_pushes_return_address() -> None:
-    r = regs()
-    writes = run("e810000000", r)
-    assert r.rip == SITE + 5 + 0x10
-    assert writes == [(0x7FFF0000 - 8, (SITE + 5).to_bytes(8, "little"))]
-
-
-def test_emulate_jcc_taken_and_not() -> None:
-    r = regs(eflags=0x202 | 0x40)  # ZF
-    run("7405", r)
-    assert r.rip == SITE + 2 + 5
-    r = regs()
-    run("7405", r)
-    assert r.rip == SITE + 2
-
-
-def test_emulate_jl_uses_sf_of() -> None:
-    r = regs(eflags=0x202 | 0x80)  # SF != OF
-    run("7c10", r)
-    assert r.rip == SITE + 2 + 0x10
-
-
-def test_emulate_mov32_zero_extends() -> None:
-    r = regs(rax=0xFFFFFFFFFFFFFFFF, rdi=0xAAAAAAAA12345678)
-    run("89f8", r)
-    assert r.rax == 0x12345678
-
-
-def test_emulate_mov8_merges() -> None:
-    r = regs(rax=0x1111111111111111, rbx=0x22)
-    run("88d8", r)  # mov al, bl
-    assert r.rax == 0x1111111111111122
-
-
-def test_emulate_lea_rip_relative() -> None:
-    r = regs()
-    run("488d3d00010000", r)
-    assert r.rdi == SITE + 7 + 0x100
-
-
-def test_emulate_jmp_through_plt_slot() -> None:
-    r = regs()
-    run("ff2510000000", r, FakeMemory({SITE + 6 + 0x10: 0x7F0000001000}))
-    assert r.rip == 0x7F0000001000
-
-
-def test_emulate_popf_keeps_privileged_flags() -> None:
-    r = regs(eflags=0x202)
-    run("9d", r, FakeMemory({0x7FFF0000: 0x3000 | 0x1 | 0x40}))  # IOPL bits, CF, ZF
-    assert r.eflags == 0x202 | 0x1 | 0x40
-
-
-def test_emulate_pushf_clears_tf() -> None:
-    r = regs(eflags=0x202 | 0x100)
-    writes = run("9c", r)
-    assert writes[0][1] == (0x202).to_bytes(8, "little")
-
-
-def test_emulate_faulting_read_raises() -> None:
-    with pytest.raises(EmulationFault):
-        run("c3", regs(), FakeMemory())
-
-
 def test_relocate_rip_relative_load_and_store() -> None:
     for code in ("488b0510000000", "48891d10000000", "c5fa6f0510000000", "c4e2e0f20510000000"):
         insn = decode_one(bytes.fromhex(code), SITE)
@@ -257,12 +138,17 @@ def test_out_of_line_ends_with_jump_back() -> None:
     assert back is not None and back.near_branch_target == SITE + 4
 
 
-def test_out_of_line_far_slot_uses_absolute_jump() -> None:
-    insn = decode_one(bytes.fromhex("4883ec10"), SITE)
+@pytest.mark.parametrize(("site", "slot"), [(SITE, SITE + (1 << 40)), (0x7F3A_9C41_2000, 0x7F3A_9C41_2000 - (1 << 40))])
+def test_out_of_line_far_slot_uses_absolute_jump(site: int, slot: int) -> None:
+    """Out of rel32 reach (either way): `jmp [rip+0]` and the whole 8-byte address back."""
+    insn = decode_one(bytes.fromhex("4883ec10"), site)
     assert insn is not None
-    built = out_of_line(insn, SITE + (1 << 40))
+    built = out_of_line(insn, slot)
     assert built is not None
-    assert built[0][4:10] == bytes.fromhex("ff2500000000")
+    code, length = built
+    assert code[:length] == bytes.fromhex("4883ec10")
+    assert code[4:10] == bytes.fromhex("ff2500000000")
+    assert code[length:] == bytes.fromhex("ff2500000000") + (site + 4).to_bytes(8, "little")
 
 
 def test_instruction_starts() -> None:

@@ -63,9 +63,10 @@ def test_push_immediate(code: str, pushed: int) -> None:
 
 @pytest.mark.parametrize("prepared", [False, True])
 def test_push_and_pop_a_register(prepared: bool) -> None:
-    r = regs(rbx=0x1122_3344_5566_7788)
-    assert run("53", r, prepared=prepared) == [(STACK - 8, (0x1122_3344_5566_7788).to_bytes(8, "little"))]
-    assert (r.rsp, r.rip) == (STACK - 8, SITE + 1)
+    for code in ("53", "55"):  # push rbx, push rbp
+        r = regs(rbx=0x1122_3344_5566_7788, rbp=0x1122_3344_5566_7788)
+        assert run(code, r, prepared=prepared) == [(STACK - 8, (0x1122_3344_5566_7788).to_bytes(8, "little"))]
+        assert (r.rsp, r.rip) == (STACK - 8, SITE + 1)
     r = regs(rsp=0)  # the stack pointer wraps
     run("53", r, prepared=prepared)
     assert r.rsp == (1 << 64) - 8
@@ -78,12 +79,16 @@ def test_pushf_clears_rf_vm_and_tf_in_the_image() -> None:
     r = regs(eflags=0x202 | 0x100 | 1 << 16 | 1 << 17 | 0x1)
     assert run("9c", r) == [(STACK - 8, (0x203).to_bytes(8, "little"))]
     assert (r.rsp, r.rip) == (STACK - 8, SITE + 1)
+    assert run("9c", regs(eflags=0x202 | 0x100))[0][1] == (0x202).to_bytes(8, "little")
 
 
 def test_popf_takes_the_flags_user_space_may_set() -> None:
     r = regs(eflags=0x202)
     run("9d", r, Memory({STACK: 0x3000 | 0x1 | ZF | 1 << 21}))  # IOPL (kept), CF, ZF, ID
     assert (r.eflags, r.rsp, r.rip) == (0x202 | 0x1 | ZF | 1 << 21, STACK + 8, SITE + 1)
+    r = regs(eflags=0x202)
+    run("9d", r, Memory({STACK: 0x3000 | 0x1 | ZF}))
+    assert r.eflags == 0x202 | 0x1 | ZF
 
 
 @pytest.mark.parametrize("prepared", [False, True])
@@ -122,6 +127,57 @@ def test_call_through_a_register_and_memory() -> None:
     r = regs(rax=0x5000)
     run("ff10", r, Memory({0x5000: 0x7100}))  # call [rax]
     assert r.rip == 0x7100
+
+
+def test_push_rsp_pushes_its_old_value() -> None:
+    r = regs()
+    assert run("54", r) == [(STACK - 8, STACK.to_bytes(8, "little"))]
+
+
+def test_pop_rsp_loads_after_the_increment() -> None:
+    r = regs()
+    run("5c", r, Memory({STACK: 0x12345678}))
+    assert r.rsp == 0x12345678 and r.rip == SITE + 1
+
+
+def test_call_rel32_pushes_the_return_address() -> None:
+    r = regs()
+    writes = run("e810000000", r)
+    assert r.rip == SITE + 5 + 0x10
+    assert writes == [(STACK - 8, (SITE + 5).to_bytes(8, "little"))]
+
+
+def test_jcc_taken_and_not() -> None:
+    r = regs(eflags=0x202 | ZF)
+    run("7405", r)
+    assert r.rip == SITE + 2 + 5
+    r = regs()
+    run("7405", r)
+    assert r.rip == SITE + 2
+    r = regs(eflags=0x202 | 0x80)  # jl: SF != OF
+    run("7c10", r)
+    assert r.rip == SITE + 2 + 0x10
+
+
+def test_mov_zero_extends_32_bits_and_merges_8() -> None:
+    r = regs(rax=0xFFFFFFFFFFFFFFFF, rdi=0xAAAAAAAA12345678)
+    run("89f8", r)
+    assert r.rax == 0x12345678
+    r = regs(rax=0x1111111111111111, rbx=0x22)
+    run("88d8", r)  # mov al, bl
+    assert r.rax == 0x1111111111111122
+
+
+def test_lea_rip_relative() -> None:
+    r = regs()
+    run("488d3d00010000", r)
+    assert r.rdi == SITE + 7 + 0x100
+
+
+def test_jmp_through_a_plt_slot() -> None:
+    r = regs()
+    run("ff2510000000", r, Memory({SITE + 6 + 0x10: 0x7F0000001000}))
+    assert r.rip == 0x7F0000001000
 
 
 # (code, rcx, eflags) -> (rcx after, taken)

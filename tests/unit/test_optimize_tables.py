@@ -9,6 +9,7 @@ from dynprobe.arch.x86_64.optimize import OptimizePlan, branch_targets, can_opti
 from dynprobe.errors import OptimizeRefusal
 
 F = 0x401000  # function start
+HIGH = 0x7F3A_9C41_2000  # where shared libraries run: far above 4 GiB
 
 # name -> (function bytes, site offset, other probe offsets, expected reason or region length)
 TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
@@ -64,14 +65,26 @@ def test_branch_targets() -> None:
     assert branch_targets(code, F) == {F + 2 + 2, F + 7 + 0x10, F + 9 - 4}
 
 
-@pytest.mark.parametrize("inside", [1, 7])
-def test_a_module_target_inside_the_region_at_the_default_bias(inside: int) -> None:
-    """Link-time addresses are run-time ones (bias 0): a target at the region's first or last
-    inner byte refuses the site."""
+@pytest.mark.parametrize("bias", [None, 0x5555_5555_4000, HIGH - 0x1000], ids=["default", "PIE", "library"])
+@pytest.mark.parametrize("inside", [1, 2, 7])
+def test_a_module_target_inside_the_region_at_any_load_bias(bias: int | None, inside: int) -> None:
+    """Another function of the module jumps (at link-time addresses, `bias` below where they
+    run; none: the same) to the region's first, second or last inner byte: refused. A target
+    at the site itself or past the region is fine, and so is one at where site+2 runs (a
+    link-time address is no run-time one)."""
     code = bytes.fromhex("554889e5" + "4883ec10" + "c9c3")
-    refused = can_optimize(code, F, F, module_targets={F + inside})
-    assert refused == OptimizeRefusal.JUMP_INTO_REGION
-    assert isinstance(can_optimize(code, F, F, module_targets={F, F + 8}), OptimizePlan)
+    link = 0x1000 if bias is not None else F
+    site = link + (bias or 0)
+
+    def plan(targets: set[int]) -> object:
+        if bias is None:
+            return can_optimize(code, site, site, module_targets=targets)
+        return can_optimize(code, site, site, module_targets=targets, bias=bias)
+
+    assert plan({link + inside}) == OptimizeRefusal.JUMP_INTO_REGION
+    assert isinstance(plan({link, link + 8}), OptimizePlan)
+    if bias:
+        assert isinstance(plan({link + 2 + bias}), OptimizePlan)
 
 
 def test_empty_or_unknown_function() -> None:
@@ -96,21 +109,23 @@ def test_rip_relative_out_of_reach_cannot_be_relocated() -> None:
     assert relocate_region(plan, F + (1 << 33)) is None
 
 
-def test_final_call_becomes_push_return_address_and_jmp() -> None:
+@pytest.mark.parametrize("func", [F, HIGH], ids=["below 4 GiB", "above 4 GiB"])
+def test_final_call_becomes_push_return_address_and_jmp(func: int) -> None:
+    """The return address is pushed whole: its low dword, then its high one."""
     code = bytes.fromhex("55e810000000" + "5dc3")
-    plan = can_optimize(code, F, F)
+    plan = can_optimize(code, func, func)
     assert isinstance(plan, OptimizePlan)
-    detour = F + 0x2000
+    detour = func + 0x2000
     out = relocate_region(plan, detour)
     assert out is not None
     assert out[:1] == b"\x55"  # push rbp, as is
     lea = decode_one(out[1:], detour + 1)
     assert lea is not None and str(lea) == "lea rsp,[rsp-8]"
-    ret = F + 6
-    assert out[6:13] == b"\xc7\x04\x24" + ret.to_bytes(4, "little")
-    assert out[13:21] == b"\xc7\x44\x24\x04" + (0).to_bytes(4, "little")
+    ret = func + 6
+    assert out[6:13] == b"\xc7\x04\x24" + (ret & 0xFFFF_FFFF).to_bytes(4, "little")
+    assert out[13:21] == b"\xc7\x44\x24\x04" + (ret >> 32).to_bytes(4, "little")
     jmp = decode_one(out[21:], detour + 21)
-    assert jmp is not None and jmp.near_branch_target == F + 6 + 0x10  # the callee; it returns to F+6
+    assert jmp is not None and jmp.near_branch_target == func + 6 + 0x10  # the callee; it returns to func+6
     assert len(out) == 26  # nothing after the jmp: the callee returns to the original code
 
 

@@ -23,7 +23,7 @@ TRACER = textwrap.dedent(
     tid = int(sys.argv[1])
     assert libc.ptrace(PTRACE_SEIZE, tid, None, None) == 0, ctypes.get_errno()
     assert libc.ptrace(PTRACE_INTERRUPT, tid, None, None) == 0, ctypes.get_errno()
-    os.waitpid(tid, os.WALL if hasattr(os, "WALL") else 0x40000000)
+    os.waitpid(tid, 0x40000000)  # __WALL: a thread of another process
     assert libc.ptrace(PTRACE_SINGLESTEP, tid, None, None) == 0, ctypes.get_errno()
     os._exit(0)
     """
@@ -101,10 +101,9 @@ HARNESS = textwrap.dedent(
                         + bytes.fromhex("803800 74fb b805000000 c3"))
         results = []
         spinner = threading.Thread(target=lambda: results.append(call(spin)))
-        spinner.start()
-        time.sleep(0.05)
+        spinner.start()  # (wherever the step lands, in the spin or before it, the thread goes on)
         subprocess.run([sys.executable, "-c", sys.argv[3], str(spinner.native_id)], check=True)
-        code_page[0x8380] = 1
+        function(0x380, b"\x01")
         spinner.join()
         print(results[0])
     elif scenario == "the program's own single step":

@@ -388,17 +388,18 @@ DEFAULT_FIELDS = ("duration", "tid")
 
 def parse_fields(text: str) -> tuple[str, ...]:
     """replay's -f: 'none', or as `chosen_fields` ('time,tid', '+elapsed')."""
-    return () if text == "none" else chosen_fields(text, tuple(FIELDS), DEFAULT_FIELDS)
+    return () if text == "none" else chosen_fields(text, tuple(FIELDS), DEFAULT_FIELDS, also=", or none")
 
 
-def chosen_fields(text: str, known: tuple[str, ...], defaults: tuple[str, ...]) -> tuple[str, ...]:
+def chosen_fields(text: str, known: tuple[str, ...], defaults: tuple[str, ...], *, also: str = "") -> tuple[str, ...]:
     """uftrace's -f: fields comma-separated, or '+' and fields added to the `defaults`; in the
-    order of `known`. ValueError for a field that is not one."""
+    order of `known`. ValueError for a field that is not one (its message lists `known`, then
+    `also`)."""
     added = text.startswith("+")
     given = [f for f in text.removeprefix("+").split(",") if f]
     unknown = [f for f in given if f not in known]
     if unknown or not given:
-        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(known)})")
+        raise ValueError(f"not a field: {', '.join(unknown) or text!r} (fields: {', '.join(known)}{also})")
     chosen = set(given) | (set(defaults) if added else set())
     return tuple(f for f in known if f in chosen)
 
