@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +116,24 @@ def test_two_return_probes_on_one_function(ret: str, ret_cxx: str, optimize: boo
     status, out, probes = traced([ret_cxx, "30"], counting("middle", "middle", "catcher"), optimize=optimize)
     assert status == 0 and out == run_plain([ret_cxx, "30"]).stdout
     assert [p.hits for p in probes] == [20, 20, 30]
+
+
+@pytest.mark.parametrize("optimize", MODES)
+def test_every_return_probe_of_one_call_sees_the_real_caller(ret: str, optimize: bool) -> None:
+    """Three return probes on one function: the later ones' return addresses are the earlier
+    ones' trampoline entry points, but each return's caller is where the call goes back to."""
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe(f"r:t/fact{k} fact n=$arg1:u64", on_event=events.append) for k in (1, 2, 3)]
+
+    status, out, probes = traced([ret, "fact", "6"], setup, optimize=optimize)
+    assert status == 0 and out == f"{factorial(6)}\n"
+    callers = [[(e.values["n"], e.caller) for e in events if e.probe is p] for p in probes]
+    assert [len(c) for c in callers] == [6, 6, 6] and callers[0] == callers[1] == callers[2]
+    inner = {caller for n, caller in callers[0] if n != 6}
+    outer = {caller for n, caller in callers[0] if n == 6}
+    assert len(inner) == len(outer) == 1 and inner != outer  # back into fact; back into main
 
 
 @pytest.mark.parametrize("optimize", MODES)
@@ -339,7 +356,6 @@ def test_killed_tracer_leaves_returns_working(ret: str) -> None:
             assert int(hits) > 0 and mode == "optimized"
             tracer.send_signal(signal.SIGKILL)
             tracer.wait()
-            time.sleep(0.1)
             lines = [int(proc.stdout.readline()) for _ in range(4)]
             assert lines == list(range(lines[0], lines[0] + 4)) and proc.poll() is None
         finally:

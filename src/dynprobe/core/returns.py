@@ -59,7 +59,7 @@ from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.shadow import entries_in, swap_slots
+from dynprobe.ringbuf.shadow import entries_in, final_return_address, swap_slots
 from dynprobe.spec.fetch import FetchContext, ReturnValues
 from dynprobe.spec.model import Arg, FetchArg, Latency, fetch_chain
 from dynprobe.symbols.elf import load_elf
@@ -419,7 +419,10 @@ class ReturnProbes:
         probe = self.session.probe_by_index(index)
         if probe is None:
             return
-        caller = int(words[at + L.ENTRY_RET // 8])
+        caller = final_return_address(
+            int(words[at + L.ENTRY_RET // 8]), returns.trampoline.points,
+            lambda k: int(words[self._at(k) + L.ENTRY_RET // 8]),
+        )  # fmt: skip
         # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
         ticks = max(0, int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8]))
         latency = self.session.tsc_to_ns(ticks)

@@ -56,3 +56,16 @@ def entries_in(shadow: bytes) -> list[tuple[int, int, int]]:
 def trampoline_point(points: int, k: int) -> int:
     """Entry point k of a return trampoline whose entry point 0 is at `points`."""
     return points + k * L.TRAMPOLINE_STRIDE
+
+
+def final_return_address(ret: int, points: int, original: Callable[[int], int]) -> int:
+    """Where a hooked return goes in the end: `ret`, or, when that is entry point k of the
+    trampoline (entry point 0 at `points`: a return probe of the same call hooked it before),
+    entry k's original return address (`original(k)`), and so on (at most one step per entry:
+    a chain the target scribbled into a loop ends)."""
+    for _ in range(L.SHADOW_CAPACITY):
+        k, rest = divmod(ret - points, L.TRAMPOLINE_STRIDE)
+        if rest or not 0 <= k < L.SHADOW_CAPACITY:
+            break
+        ret = original(k)
+    return ret

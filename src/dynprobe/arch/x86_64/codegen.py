@@ -260,6 +260,20 @@ class _Emitter:
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _ENTRY_OFFSET_AT)))
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(self.layout.shadow + offset, R.RAX)))
 
+    def caller(self) -> None:
+        """rax = where the call being returned from returns to: its entry's return address or,
+        when that is an entry point of the trampoline (return probes of the same call hooked
+        it before), that entry's, and so on."""
+        asm = self.asm
+        assert self.returning is not None
+        self.entry_word(L.ENTRY_RET)
+        chain, found = asm.label(), asm.label()
+        asm.bind(chain)
+        _entry_of_point(asm, self.returning.points, found)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(self.layout.shadow + L.ENTRY_RET, R.RDX)))
+        asm.jump(C.JMP_REL32_64, chain)
+        asm.bind(found)
+
     def return_value(self, fetch: Fetch) -> bool:
         """The fetches of a return: entry arguments kept at the entry, $retval, $latency, the
         caller. False for any other fetch."""
@@ -273,7 +287,7 @@ class _Emitter:
         elif isinstance(fetch, RetVal):
             self.load_reg("rax")
         elif isinstance(fetch, Caller):
-            self.entry_word(L.ENTRY_RET)
+            self.caller()
         elif isinstance(fetch, Latency):
             # ns = ticks * mult >> 32 (the consumer's calibration), in 128 bits: no overflow. In a
             # record, the record's time stamp is the return's: one rdtsc less.
@@ -562,11 +576,7 @@ def shadow_push(
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RCX)))
     asm.bind(chain)
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -points & L_MASK64))
-    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
-    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
-    asm.jump(C.JAE_REL32_64, stale)
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, _mem(R.RAX, 1)))  # the point's push: an offset
+    _entry_of_point(asm, points, stale)
     asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RDX, R.RSI))
     asm.jump(C.JE_REL32_64, live)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RDX)))
@@ -612,6 +622,16 @@ def shadow_push(
     asm.bind(missed)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(lay.counter(probe_index, L.MISSED))))
     asm.bind(done)
+
+
+def _entry_of_point(asm: _Asm, points: int, elsewhere: int) -> None:
+    """rax: a return address. If it is an entry point of the trampoline (entry point 0 at
+    `points`), rdx = its shadow entry's offset; otherwise go to `elsewhere`."""
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, -points & L_MASK64))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDX, R.RAX))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
+    asm.jump(C.JAE_REL32_64, elsewhere)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, _mem(R.RAX, 1)))  # the point's push: an offset
 
 
 _PLACEHOLDER = 0x7FFF_FFF0  # a displacement to patch (disp32 whatever the value it becomes)

@@ -1,0 +1,176 @@
+"""Generated code run in this process, as a target thread runs it: an executable mapping to place
+code and hand-assembled functions in (all within rel32 reach of each other), and a thread area
+(a numpy buffer) this thread's GS base points at while the code runs.
+
+Functions are patched as the engine patches them: a `jmp` to the detour over their first bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import mmap
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from dynprobe.arch.x86_64.codegen import Trampoline, build_trampoline
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
+from dynprobe.arch.x86_64.relocate import jump_to
+from dynprobe.ringbuf import layout as L
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+_ARCH_PRCTL = 158
+ARCH_SET_GS, ARCH_GET_FS, ARCH_GET_GS = 0x1001, 0x1003, 0x1004
+_ALIGN = 64
+
+# Functions to probe, System V ABI. Each clobbers what its caller must not rely on (argument
+# registers), so a return that reads them from the registers instead of its entry is caught.
+ADD = bytes.fromhex(  # u64 add(a, b) = a + b
+    "55"  # push rbp
+    "4889e5"  # mov rbp,rsp
+    "488d0437"  # lea rax,[rdi+rsi]
+    "31ff31f6"  # xor edi,edi; xor esi,esi
+    "5dc3"  # pop rbp; ret
+)
+WHOAMI = bytes.fromhex(  # u64 whoami(void) = its return address
+    "554889e5"  # push rbp; mov rbp,rsp
+    "488b4508"  # mov rax,[rbp+8]
+    "5dc3"  # pop rbp; ret
+)
+ESCAPE = bytes.fromhex(  # u64 escape(a) = a + 1, leaving as longjmp does: to r13, not to its caller
+    "554889e5"  # push rbp; mov rbp,rsp
+    "488d4701"  # lea rax,[rdi+1]
+    "5d4c892c24c3"  # pop rbp; mov [rsp],r13; ret
+)
+THEN = bytes.fromhex(  # u64 then(f, g, x) = g(x, x) after f(x, x): both calls from one frame (one slot)
+    "53415441554156"  # push rbx; push r12; push r13; push r14
+    "4889fb4989f64989d4"  # mov rbx,rdi; mov r14,rsi; mov r12,rdx
+    "4c8d2d08000000"  # lea r13,[rip+8] (where an escape goes on: after the call)
+    "4c89e74c89e6ffd3"  # mov rdi,r12; mov rsi,r12; call rbx
+    "4c8d2d09000000"  # lea r13,[rip+9]
+    "4c89e74c89e641ffd6"  # mov rdi,r12; mov rsi,r12; call r14
+    "415e415d415c5bc3"  # pop r14; pop r13; pop r12; pop rbx; ret
+)
+OUTER = bytes.fromhex(  # u64 outer(f, x) = f(x, x) + 1
+    "554889e5"  # push rbp; mov rbp,rsp
+    "4889f84889f7"  # mov rax,rdi; mov rdi,rsi
+    "ffd0"  # call rax
+    "48ffc0"  # inc rax
+    "5dc3"  # pop rbp; ret
+)
+SPIN = bytes.fromhex(  # void spin(ticks): returns once the time-stamp counter moved `ticks` on
+    "554889e54889f9"  # push rbp; mov rbp,rsp; mov rcx,rdi
+    "0f3148c1e2204809d04c8d0408"  # rdtsc; shl rdx,32; or rax,rdx; lea r8,[rax+rcx]
+    "0f3148c1e2204809d04c39c072f2"  # again: rdtsc; shl rdx,32; or rax,rdx; cmp rax,r8; jb again
+    "5dc3"  # pop rbp; ret
+)
+
+
+def sum_to(at: int) -> bytes:
+    """u64 sum(n) = n + sum(n - 1), sum(0) = 0: a recursive function placed at `at` (its call
+    goes to its own entry, so through its probe)."""
+    head = bytes.fromhex(
+        "554889e55350"  # push rbp; mov rbp,rsp; push rbx; push rax (aligned)
+        "4889fb31c0"  # mov rbx,rdi; xor eax,eax
+        "4885ff740c"  # test rdi,rdi; je done
+        "488d7fff"  # lea rdi,[rdi-1]
+    )
+    call = b"\xe8" + (at - (at + len(head) + 5)).to_bytes(4, "little", signed=True)
+    return head + call + bytes.fromhex("4801d8595b5dc3")  # add rax,rbx; done: pop rcx; pop rbx; pop rbp; ret
+
+
+class NativeArea:
+    """A thread area in this process, and code placed next to each other in one mapping."""
+
+    def __init__(self, layout: L.AreaLayout, code_bytes: int = 1 << 20) -> None:
+        self.layout = layout
+        self.mem = np.zeros(layout.size, dtype=np.uint8)
+        self.words = self.mem.view(np.uint64)
+        self.code = mmap.mmap(-1, code_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.code))
+        self.used = 0
+
+    def close(self) -> None:
+        self.code.close()
+
+    def place(self, code_at: Callable[[int], bytes] | bytes) -> int:
+        """Put code (or `code_at(address)`'s) at the next free address; returns that address."""
+        at = self.base + self.used
+        code = code_at if isinstance(code_at, bytes) else code_at(at)
+        self.write(at, code)
+        self.used += (len(code) + _ALIGN - 1) // _ALIGN * _ALIGN
+        return at
+
+    def write(self, at: int, code: bytes) -> None:
+        self.code[at - self.base : at - self.base + len(code)] = code
+
+    @functools.cached_property
+    def trampoline(self) -> Trampoline:
+        """The process's return trampoline, placed on first use."""
+        at = self.base + self.used
+        assert self.place(lambda here: build_trampoline(self.layout, here)[0]) == at
+        return build_trampoline(self.layout, at)[1]
+
+    def patch(self, function: int, detour: int) -> None:
+        """Enter `function` through `detour`, as the engine does: a jump over its first bytes."""
+        self.write(function, jump_to(function, detour))
+
+    def plan(self, function: int, length: int) -> OptimizePlan:
+        made = can_optimize(self.code[function - self.base : function - self.base + length], function, function)
+        assert isinstance(made, OptimizePlan), made
+        return made
+
+    def call_at(self, address: int, *args: int) -> int:
+        """u64 f(args...) at `address`, run on this thread with its GS base at the area."""
+        func = ctypes.CFUNCTYPE(ctypes.c_uint64, *[ctypes.c_uint64] * len(args))(address)
+        old = ctypes.c_uint64()
+        assert libc.syscall(_ARCH_PRCTL, ARCH_GET_GS, ctypes.byref(old)) == 0
+        assert libc.syscall(_ARCH_PRCTL, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
+        try:
+            return int(func(*args))
+        finally:
+            libc.syscall(_ARCH_PRCTL, ARCH_SET_GS, old)
+
+    def call(self, code_at: Callable[[int], bytes] | bytes, *args: int) -> int:
+        """Place code and run it as u64 f(args...)."""
+        return self.call_at(self.place(code_at), *args)
+
+    def word(self, offset: int) -> int:
+        return int(self.words[offset // 8])
+
+    def set_word(self, offset: int, value: int) -> None:
+        self.words[offset // 8] = value
+
+    def counter(self, index: int, which: int) -> int:
+        return self.word(self.layout.counter(index, which))
+
+    def hist(self, index: int) -> list[int]:
+        at = self.layout.hist(index) // 8
+        return [int(n) for n in self.words[at : at + L.HIST_BUCKETS]]
+
+    def records(self) -> list[bytes]:
+        """The records published so far (the ring not wrapped)."""
+        head, size, ring = self.word(L.HEAD), self.layout.record_size, self.layout.ring
+        return [bytes(self.mem[ring + i * size : ring + (i + 1) * size]) for i in range(head)]
+
+    def shadow_word(self, entry: int, offset: int) -> int:
+        return self.word(self.layout.shadow + entry * L.SHADOW_ENTRY + offset)
+
+
+def field(record: bytes, offset: int, size: int = 8, *, signed: bool = False) -> int:
+    return int.from_bytes(record[offset : offset + size], "little", signed=signed)
+
+
+@contextlib.contextmanager
+def one_cpu() -> Iterator[None]:
+    """This thread on one CPU: two time stamps taken on it are ordered."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
