@@ -510,7 +510,6 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
         try:
             while b"ready" not in shown:
                 shown += os.read(primary, 4096)
-            time.sleep(0.3)
             os.write(primary, b"\x03")  # the terminal sends SIGINT to its foreground process group
             assert proc.wait(timeout=30) == 0
             with contextlib.suppress(OSError):

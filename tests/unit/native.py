@@ -23,7 +23,7 @@ from dynprobe.ringbuf import layout as L
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
-_ARCH_PRCTL = 158
+ARCH_PRCTL = 158
 ARCH_SET_GS, ARCH_GET_FS, ARCH_GET_GS = 0x1001, 0x1003, 0x1004
 _ALIGN = 64
 
@@ -128,12 +128,12 @@ class NativeArea:
         """u64 f(args...) at `address`, run on this thread with its GS base at the area."""
         func = ctypes.CFUNCTYPE(ctypes.c_uint64, *[ctypes.c_uint64] * len(args))(address)
         old = ctypes.c_uint64()
-        assert libc.syscall(_ARCH_PRCTL, ARCH_GET_GS, ctypes.byref(old)) == 0
-        assert libc.syscall(_ARCH_PRCTL, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
+        assert libc.syscall(ARCH_PRCTL, ARCH_GET_GS, ctypes.byref(old)) == 0
+        assert libc.syscall(ARCH_PRCTL, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
         try:
             return int(func(*args))
         finally:
-            libc.syscall(_ARCH_PRCTL, ARCH_SET_GS, old)
+            libc.syscall(ARCH_PRCTL, ARCH_SET_GS, old)
 
     def call(self, code_at: Callable[[int], bytes] | bytes, *args: int) -> int:
         """Place code and run it as u64 f(args...)."""

@@ -8,9 +8,8 @@ the counters, histogram buckets and ring records it writes are checked value by 
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import iced_x86 as iced
 import numpy as np
@@ -32,11 +31,11 @@ from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.parser import parse_spec
+from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, libc
 
 FUNC = bytes.fromhex("554889e5897dfc8b45fc5dc3")  # push rbp; mov rbp,rsp; mov [rbp-4],edi; ...; ret
 AT = 0x50_0000  # within rel32 reach of the function at 0x401000
 LAYOUT = L.AreaLayout(max_probes=64, max_hists=4, ring_bytes=1 << 12, record_size=128)
-ARCH_SET_GS, ARCH_GET_GS = 0x1001, 0x1004
 
 
 def plan() -> OptimizePlan:
@@ -119,58 +118,22 @@ def test_read_tsc_code() -> None:
 
 
 # --- the actions, run natively ---------------------------------------------------------------------
-libc = ctypes.CDLL(None, use_errno=True)
-libc.syscall.restype = ctypes.c_long
-
-
-class NativeArea:
-    """A thread area in this process: GS base of this thread -> a numpy buffer."""
-
-    def __init__(self) -> None:
-        self.mem = np.zeros(LAYOUT.size, dtype=np.uint8)
-        self.words = self.mem.view(np.uint64)
-        self.pages: list[mmap.mmap] = []
-
-    def run(self, programs: list[Program], *args: int, rseq_offset_at: int | None = None) -> None:
-        """Run the actions of a detour for `programs` as f(args...) on this thread."""
-
-        def actions(base: int) -> bytes:
-            detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True, rseq_offset_at=rseq_offset_at)
-            assert not isinstance(detour, OptimizeRefusal)
-            return detour.code[: detour.action_bytes] + b"\xc3"  # the actions, then ret
-
-        self.call(actions, *args)
-
-    def call(self, code_at: Callable[[int], bytes], *args: int) -> int:
-        """Run `code_at(address)`, placed at that address, as u64 f(args...) on this thread."""
-        page = mmap.mmap(-1, 1 << 14, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-        self.pages.append(page)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        page.write(code_at(base))
-        func = ctypes.CFUNCTYPE(ctypes.c_uint64, *[ctypes.c_uint64] * len(args))(base)
-        old = ctypes.c_uint64()
-        assert libc.syscall(158, ARCH_GET_GS, ctypes.byref(old)) == 0
-        assert libc.syscall(158, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
-        try:
-            return int(func(*args))
-        finally:
-            libc.syscall(158, ARCH_SET_GS, old)
-
-    def counter(self, index: int, which: int) -> int:
-        return int(self.words[LAYOUT.counter(index, which) // 8])
-
-    def records(self) -> list[bytes]:
-        head = int(self.words[L.HEAD // 8])
-        ring = bytes(self.mem[LAYOUT.ring : LAYOUT.ring + LAYOUT.ring_bytes])
-        return [ring[i * LAYOUT.record_size : (i + 1) * LAYOUT.record_size] for i in range(head)]
-
-
 @pytest.fixture
 def area() -> Iterator[NativeArea]:
-    made = NativeArea()
+    made = NativeArea(LAYOUT)
     yield made
-    for page in made.pages:
-        page.close()
+    made.close()
+
+
+def run(area: NativeArea, programs: list[Program], *args: int, rseq_offset_at: int | None = None) -> None:
+    """Run the actions of a detour for `programs` as f(args...) on this thread."""
+
+    def actions(base: int) -> bytes:
+        detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True, rseq_offset_at=rseq_offset_at)
+        assert not isinstance(detour, OptimizeRefusal)
+        return detour.code[: detour.action_bytes] + b"\xc3"  # the actions, then ret
+
+    area.call(actions, *args)
 
 
 def test_native_count_and_filter(area: NativeArea) -> None:
@@ -179,7 +142,7 @@ def test_native_count_and_filter(area: NativeArea) -> None:
     progs = [Program(0, ActionKind.COUNT), Program(1, ActionKind.COUNT, filter=keep)]
     calls: list[tuple[int, int]] = [(5, 0), (7, -3), (1, -3), (1, 2), (5, 2**32 - 1)]
     for a, b in calls:
-        area.run(progs, a, b & (2**64 - 1))
+        run(area, progs, a, b & (2**64 - 1))
     assert area.counter(0, L.HITS) == len(calls)
     # b is s32: 2**32-1 is -1 (not < -2); (5, ...) passes on a == 5
     assert area.counter(1, L.HITS) == 3  # (5,0), (1,-3), (5,-1)
@@ -189,7 +152,7 @@ def test_native_histogram(area: NativeArea) -> None:
     value = parse_spec("p f v=%di:s64").args[0]
     prog = Program(0, ActionKind.HIST, value=value, hist_index=2)
     for v in (0, 1, 2, 3, 4, 1000, 2**63 - 1, -5 & (2**64 - 1)):
-        area.run([prog], v)
+        run(area, [prog], v)
     buckets = area.words[LAYOUT.hist(2) // 8 : LAYOUT.hist(2) // 8 + L.HIST_BUCKETS]
     expected = np.zeros(L.HIST_BUCKETS, dtype=np.uint64)
     for k in (0, 1, 2, 2, 3, 10, 63, 0):  # zero and negative -> 0; v in [2^(k-1), 2^k) -> k
@@ -203,8 +166,8 @@ def test_native_record(area: NativeArea) -> None:
     spec = parse_spec("p f n=%di s=+0(%si):string k=+4(%dx):u16 c=$comm")
     prog = Program(9, ActionKind.RECORD, record_fields(spec.args))
     words = (ctypes.c_uint16 * 4)(1, 2, 0xBEEF, 4)
-    area.run([prog], 42, ctypes.addressof(text), ctypes.addressof(words))
-    area.run([prog], 2**64 - 1, ctypes.addressof(long_text), ctypes.addressof(words))
+    run(area, [prog], 42, ctypes.addressof(text), ctypes.addressof(words))
+    run(area, [prog], 2**64 - 1, ctypes.addressof(long_text), ctypes.addressof(words))
     first, second = area.records()
     for rec in (first, second):
         assert int.from_bytes(rec[0:2], "little") == 9
@@ -225,11 +188,11 @@ def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
     prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
     slots = LAYOUT.ring_slots
     for i in range(slots + 5):
-        area.run([prog], i)
+        run(area, [prog], i)
     assert int(area.words[L.HEAD // 8]) == slots
     assert area.counter(4, L.LOST) == 5 and area.counter(4, L.HITS) == slots + 5
     area.words[L.TAIL // 8] = 3  # the consumer took three
-    area.run([prog], 777)
+    run(area, [prog], 777)
     assert int(area.words[L.HEAD // 8]) == slots + 1
     rec = area.records()[0]  # slot 0 again (head % slots == 0 before the write)
     assert int.from_bytes(rec[16:24], "little") == 777
@@ -238,7 +201,7 @@ def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
 def test_native_record_reentry_is_missed(area: NativeArea) -> None:
     prog = Program(2, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
     area.words[L.BUSY // 8] = 1  # as if a signal handler interrupted a record being written
-    area.run([prog], 1)
+    run(area, [prog], 1)
     assert area.counter(2, L.MISSED) == 1 and int(area.words[L.HEAD // 8]) == 0
 
 
@@ -252,7 +215,7 @@ def test_native_filter_agrees_with_the_tracer(area: NativeArea) -> None:
     cases = [(2**64 - 1, 0, 0), (7, 2**32 - 3, 201), (7, 2**32 - 3, 200), (4, 0, 0), (4, 2**31, 0), (9, 9, 9)]
     expected = 0
     for u, s, b in cases:
-        area.run([Program(0, ActionKind.COUNT, filter=keep)], u, s, b)
+        run(area, [Program(0, ActionKind.COUNT, filter=keep)], u, s, b)
         signed = s - 2**32 if s >> 31 else s
         expected += matches(keep, {"u": u, "s": signed, "b": b & 0xFF})
     assert area.counter(0, L.HITS) == expected == 3
@@ -275,7 +238,7 @@ def test_native_record_cpu_number(area: NativeArea, source: str) -> None:
     fake = ctypes.c_int64(0)
     if source == "rseq unregistered":
         fs = ctypes.c_uint64()
-        assert libc.syscall(158, 0x1003, ctypes.byref(fs)) == 0  # ARCH_GET_FS
+        assert libc.syscall(ARCH_PRCTL, ARCH_GET_FS, ctypes.byref(fs)) == 0
         unregistered = (ctypes.c_int32 * 2)(0, -2)  # cpu_id_start, cpu_id
         fake.value = ctypes.addressof(unregistered) - fs.value
         rseq_offset_at = ctypes.addressof(fake)
@@ -292,7 +255,7 @@ def test_native_record_cpu_number(area: NativeArea, source: str) -> None:
     try:
         for cpu in sorted(allowed):
             os.sched_setaffinity(0, {cpu})
-            area.run([prog], rseq_offset_at=at)
+            run(area, [prog], rseq_offset_at=at)
             assert int.from_bytes(area.records()[-1][2:4], "little") == cpu
     finally:
         os.sched_setaffinity(0, allowed)
@@ -351,19 +314,12 @@ def test_native_latency_of_a_return_stamped_before_its_entry_is_zero(area: Nativ
     assert buckets[0] == 1 and buckets[power + 1] == 1 and sum(buckets) == 2  # [2^power, 2^(power+1)) ns
 
 
-def test_native_tsc_readings() -> None:
+def test_native_tsc_readings(area: NativeArea) -> None:
     """Readings back to back, each where it belongs and none past the last: the counter moves
     (1000 readings take far longer than a step of any clock)."""
-    page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
-    page.write(tsc_readings_code())
-    readings = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_void_p)(
-        ctypes.addressof(ctypes.c_char.from_buffer(page))
-    )
     out = np.full(1001, 7, dtype=np.uint64)
-    readings(1000, out.ctypes.data)
+    area.call(tsc_readings_code(), 1000, out.ctypes.data)
     assert out[1000] == 7 and out[:1000].all() and len(set(out[:1000].tolist())) > 1
-    del readings
-    page.close()
 
 
 def test_native_trap_actions_record_then_resume(area: NativeArea) -> None:

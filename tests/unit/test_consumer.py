@@ -208,7 +208,6 @@ def test_a_sleeping_consumer_starts_draining_as_soon_as_rings_appear(monkeypatch
     once: a busy probe fills a small ring in milliseconds (it slept 50 ms, and the first
     records of a fast probe were lost)."""
     import threading
-    import time
 
     from dynprobe.ringbuf import consumer as consumer_module
 
@@ -221,10 +220,22 @@ def test_a_sleeping_consumer_starts_draining_as_soon_as_rings_appear(monkeypatch
         if batches:
             delivered.set()
 
+    class Watched(threading.Event):
+        """The consumer's wake-up event, telling when the consumer goes to sleep on it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.slept = threading.Event()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            self.slept.set()
+            return super().wait(timeout)
+
     consumer = Consumer(LAYOUT, deliver, lambda i: i < 3, lambda message: None, interval=3600.0)
+    consumer._wake = wake = Watched()
     consumer.start()
     try:
-        time.sleep(0.2)  # its first pass found nothing: it sleeps
+        assert wake.slept.wait(20), "the consumer never went to sleep"  # its first pass found nothing
         areas = make_areas()
         areas.assign(10)
         write_record(areas, 10, 1, 42)
