@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import pty
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -87,13 +89,48 @@ def test_list_binary_and_pid(wordcount: str) -> None:
         proc.wait()
 
 
-def test_help_of_each_command_has_examples() -> None:
+def help_examples() -> list[tuple[str, str]]:
+    """(command, example) for each line of each command's help that shows a dynprobe command,
+    without its comment (after two spaces)."""
     commands = re.findall(r"^    ([a-z]+) ", dp("--help").stdout, re.M)
     assert commands == ["trace", "count", "hist", "latency", "list", "record", "live", "replay", "report", "graph",
                         "dump"]  # fmt: skip
-    for cmd in commands:
-        r = dp(cmd, "--help")
-        assert r.returncode == 0 and "examples:" in r.stdout, cmd
+    found = []
+    for command in commands:
+        shown = dp(command, "--help")
+        assert shown.returncode == 0 and "examples:" in shown.stdout, command
+        lines = shown.stdout.split("examples:", 1)[1].splitlines()
+        examples = [re.split(r"\s{2,}", line.strip())[0] for line in lines if line.startswith("  dynprobe ")]
+        assert len(examples) >= 2, command
+        found += [(command, example) for example in examples]
+    return found
+
+
+def test_every_help_example_is_a_valid_command() -> None:
+    """Each example in each command's help parses as that command, and its probe specs, filter
+    and histogram value are accepted as the command checks them before it touches a process."""
+    from dynprobe.actions.filter import parse_value
+    from dynprobe.cli.common import split_command
+    from dynprobe.cli.main import build_parser
+    from dynprobe.cli.probes import check_request
+
+    examples = help_examples()
+    assert len(examples) >= 30
+    for command, example in examples:
+        words = shlex.shlex(example.replace("$(pgrep -n bash)", "1234"), posix=True, punctuation_chars="|>")
+        words.whitespace_split = True
+        argv = list(itertools.takewhile(lambda word: word not in ("|", ">"), words))  # not what a shell does after
+        assert argv[:2] == ["dynprobe", command], example
+        own, _ = split_command(argv[1:])
+        try:
+            args = build_parser().parse_args(own)
+        except SystemExit:
+            pytest.fail(f"not a valid command: {example}")
+        if getattr(args, "specs", None):
+            request = check_request(args)
+            if command == "hist":
+                for spec in request.specs:
+                    parse_value(args.value, spec.args)
 
 
 def test_list_takes_what_specs_take_and_names_aliases_once(wordcount: str) -> None:

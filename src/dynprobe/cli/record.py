@@ -61,7 +61,8 @@ READING_EXAMPLES = {
 examples:
   dynprobe replay                          the call graph of dynprobe.data, with durations
   dynprobe replay parse.data --tid 4242    one thread's
-  dynprobe replay -F main -D 2 -N 'log_.*' main's calls two deep, without log_* and their callees
+  dynprobe replay -F main -D 2 -N 'log_.*'
+                                           main's calls two deep, without log_* and their callees
   dynprobe replay --demangle full | less
   dynprobe replay -f time,tid,elapsed      uftrace's columns: time stamps, time since the first event
   dynprobe replay -f none --no-args        calls alone (to diff two runs)
