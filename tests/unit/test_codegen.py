@@ -184,6 +184,34 @@ def test_native_record(area: NativeArea) -> None:
     assert area.counter(9, L.HITS) == 2 and area.counter(9, L.LOST) == 0
 
 
+def test_native_record_of_addresses_symbols_the_stack_and_registers(area: NativeArea) -> None:
+    """@ADDR, @SYM+OFFS (the resolver's address), $stackN, %sp (the thread's, at the site),
+    %ip (the site), %flags (pushed: the caller's carry), an offset beyond a disp32."""
+    words = (ctypes.c_uint64 * 4)(0x1111_2222_3333_4444, 0x5555_6666_7777_8888, 0xAB, 0)
+    at = ctypes.addressof(words)
+    spec = parse_spec(
+        f"p f a=@{at:#x}:u32 s=@table+8:u16 s1=$stack1 s2=$stack2 up=+8(%sp):u64 ip=%ip fl=%flags"
+        " far=+0x100000000(%si):u8"
+    )
+    prog = Program(1, ActionKind.RECORD, record_fields(spec.args))
+    resolve = {"table": at}.get
+
+    def stub_then_actions(base: int) -> bytes:
+        # push 0x2222; push 0x1111 (so $stack1 = 0x1111, $stack2 = 0x2222); stc; call the
+        # actions (at base + 64); add rsp, 16; ret
+        stub = bytes.fromhex("68222200006811110000f9e8") + (64 - 16).to_bytes(4, "little") + bytes.fromhex("4883c410c3")
+        detour = build_detour(plan(), [prog], LAYOUT, base + 64, function_entry=True, symbol_address=resolve)
+        assert not isinstance(detour, OptimizeRefusal)
+        return stub.ljust(64, b"\xcc") + detour.code[: detour.action_bytes] + b"\xc3"
+
+    area.call(stub_then_actions, 0, (at + 16 - (1 << 32)) & (2**64 - 1))
+    (record,) = area.records()
+    got = {f.arg.name: int.from_bytes(record[f.offset : f.offset + 8], "little") for f in prog.fields}
+    assert int.from_bytes(record[4:8], "little") == 0  # nothing faulted
+    assert (got["a"], got["s"], got["s1"], got["s2"]) == (0x3333_4444, 0x8888, 0x1111, 0x2222)
+    assert got["up"] == 0x1111 and got["ip"] == plan().site and got["fl"] & 1 and got["far"] == 0xAB
+
+
 def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
     prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
     slots = LAYOUT.ring_slots
