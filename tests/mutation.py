@@ -20,6 +20,7 @@ import ast
 import compileall
 import functools
 import importlib
+import json
 import multiprocessing
 import os
 import select
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     "arch/x86_64/relocate.py": ("test_arch_tables.py", "test_optimize_tables.py", "test_relocation_edges.py"),
     "arch/x86_64/optimize.py": ("test_optimize_tables.py", "test_relocation_edges.py", "test_codegen.py"),
     "arch/x86_64/emulate.py": ("test_emulate.py", "test_arch_tables.py", "test_properties.py"),
-    "arch/x86_64/codegen.py": ("test_codegen.py", "test_returns_code.py", "test_callgraph.py"),
+    "arch/x86_64/codegen.py": (
+        "test_codegen.py",
+        "test_native_returns.py",
+        "test_native_tracer.py",
+        "test_returns_code.py",
+        "test_callgraph.py",
+    ),
     "ringbuf/layout.py": (
         "test_layout.py",
         "test_consumer.py",
@@ -165,6 +172,7 @@ class Mutant:
     line: int
     text: str  # the line as written
     change: str
+    statement: int = 0  # the line of the statement it is in (coverage counts statements by their first line)
 
     def __str__(self) -> str:
         return f"{self.module}:{self.line}: {self.change}    | {self.text}"
@@ -271,10 +279,12 @@ def _deletable(statement: ast.stmt) -> bool:
 def mutants_of(module: str) -> list[Mutant]:
     """Every mutant of `module` (a path under src/dynprobe), in a stable order."""
     lines = (PACKAGE / module).read_text().splitlines()
+    tree, edits = _parsed(module)
+    statements = {id(node): s.lineno for s in ast.walk(tree) if isinstance(s, ast.stmt) for node in ast.walk(s)}
     out = []
-    for node, change, _ in _parsed(module)[1]:
+    for node, change, _ in edits:
         line = getattr(node, "lineno", 0)
-        out.append(Mutant(module, line, lines[line - 1].strip() if line else "", change))
+        out.append(Mutant(module, line, lines[line - 1].strip() if line else "", change, statements[id(node)]))
     return out
 
 
@@ -313,8 +323,9 @@ def _start_worker(scratch: str) -> None:
     compileall.compile_dir(_worker_copy, quiet=1)
 
 
-def _run_tests(tests: tuple[str, ...], timeout: float) -> str:
-    """The tests, in a child of this worker, against the copy: 'killed', 'survived' or 'timeout'."""
+def _in_child(work: Callable[[], int], timeout: float) -> str:
+    """`work()` in a child of this worker, against the copy (its exit status `work`'s result):
+    'killed' (non-zero), 'survived' (zero) or 'timeout'."""
     assert _worker_copy is not None
     pid = os.fork()
     if pid == 0:
@@ -328,11 +339,7 @@ def _run_tests(tests: tuple[str, ...], timeout: float) -> str:
             sys.dont_write_bytecode = True
             os.environ["PYTHONPATH"] = os.pathsep.join([str(_worker_copy), str(ROOT)])
             os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
-            import pytest
-
-            args = ["-x", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")]
-            code = pytest.main([*args, *(str(UNIT / t) for t in tests)])
-            os._exit(int(code))
+            os._exit(work())
         finally:
             os._exit(99)
     pidfd = os.pidfd_open(pid)
@@ -348,8 +355,56 @@ def _run_tests(tests: tuple[str, ...], timeout: float) -> str:
     return "survived" if os.waitstatus_to_exitcode(status) == 0 else "killed"
 
 
-def _try(job: tuple[Mutant, int, float]) -> tuple[Mutant, str]:
-    mutant, index, timeout = job
+def _pytest(tests: Sequence[str], plugins: Sequence[object] = ()) -> int:
+    """Run `tests` (unit test files, or node ids) in this process; pytest's exit status."""
+    import pytest
+
+    args = ["-x", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")]
+    return int(pytest.main([*args, *(str(UNIT / t) for t in tests)], plugins=list(plugins)))
+
+
+def _run_tests(tests: Sequence[str], timeout: float) -> str:
+    return _in_child(lambda: _pytest(tests), timeout)
+
+
+def _tests_by_line(module: str, timeout: float) -> dict[int, list[str]]:
+    """Which of the module's unit tests run each of its lines (node ids, relative to tests/unit;
+    "" for a line run when the module is imported), from a run of them under coverage."""
+    assert _worker_copy is not None
+    target = str(_worker_copy / "dynprobe" / module)
+    out = Path(tempfile.mkstemp(dir=_worker_copy.parent, suffix=".json")[1])
+
+    def work() -> int:
+        import coverage
+        import pytest
+
+        cov = coverage.Coverage(data_file=None, include=[target], config_file=False)
+
+        class Contexts:
+            @pytest.hookimpl(hookwrapper=True)
+            def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+                cov.switch_context(item.nodeid)
+                yield
+                cov.switch_context("")
+
+        cov.start()
+        status = _pytest(MODULES[module], [Contexts()])
+        cov.stop()
+        unit = str(UNIT.relative_to(ROOT)) + "/"
+        found = cov.get_data().contexts_by_lineno(target)
+        out.write_text(json.dumps({n: [c.removeprefix(unit) for c in tests] for n, tests in found.items()}))
+        return status
+
+    try:
+        if _in_child(work, timeout) != "survived":
+            raise SystemExit(f"the unit tests of {module} fail without any mutant: fix them first")
+        return {int(n): tests for n, tests in json.loads(out.read_text()).items()}
+    finally:
+        out.unlink()
+
+
+def _try(job: tuple[Mutant, int, float, Sequence[str]]) -> tuple[Mutant, str]:
+    mutant, index, timeout, tests = job
     assert _worker_copy is not None
     source = mutated_source(mutant.module, index)
     path = _worker_copy / "dynprobe" / mutant.module
@@ -360,18 +415,29 @@ def _try(job: tuple[Mutant, int, float]) -> tuple[Mutant, str]:
         # Its compiled original must not be taken for it: a mutant of the same size written in
         # the same second would be. (Python checks a .pyc by the source's size and mtime.)
         os.utime(path, ns=(stamp + 10**12, stamp + 10**12))
-        return mutant, _run_tests(MODULES[mutant.module], timeout)
+        return mutant, _run_tests(tests, timeout)
     finally:
         path.write_text(original)
         os.utime(path, ns=(stamp, stamp))
 
 
-def _baseline(module: str) -> float:
-    """Its tests, unmutated, must pass; how long they take sets the mutants' timeout."""
+def _baseline(module: str) -> tuple[float, dict[int, list[str]]]:
+    """Its tests, unmutated, must pass; how long they take sets the mutants' timeout. Returns
+    that time, and which tests run each line."""
     started = time.monotonic()
     if _run_tests(MODULES[module], timeout=600) != "survived":
         raise SystemExit(f"the unit tests of {module} fail without any mutant: fix them first")
-    return time.monotonic() - started
+    return time.monotonic() - started, _tests_by_line(module, timeout=1200)
+
+
+def tests_for(mutant: Mutant, by_line: dict[int, list[str]]) -> Sequence[str]:
+    """The tests that may kill `mutant`: those that run its statement; all of the module's for a
+    statement run at import (a constant every test may depend on) or that no test runs in this
+    process (one may in a process of its own)."""
+    found = by_line.get(mutant.statement, [])
+    if not found or "" in found:
+        return MODULES[mutant.module]
+    return sorted(found)
 
 
 def main() -> int:
@@ -390,15 +456,26 @@ def main() -> int:
             for mutant in found:
                 print(mutant)
         return 0
+    from rich.progress import Progress
+
     context = multiprocessing.get_context("fork")
     started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="dynprobe-mutate-") as scratch,
         context.Pool(args.jobs, initializer=_start_worker, initargs=(scratch,)) as pool,
     ):
-        timeouts = dict(zip(modules, pool.map(_baseline, modules), strict=True))
-        jobs = [(m, i, 3 * timeouts[m.module] + 10) for found in everything.values() for i, m in enumerate(found)]
-        outcomes = list(pool.imap_unordered(_try, jobs, chunksize=4))
+        baselines = dict(zip(modules, pool.map(_baseline, modules), strict=True))
+        jobs = [
+            (m, i, 3 * baselines[m.module][0] + 10, tests_for(m, baselines[m.module][1]))
+            for found in everything.values()
+            for i, m in enumerate(found)
+        ]
+        outcomes = []
+        with Progress(transient=True) as progress:
+            task = progress.add_task("mutants", total=len(jobs))
+            for outcome in pool.imap_unordered(_try, jobs, chunksize=4):
+                outcomes.append(outcome)
+                progress.advance(task)
     return _report(modules, outcomes, time.monotonic() - started, show_all=args.survivors)
 
 

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 import dynprobe
 from dynprobe.ptrace.guardian import Journal, rescue
-from dynprobe.ptrace.process import Tracee
+from dynprobe.ptrace.process import Tracee, start_time
 from dynprobe.symbols.elf import load_elf
 from tests.conftest import build_target
 
@@ -191,15 +190,16 @@ def test_the_guardian_never_writes_to_a_pid_another_process_took(spinner: str) -
         original = mem.read(1)
     journal = Journal(capacity=16)
     journal.record(first.pid, tick, original)  # as if an int3 were there
+    started = start_time(first.pid)
     first.kill()
     first.wait()
-    time.sleep(0.02)  # a tick of the start time (10 ms): what a kernel without pidfs goes by
     # Another process or thread may take the pid first (a busy machine makes threads all the
-    # time: another suite, a stress run): then again, as often as it takes.
+    # time: another suite, a stress run), or the new one may start in the same tick of the
+    # start time (10 ms: what a kernel without pidfs goes by): then again, as often as it takes.
     for _ in range(5000):
         last_pid.write_text(str(first.pid - 1))
         second = _spinner_without_aslr(spinner)
-        if second.pid == first.pid:
+        if second.pid == first.pid and start_time(second.pid) != started:
             break
         second.kill()
         second.wait()
