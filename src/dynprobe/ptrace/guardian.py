@@ -322,7 +322,7 @@ class Guardian:
         self._done_r, done_w = os.pipe2(os.O_CLOEXEC)
         tracer = os.getpid()
         middle = os.fork()
-        if middle == 0:  # pragma: no cover (the guardian: its effects are what the tests see)
+        if middle == 0:  # the guardian
             try:
                 os.setsid()
                 if os.fork() == 0:
@@ -363,7 +363,7 @@ GUARDIAN_NAME = b"dp-guardian"
 GUARDIAN_TITLE = "dp-guardian (tracer {pid})"
 
 
-def _name_process(tracer: int) -> None:  # pragma: no cover (in the guardian)
+def _name_process(tracer: int) -> None:
     """Tell the guardian from the tracer it is a copy of: its name (`ps`, `top`, `pkill NAME`)
     and its command line (`ps aux`, `pkill -f`), which is the tracer's until it is written over
     where the kernel reads it (the argument strings at the stack's top, as setproctitle does:
@@ -381,7 +381,7 @@ def _name_process(tracer: int) -> None:  # pragma: no cover (in the guardian)
         ctypes.memmove(start, title[: end - start - 1].ljust(end - start, b"\0"), end - start)
 
 
-def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline, tracer: int) -> None:  # pragma: no cover
+def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline, tracer: int) -> None:
     """The guardian's life: holding no file of the tracer's open, deaf to the signals meant for
     the tracer, waiting for the tracer thread to die (the lifeline) or to say the word, or, if
     the lifeline could not be made, for the pipe to close."""
