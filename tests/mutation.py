@@ -19,6 +19,7 @@ import argparse
 import ast
 import compileall
 import functools
+import gc
 import importlib
 import json
 import multiprocessing
@@ -26,6 +27,7 @@ import os
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -321,6 +323,9 @@ def _start_worker(scratch: str) -> None:
     _worker_copy = Path(tempfile.mkdtemp(dir=scratch))
     shutil.copytree(PACKAGE, _worker_copy / "dynprobe", ignore=shutil.ignore_patterns("__pycache__"))
     compileall.compile_dir(_worker_copy, quiet=1)
+    # What the children share is never collected again: a collection in a child (pytest makes
+    # them) would walk every object imported here.
+    gc.freeze()
 
 
 def _in_child(work: Callable[[], int], timeout: float) -> str:
@@ -339,6 +344,7 @@ def _in_child(work: Callable[[], int], timeout: float) -> str:
             sys.dont_write_bytecode = True
             os.environ["PYTHONPATH"] = os.pathsep.join([str(_worker_copy), str(ROOT)])
             os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+            os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # (xdist and others: none is used)
             os._exit(work())
         finally:
             os._exit(99)
@@ -359,7 +365,8 @@ def _pytest(tests: Sequence[str], plugins: Sequence[object] = ()) -> int:
     """Run `tests` (unit test files, or node ids) in this process; pytest's exit status."""
     import pytest
 
-    args = ["-x", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")]
+    args = ["-x", "-q", "-p", "no:cacheprovider", "-p", "hypothesis.extra.pytestplugin", "--rootdir", str(ROOT),
+            "-c", str(ROOT / "pyproject.toml")]  # fmt: skip
     return int(pytest.main([*args, *(str(UNIT / t) for t in tests)], plugins=list(plugins)))
 
 
@@ -380,9 +387,17 @@ def _tests_by_line(module: str, timeout: float) -> dict[int, list[str]]:
 
         cov = coverage.Coverage(data_file=None, include=[target], config_file=False)
 
+        name = "dynprobe." + module.removesuffix(".py").replace("/", ".")
+
         class Contexts:
             @pytest.hookimpl(hookwrapper=True)
             def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+                # A function whose results are cached runs in the first test that calls it
+                # only: every test that calls it must be seen to.
+                imported = sys.modules.get(name)
+                for value in vars(imported).values() if imported is not None else ():
+                    if callable(getattr(value, "cache_clear", None)):
+                        value.cache_clear()
                 cov.switch_context(item.nodeid)
                 yield
                 cov.switch_context("")
@@ -419,6 +434,16 @@ def _try(job: tuple[Mutant, int, float, Sequence[str]]) -> tuple[Mutant, str]:
     finally:
         path.write_text(original)
         os.utime(path, ns=(stamp, stamp))
+
+
+def _compile_tests(tests: Sequence[str]) -> None:
+    """The unit tests compiled once, with pytest's assertion rewriting, into their __pycache__:
+    each mutant's child then loads them (it writes no bytecode: the mutants' must not be kept)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    compileall.compile_dir(ROOT / "tests", quiet=1)
+    files = sorted(str(UNIT / t) for t in set(tests))
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    subprocess.run(command, env=env, cwd=ROOT, capture_output=True, check=False)
 
 
 def _baseline(module: str) -> tuple[float, dict[int, list[str]]]:
@@ -458,6 +483,7 @@ def main() -> int:
         return 0
     from rich.progress import Progress
 
+    _compile_tests([t for m in modules for t in MODULES[m]])
     context = multiprocessing.get_context("fork")
     started = time.monotonic()
     with (

@@ -12,7 +12,8 @@ import ctypes
 import functools
 import mmap
 import os
-from collections.abc import Callable, Iterator
+import signal
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from dynprobe.ringbuf import layout as L
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 ARCH_PRCTL = 158
 ARCH_SET_GS, ARCH_GET_FS, ARCH_GET_GS = 0x1001, 0x1003, 0x1004
 _ALIGN = 64
@@ -55,6 +57,20 @@ THEN = bytes.fromhex(  # u64 then(f, g, x) = g(x, x) after f(x, x): both calls f
     "4c89e74c89e641ffd6"  # mov rdi,r12; mov rsi,r12; call r14
     "415e415d415c5bc3"  # pop r14; pop r13; pop r12; pop rbx; ret
 )
+PEEK = bytes.fromhex(  # u64 peek(void) = the word below its return address (see codegen.enter_tail)
+    "488b4424f8"  # mov rax,[rsp-8]
+    "c3"  # ret
+)
+HEAD_NOW = bytes.fromhex(  # u64 head_now(void) = gs:[HEAD]: the records published when it runs
+    "65488b042540000000"  # mov rax,gs:[0x40]
+    "c3"  # ret
+)
+PUSHING = bytes.fromhex(  # u64 pushing(f, a, b) = f(a, b), called with 0x1234 pushed: +0(%sp) after its return
+    "4889f84889f74889d6"  # mov rax,rdi; mov rdi,rsi; mov rsi,rdx
+    "6834120000"  # push 0x1234
+    "ffd0"  # call rax
+    "4883c408c3"  # add rsp,8; ret
+)
 OUTER = bytes.fromhex(  # u64 outer(f, x) = f(x, x) + 1
     "554889e5"  # push rbp; mov rbp,rsp
     "4889f84889f7"  # mov rax,rdi; mov rdi,rsi
@@ -83,6 +99,27 @@ def sum_to(at: int) -> bytes:
     return head + call + bytes.fromhex("4801d8595b5dc3")  # add rax,rbx; done: pop rcx; pop rbx; pop rbp; ret
 
 
+_RT_SIGACTION, _SA_SIGINFO, _SA_RESTORER = 13, 4, 0x0400_0000
+_MAX_FIXUPS = 4096
+_UC_RIP = 0xA8  # in a ucontext_t: uc_mcontext.gregs[REG_RIP]
+
+
+def _fault_handler(table: int) -> bytes:
+    """A SIGSEGV handler (rdx: the ucontext): a fault at a load the table at `table` names (u64
+    count, then (load, go on at) pairs) goes on where it says; any other ends the process with
+    status 99 (the test's child dies: a crash, as it would have been)."""
+    return bytes.fromhex(
+        "488b82a8000000"  # mov rax,[rdx+0xa8]: the faulting rip
+        "48b9" + table.to_bytes(8, "little").hex() +  # mov rcx, table
+        "4c8b01" "4883c108"  # mov r8,[rcx]; add rcx,8
+        "4d85c0" "741a"  # next: test r8,r8; je unknown
+        "483901" "7409"  # cmp [rcx],rax; je found
+        "4883c110" "49ffc8" "ebed"  # add rcx,16; dec r8; jmp next
+        "488b4108" "488982a8000000" "c3"  # found: mov rax,[rcx+8]; mov [rdx+0xa8],rax; ret
+        "b8e7000000" "bf63000000" "0f05"  # unknown: exit_group(99)
+    )  # fmt: skip
+
+
 class NativeArea:
     """A thread area in this process, and code placed next to each other in one mapping."""
 
@@ -93,8 +130,14 @@ class NativeArea:
         self.code = mmap.mmap(-1, code_bytes, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.code))
         self.used = 0
+        self.pages: list[mmap.mmap] = []
+        self.fixups = np.zeros(1 + 2 * _MAX_FIXUPS, dtype=np.uint64)  # count, then (load, go on at)
+        self.fault_handler = self.place(_fault_handler(self.fixups.ctypes.data))
+        self.fault_handler_return = self.place(bytes.fromhex("b80f0000000f05"))  # mov eax, 15 (rt_sigreturn); syscall
 
     def close(self) -> None:
+        for page in self.pages:
+            page.close()
         self.code.close()
 
     def place(self, code_at: Callable[[int], bytes] | bytes) -> int:
@@ -124,20 +167,48 @@ class NativeArea:
         assert isinstance(made, OptimizePlan), made
         return made
 
-    def call_at(self, address: int, *args: int) -> int:
-        """u64 f(args...) at `address`, run on this thread with its GS base at the area."""
-        func = ctypes.CFUNCTYPE(ctypes.c_uint64, *[ctypes.c_uint64] * len(args))(address)
-        old = ctypes.c_uint64()
-        assert libc.syscall(ARCH_PRCTL, ARCH_GET_GS, ctypes.byref(old)) == 0
+    def add_fixups(self, fixups: Iterable[tuple[int, int]] | dict[int, int]) -> None:
+        """Loads that may fault, and where a thread that faults at one goes on: what the tracer
+        does for them, done here by a SIGSEGV handler while generated code runs."""
+        for load, then in fixups.items() if isinstance(fixups, dict) else fixups:
+            count = int(self.fixups[0])
+            self.fixups[1 + 2 * count : 3 + 2 * count] = (load, then)
+            self.fixups[0] = count + 1
+
+    def call_at(self, address: int, *args: int | float) -> int:
+        """u64 f(args...) at `address` (floats passed as doubles), run on this thread with its GS
+        base at the area and faults at the fix-ups' loads sent on."""
+        types = [ctypes.c_double if isinstance(a, float) else ctypes.c_uint64 for a in args]
+        func = ctypes.CFUNCTYPE(ctypes.c_uint64, *types)(address)
+        old_gs = ctypes.c_uint64()
+        old_action = (ctypes.c_uint64 * 4)()
+        action = (ctypes.c_uint64 * 4)(self.fault_handler, _SA_SIGINFO | _SA_RESTORER, self.fault_handler_return, 0)
+        assert libc.syscall(_RT_SIGACTION, signal.SIGSEGV, action, old_action, 8) == 0
+        assert libc.syscall(ARCH_PRCTL, ARCH_GET_GS, ctypes.byref(old_gs)) == 0
         assert libc.syscall(ARCH_PRCTL, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
         try:
             return int(func(*args))
         finally:
-            libc.syscall(ARCH_PRCTL, ARCH_SET_GS, old)
+            libc.syscall(ARCH_PRCTL, ARCH_SET_GS, old_gs)
+            libc.syscall(_RT_SIGACTION, signal.SIGSEGV, old_action, None, 8)
 
-    def call(self, code_at: Callable[[int], bytes] | bytes, *args: int) -> int:
+    def call(self, code_at: Callable[[int], bytes] | bytes, *args: int | float) -> int:
         """Place code and run it as u64 f(args...)."""
         return self.call_at(self.place(code_at), *args)
+
+    def guarded(self, data: bytes) -> int:
+        """The address of `data` placed right before a page that cannot be read (a string there
+        runs into unmapped memory; an address in that page faults)."""
+        assert len(data) <= mmap.PAGESIZE
+        self.pages.append(page := mmap.mmap(-1, 2 * mmap.PAGESIZE))
+        at = ctypes.addressof(ctypes.c_char.from_buffer(page))
+        assert libc.mprotect(ctypes.c_void_p(at + mmap.PAGESIZE), mmap.PAGESIZE, 0) == 0  # PROT_NONE
+        page[mmap.PAGESIZE - len(data) : mmap.PAGESIZE] = data
+        return at + mmap.PAGESIZE - len(data)
+
+    def fill_ring(self, byte: int) -> None:
+        """Every byte of the ring `byte`: what is written over it must be written whole."""
+        self.mem[self.layout.ring : self.layout.ring + self.layout.ring_bytes] = byte
 
     def word(self, offset: int) -> int:
         return int(self.words[offset // 8])

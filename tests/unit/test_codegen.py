@@ -17,7 +17,9 @@ import pytest
 
 from dynprobe.actions.filter import parse_filter
 from dynprobe.actions.model import ActionKind, Program, record_fields
+from dynprobe.arch.x86_64 import codegen
 from dynprobe.arch.x86_64.codegen import (
+    RSEQ_CPU_ID,
     Trampoline,
     build_detour,
     build_entry_stamp,
@@ -31,7 +33,7 @@ from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.parser import parse_spec
-from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, libc
+from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, libc, one_cpu
 
 FUNC = bytes.fromhex("554889e5897dfc8b45fc5dc3")  # push rbp; mov rbp,rsp; mov [rbp-4],edi; ...; ret
 AT = 0x50_0000  # within rel32 reach of the function at 0x401000
@@ -97,20 +99,29 @@ def test_a_record_prefetches_the_ring_a_page_ahead_within_the_ring(ring_bytes: i
     assert prefetch.memory_displacement == layout.ring
 
 
-def test_segment_registers_have_no_in_process_form() -> None:
-    spec = parse_spec("p f x=%fs_base")
-    prog = Program(0, ActionKind.RECORD, record_fields(spec.args))
+@pytest.mark.parametrize(
+    "spec",
+    ["p f x=%fs_base", "p f x=@nowhere", "p f x=+0(@nowhere):u8", "p f x=@nowhere:string", "r f x=$retval",
+     "r f x=$latency:u64"],
+)  # fmt: skip
+def test_fetches_with_no_form_in_the_target_stay_traps(spec: str) -> None:
+    """Segment bases, a symbol the process does not have, and at an entry what only a return has
+    (a return probe's detour is built with `entry` set, as returns.py does)."""
+    prog = Program(0, ActionKind.RECORD, record_fields(parse_spec(spec).args))
     assert build_detour(plan(), [prog], LAYOUT, AT, True) == OptimizeRefusal.FETCH_UNSUPPORTED
 
 
 @pytest.mark.parametrize(("fields", "fits"), [(32, True), (33, False)])
 def test_a_record_has_at_most_32_fields(fields: int, fits: bool) -> None:
-    """One fault bit each in the record header's u32; a longer record stays a trap."""
+    """One fault bit each in the record header's u32; a longer record stays a trap (at an entry,
+    and in a return probe's return code)."""
     spec = parse_spec("p f " + " ".join(f"a{i}=%di" for i in range(fields)))
     layout = L.AreaLayout(max_probes=64, max_hists=4, ring_bytes=1 << 16, record_size=512)
     prog = Program(0, ActionKind.RECORD, record_fields(spec.args))
     built = build_detour(plan(), [prog], layout, AT, True)
     assert (built != OptimizeRefusal.FETCH_UNSUPPORTED) is fits
+    returning = build_return_code(prog, layout, AT, Trampoline(AT, AT, AT), 1 << 32)
+    assert (returning != OptimizeRefusal.FETCH_UNSUPPORTED) is fits
 
 
 def test_read_tsc_code() -> None:
@@ -131,6 +142,7 @@ def run(area: NativeArea, programs: list[Program], *args: int, rseq_offset_at: i
     def actions(base: int) -> bytes:
         detour = build_detour(plan(), programs, LAYOUT, base, function_entry=True, rseq_offset_at=rseq_offset_at)
         assert not isinstance(detour, OptimizeRefusal)
+        area.add_fixups(detour.fixups)
         return detour.code[: detour.action_bytes] + b"\xc3"  # the actions, then ret
 
     area.call(actions, *args)
@@ -212,6 +224,88 @@ def test_native_record_of_addresses_symbols_the_stack_and_registers(area: Native
     assert got["up"] == 0x1111 and got["ip"] == plan().site and got["fl"] & 1 and got["far"] == 0xAB
 
 
+def test_native_loads_that_fault(area: NativeArea) -> None:
+    """Loads from unmapped memory go on at their fix-ups (as the tracer sends them): a record's
+    value is 0 with its bit in the faults, a string that runs into unmapped memory keeps what
+    was read (truncated), one with nothing readable is empty and faulted; a histogram's value
+    goes to the faulted bucket; a filter's comparison is false (its `or` goes on). Every byte
+    of the record is written (the ring was junk)."""
+    area.fill_ring(0xEE)
+    unreadable = area.guarded(b"")
+    partial = area.guarded(b"abc")
+    spec = parse_spec("p f ok=%di bad=+0(%si):u64 part=+0(%cx):string w=+1(%cx):u16 s=+0(%dx):string")
+    prog = Program(3, ActionKind.RECORD, record_fields(spec.args[:4]))
+    empty = Program(7, ActionKind.RECORD, record_fields(spec.args[4:]))
+    hist = Program(4, ActionKind.HIST, value=spec.args[1], hist_index=1)
+    either = Program(5, ActionKind.COUNT, filter=parse_filter("bad > 0 or ok == 7", spec.args))
+    both = Program(6, ActionKind.COUNT, filter=parse_filter("ok == 7 and w > 0", spec.args))
+    run(area, [prog, empty, hist, either, both], 7, unreadable, unreadable, partial)
+    record, emptied = area.records()
+    at = {f.arg.name: f.offset for f in prog.fields}
+    assert int.from_bytes(record[4:8], "little") == 0b10  # bad
+    assert int.from_bytes(record[at["ok"] : at["ok"] + 8], "little") == 7
+    assert record[at["bad"] : at["bad"] + 8] == bytes(8)
+    assert int.from_bytes(emptied[4:8], "little") == 1  # s, with nothing readable
+    s_at = empty.fields[0].offset
+    assert emptied[s_at : s_at + 4] == bytes(4)  # length 0, no flag
+    length, flags = (int.from_bytes(record[at["part"] + i : at["part"] + i + 2], "little") for i in (0, 2))
+    assert (length, flags, record[at["part"] + 4 : at["part"] + 7]) == (3, L.STRING_TRUNCATED, b"abc")
+    assert int.from_bytes(record[at["w"] : at["w"] + 8], "little") == 0x6362  # "bc": right up to the page's end
+    assert area.hist(1)[L.HIST_FAULTED] == 1 and sum(area.hist(1)) == 1
+    assert (area.counter(5, L.HITS), area.counter(6, L.HITS)) == (1, 1)
+    run(area, [either], 8, unreadable)
+    assert area.counter(5, L.HITS) == 1  # bad faulted, ok != 7
+
+
+ARITHMETIC_FLAGS = 0x8D5  # CF PF AF ZF SF OF
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["p f", "p f if a > 3", "p f a=%di", "p f a=%di fl=%flags", "p f if fl > 0"],
+    ids=["count", "filter", "record", "record of the flags", "filter on the flags"],
+)
+def test_native_actions_keep_the_flags(area: NativeArea, spec: str) -> None:
+    """The code at a site runs between two instructions of the program: the flags after it are
+    the flags before (seto/lahf/sahf, or pushfq/popfq where a probe reads %flags)."""
+    parsed = parse_spec(spec.split(" if ")[0] if " if " in spec else spec)
+    args = parsed.args or parse_spec("p f a=%di fl=%flags").args
+    keep = parse_filter(spec.split(" if ")[1], args) if " if " in spec else None
+    fields = record_fields(parsed.args)
+    prog = Program(2, ActionKind.RECORD if fields else ActionKind.COUNT, fields, filter=keep)
+
+    def flags_around_actions(base: int) -> bytes:
+        # push rdi; popfq; call the actions (at base + 64); pushfq; pop rax; and rax, ARITHMETIC_FLAGS; ret
+        call = b"\xe8" + (64 - 7).to_bytes(4, "little")
+        stub = (
+            bytes.fromhex("579d") + call + bytes.fromhex("9c584825") + ARITHMETIC_FLAGS.to_bytes(4, "little") + b"\xc3"
+        )
+        detour = build_detour(plan(), [prog], LAYOUT, base + 64, function_entry=True)
+        assert not isinstance(detour, OptimizeRefusal)
+        return stub.ljust(64, b"\xcc") + detour.code[: detour.action_bytes] + b"\xc3"
+
+    stub = area.place(flags_around_actions)
+    for flags in (ARITHMETIC_FLAGS, 0, 0x801, 0x0C4, 0x011, 0x800, 0x001):
+        assert area.call_at(stub, flags | 2) == flags, hex(flags)
+
+
+def test_native_offsets_at_the_edges_of_a_disp32(area: NativeArea) -> None:
+    """+OFFS(%reg) with OFFS at 2^31 - 1 and -2^31 (one lea) and at 2^31 (an imm64 add); a
+    dereference of a dereference."""
+    words = (ctypes.c_uint64 * 2)(0x0102_0304_0506_0708, 0)
+    at = ctypes.addressof(words)
+    words[1] = at  # a pointer to the first word
+    spec = parse_spec(
+        "p f top=+0x7fffffff(%di):u64 bottom=-0x80000000(%si):u64 past=+0x80000000(%dx):u64 twice=+0(+8(%cx)):u64"
+    )
+    prog = Program(0, ActionKind.RECORD, record_fields(spec.args))
+    mask = 2**64 - 1
+    run(area, [prog], (at - 0x7FFF_FFFF) & mask, (at + 0x8000_0000) & mask, (at - 0x8000_0000) & mask, at)
+    (record,) = area.records()
+    got = [int.from_bytes(record[f.offset : f.offset + 8], "little") for f in prog.fields]
+    assert got == [0x0102_0304_0506_0708] * 4
+
+
 def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
     prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
     slots = LAYOUT.ring_slots
@@ -234,19 +328,27 @@ def test_native_record_reentry_is_missed(area: NativeArea) -> None:
 
 
 def test_native_filter_agrees_with_the_tracer(area: NativeArea) -> None:
-    """The same filter in the detour and in trap mode (actions.filter.matches) on the same values."""
+    """The same filter in the detour and in trap mode (actions.filter.matches) on the same values,
+    call by call: every signed and unsigned width, registers with junk above the width."""
     from dynprobe.actions.filter import matches
 
-    spec = parse_spec("p f u=%di:u64 s=%si:s32 b=%dx:u8")
-    text = "u == -1 or (s < -2 and b > 200) or (u < 5 and s >= 0)"
-    keep = parse_filter(text, spec.args)
-    cases = [(2**64 - 1, 0, 0), (7, 2**32 - 3, 201), (7, 2**32 - 3, 200), (4, 0, 0), (4, 2**31, 0), (9, 9, 9)]
-    expected = 0
-    for u, s, b in cases:
-        run(area, [Program(0, ActionKind.COUNT, filter=keep)], u, s, b)
-        signed = s - 2**32 if s >> 31 else s
-        expected += matches(keep, {"u": u, "s": signed, "b": b & 0xFF})
-    assert area.counter(0, L.HITS) == expected == 3
+    spec = parse_spec("p f a=%di:s8 b=%si:s16 c=%dx:s32 d=%cx:u8 e=%r8:u16 f=%r9:u32 u=%di:u64")
+    texts = [f"{name} {test}" for name in "abcdef" for test in ("< -2", ">= 0", "> 200", "== 253")]
+    texts.append("u == -1 or (c < -2 and d > 200) or (u < 5 and c >= 0)")
+    programs = [Program(i, ActionKind.COUNT, filter=parse_filter(text, spec.args)) for i, text in enumerate(texts)]
+    junk = 0xDEAD_BEEF_0000_0000
+    for low in (0, 1, 0xFD, 0xFFFD, 0xFFFF_FFFD, 0x8000_0000, 0x7F, 2**64 - 1):
+        registers = [(junk | low) & (2**64 - 1) if low < 2**32 else low for _ in range(6)]
+        values = {}
+        for arg, register in zip(spec.args, [*registers, registers[0]], strict=True):
+            bits = arg.type.bits
+            value = register & ((1 << bits) - 1)
+            values[arg.name] = value - (1 << bits) if arg.type.kind == "s" and value >> (bits - 1) else value
+        before = [area.counter(i, L.HITS) for i in range(len(texts))]
+        run(area, programs, *registers)
+        for i, text in enumerate(texts):
+            counted = area.counter(i, L.HITS) - before[i]
+            assert counted == matches(programs[i].filter, values), (text, hex(low), values)
 
 
 def _rseq_offset_address() -> int | None:
@@ -256,22 +358,34 @@ def _rseq_offset_address() -> int | None:
         return None
 
 
-@pytest.mark.parametrize("source", ["rseq", "rseq unregistered", "rdpid"])
-def test_native_record_cpu_number(area: NativeArea, source: str) -> None:
-    """The record's CPU: from the thread's rseq area (this process's glibc registered one), by
-    rdpid when that area says it is not registered (a negative CPU), or by rdpid alone."""
+@pytest.mark.parametrize(
+    "source", ["rseq", "rseq says 5", "rseq unregistered", "no rseq offset", "no rseq area", "rdpid", "rdtscp"]
+)
+def test_native_record_cpu_number(area: NativeArea, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record's CPU: from the thread's rseq area (this process's glibc registered one; a
+    fake one saying 5 is believed), by rdpid when that area says it is not registered (a
+    negative CPU) or a load faults (__rseq_offset or the area unmapped), by rdpid alone, or by
+    rdtscp on a CPU without rdpid."""
     rseq_offset_at = _rseq_offset_address()
     if rseq_offset_at is None:
         pytest.skip("this glibc has no __rseq_offset (glibc < 2.35)")
+    fs = ctypes.c_uint64()
+    assert libc.syscall(ARCH_PRCTL, ARCH_GET_FS, ctypes.byref(fs)) == 0
     fake = ctypes.c_int64(0)
-    if source == "rseq unregistered":
-        fs = ctypes.c_uint64()
-        assert libc.syscall(ARCH_PRCTL, ARCH_GET_FS, ctypes.byref(fs)) == 0
-        unregistered = (ctypes.c_int32 * 2)(0, -2)  # cpu_id_start, cpu_id
-        fake.value = ctypes.addressof(unregistered) - fs.value
+    fake_area = {"rseq says 5": 5, "rseq unregistered": -2}.get(source)
+    if fake_area is not None:
+        rseq = (ctypes.c_int32 * 2)(0, fake_area)  # cpu_id_start, cpu_id
+        fake.value = ctypes.addressof(rseq) - fs.value
         rseq_offset_at = ctypes.addressof(fake)
+    elif source == "no rseq offset":
+        rseq_offset_at = area.guarded(b"")
+    elif source == "no rseq area":
+        fake.value = area.guarded(b"") - RSEQ_CPU_ID - fs.value
+        rseq_offset_at = ctypes.addressof(fake)
+    if source == "rdtscp":
+        monkeypatch.setattr(codegen, "has_rdpid", lambda: False)
     prog = Program(0, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
-    at = None if source == "rdpid" else rseq_offset_at
+    at = None if source in ("rdpid", "rdtscp") else rseq_offset_at
     code = build_detour(plan(), [prog], LAYOUT, AT, True, rseq_offset_at=at)
     assert not isinstance(code, OptimizeRefusal)
     loads = [i for i in iter_instructions(code.code, AT) if i.memory_segment == iced.Register.FS]
@@ -284,7 +398,8 @@ def test_native_record_cpu_number(area: NativeArea, source: str) -> None:
         for cpu in sorted(allowed):
             os.sched_setaffinity(0, {cpu})
             run(area, [prog], rseq_offset_at=at)
-            assert int.from_bytes(area.records()[-1][2:4], "little") == cpu
+            said = 5 if source == "rseq says 5" else cpu
+            assert int.from_bytes(area.records()[-1][2:4], "little") == said
     finally:
         os.sched_setaffinity(0, allowed)
 
@@ -306,11 +421,14 @@ def test_native_entry_stamp(area: NativeArea) -> None:
         sum_of_args = bytes.fromhex("488d04374801d0c3")  # lea rax,[rdi+rsi]; add rax,rdx; ret
         return stamp.ljust(resume_at, b"\xcc") + sum_of_args
 
-    tsc_before = area.call(lambda base: read_tsc_code())
-    assert area.call(code_at, 1, 20, 300) == 321
+    clock = area.place(read_tsc_code())
+    with one_cpu():
+        tsc_before = area.call_at(clock)
+        assert area.call(code_at, 1, 20, 300) == 321
+        tsc_after = area.call_at(clock)
     assert w[L.STAMP_BUSY // 8] == 0
     first, second = (int(w[t // 8]) for t in targets)
-    assert first == second == int(w[L.STAMP_DISCARD // 8]) and first > tsc_before
+    assert first == second == int(w[L.STAMP_DISCARD // 8]) and tsc_before < first < tsc_after
 
 
 def test_native_latency_of_a_return_stamped_before_its_entry_is_zero(area: NativeArea) -> None:
@@ -343,11 +461,18 @@ def test_native_latency_of_a_return_stamped_before_its_entry_is_zero(area: Nativ
 
 
 def test_native_tsc_readings(area: NativeArea) -> None:
-    """Readings back to back, each where it belongs and none past the last: the counter moves
-    (1000 readings take far longer than a step of any clock)."""
-    out = np.full(1001, 7, dtype=np.uint64)
-    area.call(tsc_readings_code(), 1000, out.ctypes.data)
-    assert out[1000] == 7 and out[:1000].all() and len(set(out[:1000].tolist())) > 1
+    """Readings back to back, each where it belongs and none past the last: on one CPU they
+    never go back, and lie between a reading before and one after (all 64 bits)."""
+    out = np.zeros(1001, dtype=np.uint64)
+    out[1000] = 7
+    clock = area.place(read_tsc_code())
+    with one_cpu():
+        before = area.call_at(clock)
+        area.call(tsc_readings_code(), 1000, out.ctypes.data)
+        after = area.call_at(clock)
+    readings = out[:1000].tolist()
+    assert out[1000] == 7 and readings == sorted(readings) and before <= readings[0] and readings[-1] <= after
+    assert readings[-1] > readings[0]  # (1000 readings take far longer than a step of any clock)
 
 
 def test_native_trap_actions_record_then_resume(area: NativeArea) -> None:
@@ -373,3 +498,26 @@ def test_native_trap_actions_record_then_resume(area: NativeArea) -> None:
     a, b = (f.offset for f in prog.fields)
     assert int.from_bytes(record[a : a + 8], "little") == 40 and int.from_bytes(record[b : b + 8], "little") == 2
     assert area.counter(5, L.HITS) == 1
+
+
+@pytest.mark.parametrize("spec", ["p f a=%di", "p f a=%di fl=%flags"])
+def test_native_trap_actions_keep_the_flags(area: NativeArea, spec: str) -> None:
+    """A trap hit's actions give the thread back its flags too, as they were at the hit."""
+    prog = Program(5, ActionKind.RECORD, record_fields(parse_spec(spec).args))
+
+    def code_at(base: int) -> bytes:
+        # push rdi; popfq; jmp the actions (at base + 64), which go on at base + 512: pushfq;
+        # pop rax; and rax, ARITHMETIC_FLAGS; ret
+        jump = b"\xe9" + (64 - 7).to_bytes(4, "little")
+        built = build_trap_actions([prog], LAYOUT, 0x401000, base + 64)
+        assert not isinstance(built, OptimizeRefusal)
+        area.words[L.STAMP_RESUME // 8] = base + 512
+        area.words[L.STAMP_BUSY // 8] = 1
+        flags = bytes.fromhex("9c584825") + ARITHMETIC_FLAGS.to_bytes(4, "little") + b"\xc3"
+        return (bytes.fromhex("579d") + jump).ljust(64, b"\xcc") + built.code.ljust(512 - 64, b"\xcc") + flags
+
+    stub = area.place(code_at)
+    for flags in (ARITHMETIC_FLAGS, 0, 0x801, 0x0C4):
+        assert area.call_at(stub, flags | 2) == flags, hex(flags)
+        area.words[L.STAMP_BUSY // 8] = 1
+    assert area.counter(5, L.HITS) == 4

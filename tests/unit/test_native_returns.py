@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
+import iced_x86 as iced
 import pytest
 
 from dynprobe.actions.filter import filter_args, parse_filter
@@ -20,7 +21,7 @@ from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.model import Arg, Latency, fetch_chain
 from dynprobe.spec.parser import parse_probe
-from tests.unit.native import ADD, ESCAPE, THEN, WHOAMI, NativeArea, field, one_cpu, sum_to
+from tests.unit.native import ADD, ESCAPE, PEEK, PUSHING, THEN, WHOAMI, NativeArea, field, one_cpu, sum_to
 
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=4, ring_bytes=1 << 16, record_size=128)
 NS_PER_TICK = 1 << 32  # tsc_mult: a nanosecond a tick
@@ -113,24 +114,29 @@ def test_a_return_record_has_the_entry_s_arguments_the_return_value_and_the_late
     assert native.shadow_word(0, L.ENTRY_SLOT) == 0  # the entry both calls took, free
 
 
-def test_return_probes_of_one_call_each_take_an_entry_and_return_in_turn(native: NativeArea) -> None:
+@pytest.mark.parametrize("below", [0, 1000], ids=["at the bottom", "entries 1000 up"])
+def test_return_probes_of_one_call_each_take_an_entry_and_return_in_turn(native: NativeArea, below: int) -> None:
     """Three return probes on one function: the second and third find the slot taken by this
     very call (the return address leads to the entry: through entry points and the entries'
     return addresses) and take entries of their own above; the returns run the last-placed
-    first, each with the real caller."""
+    first, each with the real caller and %ip. (Above `below` entries of callers' frames.)"""
     returns = Returns(native)
     add = native.place(ADD)
-    progs = [record_program(k, "r add ret=$retval b=$arg2") for k in (1, 2, 3)]
+    progs = [record_program(k, "r add ret=$retval b=$arg2 ip=%ip") for k in (1, 2, 3)]
     returns.probe(add, len(ADD), *progs)
     caller = native.place(THEN)
+    if below:
+        native.set_word(L.SHADOW_TOP, below)
+        native.set_word(native.layout.shadow + (below - 1) * L.SHADOW_ENTRY, 1 << 62)  # a caller's slot
     assert native.call_at(caller, add, add, 7) == 14
     records = native.records()
+    assert [values(progs[0], r)["ip"] for r in records] == [caller + 0x1F] * 3 + [caller + 0x2F] * 3
     assert [field(r, L.RECORD_PROBE, 2) for r in records] == [3, 2, 1, 3, 2, 1]
     assert [values(progs[0], r)["ret"] for r in records] == [14] * 6
     assert [values(progs[0], r)["b"] for r in records] == [7] * 6
     assert [values(progs[0], r)["__caller"] for r in records] == [caller + 0x1F] * 3 + [caller + 0x2F] * 3
-    assert native.word(L.SHADOW_TOP) == 0
-    returns.assert_settled(1, 2, 3)
+    assert native.word(L.SHADOW_TOP) == below
+    assert [native.counter(p, L.PENDING) for p in (1, 2, 3)] == [0, 0, 0]
 
 
 def test_recursion_returns_innermost_first_each_with_its_own_entry(native: NativeArea) -> None:
@@ -197,6 +203,8 @@ def test_a_call_takes_the_topmost_free_entry_above_its_callers(native: NativeAre
         (3, [caller_slot, 0, 8], 1, 3),  # entry 2: a deeper frame gone, passed
         (2, [caller_slot, 8], 2, 2),
         (3, [0, caller_slot, 0], 2, 2),  # the scan ends at entry 1: entry 0 is not looked at
+        (2, [8, 0], 1, 1),  # down to the bottom: entry 1 free
+        (1, [8], 1, 1),  # down to the bottom: none free
     ]:
         native.set_word(L.SHADOW_TOP, top)
         for k, slot in enumerate(slots):
@@ -204,7 +212,7 @@ def test_a_call_takes_the_topmost_free_entry_above_its_callers(native: NativeAre
         assert native.call_at(whoami) == tramp.point(taken), (top, slots)
         assert native.word(L.SHADOW_TOP) == top_after and native.shadow_word(taken, L.ENTRY_SLOT) == 0
         assert native.counter(6, L.PENDING) == 0 and native.word(L.SHADOW_BUSY) == 0
-    assert native.counter(6, L.HITS) == 5 and native.counter(6, L.MISSED) == 0
+    assert native.counter(6, L.HITS) == 7 and native.counter(6, L.MISSED) == 0
 
 
 @pytest.mark.parametrize("why", ["full", "busy"])
@@ -239,3 +247,76 @@ def test_return_filter_and_histogram_of_the_return_value(native: NativeArea) -> 
         expected[bucket] += 1
     assert native.hist(3) == expected and native.counter(8, L.HITS) == len(sums)
     returns.assert_settled(7, 8)
+
+
+def test_a_return_s_stack_pointer_is_the_caller_s_and_its_latency_the_record_s_time(native: NativeArea) -> None:
+    """At a return, %sp is where the caller's stack is after it (the word its caller pushed is
+    +0(%sp)), and $latency in a record is the record's time stamp less the entry's, to the tick
+    (a nanosecond a tick here)."""
+    returns = Returns(native)
+    add = native.place(ADD)
+    prog = record_program(2, "r add above=+0(%sp):u64 ns=$latency:u64")
+    returns.probe(add, len(ADD), prog)
+    assert native.call_at(native.place(PUSHING), add, 3, 4) == 7
+    (record,) = native.records()
+    got = values(prog, record)
+    assert got["above"] == 0x1234
+    assert got["ns"] == field(record, L.RECORD_TSC) - native.shadow_word(0, L.ENTRY_TSC)
+
+
+@pytest.mark.parametrize("hooked", [True, False])
+def test_a_hooked_function_is_entered_through_its_trampoline_entry_s_call(native: NativeArea, hooked: bool) -> None:
+    """Below a hooked return address the function finds the call of its trampoline entry (the
+    `call` that pushed the entry point, so the CPU predicts the return); a return that could
+    not be hooked (no entry free) finds 0 there and the function is entered directly."""
+    returns = Returns(native)
+    peek = native.place(PEEK)
+    returns.probe(peek, len(PEEK), Program(1, ActionKind.COUNT))
+    if not hooked:
+        native.set_word(L.SHADOW_BUSY, 1)
+    assert native.call_at(peek) == (returns.trampoline.table if hooked else 0)
+
+
+def test_a_slot_s_entry_whose_chain_ends_elsewhere_is_stale(native: NativeArea) -> None:
+    """The slot's topmost entry i, and a return address that leads through another entry j to
+    an address that is no entry point: i's frame is gone (j is this call's, hooked by earlier
+    code) and i is taken over, its probe's instance given back. (A stub makes that state:
+    entry j's original return address is the stub's, the return address entry point j.)"""
+    returns = Returns(native)
+    whoami = native.place(WHOAMI)
+    returns.probe(whoami, len(WHOAMI), Program(1, ActionKind.COUNT))
+    tramp, shadow = returns.trampoline, native.layout.shadow
+    i, j = 1, 0
+    native.set_word(L.SHADOW_TOP, 2)
+    native.set_word(shadow + i * L.SHADOW_ENTRY + L.ENTRY_PROBE, 9)
+    native.set_word(shadow + j * L.SHADOW_ENTRY + L.ENTRY_PROBE, 8)
+    native.set_word(shadow + j * L.SHADOW_ENTRY + L.ENTRY_HANDLER, tramp.finish)  # (its return: nothing to do)
+    native.set_word(native.layout.counter(9, L.PENDING), 1)
+    native.set_word(native.layout.counter(8, L.PENDING), 1)
+
+    def gs(offset: int) -> iced.MemoryOperand:
+        return iced.MemoryOperand(displ=shadow + offset, displ_size=4, seg=iced.Register.GS)
+
+    def stub(at: int, resume: int = 0) -> bytes:
+        """resume = R (its `ret`): j's return address R, the return address point j, i's and
+        j's slot that one; then on into whoami (rdi)."""
+        R, C = iced.Register, iced.Code
+        entry_i, entry_j = i * L.SHADOW_ENTRY, j * L.SHADOW_ENTRY
+        encoder, here = iced.Encoder(64), at
+        for insn in (
+            iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, iced.MemoryOperand(R.RIP, displ=resume or at)),
+            iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs(entry_j + L.ENTRY_RET), R.RAX),
+            iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, tramp.point(j)),
+            iced.Instruction.create_reg(C.PUSH_R64, R.RAX),
+            iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs(entry_i + L.ENTRY_SLOT), R.RSP),
+            iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs(entry_j + L.ENTRY_SLOT), R.RSP),
+            iced.Instruction.create_reg(C.JMP_RM64, R.RDI),
+            iced.Instruction.create(C.RETNQ),
+        ):
+            here += encoder.encode(insn, here)
+        code = bytes(encoder.take_buffer())
+        return code if resume else stub(at, at + len(code) - 1)
+
+    assert native.call(stub, whoami) == tramp.point(i)  # entry i taken over, not a new one
+    assert (native.counter(9, L.PENDING), native.counter(8, L.PENDING), native.counter(1, L.PENDING)) == (0, 0, 0)
+    assert native.word(L.SHADOW_TOP) == 0 and native.counter(1, L.HITS) == 1

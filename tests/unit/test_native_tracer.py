@@ -8,6 +8,7 @@ record by record; every call must return what the function returns untraced.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ import pytest
 from dynprobe.arch.x86_64.codegen import (
     DATA_CUT,
     DATA_END,
+    DATA_FAULTED,
     DATA_NULL,
     FRAME_SHIFT,
     TRACE_DATA,
@@ -29,7 +31,7 @@ from dynprobe.arch.x86_64.codegen import (
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.argspec import STRING_PIECES, parse_values
-from tests.unit.native import ADD, OUTER, SPIN, THEN, NativeArea, one_cpu, sum_to
+from tests.unit.native import ADD, HEAD_NOW, OUTER, PEEK, SPIN, THEN, NativeArea, one_cpu, sum_to
 
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=4, ring_bytes=1 << 16, record_size=16)
 
@@ -44,15 +46,24 @@ class Record(NamedTuple):
 @pytest.fixture
 def native() -> Iterator[NativeArea]:
     made = NativeArea(LAYOUT)
+    made.fill_ring(0xEE)  # junk: every field of a record must be written
     yield made
     made.close()
 
 
 def records(native: NativeArea) -> list[Record]:
-    return [
-        Record(*(int.from_bytes(r[a:b], "little") for a, b in ((0, 2), (2, 4), (4, 8), (8, 16))))
-        for r in native.records()
-    ]
+    return records_since(native, 0)
+
+
+def records_since(native: NativeArea, first: int) -> list[Record]:
+    """The records numbered `first` up to HEAD, the ring wrapped."""
+    slots, ring = LAYOUT.ring_slots, LAYOUT.ring
+    out = []
+    for number in range(first, native.word(L.HEAD)):
+        at = ring + (number % slots) * LAYOUT.record_size
+        raw = bytes(native.mem[at : at + 16])
+        out.append(Record(*(int.from_bytes(raw[a:b], "little") for a, b in ((0, 2), (2, 4), (4, 8), (8, 16)))))
+    return out
 
 
 def calls(native: NativeArea) -> list[tuple[str, int, int]]:
@@ -75,11 +86,12 @@ class Tracer:
         trampoline = native.trampoline if graph else None
 
         def build(at: int) -> tuple[bytes, OpsCode]:
-            return build_ops_code(LAYOUT, index, trampoline, at, depth, threshold, captures)
+            return build_ops_code(LAYOUT, index, trampoline, at, depth=depth, threshold=threshold, captures=captures)
 
         at = native.place(lambda here: build(here)[0])
         self.code = build(at)[1]
         assert self.code.entry == at
+        native.add_fixups(self.code.fixups)
 
     def trace(self, function: int, length: int, function_id: int) -> None:
         site(self.native, function, length, function_id, self.code.entry)
@@ -150,22 +162,88 @@ def test_a_depth_records_the_outermost_calls_only(native: NativeArea) -> None:
 
 def test_a_time_threshold_takes_back_the_calls_that_end_sooner(native: NativeArea) -> None:
     """then(add, spin, ticks): add() ends at once, spin() and then() last `ticks`. add's entry
-    is taken back (and its exit never written); the others are published with their exits."""
+    is taken back (and its exit never written); the others are published with their exits.
+    (The ring has been round three times: the records' numbers are past its size.)"""
     threshold = 1 << 20
     tracer = Tracer(native, 3, graph=True, threshold=threshold)
     add, spin, then = native.place(ADD), native.place(SPIN), native.place(THEN)
     for function, length, number in ((add, len(ADD), 1), (spin, len(SPIN), 2), (then, len(THEN), 3)):
         tracer.trace(function, length, number)
+    start = 3 * LAYOUT.ring_slots
+    for word in (L.HEAD, L.TAIL, L.RESERVE):
+        native.set_word(word, start)
+
+    def calls_since() -> list[tuple[str, int, int]]:
+        return [("exit" if r.kind & TRACE_EXIT else "entry", r.held, r.kind >> FRAME_SHIFT)
+                for r in records_since(native, start)]  # fmt: skip
+
     with one_cpu():
         native.call_at(then, add, spin, 2 * threshold)
-        assert calls(native) == [("entry", 3, 1), ("entry", 2, 2), ("exit", 2, 2), ("exit", 3, 1)]
+        assert calls_since() == [("entry", 3, 1), ("entry", 2, 2), ("exit", 2, 2), ("exit", 3, 1)]
         native.call_at(then, add, add, 0)  # nothing lasts: nothing at all
-        assert len(records(native)) == 4 and settled(native, 3)
+        assert len(calls_since()) == 4 and settled(native, 3)
         native.call_at(spin, threshold // 4)
-        assert len(records(native)) == 4 and settled(native, 3)
-    exit_spin, entry_spin = records(native)[2], records(native)[1]
+        assert len(calls_since()) == 4 and settled(native, 3)
+        # after a long untraced stretch (spin, not traced here) add still ends at once: its time
+        # is its own entry's, not the record's before it
+        native.call_at(then, native.place(SPIN), add, 2 * threshold)
+        assert calls_since()[4:] == [("entry", 3, 1), ("exit", 3, 1)] and settled(native, 3)
+    entry_spin, exit_spin = records_since(native, start)[1:3]
     assert exit_spin.value - entry_spin.value >= 2 * threshold
-    assert native.counter(3, L.HITS) == 7
+    assert native.counter(3, L.HITS) == 9 and native.counter(3, L.MISSED) == 0
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 40])
+def test_entries_are_published_at_once_unless_a_threshold_holds_them_back(native: NativeArea, threshold: int) -> None:
+    """Inside a traced call, its entry record is visible to the reader (HEAD passed it), unless
+    a threshold holds it until the call has lasted long enough."""
+    tracer = Tracer(native, 1, graph=True, threshold=threshold)
+    head_now = native.place(HEAD_NOW)
+    tracer.trace(head_now, len(HEAD_NOW), 2)
+    assert native.call_at(head_now) == (0 if threshold else 1)
+
+
+def test_a_held_back_entry_that_is_lost_or_missed_leaves_no_exit(native: NativeArea) -> None:
+    """With a threshold: an entry lost to a full ring leaves its exit unwritten (not lost as
+    well); a call traced while the thread is writing a record (a signal handler's) misses both
+    and leaves the writer's flag as it was."""
+    tracer = Tracer(native, 4, graph=True, threshold=1 << 40)
+    add = native.place(ADD)
+    tracer.trace(add, len(ADD), 1)
+    native.set_word(L.HEAD, LAYOUT.ring_slots)
+    native.set_word(L.RESERVE, LAYOUT.ring_slots)
+    assert native.call_at(add, 1, 2) == 3
+    assert (native.counter(4, L.LOST), native.counter(4, L.MISSED)) == (1, 0)
+    native.set_word(L.BUSY, 1)
+    assert native.call_at(add, 1, 2) == 3
+    assert (native.counter(4, L.LOST), native.counter(4, L.MISSED), native.word(L.BUSY)) == (1, 2, 1)
+    assert native.word(L.RESERVE) == native.word(L.HEAD) == LAYOUT.ring_slots
+
+
+def test_an_entry_another_writer_published_gets_its_exit(native: NativeArea) -> None:
+    """outer() is short, but a flat tracer's record of add() (called by it) published outer's
+    held-back entry: outer's exit is written after it, not taken back."""
+    held, flat = Tracer(native, 1, graph=True, threshold=1 << 40), Tracer(native, 2, graph=False)
+    add, outer = native.place(ADD), native.place(OUTER)
+    held.trace(outer, len(OUTER), 7)
+    flat.trace(add, len(ADD), 8)
+    for turn in range(LAYOUT.ring_slots):  # (past the ring's end: the records' numbers wrap)
+        assert native.call_at(outer, add, 2) == 5
+        assert [(r.ops, r.kind, r.held) for r in records_since(native, 3 * turn)] == [
+            (1, 1 << FRAME_SHIFT, 7), (2, 0, 8), (1, 1 << FRAME_SHIFT | TRACE_EXIT, 7),
+        ]  # fmt: skip
+        native.set_word(L.TAIL, native.word(L.HEAD))  # read
+    assert settled(native, 1, 2)
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "flat"])
+def test_a_traced_function_is_entered_through_its_trampoline_entry_s_call(native: NativeArea, graph: bool) -> None:
+    """As for return probes: below the return address, the call of the trampoline entry that
+    returns for it (graph mode), or 0 (flat: nothing hooked)."""
+    tracer = Tracer(native, 1, graph=graph)
+    peek = native.place(PEEK)
+    tracer.trace(peek, len(PEEK), 1)
+    assert native.call_at(peek) == (native.trampoline.table if graph else 0)
 
 
 def test_two_tracers_on_one_function_through_a_list_trampoline(native: NativeArea) -> None:
@@ -184,26 +262,34 @@ def test_two_tracers_on_one_function_through_a_list_trampoline(native: NativeAre
     assert settled(native, 4, 5)
 
 
+def by_call(native: NativeArea) -> list[list[Record]]:
+    """The records, one list per entry record: it, its data records, then (graph mode) what
+    follows up to the next entry."""
+    found: list[list[Record]] = []
+    for r in records(native):
+        if not r.kind & TRACE_DATA and not r.kind & TRACE_EXIT:
+            found.append([])
+        found[-1].append(r)
+    return found
+
+
 def test_entry_and_exit_records_carry_the_values_asked_for(native: NativeArea) -> None:
     """arg1, arg2 as a string (NUL-terminated: its length; a null pointer; 8 bytes, a whole
-    piece and an empty one; longer than STRING_PIECES pieces: cut), and the return value."""
+    piece and an empty one; longer than STRING_PIECES pieces: cut; unmapped at once: faulted,
+    with the pointer; running into unmapped memory: faulted, with what was read), and the
+    return value."""
     captures = Captures(tuple(parse_values("arg1,arg2/s", retval=False)), tuple(parse_values("retval", retval=True)))
     tracer = Tracer(native, 6, graph=True, captures=captures)
     add = native.place(ADD)
     tracer.trace(add, len(ADD), 9)
     texts = [b"hello", b"", b"abcdefgh", b"x" * (8 * STRING_PIECES + 3)]
     buffers = [ctypes.create_string_buffer(t) for t in texts]
-    pointers = [ctypes.addressof(b) for b in buffers] + [0]
+    pointers = [ctypes.addressof(b) for b in buffers] + [0, native.guarded(b""), native.guarded(b"0123456789")]
     for number, pointer in enumerate(pointers):
         assert native.call_at(add, number, pointer) == number + pointer
-    got = records(native)
-    by_call: list[list[Record]] = []
-    for r in got:
-        if not r.kind & TRACE_DATA and not r.kind & TRACE_EXIT:
-            by_call.append([])
-        by_call[-1].append(r)
-    assert len(by_call) == len(pointers)
-    for number, (pointer, call) in enumerate(zip(pointers, by_call, strict=True)):
+    calls = by_call(native)
+    assert len(calls) == len(pointers)
+    for number, (pointer, call) in enumerate(zip(pointers, calls, strict=True)):
         entry, *values, exit_, retval = call
         assert (entry.held, exit_.held, exit_.kind & TRACE_EXIT) == (9, 9, TRACE_EXIT)
         assert {r.ops for r in call} == {6}
@@ -211,14 +297,75 @@ def test_entry_and_exit_records_carry_the_values_asked_for(native: NativeArea) -
         assert (retval.kind, retval.held, retval.value) == (TRACE_DATA | 0, 8, number + pointer)
         pieces = values[1:]
         assert {r.kind for r in pieces} == {TRACE_DATA | 1}
-        text = b"".join(r.value.to_bytes(8, "little")[: r.held & 0xFF] for r in pieces)
-        flags = [r.held & ~0xFF for r in pieces]
+        assert [r.held for r in pieces[:-1]] == [8] * (len(pieces) - 1)  # whole pieces
+        last, text = pieces[-1], b"".join(r.value.to_bytes(8, "little")[: r.held & 0xFF] for r in pieces)
         if pointer == 0:
             assert [(r.held, r.value) for r in pieces] == [(DATA_NULL, 0)]
+        elif number == 5:  # nothing readable: the pointer instead
+            assert [(r.held, r.value) for r in pieces] == [(DATA_FAULTED, pointer)]
+        elif number == 6:
+            assert text == b"0123456789" and last.held == DATA_FAULTED | 2
         elif len(texts[number]) > 8 * STRING_PIECES:
             assert len(pieces) == STRING_PIECES and text == texts[number][: 8 * STRING_PIECES]
-            assert flags == [0] * (STRING_PIECES - 1) + [DATA_CUT]
+            assert last.held == 8 | DATA_CUT
         else:
-            assert text == texts[number] and flags == [0] * (len(pieces) - 1) + [DATA_END]
+            assert text == texts[number] and last.held & ~0xFF == DATA_END
             assert len(pieces) == len(texts[number]) // 8 + 1
     assert settled(native, 6)
+
+
+def test_values_from_every_kind_of_place(native: NativeArea) -> None:
+    """Arguments in the registers the tracer saves, in those it does not (r8 is read from its
+    push, r9 in place), on the stack (arg7) and in xmm0 (fparg1); through a list trampoline too
+    (its own frame on the stack)."""
+    captures = Captures(tuple(parse_values("arg3,arg4,arg5,arg6,arg7,fparg1/f64", retval=False)), ())
+    first, second = Tracer(native, 1, graph=False, captures=captures), Tracer(native, 2, graph=True, captures=captures)
+    add, listed = native.place(ADD), native.place(ADD)
+    first.trace(add, len(ADD), 3)
+    bodies = [first.code.body, second.code.body]
+    site(
+        native,
+        listed,
+        len(ADD),
+        4,
+        native.place(lambda at: build_list_trampoline(bodies, at, native.trampoline.points)),
+    )
+    for function in (add, listed):
+        assert native.call_at(function, 1, 2, 3, 4, 5, 6, 7, 1.5) == 3
+    expected = [3, 4, 5, 6, 7, struct.unpack("<Q", struct.pack("<d", 1.5))[0]]
+    calls = [c for c in by_call(native)]
+    assert [c[0].ops for c in calls] == [1, 1, 2]
+    for call in calls:
+        assert [r.value for r in call[1:7]] == expected, call
+        assert [r.kind for r in call[1:7]] == [TRACE_DATA | n for n in range(6)]
+
+
+def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> None:
+    """The entry and its data records go in the ring together, wrapping at its end; with room
+    for fewer, none goes (lost, counted) and the call runs on."""
+    captures = Captures(tuple(parse_values("arg1,arg2", retval=False)), ())
+    tracer = Tracer(native, 3, graph=False, captures=captures)
+    add = native.place(ADD)
+    tracer.trace(add, len(ADD), 5)
+    slots = LAYOUT.ring_slots
+    for word in (L.HEAD, L.TAIL, L.RESERVE):
+        native.set_word(word, slots - 1)  # the next record is the ring's last slot
+    assert native.call_at(add, 10, 20) == 30
+    assert native.word(L.HEAD) == slots + 2
+    ring = records_since(native, slots - 1)  # the ring's last slot, then its first two
+    assert [(r.kind, r.held) for r in ring] == [(0, 5), (TRACE_DATA | 0, 8), (TRACE_DATA | 1, 8)]
+    assert [ring[1].value, ring[2].value] == [10, 20]
+    native.set_word(L.TAIL, native.word(L.HEAD) - slots + 2)  # room for two records: not three
+    assert native.call_at(add, 1, 2) == 3
+    assert native.word(L.HEAD) == slots + 2 and native.counter(3, L.LOST) == 1
+
+
+def test_the_trace_record_format_is_that_of_the_trace_file_s_version() -> None:
+    """Trace directories keep these records as written (tracefile.py): changing any of these
+    values makes a new format version, which this test names."""
+    from dynprobe.arch.x86_64.codegen import TRACE_ENTRY
+    from dynprobe.tracefile import VERSION
+
+    assert VERSION == 3
+    assert (TRACE_ENTRY, TRACE_EXIT, FRAME_SHIFT, TRACE_DATA) == (0, 1, 1, 0x8000)
+    assert (DATA_END, DATA_CUT, DATA_FAULTED, DATA_NULL) == (0x100, 0x200, 0x400, 0x800)

@@ -518,7 +518,9 @@ class Tracing:
         ticks = max(1, round(tracer.threshold_ns / session.clock()["scale"])) if tracer.threshold_ns else 0
 
         def build(at: int) -> tuple[bytes, OpsCode]:
-            return build_ops_code(session.layout, tracer.index, trampoline, at, tracer.depth, ticks, captures)
+            return build_ops_code(
+                session.layout, tracer.index, trampoline, at, depth=tracer.depth, threshold=ticks, captures=captures
+            )
 
         room = len(build(near)[0]) + OPS_CODE_SLACK  # (branches out may take other sizes elsewhere)
         at = session.allocate_slot(proc, near, room)

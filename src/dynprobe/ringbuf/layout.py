@@ -60,6 +60,7 @@ STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 HEADER_BYTES = PAGE
 
 PROBE_COUNTERS = 4  # per probe: hits, missed, lost, pending return instances
+PROBE_BYTES = PROBE_COUNTERS * 8  # one probe's counters (a power of two: generated code shifts by it)
 HITS, MISSED, LOST, PENDING = 0, 1, 2, 3
 HIST_BUCKETS = 66  # [0] zero or negative, [k] values in [2^(k-1), 2^k), k = 1..64, [65] faulted
 HIST_FAULTED = 65
@@ -118,7 +119,7 @@ class AreaLayout:
 
     @cached_property
     def hists(self) -> int:
-        return _page_up(self.counters + self.max_probes * PROBE_COUNTERS * 8)
+        return _page_up(self.counters + self.max_probes * PROBE_BYTES)
 
     @cached_property
     def ring(self) -> int:
@@ -142,7 +143,7 @@ class AreaLayout:
         return min(PAGE, self.ring_bytes // 2)
 
     def counter(self, probe_index: int, which: int) -> int:
-        return self.counters + (probe_index * PROBE_COUNTERS + which) * 8
+        return self.counters + probe_index * PROBE_BYTES + which * 8
 
     def hist(self, hist_index: int) -> int:
         return self.hists + hist_index * HIST_BUCKETS * 8

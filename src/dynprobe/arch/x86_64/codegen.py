@@ -117,12 +117,13 @@ class _Unsupported(Exception):
         self.reason = reason
 
 
-def _gs(disp: int, base: RegisterT = R.NONE, index: RegisterT = R.NONE) -> iced.MemoryOperand:
-    return iced.MemoryOperand(base, index, 1, disp, 8, False, R.GS)
+def _gs(disp: int, base: RegisterT = R.NONE, index: RegisterT = R.NONE, scale: int = 1) -> iced.MemoryOperand:
+    """gs:[base + index * scale + disp]: in the thread area."""
+    return iced.MemoryOperand(base, index, scale, displ=disp, seg=R.GS)
 
 
 def _mem(base: RegisterT, disp: int = 0, index: RegisterT = R.NONE) -> iced.MemoryOperand:
-    return iced.MemoryOperand(base, index, 1, disp, 8 if disp else 0, False, R.NONE)
+    return iced.MemoryOperand(base, index, displ=disp)
 
 
 # struct rseq (linux/rseq.h): u32 cpu_id_start, then u32 cpu_id (negative: not registered)
@@ -131,8 +132,8 @@ _TSC_AUX_CPU = 0xFFF  # Linux keeps the CPU in TSC_AUX's low 12 bits (the node a
 
 
 def _stack(disp: int) -> iced.MemoryOperand:
-    """[rsp + disp] with an 8-bit displacement."""
-    return iced.MemoryOperand(R.RSP, displ=disp, displ_size=1)
+    """[rsp + disp]."""
+    return iced.MemoryOperand(R.RSP, displ=disp)
 
 
 @dataclass
@@ -227,6 +228,8 @@ class _Emitter:
             asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RSP, self.frame)))
         elif name == "eflags" and self.flags_pushed:
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, _FLAGS_AT)))
+        elif name == "rip" and self.returning is not None and self.returning.at_return:
+            self.caller()  # (a return's %ip is where it returns to, as at a stop)
         elif name == "rip":
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.site))
         elif name in _REG:
@@ -244,15 +247,14 @@ class _Emitter:
             if isinstance(fetch, SymbolAddr):
                 addr += fetch.offset
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, addr & L_MASK64))
-        elif isinstance(fetch, Deref):
+        else:  # (the parser gives strings and values no other fetch: BAD_STRING, FILTER_STRING, VALUE_STRING)
+            assert isinstance(fetch, Deref), f"no address for {fetch}"
             self.value(fetch.inner, 64, fault)
             if -(1 << 31) <= fetch.offset < (1 << 31):
                 asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RAX, fetch.offset)))
             else:
                 asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, fetch.offset & L_MASK64))
                 asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RCX))
-        else:
-            raise _Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
 
     def entry_word(self, offset: int) -> None:
         """rax = a word of the shadow-stack entry being returned through."""
@@ -367,8 +369,8 @@ class _Emitter:
         asm.bind(middle)
         self.condition(node.right, true, false)
 
-    def inc(self, disp: int, index: RegisterT = R.NONE) -> None:
-        self.asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(disp, index=index)))
+    def inc(self, disp: int) -> None:
+        self.asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(disp)))
 
     def program(self, prog: Program) -> None:
         asm, layout = self.asm, self.layout
@@ -421,8 +423,7 @@ class _Emitter:
         asm.bind(faulted)
         asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, L.HIST_FAULTED))
         asm.bind(store)
-        asm.add(iced.Instruction.create_mem(C.INC_RM64, iced.MemoryOperand(
-            R.NONE, R.RAX, 8, self.layout.hist(prog.hist_index), 8, False, R.GS)))  # fmt: skip
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(self.layout.hist(prog.hist_index), index=R.RAX, scale=8)))
 
     def record(self, prog: Program) -> None:
         asm, ring = self.asm, self.layout.ring
@@ -477,7 +478,7 @@ class _Emitter:
             known, by_rdpid = asm.label(), asm.label()
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, self.rseq_offset_at))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RCX)), by_rdpid)
-            rseq_cpu_id = iced.MemoryOperand(R.RCX, displ=RSEQ_CPU_ID, displ_size=1, seg=R.FS)
+            rseq_cpu_id = iced.MemoryOperand(R.RCX, displ=RSEQ_CPU_ID, seg=R.FS)
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ECX, rseq_cpu_id), by_rdpid)
             asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.ECX, R.ECX))
             asm.jump(C.JNS_REL32_64, known)
@@ -502,8 +503,7 @@ class _Emitter:
         asm.jump(C.JAE_REL32_64, truncated)
         partial = asm.label()
         asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EDX, _mem(R.RAX, 0, R.RDI)), partial)
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, iced.MemoryOperand(
-            R.RSI, R.RDI, 1, at + 4, 8, False, R.GS), R.DL))  # fmt: skip
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, _gs(at + 4, R.RSI, R.RDI), R.DL))
         asm.add(iced.Instruction.create_reg(C.INC_RM32, R.EDI))
         asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EDX, R.EDX))
         asm.jump(C.JNE_REL32_64, loop)
@@ -586,9 +586,7 @@ def shadow_push(
     asm.jump(C.JMP_REL32_64, loop)
     asm.bind(stale)  # a frame that is gone (longjmp): its entry is taken over
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
-    asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(lay.counter(0, L.PENDING), R.RAX)))
+    _one_less_pending(asm, lay)
     asm.jump(C.JMP_REL32_64, take)
     asm.bind(scanned)
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSI, R.RDI))
@@ -622,6 +620,13 @@ def shadow_push(
     asm.bind(missed)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(lay.counter(probe_index, L.MISSED))))
     asm.bind(done)
+
+
+def _one_less_pending(asm: _Asm, layout: L.AreaLayout) -> None:
+    """One instance less pending for the probe of the shadow entry at rsi (rax used)."""
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(layout.shadow + L.ENTRY_PROBE, R.RSI)))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, L.PROBE_BYTES.bit_length() - 1))
+    asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(layout.counter(0, L.PENDING), R.RAX)))
 
 
 def _entry_of_point(asm: _Asm, points: int, elsewhere: int) -> None:
@@ -903,9 +908,7 @@ def build_trampoline(layout: L.AreaLayout, at: int) -> tuple[bytes, Trampoline]:
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_RET, R.RSI)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSP, slot_at), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, _gs(shadow + L.ENTRY_PROBE, R.RSI)))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, (L.PROBE_COUNTERS * 8).bit_length() - 1))
-    asm.add(iced.Instruction.create_mem(C.DEC_RM64, _gs(layout.counter(0, L.PENDING), R.RAX)))
+    _one_less_pending(asm, layout)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_SLOT, R.RSI), 0))
     # Free entries on top go: the stack shrinks back as frames return in order.
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _gs(L.SHADOW_TOP)))
@@ -1236,8 +1239,7 @@ def _string_records(asm: _Asm, layout: L.AreaLayout, ops_index: int, number: int
     asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EAX, _mem(R.RDI, 0, R.RCX)), faulted)
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R8D, R.ECX))
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM8, R.R8D, 7))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, iced.MemoryOperand(
-        R.RDX, R.R8, 1, ring + L.RECORD_TSC, 8, False, R.GS), R.AL))  # fmt: skip
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, _gs(ring + L.RECORD_TSC, R.RDX, R.R8), R.AL))
     asm.add(iced.Instruction.create_reg(C.INC_RM32, R.ECX))
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EAX, R.EAX))
     asm.jump(C.JE_REL32_64, ended)
@@ -1316,8 +1318,8 @@ def build_list_trampoline(bodies: Sequence[int], at: int, points: int | None) ->
 
 
 def build_ops_code(
-    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, depth: int | None = None,
-    threshold: int = 0, captures: Captures | None = None,
+    layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, *, depth: int | None,
+    threshold: int, captures: Captures | None,
 ) -> tuple[bytes, OpsCode]:  # fmt: skip
     """One tracer instance's code at `at`: its entry (called from a site: saves, runs the
     body inline, `_hook_and_return`), its body again as a function (for
@@ -1346,17 +1348,18 @@ def build_ops_code(
     def body(asm: _Asm, inline: bool, exit_at: int) -> None:
         """Inline: in the entry's frame, registers free. Otherwise: esi the id, rdi the slot,
         both kept."""
-        done = asm.label()
-        if trampoline is not None and depth is not None:
-            asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(layout.counter(ops_index, L.PENDING)), depth))
-            asm.jump(C.JAE_REL32_64, done)
-        asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS))))
+        hits = iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.HITS)))
         frame = 0 if inline else 8  # (the list trampoline's call)
         if trampoline is None:
+            asm.add(hits)
             data = _Data(entry_values, frame, _SLOT_AT) if entry_values else None
             _trace_record(asm, layout, ops_index, function_id=_mem(R.RSP, _ID_AT) if inline else None, data=data)
-            asm.bind(done)
             return
+        done = asm.label()
+        if depth is not None:
+            asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM32, _gs(layout.counter(ops_index, L.PENDING)), depth))
+            asm.jump(C.JAE_REL32_64, done)
+        asm.add(hits)
         if inline:
             asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, _mem(R.RSP, _SLOT_AT)))
             id_at = _mem(R.RSP, _ID_AT)
