@@ -146,6 +146,96 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("ringbuf/layout.py", "return (n + PAGE - 1) & ~(PAGE - 1)", "1 -> 2"): (
         "rounds every size the layout passes (multiples of 16) to the same page"
     ),
+    **{
+        ("arch/x86_64/codegen.py", line, change): why
+        for why, lines in {
+            "label numbers: any distinct ones do": {
+                "labels: int = 0": ("0 -> 1", "0 -> -1"), "self.labels += 1": ("+ -> -", "1 -> 2"),
+            },
+            "iced encodes any scale but 1, 2 and 4 as 8": {
+                "asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(self.layout.hist(prog.hist_index), index=R.RAX, "
+                "scale=8)))": ("8 -> 9", "8 -> 7"),
+            },
+            "adds a zero (RECORD_PROBE, ENTRY_SLOT: the first field)": {
+                line: ("+ -> -",) for line in (
+                    "header = _gs(ring + L.RECORD_PROBE, R.RSI)",
+                    "asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_SLOT, "
+                    "R.RSI)))",
+                    "asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_SLOT, R.RSI), "
+                    "R.RCX))",
+                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_SLOT, R.RSI), 0))",
+                    "asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(shadow + L.ENTRY_SLOT, R.RDX), 0))",
+                    "asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, slot), "
+                    "ops_index))",
+                    "asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RDX), "
+                    "ops_index))",
+                )
+            },
+            "position-independent code: the address it is encoded at changes nothing": {
+                "code, _ = asm.encode(0)": ("0 -> 1",), "return asm.encode(0)[0]": ("0 -> 1",),
+            },
+            "the first pass only measures: the exit's address is an imm64 whatever its value": {
+                "_, first, _ = assemble(0)": ("0 -> 1",),
+            },
+            "a placeholder: any disp32 no counter has": {
+                "_PLACEHOLDER = 0x7FFF_FFF0  # a displacement to patch (disp32 whatever the value it becomes)": (
+                    "2147483632 -> 2147483633", "2147483632 -> 2147483631",
+                ),
+            },
+            "as many placeholders as programs, always": {
+                "for at, prog in zip(offsets, programs, strict=True):": ("True -> False",),
+            },
+            "the code after it never runs: a register load cannot fault": {
+                "continue  # a register: nothing to fault": ("delete `continue`",),
+            },
+            "an emitter of a return's code has one program; at an entry no fetch reads it ($latency is refused)": {
+                "self.in_record = False": ("delete `self.in_record = False`", "False -> True"),
+            },
+            "unused at an entry: $latency is refused there": {
+                "returning = _Returning(trampoline.points, 0, at_return=False) if trampoline is not None else None": (
+                    "0 -> 1", "0 -> -1",
+                ),
+            },
+            "unused at a return: %ip there is the caller": {
+                "emitter = _Emitter(asm, layout, 0, 0, False, symbol_address, returning, rseq_offset_at)": (
+                    "0 -> 1", "0 -> -1",
+                ),
+            },
+            "any word of the entry no other field uses": {
+                "held = L.ENTRY_DATA + 8  # in a shadow entry: the sequence number of its held-back entry record": (
+                    "+ -> -", "8 -> 9", "8 -> 7",
+                ),
+            },
+            "any number past every record says none is held back": {
+                "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + held, R.RSI), -1))": (
+                    "1 -> 2",
+                ),
+            },
+            "the piece's first byte is always written over (the NUL at least)": {
+                "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(ring + L.RECORD_TSC, R.RDX), 0))": (
+                    "0 -> 1",
+                ),
+            },
+            "any value but 0 says busy": {
+                line: ("1 -> 2",) for line in (
+                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))",
+                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))",
+                )
+            },
+            "rax holds the entry point shadow_push just wrote there (or, with none written, no entry point)": {
+                "asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, slot_at)))": (
+                    "delete `asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RA`",
+                ),
+            },
+            "TSC_AUX's node bits are 0 on a machine of one NUMA node (this one): the mask changes nothing here": {
+                "asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, _TSC_AUX_CPU))": (
+                    "delete `asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.`",
+                ),
+            },
+        }.items()
+        for line, changes in lines.items()
+        for change in changes
+    },
 }  # fmt: skip
 
 _COMPARE_SWAPS: dict[type[ast.cmpop], type[ast.cmpop]] = {

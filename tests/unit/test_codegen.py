@@ -173,6 +173,7 @@ def test_native_histogram(area: NativeArea) -> None:
 
 
 def test_native_record(area: NativeArea) -> None:
+    area.fill_ring(0xEE)  # every byte of a record must be written
     text = ctypes.create_string_buffer(b"hello")
     long_text = ctypes.create_string_buffer(b"y" * 100)
     spec = parse_spec("p f n=%di s=+0(%si):string k=+4(%dx):u16 c=$comm")
@@ -199,11 +200,11 @@ def test_native_record(area: NativeArea) -> None:
 def test_native_record_of_addresses_symbols_the_stack_and_registers(area: NativeArea) -> None:
     """@ADDR, @SYM+OFFS (the resolver's address), $stackN, %sp (the thread's, at the site),
     %ip (the site), %flags (pushed: the caller's carry), an offset beyond a disp32."""
-    words = (ctypes.c_uint64 * 4)(0x1111_2222_3333_4444, 0x5555_6666_7777_8888, 0xAB, 0)
+    words = (ctypes.c_uint64 * 4)(0x1111_2222_3333_4444, 0x5555_6666_7777_8888, 0xCDAB, 0)
     at = ctypes.addressof(words)
     spec = parse_spec(
         f"p f a=@{at:#x}:u32 s=@table+8:u16 s1=$stack1 s2=$stack2 up=+8(%sp):u64 ip=%ip fl=%flags"
-        " far=+0x100000000(%si):u8"
+        " far=+0x100000000(%si):u8 a1=$arg1 a2=$arg2 st=$stack sp=%sp"
     )
     prog = Program(1, ActionKind.RECORD, record_fields(spec.args))
     resolve = {"table": at}.get
@@ -222,6 +223,7 @@ def test_native_record_of_addresses_symbols_the_stack_and_registers(area: Native
     assert int.from_bytes(record[4:8], "little") == 0  # nothing faulted
     assert (got["a"], got["s"], got["s1"], got["s2"]) == (0x3333_4444, 0x8888, 0x1111, 0x2222)
     assert got["up"] == 0x1111 and got["ip"] == plan().site and got["fl"] & 1 and got["far"] == 0xAB
+    assert (got["a1"], got["a2"]) == (0, (at + 16 - (1 << 32)) & (2**64 - 1)) and got["st"] == got["sp"]
 
 
 def test_native_loads_that_fault(area: NativeArea) -> None:
@@ -235,7 +237,7 @@ def test_native_loads_that_fault(area: NativeArea) -> None:
     partial = area.guarded(b"abc")
     spec = parse_spec("p f ok=%di bad=+0(%si):u64 part=+0(%cx):string w=+1(%cx):u16 s=+0(%dx):string")
     prog = Program(3, ActionKind.RECORD, record_fields(spec.args[:4]))
-    empty = Program(7, ActionKind.RECORD, record_fields(spec.args[4:]))
+    empty = Program(7, ActionKind.RECORD, record_fields([spec.args[0], spec.args[4]]))
     hist = Program(4, ActionKind.HIST, value=spec.args[1], hist_index=1)
     either = Program(5, ActionKind.COUNT, filter=parse_filter("bad > 0 or ok == 7", spec.args))
     both = Program(6, ActionKind.COUNT, filter=parse_filter("ok == 7 and w > 0", spec.args))
@@ -245,8 +247,8 @@ def test_native_loads_that_fault(area: NativeArea) -> None:
     assert int.from_bytes(record[4:8], "little") == 0b10  # bad
     assert int.from_bytes(record[at["ok"] : at["ok"] + 8], "little") == 7
     assert record[at["bad"] : at["bad"] + 8] == bytes(8)
-    assert int.from_bytes(emptied[4:8], "little") == 1  # s, with nothing readable
-    s_at = empty.fields[0].offset
+    assert int.from_bytes(emptied[4:8], "little") == 0b10  # s, with nothing readable
+    s_at = empty.fields[1].offset
     assert emptied[s_at : s_at + 4] == bytes(4)  # length 0, no flag
     length, flags = (int.from_bytes(record[at["part"] + i : at["part"] + i + 2], "little") for i in (0, 2))
     assert (length, flags, record[at["part"] + 4 : at["part"] + 7]) == (3, L.STRING_TRUNCATED, b"abc")
@@ -297,13 +299,15 @@ def test_native_offsets_at_the_edges_of_a_disp32(area: NativeArea) -> None:
     words[1] = at  # a pointer to the first word
     spec = parse_spec(
         "p f top=+0x7fffffff(%di):u64 bottom=-0x80000000(%si):u64 past=+0x80000000(%dx):u64 twice=+0(+8(%cx)):u64"
+        " under=-0x80000001(%r8):u64"
     )
     prog = Program(0, ActionKind.RECORD, record_fields(spec.args))
     mask = 2**64 - 1
-    run(area, [prog], (at - 0x7FFF_FFFF) & mask, (at + 0x8000_0000) & mask, (at - 0x8000_0000) & mask, at)
+    bases = [at - 0x7FFF_FFFF, at + 0x8000_0000, at - 0x8000_0000, at, at + 0x8000_0001]
+    run(area, [prog], *(base & mask for base in bases))
     (record,) = area.records()
     got = [int.from_bytes(record[f.offset : f.offset + 8], "little") for f in prog.fields]
-    assert got == [0x0102_0304_0506_0708] * 4
+    assert got == [0x0102_0304_0506_0708] * 5
 
 
 def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:

@@ -264,17 +264,25 @@ def test_a_return_s_stack_pointer_is_the_caller_s_and_its_latency_the_record_s_t
     assert got["ns"] == field(record, L.RECORD_TSC) - native.shadow_word(0, L.ENTRY_TSC)
 
 
-@pytest.mark.parametrize("hooked", [True, False])
-def test_a_hooked_function_is_entered_through_its_trampoline_entry_s_call(native: NativeArea, hooked: bool) -> None:
+@pytest.mark.parametrize(("hooked", "below"), [(True, 0), (True, 1000), (False, 0)])
+def test_a_hooked_function_is_entered_through_its_trampoline_entry_s_call(
+    native: NativeArea, hooked: bool, below: int
+) -> None:
     """Below a hooked return address the function finds the call of its trampoline entry (the
-    `call` that pushed the entry point, so the CPU predicts the return); a return that could
-    not be hooked (no entry free) finds 0 there and the function is entered directly."""
+    `call` that pushed the entry point, so the CPU predicts the return), whatever the entry's
+    number; a return that could not be hooked (no entry free) finds 0 there, written over what
+    was, and the function is entered directly."""
     returns = Returns(native)
     peek = native.place(PEEK)
     returns.probe(peek, len(PEEK), Program(1, ActionKind.COUNT))
     if not hooked:
         native.set_word(L.SHADOW_BUSY, 1)
-    assert native.call_at(peek) == (returns.trampoline.table if hooked else 0)
+    if below:
+        native.set_word(L.SHADOW_TOP, below)
+        native.set_word(native.layout.shadow + (below - 1) * L.SHADOW_ENTRY, 1 << 62)  # a caller's slot
+    junk_below = native.place(bytes.fromhex("48c74424f0ffffffffffd7c3"))  # mov qword [rsp-16],-1; call rdi; ret
+    expected = returns.trampoline.table + below * L.TRAMPOLINE_STRIDE if hooked else 0
+    assert native.call_at(junk_below, peek) == expected
 
 
 def test_a_slot_s_entry_whose_chain_ends_elsewhere_is_stale(native: NativeArea) -> None:

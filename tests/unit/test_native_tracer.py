@@ -193,7 +193,7 @@ def test_a_time_threshold_takes_back_the_calls_that_end_sooner(native: NativeAre
     assert native.counter(3, L.HITS) == 9 and native.counter(3, L.MISSED) == 0
 
 
-@pytest.mark.parametrize("threshold", [0, 1 << 40])
+@pytest.mark.parametrize("threshold", [0, 1, 1 << 40])
 def test_entries_are_published_at_once_unless_a_threshold_holds_them_back(native: NativeArea, threshold: int) -> None:
     """Inside a traced call, its entry record is visible to the reader (HEAD passed it), unless
     a threshold holds it until the call has lasted long enough."""
@@ -284,7 +284,7 @@ def test_entry_and_exit_records_carry_the_values_asked_for(native: NativeArea) -
     tracer.trace(add, len(ADD), 9)
     texts = [b"hello", b"", b"abcdefgh", b"x" * (8 * STRING_PIECES + 3)]
     buffers = [ctypes.create_string_buffer(t) for t in texts]
-    pointers = [ctypes.addressof(b) for b in buffers] + [0, native.guarded(b""), native.guarded(b"0123456789")]
+    pointers = [ctypes.addressof(b) for b in buffers] + [0, native.guarded(b""), native.guarded(b"0123456789A")]
     for number, pointer in enumerate(pointers):
         assert native.call_at(add, number, pointer) == number + pointer
     calls = by_call(native)
@@ -304,13 +304,14 @@ def test_entry_and_exit_records_carry_the_values_asked_for(native: NativeArea) -
         elif number == 5:  # nothing readable: the pointer instead
             assert [(r.held, r.value) for r in pieces] == [(DATA_FAULTED, pointer)]
         elif number == 6:
-            assert text == b"0123456789" and last.held == DATA_FAULTED | 2
+            assert text == b"0123456789A" and last.held == DATA_FAULTED | 3
         elif len(texts[number]) > 8 * STRING_PIECES:
             assert len(pieces) == STRING_PIECES and text == texts[number][: 8 * STRING_PIECES]
             assert last.held == 8 | DATA_CUT
         else:
             assert text == texts[number] and last.held & ~0xFF == DATA_END
             assert len(pieces) == len(texts[number]) // 8 + 1
+            assert last.value >> 8 * (last.held & 0xFF) == 0  # the NUL, and nothing after it
     assert settled(native, 6)
 
 
@@ -318,7 +319,7 @@ def test_values_from_every_kind_of_place(native: NativeArea) -> None:
     """Arguments in the registers the tracer saves, in those it does not (r8 is read from its
     push, r9 in place), on the stack (arg7) and in xmm0 (fparg1); through a list trampoline too
     (its own frame on the stack)."""
-    captures = Captures(tuple(parse_values("arg3,arg4,arg5,arg6,arg7,fparg1/f64", retval=False)), ())
+    captures = Captures(tuple(parse_values("arg3,arg4,arg5,arg6,arg7,arg8,fparg1/f64", retval=False)), ())
     first, second = Tracer(native, 1, graph=False, captures=captures), Tracer(native, 2, graph=True, captures=captures)
     add, listed = native.place(ADD), native.place(ADD)
     first.trace(add, len(ADD), 3)
@@ -331,13 +332,13 @@ def test_values_from_every_kind_of_place(native: NativeArea) -> None:
         native.place(lambda at: build_list_trampoline(bodies, at, native.trampoline.points)),
     )
     for function in (add, listed):
-        assert native.call_at(function, 1, 2, 3, 4, 5, 6, 7, 1.5) == 3
-    expected = [3, 4, 5, 6, 7, struct.unpack("<Q", struct.pack("<d", 1.5))[0]]
-    calls = [c for c in by_call(native)]
+        assert native.call_at(function, 1, 2, 3, 4, 5, 6, 7, 8, 1.5) == 3
+    expected = [3, 4, 5, 6, 7, 8, struct.unpack("<Q", struct.pack("<d", 1.5))[0]]
+    calls = by_call(native)
     assert [c[0].ops for c in calls] == [1, 1, 2]
     for call in calls:
-        assert [r.value for r in call[1:7]] == expected, call
-        assert [r.kind for r in call[1:7]] == [TRACE_DATA | n for n in range(6)]
+        assert [r.value for r in call[1:8]] == expected, call
+        assert [r.kind for r in call[1:8]] == [TRACE_DATA | n for n in range(7)]
 
 
 def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> None:
@@ -358,6 +359,15 @@ def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> No
     native.set_word(L.TAIL, native.word(L.HEAD) - slots + 2)  # room for two records: not three
     assert native.call_at(add, 1, 2) == 3
     assert native.word(L.HEAD) == slots + 2 and native.counter(3, L.LOST) == 1
+    native.set_word(L.TAIL, native.word(L.HEAD) - slots + 3)  # room for three: just enough
+    assert native.call_at(add, 1, 2) == 3
+    assert native.word(L.HEAD) == slots + 5 and native.counter(3, L.LOST) == 1
+    plain = Tracer(native, 4, graph=False)  # no values: a record needs room for one
+    other = native.place(ADD)
+    plain.trace(other, len(ADD), 6)
+    native.set_word(L.TAIL, native.word(L.HEAD) - slots + 1)
+    assert native.call_at(other, 1, 2) == 3
+    assert native.word(L.HEAD) == slots + 6 and native.counter(4, L.LOST) == 0
 
 
 def test_the_trace_record_format_is_that_of_the_trace_file_s_version() -> None:

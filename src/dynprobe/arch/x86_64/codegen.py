@@ -34,6 +34,7 @@ from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, relocate_region
 from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
+from dynprobe.arch.x86_64.relocate import in_rel32_reach
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import trampoline_point
@@ -250,7 +251,7 @@ class _Emitter:
         else:  # (the parser gives strings and values no other fetch: BAD_STRING, FILTER_STRING, VALUE_STRING)
             assert isinstance(fetch, Deref), f"no address for {fetch}"
             self.value(fetch.inner, 64, fault)
-            if -(1 << 31) <= fetch.offset < (1 << 31):
+            if in_rel32_reach(0, fetch.offset):  # (a disp32 reaches it)
                 asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, _mem(R.RAX, fetch.offset)))
             else:
                 asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, fetch.offset & L_MASK64))
