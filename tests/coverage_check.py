@@ -38,7 +38,7 @@ def main() -> int:
         totals = [t + n for t, n in zip(totals, row, strict=True)]
         table.add_row(path.split("src/", 1)[-1], *map(str, row), _percent(row[0], row[1]), _percent(row[2], row[3]))
     table.add_row("total", *map(str, totals), _percent(totals[0], totals[1]), _percent(totals[2], totals[3]))
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # (a file: no column cut short)
     console.print(table)
     branch_share = 100.0 * (totals[2] - totals[3]) / totals[2] if totals[2] else 100.0
     if branch_share < args.branches:

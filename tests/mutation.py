@@ -621,7 +621,7 @@ def _report(modules: list[str], outcomes: list[tuple[Mutant, str]], seconds: flo
             below.append(module)
         table.add_row(module, str(total), str(c["killed"]), str(c["timeout"]), str(c["equivalent"]),
                       str(c["survived"]), f"{score:.1%}")  # fmt: skip
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # (a file: no column cut short)
     console.print(table)
     for mutant in sorted(survivors, key=lambda m: (m.module, m.line)) if show_all or below else []:
         if show_all or mutant.module in below:
