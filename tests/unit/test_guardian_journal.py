@@ -8,7 +8,7 @@ import struct
 from dynprobe.ptrace.guardian import Journal
 from dynprobe.ptrace.process import identity
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
+from dynprobe.ringbuf.shadow import entries_in, final_return_address, swap_slots, trampoline_point
 
 JMP = bytes.fromhex("e9 00 10 00 00")
 REGION = bytes.fromhex("55 48 89 e5 90")  # push rbp; mov rbp,rsp; nop
@@ -85,3 +85,22 @@ def test_return_addresses_go_back_through_a_chain_of_hooks() -> None:
     swaps = [(k, slot, trampoline_point(points, k), original) for k, slot, original in entries]
     assert swap_slots(swaps, memory.__getitem__, memory.__setitem__) == {0, 1}
     assert memory == {0x1000: 0x401234, 0x2000: 0xDEAD}
+
+
+def test_the_final_return_address_follows_entry_points_and_ends() -> None:
+    """A return address that is entry point k is entry k's original, and so on to an address
+    that is none; entry points of a chain the target scribbled into a loop end after one step
+    per entry, and an address between two entry points is none."""
+    points = 0x7000_0000
+    originals = {0: 0x401234, 1: trampoline_point(points, 0), 2: trampoline_point(points, 1)}
+    assert final_return_address(trampoline_point(points, 2), points, originals.__getitem__) == 0x401234
+    assert final_return_address(0x401234, points, originals.__getitem__) == 0x401234
+    assert final_return_address(points + 1, points, originals.__getitem__) == points + 1
+    looped = [0]
+
+    def scribbled(k: int) -> int:
+        looped[0] += 1
+        return trampoline_point(points, k)  # entry k returns through entry point k
+
+    assert final_return_address(trampoline_point(points, 3), points, scribbled) == trampoline_point(points, 3)
+    assert looped[0] == L.SHADOW_CAPACITY
