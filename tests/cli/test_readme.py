@@ -72,17 +72,27 @@ def run_attached(line: str, root: Path) -> tuple[int, str]:
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:  # fmt: skip
         assert proc.stdout is not None and proc.stderr is not None
         err: list[str] = []
-        reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")))  # type: ignore[union-attr]
-        reader.start()
+        out: list[str] = []
+        readers = [
+            threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, ""))),  # type: ignore[union-attr]
+            threading.Thread(target=lambda: out.append(proc.stdout.read())),  # type: ignore[union-attr]
+        ]
+        for reader in readers:
+            reader.start()
         deadline = time.monotonic() + TIMEOUT
         while not READY.search("".join(err)) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)  # (bash -c execs a lone command: this is dynprobe)
-        out = proc.stdout.read()
-        proc.wait(TIMEOUT)
-        reader.join()
-    return proc.returncode, out + "".join(err)
+        try:
+            proc.wait(TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError(f"{line!r} ran on {TIMEOUT} s after its Ctrl-C: {''.join(err)}") from None
+        finally:
+            for reader in readers:
+                reader.join()
+    return proc.returncode, "".join(out) + "".join(err)
 
 
 def run_line(line: str, root: Path) -> tuple[int, str]:
