@@ -20,6 +20,7 @@ import numpy as np
 from dynprobe.arch.x86_64.codegen import Trampoline, build_trampoline
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.arch.x86_64.relocate import jump_to
+from dynprobe.arch.x86_64.rescue import SA_RESTORER, SA_SIGINFO
 from dynprobe.ringbuf import layout as L
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -99,23 +100,24 @@ def sum_to(at: int) -> bytes:
     return head + call + bytes.fromhex("4801d8595b5dc3")  # add rax,rbx; done: pop rcx; pop rbx; pop rbp; ret
 
 
-_RT_SIGACTION, _SA_SIGINFO, _SA_RESTORER = 13, 4, 0x0400_0000
+_RT_SIGACTION = 13
 _MAX_FIXUPS = 4096
-_UC_RIP = 0xA8  # in a ucontext_t: uc_mcontext.gregs[REG_RIP]
+_UC_RIP = 40 + 8 * 16  # in a ucontext_t: uc_mcontext.gregs[REG_RIP]
 
 
 def _fault_handler(table: int) -> bytes:
     """A SIGSEGV handler (rdx: the ucontext): a fault at a load the table at `table` names (u64
     count, then (load, go on at) pairs) goes on where it says; any other ends the process with
     status 99 (the test's child dies: a crash, as it would have been)."""
+    rip = _UC_RIP.to_bytes(4, "little").hex()
     return bytes.fromhex(
-        "488b82a8000000"  # mov rax,[rdx+0xa8]: the faulting rip
+        "488b82" + rip +  # mov rax,[rdx+UC_RIP]: the faulting rip
         "48b9" + table.to_bytes(8, "little").hex() +  # mov rcx, table
         "4c8b01" "4883c108"  # mov r8,[rcx]; add rcx,8
         "4d85c0" "741a"  # next: test r8,r8; je unknown
         "483901" "7409"  # cmp [rcx],rax; je found
         "4883c110" "49ffc8" "ebed"  # add rcx,16; dec r8; jmp next
-        "488b4108" "488982a8000000" "c3"  # found: mov rax,[rcx+8]; mov [rdx+0xa8],rax; ret
+        "488b4108" "488982" + rip + "c3"  # found: mov rax,[rcx+8]; mov [rdx+UC_RIP],rax; ret
         "b8e7000000" "bf63000000" "0f05"  # unknown: exit_group(99)
     )  # fmt: skip
 
@@ -182,7 +184,7 @@ class NativeArea:
         func = ctypes.CFUNCTYPE(ctypes.c_uint64, *types)(address)
         old_gs = ctypes.c_uint64()
         old_action = (ctypes.c_uint64 * 4)()
-        action = (ctypes.c_uint64 * 4)(self.fault_handler, _SA_SIGINFO | _SA_RESTORER, self.fault_handler_return, 0)
+        action = (ctypes.c_uint64 * 4)(self.fault_handler, SA_SIGINFO | SA_RESTORER, self.fault_handler_return, 0)
         assert libc.syscall(_RT_SIGACTION, signal.SIGSEGV, action, old_action, 8) == 0
         assert libc.syscall(ARCH_PRCTL, ARCH_GET_GS, ctypes.byref(old_gs)) == 0
         assert libc.syscall(ARCH_PRCTL, ARCH_SET_GS, ctypes.c_uint64(self.mem.ctypes.data)) == 0
@@ -223,17 +225,18 @@ class NativeArea:
         at = self.layout.hist(index) // 8
         return [int(n) for n in self.words[at : at + L.HIST_BUCKETS]]
 
-    def records(self) -> list[bytes]:
-        """The records published so far (the ring not wrapped)."""
-        head, size, ring = self.word(L.HEAD), self.layout.record_size, self.layout.ring
-        return [bytes(self.mem[ring + i * size : ring + (i + 1) * size]) for i in range(head)]
+    def records(self, first: int = 0) -> list[bytes]:
+        """The records numbered `first` up to HEAD (the ring wrapped)."""
+        size, ring, slots = self.layout.record_size, self.layout.ring, self.layout.ring_slots
+        at = [ring + (number % slots) * size for number in range(first, self.word(L.HEAD))]
+        return [bytes(self.mem[a : a + size]) for a in at]
 
     def shadow_word(self, entry: int, offset: int) -> int:
         return self.word(self.layout.shadow + entry * L.SHADOW_ENTRY + offset)
 
 
-def field(record: bytes, offset: int, size: int = 8, *, signed: bool = False) -> int:
-    return int.from_bytes(record[offset : offset + size], "little", signed=signed)
+def field(record: bytes, offset: int, size: int = 8) -> int:
+    return int.from_bytes(record[offset : offset + size], "little")
 
 
 @contextlib.contextmanager

@@ -260,28 +260,25 @@ def test_native_loads_that_fault(area: NativeArea) -> None:
 
 
 ARITHMETIC_FLAGS = 0x8D5  # CF PF AF ZF SF OF
+# pushfq; pop rax; and rax, ARITHMETIC_FLAGS; ret: return the flags the code before left
+RETURN_FLAGS = bytes.fromhex("9c584825") + ARITHMETIC_FLAGS.to_bytes(4, "little") + b"\xc3"
 
 
 @pytest.mark.parametrize(
-    "spec",
-    ["p f", "p f if a > 3", "p f a=%di", "p f a=%di fl=%flags", "p f if fl > 0"],
+    ("fields", "condition"),
+    [("", None), ("", "a > 3"), ("a=%di", None), ("a=%di fl=%flags", None), ("", "fl > 0")],
     ids=["count", "filter", "record", "record of the flags", "filter on the flags"],
 )
-def test_native_actions_keep_the_flags(area: NativeArea, spec: str) -> None:
+def test_native_actions_keep_the_flags(area: NativeArea, fields: str, condition: str | None) -> None:
     """The code at a site runs between two instructions of the program: the flags after it are
     the flags before (seto/lahf/sahf, or pushfq/popfq where a probe reads %flags)."""
-    parsed = parse_spec(spec.split(" if ")[0] if " if " in spec else spec)
-    args = parsed.args or parse_spec("p f a=%di fl=%flags").args
-    keep = parse_filter(spec.split(" if ")[1], args) if " if " in spec else None
-    fields = record_fields(parsed.args)
-    prog = Program(2, ActionKind.RECORD if fields else ActionKind.COUNT, fields, filter=keep)
+    keep = parse_filter(condition, parse_spec("p f a=%di fl=%flags").args) if condition else None
+    recorded = record_fields(parse_spec(f"p f {fields}").args)
+    prog = Program(2, ActionKind.RECORD if recorded else ActionKind.COUNT, recorded, filter=keep)
 
     def flags_around_actions(base: int) -> bytes:
-        # push rdi; popfq; call the actions (at base + 64); pushfq; pop rax; and rax, ARITHMETIC_FLAGS; ret
-        call = b"\xe8" + (64 - 7).to_bytes(4, "little")
-        stub = (
-            bytes.fromhex("579d") + call + bytes.fromhex("9c584825") + ARITHMETIC_FLAGS.to_bytes(4, "little") + b"\xc3"
-        )
+        # push rdi; popfq; call the actions (at base + 64); then RETURN_FLAGS
+        stub = bytes.fromhex("579d") + b"\xe8" + (64 - 7).to_bytes(4, "little") + RETURN_FLAGS
         detour = build_detour(plan(), [prog], LAYOUT, base + 64, function_entry=True)
         assert not isinstance(detour, OptimizeRefusal)
         return stub.ljust(64, b"\xcc") + detour.code[: detour.action_bytes] + b"\xc3"
@@ -510,15 +507,13 @@ def test_native_trap_actions_keep_the_flags(area: NativeArea, spec: str) -> None
     prog = Program(5, ActionKind.RECORD, record_fields(parse_spec(spec).args))
 
     def code_at(base: int) -> bytes:
-        # push rdi; popfq; jmp the actions (at base + 64), which go on at base + 512: pushfq;
-        # pop rax; and rax, ARITHMETIC_FLAGS; ret
+        # push rdi; popfq; jmp the actions (at base + 64), which go on at base + 512: RETURN_FLAGS
         jump = b"\xe9" + (64 - 7).to_bytes(4, "little")
         built = build_trap_actions([prog], LAYOUT, 0x401000, base + 64)
         assert not isinstance(built, OptimizeRefusal)
         area.words[L.STAMP_RESUME // 8] = base + 512
         area.words[L.STAMP_BUSY // 8] = 1
-        flags = bytes.fromhex("9c584825") + ARITHMETIC_FLAGS.to_bytes(4, "little") + b"\xc3"
-        return (bytes.fromhex("579d") + jump).ljust(64, b"\xcc") + built.code.ljust(512 - 64, b"\xcc") + flags
+        return (bytes.fromhex("579d") + jump).ljust(64, b"\xcc") + built.code.ljust(512 - 64, b"\xcc") + RETURN_FLAGS
 
     stub = area.place(code_at)
     for flags in (ARITHMETIC_FLAGS, 0, 0x801, 0x0C4):

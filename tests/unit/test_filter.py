@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynprobe.actions.filter import FILTER_ERRORS, filter_args, matches, parse_filter, parse_value
-from dynprobe.actions.model import Compare, Logical
+from dynprobe.actions.filter import FILTER_ERRORS, matches, parse_filter, parse_value
+from dynprobe.actions.model import Compare, Logical, filter_args
 from dynprobe.errors import ParseError
 from dynprobe.spec.model import Arg, ArgType, Deref, Reg
 from dynprobe.spec.parser import parse_spec

@@ -8,7 +8,7 @@ import struct
 from dynprobe.ptrace.guardian import Journal
 from dynprobe.ptrace.process import identity
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.shadow import entries_in, final_return_address, swap_slots, trampoline_point
+from dynprobe.ringbuf.shadow import entries_in, swap_slots, through_entry_points, trampoline_point
 
 JMP = bytes.fromhex("e9 00 10 00 00")
 REGION = bytes.fromhex("55 48 89 e5 90")  # push rbp; mov rbp,rsp; nop
@@ -87,20 +87,20 @@ def test_return_addresses_go_back_through_a_chain_of_hooks() -> None:
     assert memory == {0x1000: 0x401234, 0x2000: 0xDEAD}
 
 
-def test_the_final_return_address_follows_entry_points_and_ends() -> None:
+def test_a_return_address_through_entry_points_ends_at_an_address_that_is_none() -> None:
     """A return address that is entry point k is entry k's original, and so on to an address
-    that is none; entry points of a chain the target scribbled into a loop end after one step
-    per entry, and an address between two entry points is none."""
+    that is none (the entries gone through named); an address between two entry points is
+    none; entry points of a chain the target scribbled into a loop are gone through once each."""
     points = 0x7000_0000
     originals = {0: 0x401234, 1: trampoline_point(points, 0), 2: trampoline_point(points, 1)}
-    assert final_return_address(trampoline_point(points, 2), points, originals.__getitem__) == 0x401234
-    assert final_return_address(0x401234, points, originals.__getitem__) == 0x401234
-    assert final_return_address(points + 1, points, originals.__getitem__) == points + 1
+    assert through_entry_points(trampoline_point(points, 2), points, originals.__getitem__) == ({0, 1, 2}, 0x401234)
+    assert through_entry_points(0x401234, points, originals.__getitem__) == (set(), 0x401234)
+    assert through_entry_points(points + 1, points, originals.__getitem__) == (set(), points + 1)
     looped = [0]
 
     def scribbled(k: int) -> int:
         looped[0] += 1
         return trampoline_point(points, k)  # entry k returns through entry point k
 
-    assert final_return_address(trampoline_point(points, 3), points, scribbled) == trampoline_point(points, 3)
-    assert looped[0] == L.SHADOW_CAPACITY
+    assert through_entry_points(trampoline_point(points, 3), points, scribbled) == ({3}, trampoline_point(points, 3))
+    assert looped[0] == 1  # once: the loop is seen at once

@@ -13,13 +13,12 @@ from collections.abc import Iterator
 import iced_x86 as iced
 import pytest
 
-from dynprobe.actions.filter import filter_args, parse_filter
-from dynprobe.actions.model import ActionKind, Program, ReturnEntry, record_fields
+from dynprobe.actions.filter import parse_filter
+from dynprobe.actions.model import ActionKind, Program, record_fields
 from dynprobe.arch.x86_64.codegen import build_detour, build_return_code, read_tsc_code
 from dynprobe.core.probe import CALLER_ARG
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
-from dynprobe.spec.model import Arg, Latency, fetch_chain
 from dynprobe.spec.parser import parse_probe
 from tests.unit.native import ADD, ESCAPE, PEEK, PUSHING, THEN, WHOAMI, NativeArea, field, one_cpu, sum_to
 
@@ -42,18 +41,13 @@ class Returns:
         plan = native.plan(function, length)
         entries = []
         for prog in programs:
-            args = [fld.arg for fld in prog.fields] + ([prog.value] if prog.value else [])
-            args += filter_args(prog.filter) if prog.filter else []
-            fetches = [f for arg in args for f in fetch_chain(arg.fetch)]
-            indices = tuple(sorted({f.index for f in fetches if isinstance(f, Arg)}))
-            latency = any(isinstance(f, Latency) for f in fetches)
 
             def return_code(at: int, prog: Program = prog) -> bytes:
                 code = build_return_code(prog, layout, at, self.trampoline, NS_PER_TICK)
                 assert isinstance(code, bytes), code
                 return code
 
-            entry = ReturnEntry(maxactive, native.place(return_code), indices, latency)
+            entry = dataclasses.replace(prog.return_entry(maxactive), handler=native.place(return_code))
             entries.append(dataclasses.replace(prog, entry=entry))
 
         def detour(at: int) -> bytes:

@@ -12,6 +12,7 @@ import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 
 from dynprobe.arch.x86_64.codegen import (
@@ -31,6 +32,7 @@ from dynprobe.arch.x86_64.codegen import (
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.argspec import STRING_PIECES, parse_values
+from dynprobe.tracefile import record_dtype
 from tests.unit.native import ADD, HEAD_NOW, OUTER, PEEK, SPIN, THEN, NativeArea, one_cpu, sum_to
 
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=4, ring_bytes=1 << 16, record_size=16)
@@ -51,26 +53,17 @@ def native() -> Iterator[NativeArea]:
     made.close()
 
 
-def records(native: NativeArea) -> list[Record]:
-    return records_since(native, 0)
+def records(native: NativeArea, first: int = 0) -> list[Record]:
+    """The records numbered `first` up to HEAD (the ring wrapped), read as a trace file's are."""
+    rows = np.frombuffer(b"".join(native.records(first)), dtype=record_dtype(LAYOUT.record_size))
+    return [Record(*map(int, (row["ops"], row["kind"], row["func"], row["tsc"]))) for row in rows]
 
 
-def records_since(native: NativeArea, first: int) -> list[Record]:
-    """The records numbered `first` up to HEAD, the ring wrapped."""
-    slots, ring = LAYOUT.ring_slots, LAYOUT.ring
-    out = []
-    for number in range(first, native.word(L.HEAD)):
-        at = ring + (number % slots) * LAYOUT.record_size
-        raw = bytes(native.mem[at : at + 16])
-        out.append(Record(*(int.from_bytes(raw[a:b], "little") for a, b in ((0, 2), (2, 4), (4, 8), (8, 16)))))
-    return out
-
-
-def calls(native: NativeArea) -> list[tuple[str, int, int]]:
+def calls(native: NativeArea, first: int = 0) -> list[tuple[str, int, int]]:
     """The records as (entry or exit, function id, frame), data records left out."""
     return [
         ("exit" if r.kind & TRACE_EXIT else "entry", r.held, r.kind >> FRAME_SHIFT)
-        for r in records(native)
+        for r in records(native, first)
         if not r.kind & TRACE_DATA
     ]
 
@@ -173,22 +166,18 @@ def test_a_time_threshold_takes_back_the_calls_that_end_sooner(native: NativeAre
     for word in (L.HEAD, L.TAIL, L.RESERVE):
         native.set_word(word, start)
 
-    def calls_since() -> list[tuple[str, int, int]]:
-        return [("exit" if r.kind & TRACE_EXIT else "entry", r.held, r.kind >> FRAME_SHIFT)
-                for r in records_since(native, start)]  # fmt: skip
-
     with one_cpu():
         native.call_at(then, add, spin, 2 * threshold)
-        assert calls_since() == [("entry", 3, 1), ("entry", 2, 2), ("exit", 2, 2), ("exit", 3, 1)]
+        assert calls(native, start) == [("entry", 3, 1), ("entry", 2, 2), ("exit", 2, 2), ("exit", 3, 1)]
         native.call_at(then, add, add, 0)  # nothing lasts: nothing at all
-        assert len(calls_since()) == 4 and settled(native, 3)
+        assert len(calls(native, start)) == 4 and settled(native, 3)
         native.call_at(spin, threshold // 4)
-        assert len(calls_since()) == 4 and settled(native, 3)
+        assert len(calls(native, start)) == 4 and settled(native, 3)
         # after a long untraced stretch (spin, not traced here) add still ends at once: its time
         # is its own entry's, not the record's before it
         native.call_at(then, native.place(SPIN), add, 2 * threshold)
-        assert calls_since()[4:] == [("entry", 3, 1), ("exit", 3, 1)] and settled(native, 3)
-    entry_spin, exit_spin = records_since(native, start)[1:3]
+        assert calls(native, start)[4:] == [("entry", 3, 1), ("exit", 3, 1)] and settled(native, 3)
+    entry_spin, exit_spin = records(native, start)[1:3]
     assert exit_spin.value - entry_spin.value >= 2 * threshold
     assert native.counter(3, L.HITS) == 9 and native.counter(3, L.MISSED) == 0
 
@@ -229,7 +218,7 @@ def test_an_entry_another_writer_published_gets_its_exit(native: NativeArea) -> 
     flat.trace(add, len(ADD), 8)
     for turn in range(LAYOUT.ring_slots):  # (past the ring's end: the records' numbers wrap)
         assert native.call_at(outer, add, 2) == 5
-        assert [(r.ops, r.kind, r.held) for r in records_since(native, 3 * turn)] == [
+        assert [(r.ops, r.kind, r.held) for r in records(native, 3 * turn)] == [
             (1, 1 << FRAME_SHIFT, 7), (2, 0, 8), (1, 1 << FRAME_SHIFT | TRACE_EXIT, 7),
         ]  # fmt: skip
         native.set_word(L.TAIL, native.word(L.HEAD))  # read
@@ -353,7 +342,7 @@ def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> No
         native.set_word(word, slots - 1)  # the next record is the ring's last slot
     assert native.call_at(add, 10, 20) == 30
     assert native.word(L.HEAD) == slots + 2
-    ring = records_since(native, slots - 1)  # the ring's last slot, then its first two
+    ring = records(native, slots - 1)  # the ring's last slot, then its first two
     assert [(r.kind, r.held) for r in ring] == [(0, 5), (TRACE_DATA | 0, 8), (TRACE_DATA | 1, 8)]
     assert [ring[1].value, ring[2].value] == [10, 20]
     native.set_word(L.TAIL, native.word(L.HEAD) - slots + 2)  # room for two records: not three

@@ -154,12 +154,6 @@ def parse_filter(text: str, args: tuple[FetchArg, ...] = ()) -> Filter:
     return node
 
 
-def filter_args(node: Filter) -> list[FetchArg]:
-    if isinstance(node, Compare):
-        return [node.arg]
-    return filter_args(node.left) + filter_args(node.right)
-
-
 def matches(node: Filter, value_of: dict[str, int | None]) -> bool:
     """Evaluate on values already fetched (trap mode); a faulted value (None) fails its comparison."""
     if isinstance(node, Logical):

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass
 
 from dynprobe.ringbuf.layout import INT_FIELD, RECORD_HEADER, STRING_FIELD
-from dynprobe.spec.model import Comm, FetchArg
+from dynprobe.spec.model import Arg, Comm, FetchArg, Latency, fetch_chain
 
 MAX_FIELDS = 32  # one fault bit per field in the record header
 
@@ -37,6 +37,12 @@ class Logical:
 
 
 Filter = Compare | Logical
+
+
+def filter_args(node: Filter) -> list[FetchArg]:
+    if isinstance(node, Compare):
+        return [node.arg]
+    return filter_args(node.left) + filter_args(node.right)
 
 
 @dataclass(frozen=True)
@@ -90,3 +96,15 @@ class Program:
     hist_index: int = 0
     filter: Filter | None = None
     entry: ReturnEntry | None = None  # a return probe: at the entry this, the rest at the return
+
+    def fetch_args(self) -> list[FetchArg]:
+        """Everything it reads: its fields, its histogram's value, its filter's arguments."""
+        args = [f.arg for f in self.fields] + ([self.value] if self.value is not None else [])
+        return args + (filter_args(self.filter) if self.filter is not None else [])
+
+    def return_entry(self, maxactive: int) -> ReturnEntry:
+        """What its entry keeps for its return, as a return probe's program (the handler: 0,
+        filled in per process): the $argN it reads, the time stamp if it reads $latency."""
+        fetches = [f for arg in self.fetch_args() for f in fetch_chain(arg.fetch)]
+        indices = sorted({f.index for f in fetches if isinstance(f, Arg)})
+        return ReturnEntry(maxactive, 0, tuple(indices), any(isinstance(f, Latency) for f in fetches))

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dynprobe.actions.filter import filter_args
 from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
 from dynprobe.arch.x86_64.codegen import (
@@ -59,9 +58,8 @@ from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.shadow import entries_in, final_return_address, swap_slots
+from dynprobe.ringbuf.shadow import entries_in, swap_slots, through_entry_points
 from dynprobe.spec.fetch import FetchContext, ReturnValues
-from dynprobe.spec.model import Arg, FetchArg, Latency, fetch_chain
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
 from dynprobe.symbols.resolve import Location, resolve_address
@@ -133,15 +131,6 @@ class ProcessReturns:
         return any(a <= rip < a + n for a, n in self.code.values())
 
 
-def _probe_fetch_args(probe: Probe) -> list[FetchArg]:
-    args = list(probe.args)
-    if probe.value is not None:
-        args.append(probe.value)
-    if probe.filter is not None:
-        args += filter_args(probe.filter)
-    return args
-
-
 def shadow_stack_in(status: str) -> bool:
     """Whether a /proc/PID/status text says a CET shadow stack is on (Linux 6.6+)."""
     for line in status.splitlines():
@@ -177,9 +166,7 @@ class ReturnProbes:
     @staticmethod
     def entry_of(probe: Probe) -> ReturnEntry:
         """What the entry keeps for the probe's return (its handler filled in per process)."""
-        fetches = [f for arg in _probe_fetch_args(probe) for f in fetch_chain(arg.fetch)]
-        indices = sorted({f.index for f in fetches if isinstance(f, Arg)})
-        return ReturnEntry(probe.maxactive, 0, tuple(indices), any(isinstance(f, Latency) for f in fetches))
+        return probe.program().return_entry(probe.maxactive)
 
     # --- set-up ---------------------------------------------------------------------------------------
     def setup(self, proc: TracedProcess, near: int) -> ProcessReturns:
@@ -305,13 +292,10 @@ class ReturnProbes:
         base = lay.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         slots: list[int] = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY].tolist()
-        chained: set[int] = set()  # entries of other return probes of this very call
-        while 0 <= held - points < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE:
-            k, off = divmod(held - points, L.TRAMPOLINE_STRIDE)
-            if off or k in chained:
-                break
-            chained.add(k)
-            held = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_RET // 8])
+        # entries of other return probes of this very call
+        chained, _ = through_entry_points(
+            held, points, lambda k: int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_RET // 8])
+        )
         same = [k for k, s in enumerate(slots) if s == slot and k not in chained]
         if same:
             k = same[0]
@@ -419,7 +403,7 @@ class ReturnProbes:
         probe = self.session.probe_by_index(index)
         if probe is None:
             return
-        caller = final_return_address(
+        _, caller = through_entry_points(
             int(words[at + L.ENTRY_RET // 8]), returns.trampoline.points,
             lambda k: int(words[self._at(k) + L.ENTRY_RET // 8]),
         )  # fmt: skip

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any, BinaryIO, Protocol
 
-from dynprobe.actions.filter import filter_args, matches, parse_filter, parse_value
-from dynprobe.actions.model import ActionKind, Program, payload_size
+from dynprobe.actions.filter import matches, parse_filter, parse_value
+from dynprobe.actions.model import ActionKind, Program, filter_args, payload_size
 from dynprobe.arch.x86_64 import (
     FLAG_TF,
     INT3,

@@ -58,14 +58,15 @@ def trampoline_point(points: int, k: int) -> int:
     return points + k * L.TRAMPOLINE_STRIDE
 
 
-def final_return_address(ret: int, points: int, original: Callable[[int], int]) -> int:
-    """Where a hooked return goes in the end: `ret`, or, when that is entry point k of the
-    trampoline (entry point 0 at `points`: a return probe of the same call hooked it before),
-    entry k's original return address (`original(k)`), and so on (at most one step per entry:
-    a chain the target scribbled into a loop ends)."""
-    for _ in range(L.SHADOW_CAPACITY):
+def through_entry_points(ret: int, points: int, original: Callable[[int], int]) -> tuple[set[int], int]:
+    """Where a hooked return goes in the end, and the entries it goes through: `ret`, or, when
+    that is entry point k of the trampoline (entry point 0 at `points`: a return probe of the
+    same call hooked it before), entry k's original return address (`original(k)`), and so on.
+    Each entry once: a chain the target scribbled into a loop ends."""
+    entries: set[int] = set()
+    while True:
         k, rest = divmod(ret - points, L.TRAMPOLINE_STRIDE)
-        if rest or not 0 <= k < L.SHADOW_CAPACITY:
-            break
+        if rest or not 0 <= k < L.SHADOW_CAPACITY or k in entries:
+            return entries, ret
+        entries.add(k)
         ret = original(k)
-    return ret

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import iced_x86 as iced
 
-from dynprobe.actions.filter import filter_args
 from dynprobe.actions.model import MAX_FIELDS, ActionKind, Compare, Filter, Program, ReturnEntry
 from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.decode import iter_instructions
@@ -864,10 +863,7 @@ def _then_region(plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: in
 
 
 def _fetches_flags(prog: Program) -> bool:
-    args = [f.arg for f in prog.fields] + ([prog.value] if prog.value else [])
-    if prog.filter is not None:
-        args += filter_args(prog.filter)
-    return any(isinstance(f, Reg) and f.name == "eflags" for arg in args for f in fetch_chain(arg.fetch))
+    return any(isinstance(f, Reg) and f.name == "eflags" for arg in prog.fetch_args() for f in fetch_chain(arg.fetch))
 
 
 def _check_fields(prog: Program) -> None:
