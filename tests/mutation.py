@@ -47,7 +47,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spec/parser.py": ("test_parser.py", "test_fetch.py", "test_filter.py", "test_public_api.py"),
     "spec/argspec.py": ("test_argspec.py",),
     "actions/filter.py": ("test_filter.py", "test_codegen.py"),
-    "actions/model.py": ("test_filter.py", "test_codegen.py"),
+    "actions/model.py": ("test_filter.py", "test_codegen.py", "test_native_returns.py"),
     "arch/x86_64/relocate.py": ("test_arch_tables.py", "test_optimize_tables.py", "test_relocation_edges.py"),
     "arch/x86_64/optimize.py": ("test_optimize_tables.py", "test_relocation_edges.py", "test_codegen.py"),
     "arch/x86_64/emulate.py": ("test_emulate.py", "test_arch_tables.py", "test_properties.py"),

@@ -47,7 +47,7 @@ class Returns:
                 assert isinstance(code, bytes), code
                 return code
 
-            entry = dataclasses.replace(prog.return_entry(maxactive), handler=native.place(return_code))
+            entry = prog.return_entry(maxactive, native.place(return_code))
             entries.append(dataclasses.replace(prog, entry=entry))
 
         def detour(at: int) -> bytes:

@@ -102,9 +102,9 @@ class Program:
         args = [f.arg for f in self.fields] + ([self.value] if self.value is not None else [])
         return args + (filter_args(self.filter) if self.filter is not None else [])
 
-    def return_entry(self, maxactive: int) -> ReturnEntry:
-        """What its entry keeps for its return, as a return probe's program (the handler: 0,
-        filled in per process): the $argN it reads, the time stamp if it reads $latency."""
+    def return_entry(self, maxactive: int, handler: int) -> ReturnEntry:
+        """What its entry does as a return probe's program, whose return code is at `handler`:
+        it keeps the $argN the program reads, and the time stamp if it reads $latency."""
         fetches = [f for arg in self.fetch_args() for f in fetch_chain(arg.fetch)]
         indices = sorted({f.index for f in fetches if isinstance(f, Arg)})
-        return ReturnEntry(maxactive, 0, tuple(indices), any(isinstance(f, Latency) for f in fetches))
+        return ReturnEntry(maxactive, handler, tuple(indices), any(isinstance(f, Latency) for f in fetches))

@@ -165,8 +165,8 @@ class ReturnProbes:
 
     @staticmethod
     def entry_of(probe: Probe) -> ReturnEntry:
-        """What the entry keeps for the probe's return (its handler filled in per process)."""
-        return probe.program().return_entry(probe.maxactive)
+        """What the entry keeps for the probe's return (no handler: its return code is per process)."""
+        return probe.program().return_entry(probe.maxactive, handler=0)
 
     # --- set-up ---------------------------------------------------------------------------------------
     def setup(self, proc: TracedProcess, near: int) -> ProcessReturns:
@@ -262,7 +262,7 @@ class ReturnProbes:
     def entry_program(self, proc: TracedProcess, probe: Probe, near: int) -> Program:
         """The probe's program for its entry site's detour."""
         self.setup(proc, near)
-        entry = dataclasses.replace(self.entry_of(probe), handler=self.return_code(proc, probe))
+        entry = probe.program().return_entry(probe.maxactive, self.return_code(proc, probe))
         return dataclasses.replace(probe.program(), entry=entry)
 
     # --- the shadow stack, from the tracer --------------------------------------------------------------
