@@ -528,6 +528,29 @@ def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> No
     assert int(finish(running).split("=")[1]) > 100
 
 
+def test_a_ctrl_c_whose_handler_comes_late_still_ends_the_run(spinner: str) -> None:
+    """Python runs a signal's handler between bytecodes: a Ctrl-C caught just before the wait for
+    a stop had its handler run only once the wait ended, and on a target that never stops the run
+    went on (a CI run hung so). `interrupt_main` leaves the handler pending in the same way while
+    the main thread sleeps in its wait (waitid or sigtimedwait); the run must still end."""
+    with spinning(spinner, "1", "idle", "600") as proc:  # (it ends within the test only if run() does)
+        code = (
+            "import _thread, signal, threading, dynprobe\n"
+            f"with dynprobe.attach({proc.pid}) as s:\n"
+            "    signal.signal(signal.SIGINT, s.interrupt_wait)\n"
+            "    main = threading.get_native_id()\n"
+            "    def late():\n"
+            "        while open(f'/proc/self/task/{main}/syscall').read().split()[0] not in ('247', '128'):\n"
+            "            pass\n"
+            "        _thread.interrupt_main(signal.SIGINT)\n"
+            "    threading.Thread(target=late).start()\n"
+            "    print(s.run(), len(s.processes()), flush=True)\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert r.stdout == "None 1\n", r.stdout + r.stderr  # (the target runs on)
+        assert "ticks=" in finish(proc)
+
+
 def test_a_detach_that_cannot_finish_hands_over_to_the_guardian(spinner: str) -> None:
     """docs/architecture.md §3: a detach that fails half-way (here: putting the optimized sites back raises)
     still lets every thread go; the guardian then puts back what is left."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,21 @@ def test_exact_hit_counts(counter: str, threads: int) -> None:
     assert inner.hits == 2000 * threads
     assert dict(entry.resumes) == {ResumeKind.BOOST: 2000 * threads}  # mov rax,[rip+seed]
     assert dict(inner.resumes) == {ResumeKind.EMULATE: 2000 * threads}  # lea
+
+
+def test_a_thread_of_the_program_using_dynprobe_does_not_stall_its_run(counter: str) -> None:
+    """A timed run sleeps until a SIGCHLD says a tracee stopped. Another thread of the Python
+    program (this one: the test's) has SIGCHLD unblocked and may take it, and a stop would wait
+    for the run's whole time limit: every one of 20,000 must be served well within it."""
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)
+    other.start()
+    try:
+        status, _, (entry,) = traced([counter, "20000", "1"], lambda s: (s.probe("work"),), timeout=60)
+    finally:
+        done.set()
+        other.join()
+    assert status == 0 and entry.hits == 20000
 
 
 @pytest.mark.parametrize("threads", [1, 8])

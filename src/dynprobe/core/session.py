@@ -119,6 +119,7 @@ from dynprobe.symbols.resolve import (
     resolve,
     resolve_address,
 )
+from dynprobe.threads import start_without_signals
 
 LOADER_HOOK = "_dl_debug_state"
 RSEQ_OFFSET = "__rseq_offset"  # glibc 2.35+: where its threads' rseq areas are, from the thread pointer
@@ -339,6 +340,7 @@ class Session:
         self._stop_requested = False
         self._interrupted = False  # interrupt_wait was called, maybe before run() began
         self._wakeable_run = False  # see _wakeable
+        self._waiting = False  # in the wait for a stop (see _wakeable)
         self._closed = False
         self._started = False
         self._in_run = False  # see _running
@@ -779,6 +781,7 @@ class Session:
                     # by the remote syscall that met it, and settles the bookkeeping.
                     _debug(f"thread gone while handled: {exc}")
                     self._requeue_exits()
+            self._interrupted = False  # (a signal this run took: it ended this one only)
         return self.exit_status if not self._processes else None
 
     @contextlib.contextmanager
@@ -837,19 +840,23 @@ class Session:
 
     def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`
-        seconds passed first. A timed wait sleeps in sigtimedwait for SIGCHLD: no timer signal
-        has to find this thread inside waitpid (with the consumer thread, process signals could
-        land elsewhere; SIGINT and SIGTERM are blocked there, so Ctrl-C still arrives here).
-        The stop is only seen here, not taken (`peek_stop`): `_serve_breakpoint` serves an
-        int3 hit, whose resume takes it, and takes any other stop."""
-        if timeout is None:
-            return peek_stop(block=True)
-        with sigchld_blocked():
-            stop = peek_stop(block=False)
-            if stop is None:
-                signal.sigtimedwait([signal.SIGCHLD], timeout)
+        seconds passed first, or a slice of it (`run()` waits again). A timed wait sleeps in
+        sigtimedwait for SIGCHLD (no timer signal has to find this thread inside waitpid); another
+        thread of the Python program (dynprobe's own block signals) may take the SIGCHLD: the
+        slice bounds what that costs. The stop is only seen here, not taken (`peek_stop`):
+        `_serve_breakpoint` serves an int3 hit, whose resume takes it, and takes any other stop."""
+        self._waiting = True  # (see _wakeable)
+        try:
+            if timeout is None:
+                return peek_stop(block=True)
+            with sigchld_blocked():
                 stop = peek_stop(block=False)
-        return stop
+                if stop is None:
+                    signal.sigtimedwait([signal.SIGCHLD], min(timeout, WAIT_SLICE))
+                    stop = peek_stop(block=False)
+            return stop
+        finally:
+            self._waiting = False
 
     def stop(self) -> None:
         """Make `run()` return after the event at hand (call it from a handler)."""
@@ -875,29 +882,55 @@ class Session:
 
     @contextlib.contextmanager
     def _wakeable(self) -> Iterator[None]:
-        """While `run()` runs in the main thread, `request_stop` may wake it: a handler of
-        _WAKE_SIGNAL interrupts the wait for a stop (as SIGINT does)."""
+        """While `run()` runs in the main thread, its wait for a stop can be woken: by
+        `request_stop`, and for a signal whose handler would otherwise run too late. Python runs a
+        handler between bytecodes, so that of a signal caught just before the blocking wait runs
+        only once the wait ends, and a Ctrl-C would be lost on a target that never stops. A
+        thread sends _WAKE_SIGNAL to the waiting main thread every WAIT_SLICE: the wait returns
+        with EINTR, Python runs the handlers due (each asking for a stop interrupts a running
+        tracee, which ends the wait) and waits again. Nothing is added to serving a stop."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = signal.signal(_WAKE_SIGNAL, self.interrupt_wait)
+        previous = signal.signal(_WAKE_SIGNAL, self._woken)
+        main, done = threading.get_ident(), threading.Event()
+
+        def wake_while_waiting() -> None:
+            while not done.wait(WAIT_SLICE):
+                if self._waiting:
+                    with contextlib.suppress(OSError):
+                        signal.pthread_kill(main, _WAKE_SIGNAL)
+
+        waker = start_without_signals(wake_while_waiting, "dynprobe-waker")
         self._wakeable_run = True
         try:
             yield
         finally:
             self._wakeable_run = False
+            done.set()
+            waker.join()
             signal.signal(_WAKE_SIGNAL, previous)
 
+    def _woken(self, signum: int, frame: FrameType | None) -> None:
+        if self._stop_requested:
+            self._interrupt_running()
+
     def interrupt_wait(self, signum: int, frame: FrameType | None) -> None:
-        """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()`
-        return promptly: it never raises (an exception in the middle of waitpid could lose an
-        event); it sets a flag and PTRACE_INTERRUPTs a running tracee so waitpid wakes up."""
+        """A signal handler (SIGINT/SIGTERM in the CLI) that makes `run()` return promptly: it
+        never raises (an exception in the middle of waitpid could lose an event); it sets a flag
+        and PTRACE_INTERRUPTs a running tracee so the wait for a stop ends (see _wakeable)."""
         self._interrupted = self._stop_requested = True
+        self._interrupt_running()
+
+    def _interrupt_running(self) -> None:
+        """PTRACE_INTERRUPT a running tracee (one is enough to end a wait for any stop)."""
         for proc in self._processes.values():
             for tid, state in proc.tracee.threads.items():
                 if not state.stopped:
-                    with contextlib.suppress(OSError):
+                    try:
                         sc.interrupt(tid)
+                    except OSError:
+                        continue
                     return
 
     def _start(self) -> None:

@@ -84,8 +84,8 @@ def wait_event(tid: int = -1, block: bool = True) -> Event | None:
     return decode_status(pid, status)
 
 
-# Stop-the-world sleeps between polls for stops. SIGCHLD ends the sleep at once; the slice bounds
-# the wait when another thread of the tracer took the SIGCHLD, or a stop's event was already taken.
+# Timed waits for stops sleep in slices. SIGCHLD ends the sleep at once; the slice bounds the
+# wait when another thread of the tracer took the SIGCHLD, or a stop's event was already taken.
 WAIT_SLICE = 0.05
 
 

@@ -16,7 +16,6 @@ import ctypes
 import functools
 import mmap
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ import numpy as np
 from dynprobe.arch.x86_64.codegen import TRACE_DATA, read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
+from dynprobe.threads import start_without_signals
 
 _READINGS_AT = 64  # where tsc_readings_code goes in the clock's page, after read_tsc_code
 _READINGS = 4096
@@ -246,8 +246,7 @@ class Consumer:
     # --- lifecycle ---
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="dynprobe-consumer", daemon=True)
-            self._thread.start()
+            self._thread = start_without_signals(self._loop, "dynprobe-consumer")
 
     def place(self, cpus: set[int]) -> None:
         """Run on these CPUs (the session keeps the consumer off the target's CPU)."""
@@ -266,9 +265,6 @@ class Consumer:
         self.drain()
 
     def _loop(self) -> None:
-        # Process-directed signals (Ctrl-C, SIGTERM, the application's own) must reach the
-        # tracing thread blocked in waitpid: delivered here, they would not wake it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         os.sched_setaffinity(0, self.cpus)
         last_calibration = time.monotonic()
         woken = True

@@ -1,0 +1,22 @@
+"""dynprobe's own threads (the consumer, the waker): started with every signal blocked. Signals
+sent to the process (a stop's SIGCHLD, Ctrl-C, SIGTERM) must reach the tracing thread, whose
+wait for stops they end; a thread of ours that took one would discard a SIGCHLD or leave a
+Ctrl-C unseen. Blocked from birth (a thread inherits its creator's mask), not from its first
+line: one could come in between."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+
+
+def start_without_signals(target: Callable[[], None], name: str) -> threading.Thread:
+    """Start a daemon thread running `target` with every signal blocked."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    return thread
