@@ -540,8 +540,8 @@ class Session:
         maxactive: int | None = None,
         **kw: Any,
     ) -> Probe:
-        """Place a return probe on `function` ('SYMBOL' or 'PATH:SYMBOL', or an 'r' spec with
-        fetch arguments). With Python handlers: `entry(hit)` runs at the entry (a true result
+        """Place a return probe on `function` ('SYMBOL' or 'PATH:SYMBOL', with or without fetch
+        arguments, or an 'r' spec). With Python handlers: `entry(hit)` runs at the entry (a true result
         vetoes the instance: no return handler runs, nothing is counted missed; `hit.data = obj`
         keeps any object for the return), `handler(hit)` at the return (`hit.retval`,
         `hit.data`, `hit.caller`; changing `hit.regs.rax` changes the return value). Without
@@ -549,8 +549,8 @@ class Session:
         are the entry's arguments and `$latency` the nanoseconds since the entry; `data_size`
         (if given) is checked to hold what the entry keeps. `maxactive`: pending instances per
         thread (default max(10, 2 x CPUs)); entries beyond it are counted in `nmissed`."""
-        spec = function if function.lstrip().startswith("r") and " " in function.strip() else f"r {function}"
-        parsed = parse_probe(spec)
+        kind = function.split(None, 1)[0].split(":", 1)[0] if function.strip() else ""
+        parsed = parse_probe(function if kind in ("p", "r") else f"r {function}")
         if parsed.kind != "r":
             raise SessionError(f"{function!r} is not a return probe spec")
         return self.probe(parsed, on_entry=entry, on_return=handler, maxactive=maxactive, data_size=data_size, **kw)
