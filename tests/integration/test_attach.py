@@ -463,6 +463,43 @@ def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
     assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
 
 
+def test_actions_of_a_process_without_thread_areas_run_at_the_stop() -> None:
+    """Under seccomp without CAP_SYS_ADMIN no thread area can be made: each probe's action runs
+    in the tracer at the trap, as the target would have run it (a filter, a histogram, records
+    for a callback and for a BatchHandler, the CPU each hit ran on)."""
+    target = build_target("seccomp", flags=("-O0",))
+    proc = start([target, "usr1"])
+    code = (
+        "import os, dynprobe\n"
+        "from dynprobe.core.probe import BatchHandler\n"
+        "class Rows(BatchHandler):\n"
+        "    rows = 0\n"
+        "    def on_batches(self, batches): self.rows += sum(len(b.time_ns) for b in batches)\n"
+        f"with dynprobe.attach({proc.pid}) as s:\n"
+        "    events, rows = [], Rows()\n"
+        "    counted = s.probe('p work i=%di', action='count')\n"
+        "    never = s.probe('p work i=%di', filter='i > 1000000000')\n"
+        "    hist = s.probe('p work i=%di', action='hist', value='i')\n"
+        "    recorded = s.probe('p work i=%di', on_event=events.append)\n"
+        "    columns = s.probe('p work i=%di', on_event=rows)\n"
+        "    while counted.hits < 50:\n"
+        "        s.run(timeout=0.1)\n"
+        "    s.drain()\n"
+        "    n = counted.hits\n"
+        "    values = [e.values['i'] for e in events]\n"
+        "    print(counted.trap_reason.name, never.hits, sum(hist.histogram) == n, len(events) == rows.rows == n)\n"
+        "    print(values == list(range(values[0], values[0] + n)), all(0 <= e.cpu < os.cpu_count() for e in events))\n"
+    )
+    tracer = subprocess.run(
+        ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert tracer.stdout.splitlines() == ["SECCOMP 0 True True", "True True"], tracer.stdout + tracer.stderr
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
+
+
 def test_count_probes_on_many_threads_hold_little_memory(spinner: str) -> None:
     """Counting needs no ring: a thread area's pages fault in as they are used, not all at once
     (a 1 MiB ring and the tables, ~2.3 MiB a thread, were faulted in for each of them; 500

@@ -1319,7 +1319,11 @@ class Session:
             # In the target, then the instruction from its slot (they see the registers of the
             # hit); at the stop where the thread resumes otherwise: stepped, or stamped
             steps = kind is _STEP or post or user_tf
-            if not (steps or stamps) and (site.slot is not None or self._give_slot(proc, site)):
+            if (
+                not (steps or stamps)
+                and proc.areas_refused is None
+                and (site.slot is not None or self._slot_at_hit(proc, site))
+            ):
                 stub = self._actions_stub(proc, tid, site, regs, actions)
             if stub is None:
                 self._act_at_stop(proc, tid, site, regs, actions)
@@ -1691,6 +1695,15 @@ class Session:
         except SeccompFiltered as exc:
             raise refused(Refusal.SECCOMP) from exc
         return site
+
+    def _slot_at_hit(self, proc: TracedProcess, site: Site) -> bool:
+        """`_give_slot` at a hit, in a process that may turn out to run no code of ours (a
+        seccomp filter we may not suspend): then it has no thread area either."""
+        try:
+            return self._give_slot(proc, site)
+        except SeccompFiltered:
+            proc.areas_refused = OptimizeRefusal.SECCOMP
+            return False
 
     def _give_slot(self, proc: TracedProcess, site: Site) -> bool:
         """The site's out-of-line slot: made at placement, or for an emulated instruction at the
