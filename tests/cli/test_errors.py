@@ -218,6 +218,10 @@ VALUES = [  # each refused in one line, before the program is touched
     (["count", "--filter", DEEP, "p add_word"], "FILTER_TOO_DEEP: parentheses nested deeper than 16 levels"),
     (["trace", "--filter", LONG, "p add_word"], "FILTER_TOO_LONG: more than 64 comparisons in one filter"),
     (["count", "--ring-size=-4K", "p add_word"], "'-4K' is not a size (bytes, or with K, M or G: 64M)"),
+    (["record", "-T", "add_word@bogus"], "not a trigger: 'add_word@bogus' (FUNC@ACTIONS, the actions among"),
+    (["record", "-T", "add_word"], "not a trigger: 'add_word' (FUNC@ACTIONS, e.g. parse@depth=2,trace_on)"),
+    (["record", "-T", "add_word@depth=0"], "not a trigger: 'add_word@depth=0'"),
+    (["record", "-D", "0"], "-D 0: a depth is 1 or more"),
 ]
 
 
@@ -226,6 +230,31 @@ def test_values_out_of_range(args: list[str], says: str, wordcount: str) -> None
     r = dp(*args, "--", wordcount, "a")
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr and says in r.stderr, r.stderr
     assert len(r.stderr.splitlines()) <= 3 and not r.stdout  # (a spec's error shows it, and a caret)
+
+
+LISTING = [  # `dynprobe list`: what it is asked, and the one line it says
+    ([], "give a MODULE (a file, or a library: libc) or -p PID"),
+    (["libc:malloc*", "free*"], "give MODULE:GLOB or MODULE GLOB, not both: 'libc:malloc*' 'free*'"),
+    (["-p", "999999999"], "no process with pid 999999999"),
+    (["-p", "{sleeper}", "{wordcount}:*"], "has not mapped {wordcount}"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), LISTING, ids=[" ".join(a) or "nothing" for a, _ in LISTING])
+def test_list_refuses_in_one_line(args: list[str], says: str, wordcount: str) -> None:
+    with subprocess.Popen(["sleep", "60"]) as sleeper:
+        try:
+            names = {"sleeper": str(sleeper.pid), "wordcount": os.path.realpath(wordcount)}
+            one_error_line(dp("list", *(a.format(**names) for a in args)), says.format(**names))
+        finally:
+            sleeper.kill()
+    r = dp("list", wordcount, "no_such_function_*")
+    assert r.returncode == 1 and r.stderr == "dynprobe: no function matches 'no_such_function_*'\n" and not r.stdout
+
+
+def test_reading_a_trace_refuses_in_one_line(trace_dir: str) -> None:
+    one_error_line(dp("graph", "-d", trace_dir, "no_such_function"), f"no call of no_such_function in {trace_dir}")
+    one_error_line(dp("replay", trace_dir, "--", "ls"), "reading a trace runs no command")
 
 
 def test_sigterm_while_probes_are_placed_detaches(spinner: str, tmp_path: Path) -> None:
