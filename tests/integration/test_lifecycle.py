@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 import dynprobe
+from dynprobe.errors import ProcessError
+from dynprobe.ptrace.process import thread_state
 from tests.conftest import TARGETS, build_target
 
 from .helpers import run_plain, run_until, traced
@@ -136,6 +138,21 @@ def test_leader_pthread_exit_while_others_run() -> None:
     status, _, probe = traced([target], lambda s: s.probe("probed"))
     assert status == 5
     assert probe.hits == 100
+
+
+def test_attaching_after_the_leader_ended_says_why_it_cannot() -> None:
+    """PTRACE_SEIZE goes through the main thread: once it has called pthread_exit (a zombie while
+    the others run) the attach is refused, and the error says so and what to do."""
+    target = build_target("leader_exit", flags=("-O1", "-pthread"))
+    with subprocess.Popen([target, "held"], stdin=subprocess.PIPE) as proc:
+        assert proc.stdin is not None
+        deadline = time.monotonic() + 60
+        while thread_state(proc.pid, proc.pid) != b"Z" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with pytest.raises(ProcessError, match=f"the main thread of pid {proc.pid} has ended while others run"):
+            dynprobe.attach(proc.pid)
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 5
 
 
 def test_target_killed_by_sigkill_is_fully_reaped(spinner: str) -> None:
