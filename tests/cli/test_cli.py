@@ -696,3 +696,15 @@ def test_a_probe_on_a_library_never_loaded_says_so(wordcount: str) -> None:
     assert r.returncode == 0, r.stderr
     assert re.search(r"^dynprobe: 1 probe never placed: the program did not load the library: uprobes/p_deflate "
                      r"\(libz\.so[.\d]*\)$", r.stderr, re.M), r.stderr  # fmt: skip
+
+
+def test_dynprobe_debug_prints_the_engines_decisions(wordcount: str) -> None:
+    """README: DYNPROBE_DEBUG=1 says on stderr which sites were queued and optimized (for bug
+    reports); the results are the same."""
+    env = dict(os.environ, DYNPROBE_DEBUG="1")
+    r = subprocess.run([*DYNPROBE, "count", "p add_word", "--", wordcount, "a b a"],
+                       capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^dynprobe\[\d+\]: site 0x[0-9a-f]+: queued for optimization$", r.stderr, re.M), r.stderr
+    assert re.search(r"^dynprobe\[\d+\]: optimized 0x[0-9a-f]+: detour 0x[0-9a-f]+, \d+ bytes$", r.stderr, re.M)
+    assert re.search(r"p_add_word +3$", r.stderr, re.M), r.stderr

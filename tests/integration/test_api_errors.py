@@ -10,7 +10,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import dynprobe
+from dynprobe.core.ftrace import ValueRequest
 from dynprobe.errors import ParseError, ProcessError, SessionError, SymbolError
+from dynprobe.ringbuf import layout as L
+from dynprobe.spec.argspec import parse_values
+from dynprobe.symbols.patterns import NamePattern
 from tests.conftest import build_target
 
 
@@ -45,6 +49,17 @@ REFUSALS: list[tuple[str, Call, type[Exception], str]] = [
      "data_size 1048576 is out of range"),
     ("maxactive 0", lambda s: s.retprobe("work", maxactive=0), SessionError, "maxactive 0 is out of range"),
     ("a spec that does not parse", lambda s: s.probe("p work x="), ParseError, "column"),
+    ("a tracer of nothing", lambda s: s.function_tracer(filter=["no_such_function*"]), SessionError,
+     "no function to trace: the filters match nothing"),
+    ("a tracer depth of 0", lambda s: s.function_tracer(depth=0), SessionError,
+     f"a depth limit is from 1 to {L.SHADOW_CAPACITY}, in graph mode"),
+    ("a depth without graph mode", lambda s: s.function_tracer(graph=False, depth=2), SessionError,
+     "a depth limit is from 1"),
+    ("a negative time threshold", lambda s: s.function_tracer(threshold_ns=-1), SessionError,
+     "a time threshold is a positive time, in graph mode"),
+    ("return values without graph mode", lambda s: s.function_tracer(graph=False).record_values(
+        [ValueRequest(NamePattern("work"), tuple(parse_values("retval", retval=True)))]), SessionError,
+     "return values are recorded in graph mode"),
 ]  # fmt: skip
 
 
