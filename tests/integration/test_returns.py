@@ -271,6 +271,17 @@ def test_python_handlers_entry_veto_data_and_return_value(ret: str) -> None:
     assert stops <= 2 * 100 + 10
 
 
+def test_a_return_handler_changes_both_halves_of_a_two_register_value(ret: str) -> None:
+    """A struct of two longs comes back in rax:rdx; the handler changes each half it is given."""
+
+    def handler(hit: Hit) -> None:
+        hit.regs.rax, hit.regs.rdx = int(hit.regs.rax) + 1, 0
+
+    status, out, _ = traced([ret, "wide", "100"], lambda s: [s.retprobe("wide", handler=handler)])
+    assert status == 0 and out == f"{sum(range(100)) + 100} 0\n"
+    assert run_plain([ret, "wide", "100"]).stdout == f"{sum(range(100))} {2 * sum(range(100))}\n"
+
+
 def test_detach_with_instances_pending_returns_to_the_real_caller(ret: str) -> None:
     with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
         try:

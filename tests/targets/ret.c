@@ -14,6 +14,7 @@
  *   evenodd N       is_even(N) by mutual recursion with is_odd
  *   raise           a probed function raises SIGUSR1; its handler calls add
  *   mixed N         N calls of add; every 10th, a slow call (a 2 ms nap, then add); prints the sum
+ *   wide N          N calls of wide(i), which returns {i, 2i} in rax:rdx; prints both halves' sums
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -43,6 +44,16 @@ NOINLINE long add(long a, long b) {
     add_calls++;  /* long enough for a jump */
     __asm__ volatile("" ::: "memory");
     return a + b;
+}
+
+/* wide: a two-register return value */
+struct pair {
+    long low, high;
+};
+NOINLINE struct pair wide(long a) {
+    add_calls++;
+    __asm__ volatile("" ::: "memory");
+    return (struct pair){a, 2 * a};
 }
 
 /* longjmp */
@@ -244,6 +255,14 @@ int main(int argc, char **argv) {
         for (long i = 0; i < n; i++)
             s += add(i, 1);
         printf("%ld\n", s);
+    } else if (!strcmp(mode, "wide")) {
+        long low = 0, high = 0;
+        for (long i = 0; i < n; i++) {
+            struct pair p = wide(i);
+            low += p.low;
+            high += p.high;
+        }
+        printf("%ld %ld\n", low, high);
     } else if (!strcmp(mode, "threads")) {
         long t = n;
         per_thread = argc > 3 ? atol(argv[3]) : 1000;
