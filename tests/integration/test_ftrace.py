@@ -284,6 +284,8 @@ def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
         ("record_size", "info.json is damaged: record_size is not a power of two from 16 to 4096"),
         ("threshold", "info.json is damaged: threshold_ns is not a number"),
         ("functions", "info.json is damaged: the function table is not a list of [name, ...]"),
+        ("many values", "info.json is damaged: the recorded values are not a table of function id"),
+        ("two retvals", "info.json is damaged: the recorded values are not a table of function id"),
         ("nested", "info.json is not JSON: maximum recursion depth exceeded"),
         ("binary", "info.json is not JSON:"),
         ("fifo info", "info.json cannot be read: not a regular file"),
@@ -299,6 +301,8 @@ def test_bad_trace_directory_one_line(ret: str, tmp_path: Path, damage: str, mes
         "record_size": lambda i: i.update(record_size=1 << 40),
         "threshold": lambda i: i.update(threshold_ns="10us"),
         "functions": lambda i: i.update(functions=[[1, "a.out", 0, 0]]),
+        "many values": lambda i: i.update(captures={"0": [["arg1"] * 1000, []]}),
+        "two retvals": lambda i: i.update(captures={"0": [[], ["retval", "retval"]]}),
     }
     if damage == "missing":
         info.unlink()

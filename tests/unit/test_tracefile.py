@@ -1,0 +1,58 @@
+"""Trace directories: what `create_trace_directory` takes, keeps and refuses (nothing that is
+not a trace dynprobe wrote is ever deleted), and the record dtype of each record size."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from dynprobe import tracefile
+from dynprobe.output.files import OutputError
+
+
+def a_trace(path: Path) -> Path:
+    tracefile.create_trace_directory(str(path))
+    tracefile.write_info(str(path), {"format": tracefile.FORMAT})
+    return path
+
+
+def test_an_empty_directory_is_taken(tmp_path: Path) -> None:
+    (tmp_path / "t").mkdir(mode=0o755)
+    tracefile.create_trace_directory(str(tmp_path / "t"))
+    assert stat.S_IMODE(os.stat(tmp_path / "t").st_mode) == 0o700 and os.listdir(tmp_path / "t") == []
+
+
+def test_an_earlier_trace_is_kept_as_old_and_an_older_one_goes(tmp_path: Path) -> None:
+    first = a_trace(tmp_path / "t")
+    (first / tracefile.EVENTS).write_bytes(b"first")
+    tracefile.create_trace_directory(str(first))
+    assert (tmp_path / "t.old" / tracefile.EVENTS).read_bytes() == b"first" and os.listdir(first) == []
+    tracefile.write_info(str(first), {"format": tracefile.FORMAT})
+    tracefile.create_trace_directory(str(first))  # the older one goes, the last one is kept
+    assert not (tmp_path / "t.old" / tracefile.EVENTS).exists()
+
+
+@pytest.mark.parametrize("in_the_way", ["a file", "a directory of someone's"])
+def test_what_is_not_a_trace_is_never_replaced(tmp_path: Path, in_the_way: str) -> None:
+    a_trace(tmp_path / "t")
+    old = tmp_path / "t.old"
+    if in_the_way == "a file":
+        old.write_text("notes")
+    else:
+        old.mkdir()
+        (old / "notes.txt").write_text("notes")
+    with pytest.raises(OutputError, match=f"{old} is in the way \\(not a trace\\): move it, or choose another -o"):
+        tracefile.create_trace_directory(str(tmp_path / "t"))
+    (tmp_path / "f").write_text("notes")
+    with pytest.raises(OutputError, match="exists and is not a trace directory: choose another name with -o"):
+        tracefile.create_trace_directory(str(tmp_path / "f"))
+    assert tracefile.is_trace_directory(str(tmp_path / "t")) and (tmp_path / "f").read_text() == "notes"
+
+
+@pytest.mark.parametrize("record_size", [16, 32, 4096])
+def test_the_record_dtype_spans_the_record(record_size: int) -> None:
+    dtype = tracefile.record_dtype(record_size)
+    assert dtype.itemsize == record_size and dtype.names[:4] == ("ops", "kind", "func", "tsc")  # type: ignore[index]
