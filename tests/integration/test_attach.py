@@ -427,6 +427,20 @@ def test_attach_to_a_stopped_process_keeps_it_stopped(running: subprocess.Popen[
     assert int(finish(running).split("=")[1]) > 100
 
 
+def traced_without_sys_admin(proc: subprocess.Popen[str], code: str) -> list[str]:
+    """Run the tracer `code` on the sandboxed `proc` without CAP_SYS_ADMIN (the seccomp filter
+    cannot be suspended); then the program must finish untouched. The lines the tracer printed."""
+    tracer = subprocess.run(
+        ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
+    assert not tracer.stderr, tracer.stderr
+    return tracer.stdout.splitlines()
+
+
 def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
     """A seccomp filter that kills the process on mmap or memfd_create (the system calls dynprobe
     runs in the target for slots and thread areas): with CAP_SYS_ADMIN the filter is suspended
@@ -453,14 +467,7 @@ def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
         "    except dynprobe.ProbeRefused as exc:\n"
         "        print(exc.reason.name)\n"
     )
-    tracer = subprocess.run(
-        ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert tracer.stdout.splitlines() == ["TRAP SECCOMP True", "SECCOMP"], tracer.stdout + tracer.stderr
-    proc.send_signal(signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=20)
-    assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
+    assert traced_without_sys_admin(proc, code) == ["TRAP SECCOMP True", "SECCOMP"]
 
 
 def test_actions_of_a_process_without_thread_areas_run_at_the_stop() -> None:
@@ -490,14 +497,7 @@ def test_actions_of_a_process_without_thread_areas_run_at_the_stop() -> None:
         "    print(counted.trap_reason.name, never.hits, sum(hist.histogram) == n, len(events) == rows.rows == n)\n"
         "    print(values == list(range(values[0], values[0] + n)), all(0 <= e.cpu < os.cpu_count() for e in events))\n"
     )
-    tracer = subprocess.run(
-        ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert tracer.stdout.splitlines() == ["SECCOMP 0 True True", "True True"], tracer.stdout + tracer.stderr
-    proc.send_signal(signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=20)
-    assert proc.returncode == 0 and out.endswith(" sum=0\n"), out
+    assert traced_without_sys_admin(proc, code) == ["SECCOMP 0 True True", "True True"]
 
 
 def test_count_probes_on_many_threads_hold_little_memory(spinner: str) -> None:
