@@ -3,7 +3,11 @@ handlers, and histograms with their bucket ranges, on real processes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+import threading
 
 import dynprobe
 from dynprobe.output.hist import log2_lines
@@ -42,3 +46,57 @@ def test_a_histogram_has_its_buckets_and_prints_as_the_cli(wordcount: str) -> No
         zero = signed.histogram.buckets(empty=True)[0]
         assert (zero.low, zero.high, zero.label) == (None, 1, "(..., 0]")  # any value up to 0
         assert len(histogram.buckets(empty=True)) == 65
+
+
+def counter() -> str:
+    return build_target("counter", flags=("-O1", "-pthread"))
+
+
+def test_a_session_runs_in_a_thread_other_than_the_main_one() -> None:
+    """As in a notebook or a server: spawn, run (untimed and timed) and close in a worker thread,
+    where no signal handler can be set and none is needed."""
+    results: list[object] = []
+
+    def work() -> None:
+        for timeout in (None, 60.0):
+            with dynprobe.spawn([counter(), "1000", "2"], stdout=subprocess.DEVNULL) as session:
+                traps = session.probe("work", pre=lambda hit: None)
+                results.append((session.run(timeout=timeout), traps.hits))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert results == [(0, 2000), (0, 2000)]
+
+
+def test_removing_one_probe_of_a_site_leaves_the_others() -> None:
+    with dynprobe.spawn([counter(), "1000", "1"], stdout=subprocess.DEVNULL) as session:
+        kept = session.probe("work", pre=lambda hit: None)
+        gone = session.probe("work", action="count")
+        gone.remove()
+        gone.remove()  # (twice: nothing more happens)
+        assert session.probes == [kept] and session.run(timeout=60) == 0
+        assert kept.hits == 1000 and gone.hits == 0
+
+
+def test_an_interrupt_before_a_run_ends_that_run_only() -> None:
+    """`interrupt_wait` (a Ctrl-C) before `run()`: that run ends at once, the next one runs on."""
+    with dynprobe.spawn([counter(), "1000", "1"], stdout=subprocess.DEVNULL) as session:
+        probe = session.probe("work", pre=lambda hit: None)
+        session.request_stop()  # (not in a run: nothing to wake)
+        session.interrupt_wait(signal.SIGINT, None)
+        assert session.run(timeout=60) is None and probe.hits == 0
+        assert session.run(timeout=60) == 0 and probe.hits == 1000
+
+
+def test_a_tracer_on_one_cpu_runs_unpinned() -> None:
+    """With one CPU allowed (taskset), the tracer is not pinned apart from its target."""
+    code = (
+        "import subprocess, sys, dynprobe\n"
+        f"with dynprobe.spawn([{counter()!r}, '1000', '1'], stdout=subprocess.DEVNULL) as s:\n"
+        "    p = s.probe('work', pre=lambda hit: None)\n"
+        "    print(s.run(timeout=60), p.hits)\n"
+    )
+    cpu = str(min(os.sched_getaffinity(0)))
+    r = subprocess.run(["taskset", "-c", cpu, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout == "0 1000\n", r.stdout + r.stderr
