@@ -4,14 +4,17 @@ untraced)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 import dynprobe
 from dynprobe.core.ftrace import ValueRequest
-from dynprobe.errors import ParseError, ProcessError, SessionError, SymbolError
+from dynprobe.errors import NoSuchProcess, ParseError, ProcessError, SessionError, SymbolError
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.argspec import parse_values
 from dynprobe.symbols.patterns import NamePattern
@@ -129,3 +132,26 @@ def test_after_the_target_exited_nothing_can_be_placed(counter: str) -> None:
 def test_spawn_refuses_what_it_cannot_run(argv: list[str], message: str) -> None:
     with pytest.raises(ProcessError, match=message):
         dynprobe.spawn(argv)
+
+
+def test_attach_refuses_what_it_cannot_trace_and_takes_a_thread_for_its_process(spinner: str) -> None:
+    with pytest.raises(NoSuchProcess, match="no process with pid 0"):
+        dynprobe.attach(0)
+    with pytest.raises(ProcessError, match="dynprobe cannot trace itself"):
+        dynprobe.attach(os.getpid())
+    with subprocess.Popen([spinner, "2"], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        thread = max(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        assert thread != proc.pid
+        with dynprobe.attach(thread) as session:
+            assert session.pid == proc.pid
+        proc.terminate()
+        assert "ticks=" in proc.communicate(timeout=20)[0]
+
+
+def test_a_program_without_the_right_to_run_says_so(counter: str, tmp_path: Path) -> None:
+    copy = tmp_path / "counter"
+    shutil.copy(counter, copy)
+    copy.chmod(0o644)
+    with pytest.raises(ProcessError, match=f"cannot run {copy}: Permission denied"):
+        dynprobe.spawn([str(copy)])
