@@ -253,6 +253,31 @@ def test_a_probe_on_a_traced_function_is_refused_with_the_reason(ret: str) -> No
         assert probe.hits == 3
 
 
+def test_a_function_with_a_probe_is_left_out_of_a_tracer_with_the_reason(ret: str) -> None:
+    """The other way round: the probe stays, the tracer says why it left the function out, and
+    starting or stopping a tracer twice does nothing more."""
+    with open(os.devnull, "w") as null, dynprobe.spawn([ret, "fact", "3"], stdout=null.fileno()) as session:
+        probe = session.probe("fact", action="count")
+        tracer = session.function_tracer(["fact", "main"])
+        tracer.start()
+        tracer.start()
+        assert dict(tracer.not_patched) == {"PROBED": 1} and tracer.patched == 1
+        assert session.run(timeout=30) == 0
+        tracer.stop()
+        tracer.stop()
+        assert probe.hits == 3 and tracer.calls == 1  # main's
+
+
+def test_a_tracer_tells_its_progress(ret: str) -> None:
+    """`start(progress)`: told as each hundred functions are done (libc's ~3,000 here)."""
+    with open(os.devnull, "w") as null, dynprobe.spawn([ret, "fact", "3"], stdout=null.fileno()) as session:
+        tracer = session.function_tracer(libraries=["libc"], graph=False)
+        told: list[int] = []
+        tracer.start(progress=told.append)
+        assert len(tracer.functions) > 1000 and told == [100] * (len(tracer.functions) // 100)
+        assert session.run(timeout=60) == 0
+
+
 def test_stop_one_tracer_the_other_keeps_tracing(ret: str) -> None:
     with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
         try:
