@@ -80,6 +80,16 @@ def test_a_spec_file_that_cannot_be_read(command: str, path: str, says: str, wor
     one_error_line(dp(command, "-f", path, *value, "--", wordcount, "a"), says)
 
 
+def test_a_spec_file_with_nothing_or_one_huge_word(wordcount: str, tmp_path: Path) -> None:
+    """Empty: no probe. One word of 2 MB (no such function): quoted cut, not in full."""
+    (tmp_path / "empty").write_text("# nothing\n")
+    one_error_line(dp("count", "-f", str(tmp_path / "empty"), "--", wordcount, "a"), "no probe given")
+    (tmp_path / "huge").write_text("p" + "x" * 2_000_000 + "\n")
+    r = dp("count", "-f", str(tmp_path / "huge"), "--", wordcount, "a")
+    one_error_line(r, "no function 'p" + "x" * 99 + "'... (2,000,001 characters) in ")
+    assert len(r.stderr) < 400
+
+
 @pytest.mark.parametrize("command", ["trace", "record", "dump"])
 def test_an_output_that_cannot_be_created(command: str, wordcount: str, trace_dir: str) -> None:
     args = {
@@ -222,6 +232,7 @@ VALUES = [  # each refused in one line, before the program is touched
     (["record", "-T", "add_word"], "not a trigger: 'add_word' (FUNC@ACTIONS, e.g. parse@depth=2,trace_on)"),
     (["record", "-T", "add_word@depth=0"], "not a trigger: 'add_word@depth=0'"),
     (["record", "-D", "0"], "-D 0: a depth is 1 or more"),
+    (["count", "-p", "1", "p add_word"], "give either -p PID or -- COMMAND, not both"),
 ]
 
 

@@ -86,11 +86,16 @@ def unversioned(image: ElfImage, symbol: str) -> str:
         return name
     if version.startswith("@"):
         have = f"its default version is {name}@@{default}" if default else f"{name} has no versioned symbol"
-        raise SymbolError(f"no function {symbol!r} in {image.path}: {have}")
+        raise SymbolError(f"no function {_shown(symbol)} in {image.path}: {have}")
     return symbol
 
 
 Memory = Callable[[int], int | None]  # 8 bytes of a process's memory (None: not readable)
+
+
+def _shown(symbol: str, most: int = 100) -> str:
+    """A name as an error quotes it: a long one cut (a spec file of one 2 MB word was quoted whole)."""
+    return repr(symbol) if len(symbol) <= most else f"{symbol[:most]!r}... ({len(symbol):,} characters)"
 
 
 def loaded_in(image: ElfImage, maps: list[Mapping] | None, memory: Memory | None) -> LoadedIn | None:
@@ -125,7 +130,7 @@ def resolve_symbol(image: ElfImage, symbol: str, offset: int, loaded: LoadedIn |
     if not found:
         close = difflib.get_close_matches(symbol, [*image.by_name, *image.ifuncs], n=3, cutoff=0.8)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise SymbolError(f"no function {symbol!r} in {image.path}{hint}")
+        raise SymbolError(f"no function {_shown(symbol)} in {image.path}{hint}")
     same = image.shared_names.get(symbol, [])
     if same:  # static functions of one name in different source files
         offsets = ", ".join(f"{image.path}:{image.vaddr_to_offset(a) or a:#x}" for a in same[:4])
