@@ -52,6 +52,10 @@ REFUSALS: list[tuple[str, Call, type[Exception], str]] = [
      "data_size 1048576 is out of range"),
     ("maxactive 0", lambda s: s.retprobe("work", maxactive=0), SessionError, "maxactive 0 is out of range"),
     ("a spec that does not parse", lambda s: s.probe("p work x="), ParseError, "column"),
+    ("an offset past the function", lambda s: s.probe("work+0x10000"), SymbolError,
+     "work\\+0x10000 is past the end of work"),
+    ("a file offset out of the code", lambda s: s.probe(f"{s.process(s.pid).exe}:0x0"), SymbolError,  # type: ignore[union-attr]
+     "offset 0x0 is not in executable code of"),
     ("a tracer of nothing", lambda s: s.function_tracer(filter=["no_such_function*"]), SessionError,
      "no function to trace: the filters match nothing"),
     ("a tracer depth of 0", lambda s: s.function_tracer(depth=0), SessionError,
