@@ -100,3 +100,22 @@ def test_a_tracer_on_one_cpu_runs_unpinned() -> None:
     cpu = str(min(os.sched_getaffinity(0)))
     r = subprocess.run(["taskset", "-c", cpu, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout == "0 1000\n", r.stdout + r.stderr
+
+
+def test_a_batch_inside_a_batch_places_its_probes_with_the_outer_one() -> None:
+    """Nested blocks: the outer one optimizes everything at its end; `drain()` with no consumer
+    (trap probes only) delivers nothing and returns."""
+    told: list[tuple[int, int]] = []
+    with dynprobe.spawn([counter(), "1000", "1"], stdout=subprocess.DEVNULL) as session:
+        with session.batch(progress=lambda done, total: told.append((done, total))):
+            outer = session.probe("work", action="count")
+            with session.batch():
+                inner = session.probe("pushy", action="count")
+            assert session.addresses_of(inner) == []  # (not placed yet: the outer block does it)
+        assert outer.mode == inner.mode == dynprobe.ProbeMode.OPTIMIZED and told[-1] == (2, 2)
+        assert session.run(timeout=60) == 0 and outer.hits == 1000 and inner.hits == 0
+    with dynprobe.spawn([counter(), "10", "1"], stdout=subprocess.DEVNULL) as session:
+        traps = session.probe("work", pre=lambda hit: None)
+        session.drain()
+        assert session.run(timeout=60) == 0 and traps.hits == 10
+        session.drain()
