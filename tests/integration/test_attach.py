@@ -445,8 +445,9 @@ def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
     """A seccomp filter that kills the process on mmap or memfd_create (the system calls dynprobe
     runs in the target for slots and thread areas): with CAP_SYS_ADMIN the filter is suspended
     for those calls only, the probe is optimized and the program never notices; without it, the
-    probe stays a trap (its entry `push rbp` is emulated: no memory needed) and says why, and a
-    probe that needs a slot is refused. (Before: the program was killed, 'Bad system call'.)"""
+    probe stays a trap (its entry `push rbp` is emulated: no memory needed) and says why; a probe
+    that needs a slot is refused, as is a return probe. (Before: the program was killed, 'Bad
+    system call'.)"""
     target = build_target("seccomp", flags=("-O0",))
     proc = start([target, "usr1"])  # (it runs until told: a loaded machine attaches slowly)
     with dynprobe.attach(proc.pid) as session:
@@ -462,12 +463,13 @@ def test_sandboxed_process_under_seccomp_survives_optimized_probes() -> None:
         f"with dynprobe.attach({proc.pid}) as s:\n"
         "    p = s.probe('work', action='count'); s.run(timeout=0.4)\n"
         "    print(p.mode.name, p.trap_reason.name, p.hits > 100)\n"
-        "    try:\n"
-        "        s.probe('work+4')\n"  # mov [rbp-0x18],rdi: run from a slot
-        "    except dynprobe.ProbeRefused as exc:\n"
-        "        print(exc.reason.name)\n"
+        "    for place in (lambda: s.probe('work+4'), lambda: s.retprobe('work')):\n"  # (work+4: from a slot)
+        "        try:\n"
+        "            place()\n"
+        "        except dynprobe.ProbeRefused as exc:\n"
+        "            print(exc.reason.name)\n"
     )
-    assert traced_without_sys_admin(proc, code) == ["TRAP SECCOMP True", "SECCOMP"]
+    assert traced_without_sys_admin(proc, code) == ["TRAP SECCOMP True", "SECCOMP", "SECCOMP"]
 
 
 def test_actions_of_a_process_without_thread_areas_run_at_the_stop() -> None:
