@@ -125,6 +125,7 @@ def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
         with session.batch() if placed == "in a batch" else contextlib.nullcontext():
             probes = {name: session.probe(name) for name in names}
             probes["python"] = session.probe("hammer", pre=lambda hit: None)
+            probes["post"] = session.probe("redzone_leaf", post=lambda hit: None)
         return probes
 
     status, out, made = traced([opt, "shapes", "1", str(rounds)], setup, optimize=True)
@@ -134,6 +135,7 @@ def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
     assert probes["jump_into"].trap_reason == OptimizeRefusal.JUMP_INTO_REGION
     assert probes["one_ret"].trap_reason == OptimizeRefusal.TOO_SHORT
     assert probes["python"].trap_reason == OptimizeRefusal.PYTHON_HANDLER
+    assert probes["post"].trap_reason == OptimizeRefusal.POST_HANDLER and probes["post"].hits == rounds
     assert probes["endbr_func"].trap_reason == OptimizeRefusal.REGION_OVERLAP  # endbr_func+4 is probed
     for name in ("call_first", "add_one", "endbr_func+4", "redzone_leaf+10"):  # add_one: lea; ret
         assert probes[name].mode == OPTIMIZED, (name, probes[name].trap_reason)
