@@ -139,10 +139,16 @@ def test_spawn_refuses_what_it_cannot_run(argv: list[str], message: str) -> None
 
 
 def test_attach_refuses_what_it_cannot_trace_and_takes_a_thread_for_its_process(spinner: str) -> None:
+    """pid 0, itself, a kernel thread: refused in one line; a thread: its process."""
     with pytest.raises(NoSuchProcess, match="no process with pid 0"):
         dynprobe.attach(0)
     with pytest.raises(ProcessError, match="dynprobe cannot trace itself"):
         dynprobe.attach(os.getpid())
+    kernel = next(
+        pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if parent_of(pid) == 2
+    )  # kthreadd's
+    with pytest.raises(ProcessError, match=f"pid {kernel} is a kernel thread: dynprobe traces programs"):
+        dynprobe.attach(kernel)
     with subprocess.Popen([spinner, "2"], stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
         thread = max(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
@@ -151,6 +157,14 @@ def test_attach_refuses_what_it_cannot_trace_and_takes_a_thread_for_its_process(
             assert session.pid == proc.pid
         proc.terminate()
         assert "ticks=" in proc.communicate(timeout=20)[0]
+
+
+def parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+    except OSError:
+        return 0
 
 
 def test_a_program_without_the_right_to_run_says_so(counter: str, tmp_path: Path) -> None:

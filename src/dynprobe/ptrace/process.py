@@ -108,6 +108,8 @@ def _ptrace_error(exc: OSError, pid: int) -> ProcessError:
                         "main thread; start the program under dynprobe instead"
                     )
             return NoSuchProcess(f"pid {pid} has ended (a zombie its parent has not reaped): nothing runs to trace")
+        if is_kernel_thread(pid):
+            return ProcessError(f"pid {pid} is a kernel thread: dynprobe traces programs (user space)")
         other = tracer_of(pid)
         if other and other != os.getpid():
             return AlreadyTraced(f"pid {pid} is already traced by pid {other}; detach that tracer first")
@@ -687,29 +689,34 @@ def seccomp_mode(pid: int, tid: int) -> int:
         return 0
 
 
+def _stat_field(path: str, field: int) -> int | None:
+    """Field `field` (numbered as proc(5) does) of a /proc stat file; None if it is gone."""
+    try:
+        with open(path, "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2 :].split()[field - 3])  # (the name may hold anything)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def thread_cpu(pid: int, tid: int) -> int:
     """The CPU the thread last ran on (field 39 of /proc/PID/task/TID/stat); -1 if unknown."""
-    try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return -1
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[36])
-    except (IndexError, ValueError):
-        return -1
+    cpu = _stat_field(f"/proc/{pid}/task/{tid}/stat", 39)
+    return -1 if cpu is None else cpu
 
 
 def start_time(pid: int) -> int:
     """When the process started (field 22 of /proc/PID/stat, clock ticks since boot). 0 if it
     is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rfind(b")") + 2 :].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
+    return _stat_field(f"/proc/{pid}/stat", 22) or 0
+
+
+_PF_KTHREAD = 0x00200000
+
+
+def is_kernel_thread(pid: int) -> bool:
+    """A kernel thread (PF_KTHREAD in field 9 of /proc/PID/stat): no user space to trace."""
+    return bool((_stat_field(f"/proc/{pid}/stat", 9) or 0) & _PF_KTHREAD)
 
 
 def identity(pid: int, pidfd: int | None = None) -> tuple[int, int]:
