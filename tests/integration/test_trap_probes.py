@@ -173,6 +173,25 @@ def test_enable_disable_from_a_handler(counter: str) -> None:
     assert watched.hits == 5 and switch.hits == 20
 
 
+@pytest.mark.parametrize("how", ["remove", "disable"])
+def test_threads_already_at_a_trap_removed_meanwhile_go_on_uncounted(counter: str, how: str) -> None:
+    """8 threads call work nonstop; the first hit's handler removes (or disables) the probe.
+    Threads that had hit the int3 meanwhile (their stops not yet served) are put back before it,
+    as if it had never been there: exactly one hit, and every call returns the right value."""
+    removed: list[int] = []
+
+    def setup(session: dynprobe.Session) -> tuple[dynprobe.Probe]:
+        def once(hit: Hit) -> None:
+            removed.append(hit.tid)
+            hit.probe.remove() if how == "remove" else hit.probe.disable()
+
+        return (session.probe("work", pre=once),)
+
+    status, out, (probe,) = traced([counter, "20000", "8"], setup)
+    assert status == 0 and out == run_plain([counter, "20000", "8"]).stdout
+    assert probe.hits == 1 and len(removed) == 1
+
+
 def test_the_last_probe_removed_from_an_armed_trap_puts_the_original_bytes_back(counter: str) -> None:
     """`work`'s only probe removes itself at its 5th hit: its code is the file's again at once
     (not repaired later by the rescue handler, which would also keep the program alive), and
