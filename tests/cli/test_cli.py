@@ -699,8 +699,8 @@ def test_a_probe_on_a_library_never_loaded_says_so(wordcount: str) -> None:
 
 
 def test_dynprobe_debug_prints_the_engines_decisions(wordcount: str) -> None:
-    """README: DYNPROBE_DEBUG=1 says on stderr which sites were queued and optimized (for bug
-    reports); the results are the same."""
+    """README: DYNPROBE_DEBUG=1 says on stderr which sites were queued and optimized, and which
+    SIGTRAPs were the target's own (for bug reports); the results are the same."""
     env = dict(os.environ, DYNPROBE_DEBUG="1")
     r = subprocess.run([*DYNPROBE, "count", "p add_word", "--", wordcount, "a b a"],
                        capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
@@ -708,3 +708,9 @@ def test_dynprobe_debug_prints_the_engines_decisions(wordcount: str) -> None:
     assert re.search(r"^dynprobe\[\d+\]: site 0x[0-9a-f]+: queued for optimization$", r.stderr, re.M), r.stderr
     assert re.search(r"^dynprobe\[\d+\]: optimized 0x[0-9a-f]+: detour 0x[0-9a-f]+, \d+ bytes$", r.stderr, re.M)
     assert re.search(r"p_add_word +3$", r.stderr, re.M), r.stderr
+    signals = build_target("signals", flags=("-O1",))  # its own int3, taken by its SIGTRAP handler
+    r = subprocess.run([*DYNPROBE, "count", "p step_me", "--", signals, "own"],
+                       capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 0 and r.stdout == "own_traps=1 sum=11\n", r.stdout + r.stderr
+    own = r"^dynprobe\[\d+\]: SIGTRAP of the target's own: tid \d+ rip 0x[0-9a-f]+ code 0x80$"
+    assert re.search(own, r.stderr, re.M), r.stderr
