@@ -80,12 +80,13 @@ def test_removing_one_probe_of_a_site_leaves_the_others() -> None:
 
 
 def test_an_interrupt_before_a_run_ends_that_run_only() -> None:
-    """`interrupt_wait` (a Ctrl-C) before `run()`: that run ends at once, the next one runs on."""
+    """`interrupt_wait` (a Ctrl-C) before `run()`: that run ends at once, the next one runs on;
+    `request_stop()` between runs ends none (each run starts with no stop asked for)."""
     with dynprobe.spawn([counter(), "1000", "1"], stdout=subprocess.DEVNULL) as session:
         probe = session.probe("work", pre=lambda hit: None)
-        session.request_stop()  # (not in a run: nothing to wake)
         session.interrupt_wait(signal.SIGINT, None)
         assert session.run(timeout=60) is None and probe.hits == 0
+        session.request_stop()
         assert session.run(timeout=60) == 0 and probe.hits == 1000
 
 

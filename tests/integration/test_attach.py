@@ -593,6 +593,23 @@ def test_a_ctrl_c_whose_handler_comes_late_still_ends_the_run(spinner: str) -> N
         assert "ticks=" in finish(proc)
 
 
+def test_request_stop_from_another_thread_ends_an_untimed_run(spinner: str) -> None:
+    """As the consumer does when its output fails: the main thread sleeps in its wait for a stop
+    with no time limit, and another thread asks for the stop."""
+    with spinning(spinner, "1", "plain", "600") as proc, dynprobe.attach(proc.pid) as session:
+        main = threading.get_native_id()
+
+        def ask() -> None:
+            while Path(f"/proc/self/task/{main}/syscall").read_text().split()[0] != "247":  # waitid
+                pass
+            session.request_stop()
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        assert session.run() is None and session.processes()
+        asker.join()
+
+
 def test_a_detach_that_cannot_finish_hands_over_to_the_guardian(spinner: str) -> None:
     """docs/architecture.md §3: a detach that fails half-way (here: putting the optimized sites back raises)
     still lets every thread go; the guardian then puts back what is left."""

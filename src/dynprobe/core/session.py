@@ -339,8 +339,7 @@ class Session:
         self._pending: deque[Event] = deque()
         self._stop_requested = False
         self._interrupted = False  # interrupt_wait was called, maybe before run() began
-        self._wakeable_run = False  # see _wakeable
-        self._waiting = False  # in the wait for a stop (see _wakeable)
+        self._waiting = False  # in a blocking wait for a stop (see _wakeable)
         self._closed = False
         self._started = False
         self._in_run = False  # see _running
@@ -845,18 +844,18 @@ class Session:
         thread of the Python program (dynprobe's own block signals) may take the SIGCHLD: the
         slice bounds what that costs. The stop is only seen here, not taken (`peek_stop`):
         `_serve_breakpoint` serves an int3 hit, whose resume takes it, and takes any other stop."""
-        self._waiting = True  # (see _wakeable)
-        try:
-            if timeout is None:
+        if timeout is None:
+            self._waiting = True  # (see _wakeable)
+            try:
                 return peek_stop(block=True)
-            with sigchld_blocked():
+            finally:
+                self._waiting = False
+        with sigchld_blocked():
+            stop = peek_stop(block=False)
+            if stop is None:
+                signal.sigtimedwait([signal.SIGCHLD], min(timeout, WAIT_SLICE))
                 stop = peek_stop(block=False)
-                if stop is None:
-                    signal.sigtimedwait([signal.SIGCHLD], min(timeout, WAIT_SLICE))
-                    stop = peek_stop(block=False)
-            return stop
-        finally:
-            self._waiting = False
+        return stop
 
     def stop(self) -> None:
         """Make `run()` return after the event at hand (call it from a handler)."""
@@ -864,11 +863,8 @@ class Session:
 
     def request_stop(self) -> None:
         """Make `run()` return soon, from any thread (the consumer's, when its output failed):
-        run() in the main thread is woken from its wait; elsewhere, at the next event."""
+        within WAIT_SLICE in the main thread (see _wakeable); elsewhere, at the next event."""
         self._stop_requested = True
-        if self._wakeable_run:
-            with contextlib.suppress(OSError):
-                signal.pthread_kill(threading.main_thread().ident or 0, _WAKE_SIGNAL)
 
     @property
     def output_failure(self) -> str | None:
@@ -882,13 +878,14 @@ class Session:
 
     @contextlib.contextmanager
     def _wakeable(self) -> Iterator[None]:
-        """While `run()` runs in the main thread, its wait for a stop can be woken: by
-        `request_stop`, and for a signal whose handler would otherwise run too late. Python runs a
-        handler between bytecodes, so that of a signal caught just before the blocking wait runs
-        only once the wait ends, and a Ctrl-C would be lost on a target that never stops. A
-        thread sends _WAKE_SIGNAL to the waiting main thread every WAIT_SLICE: the wait returns
-        with EINTR, Python runs the handlers due (each asking for a stop interrupts a running
-        tracee, which ends the wait) and waits again. Nothing is added to serving a stop."""
+        """While `run()` runs in the main thread, its blocking wait for a stop is woken every
+        WAIT_SLICE (a timed wait returns that often by itself). Python runs a signal's handler
+        between bytecodes, so that of a signal caught just before the wait would run only once
+        the wait ended, and a Ctrl-C would be lost on a target that never stops. A thread sends
+        _WAKE_SIGNAL to the waiting main thread: the wait returns with EINTR, Python runs the
+        handlers due and waits again; `_woken` then interrupts a running tracee if a stop was
+        asked for (a signal's handler, `request_stop`), which ends the wait. Nothing is added to
+        serving a stop."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -902,11 +899,9 @@ class Session:
                         signal.pthread_kill(main, _WAKE_SIGNAL)
 
         waker = start_without_signals(wake_while_waiting, "dynprobe-waker")
-        self._wakeable_run = True
         try:
             yield
         finally:
-            self._wakeable_run = False
             done.set()
             waker.join()
             signal.signal(_WAKE_SIGNAL, previous)
