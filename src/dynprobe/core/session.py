@@ -1917,11 +1917,16 @@ class Session:
                     signal.sigtimedwait([signal.SIGCHLD], WAIT_SLICE)
                     quiet_slices += 1
                     if quiet_slices >= 4:
-                        # A stop whose event was already taken (it cannot be reported twice):
-                        # believe /proc when it says the thread is in a tracing stop.
+                        # /proc says a thread is in a tracing stop: its event is taken now (the
+                        # stop may be the one that just ended the slice), or it was taken
+                        # earlier (a stop is reported once) and /proc is all there is.
                         for tid in [t for t in waiting if in_tracing_stop(proc.pid, t)]:
                             waiting.discard(tid)
-                            proc.tracee.threads[tid].stopped = True
+                            late = poll_event(tid)
+                            if late is not None:
+                                self._took_stop(proc, late)
+                            else:
+                                proc.tracee.threads[tid].stopped = True
                         # Rarely, a running thread does not stop for its interrupt (seen once in
                         # thousands of stop-the-worlds): ask again, it is idempotent.
                         for tid in waiting:
@@ -1932,15 +1937,20 @@ class Session:
                     continue
                 quiet_slices = 0
                 waiting.discard(event.tid)
-                if event.kind in (EventKind.EXITED, EventKind.KILLED):
-                    self._pending.append(event)
-                    continue
-                state = proc.tracee.threads[event.tid]
-                state.stopped = True
-                state.in_event_stop = event.kind in EVENT_STOPS
-                if event.kind != EventKind.STOP and not self._rewound(proc, event):
-                    state.deferred.append(event)
+                self._took_stop(proc, event)
         return running
+
+    def _took_stop(self, proc: TracedProcess, event: Event) -> None:
+        """The stop (or end) of a thread `_stop_all` interrupted: kept on the thread, the stop
+        at one of our int3s rewound to the site."""
+        if event.kind in (EventKind.EXITED, EventKind.KILLED):
+            self._pending.append(event)
+            return
+        state = proc.tracee.threads[event.tid]
+        state.stopped = True
+        state.in_event_stop = event.kind in EVENT_STOPS
+        if event.kind != EventKind.STOP and not self._rewound(proc, event):
+            state.deferred.append(event)
 
     @staticmethod
     def _rewound(proc: TracedProcess, event: Event) -> bool:
