@@ -105,7 +105,12 @@ class Refusal(enum.Enum):
     MOVING_STACKS = "the program's runtime moves stacks (Go): a replaced return address would be lost"
     GS_IN_USE = "the target uses the GS segment base itself: return probes need a thread area there"
     SECCOMP = "a seccomp filter dynprobe may not suspend (without CAP_SYS_ADMIN): no memory can be made for it"
+    SHARED_MEMORY = (
+        "the target's shared memory could not be taken safely (another file in its place): return probes "
+        "need a thread area"
+    )
     FUNCTION_TRACED = "the function tracer patched these bytes; stop that tracer first"
+    NO_MEMORY = "no executable memory could be mapped near the code for the return trampoline"
     RETURNS_TWICE = (
         "the function returns twice (setjmp, vfork, getcontext, swapcontext): a replaced return address "
         "would be taken again after its return"

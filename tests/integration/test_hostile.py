@@ -82,6 +82,9 @@ def test_a_descriptor_swapped_under_the_shared_memory_is_never_used(
                     refused += 1
                     assert process.areas_refused == dynprobe.OptimizeRefusal.SHARED_MEMORY
                     assert probe.mode == dynprobe.ProbeMode.TRAP
+                    with pytest.raises(dynprobe.ProbeRefused) as no_return:
+                        session.retprobe("work", action="count")
+                    assert no_return.value.reason == dynprobe.Refusal.SHARED_MEMORY
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     finally:

@@ -42,7 +42,7 @@ from dynprobe.arch.x86_64.optimize import can_optimize
 from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.core.slots import PlacedCode
 from dynprobe.debug import debug as _debug
-from dynprobe.errors import OptimizeRefusal, Refusal, SessionError, SymbolError
+from dynprobe.errors import OptimizeRefusal, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
@@ -341,7 +341,10 @@ class Tracing:
         maps = read_maps(proc.pid)
         if tracer.graph:
             near = next((m.start for m in maps if m.executable and m.path == proc.exe), maps[0].start)
-            session.returns.setup(proc, near)
+            try:
+                session.returns.setup(proc, near)
+            except ProcessError as exc:  # (no memory for the trampoline: nothing is patched)
+                raise SessionError(f"cannot trace function returns: {exc}") from exc
         state = proc.tracing
         rips = session.thread_rips(proc)
         # Graph mode replaces return addresses: where return probes cannot be safe (Go's moving

@@ -1718,6 +1718,8 @@ class Session:
         return True
 
     def _install(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
+        if probe.is_return:
+            self._ensure_returns(proc, probe, addr)
         site = proc.sites.get(addr)
         if site is None:
             sites = proc.sites
@@ -1740,6 +1742,15 @@ class Session:
             and boost_is_cheaper(site.insn)
         ):
             self._slot_for_boost(proc, site)
+
+    def _ensure_returns(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
+        """The process's return trampoline, made as its first return probe is placed: a process
+        with no memory left for it refuses the probe here, not at a hit."""
+        try:
+            self.returns.setup(proc, addr)
+        except ProcessError as exc:
+            _debug(f"pid {proc.pid}: {exc}")
+            raise ProbeRefused(Refusal.NO_MEMORY, f"{probe.location.basename}:{probe.location.label}") from exc
 
     def _slot_for_boost(self, proc: TracedProcess, site: Site) -> None:
         """A slot for an emulated push whose site stays a trap: cheaper from there (an emulated
