@@ -122,6 +122,37 @@ def _fault_handler(table: int) -> bytes:
     )  # fmt: skip
 
 
+def _step_handler(start: int, end: int, count: int, function: int) -> bytes:
+    """A SIGTRAP handler (rdx: the ucontext) for a thread single-stepping (TF): after each
+    instruction run at an address in [start, end), it calls u64 function(n) with n the number of
+    such calls so far (the u64 at `count`, incremented first), as a signal handler hitting the
+    same probe would. The kernel clears TF for the handler and sigreturn sets it again."""
+    rip = _UC_RIP.to_bytes(4, "little").hex()
+
+    def word(value: int) -> str:
+        return value.to_bytes(8, "little").hex()
+
+    return bytes.fromhex(
+        "488b82" + rip +  # mov rax,[rdx+UC_RIP]
+        "48b9" + word(start) + "4839c8" "722d"  # mov rcx,start; cmp rax,rcx; jb out
+        "48b9" + word(end) + "4839c8" "731e"  # mov rcx,end; cmp rax,rcx; jae out
+        "53"  # push rbx (the stack aligned for the call)
+        "48bb" + word(count) + "48ff03" "488b3b"  # mov rbx,count; inc qword [rbx]; mov rdi,[rbx]
+        "48b8" + word(function) + "ffd0"  # mov rax,function; call rax
+        "5b"  # pop rbx
+        "c3"  # out: ret
+    )  # fmt: skip
+
+
+STEPPED = bytes.fromhex(  # u64 stepped(a, f) = f(a), run with TF set: a SIGTRAP after each instruction
+    "4883ec08"  # sub rsp,8
+    "9c" "48810c2400010000" "9d"  # pushfq; or qword [rsp],0x100 (TF); popfq
+    "ffd6"  # call rsi
+    "9c" "48812424fffeffff" "9d"  # pushfq; and qword [rsp],~0x100; popfq
+    "4883c408c3"  # add rsp,8; ret
+)  # fmt: skip
+
+
 class NativeArea:
     """A thread area in this process, and code placed next to each other in one mapping."""
 
@@ -193,6 +224,21 @@ class NativeArea:
         finally:
             libc.syscall(ARCH_PRCTL, ARCH_SET_GS, old_gs)
             libc.syscall(_RT_SIGACTION, signal.SIGSEGV, old_action, None, 8)
+
+    def call_interrupted(self, function: int, arg: int, within: tuple[int, int]) -> int:
+        """Run u64 function(arg) one instruction at a time, and after each instruction run at an
+        address in [within) call it again from a signal handler (so with the first call's work
+        half done): returns how many times the handler called it."""
+        count = np.zeros(1, dtype=np.uint64)
+        handler = self.place(_step_handler(*within, count.ctypes.data, function))
+        action = (ctypes.c_uint64 * 4)(handler, SA_SIGINFO | SA_RESTORER, self.fault_handler_return, 0)
+        old_action = (ctypes.c_uint64 * 4)()
+        assert libc.syscall(_RT_SIGACTION, signal.SIGTRAP, action, old_action, 8) == 0
+        try:
+            self.call(STEPPED, arg, function)
+        finally:
+            libc.syscall(_RT_SIGACTION, signal.SIGTRAP, old_action, None, 8)
+        return int(count[0])
 
     def call(self, code_at: Callable[[int], bytes] | bytes, *args: int | float) -> int:
         """Place code and run it as u64 f(args...)."""

@@ -33,7 +33,7 @@ from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.parser import parse_spec
-from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, libc, one_cpu
+from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, field, libc, one_cpu
 
 FUNC = bytes.fromhex("554889e5897dfc8b45fc5dc3")  # push rbp; mov rbp,rsp; mov [rbp-4],edi; ...; ret
 AT = 0x50_0000  # within rel32 reach of the function at 0x401000
@@ -326,6 +326,27 @@ def test_native_record_reentry_is_missed(area: NativeArea) -> None:
     area.words[L.BUSY // 8] = 1  # as if a signal handler interrupted a record being written
     run(area, [prog], 1)
     assert area.counter(2, L.MISSED) == 1 and int(area.words[L.HEAD // 8]) == 0
+
+
+def test_native_record_interrupted_at_every_instruction_loses_no_record_silently(area: NativeArea) -> None:
+    """A signal handler that hits the same probe while the thread writes a record, after each
+    instruction of the actions in turn: inside the window where the record's slot is taken its
+    record is missed (counted), outside it is written whole; never a slot written twice, nor a
+    record published unwritten. The flag is clear after: the next record is written."""
+    area.fill_ring(0xEE)
+    prog = Program(2, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
+    detour = build_detour(plan(), [prog], LAYOUT, area.base + area.used, function_entry=True)
+    assert not isinstance(detour, OptimizeRefusal)
+    actions = area.place(detour.code[: detour.action_bytes] + b"\xc3")
+    nested = area.call_interrupted(actions, 0xABC, within=(actions, actions + detour.action_bytes))
+    area.call_at(actions, 0xDEF)
+    missed = area.counter(2, L.MISSED)
+    values = [field(record, prog.fields[0].offset) for record in area.records()]
+    assert 0 < missed < nested  # some handlers came inside the window, some outside
+    assert len(values) + missed == nested + 2 == area.counter(2, L.HITS)
+    assert sorted(values) == sorted({*values} & {0xABC, 0xDEF, *range(1, nested + 1)})
+    assert {0xABC, 0xDEF} <= set(values) and values[-1] == 0xDEF
+    assert area.word(L.BUSY) == 0
 
 
 def test_native_filter_agrees_with_the_tracer(area: NativeArea) -> None:

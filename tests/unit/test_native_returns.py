@@ -322,3 +322,24 @@ def test_a_slot_s_entry_whose_chain_ends_elsewhere_is_stale(native: NativeArea) 
     assert native.call(stub, whoami) == tramp.point(i)  # entry i taken over, not a new one
     assert (native.counter(9, L.PENDING), native.counter(8, L.PENDING), native.counter(1, L.PENDING)) == (0, 0, 0)
     assert native.word(L.SHADOW_TOP) == 0 and native.counter(1, L.HITS) == 1
+
+
+def test_a_return_probe_interrupted_at_every_instruction_keeps_its_shadow_stack(native: NativeArea) -> None:
+    """A signal handler calls the probed function again after each instruction of the first
+    call's detour, trampoline and return code: inside the windows where the shadow stack is
+    being changed its call is missed (counted, its return left alone), outside it is probed
+    whole; every call returns what it returns unprobed, each record has its own call's
+    argument, and the stack is settled after."""
+    start = native.base + native.used
+    returns = Returns(native)
+    add = native.place(ADD)
+    prog = record_program(4, "r add a=$arg1")
+    returns.probe(add, len(ADD), prog)
+    end = native.base + native.used
+    nested = native.call_interrupted(add, 0xABC, within=(start, end))
+    missed = native.counter(4, L.MISSED)
+    got = [values(prog, record)["a"] for record in native.records()]
+    assert 0 < missed < nested
+    assert len(got) + missed == nested + 1  # (a call missed at its entry is no hit: no return seen)
+    assert sorted(got) == sorted({*got} & {0xABC, *range(1, nested + 1)}) and 0xABC in got
+    returns.assert_settled(4)
