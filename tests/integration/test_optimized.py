@@ -349,6 +349,38 @@ def test_records_of_different_sizes_all_fit(opt: str) -> None:
     assert len([e for e in events if e.probe is big]) == 5
 
 
+def test_a_record_larger_than_the_fixed_record_size_stays_a_trap_and_loses_nothing() -> None:
+    """Once the layout is fixed, a probe whose record does not fit stays a trap (RECORD_TOO_LARGE)
+    and its events come from the stops, every one with its values."""
+    counter = build_target("counter", flags=("-O1", "-pthread"))
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.record_size = 32
+        assert session.layout.record_size == 32
+        return [session.probe("p work a=%di b=%di c=%di d=%di", on_event=events.append)]
+
+    status, out, [big] = traced([counter, "100"], setup, optimize=True)
+    assert (status, out) == (0, run_plain([counter, "100"]).stdout)
+    assert big.mode == dynprobe.ProbeMode.TRAP and big.refusal == OptimizeRefusal.RECORD_TOO_LARGE  # type: ignore[attr-defined]
+    assert [e.values for e in events] == [{"a": i, "b": i, "c": i, "d": i} for i in range(100)]
+
+
+def test_a_histogram_past_the_thread_area_s_table_stays_a_trap_and_counts_the_same() -> None:
+    """The thread area holds 512 histograms: the 513th probe's runs at the stops (TOO_MANY_PROBES,
+    and the site with it), with the same buckets."""
+    counter = build_target("counter", flags=("-O1", "-pthread"))
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe("p work i=%di", action="hist", value="i") for _ in range(513)]
+
+    status, _, hists = traced([counter, "40"], setup, optimize=True)
+    assert status == 0
+    assert hists[-1].refusal == OptimizeRefusal.TOO_MANY_PROBES  # type: ignore[attr-defined]
+    expected = [1, 1, 2, 4, 8, 16, 8] + [0] * 59  # 0..39: [0], [1], [2, 4), ... [32, 40)
+    assert {tuple(h.histogram) for h in hists} == {tuple(expected)}  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("mode", ["optimized", "trap"])
 @pytest.mark.parametrize("rseq", ["registered", "off"])
 def test_records_carry_the_cpu_the_thread_ran_on(rseq: str, mode: str) -> None:
