@@ -69,6 +69,16 @@ def test_maxactive_limits_pending_instances_and_counts_the_rest(ret: str, optimi
 
 
 @pytest.mark.parametrize("optimize", MODES)
+def test_a_full_shadow_stack_misses_the_deeper_calls_and_returns_them_all(ret: str, optimize: bool) -> None:
+    """Two return probes on a recursion 3,000 deep: each frame takes two of the thread's 4,096
+    shadow-stack entries, so the frames below 2,048 find it full and are missed (counted), and
+    every call still returns its value."""
+    status, out, probes = traced([ret, "fact", "3000"], counting("fact", "fact", maxactive=4096), optimize=optimize)
+    assert status == 0 and out == f"{factorial(3000)}\n"
+    assert [(p.hits, p.nmissed) for p in probes] == [(2048, 952)] * 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("optimize", MODES)
 def test_registers_the_caller_keeps_across_the_call_survive(ret: str, optimize: bool) -> None:
     """GCC's IPA-RA keeps values in call-clobbered registers (r11 too) across a call to a function
     it knows does not touch them: entering the function and returning through dynprobe, with two
