@@ -96,3 +96,11 @@ def test_the_function_graph_tracer_says_it_has_no_memory_and_patches_nothing(cro
         with pytest.raises(SessionError, match=r"^cannot trace function returns: no executable memory"):
             tracer.start()
         run_to_end(session, crowded)
+
+
+def test_the_flat_function_tracer_counts_each_function_it_could_not_patch(crowded: subprocess.Popen[str]) -> None:
+    with dynprobe.attach(crowded.pid) as session:
+        tracer = session.function_tracer(["work", "main"], graph=False)
+        tracer.start()
+        assert dict(tracer.not_patched) == {"NO_MEMORY": 2}
+        run_to_end(session, crowded)
