@@ -110,8 +110,7 @@ def test_every_help_example_is_a_valid_command() -> None:
     """Each example in each command's help parses as that command, and its probe specs, filter
     and histogram value are accepted as the command checks them before it touches a process."""
     from dynprobe.actions.filter import parse_value
-    from dynprobe.cli.common import split_command
-    from dynprobe.cli.main import build_parser
+    from dynprobe.cli.main import build_parser, split_command
     from dynprobe.cli.probes import check_request
 
     examples = help_examples()
@@ -714,3 +713,23 @@ def test_dynprobe_debug_prints_the_engines_decisions(wordcount: str) -> None:
     assert r.returncode == 0 and r.stdout == "own_traps=1 sum=11\n", r.stdout + r.stderr
     own = r"^dynprobe\[\d+\]: SIGTRAP of the target's own: tid \d+ rip 0x[0-9a-f]+ code 0x80$"
     assert re.search(own, r.stderr, re.M), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "unloaded"),
+    [
+        (["--version"], ["numpy", "iced_x86", "elftools", "rich", "dynprobe.core.session"]),
+        (["list", "--help"], ["dynprobe.core.session", "dynprobe.ringbuf.consumer"]),
+        (["count", "--help"], ["dynprobe.tracefile", "dynprobe.output.callgraph"]),
+    ],
+    ids=["version", "list", "count"],
+)
+def test_a_command_imports_only_what_it_needs(argv: list[str], unloaded: list[str]) -> None:
+    """Start-up time is import time: a command loads its own module, not every command's."""
+    code = (
+        "import sys\nfrom dynprobe.cli.main import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        f"print(sorted(m for m in {unloaded!r} if m in sys.modules), file=sys.stderr)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stderr.splitlines()[-1] == "[]", done.stderr

@@ -10,12 +10,14 @@ import sys
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from dynprobe.core.session import Session, attach, spawn
 from dynprobe.errors import DynprobeError, ParseError
 from dynprobe.output import files
 from dynprobe.symbols.demangle import Demangle
+
+if TYPE_CHECKING:
+    from dynprobe.core.session import Session
 
 
 class UsageError(DynprobeError):
@@ -126,6 +128,8 @@ def output_name(path: str | None, default: TextIO = sys.stderr) -> str:
 
 
 def open_session(args: argparse.Namespace, command: list[str]) -> Session:
+    from dynprobe.core.session import attach, spawn  # (the engine: not loaded for `list` or --help)
+
     if args.pid is not None and command:
         raise UsageError("give either -p PID or -- COMMAND, not both")
     if args.pid is None and not command:
@@ -149,6 +153,7 @@ def run_target(
     after gives its status; SIGTERM is passed on to it once detached, as strace does (`kill`,
     or a harness that stops dynprobe alone, would leave it running untraced); SIGINT is not: a
     terminal's Ctrl-C reaches it already, and a second one would cut its own shutdown short."""
+
     interrupted = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -208,11 +213,3 @@ def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | No
                   file=sys.stderr)  # fmt: skip
             return None
         time.sleep(0.01)
-
-
-def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Split at the first '--': (dynprobe's arguments, the command to run)."""
-    if "--" in argv:
-        i = argv.index("--")
-        return argv[:i], argv[i + 1 :]
-    return argv, []

@@ -26,7 +26,7 @@ examples:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "count", help="count probe hits", description="Count hits per probe, in the target.",
         epilog=EXAMPLES,

@@ -28,7 +28,7 @@ examples:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "hist", help="log2 histogram of a fetched value",
         description="A log2 histogram of one fetch argument per hit, aggregated in the target.",

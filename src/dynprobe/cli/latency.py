@@ -23,7 +23,7 @@ examples:
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "latency", help="log2 histogram of function latencies",
         description="A log2 histogram of each function's latency (entry to return, in nanoseconds), "

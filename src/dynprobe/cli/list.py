@@ -30,7 +30,7 @@ Aliases (malloc, __libc_malloc) are listed once, under the name programs call.
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "list", help="list probe-able functions", description="List functions that can be probed.",
         epilog=EXAMPLES,

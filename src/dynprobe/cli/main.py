@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 from types import FrameType
 from typing import Any, NoReturn, cast
 
 from dynprobe import __version__
-from dynprobe.cli import count, hist, latency, record, trace
-from dynprobe.cli import list as list_cmd
-from dynprobe.cli.common import split_command
+
+# The module of each command (its parser, and what runs it). Only the module of the command
+# asked for is imported: `list` and `--version` never load the tracing engine.
+COMMANDS = {
+    "trace": "trace", "count": "count", "hist": "hist", "latency": "latency", "list": "list",
+    **dict.fromkeys(("record", "live", "replay", "report", "graph", "dump"), "record"),
+}  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -26,7 +31,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, of `command`'s module alone (a known command's name), or of
+    none (`--version`)."""
     parser = _Parser(
         prog="dynprobe",
         description="Dynamic probes for user-space x86-64 processes (kprobes/uprobes without the kernel).",
@@ -36,13 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
     # (the subcommands' parsers are _Parser too: argparse makes them of the parent's class)
     sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
                parser.add_subparsers(dest="command", metavar="COMMAND"))  # fmt: skip
-    trace.add_parser(sub)
-    count.add_parser(sub)
-    hist.add_parser(sub)
-    latency.add_parser(sub)
-    list_cmd.add_parser(sub)
-    record.add_parsers(sub)
+    if command in COMMANDS:
+        modules = [COMMANDS[command]]
+    else:
+        modules = [] if command == "--version" else list(dict.fromkeys(COMMANDS.values()))
+    for module in modules:
+        importlib.import_module(f"dynprobe.cli.{module}").add_parsers(sub)
     return parser
+
+
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split at the first '--': (dynprobe's arguments, the command to run)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
 
 
 class Terminated(KeyboardInterrupt):
@@ -57,7 +72,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     own, command = split_command(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser()
+    parser = build_parser(own[0] if own else None)
     args = parser.parse_args(own)
     if not getattr(args, "run", None):
         parser.print_help()

@@ -55,7 +55,7 @@ Filter: NAME OP NUMBER joined with and/or (OP: == != < <= > >=); NAME is a fetch
 """
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "trace", help="print an event line per probe hit",
         description="Place probes and print one line per hit, in the ftrace trace format.",
