@@ -65,14 +65,6 @@ def _batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
         yield joined()
 
 
-def _events(trace: Trace, filters: CallFilter | None) -> Iterator[tuple[int, int, int, int]]:
-    """(tid, kind, function, time ns) in the order recorded (per thread: in time order)."""
-    for chunk in _batches(trace, filters):
-        tid = chunk.tid
-        for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
-            yield tid, kind, func, t
-
-
 class _OpenCalls:
     """One thread's open calls, outermost first: function, entry time, frame, time in callees.
 
@@ -804,18 +796,27 @@ def report(
 
 
 def dump_chrome(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
-    """Trace Event Format (Perfetto UI, chrome://tracing): B/E pairs in microseconds."""
+    """Trace Event Format (Perfetto UI, chrome://tracing): B/E pairs in microseconds. Written a
+    chunk at a time, each function's name escaped once (what json.dumps would write)."""
+    pid = json.dumps(trace.info.get("pid", 0))
+    names: dict[int, str] = {}
     out.write('{"displayTimeUnit":"ns","traceEvents":[')
-    first = True
-    for tid, kind, func, t in _events(trace, filters):
-        pid = trace.info.get("pid", 0)
-        event = {"name": trace.name(func), "ph": "E" if kind == EXIT else "B", "ts": t / 1000, "pid": pid, "tid": tid}
-        out.write(("" if first else ",\n") + json.dumps(event, separators=(",", ":")))
-        first = False
+    separator = ""
+    for chunk in _batches(trace, filters):
+        for func in set(chunk.func.tolist()) - names.keys():
+            names[func] = json.dumps(trace.name(func))
+        tail = f',"pid":{pid},"tid":{chunk.tid}}}'
+        events = [
+            f'{{"name":{names[func]},"ph":"{"E" if kind == EXIT else "B"}","ts":{t / 1000}{tail}'
+            for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True)
+        ]
+        if events:
+            out.write(separator + ",\n".join(events))
+            separator = ",\n"
     for tid, name in trace.threads.items():
         meta = {"name": "thread_name", "ph": "M", "pid": trace.info.get("pid", 0), "tid": tid, "args": {"name": name}}
-        out.write(("" if first else ",\n") + json.dumps(meta, separators=(",", ":")))
-        first = False
+        out.write(separator + json.dumps(meta, separators=(",", ":")))
+        separator = ",\n"
     out.write("]}\n")
 
 
