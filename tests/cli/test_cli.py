@@ -570,11 +570,15 @@ def test_a_ring_size_that_is_not_a_size_is_a_usage_error(wordcount: str, command
 @pytest.mark.parametrize("mode", [[], ["--trap"]], ids=["optimized", "trap"])
 def test_symbol_type_after_the_target_ended(wordcount: str, mode: list[str]) -> None:
     """Events are formatted by the consumer, possibly after the target exited: `symbol` values
-    still name the function (the maps dynprobe saw last)."""
-    r = dp("trace", "-o", "-", *mode, "p add_word ret=+0(%sp):symbol", "--", wordcount, "x y")
+    still name the function (the maps dynprobe saw last); an address in no file (the word, on
+    the stack) or in no mapping (its length) stays a number."""
+    r = dp("trace", "-o", "-", *mode, "p add_word ret=+0(%sp):symbol word=%di:symbol len=%si:symbol", "--",
+           wordcount, "x yy")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    values = [line.split("ret=")[1] for line in r.stdout.splitlines() if "ret=" in line]
-    assert len(values) == 2 and all(re.fullmatch(r"(main|count_text)\+0x[0-9a-f]+", v) for v in values), values
+    values = [line.split("ret=")[1].split() for line in r.stdout.splitlines() if "ret=" in line]
+    assert len(values) == 2 and all(re.fullmatch(r"(main|count_text)\+0x[0-9a-f]+", v[0]) for v in values), values
+    assert all(re.fullmatch(r"word=0x7ff[0-9a-f]+", v[1]) for v in values), values
+    assert [v[2] for v in values] == ["len=0x1", "len=0x2"]
 
 
 def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
