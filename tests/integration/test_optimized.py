@@ -224,6 +224,32 @@ def test_a_million_events_into_a_small_ring_lose_exactly(opt: str) -> None:
     assert times == sorted(times)
 
 
+def test_a_pass_delivered_a_window_at_a_time_keeps_every_event_in_order(
+    opt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass's records are made into events a window of time at a time (100 here): every
+    event is delivered, once, in the order written and in time order."""
+    from dynprobe.core import session as session_module
+
+    monkeypatch.setattr(session_module, "DELIVERED_AT_ONCE", 100)
+    n = 100_000
+    got: list[int] = []
+    times: list[int] = []
+
+    def on_event(event: ProbeEvent) -> None:
+        assert isinstance(event.values["i"], int)
+        got.append(event.values["i"])
+        times.append(event.time_ns)
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.ring_bytes = 16 << 20
+        return [session.probe("p:t/ev event i=%di", on_event=on_event)]
+
+    status, out, [probe] = traced([opt, "events", "1", str(n)], setup, optimize=True)
+    assert status == 0 and out == f"events {n}\n"
+    assert probe.lost == 0 and got == list(range(n)) and times == sorted(times)  # type: ignore[attr-defined]
+
+
 def test_target_using_gs_keeps_trap_probes(opt: str) -> None:
     """A target that sets its own GS base: dynprobe cannot install thread areas and says so; the
     probe counts every hit as a trap probe."""

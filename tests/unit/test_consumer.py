@@ -4,6 +4,7 @@ its shared memory (hazard 26): random contents give clear errors, never a crash 
 from __future__ import annotations
 
 import io
+import itertools
 import mmap
 import os
 
@@ -23,6 +24,7 @@ from dynprobe.ringbuf.consumer import (
     decode_string,
     spool_records,
     take_records,
+    time_windows,
 )
 
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=2, ring_bytes=1 << 12, record_size=32)
@@ -271,3 +273,32 @@ def test_random_area_contents_never_crash_the_consumer(seed: int, head: int, tai
     else:  # refused whole, said once
         assert not delivered and consumer.corrupt == 1 and len(errors) == 1 and "corrupted ring" in errors[0]
     assert int(words[L.TAIL // 8]) == int(words[L.HEAD // 8])  # skipped or read: never read twice
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 50), max_size=40), max_size=4),
+    st.lists(st.integers(0, 50), max_size=10),
+    st.integers(1, 30),
+)
+def test_time_windows_cut_a_pass_in_order_and_lose_nothing(
+    batch_times: list[list[int]], more: list[int], most: int
+) -> None:
+    """The windows follow each other from 0 to no end; each record falls in exactly one; with
+    distinct times a window holds at most `most` events (one time is never split)."""
+    batches = [
+        RecordBatch(0, 1, tid, np.arange(len(t), dtype=np.uint8).reshape(-1, 1), np.array(t, dtype=np.int64),
+                    np.zeros(len(t)), np.zeros(len(t)), np.arange(len(t), dtype=np.uint64))
+        for tid, t in enumerate(batch_times)
+    ]  # fmt: skip
+    windows = time_windows(batches, more, most)
+    assert windows[0][0] == 0 and windows[-1][1] is None
+    assert all(high == low for (_, high), (low, _) in itertools.pairwise(windows))
+    for batch in batches:
+        parts = [part for low, high in windows if (part := batch.within(low, high)) is not None]
+        assert sorted(np.concatenate([p.order for p in parts] or [np.empty(0, np.uint64)]).tolist()) == list(
+            range(len(batch.raw))
+        )
+    times = [t for ts in batch_times for t in ts] + more
+    if len(set(times)) == len(times):
+        assert all(sum(low <= t and (high is None or t < high) for t in times) <= most for low, high in windows)

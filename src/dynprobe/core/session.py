@@ -92,7 +92,7 @@ from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
-from dynprobe.ringbuf.consumer import CPUS, Consumer, RecordBatch, decode_fields, decode_string
+from dynprobe.ringbuf.consumer import CPUS, Consumer, RecordBatch, decode_fields, decode_string, time_windows
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
 from dynprobe.spec.parser import parse_probe
@@ -133,8 +133,9 @@ _EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKi
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 _TRACE_CHILDREN = sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEVFORKDONE
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
+DELIVERED_AT_ONCE = 1 << 14  # events made into objects at a time (see _deliver)
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
-_WAKE_SIGNAL = signal.SIGURG  # `request_stop` wakes the tracing thread with it (ignored by default)
+_WAKE_SIGNAL = signal.SIGURG  # what wakes the main thread from its wait for a stop (see _wakeable; ignored by default)
 
 
 @dataclass
@@ -2433,10 +2434,23 @@ class Session:
 
     def _deliver(self, batches: list[RecordBatch]) -> None:
         """Hand record batches (and events served at stops) to the probes' handlers, oldest
-        first: a BatchHandler all of a drain's at once, as columns, other handlers one event
-        object at a time."""
+        first, a window of time at a time (`time_windows`: the events of a full ring are made
+        into objects a part at a time)."""
         with self._events_lock:
             events, self._trap_events = self._trap_events, []
+        windows = time_windows(batches, [e.time_ns for e in events], DELIVERED_AT_ONCE)
+        if len(windows) == 1:
+            self._deliver_window(batches, events)
+            return
+        for low, high in windows:
+            self._deliver_window(
+                [part for batch in batches if (part := batch.within(low, high)) is not None],
+                [e for e in events if e.time_ns >= low and (high is None or e.time_ns < high)],
+            )
+
+    def _deliver_window(self, batches: list[RecordBatch], events: list[ProbeEvent]) -> None:
+        """A BatchHandler gets the window's events at once, as columns, other handlers one event
+        object at a time."""
         columns: dict[BatchHandler, list[EventColumns]] = {}
         for event in events:
             if isinstance(event.probe.on_event, BatchHandler):

@@ -190,6 +190,31 @@ class RecordBatch:
     faults: np.ndarray
     order: np.ndarray
 
+    def within(self, low: int, high: int | None) -> RecordBatch | None:
+        """The batch's records stamped in [low, high) (high None: no end); None if there are none."""
+        rows = self.time_ns >= low
+        if high is not None:
+            rows &= self.time_ns < high
+        if not rows.any():
+            return None
+        if rows.all():
+            return self
+        return RecordBatch(
+            self.probe_index, self.pid, self.tid, self.raw[rows], self.time_ns[rows], self.cpu[rows],
+            self.faults[rows], self.order[rows],
+        )  # fmt: skip
+
+
+def time_windows(batches: list[RecordBatch], more: list[int], most: int) -> list[tuple[int, int | None]]:
+    """Windows of time [low, high) that cut a pass's records (and events stamped at `more`) into
+    parts of about `most` each, oldest first (records of one time stay together): delivered a
+    part at a time, a full ring of a pass costs memory for `most` events, not for the ring."""
+    times = np.concatenate([b.time_ns for b in batches] + [np.array(more, dtype=np.int64)])
+    if len(times) <= most:
+        return [(0, None)]
+    bounds = np.unique(np.sort(times)[most::most]).tolist()
+    return list(zip([0, *bounds], [*bounds, None], strict=True))
+
 
 IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
 BUSY_SHARE = 8  # a ring this share full (or more) in one pass is drained again at once
