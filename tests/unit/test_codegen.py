@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Iterator
 
 import iced_x86 as iced
@@ -319,6 +320,63 @@ def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
     assert int(area.words[L.HEAD // 8]) == slots + 1
     rec = area.records()[0]  # slot 0 again (head % slots == 0 before the write)
     assert int.from_bytes(rec[16:24], "little") == 777
+
+
+def _full_ring(area: NativeArea) -> tuple[Program, int]:
+    """A record probe's actions, placed, and the ring full: (the program, their address)."""
+    prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
+    detour = build_detour(plan(), [prog], LAYOUT, area.base + area.used, function_entry=True)
+    assert not isinstance(detour, OptimizeRefusal)
+    actions = area.place(detour.code[: detour.action_bytes] + b"\xc3")
+    for word in (L.HEAD, L.RESERVE):
+        area.set_word(word, LAYOUT.ring_slots)
+    return prog, actions
+
+
+def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> None:
+    """A full ring, a writer allowed to wait: it waits (WAIT_UNTIL set), the reader takes three
+    records, and the record is written into the room made, counted as waited, not lost."""
+    _, actions = _full_ring(area)
+    area.set_word(L.WAIT_TICKS, 1 << 62)  # (no end: the reader below decides)
+
+    def reader() -> None:
+        while not area.word(L.WAIT_UNTIL):
+            os.sched_yield()
+        area.set_word(L.TAIL, 3)
+
+    taker = threading.Thread(target=reader)
+    taker.start()
+    area.call_at(actions, 777)  # (ctypes lets the GIL go while the code runs)
+    taker.join()
+    assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
+    assert area.counter(4, L.LOST) == 0 and area.counter(4, L.HITS) == 1
+    assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
+    assert area.word(L.BUSY) == 0
+
+
+@pytest.mark.parametrize("how", ["its time runs out", "the tracer leaves"])
+def test_native_record_that_waited_in_vain_is_lost(area: NativeArea, how: str) -> None:
+    """No reader comes: the record is lost once WAIT_TICKS have passed, or at once when the
+    tracer sets WAIT_TICKS to 0 (as it does when it leaves) while the writer waits."""
+    _, actions = _full_ring(area)
+    if how == "its time runs out":
+        area.set_word(L.WAIT_TICKS, 1 << 20)
+        leaving = None
+    else:
+        area.set_word(L.WAIT_TICKS, 1 << 62)
+
+        def leave() -> None:
+            while not area.word(L.WAIT_UNTIL):
+                os.sched_yield()
+            area.set_word(L.WAIT_TICKS, 0)
+
+        leaving = threading.Thread(target=leave)
+        leaving.start()
+    area.call_at(actions, 777)
+    if leaving is not None:
+        leaving.join()
+    assert area.word(L.HEAD) == LAYOUT.ring_slots and area.word(L.WAITS) == 0
+    assert area.counter(4, L.LOST) == 1 and area.word(L.BUSY) == 0
 
 
 def test_native_record_reentry_is_missed(area: NativeArea) -> None:

@@ -30,6 +30,9 @@ def test_the_thread_area_header() -> None:
         "tid": (L.TID, 8),
         "busy": (L.BUSY, 8),
         "reserve": (L.RESERVE, 8),
+        "wait ticks": (L.WAIT_TICKS, 8),
+        "wait until": (L.WAIT_UNTIL, 8),
+        "waits": (L.WAITS, 8),
         "head": (L.HEAD, CACHE_LINE),  # the producer's line
         "tail": (L.TAIL, CACHE_LINE),  # the consumer's line
         "shadow top": (L.SHADOW_TOP, 8),

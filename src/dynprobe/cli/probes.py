@@ -63,6 +63,15 @@ def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits 
                    help="at the end, per probe: mode (optimized, or trap and why), hits, missed, lost")  # fmt: skip
 
 
+def add_lossy_option(p: argparse.ArgumentParser) -> None:
+    """For commands that write records: by default a thread whose ring is full waits for the
+    reader (the program slows down, no event is lost); `--lossy` counts the record lost."""
+    p.add_argument("--lossy", action="store_true",
+                   help="when a thread's ring is full, lose the record (counted) instead of waiting for "
+                        "the reader (the program then never slows down for dynprobe)")  # fmt: skip
+
+
+RING_WAS_FULL = "a thread's ring was full (--lossy), or stayed full longer than a thread waits for the reader"
 MAX_SPEC_FILE = 64 << 20  # bytes of a spec file read at most
 
 
@@ -95,6 +104,7 @@ class ProbeRequest:
     filter: str | None
     trap: bool
     ring_size: int | None
+    lossy: bool = False
 
 
 def check_request(args: argparse.Namespace) -> ProbeRequest:
@@ -110,13 +120,15 @@ def check_request(args: argparse.Namespace) -> ProbeRequest:
         problem = check_ring_bytes(args.ring_size)
         if problem is not None:
             raise UsageError(problem)
-    return ProbeRequest(specs, args.filter, args.trap, args.ring_size)
+    return ProbeRequest(specs, args.filter, args.trap, args.ring_size, getattr(args, "lossy", False))
 
 
 def configure(session: Session, request: ProbeRequest) -> None:
     session.optimize = not request.trap
     if request.ring_size is not None:
         session.ring_bytes = request.ring_size
+    if request.lossy:
+        session.wait_for_room = 0
 
 
 def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpec], Probe]) -> list[Probe]:
@@ -230,8 +242,7 @@ def print_stats(probes: list[Probe], stats: bool) -> None:
         print(line, file=stream)
     lost = sum(p.lost for p in probes)
     if lost:
-        print(f"dynprobe: {lost} records lost: a thread's ring was full (the reader fell behind); a larger "
-              "--ring-size keeps more", file=stream)  # fmt: skip
+        print(f"dynprobe: {lost} records lost: {RING_WAS_FULL}; a larger --ring-size keeps more", file=stream)
 
 
 @dataclass(frozen=True)

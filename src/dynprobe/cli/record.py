@@ -26,7 +26,7 @@ from dynprobe.cli.common import (
     report_error,
     run_target,
 )
-from dynprobe.cli.probes import PROGRESS_FROM, progress_bar
+from dynprobe.cli.probes import PROGRESS_FROM, RING_WAS_FULL, add_lossy_option, progress_bar
 from dynprobe.core.ftrace import ValueRequest
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
@@ -133,6 +133,7 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     )
     p.add_argument("--ring-size", type=byte_size, default=1 << 25, metavar="BYTES",
                    help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
+    add_lossy_option(p)
     p.add_argument("--threshold", type=_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
     p.add_argument("-A", "--argument", dest="arguments", action="append", default=[], metavar="FUNC@ARGS",
@@ -394,6 +395,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
+            if args.lossy:
+                session.wait_for_room = 0
             tracer = session.function_tracer(
                 patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold,
                 library_calls=args.libcall or args.nest_libcall, nested_calls=args.nest_libcall,
@@ -450,7 +453,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             if failure is not None:
                 return _stopped_writing(out, info, failure, session.records_drained, session.records_discarded)
             write_info(out, info)
-            dropped = f" ({lost} records lost: a thread's ring was full; a larger --ring-size keeps them)"
+            dropped = f" ({lost} records lost: {RING_WAS_FULL}; a larger --ring-size keeps them)"
             dropped = dropped if lost else ""
             what = f"{calls} call{'' if calls == 1 else 's'} recorded"
             if args.threshold:

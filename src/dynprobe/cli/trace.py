@@ -23,6 +23,7 @@ from dynprobe.cli.common import (
 )
 from dynprobe.cli.probes import (
     ProbeRequest,
+    add_lossy_option,
     add_probe_options,
     check_request,
     note_missed_returns,
@@ -64,6 +65,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_probe_options(p)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of ftrace lines")
     add_output_option(p, "the events")
+    add_lossy_option(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
     add_target_options(p)
     p.set_defaults(run=run)

@@ -134,6 +134,8 @@ _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, s
 _TRACE_CHILDREN = sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEVFORKDONE
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 DELIVERED_AT_ONCE = 1 << 14  # events made into objects at a time (see _deliver)
+DEFAULT_WAIT_FOR_ROOM = 1.0  # seconds (Session.wait_for_room): many times a full ring's drain
+MAX_WAIT_FOR_ROOM = 60.0
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
 _WAKE_SIGNAL = signal.SIGURG  # what wakes the main thread from its wait for a stop (see _wakeable; ignored by default)
 
@@ -350,6 +352,7 @@ class Session:
         self.optimize = True
         self.ring_bytes = L.DEFAULT_RING_BYTES
         self.record_size: int | None = None  # None: the smallest that holds every probe's record
+        self._wait_for_room = DEFAULT_WAIT_FOR_ROOM
         self._layout: L.AreaLayout | None = None
         self._optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
@@ -2014,6 +2017,7 @@ class Session:
             self.tracing.restore(proc)
             if proc.areas is not None:
                 proc.areas.publish_held()
+                self._end_waits(proc.areas)
             self.returns.before_detach(proc)
             self._leave_detours(proc)
             self._reset_thread_areas(proc, keep=self.returns.keep_areas_at_detach(proc))
@@ -2335,7 +2339,35 @@ class Session:
         areas = new_thread_areas(proc, self)
         proc.rseq_offset_at = self._rseq_offset_at(proc)
         self._ensure_consumer().add(areas)
+        areas.set_wait(self._wait_ticks())
         return areas
+
+    @property
+    def wait_for_room(self) -> float:
+        """Seconds a thread whose ring is full waits for the reader to make room before its record
+        is counted lost (0: lost at once, the lossy mode). The wait costs the target nothing
+        while its rings have room."""
+        return self._wait_for_room
+
+    @wait_for_room.setter
+    def wait_for_room(self, seconds: float) -> None:
+        if not 0 <= seconds <= MAX_WAIT_FOR_ROOM:
+            raise SessionError(f"wait_for_room {seconds} is out of range (0..{MAX_WAIT_FOR_ROOM} s)")
+        self._wait_for_room = seconds
+        ticks = self._wait_ticks()
+        for proc in self._processes.values():
+            if proc.areas is not None:
+                proc.areas.set_wait(ticks)
+
+    def _wait_ticks(self) -> int:
+        if not self._wait_for_room:
+            return 0
+        return max(1, int(self._wait_for_room * 1e9 * (1 << 32) / self.tsc_mult()))
+
+    @property
+    def records_waited(self) -> int:
+        """Records whose thread found its ring full and waited for room (none of them lost)."""
+        return self._consumer.waits() if self._consumer is not None else 0
 
     def _release_areas(self, proc: TracedProcess) -> None:
         """The process exited or exec'd: what its areas hold is drained and folded into totals."""
@@ -2349,6 +2381,14 @@ class Session:
             areas.publish_held()
             self._consumer.forget(areas)
 
+    def _end_waits(self, areas: ThreadAreas) -> None:
+        """No thread waits for room in its ring any more: a pass of the reader makes room for
+        those that wait now (stopped, they see it as they leave their detours), and no later
+        record waits (nobody will read it)."""
+        if self._consumer is not None:
+            self._consumer.drain()
+        areas.set_wait(0)
+
     def _leave_detours(self, proc: TracedProcess) -> None:
         """At detach: a thread inside a detour runs to its end one instruction at a time, so no
         thread needs a detour or its thread area once we are gone (a fetch that faults meanwhile
@@ -2358,7 +2398,9 @@ class Session:
                 continue
             try:
                 rip = int(sc.get_regs(tid).rip)
-                for _ in range(100_000):  # a detour is straight code and one bounded string loop
+                # (a detour is straight code, one bounded string loop, and a wait for room in a
+                # full ring, which _end_waits made or ended)
+                for _ in range(100_000):
                     if not self.in_own_code(proc, rip):
                         break
                     sc.singlestep(tid, 0)

@@ -103,6 +103,7 @@ class ThreadAreas:
         self.pools: list[Pool] = []
         self.by_tid: dict[int, AreaRef] = {}
         self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
+        self.wait_ticks = 0  # how long a writer may wait for room in a full ring (layout.WAIT_TICKS)
         self._free: list[AreaRef] = []
         self.lock = threading.Lock()  # the consumer recycles retired areas from its thread
 
@@ -121,8 +122,16 @@ class ThreadAreas:
             self._commit(tid, area.target_addr)
         words = area.pool.words[area.index]
         words[L.TID // 8] = tid
+        words[L.WAIT_TICKS // 8] = self.wait_ticks
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
+
+    def set_wait(self, ticks: int) -> None:
+        """How long a writer may wait for room from now on, in every area (0: a wait going on
+        ends; the tracer sets it when it leaves: nobody would make room)."""
+        self.wait_ticks = ticks
+        for _, area in self.live():
+            area.words[L.WAIT_TICKS // 8] = ticks
 
     def _new_pool(self, tid: int) -> Pool:
         count = POOL_AREAS * (1 << min(len(self.pools), 4))

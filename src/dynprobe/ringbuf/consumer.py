@@ -253,6 +253,7 @@ class Consumer:
         self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
         self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
         self.corrupt = 0  # records or rings rejected
+        self.folded_waits = 0  # WAITS of the areas of ended threads
         self.records_read = 0  # numbers the next record read (RecordBatch.order)
         self.started = time.monotonic()
         self.drained = 0
@@ -454,6 +455,7 @@ class Consumer:
 
     def _fold(self, areas: ThreadAreas, tid: int, area: AreaRef) -> None:
         words = area.pool.words[area.index]
+        self.folded_waits += min(int(words[L.WAITS // 8]), self._most_counted())
         for folded, block in ((self.folded, self._counter_block), (self.folded_hists, self._hist_block)):
             rows = block(words)
             possible = rows.max(axis=1, initial=0) <= self._most_counted()
@@ -504,6 +506,11 @@ class Consumer:
         """(hits, missed, lost) of a probe summed over every thread area, ended threads included."""
         total = self._total(self.folded, self._counter_block, probe_index)
         return int(total[L.HITS]), int(total[L.MISSED]), int(total[L.LOST])
+
+    def waits(self) -> int:
+        """Records whose writer waited for room in a full ring, every thread area summed."""
+        live = sum(int(area.words[L.WAITS // 8]) for areas in list(self.processes) for _, area in areas.live())
+        return self.folded_waits + min(live, self._most_counted())
 
     def histogram(self, hist_index: int) -> np.ndarray:
         return self._total(self.folded_hists, self._hist_block, hist_index)

@@ -42,6 +42,12 @@ MAGIC = 0x00
 TID = 0x08
 BUSY = 0x10
 RESERVE = 0x18  # the next record to write: HEAD, or past it while a tracer holds records back
+# A writer that finds its ring full waits up to WAIT_TICKS time-stamp ticks for the reader to
+# make room (0: the record is lost at once), until WAIT_UNTIL; WAITS counts the records that
+# waited and got room.
+WAIT_TICKS = 0x20
+WAIT_UNTIL = 0x28
+WAITS = 0x30
 HEAD = 0x40
 TAIL = 0x80
 SHADOW_TOP = 0xC0  # entries [0, top) of the shadow stack are in use or free (slot 0)

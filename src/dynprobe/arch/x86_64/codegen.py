@@ -395,9 +395,7 @@ class _Emitter:
 
         def fill() -> None:
             if entry.timestamp:
-                asm.add(iced.Instruction.create(C.RDTSC))
-                asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-                asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+                _read_tsc(asm)
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_TSC, R.RSI), R.RAX))
             for n in entry.arg_indices:
                 self.load_reg(ARG_REGS[n - 1])
@@ -1060,8 +1058,9 @@ def ring_record(
     held back (`RESERVE` passes it, `HEAD` does not): a function tracer with a time threshold
     takes it back if the call ends too soon (`reserved()` sees its sequence number in `slot`).
     A signal handler hitting a probe while this thread writes a record would reuse the slot: the
-    re-entrancy flag makes its record missed (counted) instead."""
-    missed, full, release, done = asm.label(), asm.label(), asm.label(), asm.label()
+    re-entrancy flag makes its record missed (counted) instead. A full ring is waited on
+    (`_wait_for_room`) before the record is counted lost."""
+    missed, full, room, lost, release, done = (asm.label() for _ in range(6))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
     asm.jump(C.JNE_REL32_64, missed)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))
@@ -1070,6 +1069,7 @@ def ring_record(
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, layout.ring_slots - records + 1))
     asm.jump(C.JAE_REL32_64, full)  # also when a scribbled tail is ahead of head
+    asm.bind(room)
     if reserved is not None:
         reserved()
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, slot, layout.ring_slots - 1))
@@ -1088,6 +1088,8 @@ def ring_record(
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.HEAD), R.RAX))
     asm.jump(C.JMP_REL32_64, release)
     asm.bind(full)
+    _wait_for_room(asm, slot, layout.ring_slots - records + 1, room, lost)
+    asm.bind(lost)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(probe_index, L.LOST))))
     asm.bind(release)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 0))
@@ -1095,6 +1097,45 @@ def ring_record(
     asm.bind(missed)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(probe_index, L.MISSED))))
     asm.bind(done)
+
+
+def _read_tsc(asm: _Asm) -> None:
+    """rax: the time-stamp counter (rdx used)."""
+    asm.add(iced.Instruction.create(C.RDTSC))
+    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+
+
+def _wait_for_room(asm: _Asm, slot: RegisterT, limit: int, room: int, lost: int) -> None:
+    """The ring is full (`slot`: the record's sequence number; room once slot - TAIL < `limit`):
+    wait for the reader to take records, up to gs:[WAIT_TICKS] ticks (0: not at all, which the
+    tracer also sets to end every wait when it leaves), then go to `room`, or to `lost` when
+    none came. rax used, rdx kept."""
+    again, gave_up, waited = asm.label(), asm.label(), asm.label()
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.WAIT_TICKS), 0))
+    asm.jump(C.JE_REL32_64, lost)
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
+    _read_tsc(asm)
+    asm.add(iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.RAX, _gs(L.WAIT_TICKS)))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.WAIT_UNTIL), R.RAX))
+    asm.bind(again)
+    asm.add(iced.Instruction.create(C.PAUSE))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
+    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
+    asm.jump(C.JB_REL32_64, waited)
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.WAIT_TICKS), 0))
+    asm.jump(C.JE_REL32_64, gave_up)
+    _read_tsc(asm)
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, _gs(L.WAIT_UNTIL)))
+    asm.jump(C.JB_REL32_64, again)
+    asm.bind(gave_up)
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.jump(C.JMP_REL32_64, lost)
+    asm.bind(waited)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.WAITS)))
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.jump(C.JMP_REL32_64, room)
 
 
 def _trace_record(
@@ -1112,9 +1153,7 @@ def _trace_record(
         if function_id is not None:
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, function_id))
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, slot), R.EAX))
-        asm.add(iced.Instruction.create(C.RDTSC))
-        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+        _read_tsc(asm)
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(ring + L.RECORD_TSC, slot), R.RAX))
         asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, slot), ops_index))
         if kind_in is None:
@@ -1445,9 +1484,7 @@ def _take_back_if_short(
     asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, layout.record_size.bit_length() - 1))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _gs(layout.ring + L.RECORD_TSC, R.RAX)))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
-    asm.add(iced.Instruction.create(C.RDTSC))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    _read_tsc(asm)
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
     asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RAX, R.RCX))
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, threshold))
@@ -1481,9 +1518,7 @@ def tsc_readings_code() -> bytes:
     asm = _Asm()
     loop = asm.label()
     asm.bind(loop)
-    asm.add(iced.Instruction.create(C.RDTSC))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    _read_tsc(asm)
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _mem(R.RSI), R.RAX))
     asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RSI, 8))
     asm.add(iced.Instruction.create_reg(C.DEC_RM64, R.RDI))
@@ -1495,8 +1530,6 @@ def tsc_readings_code() -> bytes:
 def read_tsc_code() -> bytes:
     """A C-callable `uint64_t f(void)` returning the time-stamp counter (for the consumer's clock)."""
     asm = _Asm()
-    asm.add(iced.Instruction.create(C.RDTSC))
-    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+    _read_tsc(asm)
     asm.add(iced.Instruction.create(C.RETNQ))
     return asm.encode(0)[0]
