@@ -207,6 +207,7 @@ def test_a_million_events_into_a_small_ring_lose_exactly(opt: str, wait: float) 
     default a writer waits for the reader to make room: nothing is lost (of a burst 50 times the
     ring, handed to a Python handler one event at a time)."""
     n = 1_000_000 if wait == 0 else 100_000
+    sessions: list[dynprobe.Session] = []
     got: list[int] = []
     times: list[int] = []
 
@@ -219,12 +220,14 @@ def test_a_million_events_into_a_small_ring_lose_exactly(opt: str, wait: float) 
     def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
         session.ring_bytes = 4096 if wait == 0 else 65536  # 128 records of 32 bytes, or 2048
         session.wait_for_room = wait
+        sessions.append(session)
         return [session.probe("p:t/ev event i=%di", on_event=on_event)]
 
     status, out, [probe] = traced([opt, "events", "1", str(n)], setup, optimize=True)
     assert status == 0 and out == f"events {n}\n"
     lost = probe.lost  # type: ignore[attr-defined]
     assert (lost > 0) == (wait == 0) and len(got) + lost == n and probe.hits == n  # type: ignore[attr-defined]
+    assert (sessions[0].records_waited > 0) == (wait > 0)
     assert got == sorted(got) and len(set(got)) == len(got)
     assert times == sorted(times)
 

@@ -2354,10 +2354,8 @@ class Session:
         if not 0 <= seconds <= MAX_WAIT_FOR_ROOM:
             raise SessionError(f"wait_for_room {seconds} is out of range (0..{MAX_WAIT_FOR_ROOM} s)")
         self._wait_for_room = seconds
-        ticks = self._wait_ticks()
-        for proc in self._processes.values():
-            if proc.areas is not None:
-                proc.areas.set_wait(ticks)
+        for areas in {id(p.areas): p.areas for p in self._processes.values() if p.areas is not None}.values():
+            areas.set_wait(self._wait_ticks())  # (not before: the clock would fix the layout)
 
     def _wait_ticks(self) -> int:
         if not self._wait_for_room:
