@@ -229,6 +229,26 @@ def test_the_last_probe_removed_from_an_armed_trap_puts_the_original_bytes_back(
     assert seen["at removal"] == original and seen["at the end"] == original
 
 
+def test_a_trap_record_removed_mid_run_keeps_the_hits_before_it(ret: str) -> None:
+    """is_even's record runs in the target from its site's action code; is_odd's handler removes
+    that probe at its 100th hit: the site goes (its action code freed once no thread is in it),
+    the records are exactly those of the 100 calls before, and the program's answer is right."""
+    events: list[dynprobe.ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        def pre(hit: Hit) -> None:
+            if odd.hits == 100:
+                even.remove()
+
+        even = session.probe("p is_even n=%di", on_event=events.append)
+        odd = session.probe("p is_odd", pre=pre)
+        return [even, odd]
+
+    status, out, (even, odd) = traced([ret, "evenodd", "2000"], setup)
+    assert (status, out) == (0, "1\n") and even.removed and odd.hits == 1000
+    assert [e.values["n"] for e in events] == list(range(2000, 1800, -2))
+
+
 def test_probe_on_main_and_constructor_hits(build: object) -> None:
     ctor = build_target("ctor", "ctor.c")
     status, out, (c, m) = traced([ctor], lambda s: (s.probe("init_early"), s.probe("main")))
