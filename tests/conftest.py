@@ -5,9 +5,12 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]  # the command, as this Python runs it
 
 TARGETS = Path(__file__).parent / "targets"
 BUILD = Path(__file__).parent / ".build"

@@ -19,9 +19,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from tests.conftest import build_target
+from tests.conftest import DYNPROBE, build_target
 
-DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 THREADS = 4
 SECONDS = 1.6  # the program's run; kills land in its first KILL_WITHIN seconds
 KILL_WITHIN = 1.1

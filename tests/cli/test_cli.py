@@ -24,10 +24,8 @@ import pytest
 
 from dynprobe.core.returns import default_maxactive
 from dynprobe.symbols.ifunc import is_fragment
-from tests.conftest import build_target
+from tests.conftest import DYNPROBE, build_target
 from tests.integration.helpers import held_by_other_tracer
-
-DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 
 
 def dp(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import dynprobe
 from dynprobe import OptimizeRefusal, ProbeRefused, Refusal, SessionError
 from dynprobe.core.probe import ProbeMode
-from tests.conftest import build_target
+from tests.conftest import DYNPROBE, build_target
 
 CALLS = 20_000  # per thread, 2 threads
 TOTAL = 2 * sum(i + 2 for i in range(CALLS))  # work(i) = i + 1 + seed (1)
@@ -104,3 +105,21 @@ def test_the_flat_function_tracer_counts_each_function_it_could_not_patch(crowde
         tracer.start()
         assert dict(tracer.not_patched) == {"NO_MEMORY": 2}
         run_to_end(session, crowded)
+
+
+def test_the_commands_say_in_one_line_what_cannot_be_done(crowded: subprocess.Popen[str], tmp_path: Path) -> None:
+    """`record` and a return probe of `trace`, attached: one line each, exit status 1, and the
+    program runs on untouched."""
+    commands = {
+        ("record", "-o", str(tmp_path / "t.data")): "dynprobe: error: cannot trace function returns: no executable "
+        f"memory for the return trampoline in pid {crowded.pid}\n",
+        ("trace", "r work"): "dynprobe: error: cannot probe crowded:work: no executable memory could be mapped "
+        "near the code for the return trampoline [NO_MEMORY]\n",
+    }
+    for argv, said in commands.items():
+        done = subprocess.run([*DYNPROBE, *argv, "-p", str(crowded.pid)], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stderr) == (1, said)
+    assert crowded.stdin is not None and crowded.stdout is not None
+    crowded.stdin.write("go\n")
+    crowded.stdin.flush()
+    assert crowded.stdout.read() == f"total={TOTAL}\n" and crowded.wait() == 0

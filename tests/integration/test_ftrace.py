@@ -25,7 +25,7 @@ from dynprobe.errors import ProbeRefused, Refusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.symbols.elf import load_elf
 from dynprobe.tracefile import Trace
-from tests.conftest import BUILD, build_target
+from tests.conftest import BUILD, DYNPROBE, build_target
 
 from .helpers import run_plain
 
@@ -673,7 +673,6 @@ def test_library_calls_never_crash_the_program(
     assert (r.returncode, r.stdout) == (alone.returncode, alone.stdout), r.stderr
 
 
-DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]
 REAL_PROGRAMS = {
     "sort": ["sort", "{input}"],
     "gzip": ["gzip", "-c", "{input}"],

@@ -2497,8 +2497,6 @@ class Session:
                 columns.setdefault(event.probe.on_event, []).append(EventColumns.of(event))
         events = [e for e in events if not isinstance(e.probe.on_event, BatchHandler)]
         for batch in batches:
-            if batch.probe_index < 0:
-                continue  # raw output only
             tracer = self.tracing.tracers.get(batch.probe_index)
             if tracer is not None:
                 self.tracing.deliver(tracer, batch)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import os
 import signal
 from collections.abc import Iterator
@@ -68,18 +67,11 @@ def decode_status(tid: int, status: int) -> Event:
     return Event(EventKind.SIGNAL, tid, sig=sig)
 
 
-def wait_event(tid: int = -1, block: bool = True) -> Event | None:
-    """The next event of any tracee (or of `tid`); None if none is ready (non-blocking) or none exist."""
-    flags = sc.WALL | (0 if block else os.WNOHANG)
+def wait_event(tid: int) -> Event | None:
+    """The next event of thread `tid`, waited for; None if it is no tracee of ours (any more)."""
     try:
-        pid, status = os.waitpid(tid, flags)
+        pid, status = os.waitpid(tid, sc.WALL)
     except ChildProcessError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ECHILD:
-            return None
-        raise
-    if pid == 0:
         return None
     return decode_status(pid, status)
 
