@@ -109,3 +109,8 @@ def test_target_own_int3_reaches_its_handler_once(signals: str) -> None:
     assert plain.startswith("own_traps=1")
     status, out, probe = traced([signals, "own"], lambda s: s.probe("step_me"))
     assert status == 0 and out == plain and probe.hits == 1
+    image = load_elf(signals)
+    own = next(a for a in every_instruction(signals, ["main"]) if image.code(a, 1) == b"\xcc")
+    with dynprobe.spawn([signals, "own"]) as session, pytest.raises(ProbeRefused) as info:
+        session.probe(at(signals, own))  # a probe on that int3 itself: its trap would be taken for ours
+    assert info.value.reason == Refusal.FOREIGN_INT3
