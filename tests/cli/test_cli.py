@@ -222,6 +222,9 @@ def test_lost_records_are_reported_with_the_remedy(ret: str) -> None:
     assert r.returncode == 0, r.stderr
     assert re.search(r"app/add .* hits=100000 missed=0$", r.stderr, re.M) and r.stdout.count("app/add") == 100000
     assert "lost" not in r.stderr
+    waited = re.search(r"^dynprobe: the program waited (\d+) times for its events to be read \(a thread's ring was "
+                       r"full\): --lossy never waits, a larger --ring-size waits less$", r.stderr, re.M)  # fmt: skip
+    assert waited is not None and int(waited.group(1)) > 0
 
 
 def test_latency_histogram_per_function(ret: str) -> None:

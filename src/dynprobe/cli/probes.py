@@ -196,6 +196,16 @@ def note_missed_returns(probes: list[Probe], option: str = MAXACTIVE_IN_SPEC) ->
                   f"(recursion); {option.format(more)} keeps more", file=sys.stderr)  # fmt: skip
 
 
+def note_waits(session: Session) -> None:
+    """A program that waited for dynprobe to read its events ran slower than it would have:
+    say so, and what avoids it."""
+    waited = session.records_waited
+    if waited:
+        times = f"{waited} time{'' if waited == 1 else 's'}"
+        print(f"dynprobe: the program waited {times} for its events to be read (a thread's ring was full): "
+              "--lossy never waits, a larger --ring-size waits less", file=sys.stderr)  # fmt: skip
+
+
 def note_traps(probes: list[Probe]) -> None:
     """Probes hit as traps though they could have been jumps (not --trap) say so: each hit cost
     the target a stop, ~10 us, which a user reading counts would not guess (--stats says it too)."""

@@ -26,7 +26,7 @@ from dynprobe.cli.common import (
     report_error,
     run_target,
 )
-from dynprobe.cli.probes import PROGRESS_FROM, RING_WAS_FULL, add_lossy_option, progress_bar
+from dynprobe.cli.probes import PROGRESS_FROM, RING_WAS_FULL, add_lossy_option, note_waits, progress_bar
 from dynprobe.core.ftrace import ValueRequest
 from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
@@ -460,6 +460,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
             where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
+            note_waits(session)
             _name_refused(tracer, program)
     except OSError as exc:  # closing the events file (its last bytes) on a full disk
         return report_error(DynprobeError(f"cannot write {os.path.join(out, EVENTS)}: {exc.strerror or exc}"))

@@ -29,6 +29,7 @@ from dynprobe.cli.probes import (
     note_missed_returns,
     note_never_placed,
     note_traps,
+    note_waits,
     place_all,
     print_stats,
     say_placed,
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                     note_traps(probes)
                 note_missed_returns(probes)
                 note_never_placed(probes)
+                note_waits(session)
     except DynprobeError as exc:
         return report_error(exc)
     finally:
