@@ -1015,7 +1015,7 @@ class Session:
         elif kind in (EventKind.FORK, EventKind.VFORK):
             self._on_fork(proc, event)
         elif kind == EventKind.EXEC:
-            self._on_exec(proc, event)
+            self._on_exec(proc)
         else:  # VFORK_DONE
             tracee.resume(event.tid)
 
@@ -1127,14 +1127,14 @@ class Session:
                 self._pending.append(orphan)
         parent.tracee.resume(event.tid)
 
-    def _on_exec(self, proc: TracedProcess, event: Event) -> None:
+    def _on_exec(self, proc: TracedProcess) -> None:
         pid = proc.pid
+        # (A non-leader thread that exec'd took the leader's tid: its exec stop is reported as
+        # the pid's, and every other thread is gone.)
         for tid in list(proc.tracee.threads):
             if tid != pid:
                 proc.tracee.threads.pop(tid)
                 self._owner.pop(tid, None)
-        if event.tid != pid:  # a non-leader thread exec'd: it now has the leader's tid
-            self._owner[pid] = proc
         # A fresh state: nothing of the thread whose tid the exec'ing one took (stopped at a trap
         # of the old image, say) carries over.
         proc.tracee.threads[pid] = ThreadState(pid, in_event_stop=True)
