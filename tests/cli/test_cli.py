@@ -588,6 +588,30 @@ def test_symbol_type_after_the_target_ended(wordcount: str, mode: list[str]) -> 
     assert [v[2] for v in values] == ["len=0x1", "len=0x2"]
 
 
+def test_a_recording_cut_short_replays_what_it_has_and_says_so(spinner: str, tmp_path: Path) -> None:
+    """dynprobe SIGKILLed while it records (nothing of it runs after): its trace was never
+    closed. replay and report read what reached the disk and say the recording was cut short;
+    the program, let go by the guardian, runs on to its own end."""
+    trace = tmp_path / "t.data"
+    with subprocess.Popen([spinner, "2", "", "30"], stdout=subprocess.PIPE, text=True) as target:
+        assert target.stdout is not None and target.stdout.readline() == "ready\n"
+        recorder = subprocess.Popen([*DYNPROBE, "record", "-o", str(trace), "-p", str(target.pid)],
+                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not ((trace / "events.raw").exists() and (trace / "events.raw").stat().st_size >= 4096):
+            assert recorder.poll() is None and time.monotonic() < deadline, recorder.stderr
+            time.sleep(0.01)
+        recorder.kill()
+        recorder.wait()
+        target.terminate()
+        assert target.wait(timeout=30) == 0 and target.stdout.read().startswith("ticks=")
+    warning = f"dynprobe: warning: {trace} was not closed (the recording was cut short)"
+    for command in ("replay", "report"):
+        r = dp(command, str(trace))
+        assert r.returncode == 0 and r.stderr.splitlines()[0] == warning, r.stderr
+        assert "tick" in r.stdout
+
+
 def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
     stripped = build_target("wordcount-stripped", "../../examples/wordcount.c", flags=("-O2", "-s"))
     r = dp("list", stripped)
