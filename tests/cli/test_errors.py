@@ -150,6 +150,11 @@ def test_outputs_are_ours_alone_and_an_old_one_is_kept(wordcount: str, tmp_path:
     (mine / "notes.txt").write_text("mine\n")
     one_error_line(dp("record", "-o", str(mine), "--", wordcount, "a"), "is not a trace directory")
     assert os.listdir(mine) == ["notes.txt"]
+    (tmp_path / "events.txt.old").unlink()
+    (tmp_path / "events.txt.old").mkdir()  # where the earlier output would go: refused, both left
+    r = dp("trace", "p add_word", "-o", str(events), "--", wordcount, "a")
+    one_error_line(r, f"{events}.old is in the way (not a regular file): move it, or choose another name")
+    assert events.is_file() and (tmp_path / "events.txt.old").is_dir()
 
 
 @pytest.mark.parametrize("what", ["a file", "a directory", "no trace"])
