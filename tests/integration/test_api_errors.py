@@ -52,7 +52,7 @@ REFUSALS: list[tuple[str, Call, type[Exception], str]] = [
      "data_size 1048576 is out of range"),
     ("maxactive 0", lambda s: s.retprobe("work", maxactive=0), SessionError, "maxactive 0 is out of range"),
     ("a wait for room below 0", lambda s: setattr(s, "wait_for_room", -1), SessionError,
-     r"wait_for_room -1 is out of range \(0..60.0 s\)"),
+     "wait_for_room -1 is out of range (0..60.0 s)"),
     ("a spec that does not parse", lambda s: s.probe("p work x="), ParseError, "column"),
     ("an offset past the function", lambda s: s.probe("work+0x10000"), SymbolError,
      "work\\+0x10000 is past the end of work"),
