@@ -81,14 +81,19 @@ def linked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("where", ["lib", "decoy"])
+@pytest.mark.parametrize("where", ["lib", "decoy", "preload"])
 @pytest.mark.parametrize("how", ["probe", "tracer"])
 def test_library_named_before_the_loader_ran_is_the_one_it_maps(linked: Path, where: str, how: str) -> None:
     """'libmine:lib_func' placed (or `--lib libmine` traced) before the target runs names the
-    file its loader will map: through the RUNPATH, or LD_LIBRARY_PATH first when set (ld.so's
-    order)."""
+    file its loader will map: through the RUNPATH, LD_LIBRARY_PATH first when set (ld.so's
+    order), or the file LD_PRELOAD names by its path (the same soname: ld.so loads it once)."""
     argv = [str(linked / "bin" / "linked")]
-    env = {**os.environ, "LD_LIBRARY_PATH": str(linked / "decoy")} if where == "decoy" else None
+    env = {
+        "lib": None,
+        "decoy": {**os.environ, "LD_LIBRARY_PATH": str(linked / "decoy")},
+        "preload": {**os.environ, "LD_PRELOAD": str(linked / "decoy" / "libmine.so.1")},
+    }[where]
+    where = "decoy" if where == "preload" else where
     plain = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn(argv, env=env, stdout=out.fileno()) as session:

@@ -133,7 +133,7 @@ class ElfImage:
             self.entry = int(elf["e_entry"])  # where the program starts: no caller, no return address
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
-            self.needed, self.rpath, self.runpath = self._dynamic(elf)
+            self.needed, self.rpath, self.runpath, self.soname = self._dynamic(elf)
             self.functions, self.objects, self.ifuncs, self.default_versions = self._symbols(elf)
             self.debug_file = None if elf.get_section_by_name(".symtab") else self._debug_file(elf)
             if self.debug_file is not None:
@@ -197,20 +197,21 @@ class ElfImage:
         return None
 
     @staticmethod
-    def _dynamic(elf: ELFFile) -> tuple[list[str], list[str], list[str]]:
-        """DT_NEEDED names, DT_RPATH and DT_RUNPATH directories (in their order)."""
+    def _dynamic(elf: ELFFile) -> tuple[list[str], list[str], list[str], str | None]:
+        """DT_NEEDED names, DT_RPATH and DT_RUNPATH directories (in their order), DT_SONAME."""
         needed: list[str] = []
         rpath: list[str] = []
         runpath: list[str] = []
-        into = {"DT_NEEDED": needed, "DT_RPATH": rpath, "DT_RUNPATH": runpath}
+        soname: list[str] = []
+        into = {"DT_NEEDED": needed, "DT_RPATH": rpath, "DT_RUNPATH": runpath, "DT_SONAME": soname}
         section = elf.get_section_by_name(".dynamic")
         if isinstance(section, DynamicSection):
             for tag in section.iter_tags():
                 kind = tag.entry.d_tag
-                if kind in into:  # pyelftools sets the string as .needed, .rpath, .runpath
+                if kind in into:  # pyelftools sets the string as .needed, .rpath, .runpath, .soname
                     value = str(getattr(tag, kind[3:].lower()))
-                    into[kind] += [value] if kind == "DT_NEEDED" else value.split(":")
-        return needed, rpath, runpath
+                    into[kind] += value.split(":") if kind in ("DT_RPATH", "DT_RUNPATH") else [value]
+        return needed, rpath, runpath, soname[0] if soname else None
 
     @staticmethod
     def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:

@@ -107,10 +107,14 @@ def loaded_libraries(exe: str, environ: Mapping[str, str] | None = None, cwd: st
     env_dirs = [os.path.join(cwd, d) for d in environ.get("LD_LIBRARY_PATH", "").split(":") if d]
     preload = environ.get("LD_PRELOAD", "").replace(":", " ").split()
     found: dict[str, str] = {}
+    by_soname: dict[str, str] = {}  # ld.so loads an object once: a name that is a loaded one's soname is it
     queue: deque[tuple[str, ElfImage]] = deque((name, main) for name in preload + main.needed)
     while queue and len(found) < _MAX_OBJECTS:
         name, needer = queue.popleft()
         if name in found:
+            continue
+        if name in by_soname:
+            found[name] = by_soname[name]
             continue
         path = _search(name, needer, main, env_dirs, cwd)
         if path is None:
@@ -120,5 +124,7 @@ def loaded_libraries(exe: str, environ: Mapping[str, str] | None = None, cwd: st
             image = load_elf(path)
         except DynprobeError:
             continue
+        if image.soname is not None:
+            by_soname.setdefault(image.soname, found[name])
         queue.extend((n, image) for n in image.needed if n not in found)
     return found
