@@ -260,12 +260,17 @@ def test_a_pass_delivered_a_window_at_a_time_keeps_every_event_in_order(
 
 def test_target_using_gs_keeps_trap_probes(opt: str) -> None:
     """A target that sets its own GS base: dynprobe cannot install thread areas and says so; the
-    probe counts every hit as a trap probe."""
+    probe counts every hit as a trap probe. A return probe, which needs a thread area for its
+    shadow stack, is refused where it is placed (it would miss every call)."""
     made: list[dynprobe.Probe] = []
+    refused: list[dynprobe.ProbeRefused] = []
 
     def place_after_gs_is_set(hit: object) -> None:
         if not made:
             made.append(session.probe("hammer"))
+            with pytest.raises(dynprobe.ProbeRefused) as no_return:
+                session.retprobe("hammer", action="count")
+            refused.append(no_return.value)
             session.optimize_now()
 
     def setup(s: dynprobe.Session) -> list[dynprobe.Probe]:
@@ -279,6 +284,7 @@ def test_target_using_gs_keeps_trap_probes(opt: str) -> None:
     assert status == 0 and out == "gs kept\n"
     assert probe.trap_reason == OptimizeRefusal.GS_IN_USE  # type: ignore[attr-defined]
     assert probe.hits == 500  # type: ignore[attr-defined]
+    assert [r.reason for r in refused] == [dynprobe.Refusal.GS_IN_USE]
 
 
 def test_scribbling_target_gets_a_clear_error_not_a_crash(opt: str) -> None:

@@ -313,6 +313,20 @@ class Optimizer:
         return any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred)
 
     # --- thread areas -------------------------------------------------------------------------------------
+    @staticmethod
+    def gs_in_use(proc: TracedProcess) -> bool:
+        """A stopped thread of `proc` has a GS base of the program's own: no thread area can go
+        there (nothing is changed by asking)."""
+        maps = read_maps(proc.pid)
+        for tid, state in proc.tracee.threads.items():
+            gs = 0
+            if state.stopped:
+                with contextlib.suppress(ProcessLookupError):  # born, its first stop not reported
+                    gs = int(sc.get_regs(tid).gs_base)
+            if gs and not proc.gs_inherited and not _left_by_dynprobe(maps, gs):
+                return True
+        return False
+
     def ensure_areas(self, proc: TracedProcess) -> bool:
         """Every stopped thread of `proc` has a thread area in its GS base. False if the target
         uses GS itself, or runs under a seccomp filter we may not suspend (then nothing is
@@ -320,16 +334,10 @@ class Optimizer:
         if proc.areas_refused is not None:
             return False
         if proc.areas is None:
-            maps = read_maps(proc.pid)
-            for tid, state in proc.tracee.threads.items():
-                gs = 0
-                if state.stopped:
-                    with contextlib.suppress(ProcessLookupError):  # born, its first stop not reported
-                        gs = int(sc.get_regs(tid).gs_base)
-                if gs and not proc.gs_inherited and not _left_by_dynprobe(maps, gs):
-                    proc.areas_refused = OptimizeRefusal.GS_IN_USE
-                    self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
-                    return False
+            if self.gs_in_use(proc):
+                proc.areas_refused = OptimizeRefusal.GS_IN_USE
+                self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
+                return False
             stopped = next((tid for tid, state in proc.tracee.threads.items() if state.stopped), None)
             if stopped is not None and not proc.tracee.may_run_code(stopped):
                 proc.areas_refused = OptimizeRefusal.SECCOMP

@@ -1749,12 +1749,18 @@ class Session:
 
     def _ensure_returns(self, proc: TracedProcess, probe: Probe, addr: int) -> None:
         """The process's return trampoline, made as its first return probe is placed: a process
-        with no memory left for it refuses the probe here, not at a hit."""
+        with no memory left for it, or whose threads use GS (no thread area for the shadow
+        stack), refuses the probe here rather than miss every call."""
+        if proc.returns is not None:
+            return
+        where = f"{probe.location.basename}:{probe.location.label}"
+        if proc.areas is None and self._optimizer.gs_in_use(proc):
+            raise ProbeRefused(Refusal.GS_IN_USE, where)
         try:
             self.returns.setup(proc, addr)
         except ProcessError as exc:
             _debug(f"pid {proc.pid}: {exc}")
-            raise ProbeRefused(Refusal.NO_MEMORY, f"{probe.location.basename}:{probe.location.label}") from exc
+            raise ProbeRefused(Refusal.NO_MEMORY, where) from exc
 
     def _slot_for_boost(self, proc: TracedProcess, site: Site) -> None:
         """A slot for an emulated push whose site stays a trap: cheaper from there (an emulated
