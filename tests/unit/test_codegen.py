@@ -333,21 +333,29 @@ def _full_ring(area: NativeArea) -> tuple[Program, int]:
     return prog, actions
 
 
+def _once_waiting(area: NativeArea, offset: int, value: int) -> threading.Thread:
+    """A thread that sets the area's word at `offset` to `value` once the writer waits (its
+    WAIT_UNTIL set): the reader taking records, or the tracer leaving. (ctypes lets the GIL go
+    while the generated code runs.)"""
+
+    def once_waiting() -> None:
+        while not area.word(L.WAIT_UNTIL):
+            os.sched_yield()
+        area.set_word(offset, value)
+
+    thread = threading.Thread(target=once_waiting)
+    thread.start()
+    return thread
+
+
 def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> None:
     """A full ring, a writer allowed to wait: it waits (WAIT_UNTIL set), the reader takes three
     records, and the record is written into the room made, counted as waited, not lost."""
     _, actions = _full_ring(area)
-    area.set_word(L.WAIT_TICKS, 1 << 62)  # (no end: the reader below decides)
-
-    def reader() -> None:
-        while not area.word(L.WAIT_UNTIL):
-            os.sched_yield()
-        area.set_word(L.TAIL, 3)
-
-    taker = threading.Thread(target=reader)
-    taker.start()
-    area.call_at(actions, 777)  # (ctypes lets the GIL go while the code runs)
-    taker.join()
+    area.set_word(L.WAIT_TICKS, 1 << 62)  # (no end: the reader decides)
+    reader = _once_waiting(area, L.TAIL, 3)
+    area.call_at(actions, 777)
+    reader.join()
     assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
     assert area.counter(4, L.LOST) == 0 and area.counter(4, L.HITS) == 1
     assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
@@ -359,19 +367,8 @@ def test_native_record_that_waited_in_vain_is_lost(area: NativeArea, how: str) -
     """No reader comes: the record is lost once WAIT_TICKS have passed, or at once when the
     tracer sets WAIT_TICKS to 0 (as it does when it leaves) while the writer waits."""
     _, actions = _full_ring(area)
-    if how == "its time runs out":
-        area.set_word(L.WAIT_TICKS, 1 << 20)
-        leaving = None
-    else:
-        area.set_word(L.WAIT_TICKS, 1 << 62)
-
-        def leave() -> None:
-            while not area.word(L.WAIT_UNTIL):
-                os.sched_yield()
-            area.set_word(L.WAIT_TICKS, 0)
-
-        leaving = threading.Thread(target=leave)
-        leaving.start()
+    area.set_word(L.WAIT_TICKS, 1 << 20 if how == "its time runs out" else 1 << 62)
+    leaving = _once_waiting(area, L.WAIT_TICKS, 0) if how == "the tracer leaves" else None
     area.call_at(actions, 777)
     if leaving is not None:
         leaving.join()
