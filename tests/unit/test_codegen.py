@@ -322,15 +322,15 @@ def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
     assert int.from_bytes(rec[16:24], "little") == 777
 
 
-def _full_ring(area: NativeArea) -> tuple[Program, int]:
-    """A record probe's actions, placed, and the ring full: (the program, their address)."""
+def _full_ring(area: NativeArea) -> int:
+    """A record probe's actions (probe 4, n=%di), placed, and the ring full: their address."""
     prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
     detour = build_detour(plan(), [prog], LAYOUT, area.base + area.used, function_entry=True)
     assert not isinstance(detour, OptimizeRefusal)
     actions = area.place(detour.code[: detour.action_bytes] + b"\xc3")
     for word in (L.HEAD, L.RESERVE):
         area.set_word(word, LAYOUT.ring_slots)
-    return prog, actions
+    return actions
 
 
 def _once_waiting(area: NativeArea, offset: int, value: int) -> threading.Thread:
@@ -351,7 +351,7 @@ def _once_waiting(area: NativeArea, offset: int, value: int) -> threading.Thread
 def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> None:
     """A full ring, a writer allowed to wait: it waits (WAIT_UNTIL set), the reader takes three
     records, and the record is written into the room made, counted as waited, not lost."""
-    _, actions = _full_ring(area)
+    actions = _full_ring(area)
     area.set_word(L.WAIT_TICKS, 1 << 62)  # (no end: the reader decides)
     reader = _once_waiting(area, L.TAIL, 3)
     area.call_at(actions, 777)
@@ -366,7 +366,7 @@ def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> No
 def test_native_record_that_waited_in_vain_is_lost(area: NativeArea, how: str) -> None:
     """No reader comes: the record is lost once WAIT_TICKS have passed, or at once when the
     tracer sets WAIT_TICKS to 0 (as it does when it leaves) while the writer waits."""
-    _, actions = _full_ring(area)
+    actions = _full_ring(area)
     area.set_word(L.WAIT_TICKS, 1 << 20 if how == "its time runs out" else 1 << 62)
     leaving = _once_waiting(area, L.WAIT_TICKS, 0) if how == "the tracer leaves" else None
     area.call_at(actions, 777)
