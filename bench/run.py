@@ -298,6 +298,22 @@ def count_cli(count: int) -> float:
     return elapsed
 
 
+def startup() -> dict[str, float]:
+    """Wall seconds, the median of REPEAT runs, of what a user's first commands cost before any
+    tracing: `dynprobe --version`, and a whole `count` of one libc probe over /bin/true."""
+    commands = {"version_s": ["--version"], "count_true_s": ["count", "-o", "/dev/null", "p libc:malloc", "--",
+                                                             "/bin/true"]}  # fmt: skip
+    times: dict[str, float] = {}
+    for name, argv in commands.items():
+        runs = []
+        for _ in range(REPEAT):
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "dynprobe.cli.main", *argv], capture_output=True, check=True)
+            runs.append(time.perf_counter() - t0)
+        times[name] = sorted(runs)[len(runs) // 2]
+    return times
+
+
 def cli_seed(seed: str, calls: int, command: list[str]) -> int:
     """Elapsed microseconds the seed reports when run under `dynprobe COMMAND... -- seed calls`
     (its line is the first line of stdout: the command's results go to stderr, or to -o)."""
@@ -441,6 +457,8 @@ def main() -> int:
     for d in drains:
         console.log(f"drain: {d}")
     rdtscp_ns, rdtsc_ns = timestamp_cost()
+    started = startup()
+    console.log(f"start-up: {started}")
 
     table = Table(title="dynprobe probes: the seed loop (N calls of an empty -O0 function)")
     for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel u(ret)probe", "stops/hit", "path"):
@@ -481,6 +499,8 @@ def main() -> int:
     out.print(f"function tracer over {tracer_10k['functions']} functions: {tracer_10k['patched']} patched "
               f"in {tracer_10k['attach_s']:.2f} s")  # fmt: skip
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
+    out.print(f"start-up: `dynprobe --version` {started['version_s'] * 1000:.0f} ms, `dynprobe count 'p libc:malloc' "
+              f"-- /bin/true` {started['count_true_s'] * 1000:.0f} ms")  # fmt: skip
     for d in drains:
         pace = f"paced at {d['rate'] / 1e6:.0f} M/s" if d["rate"] else "as fast as the target can"
         out.print(f"consumer drain to a file in {d['where']}, {d['events']:,} events {pace}: "
@@ -499,6 +519,7 @@ def main() -> int:
         "tracer_attach": tracer_10k,
         "drain": drains,
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
+        "startup_s": started,
     }
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"written {RESULTS / 'latest.json'}")
