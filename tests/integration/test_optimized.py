@@ -406,6 +406,22 @@ def test_a_record_larger_than_the_fixed_record_size_stays_a_trap_and_loses_nothi
     assert [e.values for e in events] == [{"a": i, "b": i, "c": i, "d": i} for i in range(100)]
 
 
+def test_asking_the_clock_first_leaves_the_record_size_to_the_probes() -> None:
+    """The clock is the session's, not the consumer's: reading it (or setting how long a full
+    ring is waited on) before any probe fixes nothing, and a record of 4 values is optimized."""
+    counter = build_target("counter", flags=("-O1", "-pthread"))
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        assert session.read_tsc() > 0 and session.tsc_mult() > 0
+        session.wait_for_room = 0.5
+        return [session.probe("p work a=%di b=%di c=%di d=%di", on_event=events.append)]
+
+    status, _, [probe] = traced([counter, "100"], setup, optimize=True)
+    assert status == 0 and probe.mode == dynprobe.ProbeMode.OPTIMIZED  # type: ignore[attr-defined]
+    assert [e.values["a"] for e in events] == list(range(100))
+
+
 def test_a_histogram_past_the_thread_area_s_table_stays_a_trap_and_counts_the_same() -> None:
     """The thread area holds 512 histograms: the 513th probe's runs at the stops (TOO_MANY_PROBES,
     and the site with it), with the same buckets."""

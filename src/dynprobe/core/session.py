@@ -12,6 +12,7 @@ import bisect
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import shutil
 import signal
@@ -92,7 +93,15 @@ from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
-from dynprobe.ringbuf.consumer import CPUS, Consumer, RecordBatch, decode_fields, decode_string, time_windows
+from dynprobe.ringbuf.consumer import (
+    CPUS,
+    Consumer,
+    RecordBatch,
+    TscClock,
+    decode_fields,
+    decode_string,
+    time_windows,
+)
 from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
 from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
 from dynprobe.spec.parser import parse_probe
@@ -2307,20 +2316,26 @@ class Session:
     def give_area(self, proc: TracedProcess, tid: int) -> None:
         self._optimizer.give_area(proc, tid)
 
+    @functools.cached_property
+    def _clock(self) -> TscClock:
+        """The time-stamp counter's calibration, made on first use (the consumer converts
+        with it; asking it fixes nothing of the thread-area layout)."""
+        return TscClock()
+
     def read_tsc(self) -> int:
-        return int(self._ensure_consumer().clock.read())
+        return int(self._clock.read())
 
     def tsc_to_ns(self, ticks: int) -> int:
-        return self._ensure_consumer().clock.ticks_to_ns(ticks)
+        return self._clock.ticks_to_ns(ticks)
 
     def clock_tick_ns(self) -> float:
         """The typical (median) step between two readings of the time-stamp counter back to
         back, in ns: time stamps closer than that may read the same."""
-        return float(self._ensure_consumer().clock.tick_ns)
+        return float(self._clock.tick_ns)
 
     def tsc_mult(self) -> int:
         """ns = ticks * tsc_mult >> 32, for $latency computed in the target."""
-        return self._ensure_consumer().clock.mult
+        return self._clock.mult
 
     def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program:
         """What the probe runs in `proc`'s detour at `site`."""
@@ -2361,7 +2376,7 @@ class Session:
             raise SessionError(f"wait_for_room {seconds} is out of range (0..{MAX_WAIT_FOR_ROOM} s)")
         self._wait_for_room = seconds
         for areas in {id(p.areas): p.areas for p in self._processes.values() if p.areas is not None}.values():
-            areas.set_wait(self._wait_ticks())  # (not before: the clock would fix the layout)
+            areas.set_wait(self._wait_ticks())
 
     def _wait_ticks(self) -> int:
         if not self._wait_for_room:
@@ -2449,7 +2464,7 @@ class Session:
             self._consumer = Consumer(
                 self.layout, self._deliver,
                 lambda i: 0 <= i < len(self._by_index) and (self._by_index[i] is not None or i in self.tracing.tracers),
-                self._warn, without_cpu=lambda i: i in self.tracing.tracers,
+                self._warn, without_cpu=lambda i: i in self.tracing.tracers, clock=self._clock,
             )  # fmt: skip
             self._consumer.on_failure = self.request_stop
             if self._started and not self._closed:
@@ -2562,7 +2577,7 @@ class Session:
 
     def clock(self) -> dict[str, float]:
         """The time-stamp counter's calibration: ns = (tsc - tsc0) * scale + ns0 (CLOCK_MONOTONIC)."""
-        return self._ensure_consumer().clock.params()
+        return self._clock.params()
 
     def comm_of(self, pid: int, tid: int) -> str:
         """A thread's name; remembered, so events read after it ended still have it. Read

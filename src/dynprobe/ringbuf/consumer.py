@@ -233,6 +233,7 @@ class Consumer:
         interval: float = 0.005,
         *,
         without_cpu: Callable[[int], bool] = lambda index: False,
+        clock: TscClock | None = None,
     ) -> None:
         self.layout = layout
         self.deliver = deliver
@@ -248,7 +249,7 @@ class Consumer:
         # Where the consumer may run: all the CPUs the tracer may use, even when it is started
         # by a tracer thread pinned next to the target (it must not share that CPU).
         self.cpus = os.sched_getaffinity(0)
-        self.clock = TscClock()
+        self.clock = clock or TscClock()
         self.processes: list[ThreadAreas] = []
         self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
         self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
