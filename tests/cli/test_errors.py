@@ -238,6 +238,7 @@ VALUES = [  # each refused in one line, before the program is touched
     (["record", "-T", "add_word@depth=0"], "not a trigger: 'add_word@depth=0'"),
     (["record", "-D", "0"], "-D 0: a depth is 1 or more"),
     (["count", "-p", "1", "p add_word"], "give either -p PID or -- COMMAND, not both"),
+    (["latency", "p add_word"], "give a function, not a probe spec: 'p add_word'"),
 ]
 
 
@@ -253,6 +254,7 @@ LISTING = [  # `dynprobe list`: what it is asked, and the one line it says
     (["libc:malloc*", "free*"], "give MODULE:GLOB or MODULE GLOB, not both: 'libc:malloc*' 'free*'"),
     (["-p", "999999999"], "no process with pid 999999999"),
     (["-p", "{sleeper}", "{wordcount}:*"], "has not mapped {wordcount}"),
+    (["/tmp"], "/tmp is a directory, not an ELF file"),
 ]
 
 
@@ -266,6 +268,12 @@ def test_list_refuses_in_one_line(args: list[str], says: str, wordcount: str) ->
             sleeper.kill()
     r = dp("list", wordcount, "no_such_function_*")
     assert r.returncode == 1 and r.stderr == "dynprobe: no function matches 'no_such_function_*'\n" and not r.stdout
+
+
+def test_no_command_prints_the_commands() -> None:
+    r = dp()
+    assert r.returncode == 2 and r.stdout.startswith("usage: dynprobe [-h] [--version] COMMAND ...")
+    assert "record    trace every function's entry and exit" in r.stdout
 
 
 def test_reading_a_trace_refuses_in_one_line(trace_dir: str) -> None:
