@@ -390,6 +390,10 @@ def test_hist_of_a_fetched_value(wordcount: str) -> None:
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("[")]
     assert [row.split("|")[0].split() for row in rows] == [["[1]", "1"], ["[2,", "4)", "2"], ["[4,", "8)", "1"]]
+    # a value read through a pointer that is not one (the length): every read faults, counted apart
+    r = dp("hist", "-o", "-", "p add_word n=+0(%si):u64", "--value", "n", "--", wordcount, "a bb ccc dddd")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("@uprobes/p_add_word[n]:\n", 1)[1] == "(fault)                   4\n\n"
 
 
 def test_trace_filter_keeps_matching_events(wordcount: str) -> None:
