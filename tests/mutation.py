@@ -228,6 +228,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
                     "delete `asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RA`",
                 ),
             },
+            "a hint to the CPU (a spinning thread's pause): the wait does the same without it": {
+                "asm.add(iced.Instruction.create(C.PAUSE))": ("delete `asm.add(iced.Instruction.create(C.PAUSE))`",),
+            },
             "TSC_AUX's node bits are 0 on a machine of one NUMA node (this one): the mask changes nothing here": {
                 "asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, _TSC_AUX_CPU))": (
                     "delete `asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.`",

@@ -349,11 +349,11 @@ def _once_waiting(area: NativeArea, offset: int, value: int) -> threading.Thread
 
 
 def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> None:
-    """A full ring, a writer allowed to wait: it waits (WAIT_UNTIL set), the reader takes three
-    records, and the record is written into the room made, counted as waited, not lost."""
+    """A full ring, a writer allowed to wait: it waits (WAIT_UNTIL set), the reader takes one
+    record, and the record is written into that room, counted as waited, not lost."""
     actions = _full_ring(area)
-    area.set_word(L.WAIT_TICKS, 1 << 62)  # (no end: the reader decides)
-    reader = _once_waiting(area, L.TAIL, 3)
+    area.set_word(L.WAIT_TICKS, 1 << 36)  # (tens of seconds: the reader decides)
+    reader = _once_waiting(area, L.TAIL, 1)
     area.call_at(actions, 777)
     reader.join()
     assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
@@ -362,18 +362,27 @@ def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> No
     assert area.word(L.BUSY) == 0
 
 
-@pytest.mark.parametrize("how", ["its time runs out", "the tracer leaves"])
+@pytest.mark.parametrize("how", ["lossy", "its time runs out", "the tracer leaves"])
 def test_native_record_that_waited_in_vain_is_lost(area: NativeArea, how: str) -> None:
-    """No reader comes: the record is lost once WAIT_TICKS have passed, or at once when the
-    tracer sets WAIT_TICKS to 0 (as it does when it leaves) while the writer waits."""
+    """No reader comes: the record is lost at once when waiting is off (it never even reads
+    the clock: WAIT_UNTIL stays 0), once WAIT_TICKS have passed (not before), or at once when
+    the tracer sets WAIT_TICKS to 0 (as it does when it leaves) while the writer waits."""
     actions = _full_ring(area)
-    area.set_word(L.WAIT_TICKS, 1 << 20 if how == "its time runs out" else 1 << 62)
+    ticks = {"lossy": 0, "its time runs out": 1 << 24, "the tracer leaves": 1 << 62}[how]
+    area.set_word(L.WAIT_TICKS, ticks)
     leaving = _once_waiting(area, L.WAIT_TICKS, 0) if how == "the tracer leaves" else None
-    area.call_at(actions, 777)
+    clock = area.place(read_tsc_code())
+    with one_cpu():  # (two readings of the clock ordered)
+        before = area.call_at(clock)
+        area.call_at(actions, 777)
+        waited = area.call_at(clock) - before
     if leaving is not None:
         leaving.join()
     assert area.word(L.HEAD) == LAYOUT.ring_slots and area.word(L.WAITS) == 0
     assert area.counter(4, L.LOST) == 1 and area.word(L.BUSY) == 0
+    assert (area.word(L.WAIT_UNTIL) == 0) == (how == "lossy")
+    if how == "its time runs out":
+        assert waited >= ticks
 
 
 def test_native_record_reentry_is_missed(area: NativeArea) -> None:
