@@ -352,6 +352,8 @@ class Session:
         self._stop_requested = False
         self._interrupted = False  # interrupt_wait was called, maybe before run() began
         self._waiting = False  # in a blocking wait for a stop (see _wakeable)
+        self._wait_until: float | None = None  # when that wait's time limit passes (time.monotonic)
+        self._waker_on = False  # the main thread's run: its waits are woken by a thread (_wakeable)
         self._closed = False
         self._started = False
         self._in_run = False  # see _running
@@ -852,17 +854,23 @@ class Session:
 
     def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`
-        seconds passed first, or a slice of it (`run()` waits again). A timed wait sleeps in
-        sigtimedwait for SIGCHLD (no timer signal has to find this thread inside waitpid); another
-        thread of the Python program (dynprobe's own block signals) may take the SIGCHLD: the
-        slice bounds what that costs. The stop is only seen here, not taken (`peek_stop`):
-        `_serve_breakpoint` serves an int3 hit, whose resume takes it, and takes any other stop."""
-        if timeout is None:
+        seconds passed first, or a slice of it (`run()` waits again). The stop is only seen
+        here, not taken (`peek_stop`): `_serve_breakpoint` serves an int3 hit, whose resume
+        takes it, and takes any other stop.
+
+        The main thread waits in waitid, woken by the waker at its time limit (see _wakeable),
+        never by SIGCHLD: another thread of the Python program may take a SIGCHLD (the kernel
+        gives a process's signal to any thread that does not block it) and leave this one
+        asleep. Another thread's run has no waker: a timed wait sleeps in sigtimedwait for
+        SIGCHLD, in slices that bound what a SIGCHLD taken elsewhere costs."""
+        if self._waker_on or timeout is None:
+            self._wait_until = None if timeout is None else time.monotonic() + timeout
             self._waiting = True  # (see _wakeable)
             try:
                 return peek_stop(block=True)
             finally:
                 self._waiting = False
+                self._wait_until = None
         with sigchld_blocked():
             stop = peek_stop(block=False)
             if stop is None:
@@ -891,13 +899,13 @@ class Session:
 
     @contextlib.contextmanager
     def _wakeable(self) -> Iterator[None]:
-        """While `run()` runs in the main thread, its blocking wait for a stop is woken every
-        WAIT_SLICE (a timed wait returns that often by itself). Python runs a signal's handler
-        between bytecodes, so that of a signal caught just before the wait would run only once
-        the wait ended, and a Ctrl-C would be lost on a target that never stops. A thread sends
-        _WAKE_SIGNAL to the waiting main thread: the wait returns with EINTR, Python runs the
-        handlers due and waits again; `_woken` then interrupts a running tracee if a stop was
-        asked for (a signal's handler, `request_stop`), which ends the wait. Nothing is added to
+        """While `run()` runs in the main thread, a thread sends _WAKE_SIGNAL to it while it
+        waits for a stop: every WAIT_SLICE, and at the wait's time limit. The wait returns with
+        EINTR and Python runs the signal handlers due: a handler runs between bytecodes, so
+        that of a signal caught just before the wait (a Ctrl-C) would otherwise run only once
+        the wait ended, never on a target that never stops. `_woken` then interrupts a running
+        tracee when a stop was asked for (a signal's handler, `request_stop`) or the time limit
+        has passed, which ends the wait (Python itself would wait again). Nothing is added to
         serving a stop."""
         if threading.current_thread() is not threading.main_thread():
             yield
@@ -905,22 +913,29 @@ class Session:
         previous = signal.signal(_WAKE_SIGNAL, self._woken)
         main, done = threading.get_ident(), threading.Event()
 
+        def until_the_next_poke() -> float:
+            until = self._wait_until
+            return WAIT_SLICE if until is None else min(WAIT_SLICE, max(until - time.monotonic(), 0.001))
+
         def wake_while_waiting() -> None:
-            while not done.wait(WAIT_SLICE):
+            while not done.wait(until_the_next_poke()):
                 if self._waiting:
                     with contextlib.suppress(OSError):
                         signal.pthread_kill(main, _WAKE_SIGNAL)
 
         waker = start_without_signals(wake_while_waiting, "dynprobe-waker")
+        self._waker_on = True
         try:
             yield
         finally:
+            self._waker_on = False
             done.set()
             waker.join()
             signal.signal(_WAKE_SIGNAL, previous)
 
     def _woken(self, signum: int, frame: FrameType | None) -> None:
-        if self._stop_requested:
+        until = self._wait_until
+        if self._waiting and (self._stop_requested or (until is not None and time.monotonic() >= until)):
             self._interrupt_running()
 
     def interrupt_wait(self, signum: int, frame: FrameType | None) -> None:
