@@ -861,9 +861,10 @@ class Session:
         The main thread waits in waitid, woken by the waker at its time limit (see _wakeable),
         never by SIGCHLD: another thread of the Python program may take a SIGCHLD (the kernel
         gives a process's signal to any thread that does not block it) and leave this one
-        asleep. Another thread's run has no waker: a timed wait sleeps in sigtimedwait for
-        SIGCHLD, in slices that bound what a SIGCHLD taken elsewhere costs."""
-        if self._waker_on or timeout is None:
+        asleep. Another thread's run has no waker, nor a wait with no tracee running (nothing
+        for the waker to interrupt): a timed wait sleeps in sigtimedwait for SIGCHLD, in slices
+        that bound what a SIGCHLD taken elsewhere costs."""
+        if timeout is None or (self._waker_on and self._running_tracee() is not None):
             self._wait_until = None if timeout is None else time.monotonic() + timeout
             self._waiting = True  # (see _wakeable)
             try:
@@ -944,6 +945,9 @@ class Session:
         and PTRACE_INTERRUPTs a running tracee so the wait for a stop ends (see _wakeable)."""
         self._interrupted = self._stop_requested = True
         self._interrupt_running()
+
+    def _running_tracee(self) -> int | None:
+        return next((t for p in self._processes.values() for t, s in p.tracee.threads.items() if not s.stopped), None)
 
     def _interrupt_running(self) -> None:
         """PTRACE_INTERRUPT a running tracee (one is enough to end a wait for any stop)."""
