@@ -58,16 +58,24 @@ def at(path: str, vaddr: int) -> str:
 
 
 @contextlib.contextmanager
+def started(argv: list[str], says: str, stdin: int | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`argv` running once it has printed the line `says` (its stdout a pipe, `stdin` a pipe
+    with subprocess.PIPE); killed after the block."""
+    process = subprocess.Popen(argv, stdin=stdin, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline() == says + "\n"
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
 def held_by_other_tracer(pid: int) -> Iterator[subprocess.Popen[str]]:
     """Another process (a second dynprobe) traces `pid` for the duration of the block."""
     code = f"import dynprobe, time; s = dynprobe.attach({pid}); print('in', flush=True); time.sleep(60)"
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "in\n"
+    with started([sys.executable, "-c", code], "in") as holder:
         yield holder
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def run_until(session: dynprobe.Session, done: Callable[[], bool], what: str) -> None:

@@ -15,6 +15,8 @@ from dynprobe import OptimizeRefusal, ProbeRefused, Refusal, SessionError
 from dynprobe.core.probe import ProbeMode
 from tests.conftest import DYNPROBE, build_target
 
+from .helpers import started
+
 CALLS = 20_000  # per thread, 2 threads
 TOTAL = 2 * sum(i + 2 for i in range(CALLS))  # work(i) = i + 1 + seed (1)
 
@@ -23,13 +25,8 @@ TOTAL = 2 * sum(i + 2 for i in range(CALLS))  # work(i) = i + 1 + seed (1)
 def crowded() -> Iterator[subprocess.Popen[str]]:
     """The crowded target, attached to nothing yet: its gaps filled, waiting for a line."""
     path = build_target("crowded", flags=("-O1", "-pthread"))
-    target = subprocess.Popen([path, str(CALLS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert target.stdout is not None and target.stdout.readline() == "ready\n"
+    with started([path, str(CALLS)], "ready", stdin=subprocess.PIPE) as target:
         yield target
-    finally:
-        target.kill()
-        target.wait()
 
 
 def run_to_end(session: dynprobe.Session, target: subprocess.Popen[str]) -> None:
