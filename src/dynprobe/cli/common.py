@@ -153,7 +153,6 @@ def run_target(
     after gives its status; SIGTERM is passed on to it once detached, as strace does (`kill`,
     or a harness that stops dynprobe alone, would leave it running untraced); SIGINT is not: a
     terminal's Ctrl-C reaches it already, and a second one would cut its own shutdown short."""
-
     interrupted = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -31,9 +31,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every command, of `command`'s module alone (a known command's name), or of
-    none (`--version`)."""
+def build_parser(first: str | None = None) -> argparse.ArgumentParser:
+    """The parser for arguments starting with `first`: a command's name, its module's commands
+    alone; an option of dynprobe's own (--version), none; help, or a word no command has (its
+    error lists them), every command's."""
     parser = _Parser(
         prog="dynprobe",
         description="Dynamic probes for user-space x86-64 processes (kprobes/uprobes without the kernel).",
@@ -43,10 +44,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     # (the subcommands' parsers are _Parser too: argparse makes them of the parent's class)
     sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
                parser.add_subparsers(dest="command", metavar="COMMAND"))  # fmt: skip
-    if command in COMMANDS:
-        modules = [COMMANDS[command]]
+    if first in COMMANDS:
+        modules = [COMMANDS[first]]
+    elif first is not None and first.startswith("-") and first not in ("-h", "--help"):
+        modules = []
     else:
-        modules = [] if command == "--version" else list(dict.fromkeys(COMMANDS.values()))
+        modules = list(dict.fromkeys(COMMANDS.values()))
     for module in modules:
         importlib.import_module(f"dynprobe.cli.{module}").add_parsers(sub)
     return parser

@@ -864,7 +864,7 @@ class Session:
         asleep. Another thread's run has no waker, nor a wait with no tracee running (nothing
         for the waker to interrupt): a timed wait sleeps in sigtimedwait for SIGCHLD, in slices
         that bound what a SIGCHLD taken elsewhere costs."""
-        if timeout is None or (self._waker_on and self._running_tracee() is not None):
+        if timeout is None or (self._waker_on and next(self._running_tracees(), None) is not None):
             self._wait_until = None if timeout is None else time.monotonic() + timeout
             self._waiting = True  # (see _wakeable)
             try:
@@ -946,19 +946,17 @@ class Session:
         self._interrupted = self._stop_requested = True
         self._interrupt_running()
 
-    def _running_tracee(self) -> int | None:
-        return next((t for p in self._processes.values() for t, s in p.tracee.threads.items() if not s.stopped), None)
+    def _running_tracees(self) -> Iterator[int]:
+        return (t for p in self._processes.values() for t, s in p.tracee.threads.items() if not s.stopped)
 
     def _interrupt_running(self) -> None:
         """PTRACE_INTERRUPT a running tracee (one is enough to end a wait for any stop)."""
-        for proc in self._processes.values():
-            for tid, state in proc.tracee.threads.items():
-                if not state.stopped:
-                    try:
-                        sc.interrupt(tid)
-                    except OSError:
-                        continue
-                    return
+        for tid in self._running_tracees():
+            try:
+                sc.interrupt(tid)
+            except OSError:
+                continue
+            return
 
     def _start(self) -> None:
         if self._started:
@@ -2394,8 +2392,10 @@ class Session:
         if not 0 <= seconds <= MAX_WAIT_FOR_ROOM:
             raise SessionError(f"wait_for_room {seconds} is out of range (0..{MAX_WAIT_FOR_ROOM} s)")
         self._wait_for_room = seconds
-        for areas in {id(p.areas): p.areas for p in self._processes.values() if p.areas is not None}.values():
-            areas.set_wait(self._wait_ticks())
+        ticks = self._wait_ticks()
+        for proc in self._processes.values():
+            if proc.areas is not None:
+                proc.areas.set_wait(ticks)  # (a vfork child's are its parent's: set twice, the same)
 
     def _wait_ticks(self) -> int:
         if not self._wait_for_room:
@@ -2518,14 +2518,10 @@ class Session:
         into objects a part at a time)."""
         with self._events_lock:
             events, self._trap_events = self._trap_events, []
-        windows = time_windows(batches, [e.time_ns for e in events], DELIVERED_AT_ONCE)
-        if len(windows) == 1:
-            self._deliver_window(batches, events)
-            return
-        for low, high in windows:
+        for low, high in time_windows(batches, [e.time_ns for e in events], DELIVERED_AT_ONCE):
             self._deliver_window(
                 [part for batch in batches if (part := batch.within(low, high)) is not None],
-                [e for e in events if e.time_ns >= low and (high is None or e.time_ns < high)],
+                [e for e in events if (low is None or e.time_ns >= low) and (high is None or e.time_ns < high)],
             )
 
     def _deliver_window(self, batches: list[RecordBatch], events: list[ProbeEvent]) -> None:

@@ -190,9 +190,13 @@ class RecordBatch:
     faults: np.ndarray
     order: np.ndarray
 
-    def within(self, low: int, high: int | None) -> RecordBatch | None:
-        """The batch's records stamped in [low, high) (high None: no end); None if there are none."""
-        rows = self.time_ns >= low
+    def within(self, low: int | None, high: int | None) -> RecordBatch | None:
+        """The batch's records stamped in [low, high) (None: no bound); None if there are none."""
+        if low is None and high is None:
+            return self
+        rows = np.ones(len(self.time_ns), dtype=bool)
+        if low is not None:
+            rows &= self.time_ns >= low
         if high is not None:
             rows &= self.time_ns < high
         if not rows.any():
@@ -205,15 +209,19 @@ class RecordBatch:
         )  # fmt: skip
 
 
-def time_windows(batches: list[RecordBatch], more: list[int], most: int) -> list[tuple[int, int | None]]:
-    """Windows of time [low, high) that cut a pass's records (and events stamped at `more`) into
-    parts of about `most` each, oldest first (records of one time stay together): delivered a
-    part at a time, a full ring of a pass costs memory for `most` events, not for the ring."""
+Window = tuple[int | None, int | None]
+
+
+def time_windows(batches: list[RecordBatch], more: list[int], most: int) -> list[Window]:
+    """Windows of time [low, high) (None: no bound) that cut a pass's records (and events
+    stamped at `more`) into parts of about `most` each, oldest first (records of one time stay
+    together): delivered a part at a time, a full ring of a pass costs memory for `most`
+    events, not for the ring. One window, unbounded, when all fit."""
+    if sum(len(b.time_ns) for b in batches) + len(more) <= most:
+        return [(None, None)]
     times = np.concatenate([b.time_ns for b in batches] + [np.array(more, dtype=np.int64)])
-    if len(times) <= most:
-        return [(0, None)]
-    bounds = np.unique(np.sort(times)[most::most]).tolist()
-    return list(zip([0, *bounds], [*bounds, None], strict=True))
+    bounds: list[int | None] = [*np.unique(np.sort(times)[most::most]).tolist()]
+    return list(zip([None, *bounds], [*bounds, None], strict=True))
 
 
 IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
