@@ -11,7 +11,7 @@
                      records of `record_size` bytes), each record u16 ops, u16 kind (bit 0:
                      exit; bits 1-14: the call's frame, 0 for none; version 1 had no frames),
                      u32 function id, u64 time stamp; from version 3, a call's values in data
-                     records after its entry or exit (kind bit 15: see codegen.TRACE_DATA)
+                     records after its entry or exit (kind bit 15: see layout.TRACE_DATA)
 
 Readers never load the events whole: `Trace.chunks()` yields one chunk at a time (numpy), and a
 truncated file yields what it holds and says where it stopped.
@@ -28,10 +28,17 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeGuard
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import DATA_CUT, DATA_END, DATA_FAULTED, DATA_NULL, TRACE_DATA
 from dynprobe.errors import DynprobeError
 from dynprobe.output import files
-from dynprobe.ringbuf.layout import MARGIN_NS, MAX_RECORD_SIZE
+from dynprobe.ringbuf.layout import (
+    DATA_CUT,
+    DATA_END,
+    DATA_FAULTED,
+    DATA_NULL,
+    MARGIN_NS,
+    MAX_RECORD_SIZE,
+    TRACE_DATA,
+)
 from dynprobe.spec.argspec import (
     MAX_VALUES,
     STRING_PIECES,
@@ -50,7 +57,7 @@ FORMAT = "dynprobe-trace"
 VERSION = 3
 INFO, EVENTS = "info.json", "events.raw"
 _CHUNK_HEADER = np.dtype([("who", "<u8"), ("count", "<u8")])
-READ_RECORDS = 1 << 20  # records read at a time: a reader's memory stays flat whatever the ring size
+READ_RECORDS = 1 << 16  # records read at a time: a reader's memory stays flat whatever the ring size
 MAX_OPEN_CALLS = 1 << 15  # calls a thread can be inside (its frames: 15 bits)
 
 

@@ -16,13 +16,6 @@ import numpy as np
 import pytest
 
 from dynprobe.arch.x86_64.codegen import (
-    DATA_CUT,
-    DATA_END,
-    DATA_FAULTED,
-    DATA_NULL,
-    FRAME_SHIFT,
-    TRACE_DATA,
-    TRACE_EXIT,
     Captures,
     OpsCode,
     build_list_trampoline,
@@ -31,6 +24,7 @@ from dynprobe.arch.x86_64.codegen import (
 )
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.layout import DATA_CUT, DATA_END, DATA_FAULTED, DATA_NULL, FRAME_SHIFT, TRACE_DATA, TRACE_EXIT
 from dynprobe.spec.argspec import STRING_PIECES, parse_values
 from dynprobe.tracefile import record_dtype
 from tests.unit.native import ADD, HEAD_NOW, OUTER, PEEK, SPIN, THEN, NativeArea, one_cpu, sum_to
@@ -362,7 +356,7 @@ def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> No
 def test_the_trace_record_format_is_that_of_the_trace_file_s_version() -> None:
     """Trace directories keep these records as written (tracefile.py): changing any of these
     values makes a new format version, which this test names."""
-    from dynprobe.arch.x86_64.codegen import TRACE_ENTRY
+    from dynprobe.ringbuf.layout import TRACE_ENTRY
     from dynprobe.tracefile import VERSION
 
     assert VERSION == 3

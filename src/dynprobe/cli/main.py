@@ -15,7 +15,8 @@ from dynprobe import __version__
 # asked for is imported: `list` and `--version` never load the tracing engine.
 COMMANDS = {
     "trace": "trace", "count": "count", "hist": "hist", "latency": "latency", "list": "list",
-    **dict.fromkeys(("record", "live", "replay", "report", "graph", "dump"), "record"),
+    "record": "record", "live": "record",
+    **dict.fromkeys(("replay", "report", "graph", "dump"), "reading"),
 }  # fmt: skip
 
 

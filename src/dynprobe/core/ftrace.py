@@ -27,10 +27,7 @@ import numpy as np
 
 from dynprobe.arch.x86_64 import jump_to
 from dynprobe.arch.x86_64.codegen import (
-    FRAME_SHIFT,
     SITE_CALL_AT,
-    TRACE_DATA,
-    TRACE_EXIT,
     Captures,
     OpsCode,
     build_list_trampoline,
@@ -46,6 +43,7 @@ from dynprobe.errors import OptimizeRefusal, ProcessError, Refusal, SessionError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
+from dynprobe.ringbuf.layout import FRAME_SHIFT, TRACE_DATA, TRACE_EXIT
 from dynprobe.spec.argspec import MAX_VALUES, ArgSpec
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import TRACE_DATA, read_tsc_code, tsc_readings_code
+from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.threads import start_without_signals
@@ -389,7 +389,7 @@ class Consumer:
         header = records.view(_header_dtype(lay.record_size))[:, 0]
         # (A function tracer's data records hold values where the time stamp goes: a probe's
         # record with that bit in its CPU number is impossible anyway.)
-        plausible = self.clock.plausible(header["tsc"]) | (header["cpu"] & TRACE_DATA != 0)
+        plausible = self.clock.plausible(header["tsc"]) | (header["cpu"] & L.TRACE_DATA != 0)
         possible = plausible & self._cpu_possible(header)
         if not possible.all():
             bad = int(np.count_nonzero(~possible))

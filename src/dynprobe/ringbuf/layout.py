@@ -92,6 +92,21 @@ MAX_RING_BYTES = 1 << 30
 MAX_RECORD_SIZE = 1 << 12
 MARGIN_NS = 1_000_000_000  # a record's time stamp is at most this far outside its session
 
+# The function tracer's records (docs/architecture.md §8): u16 ops, u16 kind, u32 function id,
+# u64 time stamp. The kind (in the header's CPU field): bit 0 exit, bits 1-15 the call's frame,
+# its shadow entry's index + 1 (0: none, the call is not followed to its return). A frame is
+# reused only once its call is over (returned, or left by longjmp or an exception): readers close
+# what a reused frame left open.
+TRACE_ENTRY, TRACE_EXIT = 0, 1
+FRAME_SHIFT = 1
+# Data records: the values a traced call's entry or exit record carries (uftrace's -A, -R), in
+# the records right after it (written and published with it): u16 ops, u16 TRACE_DATA | the
+# value's number in its spec, u32 the bytes the record holds (0-8) | DATA_* flags, then 8 bytes:
+# the value, or a piece of a string (a string takes a record per 8 bytes, up to
+# spec/argspec.py's STRING_PIECES).
+TRACE_DATA = 0x8000
+DATA_END, DATA_CUT, DATA_FAULTED, DATA_NULL = 1 << 8, 1 << 9, 1 << 10, 1 << 11
+
 
 def check_ring_bytes(size: int) -> str | None:
     """Why `size` cannot be a ring size, or None if it can."""

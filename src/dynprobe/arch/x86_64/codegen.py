@@ -987,19 +987,13 @@ def build_entry_stamp() -> bytes:
 
 
 # --- the function tracer (docs/architecture.md §8) ---------------------------------------------------------
-# A tracer record's kind, in the record header's CPU field: bit 0 exit, bits 1-15 the call's
-# frame, its shadow entry's index + 1 (0: none, the call is not followed to its return). A frame
-# is reused only once its call is over (returned, or left by longjmp or an exception): readers
-# close what a reused frame left open.
-TRACE_ENTRY, TRACE_EXIT = 0, 1
-FRAME_SHIFT = 1
 
 
 def _frame_tag(asm: _Asm, entry_offset: RegisterT, into: RegisterT) -> None:
     """`into` = the kind field of an entry record for the shadow entry at `entry_offset`."""
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, into, entry_offset))
-    asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, into, L.SHADOW_ENTRY.bit_length() - 1 - FRAME_SHIFT))
-    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, into, 1 << FRAME_SHIFT))
+    asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, into, L.SHADOW_ENTRY.bit_length() - 1 - L.FRAME_SHIFT))
+    asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, into, 1 << L.FRAME_SHIFT))
 
 
 SITE_CALL_AT = 10  # a tracer site's `call rel32` starts here (after `lea rsp,[rsp-16]; push imm32`)
@@ -1139,7 +1133,7 @@ def _wait_for_room(asm: _Asm, slot: RegisterT, limit: int, room: int, lost: int)
 
 
 def _trace_record(
-    asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = TRACE_ENTRY, kind_in: RegisterT | None = None,
+    asm: _Asm, layout: L.AreaLayout, ops_index: int, kind: int = L.TRACE_ENTRY, kind_in: RegisterT | None = None,
     publish: bool = True, reserved: Callable[[], None] | None = None,
     function_id: iced.MemoryOperand | None = None, slot: RegisterT = R.RCX, data: _Data | None = None,
 ) -> None:  # fmt: skip
@@ -1169,12 +1163,6 @@ def _trace_record(
     ring_record(asm, layout, ops_index, slot, write, publish, reserved, records)
 
 
-# Data records: the values a traced call's entry or exit record carries (uftrace's -A, -R), in
-# the records right after it (written and published with it): u16 ops, u16 TRACE_DATA | the
-# value's number in its spec, u32 the bytes the record holds (0-8) | DATA_* flags, then 8 bytes:
-# the value, or a piece of a string (a string takes a record per 8 bytes, up to STRING_PIECES).
-TRACE_DATA = 0x8000
-DATA_END, DATA_CUT, DATA_FAULTED, DATA_NULL = 1 << 8, 1 << 9, 1 << 10, 1 << 11
 _DATA_PUSHED = (R.RCX, R.RSI, R.RDI, R.R8)  # kept across the data records (r8 read from its push)
 
 
@@ -1249,7 +1237,7 @@ def _data_header(asm: _Asm, layout: L.AreaLayout, ops_index: int, number: int, h
     """The header of the data record at rdx: `held` (bytes and flags), or eax's."""
     ring = layout.ring
     asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RDX), ops_index))
-    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RDX), TRACE_DATA | number))
+    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_CPU, R.RDX), L.TRACE_DATA | number))
     if held is None:
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, _gs(ring + L.RECORD_FAULTS, R.RDX), R.EAX))
     else:
@@ -1285,12 +1273,12 @@ def _string_records(asm: _Asm, layout: L.AreaLayout, ops_index: int, number: int
     asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.ECX, 8 * STRING_PIECES))
     asm.jump(C.JB_REL32_64, piece)
-    asm.add(iced.Instruction.create_mem_u32(C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RDX), DATA_CUT))
+    asm.add(iced.Instruction.create_mem_u32(C.OR_RM32_IMM32, _gs(ring + L.RECORD_FAULTS, R.RDX), L.DATA_CUT))
     asm.jump(C.JMP_REL32_64, done)
     asm.bind(ended)  # ecx - 1 bytes before the NUL
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R32_M, R.EAX, _mem(R.RCX, -1)))
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM8, R.EAX, 7))
-    asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.EAX, DATA_END))
+    asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.EAX, L.DATA_END))
     _data_header(asm, layout, ops_index, number, None)
     asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
     asm.jump(C.JMP_REL32_64, done)
@@ -1301,14 +1289,14 @@ def _string_records(asm: _Asm, layout: L.AreaLayout, ops_index: int, number: int
     asm.bind(some)
     asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.ECX))
     asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM8, R.EAX, 7))
-    asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.EAX, DATA_FAULTED))
+    asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM32, R.EAX, L.DATA_FAULTED))
     _data_header(asm, layout, ops_index, number, None)
     asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
     asm.jump(C.JMP_REL32_64, done)
     asm.bind(null)
     _data_slot(asm, layout)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(ring + L.RECORD_TSC, R.RDX), 0))
-    _data_header(asm, layout, ops_index, number, DATA_NULL)
+    _data_header(asm, layout, ops_index, number, L.DATA_NULL)
     asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
     asm.bind(done)
 
@@ -1444,7 +1432,7 @@ def build_ops_code(
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RSP, _ENTRY_OFFSET_AT)))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, _gs(shadow + L.ENTRY_DATA, R.RCX)))
             asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM16, R.EDI, _gs(shadow + L.ENTRY_DATA + 4, R.RCX)))
-            asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM8, R.EDI, TRACE_EXIT))
+            asm.add(iced.Instruction.create_reg_i32(C.OR_RM32_IMM8, R.EDI, L.TRACE_EXIT))
             if journal:
                 _take_back_if_short(asm, layout, ops_index, shadow + held, threshold, trampoline.finish)
             _trace_record(asm, layout, ops_index, kind_in=R.DI, data=_Data(exit_values, 0) if exit_values else None)
