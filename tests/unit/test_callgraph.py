@@ -203,21 +203,26 @@ def test_replay_in_one_go_is_replay_one_event_at_a_time(
 @pytest.mark.parametrize("threshold", [0, 30])
 @pytest.mark.parametrize("left", [0.0, 0.05], ids=["nested", "longjmp"])
 @pytest.mark.parametrize("span", [1 << 15, 37], ids=["whole", "spans"])
+@pytest.mark.parametrize("folded", [False, True], ids=["report", "flame"])
 def test_report_in_one_go_is_report_one_event_at_a_time(
-    tmp_path: Path, seed: int, threshold: int, left: float, span: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, seed: int, threshold: int, left: float, span: int, folded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Plainly nested spans worked out by numpy (calls, totals with recursion counted once,
-    self times, callees' time carried to calls still open): the profile of event by event."""
+    self times, callees' time carried to calls still open, self time per call path): the
+    profile of event by event, and (for call paths) of spans too deep for numpy's paths."""
     _random_trace(tmp_path, seed, left)
     monkeypatch.setattr(callgraph, "_PLAIN_SPAN", span)
     segments = []
     monkeypatch.setattr(callgraph, "_segment_calls", lambda *a: segments.append(1) or segment_calls(*a))
-    fast = profile(Trace(str(tmp_path)), threshold_ns=threshold)
+    fast = profile(Trace(str(tmp_path)), folded, threshold)
     assert left or segments  # numpy did some (where longjmp leaves calls, spans may not nest plainly)
+    monkeypatch.setattr(callgraph, "_PATH_LEVELS", 1)
+    shallow = profile(Trace(str(tmp_path)), folded, threshold)
     monkeypatch.setattr(callgraph, "_PLAIN_FROM", 1 << 40)
     monkeypatch.setattr(callgraph, "_SUMMED_RUN", 1 << 40)
-    slow = profile(Trace(str(tmp_path)), threshold_ns=threshold)
+    slow = profile(Trace(str(tmp_path)), folded, threshold)
     assert fast.functions == slow.functions and sum(ft.calls for ft in fast.functions.values()) > 10
+    assert fast.folded == shallow.folded == slow.folded and (len(slow.folded) > 10) == folded
 
 
 segment_calls = callgraph._segment_calls

@@ -7,7 +7,7 @@ thread only the stack of open calls (`graph`: its tree of call paths).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -340,6 +340,7 @@ def _segment_calls(
     exit_of_key = seg.by_level[kinds[seg.by_level] == _EXIT]  # by level, then in order
     exit_keys = key[exit_of_key]
     child = done[(levels[done] > 0) & (funcs[done] < known)]
+    child = child[_stable_order(levels[child])]  # by key: numpy's search is much faster for keys in order
     j = np.searchsorted(exit_keys, key[child] - (m + 1), side="right")
     has = j < len(exit_keys)
     has[has] = exit_keys[j[has]] // (m + 1) == levels[child[has]] - 1
@@ -596,6 +597,86 @@ class Profile:
     events: int = 0
 
 
+class _CallPaths:
+    """Call paths as the nodes of a tree: node 0 the root (no call), then one per caller's node and
+    function; the self time of the calls of each."""
+
+    def __init__(self, functions: int) -> None:
+        self.functions = functions
+        self.node: dict[int, int] = {}  # caller's node * functions + function -> node
+        self.caller, self.func = [-1], [-1]
+        self.own = np.zeros(1, dtype=np.int64)
+
+    def _child(self, key: int) -> int:
+        node = self.node.get(key)
+        if node is None:
+            node = self.node[key] = len(self.caller)
+            caller, func = divmod(key, self.functions)
+            self.caller.append(caller)
+            self.func.append(func)
+        return node
+
+    def children(self, callers: np.ndarray, funcs: np.ndarray) -> np.ndarray:
+        keys, which = np.unique(callers * self.functions + funcs, return_inverse=True)
+        return np.array([self._child(key) for key in keys.tolist()], dtype=np.int64)[which]
+
+    def of(self, funcs: Iterable[int]) -> list[int]:
+        """The nodes of a stack of calls of `funcs`, outermost first."""
+        nodes = [0]
+        for func in funcs:
+            nodes.append(self._child(nodes[-1] * self.functions + func))
+        return nodes[1:]
+
+    def add(self, nodes: np.ndarray, own: np.ndarray) -> None:
+        if len(self.own) < len(self.caller):
+            self.own = np.append(self.own, np.zeros(len(self.caller) - len(self.own) + 64, dtype=np.int64))
+        self.own[: len(self.caller)] += np.bincount(nodes, weights=own, minlength=len(self.caller)).astype(np.int64)
+
+    def own_times(self) -> Iterator[tuple[int, int]]:
+        for node in np.flatnonzero(self.own).tolist():
+            yield node, int(self.own[node])
+
+    def path(self, node: int) -> tuple[int, ...]:
+        funcs = []
+        while node:
+            funcs.append(self.func[node])
+            node = self.caller[node]
+        return tuple(reversed(funcs))
+
+
+_PATH_LEVELS = 64  # levels a plain segment may span for numpy to work out its calls' paths
+
+
+def _segment_paths(seg: _Segment, funcs: np.ndarray, paths: _CallPaths, carried: list[int]) -> np.ndarray | None:
+    """The call path (a node of `paths`) of each item of a plain segment, level by level: an
+    entry's or a call with no callee's is its caller's child, an exit's its entry's. `carried`:
+    the nodes of the calls open before it, outermost first. None when its levels span more than
+    _PATH_LEVELS (one by one then)."""
+    kinds, levels = seg.kinds, seg.levels.astype(np.int64)
+    m = len(kinds)
+    low, high = int(levels.min()), int(levels.max())
+    if high - low > _PATH_LEVELS:
+        return None
+    above = np.array([0, *carried], dtype=np.int64)  # a level's caller when it is not in the segment
+    positions = np.arange(m)
+    nodes = np.zeros(m, dtype=np.int64)
+    callers = np.full(m, -1)  # before each item, the last entry one level up (-1: it is carried)
+    for level in range(low, high + 1):
+        here = levels == level
+        opens = np.flatnonzero(here & (kinds != _EXIT))
+        if len(opens):
+            caller = callers[opens]
+            outer = above[min(level, len(above) - 1)]
+            nodes[opens] = paths.children(np.where(caller >= 0, nodes[caller], outer), funcs[opens].astype(np.int64))
+        entries = np.maximum.accumulate(np.where(here & (kinds == _ENTRY), positions, -1))
+        exits = np.flatnonzero(here & (kinds == _EXIT))
+        if len(exits):
+            entry = entries[exits]
+            nodes[exits] = np.where(entry >= 0, nodes[entry], above[min(level + 1, len(above) - 1)])
+        callers = entries
+    return nodes
+
+
 _SUMMED_RUN = 8  # calls with no callee in a row, from which numpy sums them
 _NONE = 1 << 62  # the shortest of no call yet
 
@@ -705,15 +786,25 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
     totaled = np.zeros((4, n), dtype=np.int64)  # calls, total, self, spent of plain segments
     extremes = np.array([[_NONE] * n, [0] * n, [_NONE] * n, [0] * n], dtype=np.int64)  # (as the lists above)
 
+    call_paths = _CallPaths(n)  # (folded: the paths of the calls numpy worked out)
+
     def plain(stack: _OpenCalls, chunk: Chunk, lo: int, hi: int) -> bool:
         """Events lo..hi worked out by numpy (False: they do not nest plainly; nothing done)."""
         part = slice(lo, hi)
         seg = _plain_segment(chunk.kind[part], chunk.func[part], chunk.time_ns[part], chunk.frame[part], stack)
         if seg is None:
             return False
-        func, spent, own, outermost = _segment_calls(seg, chunk.func[part][seg.items], stack, n)
+        item_funcs = chunk.func[part][seg.items]
+        nodes = None
+        if folded:
+            nodes = _segment_paths(seg, item_funcs, call_paths, call_paths.of(c[0] for c in stack.calls))
+            if nodes is None:
+                return False
+        func, spent, own, outermost = _segment_calls(seg, item_funcs, stack, n)
         keep = (func < n) & (spent >= threshold_ns)
         func, spent, own, outermost = func[keep], spent[keep], own[keep], outermost[keep]
+        if nodes is not None:
+            call_paths.add(nodes[seg.kinds != _ENTRY][keep], own)
         np.add.at(totaled[0], func, 1)
         np.add.at(totaled[1], func[outermost], spent[outermost])
         np.add.at(totaled[2], func, own)
@@ -733,16 +824,18 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
         size = len(chunk.kind)
         events += size
         i = 0
-        # Spans that nest plainly (most) are worked out by numpy (not for folded stacks: each
-        # call's path), the others by runs and one by one.
+        # Spans that nest plainly (most) are worked out by numpy, the others by runs and one by one.
         while i < size:
-            numpy = size - i >= _PLAIN_FROM and not folded
+            numpy = size - i >= _PLAIN_FROM
             end = min(size, i + _PLAIN_SPAN) if numpy else size
             if not numpy or not plain(stack, chunk, i, end):
                 if columns is None:
                     columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
                 by_runs(stack, chunk, columns, i, end)
             i = end
+    for node, ns in call_paths.own_times():
+        path = call_paths.path(node)
+        paths[path] = paths.get(path, 0) + ns
     result = Profile(folded=paths, events=events)
     extra, most = totaled.tolist(), extremes.tolist()
     for func in range(n):
