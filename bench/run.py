@@ -314,6 +314,52 @@ def startup() -> dict[str, float]:
     return times
 
 
+def post_processing(statements: int) -> dict[str, Any]:
+    """The same call tree (targets/tree.c, ~23 events a statement) recorded by `dynprobe record`
+    and `uftrace record` (a -pg build), then read back by each tool's replay, report, Chrome JSON
+    and folded stacks: per command, the median wall and CPU seconds of REPEAT whole runs (start-up
+    included), and the peak RSS."""
+    source = HERE / "targets" / "tree.c"
+    plain = compile_c(source, BUILD / "tree", "-O0")
+    results: dict[str, Any] = {"statements": statements}
+    uftrace = shutil.which("uftrace")
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = os.path.join(tmp, "dynprobe.data")
+        subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "record", "-o", ours, "--ring-size", str(1 << 26),
+                        "--", plain, str(statements)], capture_output=True, check=True)  # fmt: skip
+        results["events"] = 2 * json.loads(Path(ours, "info.json").read_text())["calls"]
+        dp = [sys.executable, "-m", "dynprobe.cli.main"]
+        commands: dict[str, tuple[list[str], str | None]] = {
+            "replay": ([*dp, "replay", ours], None), "report": ([*dp, "report", ours], None),
+            "chrome": ([*dp, "dump", "--chrome", ours], None), "flame": ([*dp, "dump", "--flame", ours], None),
+        }  # fmt: skip
+        if uftrace is not None:
+            theirs = os.path.join(tmp, "uftrace.data")
+            pg = compile_c(source, BUILD / "tree-pg", "-O0", "-pg")
+            subprocess.run([uftrace, "record", "-d", theirs, pg, str(statements)], cwd=tmp, capture_output=True,
+                           check=True)  # fmt: skip
+            for name, argv in {"replay": ["replay"], "report": ["report"], "chrome": ["dump", "--chrome"],
+                               "flame": ["dump", "--flame-graph"]}.items():  # fmt: skip
+                commands[f"uftrace_{name}"] = ([uftrace, *argv, "-d", theirs], tmp)
+        else:
+            results["uftrace"] = "not installed"
+        peak = compile_c(HERE / "targets" / "peak.c", BUILD / "peak")
+        peak_file = os.path.join(tmp, "peak")
+        for name, (argv, cwd) in commands.items():
+            runs = []
+            for _ in range(REPEAT):
+                t0 = time.perf_counter()
+                child = subprocess.Popen([peak, peak_file, *argv], cwd=cwd, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)  # fmt: skip
+                _, status, usage = os.wait4(child.pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0, argv
+                peak_mb = int(Path(peak_file).read_text()) / 1024
+                runs.append((time.perf_counter() - t0, usage.ru_utime + usage.ru_stime, peak_mb))
+            wall, cpu, most = (sorted(r[i] for r in runs)[len(runs) // 2] for i in range(3))
+            results[name] = {"wall_s": wall, "cpu_s": cpu, "peak_mb": most}
+    return results
+
+
 def cli_seed(seed: str, calls: int, command: list[str]) -> int:
     """Elapsed microseconds the seed reports when run under `dynprobe COMMAND... -- seed calls`
     (its line is the first line of stdout: the command's results go to stderr, or to -o)."""
@@ -459,6 +505,8 @@ def main() -> int:
     rdtscp_ns, rdtsc_ns = timestamp_cost()
     started = startup()
     console.log(f"start-up: {started}")
+    reading = post_processing(int(175_000 * scale))
+    console.log(f"post-processing: {reading}")
 
     table = Table(title="dynprobe probes: the seed loop (N calls of an empty -O0 function)")
     for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel u(ret)probe", "stops/hit", "path"):
@@ -501,6 +549,13 @@ def main() -> int:
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
     out.print(f"start-up: `dynprobe --version` {started['version_s'] * 1000:.0f} ms, `dynprobe count 'p libc:malloc' "
               f"-- /bin/true` {started['count_true_s'] * 1000:.0f} ms")  # fmt: skip
+    shown = []
+    for name in ("replay", "report", "chrome", "flame"):
+        ours, theirs = reading[name], reading.get(f"uftrace_{name}")
+        versus = f" vs uftrace {theirs['cpu_s']:.2f} s, {theirs['peak_mb']:.0f} MB" if theirs else ""
+        shown.append(f"{name} {ours['cpu_s']:.2f} s, {ours['peak_mb']:.0f} MB{versus}")
+    out.print(f"reading a {reading['events'] / 1e6:.1f} M-event call graph back (CPU seconds, peak RSS, start-up "
+              f"included): {'; '.join(shown)}")  # fmt: skip
     for d in drains:
         pace = f"paced at {d['rate'] / 1e6:.0f} M/s" if d["rate"] else "as fast as the target can"
         out.print(f"consumer drain to a file in {d['where']}, {d['events']:,} events {pace}: "
@@ -520,6 +575,7 @@ def main() -> int:
         "drain": drains,
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
         "startup_s": started,
+        "post_processing": reading,
     }
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"written {RESULTS / 'latest.json'}")

@@ -151,6 +151,7 @@ def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
 
 
 _ENTRY, _EXIT, _LEAF = 0, EXIT, 2  # a replay line's kind
+_DELTAS = np.array([1, -1, 0])  # by kind: what it does to the depth
 _PLAIN_FROM = 64  # events, from which numpy works out their nesting (fewer: one by one)
 _PLAIN_SPAN = 1 << 13  # events numpy works on at a time: a span with a longjmp goes one by one
 _BLANK = -(1 << 62)  # a duration column left empty (an entry's line)
@@ -261,13 +262,15 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
     if not n or not frame.all():
         return None
     exits = kind == EXIT
+    identity = func.astype(np.int64) << 16 | frame  # function and frame: an exit's are its entry's
     pair = np.zeros(n, dtype=bool)
-    pair[:-1] = ~exits[:-1] & exits[1:] & (func[:-1] == func[1:]) & (frame[:-1] == frame[1:])
+    pair[:-1] = ~exits[:-1] & exits[1:] & (identity[:-1] == identity[1:])
     second = np.zeros(n, dtype=bool)
     second[1:] = pair[:-1]
     items = np.flatnonzero(~second)
-    kinds = np.where(pair[items], _LEAF, np.where(exits[items], _EXIT, _ENTRY))
-    delta = np.where(kinds == _ENTRY, 1, np.where(kinds == _EXIT, -1, 0))
+    kinds = exits[items].astype(np.int64)  # (_ENTRY 0, _EXIT 1)
+    kinds[pair[items]] = _LEAF
+    delta = _DELTAS[kinds]
     depth = len(stack) + np.cumsum(delta) - delta  # before each item
     levels = np.where(kinds == _EXIT, depth - 1, depth)
     if len(levels) and levels.min() < 0:
@@ -286,7 +289,7 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
     at = items[order]
     later = ~first & (kd == _EXIT)
     entry_at = at[np.flatnonzero(later) - 1]
-    if (frame[at[later]] != frame[entry_at]).any() or (func[at[later]] != func[entry_at]).any():
+    if (identity[at[later]] != identity[entry_at]).any():
         return None
     spent = np.zeros(len(items), dtype=np.int64)
     spent[order[later]] = time[at[later]] - time[entry_at]
@@ -302,7 +305,10 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
     # some call opens can be open: the others' calls have no callee.)
     carried_frames = np.array([c[2] for c in stack.calls], dtype=np.int64)
     item_frames = frame[items].astype(np.int64)
-    relevant = np.isin(item_frames, np.concatenate((carried_frames, item_frames[kinds == _ENTRY])))
+    opening = np.zeros(1 << 16, dtype=bool)  # (frames are 15 bits)
+    opening[carried_frames] = True
+    opening[item_frames[kinds == _ENTRY]] = True
+    relevant = opening[item_frames]
     f_items = np.concatenate((carried_frames, item_frames[relevant]))
     f_step = np.concatenate((np.ones(len(stack), dtype=np.int64), delta[relevant]))
     f_leaf = np.concatenate((np.zeros(len(stack), dtype=bool), leaves[relevant]))
@@ -352,7 +358,7 @@ def _segment_calls(
         first = int(np.searchsorted(exit_keys, level * (m + 1)))
         callees[exit_of_key[first]] += stack.calls[level][3]
     # Open calls per function after each item (entries +1, exits -1), from those carried in.
-    delta = np.where(kinds == _ENTRY, 1, np.where(kinds == _EXIT, -1, 0))
+    delta = _DELTAS[kinds]
     by_func = _stable_order(funcs)
     grouped, steps = funcs[by_func], np.cumsum(delta[by_func])
     starts = np.ones(m, dtype=bool)
