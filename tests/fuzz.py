@@ -30,7 +30,7 @@ from types import FrameType
 
 from dynprobe.cli.main import main as main_command
 from dynprobe.errors import DynprobeError
-from dynprobe.output import callgraph
+from dynprobe.output import callgraph, timeline
 from dynprobe.symbols.elf import ElfImage
 from dynprobe.tracefile import EVENTS, INFO, Trace
 
@@ -142,7 +142,8 @@ def read_trace(path: str) -> None:
     for show in (
         lambda t: callgraph.replay(t, io.StringIO()),
         lambda t: callgraph.report(t, io.StringIO(), "total"),
-        lambda t: callgraph.dump_chrome(t, io.StringIO()),
+        lambda t: timeline.dump_chrome(t, io.StringIO()),
+        lambda t: timeline.dump_perfetto(t, io.BytesIO()),
         lambda t: callgraph.dump_flame(t, io.StringIO()),
         lambda t: callgraph.graph(t, io.StringIO()),
         lambda t: callgraph.graph(t, io.StringIO(), "main"),

@@ -49,6 +49,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in ("examples", "README.md"):
         (where / name).symlink_to(ROOT / name)
     (where / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    # What the README's first commands leave, for a block that reads it to run on any worker
+    subprocess.run([sys.executable, "-m", "dynprobe", "record", "--", "examples/bin/app", "README.md"], cwd=where,
+                   env=environment(), capture_output=True, check=True, timeout=TIMEOUT)  # fmt: skip
     return where
 
 

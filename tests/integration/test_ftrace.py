@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pty
 import re
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2
 
 import dynprobe
 from dynprobe.core.ftrace import TracerEvent
@@ -185,6 +187,23 @@ def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
                       ("E", "fact"), ("E", "fact"), ("E", "fact"), ("E", "main")]  # fmt: skip
     stamps = [e["ts"] for e in events if e["ph"] in "BE"]
     assert stamps == sorted(stamps)
+    perfetto = dp("dump", "--perfetto", trace, "-o", str(tmp_path / "t.pftrace"))
+    assert perfetto.returncode == 0, perfetto.stderr
+    packets = perfetto_trace_pb2.Trace.FromString((tmp_path / "t.pftrace").read_bytes()).packet
+    names = {n.iid: n.name for p in packets for n in p.interned_data.event_names}
+    slices = [(p.track_event.type, names.get(p.track_event.name_iid)) for p in packets if p.HasField("track_event")]
+    begin, end = perfetto_trace_pb2.TrackEvent.TYPE_SLICE_BEGIN, perfetto_trace_pb2.TrackEvent.TYPE_SLICE_END
+    assert slices == [(begin, "main"), (begin, "fact"), (begin, "fact"), (begin, "fact"),
+                      (end, None), (end, None), (end, None), (end, None)]  # fmt: skip
+    assert [p.timestamp for p in packets if p.HasField("track_event")] == [round(ts * 1000) for ts in stamps]
+    primary, secondary = pty.openpty()  # the standard output a terminal: no bytes on it
+    try:
+        terminal = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "dump", "--perfetto", trace],
+                                  stdout=secondary, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(secondary)
+        os.close(primary)
+    assert terminal.returncode == 2 and "writes a binary trace: give -o FILE" in terminal.stderr
     flame = dp("dump", "--flame", trace).stdout.splitlines()
     assert sorted(line.rsplit(" ", 1)[0] for line in flame) == [
         "main",

@@ -4,7 +4,6 @@ line would (uftrace's duration column), for any durations, names and depths."""
 from __future__ import annotations
 
 import io
-import json
 import random
 from pathlib import Path
 
@@ -114,34 +113,6 @@ def _write_trace(
     write_info(str(directory), {"functions": [[n, "x", 0, 1] for n in names], "record_size": 16,
                                 "clock": {"tsc0": tsc0, "ns0": 0, "scale": 1.0}, "threads": {"7": "app"},
                                 "pid": 1, "command": ["/bin/app"]})  # fmt: skip
-
-
-@pytest.mark.parametrize("rows", [callgraph._CHROME_ROWS, 5])
-def test_chrome_json_holds_every_event_as_written(tmp_path: Path, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every event, in order, its time stamp exactly the ns as microseconds with 3 decimals,
-    whatever its digits (below 1 us, across a power of ten, before the clock's first reading:
-    negative) and its function's name (JSON escapes, longer than the table takes); the same
-    written on a file (bytes) or a text stream; then the thread's and the process's names."""
-    monkeypatch.setattr(callgraph, "_CHROME_ROWS", rows)
-    names = ['say "hi"\\', "caf\u00e9\n", "x" * (callgraph._CHROME_TEXT + 1), "main"]
-    times = [-1500, -1, 0, 7, 999, 1000, 9999, 10_000, 99_999_999, 100_000_000, 100_000_001, 123_456_789_012]
-    records = [(i % 2, i % 4, 2000 + t) for i, t in enumerate(times)]
-    _write_trace(tmp_path, records, names, tsc0=2000)
-    with open(tmp_path / "out.json", "w") as f:
-        callgraph.dump_chrome(Trace(str(tmp_path)), f)
-    text = io.StringIO()
-    callgraph.dump_chrome(Trace(str(tmp_path)), text)
-    written = (tmp_path / "out.json").read_text()
-    assert written == text.getvalue()
-    events = json.loads(written, parse_float=str)["traceEvents"]
-    assert [(e["ph"], e["name"], e["ts"], e["pid"], e["tid"]) for e in events[:-2]] == [
-        ("E" if r[0] else "B", names[r[1]], f"{'-' if t < 0 else ''}{abs(t) // 1000}.{abs(t) % 1000:03}", 1, 7)
-        for r, t in zip(records, times, strict=True)
-    ]
-    assert events[-2:] == [
-        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 7, "args": {"name": "app"}},
-        {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "app"}},
-    ]
 
 
 @pytest.mark.parametrize("leaves", [2, 20])

@@ -1,5 +1,5 @@
 """The commands that read a trace directory back: `replay` (the call graph), `report` (time per
-function), `graph` (call paths merged), `dump --chrome | --flame`. Apart from `record`, so that
+function), `graph` (call paths merged), `dump --perfetto | --chrome | --flame`. Apart from `record`, so that
 reading a trace never loads the tracing engine; `record` and `live` share its filter options."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TextIO
 
 from dynprobe.cli.common import UsageError, add_demangle_option, close_output, open_output, output_name, report_error
 from dynprobe.errors import DynprobeError
-from dynprobe.output import callgraph
+from dynprobe.output import callgraph, timeline
 from dynprobe.output.callfilter import CallFilter, Trigger
 from dynprobe.symbols.patterns import MatchKind, NamePattern
 from dynprobe.tracefile import EVENTS, Trace
@@ -42,6 +42,7 @@ examples:
 """,
     "dump": """\
 examples:
+  dynprobe dump --perfetto -o trace.pftrace  open in ui.perfetto.dev (Perfetto's own format)
   dynprobe dump --chrome -o trace.json     open in ui.perfetto.dev or chrome://tracing
   dynprobe dump --flame | flamegraph.pl > flame.svg
 """,
@@ -192,6 +193,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )  # fmt: skip
     d.add_argument("directory", nargs="?", default=DEFAULT_DIR, metavar="DIR")
     form = d.add_mutually_exclusive_group(required=True)
+    form.add_argument("--perfetto", action="store_true", help="Perfetto's protobuf trace (ui.perfetto.dev): binary, "
+                      "so to -o FILE or a pipe")  # fmt: skip
     form.add_argument("--chrome", action="store_true", help="Trace Event JSON (Perfetto UI, chrome://tracing)")
     form.add_argument("--flame", action="store_true", help="folded stacks with self time in ns (flamegraph.pl)")
     _add_reading_options(d)
@@ -250,8 +253,17 @@ def run_graph(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def run_dump(args: argparse.Namespace, command: list[str]) -> int:
-    write = callgraph.dump_chrome if args.chrome else callgraph.dump_flame
-    return show_trace(args, command, write)
+    if args.perfetto:
+        return show_trace(args, command, _perfetto)
+    return show_trace(args, command, timeline.dump_chrome if args.chrome else callgraph.dump_flame)
+
+
+def _perfetto(trace: Trace, out: TextIO, filters: CallFilter) -> None:
+    """Perfetto's trace is bytes: on the output's binary stream, never on a terminal."""
+    if out.isatty():
+        raise UsageError("dump --perfetto writes a binary trace: give -o FILE (trace.pftrace) or a pipe")
+    out.flush()
+    timeline.dump_perfetto(trace, out.buffer, filters)
 
 
 def show_trace(

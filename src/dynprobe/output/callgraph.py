@@ -1,12 +1,12 @@
 """What a trace directory says, read in one pass over its chunks: the call graph of each thread
 (`replay`, uftrace's layout), time per function (`report`), the call paths merged in one tree
-(`graph`), Chrome/Perfetto JSON and folded stacks for flame graphs (`dump`). Each keeps per
-thread only the stack of open calls (`graph`: its tree of call paths).
+(`graph`), folded stacks for flame graphs (`dump --flame`; the timelines of `dump --chrome` and
+`--perfetto` are output/timeline.py's). Each keeps per thread only the stack of open calls
+(`graph`: its tree of call paths).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -31,7 +31,7 @@ def duration(ns: int) -> str:
 _BATCH = 1 << 16  # events: a thread's chunks read one after another are worked on together
 
 
-def _batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
+def batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
     """The trace's chunks (filtered: output/callfilter.py), those of one thread that follow each
     other joined (up to _BATCH events): the consumer drains small chunks, and numpy's work is
     per call, not per event."""
@@ -486,7 +486,7 @@ def replay(
         return names[func] if func < len(names) else trace.call_text(func)
 
     texts = _Texts(name, trace.name)
-    for chunk in _batches(trace, filters):
+    for chunk in batches(trace, filters):
         tid = chunk.tid
         stack = stacks.setdefault(tid, _OpenCalls())
         if chunk.inherited:  # a forked child goes on inside its parent's calls, not shown again
@@ -821,7 +821,7 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
         np.maximum.at(extremes[3], func, own)
         return True
 
-    for chunk in _batches(trace, filters):
+    for chunk in batches(trace, filters):
         stack = stacks.setdefault(chunk.tid, _OpenCalls())
         if chunk.inherited:
             stack.inherit(chunk)
@@ -894,128 +894,6 @@ def report(
         out.write("".join(f"  {c}" for c in cells) + f"  {trace.name(func)}\n")
 
 
-_CHROME_ROWS = 1 << 14  # events laid out at a time: a matrix of their lines
-_CHROME_TEXT = 1024  # bytes: a longer `"ph":..,"name":..},` text (a C++ signature) goes one line at a time
-_DIGIT_PAIRS = np.frombuffer(b"".join(b"%02d" % i for i in range(100)), dtype=np.uint8).reshape(100, 2)
-
-
-def dump_chrome(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
-    """Trace Event Format (Perfetto UI, chrome://tracing): B/E pairs, time stamps in
-    microseconds with the nanoseconds as 3 decimals (as uftrace writes them), each thread's
-    name, then the process's. Lines laid out by numpy (_ChromeLines)."""
-    pid = int(trace.info.get("pid", 0))
-    lines = _ChromeLines(trace, pid)
-    binary = getattr(out, "buffer", None)  # a file: numpy's bytes written as they are
-    out.write('{"displayTimeUnit":"ns","traceEvents":[\n')
-    for chunk in _batches(trace, filters):
-        for at in range(0, len(chunk.kind), _CHROME_ROWS):
-            part = slice(at, at + _CHROME_ROWS)
-            for text in lines.lines(chunk.tid, chunk.kind[part], chunk.func[part], chunk.time_ns[part]):
-                if binary is not None:
-                    out.flush()
-                    binary.write(text)
-                else:
-                    out.write(bytes(text).decode("ascii"))
-    metadata = [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
-                for tid, name in trace.threads.items()]  # fmt: skip
-    metadata.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": trace.program}})
-    out.write(",\n".join(json.dumps(m, separators=(",", ":")) for m in metadata) + "]}\n")
-
-
-class _ChromeLines:
-    """Chrome JSON lines, `{"ts":12.345,"pid":1,"tid":2,"ph":"B","name":"main"},`, a matrix at a
-    time: the time stamps' digits by numpy (those above the varying ones shared), then each
-    line's own text (by exit or entry, and function: JSON-escaped once, from a table) and the
-    bytes of each row up to its length kept."""
-
-    def __init__(self, trace: Trace, pid: int) -> None:
-        self.trace, self.pid = trace, pid
-        functions = max(len(trace.functions), 1)
-        self.row = np.full(2 * functions, -1, dtype=np.int64)  # (function, exit) -> its row of `texts`
-        self.texts = np.zeros((0, 0), dtype=np.uint8)
-        self.length = np.zeros(0, dtype=np.int64)
-
-    def _text(self, key: int) -> bytes:
-        func, kind = divmod(key, 2)
-        return f'"ph":"{"E" if kind == EXIT else "B"}","name":{json.dumps(self.trace.name(func))}}},\n'.encode()
-
-    def _cover(self, keys: np.ndarray) -> None:
-        """Table rows for the (function, exit) pairs of `keys` without one (a text too long: none)."""
-        seen = np.zeros(len(self.row), dtype=bool)
-        seen[keys] = True
-        new = np.flatnonzero(seen & (self.row == -1)).tolist()
-        if not new:
-            return
-        texts = {key: self._text(key) for key in new}
-        fits = [key for key, text in texts.items() if len(text) <= _CHROME_TEXT]
-        self.row[new] = -2  # (one line at a time)
-        if not fits:
-            return
-        width = max(self.texts.shape[1], *(len(texts[key]) for key in fits))
-        table = np.zeros((len(self.texts) + len(fits), width), dtype=np.uint8)
-        table[: len(self.texts), : self.texts.shape[1]] = self.texts
-        for n, key in enumerate(fits, len(self.texts)):
-            table[n, : len(texts[key])] = np.frombuffer(texts[key], dtype=np.uint8)
-        self.row[fits] = np.arange(len(self.texts), len(table))
-        self.length = np.append(self.length, [len(texts[key]) for key in fits])
-        self.texts = table
-
-    def lines(self, tid: int, kind: np.ndarray, func: np.ndarray, time_ns: np.ndarray) -> Iterator[memoryview]:
-        """The lines of these events of thread `tid`, in pieces, in order."""
-        keys = func.astype(np.int64) * 2 + (kind == EXIT)
-        self._cover(keys)
-        rows = self.row[keys]
-        ns = time_ns.astype(np.int64)
-        # A run of lines of the same shape (time stamps of as many digits, none negative, no
-        # text too long) is one matrix; the others go one at a time.
-        digits = np.where(ns >= 0, np.searchsorted(_POWERS_OF_TEN, ns, side="right"), -1)
-        shape = np.where(rows >= 0, digits, -1)
-        edges = np.flatnonzero(shape[1:] != shape[:-1]) + 1
-        for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(keys)], strict=True):
-            if shape[lo] >= 0:
-                yield self._matrix(tid, rows[lo:hi], ns[lo:hi])
-            else:
-                yield memoryview(
-                    b"".join(
-                        self._line(tid, key, t) for key, t in zip(keys[lo:hi].tolist(), ns[lo:hi].tolist(), strict=True)
-                    )
-                )
-
-    def _line(self, tid: int, key: int, ns: int) -> bytes:
-        sign, ns = ("-", -ns) if ns < 0 else ("", ns)
-        return f'{{"ts":{sign}{ns // 1000}.{ns % 1000:03},"pid":{self.pid},"tid":{tid},'.encode() + self._text(key)
-
-    def _matrix(self, tid: int, rows: np.ndarray, ns: np.ndarray) -> memoryview:
-        """Lines whose time stamps have as many digits (at least 4: `0.001` is written from 1),
-        not negative, and whose texts are in the table."""
-        low, high = int(ns.min()), int(ns.max())
-        width = max(len(str(high)), 4)
-        varying = next(k for k in range(width + 1) if low // 10**k == high // 10**k)
-        stamp = np.empty((len(ns), width), dtype=np.uint8)
-        stamp[:, : width - varying] = np.frombuffer(f"{high:0{width}}".encode()[: width - varying], dtype=np.uint8)
-        rest = ns - high // 10**varying * 10**varying
-        column = width
-        while column > width - varying:
-            if column - 2 >= width - varying:
-                stamp[:, column - 2 : column] = _DIGIT_PAIRS[rest % 100]
-                rest //= 100
-                column -= 2
-            else:
-                stamp[:, column - 1] = ord("0") + rest % 10
-                column -= 1
-        head = f'{{"ts":{"#" * (width - 3)}.###,"pid":{self.pid},"tid":{tid},'.encode()
-        fixed, longest = len(head), int(self.length[rows].max())
-        matrix = np.empty((len(ns), fixed + longest), dtype=np.uint8)
-        matrix[:, :fixed] = np.frombuffer(head, dtype=np.uint8)
-        matrix[:, 6 : 3 + width] = stamp[:, : width - 3]
-        matrix[:, 4 + width : 7 + width] = stamp[:, width - 3 :]
-        matrix[:, fixed:] = self.texts[:, :longest][rows]
-        return memoryview(matrix[np.arange(fixed + longest) < fixed + self.length[rows][:, None]])
-
-
-_POWERS_OF_TEN = 10 ** np.arange(1, 19, dtype=np.int64)
-
-
 def dump_flame(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
     """Folded stacks (`main;parse;read_token 1234`, self time in ns) for flamegraph.pl, speedscope."""
     for path, ns in sorted(profile(trace, folded=True, filters=filters).folded.items()):
@@ -1054,7 +932,7 @@ def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallF
     # backtrace (of a call of `function`)], and the time of its last event
     stacks: dict[int, FrameStack] = {}
     last: dict[int, int] = {}
-    for chunk in _batches(trace, filters):
+    for chunk in batches(trace, filters):
         stack = stacks.setdefault(chunk.tid, FrameStack())
         for kind, func, t, frame in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(),
                                         chunk.frame.tolist(), strict=True):  # fmt: skip
