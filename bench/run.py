@@ -343,8 +343,7 @@ def post_processing(statements: int) -> dict[str, Any]:
                 commands[f"uftrace_{name}"] = ([uftrace, *argv, "-d", theirs], tmp)
         else:
             results["uftrace"] = "not installed"
-        peak = compile_c(HERE / "targets" / "peak.c", BUILD / "peak")
-        peak_file = os.path.join(tmp, "peak")
+        peak, peak_file = compile_c(HERE / "targets" / "peak.c", BUILD / "peak"), os.path.join(tmp, "peak")
         for name, (argv, cwd) in commands.items():
             runs = []
             for _ in range(REPEAT):
@@ -404,6 +403,32 @@ def drain_rate(n: int, rate: int, ring: int = 1 << 26, where: str | None = None)
     return {"events": n, "rate": rate, "ring": ring, "where": where or tempfile.gettempdir(),
             "elapsed_s": elapsed_us / 1e6, "lost": probe.lost, "drained": drained,
             "bytes_written": written, "drained_per_s": drained / (elapsed_us / 1e6)}  # fmt: skip
+
+
+def peak_rss(argv: list[str]) -> float:
+    """MiB: the peak RSS of a whole `dynprobe ...` run, measured by a small launcher
+    (targets/peak.c)."""
+    peak = compile_c(HERE / "targets" / "peak.c", BUILD / "peak")
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "peak")
+        subprocess.run([peak, result, sys.executable, "-m", "dynprobe.cli.main", *argv], cwd=tmp,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)  # fmt: skip
+        return int(Path(result).read_text()) / 1024
+
+
+def memory(events: int, calls: int) -> dict[str, float]:
+    """Peak RSS (MiB) of `trace` printing `events` events (its default 1 MiB ring) and of
+    `record` of the seed's `calls` calls (its default 32 MiB ring): memory follows the rings, not
+    the trace; and of `trace` of no event, what the interpreter and its libraries take."""
+    binary = events_binary()
+    trace = ["trace", "-o", "/dev/null", "p:b/ev event i=%di t=%si"]
+    return {
+        "trace_none_mb": peak_rss([*trace, "--", binary, "0"]),
+        "trace_events": events,
+        "trace_mb": peak_rss([*trace, "--", binary, str(events)]),
+        "record_calls": calls,
+        "record_mb": peak_rss(["record", "-o", "t.data", "--", seed_binary(), str(calls)]),
+    }
 
 
 def main() -> int:
@@ -507,6 +532,8 @@ def main() -> int:
     console.log(f"start-up: {started}")
     reading = post_processing(int(175_000 * scale))
     console.log(f"post-processing: {reading}")
+    peaks = memory(int(4_000_000 * scale), int(10_000_000 * scale))
+    console.log(f"memory: {peaks}")
 
     table = Table(title="dynprobe probes: the seed loop (N calls of an empty -O0 function)")
     for col in ("mechanism", "calls", "us/call", "ns/hit over untraced", "vs kernel u(ret)probe", "stops/hit", "path"):
@@ -554,6 +581,9 @@ def main() -> int:
         ours, theirs = reading[name], reading.get(f"uftrace_{name}")
         versus = f" vs uftrace {theirs['cpu_s']:.2f} s, {theirs['peak_mb']:.0f} MB" if theirs else ""
         shown.append(f"{name} {ours['cpu_s']:.2f} s, {ours['peak_mb']:.0f} MB{versus}")
+    out.print(f"peak RSS: `trace` of {peaks['trace_events'] / 1e6:.0f} M events {peaks['trace_mb']:.0f} MB (1 MiB "
+              f"ring; {peaks['trace_none_mb']:.0f} MB for none), `record` of {peaks['record_calls'] / 1e6:.0f} M calls "
+              f"{peaks['record_mb']:.0f} MB (32 MiB ring)")  # fmt: skip
     out.print(f"reading a {reading['events'] / 1e6:.1f} M-event call graph back (CPU seconds, peak RSS, start-up "
               f"included): {'; '.join(shown)}")  # fmt: skip
     for d in drains:
@@ -576,6 +606,7 @@ def main() -> int:
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
         "startup_s": started,
         "post_processing": reading,
+        "memory_mb": peaks,
     }
     (RESULTS / "latest.json").write_text(json.dumps(result, indent=2) + "\n")
     out.print(f"written {RESULTS / 'latest.json'}")
