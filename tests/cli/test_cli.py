@@ -437,6 +437,39 @@ def test_a_probe_that_stays_a_trap_says_what_its_hits_cost(options: list[str]) -
         assert "mode=trap (JUMP_INTO_REGION)" in r.stderr and "mode=optimized" in r.stderr
 
 
+def test_a_flight_recorder_writes_the_newest_events_at_sigusr2_and_at_the_end(tmp_path: Path) -> None:
+    """`trace --flight-recorder`: nothing is written while the program runs until dynprobe gets
+    SIGUSR2, then what the ring holds (256 records at most), in time order; at the end, what came
+    since; every hit is written or counted among those that gave way."""
+    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+    out = tmp_path / "events.txt"
+    argv = [*DYNPROBE, "trace", "--flight-recorder", "--ring-size", "4096", "-o", str(out), "p hammer", "--", opt,
+            "forever", "1"]  # fmt: skip
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:  # fmt: skip
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        try:
+            assert proc.stdout.readline() == "ready\n"
+            assert out.read_text() == ""  # (hammer is called all the while)
+            proc.send_signal(signal.SIGUSR2)
+            deadline = time.monotonic() + 30
+            while not out.read_text() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            first = out.read_text().splitlines()
+            proc.stdin.close()  # the program ends
+            err = proc.stderr.read()
+            assert proc.wait(timeout=60) == 0, err
+        finally:
+            proc.kill()
+    lines = out.read_text().splitlines()
+    assert 0 < len(first) <= 256 and lines[: len(first)] == first and len(lines) - len(first) <= 256
+    stamps = [float(line.split(":")[0].split()[-1]) for line in lines]
+    assert stamps == sorted(stamps) and all("uprobes/p_hammer" in line for line in lines)
+    hits = int(re.search(r"p_hammer .* hits=(\d+)", err).group(1))  # type: ignore[union-attr]
+    gave_way = int(re.search(r"flight recorder: (\d+) older events gave way", err).group(1))  # type: ignore[union-attr]
+    assert hits == len(lines) + gave_way and gave_way > 0
+
+
 def interrupted_when(ready: Callable[[subprocess.Popen[str], list[str]], bool], sig: int, *args: str
                      ) -> tuple[int, str, str]:  # fmt: skip
     """`dynprobe ARGS...` sent `sig` (alone, not its command) once `ready(process, lines of its

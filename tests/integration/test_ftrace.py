@@ -213,6 +213,20 @@ def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
     ]
 
 
+def test_a_flight_recorder_s_trace_holds_the_newest_calls(ret: str, tmp_path: Path) -> None:
+    """`record --flight-recorder`, a ring of 4096 records and 50,000 calls of add: the trace holds
+    the newest 4096 records, add's last calls and main's exit; every other record is counted as
+    given way, none lost."""
+    r, trace = record(tmp_path, "--flight-recorder", "--ring-size", "65536", "-P", "main", "-P", "add", "--", ret,
+                      "loop", "50000")  # fmt: skip
+    events = list(Trace(trace).events())
+    assert len(events) == 4096 and Trace(trace).info["lost"] == 0
+    assert [(e.function, e.exit) for e in events[-3:]] == [("add", False), ("add", True), ("main", True)]
+    assert {e.function for e in events[:-1]} == {"add"}
+    assert f"flight recorder: {2 * 50_001 - 4096} older events gave way" in r.stderr, r.stderr
+    assert "50001 calls traced, the newest the rings held recorded" in r.stderr
+
+
 def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> None:
     """One traces add and fact, the other fact only: fact's site goes through a list trampoline;
     stopping the first re-points fact to the second alone."""

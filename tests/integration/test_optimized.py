@@ -232,6 +232,27 @@ def test_a_million_events_into_a_small_ring_lose_exactly(opt: str, wait: float) 
     assert times == sorted(times)
 
 
+def test_a_flight_recorder_keeps_the_newest_records(opt: str) -> None:
+    """A flight recorder's ring of 2048 records, 100,000 events, nothing read until the end:
+    the newest 2048 are delivered, in order; the others are counted overwritten, none lost,
+    no writer waited."""
+    n, held = 100_000, 2048
+    got: list[object] = []
+    sessions: list[dynprobe.Session] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.ring_bytes = 65536  # 2048 records of 32 bytes
+        session.flight_recorder = True
+        sessions.append(session)
+        return [session.probe("p:t/ev event i=%di", on_event=lambda event: got.append(event.values["i"]))]
+
+    status, out, [probe] = traced([opt, "events", "1", str(n)], setup, optimize=True)
+    assert status == 0 and out == f"events {n}\n"
+    assert got == list(range(n - held, n))
+    assert sessions[0].records_overwritten == n - held and sessions[0].records_waited == 0
+    assert probe.lost == 0 and probe.hits == n  # type: ignore[attr-defined]
+
+
 def test_a_pass_delivered_a_window_at_a_time_keeps_every_event_in_order(
     opt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -322,6 +322,25 @@ def test_native_record_full_ring_counts_losses(area: NativeArea) -> None:
     assert int.from_bytes(rec[16:24], "little") == 777
 
 
+def test_native_flight_recorder_gives_up_its_oldest_records(area: NativeArea) -> None:
+    """A flight recorder's full ring (OVERWRITE): the writer moves TAIL past the oldest record
+    itself, never waits (WAIT_TICKS set, no reader) and never loses."""
+    prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
+    slots = LAYOUT.ring_slots
+    area.set_word(L.OVERWRITE, 1)
+    area.set_word(L.WAIT_TICKS, 1 << 40)
+    for i in range(slots + 5):
+        run(area, [prog], i)
+    assert (area.word(L.HEAD), area.word(L.TAIL)) == (slots + 5, 5)
+    assert area.counter(4, L.LOST) == 0 and area.counter(4, L.HITS) == slots + 5
+    assert area.word(L.WAITS) == 0 and area.word(L.WAIT_UNTIL) == 0 and area.word(L.BUSY) == 0
+    assert [field(r, 16) for r in area.records(5)] == list(range(5, slots + 5))
+    area.set_word(L.TAIL, slots + 7)  # scribbled ahead of head: the writer puts it right
+    run(area, [prog], 999)
+    assert (area.word(L.HEAD), area.word(L.TAIL)) == (slots + 6, 6)  # a full ring again
+    assert field(area.records(slots + 5)[0], 16) == 999
+
+
 def _full_ring(area: NativeArea) -> int:
     """A record probe's actions (probe 4, n=%di), placed, and the ring full: their address."""
     prog = Program(4, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
@@ -360,6 +379,20 @@ def test_native_record_waits_for_the_reader_to_make_room(area: NativeArea) -> No
     assert area.counter(4, L.LOST) == 0 and area.counter(4, L.HITS) == 1
     assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
     assert area.word(L.BUSY) == 0
+
+
+def test_native_writer_paused_by_a_snapshot_goes_on_overwriting(area: NativeArea) -> None:
+    """A flight recorder's full ring while the reader copies it (OVERWRITE cleared): the writer
+    waits; once the copy is over (OVERWRITE set again) it gives up the oldest record and writes
+    its own: not lost, not counted as waited."""
+    actions = _full_ring(area)
+    area.set_word(L.WAIT_TICKS, 1 << 36)
+    reader = _once_waiting(area, L.OVERWRITE, 1)
+    area.call_at(actions, 777)
+    reader.join()
+    assert (area.word(L.HEAD), area.word(L.TAIL)) == (LAYOUT.ring_slots + 1, 1)
+    assert area.counter(4, L.LOST) == 0 and area.word(L.WAITS) == 0 and area.word(L.BUSY) == 0
+    assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
 
 
 @pytest.mark.parametrize("how", ["lossy", "its time runs out", "the tracer leaves"])
@@ -592,13 +625,13 @@ def test_native_trap_actions_keep_the_flags(area: NativeArea, spec: str) -> None
     prog = Program(5, ActionKind.RECORD, record_fields(parse_spec(spec).args))
 
     def code_at(base: int) -> bytes:
-        # push rdi; popfq; jmp the actions (at base + 64), which go on at base + 512: RETURN_FLAGS
+        # push rdi; popfq; jmp the actions (at base + 64), which go on at base + 1024: RETURN_FLAGS
         jump = b"\xe9" + (64 - 7).to_bytes(4, "little")
         built = build_trap_actions([prog], LAYOUT, 0x401000, base + 64)
-        assert not isinstance(built, OptimizeRefusal)
-        area.words[L.STAMP_RESUME // 8] = base + 512
+        assert not isinstance(built, OptimizeRefusal) and len(built.code) <= 1024 - 64
+        area.words[L.STAMP_RESUME // 8] = base + 1024
         area.words[L.STAMP_BUSY // 8] = 1
-        return (bytes.fromhex("579d") + jump).ljust(64, b"\xcc") + built.code.ljust(512 - 64, b"\xcc") + RETURN_FLAGS
+        return (bytes.fromhex("579d") + jump).ljust(64, b"\xcc") + built.code.ljust(1024 - 64, b"\xcc") + RETURN_FLAGS
 
     stub = area.place(code_at)
     for flags in (ARITHMETIC_FLAGS, 0, 0x801, 0x0C4):

@@ -33,10 +33,12 @@ def test_the_thread_area_header() -> None:
         "wait ticks": (L.WAIT_TICKS, 8),
         "wait until": (L.WAIT_UNTIL, 8),
         "waits": (L.WAITS, 8),
+        "overwrite": (L.OVERWRITE, 8),
         "head": (L.HEAD, CACHE_LINE),  # the producer's line
         "tail": (L.TAIL, CACHE_LINE),  # the consumer's line
         "shadow top": (L.SHADOW_TOP, 8),
         "shadow busy": (L.SHADOW_BUSY, 8),
+        "read": (L.READ, 8),
         "stamp busy": (L.STAMP_BUSY, 8),
         "stamp resume": (L.STAMP_RESUME, 8),
         "stamp saved": (L.STAMP_SAVED, 3 * 8),  # rax, rdx, rsi

@@ -324,6 +324,23 @@ def test_values_from_every_kind_of_place(native: NativeArea) -> None:
         assert [r.kind for r in call[1:8]] == [TRACE_DATA | n for n in range(7)]
 
 
+def test_a_flight_recorder_gives_up_as_many_old_records_as_a_call_needs(native: NativeArea) -> None:
+    """A flight recorder's full ring: an entry with two values takes the room of the three
+    oldest records (TAIL moved); nothing is lost."""
+    captures = Captures(tuple(parse_values("arg1,arg2", retval=False)), ())
+    tracer = Tracer(native, 3, graph=False, captures=captures)
+    add = native.place(ADD)
+    tracer.trace(add, len(ADD), 5)
+    slots = LAYOUT.ring_slots
+    native.set_word(L.OVERWRITE, 1)
+    for word in (L.HEAD, L.RESERVE):
+        native.set_word(word, slots)  # full: TAIL 0
+    assert native.call_at(add, 10, 20) == 30
+    assert (native.word(L.HEAD), native.word(L.TAIL)) == (slots + 3, 3)
+    assert native.counter(3, L.LOST) == 0
+    assert [(r.kind, r.value) for r in records(native, slots)][1:] == [(TRACE_DATA | 0, 10), (TRACE_DATA | 1, 20)]
+
+
 def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> None:
     """The entry and its data records go in the ring together, wrapping at its end; with room
     for fewer, none goes (lost, counted) and the call runs on."""

@@ -162,6 +162,8 @@ def run_target(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if session.flight_recorder:
+        signal.signal(signal.SIGUSR2, lambda signum, frame: session.request_snapshot())
     # What the set-up made (probes, sites, symbols: 10^5 objects for 10^4 probes) lives as long
     # as the command: collections while the target runs need not walk it again (~0.2 s).
     gc.freeze()
@@ -182,6 +184,7 @@ def run_target(
         # another Ctrl-C (often pressed twice) is ignored.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # (the last snapshot is taken as the session ends)
     if status is None and interrupted and session.spawned:
         return _stop_command(session, interrupted)
     return status

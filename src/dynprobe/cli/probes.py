@@ -63,12 +63,25 @@ def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits 
                    help="at the end, per probe: mode (optimized, or trap and why), hits, missed, lost")  # fmt: skip
 
 
-def add_lossy_option(p: argparse.ArgumentParser) -> None:
+def add_ring_options(p: argparse.ArgumentParser) -> None:
     """For commands that write records: by default a thread whose ring is full waits for the
-    reader (the program slows down, no event is lost); `--lossy` counts the record lost."""
-    p.add_argument("--lossy", action="store_true",
-                   help="when a thread's ring is full, lose the record (counted) instead of waiting for "
-                        "the reader (the program then never slows down for dynprobe)")  # fmt: skip
+    reader (the program slows down, no event is lost); `--lossy` counts the record lost;
+    `--flight-recorder` keeps the newest records only."""
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--lossy", action="store_true",
+                      help="when a thread's ring is full, lose the record (counted) instead of waiting for "
+                           "the reader (the program then never slows down for dynprobe)")  # fmt: skip
+    mode.add_argument("--flight-recorder", action="store_true",
+                      help="keep only the newest events, as many as the rings hold (older ones give way, "
+                           "counted): written when the program ends and each time dynprobe gets SIGUSR2 "
+                           "(kill -USR2 DYNPROBE_PID)")  # fmt: skip
+
+
+def set_ring_mode(session: Session, *, lossy: bool, flight_recorder: bool) -> None:
+    """What a full ring does: wait for the reader (default), lose the record, or give up its oldest."""
+    if lossy:
+        session.wait_for_room = 0
+    session.flight_recorder = flight_recorder
 
 
 RING_WAS_FULL = "a thread's ring was full (--lossy), or stayed full longer than a thread waits for the reader"
@@ -105,6 +118,7 @@ class ProbeRequest:
     trap: bool
     ring_size: int | None
     lossy: bool = False
+    flight_recorder: bool = False
 
 
 def check_request(args: argparse.Namespace) -> ProbeRequest:
@@ -120,15 +134,15 @@ def check_request(args: argparse.Namespace) -> ProbeRequest:
         problem = check_ring_bytes(args.ring_size)
         if problem is not None:
             raise UsageError(problem)
-    return ProbeRequest(specs, args.filter, args.trap, args.ring_size, getattr(args, "lossy", False))
+    return ProbeRequest(specs, args.filter, args.trap, args.ring_size, getattr(args, "lossy", False),
+                        getattr(args, "flight_recorder", False))  # fmt: skip
 
 
 def configure(session: Session, request: ProbeRequest) -> None:
     session.optimize = not request.trap
     if request.ring_size is not None:
         session.ring_bytes = request.ring_size
-    if request.lossy:
-        session.wait_for_room = 0
+    set_ring_mode(session, lossy=request.lossy, flight_recorder=request.flight_recorder)
 
 
 def place_all(session: Session, request: ProbeRequest, place: Callable[[ProbeSpec], Probe]) -> list[Probe]:
@@ -196,9 +210,13 @@ def note_missed_returns(probes: list[Probe], option: str = MAXACTIVE_IN_SPEC) ->
                   f"(recursion); {option.format(more)} keeps more", file=sys.stderr)  # fmt: skip
 
 
-def note_waits(session: Session) -> None:
-    """A program that waited for dynprobe to read its events ran slower than it would have:
-    say so, and what avoids it."""
+def note_rings(session: Session) -> None:
+    """A program that waited for dynprobe to read its events ran slower than it would have: say
+    so, and what avoids it; a flight recorder's events that gave way to newer ones: how many."""
+    overwritten = session.records_overwritten
+    if overwritten:
+        print(f"dynprobe: flight recorder: {overwritten} older events gave way to newer ones (a larger --ring-size "
+              "keeps more)", file=sys.stderr)  # fmt: skip
     waited = session.records_waited
     if waited:
         times = f"{waited} time{'' if waited == 1 else 's'}"

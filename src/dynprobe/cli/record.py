@@ -21,7 +21,7 @@ from dynprobe.cli.common import (
     report_error,
     run_target,
 )
-from dynprobe.cli.probes import PROGRESS_FROM, RING_WAS_FULL, add_lossy_option, note_waits, progress_bar
+from dynprobe.cli.probes import PROGRESS_FROM, RING_WAS_FULL, add_ring_options, note_rings, progress_bar, set_ring_mode
 from dynprobe.cli.reading import DEFAULT_DIR, add_filter_options, call_filter, parse_time, show_trace, threshold
 from dynprobe.core.ftrace import ValueRequest
 from dynprobe.core.session import print_warning
@@ -83,7 +83,7 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
     )
     p.add_argument("--ring-size", type=byte_size, default=1 << 25, metavar="BYTES",
                    help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
-    add_lossy_option(p)
+    add_ring_options(p)
     p.add_argument("--threshold", type=parse_time, default=0, metavar="TIME",
                    help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
     p.add_argument("-A", "--argument", dest="arguments", action="append", default=[], metavar="FUNC@ARGS",
@@ -215,8 +215,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
-            if args.lossy:
-                session.wait_for_room = 0
+            set_ring_mode(session, lossy=args.lossy, flight_recorder=args.flight_recorder)
             tracer = session.function_tracer(
                 patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold,
                 library_calls=args.libcall or args.nest_libcall, nested_calls=args.nest_libcall,
@@ -278,9 +277,11 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             what = f"{calls} call{'' if calls == 1 else 's'} recorded"
             if args.threshold:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
+            if args.flight_recorder:
+                what = f"{calls} call{'' if calls == 1 else 's'} traced, the newest the rings held recorded"
             where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
-            note_waits(session)
+            note_rings(session)
             _name_refused(tracer, program)
     except OSError as exc:  # closing the events file (its last bytes) on a full disk
         return report_error(DynprobeError(f"cannot write {os.path.join(out, EVENTS)}: {exc.strerror or exc}"))

@@ -23,13 +23,13 @@ from dynprobe.cli.common import (
 )
 from dynprobe.cli.probes import (
     ProbeRequest,
-    add_lossy_option,
     add_probe_options,
+    add_ring_options,
     check_request,
     note_missed_returns,
     note_never_placed,
+    note_rings,
     note_traps,
-    note_waits,
     place_all,
     print_stats,
     say_placed,
@@ -66,7 +66,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_probe_options(p)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of ftrace lines")
     add_output_option(p, "the events")
-    add_lossy_option(p)
+    add_ring_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
     add_target_options(p)
     p.set_defaults(run=run)
@@ -77,8 +77,9 @@ class EventPrinter(BatchHandler):
     hands it each drain's events (optimized and trap probes alike), formatted a column at a
     time and printed in time order."""
 
-    def __init__(self, out: TextIO, as_json: bool) -> None:
+    def __init__(self, out: TextIO, as_json: bool, *, flush: bool = False) -> None:
         self.out = out
+        self.flush = flush  # each delivery flushed: a flight recorder's snapshot is in the file once taken
         self.format = json_lines if as_json else ftrace_lines
         self.lines = 0
         self.broken = False
@@ -94,6 +95,8 @@ class EventPrinter(BatchHandler):
             return
         try:
             self.out.write("\n".join(lines) + "\n")
+            if self.flush:
+                self.out.flush()
         except BrokenPipeError:
             self.broken = True  # `| head`: keep tracing quietly until the target ends
         except OSError as exc:
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         out = open_output(args.output)
     except DynprobeError as exc:
         return report_error(exc)
-    printer = EventPrinter(out, args.json)
+    printer = EventPrinter(out, args.json, flush=request.flight_recorder)
     status: int | None = None
     try:
         with open_session(args, command) as session:
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
                     note_traps(probes)
                 note_missed_returns(probes)
                 note_never_placed(probes)
-                note_waits(session)
+                note_rings(session)
     except DynprobeError as exc:
         return report_error(exc)
     finally:

@@ -364,6 +364,7 @@ class Session:
         self.ring_bytes = L.DEFAULT_RING_BYTES
         self.record_size: int | None = None  # None: the smallest that holds every probe's record
         self._wait_for_room = DEFAULT_WAIT_FOR_ROOM
+        self._flight_recorder = False
         self._layout: L.AreaLayout | None = None
         self._optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
@@ -2378,6 +2379,7 @@ class Session:
         proc.rseq_offset_at = self._rseq_offset_at(proc)
         self._ensure_consumer().add(areas)
         areas.set_wait(self._wait_ticks())
+        areas.set_overwrite(self._flight_recorder)
         return areas
 
     @property
@@ -2396,6 +2398,36 @@ class Session:
         for proc in self._processes.values():
             if proc.areas is not None:
                 proc.areas.set_wait(ticks)  # (a vfork child's are its parent's: set twice, the same)
+
+    @property
+    def flight_recorder(self) -> bool:
+        """Whether the rings are a flight recorder's: a full ring gives up its oldest records for
+        the newest (counted: `records_overwritten`; nothing waits, nothing is lost), and records
+        are read only by `drain()` (from any thread; `request_snapshot()` from a signal handler)
+        and when the session ends: the newest each ring holds, as ftrace's snapshot and perf's
+        --overwrite keep them."""
+        return self._flight_recorder
+
+    @flight_recorder.setter
+    def flight_recorder(self, on: bool) -> None:
+        self._flight_recorder = on
+        if self._consumer is not None:
+            self._consumer.flight = on
+        for proc in self._processes.values():
+            if proc.areas is not None:
+                proc.areas.set_overwrite(on)
+
+    def request_snapshot(self) -> None:
+        """A flight recorder's records read (and delivered) soon, by the consumer's thread: safe
+        from a signal handler, where `drain()` is not."""
+        if self._consumer is not None:
+            self._consumer.snapshot_due = True
+
+    @property
+    def records_overwritten(self) -> int:
+        """A flight recorder's records that gave way to newer ones before they were read (as of
+        the last snapshot: `flight_recorder`)."""
+        return self._consumer.overwritten if self._consumer is not None else 0
 
     def _wait_ticks(self) -> int:
         if not self._wait_for_room:
@@ -2486,6 +2518,7 @@ class Session:
                 self._warn, without_cpu=lambda i: i in self.tracing.tracers, clock=self._clock,
             )  # fmt: skip
             self._consumer.on_failure = self.request_stop
+            self._consumer.flight = self._flight_recorder
             if self._started and not self._closed:
                 self._consumer.start()
         return self._consumer
@@ -2506,7 +2539,8 @@ class Session:
         consumer.decode = decode
 
     def drain(self) -> None:
-        """Deliver every record written so far to the `on_event` callbacks (in this thread)."""
+        """Deliver every record written so far to the `on_event` callbacks (in this thread): a
+        flight recorder's, what its rings hold (a snapshot)."""
         if self._consumer is not None:
             self._consumer.drain()
         else:

@@ -104,6 +104,7 @@ class ThreadAreas:
         self.by_tid: dict[int, AreaRef] = {}
         self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
         self.wait_ticks = 0  # how long a writer may wait for room in a full ring (layout.WAIT_TICKS)
+        self.overwrite = False  # a flight recorder's rings: a full one gives up its oldest records
         self._free: list[AreaRef] = []
         self.lock = threading.Lock()  # the consumer recycles retired areas from its thread
 
@@ -123,6 +124,7 @@ class ThreadAreas:
         words = area.pool.words[area.index]
         words[L.TID // 8] = tid
         words[L.WAIT_TICKS // 8] = self.wait_ticks
+        words[L.OVERWRITE // 8] = self.overwrite
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
 
@@ -132,6 +134,12 @@ class ThreadAreas:
         self.wait_ticks = ticks
         for _, area in self.live():
             area.words[L.WAIT_TICKS // 8] = ticks
+
+    def set_overwrite(self, overwrite: bool) -> None:
+        """Whether a full ring gives up its oldest records (a flight recorder's), in every area."""
+        self.overwrite = overwrite
+        for _, area in self.live():
+            area.words[L.OVERWRITE // 8] = overwrite
 
     def _new_pool(self, tid: int) -> Pool:
         count = POOL_AREAS * (1 << min(len(self.pools), 4))

@@ -157,6 +157,30 @@ def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLa
     return out
 
 
+def snapshot_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> tuple[np.ndarray, int]:
+    """A flight recorder's records not read yet (layout.OVERWRITE; the caller pauses the writer):
+    copied, then only those the writer did not give up meanwhile kept (from the TAIL after the
+    copy: x86 orders the writer's TAIL before its record, and our copy before our reading of
+    TAIL); READ marks them read. The writer alone moves TAIL. Returns an (n, record_size) u8
+    array, and how many records since the last snapshot were written over unread."""
+    head, tail, read = (int(words[w // 8]) for w in (L.HEAD, L.TAIL, L.READ))
+    start = max(tail, read)
+    if head <= start:  # (nothing since the last snapshot, or all given up: records held back past a ring)
+        words[L.READ // 8] = max(head, read)
+        return np.empty((0, lay.record_size), dtype=np.uint8), max(head - read, 0)
+    if head > start + lay.ring_slots:
+        raise RingCorrupted(f"head {head}, tail {tail} and read {read} of a ring of {lay.ring_slots} records")
+    n, first = head - start, start % lay.ring_slots
+    records = _ring(view, offset, lay)
+    if first + n <= lay.ring_slots:
+        out = records[first : first + n].copy()
+    else:
+        out = np.concatenate((records[first:], records[: first + n - lay.ring_slots]))
+    given_up = min(max(int(words[L.TAIL // 8]) - start, 0), n)
+    words[L.READ // 8] = head
+    return out[given_up:], start - read + given_up
+
+
 def spool_records(
     words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout, sink: BinaryIO, header: Callable[[int], bytes]
 ) -> int:
@@ -272,6 +296,11 @@ class Consumer:
         self.on_failure: Callable[[], object] | None = None
         self.discarded = 0  # records drained after a failure, not delivered
         self.decode = True  # False: raw output only, no per-probe batches (fastest drain)
+        # A flight recorder's rings (layout.OVERWRITE) are read only when a snapshot is asked for
+        # (`snapshot_due`, which a signal handler may set) and at the end.
+        self.flight = False
+        self.snapshot_due = False
+        self.overwritten = 0  # a flight recorder's records written over before they were read
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
         self._stop = threading.Event()
         self._wake = threading.Event()  # a pass now: stopping, or rings appeared
@@ -304,7 +333,11 @@ class Consumer:
         last_calibration = time.monotonic()
         woken = True
         while not self._stop.is_set():
-            if woken or time.monotonic() - self.last_pass >= self.wait:
+            if self.flight:
+                if self.snapshot_due:
+                    self.snapshot_due = False
+                    self.drain()
+            elif woken or time.monotonic() - self.last_pass >= self.wait:
                 self.drain()  # (unless the tracing thread made one: `drain_if_due`)
             now = time.monotonic()
             if now - last_calibration > 1.0:
@@ -313,7 +346,7 @@ class Consumer:
             woken = False
             if self.wait:
                 # Rings that appear meanwhile wake it (`add`).
-                woken = self._wake.wait(self.wait if self.processes else IDLE_INTERVAL)
+                woken = self._wake.wait(self.wait if self.processes and not self.flight else IDLE_INTERVAL)
                 self._wake.clear()
 
     # --- draining ---
@@ -322,7 +355,7 @@ class Consumer:
         interval: those hits are served in that thread, and a pass made there costs it only the
         pass, where one in the consumer thread also costs it the GIL (waiting for it back after
         each wait for a stop: 20-50% more a hit while the consumer printed trap probes' events)."""
-        if time.monotonic() - self.last_pass >= self.wait:
+        if not self.flight and time.monotonic() - self.last_pass >= self.wait:
             self.drain()
 
     def drain(self) -> int:
@@ -368,16 +401,27 @@ class Consumer:
         try:
             if self.failure is not None:
                 return self._discard(words)
-            if self.raw_sink is not None and not self.decode:
+            if self.raw_sink is not None and not self.decode and not self.flight:
                 self._spool_area(areas, tid, area)
                 return []
-            records = take_records(words, memoryview(area.pool.view), area.offset, lay)
+            if self.flight:
+                words[L.OVERWRITE // 8] = 0  # paused while copied (layout.OVERWRITE)
+                try:
+                    records, gave_way = snapshot_records(words, memoryview(area.pool.view), area.offset, lay)
+                    self.overwritten += gave_way
+                finally:
+                    words[L.OVERWRITE // 8] = 1
+            else:
+                records = take_records(words, memoryview(area.pool.view), area.offset, lay)
             if len(records) and self.raw_sink is not None:
                 self.raw_sink.write(_chunk_header(areas.pid, tid, len(records)))
                 records.tofile(self.raw_sink)
+            if not self.decode:  # (a flight recorder's raw output: copied first, then written)
+                self.drained += len(records)
+                return []
         except (RingCorrupted, ValueError) as exc:
             self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
-            words[L.TAIL // 8] = words[L.HEAD // 8]
+            self._mark_read(words)
             self.corrupt += 1
             return []
         except OSError as exc:  # writing the raw output: a full disk, a file system gone read-only
@@ -443,13 +487,21 @@ class Consumer:
                 self.on_failure()
 
     def _discard(self, words: np.ndarray) -> list[RecordBatch]:
-        try:
-            n = _unread(words, self.layout)[1]
-        except RingCorrupted:
-            n = 0
-        words[L.TAIL // 8] = words[L.HEAD // 8]
+        if self.flight:  # (a flight recorder's records are those past TAIL and READ)
+            start = max(int(words[L.TAIL // 8]), int(words[L.READ // 8]))
+            n = min(max(int(words[L.HEAD // 8]) - start, 0), self.layout.ring_slots)
+        else:
+            try:
+                n = _unread(words, self.layout)[1]
+            except RingCorrupted:
+                n = 0
+        self._mark_read(words)
         self.discarded += n
         return []
+
+    def _mark_read(self, words: np.ndarray) -> None:
+        """Whatever the ring holds is read (a flight recorder's: READ; TAIL is its writer's)."""
+        words[(L.READ if self.flight else L.TAIL) // 8] = words[L.HEAD // 8]
 
     def _spool_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> None:
         """Raw output only: the records go from the ring to the file; nothing is decoded."""

@@ -48,10 +48,17 @@ RESERVE = 0x18  # the next record to write: HEAD, or past it while a tracer hold
 WAIT_TICKS = 0x20
 WAIT_UNTIL = 0x28
 WAITS = 0x30
+# A flight recorder's ring (OVERWRITE nonzero): a writer that finds it full takes the room of
+# the oldest records, moving TAIL itself (the reader never does). The reader pauses that while
+# it copies the ring (OVERWRITE cleared: a writer then waits, as for any full ring), keeps where
+# it read up to in READ, and keeps what it copied only from the TAIL it finds after the copy (a
+# writer already past the check wrote over older); what it never read, it counts.
+OVERWRITE = 0x38
 HEAD = 0x40
 TAIL = 0x80
 SHADOW_TOP = 0xC0  # entries [0, top) of the shadow stack are in use or free (slot 0)
 SHADOW_BUSY = 0xC8  # the thread is changing its shadow stack (a signal handler's probes miss)
+READ = 0xD0
 # A thread resuming from a return probe's trap entry stamps the entries' time itself (the entry
 # stamp, codegen.build_entry_stamp): the tracer's clock would count the resume (~5-15 us) as the
 # call's. BUSY while it does (a nested trap entry, in a signal handler, then takes the tracer's

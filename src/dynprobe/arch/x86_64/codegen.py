@@ -1052,8 +1052,9 @@ def ring_record(
     held back (`RESERVE` passes it, `HEAD` does not): a function tracer with a time threshold
     takes it back if the call ends too soon (`reserved()` sees its sequence number in `slot`).
     A signal handler hitting a probe while this thread writes a record would reuse the slot: the
-    re-entrancy flag makes its record missed (counted) instead. A full ring is waited on
-    (`_wait_for_room`) before the record is counted lost."""
+    re-entrancy flag makes its record missed (counted) instead. A full ring gives up its oldest
+    records if it is a flight recorder's (`_take_oldest`), else is waited on (`_wait_for_room`)
+    before the record is counted lost."""
     missed, full, room, lost, release, done = (asm.label() for _ in range(6))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.BUSY), 0))
     asm.jump(C.JNE_REL32_64, missed)
@@ -1082,7 +1083,8 @@ def ring_record(
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.HEAD), R.RAX))
     asm.jump(C.JMP_REL32_64, release)
     asm.bind(full)
-    _wait_for_room(asm, slot, layout.ring_slots - records + 1, room, lost)
+    _take_oldest(asm, slot, layout.ring_slots - records + 1, room)
+    _wait_for_room(asm, slot, layout.ring_slots - records + 1, room, lost, full)
     asm.bind(lost)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(probe_index, L.LOST))))
     asm.bind(release)
@@ -1100,12 +1102,27 @@ def _read_tsc(asm: _Asm) -> None:
     asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
 
 
-def _wait_for_room(asm: _Asm, slot: RegisterT, limit: int, room: int, lost: int) -> None:
+def _take_oldest(asm: _Asm, slot: RegisterT, limit: int, room: int) -> None:
+    """The ring is full (`slot`: the record's sequence number): a flight recorder's (gs:[OVERWRITE])
+    gives up its oldest records to make room (TAIL becomes slot - `limit` + 1; the reader counts
+    what it never read) and goes to `room`; another's goes on. rax used."""
+    other = asm.label()
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.OVERWRITE), 0))
+    asm.jump(C.JE_REL32_64, other)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
+    asm.add(iced.Instruction.create_reg_i32(C.SUB_RM64_IMM32, R.RAX, limit - 1))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(L.TAIL), R.RAX))
+    asm.jump(C.JMP_REL32_64, room)
+    asm.bind(other)
+
+
+def _wait_for_room(asm: _Asm, slot: RegisterT, limit: int, room: int, lost: int, full: int) -> None:
     """The ring is full (`slot`: the record's sequence number; room once slot - TAIL < `limit`):
     wait for the reader to take records, up to gs:[WAIT_TICKS] ticks (0: not at all, which the
     tracer also sets to end every wait when it leaves), then go to `room`, or to `lost` when
-    none came. rax used, rdx kept."""
-    again, gave_up, waited = asm.label(), asm.label(), asm.label()
+    none came; back to `full` if the ring becomes a flight recorder's again (the reader pauses
+    one, clearing gs:[OVERWRITE], while it copies it). rax used, rdx kept."""
+    again, gave_up, waited, overwriting = asm.label(), asm.label(), asm.label(), asm.label()
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.WAIT_TICKS), 0))
     asm.jump(C.JE_REL32_64, lost)
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
@@ -1118,6 +1135,8 @@ def _wait_for_room(asm: _Asm, slot: RegisterT, limit: int, room: int, lost: int)
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(L.TAIL)))
     asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
     asm.jump(C.JB_REL32_64, waited)
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.OVERWRITE), 0))
+    asm.jump(C.JNE_REL32_64, overwriting)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(L.WAIT_TICKS), 0))
     asm.jump(C.JE_REL32_64, gave_up)
     _read_tsc(asm)
@@ -1130,6 +1149,9 @@ def _wait_for_room(asm: _Asm, slot: RegisterT, limit: int, room: int, lost: int)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(L.WAITS)))
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
     asm.jump(C.JMP_REL32_64, room)
+    asm.bind(overwriting)
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.jump(C.JMP_REL32_64, full)
 
 
 def _trace_record(
