@@ -90,6 +90,23 @@ def test_a_spec_file_with_nothing_or_one_huge_word(wordcount: str, tmp_path: Pat
     assert len(r.stderr) < 400
 
 
+def test_a_spec_file_too_large_to_be_a_list_of_specs(wordcount: str, tmp_path: Path) -> None:
+    """More than 64 MiB (a file given by mistake, a device): refused once that much is read, not
+    read whole."""
+    huge = tmp_path / "huge"
+    with open(huge, "wb") as f:
+        f.truncate((64 << 20) + 1)  # (sparse)
+    one_error_line(
+        dp("count", "-f", str(huge), "--", wordcount, "a"), "is larger than 64 MiB: not a list of probe specs"
+    )
+
+
+@pytest.mark.parametrize("top", ["0", "-1", "x"])
+def test_a_count_that_is_not_one(wordcount: str, top: str) -> None:
+    r = dp("count", "--top", top, "p add_word", "--", wordcount, "a")
+    assert r.returncode == 2 and f"argument --top: {top!r} is not a count (1 or more)" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("command", ["trace", "record", "dump"])
 def test_an_output_that_cannot_be_created(command: str, wordcount: str, trace_dir: str) -> None:
     args = {

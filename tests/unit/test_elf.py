@@ -94,3 +94,27 @@ def test_plt_stubs_are_named_after_the_slot_they_jump_through(flags: tuple[str, 
     for name, stub in stubs.items():
         slot = plt_slot(image.code(stub.addr, stub.size), stub.addr)
         assert slot in image.symbol_slots[name] and stub.size in (8, 16)
+
+
+def test_an_address_resolves_to_the_file_it_maps_or_says_why_not() -> None:
+    """An absolute address in this process: in libc's text, its file offset and function; in
+    a mapping with no file or not executable, or in no mapping, a one-line error."""
+    import ctypes
+    import os
+
+    from dynprobe.errors import SymbolError
+    from dynprobe.symbols.maps import read_maps
+    from dynprobe.symbols.resolve import resolve, resolve_address
+
+    maps = read_maps(os.getpid())
+    getpid = ctypes.cast(ctypes.CDLL(None).getpid, ctypes.c_void_p).value
+    assert getpid is not None
+    located = resolve_address(getpid, maps)
+    assert located.path.endswith("libc.so.6") and located.function is not None and "getpid" in located.function.name
+    heap = next(m for m in maps if m.path == "[heap]" or not m.executable)
+    with pytest.raises(SymbolError, match=f"{heap.start:#x} is not in executable code mapped from a file"):
+        resolve_address(heap.start, maps)
+    with pytest.raises(SymbolError, match="0x10 is not mapped in the target"):
+        resolve_address(0x10, maps)
+    with pytest.raises(SymbolError, match="no symbol in '\\+0x10'"):
+        resolve("+0x10", located.path)

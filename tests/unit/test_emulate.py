@@ -8,6 +8,7 @@ import pytest
 
 from dynprobe.arch.x86_64 import Regs, decode_one, emulate, prepare
 from dynprobe.arch.x86_64.emulate import EmulationFault, can_emulate
+from dynprobe.arch.x86_64.operands import effective_address
 
 SITE = 0x401000
 STACK = 0x7FFF_0000
@@ -262,3 +263,34 @@ def test_an_instruction_taken_as_checked_but_not_emulated_is_a_fault() -> None:
     assert insn is not None
     with pytest.raises(EmulationFault):
         emulate(insn, regs(), Memory().read, checked=True)
+
+
+@pytest.mark.parametrize(
+    ("code", "address"),
+    [
+        ("64488b042528000000", 0x7F00_0000_0028),  # mov rax, fs:[0x28]: no base, fs
+        ("65488b07", 0x1000 + 0x5000_0000),  # mov rax, gs:[rdi]
+        ("488b0425f0ff0000", 0xFFF0),  # mov rax, [0xfff0]: no base, no segment
+    ],
+)
+def test_an_operand_s_address_counts_its_segment_base(code: str, address: int) -> None:
+    insn = decode_one(bytes.fromhex(code), SITE)
+    assert insn is not None
+    r = regs(rdi=0x1000, fs_base=0x7F00_0000_0000, gs_base=0x5000_0000)
+    assert effective_address(insn, r) == address
+    assert effective_address(insn, r, with_segment=False) == address - {0x64: r.fs_base, 0x65: r.gs_base}.get(
+        int(code[:2], 16), 0
+    )
+
+
+def test_registers_by_name_and_arguments_by_number() -> None:
+    r = regs(rdi=7, r9=9)
+    r["%si"] = -1  # (the kernel's names too)
+    assert (r["rdi"], r["rsi"], r.arg(1), r.arg(6)) == (7, (1 << 64) - 1, 7, 9)
+    with pytest.raises(KeyError, match="unknown register 'xmm0'"):
+        r["xmm0"]
+    with pytest.raises(KeyError, match="unknown register 'bogus'"):
+        r["bogus"] = 1
+    for index in (0, 7):
+        with pytest.raises(IndexError, match=f"argument {index} is not passed in a register"):
+            r.arg(index)

@@ -30,6 +30,7 @@ TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
     "far indirect jmp [rax]": ("554889e5" + "90" * 4 + "ff28", 0, (), OptimizeRefusal.INDIRECT_JUMP),
     "bytes the decoder stops at": ("554889e5" + "0f", 0, (), OptimizeRefusal.UNDECODABLE),
     "nothing decodable": ("0f" * 6, 0, (), OptimizeRefusal.UNDECODABLE),
+    "site inside an instruction": ("554889e5" + "c9c3" + "90" * 4, 2, (), OptimizeRefusal.UNDECODABLE),
     "call alone is the region": ("e8000000005d" + "c3", 0, (), 5),
     "call ends the region": ("55e800000000" + "5dc3", 0, (), 1 + 5),
     "call through register inside the region": ("ffd0" + "909090c3", 0, (), OptimizeRefusal.UNRELOCATABLE_INSN),
@@ -103,8 +104,9 @@ def test_relocated_region_jumps_back_and_keeps_rip_relative_targets() -> None:
     assert back is not None and back.near_branch_target == F + 7
 
 
-def test_rip_relative_out_of_reach_cannot_be_relocated() -> None:
-    plan = can_optimize(bytes.fromhex("488b0510000000c3"), F, F)
+@pytest.mark.parametrize("code", ["488b0510000000c3", "554889e5" + "ff15bc2d0000" + "5dc3"], ids=["load", "final call"])
+def test_rip_relative_out_of_reach_cannot_be_relocated(code: str) -> None:
+    plan = can_optimize(bytes.fromhex(code), F, F)
     assert isinstance(plan, OptimizePlan)
     assert relocate_region(plan, F + (1 << 33)) is None
 
@@ -159,6 +161,7 @@ def test_final_indirect_call_becomes_push_return_address_and_jmp_through_its_ope
         ("ff35e22f0000" + "f2ff25e32f0000", None),  # PLT0: pushes first
         ("f30f1efa" + "6800000000" + "f2e9e1ffffff", None),  # an IBT .plt entry (lazy): pushes
         ("ff24c500104000", None),  # through a table: no stub
+        ("f30f1efa" + "90", None),  # no jump at all
     ],
 )
 def test_plt_slot(code: str, slot: int | None) -> None:

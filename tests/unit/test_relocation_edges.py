@@ -11,7 +11,7 @@ import pytest
 from dynprobe.arch.x86_64 import decode_one
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region
-from dynprobe.arch.x86_64.relocate import call_as_jump, in_rel32_reach, jump_to, relocate
+from dynprobe.arch.x86_64.relocate import call_as_jump, in_rel32_reach, jump_to, out_of_line, relocate
 
 HIGH = 0x7F3A_9C41_2000  # where shared libraries run: far above 4 GiB
 REACH = 1 << 31
@@ -101,3 +101,21 @@ def test_an_eip_relative_operand_is_refused_where_it_cannot_be_kept() -> None:
     near = relocate(insn, 0x40_2000)
     again = decode_one(near or b"", 0x40_2000)
     assert again is not None and again.ip_rel_memory_address == insn.ip_rel_memory_address
+
+
+@pytest.mark.parametrize(
+    "code", ["0f8410000000", "7410", "e810000000", "e910000000"], ids=["jcc", "short jcc", "call", "jmp"]
+)
+def test_a_branch_out_of_reach_is_refused_not_rewritten(code: str) -> None:
+    """A branch moved beyond the reach of its target: iced-x86 would make a jcc a short one over
+    an indirect jmp (a target no longer its own, in a slot that cannot hold the pointer): None;
+    an out-of-line slot for it too. In reach, the same branch lands on its target."""
+    insn = decode_one(bytes.fromhex(code), HIGH)
+    assert insn is not None
+    target = int(insn.near_branch_target)
+    far = HIGH + (1 << 33)
+    assert relocate(insn, far) is None and out_of_line(insn, far) is None
+    near = relocate(insn, HIGH + 0x1000)
+    assert near is not None
+    moved = decode_one(near, HIGH + 0x1000)
+    assert moved is not None and moved.near_branch_target == target

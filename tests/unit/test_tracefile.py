@@ -56,3 +56,19 @@ def test_what_is_not_a_trace_is_never_replaced(tmp_path: Path, in_the_way: str) 
 def test_the_record_dtype_spans_the_record(record_size: int) -> None:
     dtype = tracefile.record_dtype(record_size)
     assert dtype.itemsize == record_size and dtype.names[:4] == ("ops", "kind", "func", "tsc")  # type: ignore[index]
+
+
+def test_a_string_s_records_after_its_last_are_not_its() -> None:
+    """A call's string value: its pieces up to the one that ends it (DATA_END) or up to
+    STRING_PIECES; a record for it after that (written by the program itself) is left out;
+    a record for a value past the specs too."""
+    from dynprobe.ringbuf.layout import DATA_END
+    from dynprobe.spec.argspec import STRING_PIECES, parse_values
+
+    specs = parse_values("arg1/s,arg2", retval=False)
+    text = int.from_bytes(b"abc", "little")
+    parts = [(0, 3 | DATA_END, text), (0, 8, int.from_bytes(b"NOTOURS!", "little")), (1, 8, 7), (5, 8, 1)]
+    assert tracefile._shown(specs, parts) == '"abc", 7'
+    whole = int.from_bytes(b"x" * 8, "little")
+    parts = [(0, 8, whole)] * (STRING_PIECES + 2)  # no end: as many pieces as a string has, then cut
+    assert tracefile._shown(specs, parts) == f'"{"x" * 8 * STRING_PIECES}", ?'  # (no arg2: ?)

@@ -115,10 +115,8 @@ def can_optimize(
         return OptimizeRefusal.UNDECODABLE
     region: list[iced.Instruction] = []
     addr = site
-    while addr < site + JMP_REL32_LEN:
-        insn = starts.get(addr)
-        if insn is None:
-            return OptimizeRefusal.TOO_SHORT
+    while addr < site + JMP_REL32_LEN:  # (the instructions cover the function: each next one starts there)
+        insn = starts[addr]
         region.append(insn)
         addr += insn.len
     region_end = addr
@@ -140,8 +138,7 @@ def can_optimize(
             return OptimizeRefusal.UNRELOCATABLE_INSN
         if insn.is_call_near_indirect and (insn is not region[-1] or insn.code != iced.Code.CALL_RM64):
             return OptimizeRefusal.UNRELOCATABLE_INSN  # its callee would return into the patched bytes
-        if insn.is_jmp_near_indirect and insn is not region[-1]:
-            return OptimizeRefusal.UNRELOCATABLE_INSN
+    # (An indirect jmp allowed, through one pointer, is 6 bytes or more: it ends the region.)
     # A direct call (5 bytes or more) always ends the region, which stops at the first instruction
     # boundary at or past site+5; an indirect one (`call [rip+mcount@GOT]` of -pg code) must end it.
     return OptimizePlan(site, tuple(region))
