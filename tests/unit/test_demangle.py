@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dynprobe.symbols import demangle
 from dynprobe.symbols.demangle import Demangle, display, names_of, simplify
 from dynprobe.symbols.elf import load_elf
 
@@ -73,3 +74,20 @@ def test_an_old_version_keeps_its_version_after_the_name() -> None:
     old = "_ZNSt11char_traitsIcE2eqERKcS2_@GLIBCXX_3.4"  # symbols/elf.py names old versions so
     assert display(old) == "std::char_traits::eq@GLIBCXX_3.4"
     assert names_of(old)[:2] == (old, "std::char_traits::eq@GLIBCXX_3.4")
+
+
+def test_without_a_cxx_runtime_names_stay_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name that is not C++'s is itself; with no C++ runtime library to demangle with (none
+    found, or one that does not load), a mangled name is shown as it is, never an error."""
+    import ctypes.util
+
+    assert demangle.demangle_full("main") == "main"
+    for found in (lambda name: None, lambda name: "/no/such/libstdc++.so.6"):
+        monkeypatch.setattr(ctypes.util, "find_library", found)
+        demangle._runtime.cache_clear()
+        demangle.demangle_full.cache_clear()
+        assert demangle.demangle_full("_ZN3app7Counter3addEi") == "_ZN3app7Counter3addEi"
+    monkeypatch.undo()
+    demangle._runtime.cache_clear()
+    demangle.demangle_full.cache_clear()
+    assert demangle.demangle_full("_ZN3app7Counter3addEi") == "app::Counter::add(int)"
