@@ -118,3 +118,19 @@ def test_an_address_resolves_to_the_file_it_maps_or_says_why_not() -> None:
         resolve_address(0x10, maps)
     with pytest.raises(SymbolError, match="no symbol in '\\+0x10'"):
         resolve("+0x10", located.path)
+
+
+def test_a_file_s_branch_targets_are_those_of_its_functions_decoded() -> None:
+    """libc: at every function's first bytes (what a probe's jump covers), `addr in targets` says
+    what decoding every function says (among them, the jumps of mempcpy into memmove's start)."""
+    from dynprobe.arch.x86_64.optimize import branch_targets
+
+    libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    targets = libc.branch_targets()
+    ranges = {(f.addr, f.end) for f in libc.functions if f.size} | set(libc.eh_frame_ranges())
+    decoded: set[int] = set()
+    for start, end in ranges:
+        decoded |= branch_targets(libc.code(start, end - start), start)
+    inside = [a for f in libc.functions for a in range(f.addr + 1, f.addr + 5)]
+    assert [a for a in inside if (a in targets) != (a in decoded)] == []
+    assert any(a in decoded for a in inside) and all(a in targets for a in sorted(decoded)[::97])

@@ -10,6 +10,7 @@ import bisect
 import contextlib
 import functools
 import io
+import itertools
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -139,7 +140,7 @@ class ElfImage:
             if self.debug_file is not None:
                 self._add_debug_symbols(self.debug_file)
             self._eh_ranges: list[tuple[int, int]] | None = None
-            self._branch_targets: frozenset[int] | None = None
+            self._branch_targets: BranchTargets | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
             self._elf = elf
         self._starts = [f.addr for f in self.functions]
@@ -472,20 +473,10 @@ class ElfImage:
 
             yield np.frombuffer(section.data(), dtype=_RELA), name
 
-    def branch_targets(self) -> frozenset[int]:
-        """Targets of every direct branch in the file's functions (decoded once, then cached):
-        those with symbols, and those only the unwind tables know (a stripped library's static
-        functions, the implementations of its indirect functions), which jump into others."""
+    def branch_targets(self) -> BranchTargets:
+        """Where the file's direct branches land (made once, then cached): `addr in targets`."""
         if self._branch_targets is None:
-            from dynprobe.arch.x86_64.optimize import branch_targets
-
-            ranges = {(f.addr, f.end) for f in self.functions if f.size}
-            ranges.update((start, end) for start, end in self.eh_frame_ranges() if end > start)
-            targets: set[int] = set()
-            with _parsing(self.path):
-                for start, end in ranges:
-                    targets |= branch_targets(self.code(start, end - start), start)
-            self._branch_targets = frozenset(targets)
+            self._branch_targets = BranchTargets(self)
         return self._branch_targets
 
     def symbolize(self, vaddr: int) -> str | None:
@@ -494,6 +485,83 @@ class ElfImage:
             return None
         off = vaddr - func.addr
         return f"{func.name}+{off:#x}" if off else func.name
+
+
+class BranchTargets:
+    """The link-time addresses the direct branches of a file land on, as a container, without
+    decoding the whole file at every run. A branch with a 32-bit displacement (call, jmp, jcc)
+    may come from anywhere: numpy takes every byte of executable code that could start one as
+    one, a superset of the real ones; when one lands on an address asked about, the function it
+    is in (a symbol's or an unwind-table range) is decoded to see whether it is a branch (one in
+    no function counts). One with an 8-bit displacement comes from at most 129 bytes away: the
+    functions there are decoded. Each function is decoded at most once."""
+
+    _SCAN = 1 << 24  # bytes of code scanned at a time: the scan's memory stays bounded
+
+    def __init__(self, image: ElfImage) -> None:
+        self.image = image
+        found: list[tuple[np.ndarray, np.ndarray]] = []
+        for seg in image.segments:
+            if seg.executable:
+                for at in range(0, seg.filesz, self._SCAN):  # (overlapping by a branch's length)
+                    code = image.data[seg.offset + at : seg.offset + min(seg.filesz, at + self._SCAN + 5)]
+                    found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
+        sources, targets = (np.concatenate(c) if found else np.zeros(0, np.int64) for c in zip(*found, strict=True))
+        order = np.argsort(targets, kind="stable")
+        self.sources, self.targets = sources[order], targets[order]  # by target
+        self.ranges = sorted({(f.addr, f.end) for f in image.functions if f.size} | set(image.eh_frame_ranges()))
+        self._reach = list(itertools.accumulate((end for _, end in self.ranges), max))  # the furthest end so far
+        self._decoded: dict[tuple[int, int], frozenset[int]] = {}  # a function range -> its branches' targets
+
+    def __contains__(self, addr: object) -> bool:
+        if not isinstance(addr, int):
+            return False
+        low, high = np.searchsorted(self.targets, [addr, addr + 1])
+        for source in self.sources[low:high].tolist():
+            around = list(self._around(source, source))
+            if not around or any(addr in self._targets(r) for r in around):
+                return True
+        return any(addr in self._targets(r) for r in self._around(addr - 129, addr + 127))
+
+    def _around(self, low: int, high: int) -> Iterator[tuple[int, int]]:
+        """The function ranges with a byte in [low, high] (ranges may nest: an alias, an FDE)."""
+        for start, end in self.ranges[bisect.bisect_right(self._reach, low) :]:
+            if start > high:
+                break
+            if end > low:
+                yield start, end
+
+    def _targets(self, bounds: tuple[int, int]) -> frozenset[int]:
+        targets = self._decoded.get(bounds)
+        if targets is None:
+            from dynprobe.arch.x86_64.optimize import branch_targets
+
+            start, end = bounds
+            with _parsing(self.image.path):
+                targets = self._decoded[bounds] = frozenset(branch_targets(self.image.code(start, end - start), start))
+        return targets
+
+
+def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarray]:
+    """(where, where to) of a `call`/`jmp rel32` (E8, E9) or a `jcc rel32` (0F 80-8F) starting at
+    any byte of `code` (at `vaddr`)."""
+    n = len(code)
+    sources, targets = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for length in (5, 6):  # (E8/E9 rel32; 0F 8x rel32)
+        if n < length:
+            continue
+        head = code[: n - length + 1]
+        if length == 5:
+            at = np.flatnonzero((head == 0xE8) | (head == 0xE9))
+        else:
+            at = np.flatnonzero((head == 0x0F) & ((code[1 : n - length + 2] & 0xF0) == 0x80))
+        displacement = np.zeros(len(at), dtype=np.int64)
+        for byte in range(4):
+            displacement |= code[at + length - 4 + byte].astype(np.int64) << (8 * byte)
+        displacement -= (displacement >= 1 << 31) * (1 << 32)
+        sources.append(vaddr + at)
+        targets.append(vaddr + at + length + displacement)
+    return np.concatenate(sources), np.concatenate(targets)
 
 
 _CACHE: dict[tuple[int, int, int, int], ElfImage] = {}
