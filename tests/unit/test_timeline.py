@@ -109,3 +109,15 @@ def test_perfetto_trace_holds_every_event_on_its_thread_s_track(trace: Trace) ->
         for tid, chunk in CHUNKS
         for exit, func, ns in chunk
     ]
+
+
+def test_a_trace_without_a_pid_is_written_with_pid_0(trace: Trace) -> None:
+    """info.json's pid may be null (a trace file is untrusted, and checked): pid 0 is written."""
+    trace.info["pid"] = None
+    chrome = io.StringIO()
+    timeline.dump_chrome(trace, chrome)
+    assert {e["pid"] for e in json.loads(chrome.getvalue())["traceEvents"]} == {0}
+    out = io.BytesIO()
+    timeline.dump_perfetto(trace, out)
+    packets = perfetto.Trace.FromString(out.getvalue()).packet
+    assert {p.track_descriptor.thread.pid for p in packets if p.track_descriptor.HasField("thread")} == {0}

@@ -123,7 +123,7 @@ def dump_chrome(trace: Trace, out: TextIO, filters: CallFilter | None = None) ->
     `{"ts":12.345,"pid":1,"tid":2,"ph":"B","name":"main"},`, time stamps in microseconds with
     the nanoseconds as 3 decimals (as uftrace writes them); then each thread's name and the
     process's."""
-    pid = int(trace.info.get("pid", 0))
+    pid = int(trace.info.get("pid") or 0)  # (checked: a count, or null)
 
     def text(key: int) -> bytes:
         func, kind = divmod(key, 2)
@@ -198,7 +198,7 @@ def dump_perfetto(trace: Trace, out: BinaryIO, filters: CallFilter | None = None
     """Perfetto's protobuf trace (ui.perfetto.dev, trace_processor): a track per thread under
     its process's; per event a TrackEvent slice begin or end on its thread's track, names
     interned per thread (each thread is a packet sequence), time stamps in ns."""
-    pid = int(trace.info.get("pid", 0))
+    pid = int(trace.info.get("pid") or 0)  # (checked: a count, or null)
     sequences: dict[int, int] = {}  # tid -> its packet sequence (from 1)
     interned: dict[int, np.ndarray] = {}  # tid -> which functions' names its sequence holds
 
