@@ -1,6 +1,7 @@
 """The commands that read a trace directory back: `replay` (the call graph), `report` (time per
-function), `graph` (call paths merged), `dump --perfetto | --chrome | --flame`. Apart from `record`, so that
-reading a trace never loads the tracing engine; `record` and `live` share its filter options."""
+function), `graph` (call paths merged), `dump --perfetto | --chrome | --flame`. Apart from
+`record`, so that reading a trace never loads the tracing engine; `record` and `live` share its
+filter options."""
 
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ examples:
   dynprobe record -F parse -N 'debug_.*' -o parse.data -- ./app     parse's calls, all under them
   dynprobe record --lib libz -P 'deflate.*@libz' -P main -p 1234    only these patched; Ctrl-C stops
   dynprobe record -A 'parse@arg1/s,arg2' -R parse@retval -a -- ./app   values, as uftrace: parse("x", 2) = 0;
+  dynprobe record --flight-recorder --ring-size 4M -p 1234    the newest calls: Ctrl-C, or kill -USR2 DYNPROBE_PID
 then: dynprobe replay | report | dump --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
 """
 LIVE_EXAMPLES = """\

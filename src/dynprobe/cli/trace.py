@@ -46,6 +46,8 @@ examples:
   dynprobe trace 'p /usr/bin/bash:0x5a0d0 cmd=+0(%di):string' --json -o out.jsonl -p $(pgrep -n bash)
   dynprobe trace 'p:app/rd read_block n=%si:u32' --filter 'n > 4096' -- ./app
   dynprobe trace -f probes.txt --stats -- ./server --port 8080
+  dynprobe trace --flight-recorder 'p libc:malloc size=%di' -o last.txt -p 1234
+                             the newest events only: at the end, and at each kill -USR2 DYNPROBE_PID
 
 Probe syntax (as tracefs uprobe_events; SYMBOL may be a glob: 'p libc:str*'):
   p[:[GRP/]EVENT] [PATH:]SYMBOL[+OFFS]|PATH:0xFILEOFFSET [NAME=]FETCHARG[:TYPE] ...

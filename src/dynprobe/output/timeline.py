@@ -28,11 +28,11 @@ _POWERS_OF_TEN = 10 ** np.arange(1, 19, dtype=np.int64)
 
 class _Rows:
     """The records of events, laid out by numpy: `head(tid, ns)`, a matrix of each event's
-    first bytes (all of a width) and each row's length to add to its text's, and `text(key)`,
-    the rest of an event's record by its key (function * 2 + exit). `shape(ns)`: events of
-    one shape (-1: not numpy's) share a head's width; `one(tid, key, ns)` writes an event
-    numpy does not. `length_at`: the column of a byte that holds the length of the rest of the
-    record (a protobuf message's, under 128)."""
+    first bytes (a row per event, all of a width), then `text(key)`, the rest of an event's
+    record by its key (function * 2 + exit), from a table. `shape(ns)`: events of one shape
+    (-1: not numpy's) share a head's width; `one(tid, key, ns)` writes an event numpy does not.
+    `length_at`: the column of a byte that holds the length of the rest of the record (a
+    protobuf message's, under 128)."""
 
     def __init__(
         self,
