@@ -591,10 +591,11 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
             while b"ready" not in shown:
                 shown += os.read(primary, 4096)
             os.write(primary, b"\x03")  # the terminal sends SIGINT to its foreground process group
-            assert proc.wait(timeout=30) == 0
+            status = proc.wait(timeout=30)
             with contextlib.suppress(OSError):
                 while chunk := os.read(primary, 4096):
                     shown += chunk
+            assert status == 0, shown.decode(errors="replace")
         finally:
             proc.kill()
             os.close(primary)

@@ -2036,9 +2036,7 @@ class Session:
             # Events that arrived for this process but were not handled yet belong to its threads.
             for event in [e for e in self._pending if self._owner.get(e.tid) is proc]:
                 self._pending.remove(event)
-                if event.tid == self.main_pid and event.kind in (EventKind.EXITED, EventKind.KILLED):
-                    # The command ended as it was being stopped: reaped, its status is here alone.
-                    self.exit_status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
+                self._note_exit(event)
                 state = proc.tracee.threads.get(event.tid)
                 if state is not None:
                     state.deferred.append(event)
@@ -2146,20 +2144,26 @@ class Session:
         elif event is not None and event.kind in (EventKind.EXITED, EventKind.KILLED):
             self._pending.append(event)  # the signal ended it (its default action)
 
-    @staticmethod
-    def _wait_stop(tid: int, timeout: float) -> Event | None:
+    def _wait_stop(self, tid: int, timeout: float) -> Event | None:
         """The next stop of `tid`, polling up to `timeout` seconds (None if it does not come:
         then it is stopped already, its event taken earlier)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             event = poll_event(tid)
             if event is not None:
-                return event
+                return self._note_exit(event)
             if in_tracing_stop(tid, tid):
                 time.sleep(0.001)
-                return poll_event(tid)
+                return self._note_exit(poll_event(tid))
             time.sleep(0.0005)
         return None
+
+    def _note_exit(self, event: Event | None) -> Event | None:
+        """The command's end, reaped while we let it go (a detach waits for stops and may get
+        it): its status is here alone, for `exit_status`."""
+        if event is not None and event.tid == self.main_pid and event.kind in (EventKind.EXITED, EventKind.KILLED):
+            self.exit_status = event.code if event.kind == EventKind.EXITED else 128 + event.sig
+        return event
 
     def _adopt_unseen_threads(self, proc: TracedProcess) -> None:
         """Threads born while we worked, whose clone event we have not matched yet: PTRACE_O_TRACECLONE
@@ -2172,7 +2176,7 @@ class Session:
                 self._pending.remove(queued)
                 event = event or queued
             if event is None:
-                event = wait_event(tid)  # its first stop is imminent: it is born stopped
+                event = self._note_exit(wait_event(tid))  # its first stop is imminent: it is born stopped
             proc.tracee.threads[tid] = self._state_from_stop(tid, event)
 
     def _settle_thread(self, proc: TracedProcess, tid: int, state: ThreadState) -> int | None:
@@ -2475,7 +2479,7 @@ class Session:
                         break
                     sc.singlestep(tid, 0)
                     state.stepped = True
-                    event = wait_event(tid)
+                    event = self._note_exit(wait_event(tid))
                     if event is None or event.kind in (EventKind.EXITED, EventKind.KILLED):
                         proc.tracee.threads.pop(tid, None)
                         break
