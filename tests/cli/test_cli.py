@@ -437,6 +437,22 @@ def test_a_probe_that_stays_a_trap_says_what_its_hits_cost(options: list[str]) -
         assert "mode=trap (JUMP_INTO_REGION)" in r.stderr and "mode=optimized" in r.stderr
 
 
+def test_a_burst_of_400k_events_is_printed_whole_at_the_defaults(tmp_path: Path) -> None:
+    """Issue 25's first case: `trace` of malloc and free around 200,000 pairs, default ring (1 MiB:
+    32,768 records), nothing asked for: every hit is printed (the writer waits for the reader
+    when its ring is full; in a stress run, with both CPUs kept busy), none lost."""
+    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+    out = tmp_path / "events.txt"
+    r = dp("trace", "--stats", "-o", str(out), "p libc:malloc size=%di:u64", "p libc:free ptr=%di", "--", opt,
+           "malloc", "1", "200000", timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    hits = [int(n) for n in re.findall(r" hits=(\d+) missed=0 lost=0 ", r.stderr)]
+    assert len(hits) == 2 and min(hits) >= 200_000, r.stderr
+    with open(out) as f:
+        assert sum(1 for _ in f) == sum(hits)
+    assert "lost" not in r.stderr.replace("lost=0", "")
+
+
 def test_a_flight_recorder_writes_the_newest_events_at_sigusr2_and_at_the_end(tmp_path: Path) -> None:
     """`trace --flight-recorder`: nothing is written while the program runs until dynprobe gets
     SIGUSR2, then what the ring holds (256 records at most), in time order; at the end, what came

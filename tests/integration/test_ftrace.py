@@ -213,6 +213,17 @@ def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
     ]
 
 
+def test_two_million_calls_are_recorded_whole_at_the_defaults(ret: str, tmp_path: Path) -> None:
+    """Issue 25's second case: `record` of a program making 2,000,000 calls, its default ring
+    (32 MiB): every entry and exit is in the trace (a writer waits for the reader when its ring
+    is full; in a stress run, with both CPUs kept busy), none lost."""
+    r, trace = record(tmp_path, "-P", "add", "--", ret, "loop", "2000000")
+    info = Trace(trace).info
+    assert (info["calls"], info["lost"], info["missed"]) == (2_000_000, 0, 0), r.stderr
+    assert sum(len(chunk.kind) for chunk in Trace(trace).chunks()) == 4_000_000
+    assert "lost" not in r.stderr
+
+
 def test_a_flight_recorder_s_trace_holds_the_newest_calls(ret: str, tmp_path: Path) -> None:
     """`record --flight-recorder`, a ring of 4096 records and 50,000 calls of add: the trace holds
     the newest 4096 records, add's last calls and main's exit; every other record is counted as
