@@ -22,6 +22,7 @@ from dynprobe.ringbuf.consumer import (
     TscClock,
     decode_fields,
     decode_string,
+    snapshot_records,
     spool_records,
     take_records,
     time_windows,
@@ -61,6 +62,34 @@ def test_take_records_wraps_around() -> None:
     records = take_records(words, memoryview(area.pool.view), area.offset, LAYOUT)
     assert [int.from_bytes(bytes(r[16:24]), "little") for r in records] == [0, 1, 2, 3, 4]
     assert int(words[L.TAIL // 8]) == int(words[L.HEAD // 8])
+
+
+def test_a_flight_recorder_s_snapshot_takes_what_it_did_not_read_and_counts_what_gave_way() -> None:
+    """The writer alone moves TAIL: a snapshot copies from TAIL or from where the last one read
+    (READ), whichever is later, to HEAD (wrapped), never moves TAIL, and counts the records that
+    gave way before it read them; nothing new, nothing; HEAD a ring past TAIL, corrupted."""
+    areas = make_areas()
+    area = areas.assign(7)
+    words, view, slots = area.pool.words[area.index], memoryview(area.pool.view), LAYOUT.ring_slots
+
+    def values(records: np.ndarray) -> list[int]:
+        return [int.from_bytes(bytes(r[16:24]), "little") for r in records]
+
+    for v in range(slots + 3):  # a full ring whose writer gave up its 3 oldest (as _take_oldest does)
+        write_record(areas, 7, 1, v)
+    words[L.TAIL // 8] = 3
+    records, gave_way = snapshot_records(words, view, area.offset, LAYOUT)
+    assert values(records) == list(range(3, slots + 3)) and gave_way == 3
+    assert (int(words[L.READ // 8]), int(words[L.TAIL // 8])) == (slots + 3, 3)
+    assert snapshot_records(words, view, area.offset, LAYOUT)[1] == 0  # nothing new
+    for v in range(slots + 3, slots + 8):
+        write_record(areas, 7, 1, v)
+    words[L.TAIL // 8] = 8  # 5 more, 5 given up: all read before, none lost unread
+    records, gave_way = snapshot_records(words, view, area.offset, LAYOUT)
+    assert values(records) == list(range(slots + 3, slots + 8)) and gave_way == 0
+    words[L.HEAD // 8] = int(words[L.READ // 8]) + 2 * slots  # scribbled
+    with pytest.raises(RingCorrupted, match="of a ring of"):
+        snapshot_records(words, view, area.offset, LAYOUT)
 
 
 def test_spool_records_writes_both_pieces_of_a_wrapped_ring() -> None:
