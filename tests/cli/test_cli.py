@@ -810,8 +810,9 @@ def test_dynprobe_debug_prints_the_engines_decisions(wordcount: str) -> None:
         (["--version"], ["numpy", "iced_x86", "elftools", "rich", "dynprobe.core.session"]),
         (["list", "--help"], ["dynprobe.core.session", "dynprobe.ringbuf.consumer"]),
         (["count", "--help"], ["dynprobe.tracefile", "dynprobe.output.callgraph"]),
+        (["report", "--help"], ["dynprobe.core.session", "elftools", "dynprobe.arch.x86_64.codegen"]),
     ],
-    ids=["version", "list", "count"],
+    ids=["version", "list", "count", "report"],
 )
 def test_a_command_imports_only_what_it_needs(argv: list[str], unloaded: list[str]) -> None:
     """Start-up time is import time: a command loads its own module, not every command's."""
