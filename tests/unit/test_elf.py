@@ -134,3 +134,23 @@ def test_a_file_s_branch_targets_are_those_of_its_functions_decoded() -> None:
     inside = [a for f in libc.functions for a in range(f.addr + 1, f.addr + 5)]
     assert [a for a in inside if (a in targets) != (a in decoded)] == []
     assert any(a in decoded for a in inside) and all(a in targets for a in sorted(decoded)[::97])
+
+
+def test_code_that_reads_as_branches_everywhere_makes_every_address_a_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file is untrusted: executable bytes that all read as calls (real code: one byte in 30)
+    would take memory without bound to list; every address is then a target (probes there stay
+    traps). (A small file may have that many: here none may.)"""
+    from dynprobe.symbols.elf import BranchTargets
+
+    monkeypatch.setattr(BranchTargets, "_ANY_FILE", 0)
+    binary = Path(build_target("ret", "ret.c", flags=("-O1",)))
+    image = ElfImage(str(binary))
+    assert not image.branch_targets().everything
+    code = next(s for s in image.segments if s.executable)
+    data = bytearray(binary.read_bytes())
+    data[code.offset : code.offset + code.filesz] = b"\xe8" * code.filesz
+    (tmp_path / "calls").write_bytes(bytes(data))
+    targets = ElfImage(str(tmp_path / "calls")).branch_targets()
+    assert targets.everything and code.vaddr + 1 in targets and 12345 in targets

@@ -496,17 +496,31 @@ class BranchTargets:
     no function counts). One with an 8-bit displacement comes from at most 129 bytes away: the
     functions there are decoded. Each function is decoded at most once."""
 
-    _SCAN = 1 << 24  # bytes of code scanned at a time: the scan's memory stays bounded
+    _SCAN = 1 << 20  # bytes of code scanned at a time: the scan's memory stays bounded
+    _ANY_FILE = 1 << 16  # places a rel32 branch may start at in any file (past them: one byte of code in 8)
 
     def __init__(self, image: ElfImage) -> None:
         self.image = image
+        # A file is untrusted: segments that map its bytes many times over, or code that reads as
+        # branches everywhere (real code: one byte in 30), make every address a target (probes
+        # stay traps) rather than take memory without bound.
         found: list[tuple[np.ndarray, np.ndarray]] = []
+        places = scanned = 0
+        self.everything = False
         for seg in image.segments:
-            if seg.executable:
-                for at in range(0, seg.filesz, self._SCAN):  # (overlapping by a branch's length)
-                    code = image.data[seg.offset + at : seg.offset + min(seg.filesz, at + self._SCAN + 5)]
-                    found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
-        sources, targets = (np.concatenate(c) if found else np.zeros(0, np.int64) for c in zip(*found, strict=True))
+            if not seg.executable or self.everything or seg.vaddr + seg.filesz >= 1 << 47:
+                continue  # (no user-space code is mapped above 2^47)
+            size = max(0, min(seg.filesz, len(image.data) - seg.offset))
+            scanned += size
+            for at in range(0, size, self._SCAN):  # (overlapping by a branch's length)
+                code = image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 5)]
+                found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
+                places += len(found[-1][0])
+                if places > scanned // 8 + self._ANY_FILE or scanned > 4 * len(image.data):
+                    self.everything, found = True, []
+                    break
+        sources = np.concatenate([np.zeros(0, np.int64), *(where for where, _ in found)])
+        targets = np.concatenate([np.zeros(0, np.int64), *(to for _, to in found)])
         order = np.argsort(targets, kind="stable")
         self.sources, self.targets = sources[order], targets[order]  # by target
         self.ranges = sorted({(f.addr, f.end) for f in image.functions if f.size} | set(image.eh_frame_ranges()))
@@ -514,6 +528,8 @@ class BranchTargets:
         self._decoded: dict[tuple[int, int], frozenset[int]] = {}  # a function range -> its branches' targets
 
     def __contains__(self, addr: object) -> bool:
+        if self.everything:
+            return True
         if not isinstance(addr, int):
             return False
         low, high = np.searchsorted(self.targets, [addr, addr + 1])
