@@ -330,3 +330,10 @@ def test_sigterm_while_probes_are_placed_detaches(spinner: str, tmp_path: Path) 
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_an_output_is_named_in_messages_as_the_user_gave_it() -> None:
+    from dynprobe.cli.common import output_name
+
+    assert (output_name(None), output_name(None, sys.stdout)) == ("the standard error", "the standard output")
+    assert (output_name("-"), output_name("out.txt")) == ("the standard output", "out.txt")

@@ -213,6 +213,16 @@ def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
     ]
 
 
+def test_live_keeps_its_trace_where_asked(ret: str, tmp_path: Path) -> None:
+    """`live -d DIR`: the call graph on the standard error, and the trace kept in DIR for
+    report and dump (without -d it goes with the run)."""
+    r = dp("live", "-d", str(tmp_path / "kept"), "-P", "main", "-P", "fact", "--", ret, "fact", "3")
+    assert r.returncode == 0 and r.stdout == "6\n", r.stderr
+    replay = "# DURATION" + r.stderr.split("# DURATION", 1)[1]
+    assert masked(replay)[:2] == ["  | main() {", "  |   fact() {"]
+    assert Trace(str(tmp_path / "kept")).info["calls"] == 4
+
+
 def test_two_million_calls_are_recorded_whole_at_the_defaults(ret: str, tmp_path: Path) -> None:
     """Issue 25's second case: `record` of a program making 2,000,000 calls, its default ring
     (32 MiB): every entry and exit is in the trace (a writer waits for the reader when its ring

@@ -299,3 +299,15 @@ def test_replay_fields_that_are_not_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="not a field") as info:
         callgraph.parse_fields(text)
     assert str(info.value).endswith("module, or none)")  # every field named, and `none`
+
+
+def test_report_sorted_by_name_and_by_any_field(tmp_path: Path) -> None:
+    """-s name (or func): by function name; -s FIELD: largest first."""
+    _random_trace(tmp_path, 0)
+    by_name, by_calls = io.StringIO(), io.StringIO()
+    callgraph.report(Trace(str(tmp_path)), by_name, "name")
+    callgraph.report(Trace(str(tmp_path)), by_calls, "calls", fields=("call",))
+    names = [line.split()[-1] for line in by_name.getvalue().splitlines()[2:]]
+    assert names == sorted(names) == ["a", "b", "c", "d"]
+    calls = [int(line.split()[0]) for line in by_calls.getvalue().splitlines()[2:]]
+    assert calls == sorted(calls, reverse=True) and sum(calls) > 100

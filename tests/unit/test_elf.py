@@ -154,3 +154,16 @@ def test_code_that_reads_as_branches_everywhere_makes_every_address_a_target(
     (tmp_path / "calls").write_bytes(bytes(data))
     targets = ElfImage(str(tmp_path / "calls")).branch_targets()
     assert targets.everything and code.vaddr + 1 in targets and 12345 in targets
+
+
+def test_a_data_symbol_s_address_and_an_offset_in_no_segment() -> None:
+    """@SYM takes data symbols too (libc's environ); a file offset no segment maps is refused."""
+    from dynprobe.errors import SymbolError
+    from dynprobe.symbols.resolve import resolve_file_offset
+
+    libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    assert libc.address_of("environ") == libc.objects["environ"] and libc.address_of("malloc") is not None
+    assert libc.address_of("no_such_symbol") is None
+    beyond = len(libc.data) + 0x1000
+    with pytest.raises(SymbolError, match=f"offset {beyond:#x} is not in executable code of"):
+        resolve_file_offset(libc, beyond)

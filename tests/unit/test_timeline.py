@@ -42,7 +42,7 @@ def trace(tmp_path: Path) -> Trace:
     return Trace(str(tmp_path))
 
 
-@pytest.fixture(params=[timeline._ROWS, 5], ids=["pieces", "small-pieces"])
+@pytest.fixture(params=[timeline._ROWS, 5, 1], ids=["pieces", "small-pieces", "one-event-pieces"])
 def rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(timeline, "_ROWS", request.param)
 

@@ -72,3 +72,21 @@ def test_a_string_s_records_after_its_last_are_not_its() -> None:
     whole = int.from_bytes(b"x" * 8, "little")
     parts = [(0, 8, whole)] * (STRING_PIECES + 2)  # no end: as many pieces as a string has, then cut
     assert tracefile._shown(specs, parts) == f'"{"x" * 8 * STRING_PIECES}", ?'  # (no arg2: ?)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"clock": {"tsc0": 1, "ns0": 1, "scale": 1.0, "tsc_now": -5}}, "the clock's tsc_now is not a time"),
+        ({"captures": {"0": [["arg1/" + "x" * 64], []]}}, "the recorded values are not a table"),
+        ({"captures": {"0": [[7], []]}}, "the recorded values are not a table"),
+    ],
+    ids=["tsc_now", "a spec too long", "a spec not text"],
+)
+def test_an_info_json_not_as_record_writes_it_is_refused(tmp_path: Path, change: dict[str, object], says: str) -> None:
+    info = {"format": tracefile.FORMAT, "version": tracefile.VERSION, "record_size": 16,
+            "clock": {"tsc0": 1, "ns0": 1, "scale": 1.0}, "functions": [["main", "x", 0, 1]], **change}  # fmt: skip
+    tracefile.write_info(str(tmp_path), info)
+    (tmp_path / tracefile.EVENTS).write_bytes(b"")
+    with pytest.raises(tracefile.TraceError, match=says):
+        tracefile.Trace(str(tmp_path))

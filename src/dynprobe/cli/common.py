@@ -144,7 +144,7 @@ def run_target(
     interval: float | None = None,
     tick: Callable[[], None] | None = None,
     *,
-    ready: Callable[[], None] | None = None,
+    ready: Callable[[], None],
 ) -> int | None:
     """Run until the target ends or Ctrl-C / SIGTERM; call `ready` once Ctrl-C is taken as the
     end of the run (what it prints may tell the user to press it), `tick` every `interval` seconds.
@@ -168,8 +168,7 @@ def run_target(
     # as the command: collections while the target runs need not walk it again (~0.2 s).
     gc.freeze()
     try:
-        if ready is not None:
-            ready()
+        ready()
         while True:
             try:
                 status = session.run(timeout=interval)
