@@ -332,3 +332,32 @@ def test_time_windows_cut_a_pass_in_order_and_lose_nothing(
     if len(set(times)) == len(times):
         for low, high in windows:
             assert len([t for t in times if (low is None or low <= t) and (high is None or t < high)]) <= most
+
+
+def test_a_flight_recorder_s_records_after_a_failure_are_counted_not_delivered() -> None:
+    """The output failed (a full disk): from then on a flight recorder's records are read (READ
+    moves, never TAIL: the writer's) and counted as discarded, not delivered; the failure is
+    told once, and a consumer told to place itself before it runs remembers where."""
+    got: list[RecordBatch] = []
+    told: list[int] = []
+    consumer = Consumer(LAYOUT, got.extend, lambda i: i < 3, lambda message: None)
+    consumer.flight = True
+    consumer.place({0})
+    assert consumer.cpus == {0}
+    areas = make_areas()
+    consumer.add(areas)
+    area = areas.assign(10)
+    for v in range(5):
+        write_record(areas, 10, 1, v)
+    consumer.fail("No space left on device")  # (no one to tell yet)
+    consumer.on_failure = lambda: told.append(1)
+    consumer.fail("again")
+    assert consumer.failure == "No space left on device" and told == []
+    consumer.drain()
+    words = area.pool.words[area.index]
+    assert got == [] and consumer.discarded == 5
+    assert (int(words[L.READ // 8]), int(words[L.TAIL // 8])) == (5, 0)
+    del words, area  # (the memory is let go: no view of it may be left)
+    consumer.forget(areas)
+    consumer.forget(areas)  # (gone already: nothing more)
+    assert consumer.processes == []
