@@ -301,10 +301,16 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
         spent[order[o]] = int(time[at[o]]) - call[1]
     leaves = kinds == _LEAF
     spent[leaves] = time[items[leaves] + 1] - time[items[leaves]]
-    # No call may enter a frame still open: per frame, opens and closes alternate. (Only frames
-    # some call opens can be open: the others' calls have no callee.)
+    # No call may enter a frame still open. A thread's frames are its shadow stack's entries: when
+    # each call's frame is its level plus one offset, carried calls' too (the common case), none
+    # can. Else: per frame, opens and closes alternate. (Only frames some call opens can be open:
+    # the others' calls have no callee.)
     carried_frames = np.array([c[2] for c in stack.calls], dtype=np.int64)
     item_frames = frame[items].astype(np.int64)
+    shift = item_frames[kinds != _EXIT] - levels[kinds != _EXIT]
+    offset = int(shift[0]) if len(shift) else None
+    if offset is not None and (shift == offset).all() and (carried_frames - np.arange(len(stack)) == offset).all():
+        return _left_open(items, kinds, levels, spent, stack, order, lv, kd, func, time, frame)
     opening = np.zeros(1 << 16, dtype=bool)  # (frames are 15 bits)
     opening[carried_frames] = True
     opening[item_frames[kinds == _ENTRY]] = True
@@ -320,6 +326,13 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
     state = running - (running - step)[starts][np.cumsum(starts) - 1]  # the frame's open calls after
     if ((state != 0) & (state != 1)).any() or (leaf & (state != 0)).any():
         return None
+    return _left_open(items, kinds, levels, spent, stack, order, lv, kd, func, time, frame)
+
+
+def _left_open(items: np.ndarray, kinds: np.ndarray, levels: np.ndarray, spent: np.ndarray, stack: _OpenCalls,
+               order: np.ndarray, lv: np.ndarray, kd: np.ndarray, func: np.ndarray, time: np.ndarray,
+               frame: np.ndarray) -> _Segment:  # fmt: skip
+    """A plain segment, with the calls carried in that it closes and those it leaves open."""
     exits_at = levels[kinds == _EXIT]
     closed_to = min(int(exits_at.min()), len(stack)) if len(exits_at) else len(stack)
     last = np.ones(len(order), dtype=bool)
