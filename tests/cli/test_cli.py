@@ -453,6 +453,31 @@ def test_a_burst_of_400k_events_is_printed_whole_at_the_defaults(tmp_path: Path)
     assert "lost" not in r.stderr.replace("lost=0", "")
 
 
+@pytest.mark.parametrize("mode", [[], ["--trap"]], ids=["optimized", "trap"])
+def test_a_flight_recorder_keeps_a_bounded_window_of_threads_that_ended(mode: list[str], tmp_path: Path) -> None:
+    """20 threads, each ending after 1,000 hits, rings of 256 records (16 bytes: no fields): what
+    ended threads wrote is kept up to 4 rings' worth (their areas go back to the pool as they end: a program that
+    makes threads does not make dynprobe's memory grow), events served at stops too; every hit
+    is written or counted among those that gave way."""
+    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+    out = tmp_path / "events.txt"
+    r = dp("trace", *mode, "--flight-recorder", "--ring-size", "4096", "-o", str(out), "p hammer", "--", opt,
+           "threads", "20", "1000")  # fmt: skip
+    assert r.returncode == 0 and r.stdout == "done 20000\n", r.stderr
+    lines = out.read_text().splitlines()
+    hits = int(re.search(r"p_hammer .* hits=(\d+)", r.stderr).group(1))  # type: ignore[union-attr]
+    gave_way = int(re.search(r"flight recorder: (\d+) older records gave way", r.stderr).group(1))  # type: ignore[union-attr]
+    assert hits == 20_000 and 0 < len(lines) <= 4 * 256 and len(lines) + gave_way == hits
+
+
+def test_a_flight_recorder_refuses_a_time_threshold(tmp_path: Path) -> None:
+    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+    r = dp(
+        "record", "--flight-recorder", "--threshold", "1ms", "-o", str(tmp_path / "t"), "--", opt, "events", "1", "10"
+    )
+    assert r.returncode == 1 and "a flight recorder keeps every call, the newest: not with a time threshold" in r.stderr
+
+
 def test_a_flight_recorder_writes_the_newest_events_at_sigusr2_and_at_the_end(tmp_path: Path) -> None:
     """`trace --flight-recorder`: nothing is written while the program runs until dynprobe gets
     SIGUSR2, then what the ring holds (256 records at most), in time order; at the end, what came
@@ -482,7 +507,7 @@ def test_a_flight_recorder_writes_the_newest_events_at_sigusr2_and_at_the_end(tm
     stamps = [float(line.split(":")[0].split()[-1]) for line in lines]
     assert stamps == sorted(stamps) and all("uprobes/p_hammer" in line for line in lines)
     hits = int(re.search(r"p_hammer .* hits=(\d+)", err).group(1))  # type: ignore[union-attr]
-    gave_way = int(re.search(r"flight recorder: (\d+) older events gave way", err).group(1))  # type: ignore[union-attr]
+    gave_way = int(re.search(r"flight recorder: (\d+) older records gave way", err).group(1))  # type: ignore[union-attr]
     assert hits == len(lines) + gave_way and gave_way > 0
 
 

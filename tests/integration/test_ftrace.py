@@ -244,7 +244,7 @@ def test_a_flight_recorder_s_trace_holds_the_newest_calls(ret: str, tmp_path: Pa
     assert len(events) == 4096 and Trace(trace).info["lost"] == 0
     assert [(e.function, e.exit) for e in events[-3:]] == [("add", False), ("add", True), ("main", True)]
     assert {e.function for e in events[:-1]} == {"add"}
-    assert f"flight recorder: {2 * 50_001 - 4096} older events gave way" in r.stderr, r.stderr
+    assert f"flight recorder: {2 * 50_001 - 4096} older records gave way" in r.stderr, r.stderr
     assert "50001 calls traced, the newest the rings held recorded" in r.stderr
 
 

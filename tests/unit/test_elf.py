@@ -167,3 +167,16 @@ def test_a_data_symbol_s_address_and_an_offset_in_no_segment() -> None:
     beyond = len(libc.data) + 0x1000
     with pytest.raises(SymbolError, match=f"offset {beyond:#x} is not in executable code of"):
         resolve_file_offset(libc, beyond)
+
+
+def test_an_xbegin_s_abort_target_is_a_branch_target() -> None:
+    """`xbegin rel32` (C7 F8): its abort path lands on its target, as a jump does."""
+    from types import SimpleNamespace
+
+    from dynprobe.symbols.elf import BranchTargets
+
+    code = bytes.fromhex("90" * 16 + "c7f8" + (0x20).to_bytes(4, "little", signed=True).hex() + "c3" * 64)
+    image = SimpleNamespace(segments=[SimpleNamespace(executable=True, vaddr=0x1000, filesz=len(code), offset=0)],
+                            data=code, functions=[], eh_frame_ranges=lambda: [], path="x")  # fmt: skip
+    targets = BranchTargets(image)  # type: ignore[arg-type]
+    assert 0x1000 + 16 + 6 + 0x20 in targets and 0x1000 + 16 + 6 + 0x21 not in targets

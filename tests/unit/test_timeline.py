@@ -16,13 +16,13 @@ from dynprobe.output import timeline
 from dynprobe.tracefile import Trace, record_dtype, write_info
 
 PID, TSC0 = 1, 2000
-NAMES = ['say "hi"\\', "caf\u00e9\n", "x" * (timeline._LONGEST + 1), "main"]
+NAMES = ['say "hi"\\', "caf\u00e9\n", "x" * (timeline._WIDTHS[-1] + 1), "a" * 100, "main", "\ud800 lone"]
 TIMES = [-1500, -1, 0, 7, 999, 1000, 9999, 10_000, 99_999_999, 100_000_000, 123_456_789_012, (1 << 49) - 1, 1 << 49]
 # (thread, [(exit, function, ns)]) in the order of the file's chunks: a thread's go on in a later one
 CHUNKS = [
-    (7, [(i % 2, i % 4, t) for i, t in enumerate(TIMES[:9])]),
-    (9, [(i % 2, 3 - i % 4, t) for i, t in enumerate(TIMES)]),
-    (7, [(i % 2, i % 4, t) for i, t in enumerate(TIMES[9:])]),
+    (7, [(i % 2, i % len(NAMES), t) for i, t in enumerate(TIMES[:9])]),
+    (9, [(i % 2, (len(NAMES) - 1 - i) % len(NAMES), t) for i, t in enumerate(TIMES)]),
+    (7, [(i % 2, i % len(NAMES), t) for i, t in enumerate(TIMES[9:])]),
 ]
 THREADS = {7: "app", 9: "worker"}
 
@@ -74,8 +74,9 @@ def test_chrome_json_holds_every_event_as_written(trace: Trace, tmp_path: Path) 
 def test_perfetto_trace_holds_every_event_on_its_thread_s_track(trace: Trace) -> None:
     """Decoded with Perfetto's own schema: the process's track, a track per thread under it;
     each thread a packet sequence whose events go on its track by default, with the names it
-    interned; every entry a slice begin with its function's name, every exit a slice end, at
-    its time in ns (a negative one as protobuf writes an int64 in a uint64)."""
+    interned (UTF-8: a lone surrogate replaced); every entry a slice begin with its function's
+    name, every exit a slice end, at its time in ns (a negative one as protobuf writes an int64
+    in a uint64)."""
     out = io.BytesIO()
     timeline.dump_perfetto(trace, out)
     packets = perfetto.Trace.FromString(out.getvalue()).packet
@@ -105,7 +106,7 @@ def test_perfetto_trace_holds_every_event_on_its_thread_s_track(trace: Trace) ->
             events.append((threads[track_of[sequence]].tid, begin, name, p.timestamp))
     assert len(track_of) == 2
     assert events == [
-        (tid, not exit, None if exit else NAMES[func], ns % (1 << 64))
+        (tid, not exit, None if exit else NAMES[func].encode("utf-8", "replace").decode(), ns % (1 << 64))
         for tid, chunk in CHUNKS
         for exit, func, ns in chunk
     ]

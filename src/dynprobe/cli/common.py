@@ -162,8 +162,6 @@ def run_target(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    if session.flight_recorder:
-        signal.signal(signal.SIGUSR2, lambda signum, frame: session.request_snapshot())
     # What the set-up made (probes, sites, symbols: 10^5 objects for 10^4 probes) lives as long
     # as the command: collections while the target runs need not walk it again (~0.2 s).
     gc.freeze()

@@ -4,6 +4,7 @@ patched, placing many probes (with a progress bar on a terminal), and the per-pr
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -78,10 +79,14 @@ def add_ring_options(p: argparse.ArgumentParser) -> None:
 
 
 def set_ring_mode(session: Session, *, lossy: bool, flight_recorder: bool) -> None:
-    """What a full ring does: wait for the reader (default), lose the record, or give up its oldest."""
+    """What a full ring does: wait for the reader (default), lose the record, or give up its
+    oldest; a flight recorder's snapshot at SIGUSR2 from now on (not its default action, death,
+    while probes are placed; run_target ignores it once the run is over)."""
     if lossy:
         session.wait_for_room = 0
     session.flight_recorder = flight_recorder
+    if flight_recorder:
+        signal.signal(signal.SIGUSR2, lambda signum, frame: session.request_snapshot())
 
 
 RING_WAS_FULL = "a thread's ring was full (--lossy), or stayed full longer than a thread waits for the reader"
@@ -215,8 +220,8 @@ def note_rings(session: Session) -> None:
     so, and what avoids it; a flight recorder's events that gave way to newer ones: how many."""
     overwritten = session.records_overwritten
     if overwritten:
-        print(f"dynprobe: flight recorder: {overwritten} older events gave way to newer ones (a larger --ring-size "
-              "keeps more)", file=sys.stderr)  # fmt: skip
+        print(f"dynprobe: flight recorder: {overwritten} older records gave way to newer ones (a larger "
+              "--ring-size keeps more)", file=sys.stderr)  # fmt: skip
     waited = session.records_waited
     if waited:
         times = f"{waited} time{'' if waited == 1 else 's'}"

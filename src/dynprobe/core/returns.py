@@ -567,7 +567,7 @@ class ReturnProbes:
         # The ring's sequence goes on from the parent's published records: an entry record the
         # parent held back (a tracer's time threshold) is not in this ring, and its call's return
         # here then writes nothing, rather than take back records of the child's.
-        for at in (L.TAIL, L.HEAD, L.RESERVE):
+        for at in (L.TAIL, L.HEAD, L.RESERVE, L.READ):  # (READ: a flight recorder's reader, from there)
             words[at // 8] = snap[L.HEAD // 8]
         top = min(int(snap[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         entries = []

@@ -95,6 +95,7 @@ from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.ringbuf.consumer import (
     CPUS,
+    HELD_RINGS,
     Consumer,
     RecordBatch,
     TscClock,
@@ -143,6 +144,9 @@ _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, s
 _TRACE_CHILDREN = sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEVFORKDONE
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 DELIVERED_AT_ONCE = 1 << 12  # events made into objects at a time (see _deliver)
+_FLIGHT_AND_THRESHOLD = (
+    "a flight recorder keeps every call, the newest: not with a time threshold, which holds calls back until they end"
+)
 DEFAULT_WAIT_FOR_ROOM = 1.0  # seconds (Session.wait_for_room): many times a full ring's drain
 MAX_WAIT_FOR_ROOM = 60.0
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
@@ -373,6 +377,7 @@ class Session:
         self._by_index: list[Probe | None] = []
         self._hists = 0
         self._trap_events: list[ProbeEvent] = []
+        self._flight_events: deque[ProbeEvent] = deque()  # a flight recorder's events served at stops
         self._comms: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> name, when read
         self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
@@ -619,6 +624,8 @@ class Session:
         main = self._processes.get(self.main_pid)
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
+        if threshold_ns and self._flight_recorder:
+            raise SessionError(_FLIGHT_AND_THRESHOLD)
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps, main.libraries) for name in libraries]
         selection = Selection(as_patterns(filter), as_patterns(exclude), tuple(libraries), library_calls, nested_calls)
@@ -1476,7 +1483,14 @@ class Session:
                 {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
             )  # fmt: skip
             with self._events_lock:
-                self._trap_events.append(event)
+                if self._flight_recorder:  # the newest, as many as HELD_RINGS rings hold; older ones give way
+                    if self._flight_events.maxlen != HELD_RINGS * self.layout.ring_slots:
+                        self._flight_events = deque(self._flight_events, maxlen=HELD_RINGS * self.layout.ring_slots)
+                    if len(self._flight_events) == self._flight_events.maxlen and self._consumer is not None:
+                        self._consumer.overwritten += 1
+                    self._flight_events.append(event)
+                else:
+                    self._trap_events.append(event)
 
     def _cpu_at_stop(self, proc: TracedProcess, tid: int, regs: Regs) -> int:
         """The CPU a stopped thread ran on when it stopped: the number the kernel keeps in the
@@ -2414,6 +2428,12 @@ class Session:
 
     @flight_recorder.setter
     def flight_recorder(self, on: bool) -> None:
+        if on == self._flight_recorder:
+            return
+        if self._started:
+            raise SessionError("flight_recorder is chosen before the session runs (its rings are read another way)")
+        if on and any(tracer.threshold_ns for tracer in self.tracing.tracers.values()):
+            raise SessionError(_FLIGHT_AND_THRESHOLD)
         self._flight_recorder = on
         if self._consumer is not None:
             self._consumer.flight = on
@@ -2556,6 +2576,8 @@ class Session:
         into objects a part at a time)."""
         with self._events_lock:
             events, self._trap_events = self._trap_events, []
+            events += self._flight_events
+            self._flight_events.clear()
         for low, high in time_windows(batches, [e.time_ns for e in events], DELIVERED_AT_ONCE):
             self._deliver_window(
                 [part for batch in batches if (part := batch.within(low, high)) is not None],

@@ -647,9 +647,9 @@ class _CallPaths:
         return nodes[1:]
 
     def add(self, nodes: np.ndarray, own: np.ndarray) -> None:
-        if len(self.own) < len(self.caller):
-            self.own = np.append(self.own, np.zeros(len(self.caller) - len(self.own) + 64, dtype=np.int64))
-        self.own[: len(self.caller)] += np.bincount(nodes, weights=own, minlength=len(self.caller)).astype(np.int64)
+        if len(self.own) < len(self.caller):  # (grown by doubling)
+            self.own = np.concatenate((self.own, np.zeros(max(len(self.caller), 2 * len(self.own)), dtype=np.int64)))
+        np.add.at(self.own, nodes, own)  # (in int64: a sum of times past 2^53 ns stays exact)
 
     def own_times(self) -> Iterator[tuple[int, int]]:
         for node in np.flatnonzero(self.own).tolist():

@@ -21,7 +21,7 @@ from dynprobe.output.callgraph import EXIT, batches
 from dynprobe.tracefile import Trace
 
 _ROWS = 1 << 14  # events laid out at a time: a matrix of their records
-_LONGEST = 1024  # bytes: a key's text longer than this (a C++ signature) goes one event at a time
+_WIDTHS = (32, 64, 128, 256, 1024)  # bytes of the texts' tables; a longer text (a C++ signature) goes one at a time
 _DIGIT_PAIRS = np.frombuffer(b"".join(b"%02d" % i for i in range(100)), dtype=np.uint8).reshape(100, 2)
 _POWERS_OF_TEN = 10 ** np.arange(1, 19, dtype=np.int64)
 
@@ -45,30 +45,30 @@ class _Rows:
         length_at: int | None = None,
     ) -> None:
         self.text, self.head, self.shape, self.one, self.length_at = text, head, shape, one, length_at
-        self.row = np.full(2 * max(functions, 1), -1, dtype=np.int64)  # key -> its row of `texts` (-2: none)
-        self.texts = np.zeros((0, 0), dtype=np.uint8)
-        self.length = np.zeros(0, dtype=np.int64)
+        keys = 2 * max(functions, 1)
+        self.width = np.zeros(keys, dtype=np.int64)  # key -> its table's width (0: none yet, -1: too long)
+        self.row = np.zeros(keys, dtype=np.int64)  # key -> its row there
+        self.length = np.zeros(keys, dtype=np.int64)  # key -> its text's length
+        # Texts by width (a text in the narrowest that holds it): a long name widens only its own
+        # table. Each grows by doubling; what it holds is what the keys seen need, at most twice.
+        self.tables = {width: np.zeros((0, width), dtype=np.uint8) for width in _WIDTHS}
+        self.used = dict.fromkeys(_WIDTHS, 0)
 
     def _cover(self, keys: np.ndarray) -> None:
-        """Table rows for the keys without one (a text too long: none)."""
-        seen = np.zeros(len(self.row), dtype=bool)
+        """Table rows for the keys without one (a text longer than the widest table: none)."""
+        seen = np.zeros(len(self.width), dtype=bool)
         seen[keys] = True
-        new = np.flatnonzero(seen & (self.row == -1)).tolist()
-        if not new:
-            return
-        texts = {key: self.text(key) for key in new}
-        fits = [key for key, text in texts.items() if len(text) <= _LONGEST]
-        self.row[new] = -2
-        if not fits:
-            return
-        width = max(self.texts.shape[1], *(len(texts[key]) for key in fits))
-        table = np.zeros((len(self.texts) + len(fits), width), dtype=np.uint8)
-        table[: len(self.texts), : self.texts.shape[1]] = self.texts
-        for n, key in enumerate(fits, len(self.texts)):
-            table[n, : len(texts[key])] = np.frombuffer(texts[key], dtype=np.uint8)
-        self.row[fits] = np.arange(len(self.texts), len(table))
-        self.length = np.append(self.length, [len(texts[key]) for key in fits])
-        self.texts = table
+        for key in np.flatnonzero(seen & (self.width == 0)).tolist():
+            text = self.text(key)
+            width = next((w for w in _WIDTHS if len(text) <= w), -1)
+            self.width[key], self.length[key] = width, len(text)
+            if width < 0:
+                continue
+            table, used = self.tables[width], self.used[width]
+            if used == len(table):
+                table = self.tables[width] = np.concatenate((table, np.zeros((max(used, 16), width), np.uint8)))
+            table[used, : len(text)] = np.frombuffer(text, dtype=np.uint8)
+            self.row[key], self.used[width] = used, used + 1
 
     def records(self, tid: int, kind: np.ndarray, func: np.ndarray, time_ns: np.ndarray) -> Iterator[memoryview]:
         """The records of these events of thread `tid`, in pieces, in order."""
@@ -76,23 +76,28 @@ class _Rows:
             keys = func[at : at + _ROWS].astype(np.int64) * 2 + (kind[at : at + _ROWS] == EXIT)
             ns = time_ns[at : at + _ROWS].astype(np.int64)
             self._cover(keys)
-            rows = self.row[keys]
-            shape = np.where(rows >= 0, self.shape(ns), -1)
+            shape = np.where(self.width[keys] > 0, self.shape(ns), -1)
             edges = np.flatnonzero(shape[1:] != shape[:-1]) + 1
             for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(keys)], strict=True):
                 if shape[lo] >= 0:
-                    yield self._matrix(tid, rows[lo:hi], ns[lo:hi])
+                    yield self._matrix(tid, keys[lo:hi], ns[lo:hi])
                 else:
                     pairs = zip(keys[lo:hi].tolist(), ns[lo:hi].tolist(), strict=True)
                     yield memoryview(b"".join(self.one(tid, key, t) for key, t in pairs))
 
-    def _matrix(self, tid: int, rows: np.ndarray, ns: np.ndarray) -> memoryview:
+    def _matrix(self, tid: int, keys: np.ndarray, ns: np.ndarray) -> memoryview:
         head = self.head(tid, ns)
-        fixed, lengths = head.shape[1], self.length[rows]
-        longest = int(lengths.max())
+        fixed, lengths, widths = head.shape[1], self.length[keys], self.width[keys]
+        longest = int(widths.max())
         matrix = np.empty((len(ns), fixed + longest), dtype=np.uint8)
         matrix[:, :fixed] = head
-        matrix[:, fixed:] = self.texts[:, :longest][rows]
+        if longest == int(widths.min()):  # (one table: often)
+            matrix[:, fixed:] = self.tables[longest][self.row[keys]]
+        else:
+            for width in _WIDTHS[: _WIDTHS.index(longest) + 1]:
+                rows = widths == width
+                if rows.any():
+                    matrix[rows, fixed : fixed + width] = self.tables[width][self.row[keys[rows]]]
         if self.length_at is not None:
             matrix[:, self.length_at] = fixed + lengths - self.length_at - 1
         return memoryview(matrix[np.arange(fixed + longest) < fixed + lengths[:, None]])
@@ -231,13 +236,13 @@ def dump_perfetto(trace: Trace, out: BinaryIO, filters: CallFilter | None = None
         return _packet(_field(_TIMESTAMP, ns), tail(tid), text(key))
 
     rows = _Rows(len(trace.functions), text, head, shape, one, length_at=1)  # (a packet: under 128 bytes)
-    out.write(_packet(_field(_TRACK, _field(1, pid) + _field(3, _field(1, pid) + _field(6, trace.program.encode())))))
+    out.write(_packet(_field(_TRACK, _field(1, pid) + _field(3, _field(1, pid) + _field(6, _utf8(trace.program))))))
     for chunk in batches(trace, filters):
         tid = chunk.tid
         if tid not in sequences:
             sequences[tid] = len(sequences) + 1
             interned[tid] = np.zeros(max(len(trace.functions), 1), dtype=bool)
-            thread = _field(1, pid) + _field(2, tid) + _field(5, trace.threads.get(tid, str(tid)).encode())
+            thread = _field(1, pid) + _field(2, tid) + _field(5, _utf8(trace.threads.get(tid, str(tid))))
             track = _field(1, _thread_track(pid, tid)) + _field(5, pid) + _field(4, thread)
             defaults = _field(_DEFAULTS, _field(_TRACK_EVENT, _field(_TRACK_UUID, _thread_track(pid, tid))))
             out.write(_packet(_field(_TRACK, track)))
@@ -247,12 +252,17 @@ def dump_perfetto(trace: Trace, out: BinaryIO, filters: CallFilter | None = None
         new = np.flatnonzero(named & ~interned[tid]).tolist()
         if new:
             interned[tid][new] = True
-            names = b"".join(_field(2, _field(1, f + 1) + _field(2, trace.name(f).encode())) for f in new)
+            names = b"".join(_field(2, _field(1, f + 1) + _field(2, _utf8(trace.name(f)))) for f in new)
             out.write(
                 _packet(_field(_SEQUENCE, sequences[tid]), _field(_FLAGS, _NEEDS_STATE), _field(_INTERNED, names))
             )
         for record in rows.records(tid, chunk.kind, chunk.func, chunk.time_ns):
             out.write(record)
+
+
+def _utf8(text: str) -> bytes:
+    """Text as protobuf strings are: UTF-8 (a name read from a trace may hold a lone surrogate)."""
+    return text.encode("utf-8", "replace")
 
 
 def _thread_track(pid: int, tid: int) -> int:

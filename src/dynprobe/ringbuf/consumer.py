@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -251,6 +252,7 @@ def time_windows(batches: list[RecordBatch], more: list[int], most: int) -> list
 IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
 BUSY_SHARE = 8  # a ring this share full (or more) in one pass is drained again at once
 MAX_WAIT = 0.05  # seconds between passes at most while threads have areas
+HELD_RINGS = 4  # a flight recorder keeps at most this many rings' worth of its ended threads' records
 
 
 class Consumer:
@@ -301,6 +303,7 @@ class Consumer:
         self.flight = False
         self.snapshot_due = False
         self.overwritten = 0  # a flight recorder's records written over before they were read
+        self.held: deque[tuple[int, int, np.ndarray]] = deque()  # (pid, tid, records) of ended threads
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
         self._stop = threading.Event()
         self._wake = threading.Event()  # a pass now: stopping, or rings appeared
@@ -337,6 +340,8 @@ class Consumer:
                 if self.snapshot_due:
                     self.snapshot_due = False
                     self.drain()
+                else:
+                    self._hold_ended()
             elif woken or time.monotonic() - self.last_pass >= self.wait:
                 self.drain()  # (unless the tracing thread made one: `drain_if_due`)
             now = time.monotonic()
@@ -367,6 +372,10 @@ class Consumer:
             before = self.drained
             self.fullest = 0
             batches: list[RecordBatch] = []
+            if self.flight:
+                self._hold_ended()
+                while self.held:
+                    batches += self._records(*self.held.popleft())
             for areas in list(self.processes):
                 for tid, area in areas.live():
                     batches += self._drain_area(areas, tid, area)
@@ -407,26 +416,68 @@ class Consumer:
             if self.flight:
                 words[L.OVERWRITE // 8] = 0  # paused while copied (layout.OVERWRITE)
                 try:
-                    records, gave_way = snapshot_records(words, memoryview(area.pool.view), area.offset, lay)
-                    self.overwritten += gave_way
+                    records = self._snapshot(words, area)
                 finally:
                     words[L.OVERWRITE // 8] = 1
             else:
                 records = take_records(words, memoryview(area.pool.view), area.offset, lay)
-            if len(records) and self.raw_sink is not None:
-                self.raw_sink.write(_chunk_header(areas.pid, tid, len(records)))
-                records.tofile(self.raw_sink)
-            if not self.decode:  # (a flight recorder's raw output: copied first, then written)
-                self.drained += len(records)
-                return []
         except (RingCorrupted, ValueError) as exc:
             self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
             self._mark_read(words)
             self.corrupt += 1
             return []
-        except OSError as exc:  # writing the raw output: a full disk, a file system gone read-only
+        except OSError as exc:  # spooling the raw output: a full disk, a file system gone read-only
             self.fail(exc.strerror or str(exc))
             return self._discard(words)
+        return self._records(areas.pid, tid, records)
+
+    def _snapshot(self, words: np.ndarray, area: AreaRef) -> np.ndarray:
+        records, gave_way = snapshot_records(words, memoryview(area.pool.view), area.offset, self.layout)
+        self.overwritten += gave_way
+        return records
+
+    def _hold_ended(self) -> None:
+        """A flight recorder's ended threads: what their rings held is kept for the next
+        snapshot (the newest HELD_RINGS rings' worth of them all; older records count as given
+        way) and their areas go back to their pools, however many threads the program makes."""
+        with self._lock:
+            for areas in list(self.processes):
+                with areas.lock:
+                    retired, areas.retired = areas.retired, []
+                for tid, area in retired:
+                    words = area.pool.words[area.index]
+                    try:
+                        records = self._snapshot(words, area)
+                    except RingCorrupted as exc:
+                        self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
+                        records = np.empty((0, self.layout.record_size), dtype=np.uint8)
+                    if len(records):
+                        self.held.append((areas.pid, tid, records))
+                    self._fold(areas, tid, area)
+                    areas.recycle(area)
+            held = sum(len(records) for *_, records in self.held)
+            while held > HELD_RINGS * self.layout.ring_slots:
+                *_, oldest = self.held.popleft()
+                held -= len(oldest)
+                self.overwritten += len(oldest)
+
+    def _records(self, pid: int, tid: int, records: np.ndarray) -> list[RecordBatch]:
+        """Records read from a thread's ring: written out raw (if asked), then decoded."""
+        lay = self.layout
+        if self.failure is not None:
+            self.discarded += len(records)
+            return []
+        try:
+            if len(records) and self.raw_sink is not None:
+                self.raw_sink.write(_chunk_header(pid, tid, len(records)))
+                records.tofile(self.raw_sink)
+        except OSError as exc:  # writing the raw output: a full disk, a file system gone read-only
+            self.fail(exc.strerror or str(exc))
+            self.discarded += len(records)
+            return []
+        if not self.decode:  # (a flight recorder's raw output: copied first, then written)
+            self.drained += len(records)
+            return []
         if not len(records):
             return []
         self.fullest = max(self.fullest, len(records))
@@ -439,7 +490,7 @@ class Consumer:
             bad = int(np.count_nonzero(~possible))
             self.corrupt += bad
             self._error(
-                f"impossible records of thread {tid} of pid {areas.pid}: {bad} with a CPU number past the "
+                f"impossible records of thread {tid} of pid {pid}: {bad} with a CPU number past the "
                 "machine's or a time outside the session (written by the program itself?), left out"
             )
             records, header = records[possible], header[possible]
@@ -451,19 +502,17 @@ class Consumer:
         self.records_read += len(records)
         first = int(probe[0])
         if probe.max() == probe.min() and self.known_probe(first):  # (a thread's records: often one probe's)
-            return [RecordBatch(first, areas.pid, tid, records, times, cpu, faults, order)]
+            return [RecordBatch(first, pid, tid, records, times, cpu, faults, order)]
         out = []
         for index in np.unique(probe):
             if not self.known_probe(int(index)):
                 bad = int(np.count_nonzero(probe == index))
                 self.corrupt += bad
-                self._error(f"thread {tid} of pid {areas.pid}: {bad} record(s) of unknown probe {int(index)}")
+                self._error(f"thread {tid} of pid {pid}: {bad} record(s) of unknown probe {int(index)}")
                 continue
             rows = probe == index
             out.append(
-                RecordBatch(
-                    int(index), areas.pid, tid, records[rows], times[rows], cpu[rows], faults[rows], order[rows]
-                )
+                RecordBatch(int(index), pid, tid, records[rows], times[rows], cpu[rows], faults[rows], order[rows])
             )
         return out
 

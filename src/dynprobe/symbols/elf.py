@@ -526,6 +526,9 @@ class BranchTargets:
         self.ranges = sorted({(f.addr, f.end) for f in image.functions if f.size} | set(image.eh_frame_ranges()))
         self._reach = list(itertools.accumulate((end for _, end in self.ranges), max))  # the furthest end so far
         self._decoded: dict[tuple[int, int], frozenset[int]] = {}  # a function range -> its branches' targets
+        # Ranges may nest (a hostile symbol table: thousands around one place): what is decoded is
+        # bounded too, by the code's size (then every address is a target).
+        self._may_decode = 8 * scanned + self._ANY_FILE
 
     def __contains__(self, addr: object) -> bool:
         if self.everything:
@@ -537,7 +540,8 @@ class BranchTargets:
             around = list(self._around(source, source))
             if not around or any(addr in self._targets(r) for r in around):
                 return True
-        return any(addr in self._targets(r) for r in self._around(addr - 129, addr + 127))
+        found = any(addr in self._targets(r) for r in self._around(addr - 129, addr + 127))
+        return found or self.everything
 
     def _around(self, low: int, high: int) -> Iterator[tuple[int, int]]:
         """The function ranges with a byte in [low, high] (ranges may nest: an alias, an FDE)."""
@@ -553,24 +557,29 @@ class BranchTargets:
             from dynprobe.arch.x86_64.optimize import branch_targets
 
             start, end = bounds
+            self._may_decode -= end - start
+            if self._may_decode < 0:
+                self.everything = True
+                return frozenset()
             with _parsing(self.image.path):
                 targets = self._decoded[bounds] = frozenset(branch_targets(self.image.code(start, end - start), start))
         return targets
 
 
 def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarray]:
-    """(where, where to) of a `call`/`jmp rel32` (E8, E9) or a `jcc rel32` (0F 80-8F) starting at
-    any byte of `code` (at `vaddr`)."""
+    """(where, where to) of a `call`/`jmp rel32` (E8, E9), a `jcc rel32` (0F 80-8F) or an `xbegin
+    rel32` (C7 F8) starting at any byte of `code` (at `vaddr`)."""
     n = len(code)
     sources, targets = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    for length in (5, 6):  # (E8/E9 rel32; 0F 8x rel32)
+    for length in (5, 6):  # (E8/E9 rel32; 0F 8x or C7 F8, rel32)
         if n < length:
             continue
         head = code[: n - length + 1]
         if length == 5:
             at = np.flatnonzero((head == 0xE8) | (head == 0xE9))
-        else:
-            at = np.flatnonzero((head == 0x0F) & ((code[1 : n - length + 2] & 0xF0) == 0x80))
+        else:  # (and XBEGIN, C7 F8 rel32, whose abort lands there too)
+            second = code[1 : n - length + 2]
+            at = np.flatnonzero(((head == 0x0F) & ((second & 0xF0) == 0x80)) | ((head == 0xC7) & (second == 0xF8)))
         displacement = np.zeros(len(at), dtype=np.int64)
         for byte in range(4):
             displacement |= code[at + length - 4 + byte].astype(np.int64) << (8 * byte)
