@@ -101,6 +101,21 @@ def test_an_optimized_return_probe_enters_its_function_through_the_trampoline_ta
     assert out == f"{L.TRAMPOLINE_CALL}\n"
 
 
+@pytest.mark.parametrize("strings", [0, 8], ids=["latency", "eight strings"])
+def test_an_optimized_return_probe_s_record_costs_no_stop(ret: str, strings: int) -> None:
+    """A return part that records (its latency, and fields up to eight strings: code larger than
+    the room first tried, placed again) runs in the target at every return: 1,000 calls cost
+    only the loader's few stops, not one each."""
+    fields = " ".join(f"s{i}=+{8 * i}(%sp):string" for i in range(strings))
+    with tempfile.TemporaryFile("w+") as out, dynprobe.spawn([ret, "loop", "1000"], stdout=out.fileno()) as session:
+        session.optimize = True
+        events: list[object] = []
+        probe = session.probe(f"r add ns=$latency:u64 {fields}", on_event=events.append)
+        assert session.run(timeout=60) == 0
+        stops = session.stats["stops"]
+    assert probe.hits == 1000 and len(events) == 1000 and stops < 20
+
+
 @pytest.mark.parametrize("optimize", MODES)
 def test_longjmp_over_probed_frames_does_not_grow(ret: str, optimize: bool) -> None:
     # 5 probed frames left by each longjmp; a leaking shadow stack would hit maxactive (100).
