@@ -6,7 +6,9 @@
                      the filters record was given (function ids), the calls forked children
                      began inside, the values functions record ("captures": function id ->
                      [argument specs, return-value specs], as spec/argspec.py writes them),
-                     counts (calls, missed, lost), "complete" once written out
+                     counts (calls, missed, lost, and a flight recorder's records that gave
+                     way: overwritten), "complete" once written out; "flight_recorder": each of
+                     a thread's chunks after its first follows a gap (Chunk.gap)
     DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
                      records of `record_size` bytes), each record u16 ops, u16 kind (bit 0:
                      exit; bits 1-14: the call's frame, 0 for none; version 1 had no frames),
@@ -131,7 +133,9 @@ def _wrong_in(info: dict[str, Any]) -> str | None:
     threads = info.get("threads", {})
     if not isinstance(threads, dict) or not all(k.isdigit() and isinstance(v, str) for k, v in threads.items()):
         return "the thread names are not a table of tid: name"
-    for key in ("pid", "threshold_ns", "depth", "calls", "missed", "lost"):
+    if not isinstance(info.get("flight_recorder", False), bool):
+        return "flight_recorder is not true or false"
+    for key in ("pid", "threshold_ns", "depth", "calls", "missed", "lost", "overwritten"):
         if info.get(key) is not None and not (_is_int(info[key]) and 0 <= info[key] < 1 << 63):
             return f"{key} is not a number"
     return None
@@ -254,6 +258,9 @@ class Chunk:
     # nothing for any event of the chunk.
     note: np.ndarray | None = None
     notes: list[Note] = field(default_factory=list)
+    # A flight recorder's trace holds, for each snapshot, what the rings held then: before these
+    # records, the thread's older ones gave way, and the calls still open then are left.
+    gap: bool = False
 
 
 @dataclass(frozen=True)
@@ -396,9 +403,11 @@ class Trace:
     def chunks(self) -> Iterator[Chunk]:
         latest: dict[int, int] = {}  # tid -> its last time
         inherited: dict[str, list[Any]] = self.info.get("inherited", {})
+        flight = self.info.get("flight_recorder") is True  # (each of a thread's chunks after its first: a gap)
         for f, offset, who, held in self._headers():
             if self.only and who >> 32 not in self.only:
                 continue
+            gap = flight and who in latest
             # A chunk holds up to a ring's worth (up to 1 GiB): read in pieces of READ_RECORDS
             left = held
             carried = None  # a piece's last call, whose data records may be in the next piece
@@ -433,7 +442,8 @@ class Trace:
                     yield self._inherited(who, *inherited[str(who >> 32)])
                 latest[who] = int(times[-1])
                 yield Chunk(who & 0xFFFF_FFFF, who >> 32, kind & 1, kind >> 1, records["func"], times,
-                            note=note, notes=notes)  # fmt: skip
+                            note=note, notes=notes, gap=gap)  # fmt: skip
+                gap = False
 
     @staticmethod
     def _inherited(who: int, time_ns: int, calls: list[list[int]]) -> Chunk:

@@ -203,7 +203,10 @@ def test_dump_chrome_and_flame(ret: str, tmp_path: Path) -> None:
     finally:
         os.close(secondary)
         os.close(primary)
-    assert terminal.returncode == 2 and "writes a binary trace: give -o FILE" in terminal.stderr
+    assert (
+        terminal.returncode == 2
+        and "writes a binary trace: give -o FILE (trace.pftrace), or redirect" in terminal.stderr
+    )
     flame = dp("dump", "--flame", trace).stdout.splitlines()
     assert sorted(line.rsplit(" ", 1)[0] for line in flame) == [
         "main",
@@ -245,7 +248,7 @@ def test_a_flight_recorder_s_trace_holds_the_newest_calls(ret: str, tmp_path: Pa
     assert [(e.function, e.exit) for e in events[-3:]] == [("add", False), ("add", True), ("main", True)]
     assert {e.function for e in events[:-1]} == {"add"}
     assert f"flight recorder: {2 * 50_001 - 4096} older records gave way" in r.stderr, r.stderr
-    assert "50001 calls traced, the newest the rings held recorded" in r.stderr
+    assert "50001 calls traced, the newest 4096 records kept in" in r.stderr
 
 
 def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> None:

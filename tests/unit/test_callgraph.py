@@ -311,3 +311,23 @@ def test_report_sorted_by_name_and_by_any_field(tmp_path: Path) -> None:
     assert names == sorted(names) == ["a", "b", "c", "d"]
     calls = [int(line.split()[0]) for line in by_calls.getvalue().splitlines()[2:]]
     assert calls == sorted(calls, reverse=True) and sum(calls) > 100
+
+
+def test_a_flight_recorder_s_snapshots_are_not_paired_across_their_gap(tmp_path: Path) -> None:
+    """Snapshot 1 ends inside `a` (frame 1); snapshot 2 starts with the exit of a `b` in the same
+    frame (a's exit and b's entry gave way): the exit is not a's, a is left open at the gap,
+    and b's durations are those of its calls in snapshot 2 alone."""
+    snapshots = [[(1 << 1, 0, 10)], [(1 << 1 | 1, 1, 5000), (1 << 1, 1, 6000), (1 << 1 | 1, 1, 6010)]]
+    with open(tmp_path / "events.raw", "wb") as f:
+        for records in snapshots:
+            data = np.zeros(len(records), dtype=record_dtype(16))
+            data["kind"], data["func"], data["tsc"] = zip(*records, strict=True)
+            f.write(np.array([(1 | 7 << 32, len(records))], dtype="<u8,<u8").tobytes() + data.tobytes())
+    write_info(str(tmp_path), {"functions": [[n, "x", 0, 1] for n in "ab"], "record_size": 16, "flight_recorder": True,
+                               "clock": {"tsc0": 0, "ns0": 0, "scale": 1.0}})  # fmt: skip
+    out = io.StringIO()
+    callgraph.replay(Trace(str(tmp_path)), out)
+    assert [line.split("| ", 1)[1] for line in out.getvalue().splitlines()[1:]] == ["a() {", "b();"]
+    assert "0.010 us" in out.getvalue().splitlines()[2]
+    times = profile(Trace(str(tmp_path))).functions
+    assert 0 not in times and (times[1].calls, times[1].total) == (1, 10)

@@ -162,6 +162,13 @@ def run_target(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    if not session.flight_recorder:  # (a SIGUSR2 meant for a flight recorder must not kill this run)
+        signal.signal(
+            signal.SIGUSR2,
+            lambda signum, frame: print(
+                "dynprobe: SIGUSR2 ignored: a snapshot is a flight recorder's (--flight-recorder)", file=sys.stderr
+            ),
+        )
     # What the set-up made (probes, sites, symbols: 10^5 objects for 10^4 probes) lives as long
     # as the command: collections while the target runs need not walk it again (~0.2 s).
     gc.freeze()
@@ -208,7 +215,12 @@ def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | No
             code = os.waitstatus_to_exitcode(status)  # -N: killed by signal N
             return code if code >= 0 else 128 - code
         if time.monotonic() > deadline:
-            print(f"dynprobe: pid {pid} did not end after {signal.Signals(signum).name}; it runs on, detached",
+            why = (
+                f"did not end after {signal.Signals(signum).name}"
+                if signum != signal.SIGINT
+                else "was not sent dynprobe's SIGINT (a terminal's Ctrl-C reaches it itself; SIGTERM is passed on)"
+            )
+            print(f"dynprobe: pid {pid} {why}; it runs on, detached",
                   file=sys.stderr)  # fmt: skip
             return None
         time.sleep(0.01)

@@ -74,8 +74,8 @@ def add_ring_options(p: argparse.ArgumentParser) -> None:
                            "the reader (the program then never slows down for dynprobe)")  # fmt: skip
     mode.add_argument("--flight-recorder", action="store_true",
                       help="keep only the newest events, as many as the rings hold (older ones give way, "
-                           "counted): written when the program ends and each time dynprobe gets SIGUSR2 "
-                           "(kill -USR2 DYNPROBE_PID)")  # fmt: skip
+                           "counted): written when the program ends, and at each SIGUSR2 to dynprobe (kill -USR2 "
+                           "DYNPROBE_PID) those made since the last that the rings still hold")  # fmt: skip
 
 
 def set_ring_mode(session: Session, *, lossy: bool, flight_recorder: bool) -> None:

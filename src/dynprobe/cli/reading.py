@@ -262,7 +262,7 @@ def run_dump(args: argparse.Namespace, command: list[str]) -> int:
 def _perfetto(trace: Trace, out: TextIO, filters: CallFilter) -> None:
     """Perfetto's trace is bytes: on the output's binary stream, never on a terminal."""
     if out.isatty():
-        raise UsageError("dump --perfetto writes a binary trace: give -o FILE (trace.pftrace) or a pipe")
+        raise UsageError("dump --perfetto writes a binary trace: give -o FILE (trace.pftrace), or redirect the output")
     out.flush()
     timeline.dump_perfetto(trace, out.buffer, filters)
 

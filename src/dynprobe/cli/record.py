@@ -44,7 +44,7 @@ examples:
   dynprobe record --lib libz -P 'deflate.*@libz' -P main -p 1234    only these patched; Ctrl-C stops
   dynprobe record -A 'parse@arg1/s,arg2' -R parse@retval -a -- ./app   values, as uftrace: parse("x", 2) = 0;
   dynprobe record --flight-recorder --ring-size 4M -p 1234    the newest calls: Ctrl-C, or kill -USR2 DYNPROBE_PID
-then: dynprobe replay | report | dump --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
+then: dynprobe replay | report | dump --perfetto or --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
 """
 LIVE_EXAMPLES = """\
 examples:
@@ -226,7 +226,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
                 "threshold_ns": args.threshold, "depth": depth, **_function_table(session, tracer, filters),
-                "clock": session.clock(),
+                "clock": session.clock(), "flight_recorder": args.flight_recorder,
             }  # fmt: skip
             with files.create_binary(os.path.join(out, EVENTS)) as events:
                 session.write_raw(events, decode=False)
@@ -268,7 +268,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                         failure = exc.strerror or str(exc)
             inherited = {str(tid): [began, calls] for tid, (began, calls) in tracer.inherited.items()}
             info.update(complete=True, threads=session.thread_names(), calls=calls, missed=missed, lost=lost,
-                        clock=session.clock(), inherited=inherited)  # fmt: skip
+                        overwritten=session.records_overwritten, clock=session.clock(),
+                        inherited=inherited)  # fmt: skip
             info.update(_function_table(session, tracer, filters))
             if failure is not None:
                 return _stopped_writing(out, info, failure, session.records_drained, session.records_discarded)
@@ -279,7 +280,8 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             if args.threshold:
                 what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
             if args.flight_recorder:
-                what = f"{calls} call{'' if calls == 1 else 's'} traced, the newest the rings held recorded"
+                kept = session.records_drained
+                what = f"{calls} call{'' if calls == 1 else 's'} traced, the newest {kept} records kept"
             where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
             note_rings(session)

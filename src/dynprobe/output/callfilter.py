@@ -261,6 +261,8 @@ def _backtraces(chunks: Iterator[Chunk], marked: list[bool]) -> Iterator[Chunk]:
     under: all of them, shown or not, as uftrace's backtrace walks the thread's stack."""
     threads: dict[int, FrameStack] = {}
     for chunk in chunks:
+        if chunk.gap:  # (the calls open before a flight recorder's gap are left)
+            threads.pop(chunk.tid, None)
         thread = threads.setdefault(chunk.tid, FrameStack())
         note, notes = chunk.note, chunk.notes
         for i, (kind, func, frame) in enumerate(zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.frame.tolist(),
@@ -290,6 +292,8 @@ def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
     left out."""
     threads: dict[int, FrameStack] = {}
     for chunk in chunks:
+        if chunk.gap:  # (the calls open before a flight recorder's gap are left)
+            threads.pop(chunk.tid, None)
         thread = threads.setdefault(chunk.tid, FrameStack())
         kept: list[tuple[int, int, int, int, int]] = []  # (kind, frame, function, time, note)
         notes = chunk.note.tolist() if chunk.note is not None else [-1] * len(chunk.kind)
@@ -313,7 +317,7 @@ def _callers(chunks: Iterator[Chunk], targets: list[bool]) -> Iterator[Chunk]:
             kind_, frame_, func_, time_, note_ = (np.array(column) for column in zip(*kept, strict=True))
             yield Chunk(chunk.pid, chunk.tid, kind_.astype(np.uint16), frame_.astype(np.uint16),
                         func_.astype(np.uint32), time_.astype(np.int64), chunk.inherited,
-                        note_.astype(np.int32) if chunk.note is not None else None, chunk.notes)  # fmt: skip
+                        note_.astype(np.int32) if chunk.note is not None else None, chunk.notes, chunk.gap)  # fmt: skip
 
 
 def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
@@ -325,6 +329,8 @@ def _filtered(chunks: Iterator[Chunk], masks: Masks) -> Iterator[Chunk]:
     threads: dict[int, FrameStack] = {}
     showing: dict[int, bool] = {}
     for chunk in chunks:
+        if chunk.gap:  # (the calls open before a flight recorder's gap are left)
+            threads.pop(chunk.tid, None)
         thread = threads.setdefault(chunk.tid, FrameStack())
         shown = showing.setdefault(chunk.tid, not masks.disabled)
         keep: list[bool] = []
@@ -378,7 +384,7 @@ def _masked(chunk: Chunk, mask: np.ndarray) -> Iterator[Chunk]:
     elif mask.any():
         note = chunk.note[mask] if chunk.note is not None else None
         yield Chunk(chunk.pid, chunk.tid, chunk.kind[mask], chunk.frame[mask], chunk.func[mask],
-                    chunk.time_ns[mask], chunk.inherited, note, chunk.notes)  # fmt: skip
+                    chunk.time_ns[mask], chunk.inherited, note, chunk.notes, chunk.gap)  # fmt: skip
 
 
 def _opened(chunk: Chunk, calls: list[list[int]]) -> Chunk:

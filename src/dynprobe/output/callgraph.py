@@ -45,18 +45,19 @@ def batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
             np.concatenate([getattr(c, name) for c in held]) for name in ("kind", "frame", "func", "time_ns")
         )
         if all(c.note is None for c in held):
-            return Chunk(first.pid, first.tid, kind, frame, func, time_ns)
+            return Chunk(first.pid, first.tid, kind, frame, func, time_ns, gap=first.gap)
         notes: list[Note] = []
         parts = []
         for c in held:
             note = c.note if c.note is not None else np.full(len(c.kind), -1, np.int32)
             parts.append(np.where(note >= 0, note + len(notes), -1))
             notes += c.notes
-        return Chunk(first.pid, first.tid, kind, frame, func, time_ns, note=np.concatenate(parts), notes=notes)
+        return Chunk(first.pid, first.tid, kind, frame, func, time_ns, note=np.concatenate(parts), notes=notes,
+                     gap=first.gap)  # fmt: skip
 
     events = 0
     for chunk in chunks_of(trace, filters):
-        if held and (chunk.tid != held[0].tid or events >= _BATCH or chunk.inherited or held[0].inherited):
+        if held and (chunk.tid != held[0].tid or events >= _BATCH or chunk.inherited or held[0].inherited or chunk.gap):
             yield joined()
             held, events = [], 0
         held.append(chunk)
@@ -498,6 +499,14 @@ def replay(
             return trace.name(func) + note
         return names[func] if func < len(names) else trace.call_text(func)
 
+    def flush(tid: int) -> None:
+        """The entry of `tid` not printed yet: an open call's (its exit is not in the trace)."""
+        waiting = pending.pop(tid, None)
+        if waiting is not None:
+            entry = columns.prefix(tid, waiting[0], waiting[1], None)
+            out.write(f"{entry}{'  ' * len(stacks[tid])}{name(waiting[0], waiting[3])} {{\n")
+            stacks[tid].push(*waiting[:3])
+
     texts = _Texts(name, trace.name)
     for chunk in batches(trace, filters):
         tid = chunk.tid
@@ -505,6 +514,9 @@ def replay(
         if chunk.inherited:  # a forked child goes on inside its parent's calls, not shown again
             stack.inherit(chunk)
             continue
+        if chunk.gap:  # a flight recorder's snapshot: the calls open before it are left
+            flush(tid)
+            stack.cut(0)
         waiting = pending.pop(tid, None)
         head = f" [{tid:>6}] | "
         lines: list[str] = []
@@ -572,10 +584,8 @@ def replay(
         if lines:
             out.write("\n".join(lines) + "\n")
             count += len(lines)
-    for tid, waiting in pending.items():
-        entry = columns.prefix(tid, waiting[0], waiting[1], None)
-        out.write(f"{entry}{'  ' * len(stacks[tid])}{name(waiting[0], waiting[3])} {{\n")
-        stacks[tid].push(*waiting[:3])
+    for tid in list(pending):
+        flush(tid)
     finish = either(masks, "finish")
     if finish is not None and finish_time(trace, finish) is not None:  # as uftrace says where it stopped
         out.write("\ndynprobe stopped tracing with remaining functions\n" + "=" * 49 + "\n")
@@ -839,6 +849,8 @@ def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: 
         if chunk.inherited:
             stack.inherit(chunk)
             continue
+        if chunk.gap:  # a flight recorder's snapshot: the calls open before it are left
+            stack.cut(0)
         columns: tuple[list[int], ...] | None = None  # the chunk as lists, once events go one by one
         size = len(chunk.kind)
         events += size
@@ -946,6 +958,8 @@ def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallF
     stacks: dict[int, FrameStack] = {}
     last: dict[int, int] = {}
     for chunk in batches(trace, filters):
+        if chunk.gap:  # a flight recorder's snapshot: the calls open before it are left
+            stacks.pop(chunk.tid, None)
         stack = stacks.setdefault(chunk.tid, FrameStack())
         for kind, func, t, frame in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(),
                                         chunk.frame.tolist(), strict=True):  # fmt: skip
