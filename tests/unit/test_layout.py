@@ -177,3 +177,13 @@ def test_every_maxactive_the_parser_takes_fits_the_shadow_stack() -> None:
 def test_flags_are_single_bits() -> None:
     for flag in (L.STRING_TRUNCATED, L.ENTRY_RESTORED, L.RESCUE_WAIT):
         assert flag > 0 and flag & (flag - 1) == 0
+
+
+def test_the_trace_record_format_is_that_of_the_trace_file_s_version() -> None:
+    """Trace directories keep the function tracer's records as written (tracefile.py): changing
+    any of these values makes a new format version, which this test names."""
+    from dynprobe.tracefile import VERSION
+
+    assert VERSION == 3
+    assert (L.TRACE_ENTRY, L.TRACE_EXIT, L.FRAME_SHIFT, L.TRACE_DATA) == (0, 1, 1, 0x8000)
+    assert (L.DATA_END, L.DATA_CUT, L.DATA_FAULTED, L.DATA_NULL) == (0x100, 0x200, 0x400, 0x800)

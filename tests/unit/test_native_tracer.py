@@ -391,17 +391,6 @@ def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> No
     assert native.word(L.HEAD) == slots + 6 and native.counter(4, L.LOST) == 0
 
 
-def test_the_trace_record_format_is_that_of_the_trace_file_s_version() -> None:
-    """Trace directories keep these records as written (tracefile.py): changing any of these
-    values makes a new format version, which this test names."""
-    from dynprobe.ringbuf.layout import TRACE_ENTRY
-    from dynprobe.tracefile import VERSION
-
-    assert VERSION == 3
-    assert (TRACE_ENTRY, TRACE_EXIT, FRAME_SHIFT, TRACE_DATA) == (0, 1, 1, 0x8000)
-    assert (DATA_END, DATA_CUT, DATA_FAULTED, DATA_NULL) == (0x100, 0x200, 0x400, 0x800)
-
-
 @pytest.mark.parametrize("threshold", [0, 1], ids=["published at once", "held back"])
 def test_a_traced_call_interrupted_at_every_instruction_leaves_whole_pairs(native: NativeArea, threshold: int) -> None:
     """A signal handler calls the traced function again after each instruction of the first
