@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -629,7 +630,8 @@ def test_ctrl_c_on_a_terminal_reaches_the_command_once(tmp_path: Path) -> None:
         os.close(secondary)
         shown = b""
         try:
-            while b"ready" not in shown:
+            while b"ready" not in shown:  # (a bounded wait: a failure says what the terminal showed)
+                assert select.select([primary], [], [], 60)[0], shown.decode(errors="replace")
                 shown += os.read(primary, 4096)
             os.write(primary, b"\x03")  # the terminal sends SIGINT to its foreground process group
             status = proc.wait(timeout=30)
