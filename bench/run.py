@@ -332,6 +332,7 @@ def post_processing(statements: int) -> dict[str, Any]:
         commands: dict[str, tuple[list[str], str | None]] = {
             "replay": ([*dp, "replay", ours], None), "report": ([*dp, "report", ours], None),
             "chrome": ([*dp, "dump", "--chrome", ours], None), "flame": ([*dp, "dump", "--flame", ours], None),
+            "perfetto": ([*dp, "dump", "--perfetto", ours], None),
         }  # fmt: skip
         if uftrace is not None:
             theirs = os.path.join(tmp, "uftrace.data")
@@ -577,7 +578,7 @@ def main() -> int:
     out.print(f"start-up: `dynprobe --version` {started['version_s'] * 1000:.0f} ms, `dynprobe count 'p libc:malloc' "
               f"-- /bin/true` {started['count_true_s'] * 1000:.0f} ms")  # fmt: skip
     shown = []
-    for name in ("replay", "report", "chrome", "flame"):
+    for name in ("replay", "report", "chrome", "flame", "perfetto"):
         ours, theirs = reading[name], reading.get(f"uftrace_{name}")
         versus = f" vs uftrace {theirs['cpu_s']:.2f} s, {theirs['peak_mb']:.0f} MB" if theirs else ""
         shown.append(f"{name} {ours['cpu_s']:.2f} s, {ours['peak_mb']:.0f} MB{versus}")
