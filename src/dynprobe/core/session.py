@@ -1484,8 +1484,8 @@ class Session:
             )  # fmt: skip
             with self._events_lock:
                 if self._flight_recorder:  # the newest, as many as HELD_RINGS rings hold; older ones give way
-                    if self._flight_events.maxlen != HELD_RINGS * self.layout.ring_slots:
-                        self._flight_events = deque(self._flight_events, maxlen=HELD_RINGS * self.layout.ring_slots)
+                    if self._flight_events.maxlen is None:  # (the layout is fixed by now)
+                        self._flight_events = deque(maxlen=HELD_RINGS * self.layout.ring_slots)
                     if len(self._flight_events) == self._flight_events.maxlen and self._consumer is not None:
                         self._consumer.overwritten += 1
                     self._flight_events.append(event)
