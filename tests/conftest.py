@@ -16,6 +16,9 @@ TARGETS = Path(__file__).parent / "targets"
 BUILD = Path(__file__).parent / ".build"
 
 
+_BUILT: dict[str, str] = {}  # a target's name -> what it was built from (see build_target)
+
+
 def build_target(name: str, *sources: str, flags: tuple[str, ...] = (), output: str | None = None) -> str:
     """Compile tests/targets/<sources> into tests/.build/<output or name>; rebuilt when anything changes."""
     BUILD.mkdir(exist_ok=True)
@@ -26,6 +29,9 @@ def build_target(name: str, *sources: str, flags: tuple[str, ...] = (), output: 
     digest.update(" ".join(flags).encode())
     out = BUILD / (output or name)
     stamp = BUILD / f".{output or name}.sha"
+    # One name, one build: another test process (pytest -n) may be running the binary a name
+    # gives, and a rebuild with other flags would change it under that test's feet.
+    assert _BUILT.setdefault(out.name, digest.hexdigest()) == digest.hexdigest(), f"{out.name} built two ways"
     if out.exists() and stamp.exists() and stamp.read_text() == digest.hexdigest():
         return str(out)
     # Built under a name of this process's, then renamed into place: two test processes
