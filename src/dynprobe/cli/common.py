@@ -127,6 +127,20 @@ def output_name(path: str | None, default: TextIO = sys.stderr) -> str:
     return "the standard output" if path == "-" else path
 
 
+def exit_code(work: Callable[[], int], output: str | None, default: TextIO = sys.stderr) -> int:
+    """`work`'s exit code, or that of the error it raised, told in one line: a pipe closed on
+    the output (`| head`) ends the command quietly; another write error names the output (-o
+    `output`, else `default`)."""
+    try:
+        return work()
+    except DynprobeError as exc:
+        return report_error(exc)
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        return report_error(DynprobeError(f"cannot write {output_name(output, default)}: {exc.strerror or exc}"))
+
+
 def open_session(args: argparse.Namespace, command: list[str]) -> Session:
     from dynprobe.core.session import attach, spawn  # (the engine: not loaded for `list` or --help)
 
@@ -162,13 +176,6 @@ def run_target(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    if not session.flight_recorder:  # (a SIGUSR2 meant for a flight recorder must not kill this run)
-        signal.signal(
-            signal.SIGUSR2,
-            lambda signum, frame: print(
-                "dynprobe: SIGUSR2 ignored: a snapshot is a flight recorder's (--flight-recorder)", file=sys.stderr
-            ),
-        )
     # What the set-up made (probes, sites, symbols: 10^5 objects for 10^4 probes) lives as long
     # as the command: collections while the target runs need not walk it again (~0.2 s).
     gc.freeze()

@@ -18,12 +18,11 @@ from dynprobe.cli.common import (
     add_output_option,
     byte_size,
     close_output,
+    exit_code,
     interval_seconds,
     open_output,
     open_session,
-    output_name,
     positive_count,
-    report_error,
     run_target,
 )
 from dynprobe.core.probe import Probe
@@ -80,15 +79,19 @@ def add_ring_options(p: argparse.ArgumentParser) -> None:
 
 def set_ring_mode(session: Session, *, lossy: bool, flight_recorder: bool) -> None:
     """What a full ring does: wait for the reader (default), lose the record, or give up its
-    oldest; a flight recorder's snapshot at SIGUSR2 from now on (not its default action, death,
-    while probes are placed; run_target ignores it once the run is over)."""
+    oldest. From now on SIGUSR2 takes a flight recorder's snapshot, and in the other modes says
+    it is ignored: its default action, death, would end a run meant for a flight recorder
+    (run_target ignores it once the run is over)."""
     if lossy:
         session.wait_for_room = 0
     session.flight_recorder = flight_recorder
     if flight_recorder:
         signal.signal(signal.SIGUSR2, lambda signum, frame: session.request_snapshot())
+    else:
+        signal.signal(signal.SIGUSR2, lambda signum, frame: print(SNAPSHOT_IGNORED, file=sys.stderr))
 
 
+SNAPSHOT_IGNORED = "dynprobe: SIGUSR2 ignored: a snapshot is a flight recorder's (--flight-recorder)"
 RING_WAS_FULL = "a thread's ring was full (--lossy), or stayed full longer than a thread waits for the reader"
 MAX_SPEC_FILE = 64 << 20  # bytes of a spec file read at most
 
@@ -350,20 +353,18 @@ def run_aggregating(
     print), and at the end everything (title "total:" after intervals, else None), on the
     standard error or -o FILE."""
     last: dict[int, Tally] = {}
-    try:
+
+    def run() -> int:
         out = open_output(args.output)
-    except DynprobeError as exc:
-        return report_error(exc)
-
-    def interval() -> None:
-        now = [Tally.of(p) for p in probes]
-        report(Shown.of([t.since(last.get(t.probe.index)) for t in now], time.strftime("%H:%M:%S"), args), out)
-        last.update((t.probe.index, t) for t in now)
-
-    try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             probes = place_all(session, request, lambda spec: place(session, spec))
+
+            def interval() -> None:
+                now = [Tally.of(p) for p in probes]
+                report(Shown.of([t.since(last.get(t.probe.index)) for t in now], time.strftime("%H:%M:%S"), args), out)
+                last.update((t.probe.index, t) for t in now)
+
             status = run_target(session, args.interval, interval, ready=lambda: say_placed(probes, args.pid))
             session.close()
             report(Shown.of([Tally.of(p) for p in probes], "total:" if last else None, args), out)
@@ -374,12 +375,8 @@ def run_aggregating(
                 note_traps(probes)
             note_missed_returns(probes, more_instances)
             note_never_placed(probes)
-    except DynprobeError as exc:
-        return report_error(exc)
-    except BrokenPipeError:
-        return 0
-    except OSError as exc:
-        return report_error(DynprobeError(f"cannot write {output_name(args.output)}: {exc.strerror or exc}"))
-    if args.pid is not None:
-        return 0
-    return status if status is not None else 130
+        if args.pid is not None:
+            return 0
+        return status if status is not None else 130
+
+    return exit_code(run, args.output)

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
-from dynprobe.cli.common import UsageError, add_demangle_option, close_output, open_output, output_name, report_error
+from dynprobe.cli.common import UsageError, add_demangle_option, close_output, exit_code, open_output, report_error
 from dynprobe.errors import DynprobeError
 from dynprobe.output import callgraph, timeline
 from dynprobe.output.callfilter import CallFilter, Trigger
@@ -281,18 +281,14 @@ def show_trace(
     if command:
         return report_error(UsageError("reading a trace runs no command"))
     output: str | None = args.output
-    try:
-        filters = call_filter(args) if filters is None else filters
+
+    def read_and_show() -> int:
         with _trace(args) as trace:
             out = default if output is None else open_output(output)
             try:
-                show(trace, out, filters)
+                show(trace, out, call_filter(args) if filters is None else filters)
             finally:
                 close_output(out)
-    except DynprobeError as exc:
-        return report_error(exc)
-    except BrokenPipeError:
         return 0
-    except OSError as exc:
-        return report_error(DynprobeError(f"cannot write {output_name(output, default)}: {exc.strerror}"))
-    return 0
+
+    return exit_code(read_and_show, output, default)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen import Detour, build_detour
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
-from dynprobe.core.slots import PlacedCode
+from dynprobe.core.slots import PlacedCode, place_code
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 
 PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
-DETOUR_ROOM = 512  # first guess of a detour's size: most fit, the rest are placed again
 
 
 class Optimizer:
@@ -211,32 +210,12 @@ class Optimizer:
         symbols = session.symbol_resolver(site)
         trampoline = proc.returns.trampoline if proc.returns is not None else None
         layout, rseq = session.layout, proc.rseq_offset_at
-        return self.place_code(
-            proc, site.addr, lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq)
+        return place_code(
+            session,
+            proc,
+            site.addr,
+            lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq),
         )
-
-    def place_code(
-        self, proc: TracedProcess, near: int, build: Callable[[int], Detour | OptimizeRefusal]
-    ) -> tuple[int, Detour] | OptimizeRefusal:
-        """Generated code near `near`, written into the target: `build(address)` at a first
-        guess of its size, again with the room it needs if longer; the bytes it does not use
-        go back to the slot cache."""
-        room = DETOUR_ROOM
-        while True:
-            start = self.session.allocate_slot(proc, near, room)
-            if start is None:
-                return OptimizeRefusal.NO_MEMORY
-            built = build(start)
-            if isinstance(built, OptimizeRefusal) or len(built.code) <= room or room > DETOUR_ROOM:
-                break
-            proc.slots.free(start, room)  # a big record: placed again with the room it needs
-            room = len(built.code) + 32
-        if isinstance(built, OptimizeRefusal) or len(built.code) > room:
-            proc.slots.free(start, room)
-            return built if isinstance(built, OptimizeRefusal) else OptimizeRefusal.NO_MEMORY
-        proc.slots.shrink(start, room, len(built.code))
-        proc.tracee.write(start, built.code)
-        return start, built
 
     # --- back to trap ------------------------------------------------------------------------------------
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:

@@ -53,6 +53,7 @@ from dynprobe.arch.x86_64.codegen import (
 )
 from dynprobe.arch.x86_64.regs import ARG_REGS
 from dynprobe.core.probe import Hit, Probe, Site
+from dynprobe.core.slots import place_code
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal, SymbolError
 from dynprobe.ptrace import syscalls as sc
@@ -79,7 +80,6 @@ RETURNS_TWICE = frozenset(
 UNWINDER_ENTRIES = ("_Unwind_RaiseException", "_Unwind_Resume", "_Unwind_Resume_or_Rethrow", "_Unwind_ForcedUnwind")
 BACKTRACE_ENTRY = "_Unwind_Backtrace"
 CATCH_ENTRY = "__cxa_begin_catch"
-RETURN_CODE_ROOM = 1024  # a return part's code, first guess (a latency record: ~450 bytes)
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
 _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
@@ -242,27 +242,13 @@ class ReturnProbes:
         if probe.index in returns.code:
             return returns.code[probe.index][0]
         session = self.session
-        mult = session.tsc_mult()
-        resolver = session.symbol_resolver_for(probe, proc)
-        room = RETURN_CODE_ROOM
-        for _ in range(2):  # (code larger than the first guess: placed again where it fits)
-            at = session.allocate_slot(proc, returns.trampoline.table, room)
-            if at is None:
-                return returns.stub
-            code = build_return_code(
-                probe.program(), session.layout, at, returns.trampoline, mult, resolver, proc.rseq_offset_at
-            )
-            if isinstance(code, bytes) and len(code) <= room:
-                break
-            proc.slots.free(at, room)
-            if isinstance(code, OptimizeRefusal):
-                _debug(f"{probe.name}: return part at a stop ({code})")
-                return returns.stub
-            room = len(code) + 64
-        else:
+        mult, resolver, rseq = session.tsc_mult(), session.symbol_resolver_for(probe, proc), proc.rseq_offset_at
+        placed = place_code(session, proc, returns.trampoline.table, lambda at: build_return_code(
+            probe.program(), session.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
+        if isinstance(placed, OptimizeRefusal):
+            _debug(f"{probe.name}: return part at a stop ({placed})")
             return returns.stub
-        proc.slots.shrink(at, room, len(code))
-        proc.tracee.write(at, code)
+        at, code = placed
         returns.code[probe.index] = (at, len(code))
         return at
 

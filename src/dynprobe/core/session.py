@@ -51,7 +51,7 @@ from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handle
 from dynprobe.core.rescue import Rescue
 from dynprobe.core.returns import RETURNS_TWICE, ProcessReturns, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
-from dynprobe.core.slots import PlacedCode, SlotCache
+from dynprobe.core.slots import PlacedCode, SlotCache, place_code
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import (
@@ -376,8 +376,10 @@ class Session:
         self._consumer: Consumer | None = None
         self._by_index: list[Probe | None] = []
         self._hists = 0
-        self._trap_events: list[ProbeEvent] = []
-        self._flight_events: deque[ProbeEvent] = deque()  # a flight recorder's events served at stops
+        # Events served at stops, till delivered; a flight recorder's, the newest HELD_RINGS rings'
+        # worth (a bounded deque once the layout is fixed), the older counted as given way.
+        self._trap_events: deque[ProbeEvent] = deque()
+        self._trap_events_gave_way = 0
         self._comms: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> name, when read
         self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
@@ -1427,8 +1429,8 @@ class Session:
             return None
         programs = [p.program() for p in probes]
         symbols = self.symbol_resolver(site)
-        placed = self._optimizer.place_code(
-            proc, site.addr,
+        placed = place_code(
+            self, proc, site.addr,
             lambda at: build_trap_actions(programs, self.layout, site.addr, at, symbols, proc.rseq_offset_at),
         )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
@@ -1483,14 +1485,11 @@ class Session:
                 {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
             )  # fmt: skip
             with self._events_lock:
-                if self._flight_recorder:  # the newest, as many as HELD_RINGS rings hold; older ones give way
-                    if self._flight_events.maxlen is None:  # (the layout is fixed by now)
-                        self._flight_events = deque(maxlen=HELD_RINGS * self.layout.ring_slots)
-                    if len(self._flight_events) == self._flight_events.maxlen and self._consumer is not None:
-                        self._consumer.overwritten += 1
-                    self._flight_events.append(event)
-                else:
-                    self._trap_events.append(event)
+                if self._flight_recorder and self._trap_events.maxlen is None:
+                    self._trap_events = deque(self._trap_events, maxlen=HELD_RINGS * self.layout.ring_slots)
+                if len(self._trap_events) == self._trap_events.maxlen:
+                    self._trap_events_gave_way += 1
+                self._trap_events.append(event)
 
     def _cpu_at_stop(self, proc: TracedProcess, tid: int, regs: Regs) -> int:
         """The CPU a stopped thread ran on when it stopped: the number the kernel keeps in the
@@ -2451,7 +2450,7 @@ class Session:
     def records_overwritten(self) -> int:
         """A flight recorder's records that gave way to newer ones before they were read (as of
         the last snapshot: `flight_recorder`)."""
-        return self._consumer.overwritten if self._consumer is not None else 0
+        return self._trap_events_gave_way + (self._consumer.overwritten if self._consumer is not None else 0)
 
     def _wait_ticks(self) -> int:
         if not self._wait_for_room:
@@ -2575,9 +2574,8 @@ class Session:
         first, a window of time at a time (`time_windows`: the events of a full ring are made
         into objects a part at a time)."""
         with self._events_lock:
-            events, self._trap_events = self._trap_events, []
-            events += self._flight_events
-            self._flight_events.clear()
+            events = list(self._trap_events)
+            self._trap_events.clear()
         for low, high in time_windows(batches, [e.time_ns for e in events], DELIVERED_AT_ONCE):
             self._deliver_window(
                 [part for batch in batches if (part := batch.within(low, high)) is not None],

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from dynprobe.arch.x86_64 import SLOT_SIZE
+from dynprobe.arch.x86_64.codegen import Detour
+from dynprobe.errors import OptimizeRefusal
+
+if TYPE_CHECKING:
+    from dynprobe.core.session import Session, TracedProcess
 
 PAGE = 4096
 REGION = 16 * PAGE
@@ -120,3 +126,34 @@ class SlotCache:
         self._free.clear()
         self._next.clear()
         self.in_use = 0
+
+
+FIRST_GUESS = 512  # bytes: generated code's first room; most fits, the rest is placed again
+Code = TypeVar("Code", Detour, bytes)
+
+
+def place_code(
+    session: Session, proc: TracedProcess, near: int, build: Callable[[int], Code | OptimizeRefusal]
+) -> tuple[int, Code] | OptimizeRefusal:
+    """Generated code near `near` (a detour, actions, a return part), written into the target:
+    `build(address)` at a first guess of its size, again with the room it needs if longer; the
+    bytes it does not use go back to the slot cache."""
+    room = FIRST_GUESS
+    while True:
+        start = session.allocate_slot(proc, near, room)
+        if start is None:
+            return OptimizeRefusal.NO_MEMORY
+        built = build(start)
+        if isinstance(built, OptimizeRefusal):
+            proc.slots.free(start, room)
+            return built
+        code = built if isinstance(built, bytes) else built.code
+        if len(code) <= room:
+            break
+        proc.slots.free(start, room)
+        if room > FIRST_GUESS:  # (placed again with the room it asked for, and still longer)
+            return OptimizeRefusal.NO_MEMORY
+        room = len(code) + 32  # a big record: placed again with the room it needs
+    proc.slots.shrink(start, room, len(code))
+    proc.tracee.write(start, code)
+    return start, built

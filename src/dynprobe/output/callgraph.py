@@ -304,36 +304,16 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
     spent[leaves] = time[items[leaves] + 1] - time[items[leaves]]
     # No call may enter a frame still open. A thread's frames are its shadow stack's entries: when
     # each call's frame is its level plus one offset, carried calls' too (the common case), none
-    # can. Else: per frame, opens and closes alternate. (Only frames some call opens can be open:
-    # the others' calls have no callee.)
+    # can. Else: per frame, opens and closes must alternate.
     carried_frames = np.array([c[2] for c in stack.calls], dtype=np.int64)
     item_frames = frame[items].astype(np.int64)
     shift = item_frames[kinds != _EXIT] - levels[kinds != _EXIT]
     offset = int(shift[0]) if len(shift) else None
-    if offset is not None and (shift == offset).all() and (carried_frames - np.arange(len(stack)) == offset).all():
-        return _left_open(items, kinds, levels, spent, stack, order, lv, kd, func, time, frame)
-    opening = np.zeros(1 << 16, dtype=bool)  # (frames are 15 bits)
-    opening[carried_frames] = True
-    opening[item_frames[kinds == _ENTRY]] = True
-    relevant = opening[item_frames]
-    f_items = np.concatenate((carried_frames, item_frames[relevant]))
-    f_step = np.concatenate((np.ones(len(stack), dtype=np.int64), delta[relevant]))
-    f_leaf = np.concatenate((np.zeros(len(stack), dtype=bool), leaves[relevant]))
-    by_frame = _stable_order(f_items)
-    fr, step, leaf = f_items[by_frame], f_step[by_frame], f_leaf[by_frame]
-    running = np.cumsum(step)
-    starts = np.ones(len(fr), dtype=bool)
-    starts[1:] = fr[1:] != fr[:-1]
-    state = running - (running - step)[starts][np.cumsum(starts) - 1]  # the frame's open calls after
-    if ((state != 0) & (state != 1)).any() or (leaf & (state != 0)).any():
+    frames_follow_levels = (
+        offset is not None and (shift == offset).all() and (carried_frames - np.arange(len(stack)) == offset).all()
+    )
+    if not frames_follow_levels and not _frames_alternate(carried_frames, item_frames, kinds, delta=delta):
         return None
-    return _left_open(items, kinds, levels, spent, stack, order, lv, kd, func, time, frame)
-
-
-def _left_open(items: np.ndarray, kinds: np.ndarray, levels: np.ndarray, spent: np.ndarray, stack: _OpenCalls,
-               order: np.ndarray, lv: np.ndarray, kd: np.ndarray, func: np.ndarray, time: np.ndarray,
-               frame: np.ndarray) -> _Segment:  # fmt: skip
-    """A plain segment, with the calls carried in that it closes and those it leaves open."""
     exits_at = levels[kinds == _EXIT]
     closed_to = min(int(exits_at.min()), len(stack)) if len(exits_at) else len(stack)
     last = np.ones(len(order), dtype=bool)
@@ -341,6 +321,27 @@ def _left_open(items: np.ndarray, kinds: np.ndarray, levels: np.ndarray, spent: 
     left_open = order[last & (kd == _ENTRY)]  # by level: outermost first
     opened = [[int(func[i]), int(time[i]), int(frame[i])] for i in items[left_open].tolist()]
     return _Segment(items, kinds, levels, spent, closed_to, opened, order)
+
+
+def _frames_alternate(carried_frames: np.ndarray, item_frames: np.ndarray, kinds: np.ndarray, *,
+                      delta: np.ndarray) -> bool:  # fmt: skip
+    """Whether, per frame, calls open and close in turn (carried calls open first) and no call
+    with no callee runs in a frame still open. Only frames some call opens can be open: the
+    others' calls have no callee."""
+    opening = np.zeros(1 << 16, dtype=bool)  # (frames are 15 bits)
+    opening[carried_frames] = True
+    opening[item_frames[kinds == _ENTRY]] = True
+    relevant = opening[item_frames]
+    f_items = np.concatenate((carried_frames, item_frames[relevant]))
+    f_step = np.concatenate((np.ones(len(carried_frames), dtype=np.int64), delta[relevant]))
+    f_leaf = np.concatenate((np.zeros(len(carried_frames), dtype=bool), kinds[relevant] == _LEAF))
+    by_frame = _stable_order(f_items)
+    fr, step, leaf = f_items[by_frame], f_step[by_frame], f_leaf[by_frame]
+    running = np.cumsum(step)
+    starts = np.ones(len(fr), dtype=bool)
+    starts[1:] = fr[1:] != fr[:-1]
+    state = running - (running - step)[starts][np.cumsum(starts) - 1]  # the frame's open calls after
+    return not (((state != 0) & (state != 1)).any() or (leaf & (state != 0)).any())
 
 
 def _segment_calls(

@@ -205,7 +205,8 @@ def dump_perfetto(trace: Trace, out: BinaryIO, filters: CallFilter | None = None
     interned per thread (each thread is a packet sequence), time stamps in ns."""
     pid = int(trace.info.get("pid") or 0)  # (checked: a count, or null)
     sequences: dict[int, int] = {}  # tid -> its packet sequence (from 1)
-    interned: dict[int, np.ndarray] = {}  # tid -> which functions' names its sequence holds
+    interned: dict[int, set[int]] = {}  # tid -> the functions whose names its sequence holds
+    position_of = np.zeros(max(len(trace.functions), 1), dtype=np.int64)  # scratch (see the loop)
 
     # An event's packet: [packet tag, length] [timestamp tag, varint: `width` bytes] [sequence
     # flags] [sequence id] [track event: its key's]; the track is the sequence's default.
@@ -241,17 +242,19 @@ def dump_perfetto(trace: Trace, out: BinaryIO, filters: CallFilter | None = None
         tid = chunk.tid
         if tid not in sequences:
             sequences[tid] = len(sequences) + 1
-            interned[tid] = np.zeros(max(len(trace.functions), 1), dtype=bool)
+            interned[tid] = set()
             thread = _field(1, pid) + _field(2, tid) + _field(5, _utf8(trace.threads.get(tid, str(tid))))
             track = _field(1, _thread_track(pid, tid)) + _field(5, pid) + _field(4, thread)
             defaults = _field(_DEFAULTS, _field(_TRACK_EVENT, _field(_TRACK_UUID, _thread_track(pid, tid))))
             out.write(_packet(_field(_TRACK, track)))
             out.write(_packet(_field(_SEQUENCE, sequences[tid]), _field(_FLAGS, _STATE_CLEARED), defaults))
-        named = np.zeros(len(interned[tid]), dtype=bool)
-        named[chunk.func[chunk.kind != EXIT]] = True
-        new = np.flatnonzero(named & ~interned[tid]).tolist()
+        # The chunk's functions entered, each once, with no sort: each function keeps one of its
+        # positions (whichever numpy writes last), which alone reads back as itself.
+        entered = chunk.func[chunk.kind != EXIT]
+        position_of[entered] = np.arange(len(entered))
+        new = sorted(set(entered[position_of[entered] == np.arange(len(entered))].tolist()) - interned[tid])
         if new:
-            interned[tid][new] = True
+            interned[tid].update(new)
             names = b"".join(_field(2, _field(1, f + 1) + _field(2, _utf8(trace.name(f)))) for f in new)
             out.write(
                 _packet(_field(_SEQUENCE, sequences[tid]), _field(_FLAGS, _NEEDS_STATE), _field(_INTERNED, names))

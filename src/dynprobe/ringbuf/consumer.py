@@ -147,15 +147,17 @@ def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLa
 
     `words`: the area as u64s; `view`: the same bytes. Returns an (n, record_size) u8 array."""
     first, n, head = _unread(words, lay)
-    if n == 0:
-        return np.empty((0, lay.record_size), dtype=np.uint8)
-    records = _ring(view, offset, lay)
-    if first + n <= lay.ring_slots:
-        out = records[first : first + n].copy()
-    else:
-        out = np.concatenate((records[first:], records[: first + n - lay.ring_slots]))
+    out = _copied(view, offset, lay, first, n)
     words[L.TAIL // 8] = head
     return out
+
+
+def _copied(view: memoryview, offset: int, lay: L.AreaLayout, first: int, n: int) -> np.ndarray:
+    """`n` records of a ring from slot `first` (wrapped at its end), copied out."""
+    records = _ring(view, offset, lay)
+    if first + n <= lay.ring_slots:
+        return records[first : first + n].copy()
+    return np.concatenate((records[first:], records[: first + n - lay.ring_slots]))
 
 
 def snapshot_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> tuple[np.ndarray, int]:
@@ -171,12 +173,8 @@ def snapshot_records(words: np.ndarray, view: memoryview, offset: int, lay: L.Ar
         return np.empty((0, lay.record_size), dtype=np.uint8), max(head - read, 0)
     if head > start + lay.ring_slots:
         raise RingCorrupted(f"head {head}, tail {tail} and read {read} of a ring of {lay.ring_slots} records")
-    n, first = head - start, start % lay.ring_slots
-    records = _ring(view, offset, lay)
-    if first + n <= lay.ring_slots:
-        out = records[first : first + n].copy()
-    else:
-        out = np.concatenate((records[first:], records[: first + n - lay.ring_slots]))
+    out = _copied(view, offset, lay, start % lay.ring_slots, head - start)
+    n = len(out)
     given_up = min(max(int(words[L.TAIL // 8]) - start, 0), n)
     words[L.READ // 8] = head
     return out[given_up:], start - read + given_up
@@ -422,9 +420,7 @@ class Consumer:
             else:
                 records = take_records(words, memoryview(area.pool.view), area.offset, lay)
         except (RingCorrupted, ValueError) as exc:
-            self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
-            self._mark_read(words)
-            self.corrupt += 1
+            self._corrupted(areas.pid, tid, words, exc)
             return []
         except OSError as exc:  # spooling the raw output: a full disk, a file system gone read-only
             self.fail(exc.strerror or str(exc))
@@ -447,12 +443,9 @@ class Consumer:
                 for tid, area in retired:
                     words = area.pool.words[area.index]
                     try:
-                        records = self._snapshot(words, area)
+                        self.held.append((areas.pid, tid, self._snapshot(words, area)))
                     except RingCorrupted as exc:
-                        self._error(f"thread {tid} of pid {areas.pid}: corrupted ring ({exc}); its records are skipped")
-                        records = np.empty((0, self.layout.record_size), dtype=np.uint8)
-                    if len(records):
-                        self.held.append((areas.pid, tid, records))
+                        self._corrupted(areas.pid, tid, words, exc)
                     self._fold(areas, tid, area)
                     areas.recycle(area)
             held = sum(len(records) for *_, records in self.held)
@@ -547,6 +540,11 @@ class Consumer:
         self._mark_read(words)
         self.discarded += n
         return []
+
+    def _corrupted(self, pid: int, tid: int, words: np.ndarray, exc: Exception) -> None:
+        self._error(f"thread {tid} of pid {pid}: corrupted ring ({exc}); its records are skipped")
+        self._mark_read(words)
+        self.corrupt += 1
 
     def _mark_read(self, words: np.ndarray) -> None:
         """Whatever the ring holds is read (a flight recorder's: READ; TAIL is its writer's)."""
