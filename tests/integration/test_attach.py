@@ -544,6 +544,13 @@ def test_process_in_another_mount_namespace(spinner: str, tmp_path: Path) -> Non
             assert ticks.hits > 100 and sleeps.hits > 100 and ticks.mode == dynprobe.ProbeMode.OPTIMIZED
     finally:
         assert int(finish(proc).split("=")[1]) > 100
+    # The same libc, reached through our root now that that process (and its root) is gone.
+    with open(tmp_path / "out", "w") as out, dynprobe.spawn([spinner, "1", "idle", "0.2"], stdout=out) as session:
+        ticks = session.probe("tick", action="count")
+        sleeps = session.probe("libc:usleep", action="count")
+        assert session.run(timeout=20) == 0
+    # (the thread sleeps after each tick; the main thread sleeps too)
+    assert (tmp_path / "out").read_text() == f"ready\nticks={ticks.hits}\n" and sleeps.hits > ticks.hits > 0
 
 
 def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> None:

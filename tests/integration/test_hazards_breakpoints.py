@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 
 import dynprobe
@@ -65,6 +68,41 @@ def test_offset_inside_an_instruction_is_refused(wordcount: str) -> None:
     with dynprobe.spawn([wordcount]) as session, pytest.raises(ProbeRefused) as info:
         session.probe(f"add_word+{insn.len - 1}")
     assert info.value.reason == Refusal.NOT_INSN_BOUNDARY
+
+
+_REBUILT = """
+    .text
+    .globl step
+    .type step, @function
+step:
+    {body}
+    ret
+    .size step, .-step
+    .globl main
+    .type main, @function
+main:
+    call step
+    xor %eax, %eax
+    ret
+    .size main, .-main
+    .section .note.GNU-stack,"",@progbits
+"""
+
+
+def test_a_program_rebuilt_in_place_has_its_new_instruction_boundaries(tmp_path: Path) -> None:
+    """One script, the program rebuilt between two sessions: step() is at the same address with
+    the same size, but step+1, an instruction's start before, is inside one now."""
+    program = tmp_path / "rebuilt"
+    for body, inside in (("nop; nop", False), ("xchg %ax, %ax", True)):  # 90 90 c3, then 66 90 c3
+        (tmp_path / "rebuilt.S").write_text(_REBUILT.format(body=body))
+        subprocess.run(["gcc", "-o", str(program), str(tmp_path / "rebuilt.S")], check=True)
+        with dynprobe.spawn([str(program)]) as session:
+            if inside:
+                with pytest.raises(ProbeRefused) as info:
+                    session.probe("step+1")
+                assert info.value.reason == Refusal.NOT_INSN_BOUNDARY
+            probe = session.probe("step+2" if inside else "step+1", pre=lambda hit: None)
+            assert session.run(timeout=20) == 0 and probe.hits == 1
 
 
 @pytest.mark.parametrize("post", [False, True], ids=["boosted", "single-stepped"])

@@ -23,7 +23,7 @@ def check_location(location: Location) -> Refusal | None:
     if func is None:
         return Refusal.UNKNOWN_FUNCTION
     at_entry = location.vaddr == func.addr  # an instruction starts there: no need to decode up to it
-    if not at_entry and location.vaddr not in _starts(location.path, func.addr, func.size):
+    if not at_entry and location.vaddr not in _starts(image, func.addr, func.size):
         return Refusal.NOT_INSN_BOUNDARY
     decoded = first_instruction(location)
     return decoded if isinstance(decoded, Refusal) else None
@@ -56,14 +56,17 @@ def _decode_site(image: ElfImage, vaddr: int) -> tuple[iced.Instruction, ResumeP
     return plan if isinstance(plan, Refusal) else (insn, plan)
 
 
-_STARTS_CACHE: dict[tuple[str, int, int], frozenset[int]] = {}
+# Per image, as _DECODED: a file rewritten in place is another image (load_elf), and what an
+# image evicted from load_elf's cache knew goes with it.
+_STARTS: weakref.WeakKeyDictionary[ElfImage, dict[tuple[int, int], frozenset[int]]] = weakref.WeakKeyDictionary()
 
 
-def _starts(path: str, addr: int, size: int) -> frozenset[int]:
-    key = (path, addr, size)
-    if key not in _STARTS_CACHE:
-        _STARTS_CACHE[key] = frozenset(instruction_starts(load_elf(path).code(addr, size), addr))
-    return _STARTS_CACHE[key]
+def _starts(image: ElfImage, addr: int, size: int) -> frozenset[int]:
+    known = _STARTS.setdefault(image, {})
+    starts = known.get((addr, size))
+    if starts is None:
+        starts = known[addr, size] = frozenset(instruction_starts(image.code(addr, size), addr))
+    return starts
 
 
 def default_event_name(location: Location, is_return: bool = False) -> str:

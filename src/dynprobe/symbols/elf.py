@@ -589,24 +589,27 @@ def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarra
     return np.concatenate(sources), np.concatenate(targets)
 
 
-_CACHE: dict[tuple[int, int, int, int], ElfImage] = {}
+_CACHE: dict[tuple[str, int, int, int, int], ElfImage] = {}
 _CACHE_SIZE = 64
 
 
 def load_elf(path: str) -> ElfImage:
     """The parsed ELF at `path`, cached while the file is unchanged (same inode, size and
-    modification time: a replaced or rewritten file is parsed again)."""
+    modification time: a replaced or rewritten file is parsed again). Keyed by the path too: an
+    image names its file by the path it was read through, and one file reached through another
+    process's root (/proc/PID/root/...) is gone with that process."""
     try:
         st = files.stat(path)
     except FileNotFoundError as exc:
         raise SymbolError(f"no such file: {path}") from exc
     except PermissionError as exc:
         raise SymbolError(f"cannot read {path}: permission denied") from exc
-    key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    real = files.real_path(path)
+    key = (real, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
     image = _CACHE.get(key)
     if image is None:
         with gc_paused():
-            image = ElfImage(files.real_path(path))
+            image = ElfImage(real)
         if len(_CACHE) >= _CACHE_SIZE:
             del _CACHE[next(iter(_CACHE))]
         _CACHE[key] = image
