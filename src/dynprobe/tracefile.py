@@ -8,7 +8,8 @@
                      [argument specs, return-value specs], as spec/argspec.py writes them),
                      counts (calls, missed, lost, and a flight recorder's records that gave
                      way: overwritten), "complete" once written out; "flight_recorder": each of
-                     a thread's chunks after its first follows a gap (Chunk.gap)
+                     a thread's chunks after its first follows a gap (Chunk.gap);
+                     "snapshot_over_ns": the call length that took a flight recorder's snapshot
     DIR/events.raw   the consumer's raw output: chunks of (u64 pid | tid << 32, u64 count, count
                      records of `record_size` bytes), each record u16 ops, u16 kind (bit 0:
                      exit; bits 1-14: the call's frame, 0 for none; version 1 had no frames),
@@ -135,7 +136,7 @@ def _wrong_in(info: dict[str, Any]) -> str | None:
         return "the thread names are not a table of tid: name"
     if not isinstance(info.get("flight_recorder", False), bool):
         return "flight_recorder is not true or false"
-    for key in ("pid", "threshold_ns", "depth", "calls", "missed", "lost", "overwritten"):
+    for key in ("pid", "threshold_ns", "snapshot_over_ns", "depth", "calls", "missed", "lost", "overwritten"):
         if info.get(key) is not None and not (_is_int(info[key]) and 0 <= info[key] < 1 << 63):
             return f"{key} is not a number"
     return None

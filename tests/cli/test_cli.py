@@ -471,14 +471,6 @@ def test_a_flight_recorder_keeps_a_bounded_window_of_threads_that_ended(mode: li
     assert hits == 20_000 and 0 < len(lines) <= 4 * 256 and len(lines) + gave_way == hits
 
 
-def test_a_flight_recorder_refuses_a_time_threshold(tmp_path: Path) -> None:
-    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
-    r = dp(
-        "record", "--flight-recorder", "--threshold", "1ms", "-o", str(tmp_path / "t"), "--", opt, "events", "1", "10"
-    )
-    assert r.returncode == 1 and "a flight recorder keeps every call, the newest: not with a time threshold" in r.stderr
-
-
 def test_a_flight_recorder_writes_the_newest_events_at_sigusr2_and_at_the_end(tmp_path: Path) -> None:
     """`trace --flight-recorder`: nothing is written while the program runs until dynprobe gets
     SIGUSR2, then what the ring holds (256 records at most), in time order; at the end, what came

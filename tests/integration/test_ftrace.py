@@ -251,6 +251,37 @@ def test_a_flight_recorder_s_trace_holds_the_newest_calls(ret: str, tmp_path: Pa
     assert "50001 calls traced, the newest 4096 records kept in" in r.stderr
 
 
+def test_a_flight_recorder_s_threshold_keeps_what_led_up_to_a_long_call(ret: str, tmp_path: Path) -> None:
+    """`record --flight-recorder --threshold 150ms`, a ring of 256 records: 20,000 calls of add
+    with a 300 ms nap after the 10,000th. The nap's exit takes a snapshot: the trace holds the 84
+    whole calls before it (3 records each: entry, argument, exit), the nap, then the newest
+    window at the end; nothing is lost, the calls in between gave way."""
+    r, trace = record(tmp_path, "--flight-recorder", "--threshold", "150ms", "--ring-size", "4096",
+                      "-P", "main", "-P", "add", "-P", "nap", "-A", "add@arg1", "--", ret, "spike", "20000", "10000",
+                      "300")  # fmt: skip
+    assert r.stdout == f"{sum(range(1, 20_001))}\n"
+    assert "20002 calls traced, the newest 512 records kept (1 snapshot at calls of 150.000 ms or more)" in r.stderr
+    shown = [line.split("| ", 1)[1] for line in dp("replay", trace).stdout.splitlines()[1:]]
+    assert shown == [
+        *(f"add({i});" for i in range(9917, 10_001)), "nap();", *(f"add({i});" for i in range(19_915, 20_000))
+    ]  # fmt: skip
+    assert Trace(trace).info["lost"] == 0 and Trace(trace).info["snapshot_over_ns"] == 150_000_000
+
+
+def test_a_flight_recorder_s_time_thresholds_are_its_own(ret: str) -> None:
+    """A time threshold drops short calls, which a flight recorder keeps: refused with one; a
+    snapshot threshold is a flight recorder's only, and it stays one."""
+    with open(os.devnull, "w") as null, dynprobe.spawn([ret, "fact", "3"], stdout=null.fileno()) as session:
+        with pytest.raises(dynprobe.SessionError, match="a snapshot threshold is a flight recorder's"):
+            session.function_tracer(filter=["fact"], snapshot_over_ns=1000)
+        session.flight_recorder = True
+        with pytest.raises(dynprobe.SessionError, match="a flight recorder keeps every call, the newest"):
+            session.function_tracer(filter=["fact"], threshold_ns=1000)
+        session.function_tracer(filter=["fact"], snapshot_over_ns=1000)
+        with pytest.raises(dynprobe.SessionError, match="a snapshot threshold is a flight recorder's"):
+            session.flight_recorder = False
+
+
 def test_two_tracers_on_the_same_functions_see_their_own_events(ret: str) -> None:
     """One traces add and fact, the other fact only: fact's site goes through a list trampoline;
     stopping the first re-points fact to the second alone."""

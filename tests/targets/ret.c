@@ -15,6 +15,7 @@
  *   raise           a probed function raises SIGUSR1; its handler calls add
  *   mixed N         N calls of add; every 10th, a slow call (a 2 ms nap, then add); prints the sum
  *   wide N          N calls of wide(i), which returns {i, 2i} in rax:rdx; prints both halves' sums
+ *   spike N K MS    N calls of add(i, 1), and after the Kth one nap of MS ms; prints the sum
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -352,6 +353,14 @@ int main(int argc, char **argv) {
         long s = 0;
         for (long i = 0; i < n; i++)
             s += i % 10 == 9 ? slow(i) : add(i, 1);
+        printf("%ld\n", s);
+    } else if (!strcmp(mode, "spike")) {
+        long s = 0, spike_at = atol(argv[3]);
+        for (long i = 0; i < n; i++) {
+            s += add(i, 1);
+            if (i == spike_at)
+                nap(atol(argv[4]));
+        }
         printf("%ld\n", s);
     } else if (!strcmp(mode, "sleep")) {
         printf("ready\n");

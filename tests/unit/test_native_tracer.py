@@ -68,13 +68,16 @@ class Tracer:
 
     def __init__(
         self, native: NativeArea, index: int, *, graph: bool, depth: int | None = None, threshold: int = 0,
-        captures: Captures | None = None,
+        captures: Captures | None = None, snapshot_over: int = 0,
     ) -> None:  # fmt: skip
         self.native, self.index = native, index
         trampoline = native.trampoline if graph else None
 
         def build(at: int) -> tuple[bytes, OpsCode]:
-            return build_ops_code(LAYOUT, index, trampoline, at, depth=depth, threshold=threshold, captures=captures)
+            return build_ops_code(
+                LAYOUT, index, trampoline, at, depth=depth, threshold=threshold, captures=captures,
+                snapshot_over=snapshot_over,
+            )  # fmt: skip
 
         at = native.place(lambda here: build(here)[0])
         self.code = build(at)[1]
@@ -360,6 +363,36 @@ def test_a_flight_recorder_gives_up_as_many_old_records_as_a_call_needs(native: 
     assert (native.word(L.HEAD), native.word(L.TAIL)) == (slots + 3, 3)
     assert native.counter(3, L.LOST) == 0
     assert [(r.kind, r.value) for r in records(native, slots)][1:] == [(TRACE_DATA | 0, 10), (TRACE_DATA | 1, 20)]
+
+
+def test_a_call_that_lasts_pauses_a_flight_recorder_and_asks_for_a_snapshot(native: NativeArea) -> None:
+    """A snapshot threshold: a call that lasted it (spin) pauses the ring (OVERWRITE cleared) and
+    asks for a snapshot (SNAPSHOT_DUE) once its exit is written; a call timed shorter than it
+    (add, from its own entry: not from the record before it) asks nothing."""
+    threshold = 1 << 22
+    tracer = Tracer(native, 3, graph=True, snapshot_over=threshold)
+    add, spin = native.place(ADD), native.place(SPIN)
+    tracer.trace(add, len(ADD), 1)
+    tracer.trace(spin, len(SPIN), 2)
+    native.set_word(L.OVERWRITE, 1)
+    clock = TscClock()
+    with one_cpu():
+        native.call_at(native.place(SPIN), 2 * threshold)  # (untraced: a long time since the last record)
+        for _ in range(100):
+            began = clock.read()
+            assert native.call_at(add, 1, 2) == 3
+            if clock.read() - began < threshold:
+                break
+            native.set_word(L.OVERWRITE, 1)  # held up in add: it did last
+            native.set_word(L.SNAPSHOT_DUE, 0)
+        else:
+            raise AssertionError("held up 100 times in a row running add()")
+        assert (native.word(L.SNAPSHOT_DUE), native.word(L.OVERWRITE)) == (0, 1)
+        head = native.word(L.HEAD)
+        native.call_at(spin, threshold)
+    assert (native.word(L.SNAPSHOT_DUE), native.word(L.OVERWRITE)) == (1, 0)
+    assert calls(native, head) == [("entry", 2, 1), ("exit", 2, 1)]
+    assert settled(native, 3)
 
 
 def test_a_record_with_values_is_written_whole_or_lost(native: NativeArea) -> None:

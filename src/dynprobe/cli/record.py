@@ -44,6 +44,7 @@ examples:
   dynprobe record --lib libz -P 'deflate.*@libz' -P main -p 1234    only these patched; Ctrl-C stops
   dynprobe record -A 'parse@arg1/s,arg2' -R parse@retval -a -- ./app   values, as uftrace: parse("x", 2) = 0;
   dynprobe record --flight-recorder --ring-size 4M -p 1234    the newest calls: Ctrl-C, or kill -USR2 DYNPROBE_PID
+  dynprobe record --flight-recorder --threshold 100ms -p 1234   and what led up to each call of 100 ms or more
 then: dynprobe replay | report | dump --perfetto or --chrome (Perfetto UI) | dump --flame (flamegraph.pl)
 """
 LIVE_EXAMPLES = """\
@@ -86,7 +87,9 @@ def _add_record_options(p: argparse.ArgumentParser, *, live: bool) -> None:
                    help="per-thread ring buffer size, a power of two (default 32M)")  # fmt: skip
     add_ring_options(p)
     p.add_argument("--threshold", type=parse_time, default=0, metavar="TIME",
-                   help="leave out calls shorter than TIME (10us, 1ms): not recorded at all")  # fmt: skip
+                   help="leave out calls shorter than TIME (10us, 1ms): not recorded at all; with "
+                   "--flight-recorder, every call is kept and one that lasts TIME or more takes a snapshot: "
+                   "what led up to it is written at once")  # fmt: skip
     p.add_argument("-A", "--argument", dest="arguments", action="append", default=[], metavar="FUNC@ARGS",
                    help="record FUNC's arguments, as uftrace: arg1,arg2/s,fparg1 (formats d i u x o c s f, "
                    "a size in bits: arg1/x32; a place: arg1%%r12, arg7%%stack+1)")  # fmt: skip
@@ -212,21 +215,24 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
     # which only a reader knows; without, the target leaves out what is deeper (it counts its
     # traced calls).
     depth = args.depth if filters.depth_from_outermost else None
+    # A flight recorder's threshold keeps every call and takes a snapshot at a long one.
+    threshold_ns, snapshot_over_ns = (0, args.threshold) if args.flight_recorder else (args.threshold, 0)
     try:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             session.ring_bytes = args.ring_size
             set_ring_mode(session, lossy=args.lossy, flight_recorder=args.flight_recorder)
             tracer = session.function_tracer(
-                patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=args.threshold,
+                patch, unpatch, args.lib, graph=True, depth=depth, threshold_ns=threshold_ns,
                 library_calls=args.libcall or args.nest_libcall, nested_calls=args.nest_libcall,
+                snapshot_over_ns=snapshot_over_ns,
             )  # fmt: skip
             tracer.record_values(requests)
             info = {
                 "command": command or [f"(pid {session.pid})"],
                 "pid": session.pid, "record_size": session.layout.record_size, "complete": False,
-                "threshold_ns": args.threshold, "depth": depth, **_function_table(session, tracer, filters),
-                "clock": session.clock(), "flight_recorder": args.flight_recorder,
+                "threshold_ns": threshold_ns, "depth": depth, **_function_table(session, tracer, filters),
+                "clock": session.clock(), "flight_recorder": args.flight_recorder, "snapshot_over_ns": snapshot_over_ns,
             }  # fmt: skip
             with files.create_binary(os.path.join(out, EVENTS)) as events:
                 session.write_raw(events, decode=False)
@@ -277,11 +283,15 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
             dropped = f" ({lost} records lost: {RING_WAS_FULL}; a larger --ring-size keeps them)"
             dropped = dropped if lost else ""
             what = f"{calls} call{'' if calls == 1 else 's'} recorded"
-            if args.threshold:
-                what = f"{calls} calls traced, those of {callgraph.duration(args.threshold).strip()} or more recorded"
+            if threshold_ns:
+                what = f"{calls} calls traced, those of {callgraph.duration(threshold_ns).strip()} or more recorded"
             if args.flight_recorder:
                 kept = session.records_drained
                 what = f"{calls} call{'' if calls == 1 else 's'} traced, the newest {kept} records kept"
+                if snapshot_over_ns:
+                    asked = session.snapshots_asked
+                    over = callgraph.duration(snapshot_over_ns).strip()
+                    what += f" ({asked} snapshot{'' if asked == 1 else 's'} at calls of {over} or more)"
             where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
             note_rings(session)

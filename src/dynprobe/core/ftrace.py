@@ -160,6 +160,7 @@ class FunctionTracer:
     def __init__(
         self, tracing: Tracing, index: int, functions: list[TracedFunction], graph: bool,
         on_event: Callable[[TracerEvent], object] | None, depth: int | None = None, threshold_ns: int = 0,
+        snapshot_over_ns: int = 0,
     ) -> None:  # fmt: skip
         self.tracing = tracing
         self.index = index
@@ -167,6 +168,7 @@ class FunctionTracer:
         self.graph = graph
         self.depth = depth  # graph mode: calls nested deeper than this are not recorded
         self.threshold_ns = threshold_ns  # graph mode: calls that end sooner are not recorded
+        self.snapshot_over_ns = snapshot_over_ns  # a flight recorder's: calls this long take a snapshot
         self.on_event = on_event
         self.started = False
         self.patched = 0
@@ -303,7 +305,7 @@ class Tracing:
 
     def new_tracer(
         self, functions: list[TracedFunction], graph: bool, on_event: Callable[[TracerEvent], object] | None,
-        depth: int | None = None, threshold_ns: int = 0,
+        depth: int | None = None, threshold_ns: int = 0, snapshot_over_ns: int = 0,
     ) -> FunctionTracer:  # fmt: skip
         if not functions:
             raise SessionError("no function to trace: the filters match nothing")
@@ -311,7 +313,11 @@ class Tracing:
             raise SessionError(f"a depth limit is from 1 to {L.SHADOW_CAPACITY}, in graph mode")
         if threshold_ns and (not graph or threshold_ns < 0):
             raise SessionError("a time threshold is a positive time, in graph mode")
-        tracer = FunctionTracer(self, self.session.reserve_index(), functions, graph, on_event, depth, threshold_ns)
+        if snapshot_over_ns and (not graph or snapshot_over_ns < 0):
+            raise SessionError("a snapshot threshold is a positive time, in graph mode")
+        tracer = FunctionTracer(
+            self, self.session.reserve_index(), functions, graph, on_event, depth, threshold_ns, snapshot_over_ns
+        )
         self.tracers[tracer.index] = tracer
         return tracer
 
@@ -516,12 +522,16 @@ class Tracing:
                 return placed
         session = self.session
         trampoline = proc.returns.trampoline if tracer.graph and proc.returns is not None else None
-        ticks = max(1, round(tracer.threshold_ns / session.clock()["scale"])) if tracer.threshold_ns else 0
+        scale = session.clock()["scale"]
+        ticks, snapshot_ticks = (
+            max(1, round(ns / scale)) if ns else 0 for ns in (tracer.threshold_ns, tracer.snapshot_over_ns)
+        )
 
         def build(at: int) -> tuple[bytes, OpsCode]:
             return build_ops_code(
-                session.layout, tracer.index, trampoline, at, depth=tracer.depth, threshold=ticks, captures=captures
-            )
+                session.layout, tracer.index, trampoline, at, depth=tracer.depth, threshold=ticks, captures=captures,
+                snapshot_over=snapshot_ticks,
+            )  # fmt: skip
 
         room = len(build(near)[0]) + OPS_CODE_SLACK  # (branches out may take other sizes elsewhere)
         at = session.allocate_slot(proc, near, room)

@@ -147,6 +147,7 @@ DELIVERED_AT_ONCE = 1 << 12  # events made into objects at a time (see _deliver)
 _FLIGHT_AND_THRESHOLD = (
     "a flight recorder keeps every call, the newest: not with a time threshold, which holds calls back until they end"
 )
+_SNAPSHOT_WITHOUT_FLIGHT = "a snapshot threshold is a flight recorder's: set flight_recorder first"
 DEFAULT_WAIT_FOR_ROOM = 1.0  # seconds (Session.wait_for_room): many times a full ring's drain
 MAX_WAIT_FOR_ROOM = 60.0
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
@@ -611,6 +612,7 @@ class Session:
         threshold_ns: int = 0,
         library_calls: bool = False,
         nested_calls: bool = False,
+        snapshot_over_ns: int = 0,
     ) -> FunctionTracer:
         """A function tracer (an ftrace ops: filter, action, graph or not) over the functions of
         the main executable (and of `libraries`, by name or path, as mapped) whose names match a
@@ -620,14 +622,19 @@ class Session:
         mode) leaves out calls nested deeper than that many traced calls, `threshold_ns` calls
         that end sooner (dropped in the target: they cost no disk); `library_calls`: the calls the
         program makes to library functions too (its PLT stubs, named after them), and with
-        `nested_calls` those its libraries make. Call `start()` on it; events go to `on_event`
-        or, spooled raw, to `write_raw` (`dynprobe record`)."""
+        `nested_calls` those its libraries make. With a `flight_recorder`, `snapshot_over_ns`
+        (graph mode) makes each call that lasts that long take a snapshot: what led up to it is
+        kept (the thread's ring paused till then) and delivered at once, as ftrace's latency
+        tracers keep the trace of a new worst case. Call `start()` on it; events go to
+        `on_event` or, spooled raw, to `write_raw` (`dynprobe record`)."""
         self._check_open()
         main = self._processes.get(self.main_pid)
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
         if threshold_ns and self._flight_recorder:
             raise SessionError(_FLIGHT_AND_THRESHOLD)
+        if snapshot_over_ns and not self._flight_recorder:
+            raise SessionError(_SNAPSHOT_WITHOUT_FLIGHT)
         maps = read_maps(main.pid)
         paths = [main.exe] + [find_file(name, maps, main.libraries) for name in libraries]
         selection = Selection(as_patterns(filter), as_patterns(exclude), tuple(libraries), library_calls, nested_calls)
@@ -641,7 +648,9 @@ class Session:
                 f"{names}: no function symbols (stripped, no debug file found); trace the libraries it uses "
                 "(--lib libc, libraries=[...] in the API), or a build with symbols"
             )
-        tracer = self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns)
+        tracer = self.tracing.new_tracer(selected, graph, on_event, depth, threshold_ns, snapshot_over_ns)
+        if snapshot_over_ns:
+            self._ensure_consumer().snapshot_asks = True
         tracer.selection = selection
         return tracer
 
@@ -2433,6 +2442,8 @@ class Session:
             raise SessionError("flight_recorder is chosen before the session runs (its rings are read another way)")
         if on and any(tracer.threshold_ns for tracer in self.tracing.tracers.values()):
             raise SessionError(_FLIGHT_AND_THRESHOLD)
+        if not on and any(tracer.snapshot_over_ns for tracer in self.tracing.tracers.values()):
+            raise SessionError(_SNAPSHOT_WITHOUT_FLIGHT)
         self._flight_recorder = on
         if self._consumer is not None:
             self._consumer.flight = on
@@ -2445,6 +2456,11 @@ class Session:
         from a signal handler, where `drain()` is not."""
         if self._consumer is not None:
             self._consumer.snapshot_due = True
+
+    @property
+    def snapshots_asked(self) -> int:
+        """Snapshots a flight recorder took because a call lasted a tracer's `snapshot_over_ns`."""
+        return self._consumer.snapshots_asked if self._consumer is not None else 0
 
     @property
     def records_overwritten(self) -> int:

@@ -250,6 +250,9 @@ def time_windows(batches: list[RecordBatch], more: list[int], most: int) -> list
 IDLE_INTERVAL = 0.05  # seconds between passes while no thread has an area
 BUSY_SHARE = 8  # a ring this share full (or more) in one pass is drained again at once
 MAX_WAIT = 0.05  # seconds between passes at most while threads have areas
+# Seconds between looks at a flight recorder's SNAPSHOT_DUE words: a thread that asked has its
+# ring paused, and waits once it is full, until the snapshot.
+ASK_INTERVAL = 0.005
 HELD_RINGS = 4  # a flight recorder keeps at most this many rings' worth of its ended threads' records
 
 
@@ -300,6 +303,8 @@ class Consumer:
         # (`snapshot_due`, which a signal handler may set) and at the end.
         self.flight = False
         self.snapshot_due = False
+        self.snapshot_asks = False  # threads may ask for a snapshot (layout.SNAPSHOT_DUE)
+        self.snapshots_asked = 0  # snapshots taken because threads asked
         self.overwritten = 0  # a flight recorder's records written over before they were read
         self.held: deque[tuple[int, int, np.ndarray]] = deque()  # (pid, tid, records) of ended threads
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
@@ -335,7 +340,7 @@ class Consumer:
         woken = True
         while not self._stop.is_set():
             if self.flight:
-                if self.snapshot_due:
+                if self.snapshot_due or self._snapshot_asked():
                     self.snapshot_due = False
                     self.drain()
                 else:
@@ -349,8 +354,27 @@ class Consumer:
             woken = False
             if self.wait:
                 # Rings that appear meanwhile wake it (`add`).
-                woken = self._wake.wait(self.wait if self.processes and not self.flight else IDLE_INTERVAL)
+                woken = self._wake.wait(self._interval())
                 self._wake.clear()
+
+    def _interval(self) -> float:
+        if not self.flight:
+            return self.wait if self.processes else IDLE_INTERVAL
+        return ASK_INTERVAL if self.snapshot_asks else IDLE_INTERVAL
+
+    def _snapshot_asked(self) -> bool:
+        """Whether a thread asked for a snapshot (layout.SNAPSHOT_DUE); the asks are cleared."""
+        if not self.snapshot_asks:
+            return False
+        asked = False
+        for areas in list(self.processes):
+            for _, area in areas.live():
+                words = area.pool.words[area.index]
+                if words[L.SNAPSHOT_DUE // 8]:
+                    words[L.SNAPSHOT_DUE // 8] = 0
+                    asked = True
+        self.snapshots_asked += asked
+        return asked
 
     # --- draining ---
     def drain_if_due(self) -> None:

@@ -59,6 +59,10 @@ TAIL = 0x80
 SHADOW_TOP = 0xC0  # entries [0, top) of the shadow stack are in use or free (slot 0)
 SHADOW_BUSY = 0xC8  # the thread is changing its shadow stack (a signal handler's probes miss)
 READ = 0xD0
+# A flight recorder's thread that ended a call lasting its tracer's `snapshot_over_ns` or more:
+# it paused its ring (OVERWRITE cleared) and asks the reader for a snapshot here; the reader
+# clears this, takes the snapshot and resumes the ring.
+SNAPSHOT_DUE = 0xD8
 # A thread resuming from a return probe's trap entry stamps the entries' time itself (the entry
 # stamp, codegen.build_entry_stamp): the tracer's clock would count the resume (~5-15 us) as the
 # call's. BUSY while it does (a nested trap entry, in a signal handler, then takes the tracer's

@@ -1365,7 +1365,7 @@ def build_list_trampoline(bodies: Sequence[int], at: int, points: int | None) ->
 
 def build_ops_code(
     layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, *, depth: int | None,
-    threshold: int, captures: Captures | None,
+    threshold: int, captures: Captures | None, snapshot_over: int = 0,
 ) -> tuple[bytes, OpsCode]:  # fmt: skip
     """One tracer instance's code at `at`: its entry (called from a site: saves, runs the
     body inline, `_hook_and_return`), its body again as a function (for
@@ -1383,7 +1383,10 @@ def build_ops_code(
     their length, and a reader's threshold hides them.)
 
     With `captures`, entry and exit records carry the values it names in data records: the
-    code of the functions that record values (one instance's code per set of values)."""
+    code of the functions that record values (one instance's code per set of values).
+
+    With `snapshot_over` (graph mode, a flight recorder's rings; ticks), a call that lasted
+    that long or longer asks for a snapshot once its exit is written (`_ask_snapshot`)."""
     entry_values = captures.arguments if captures is not None else ()
     exit_values = captures.retval if captures is not None else ()
     maxactive = L.SHADOW_CAPACITY if depth is None else depth
@@ -1424,6 +1427,9 @@ def build_ops_code(
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_DATA, R.RSI), R.RDX))
             if journal:  # no entry record held back (yet)
                 asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + held, R.RSI), -1))
+            if snapshot_over:  # (its entry record may be written over before it returns)
+                _read_tsc(asm)
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_TSC, R.RSI), R.RAX))
 
             def reserved() -> None:  # r11: the record's sequence number
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + held, R.RSI), R.R11))
@@ -1458,6 +1464,8 @@ def build_ops_code(
             if journal:
                 _take_back_if_short(asm, layout, ops_index, shadow + held, threshold, trampoline.finish)
             _trace_record(asm, layout, ops_index, kind_in=R.DI, data=_Data(exit_values, 0) if exit_values else None)
+            if snapshot_over:
+                _ask_snapshot(asm, layout, snapshot_over, trampoline.finish)
             asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
         else:
             asm.add(iced.Instruction.create(C.INT3))
@@ -1512,6 +1520,22 @@ def _take_back_if_short(
     asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(layout.counter(ops_index, L.MISSED))))
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, finish))
     asm.bind(write)
+
+
+def _ask_snapshot(asm: _Asm, layout: L.AreaLayout, snapshot_over: int, finish: int) -> None:
+    """After a traced call's exit record: if the call lasted `snapshot_over` ticks or more
+    (from its shadow entry's ENTRY_TSC), pause the thread's ring (OVERWRITE cleared: what led
+    up to the call stays, later records wait for room) and ask for a snapshot (SNAPSHOT_DUE),
+    which the reader takes and then resumes the ring; otherwise go to `finish`. Uses rax, rcx,
+    rdx."""
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, _mem(R.RSP, _ENTRY_OFFSET_AT)))
+    _read_tsc(asm)
+    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, _gs(layout.shadow + L.ENTRY_TSC, R.RCX)))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, snapshot_over))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_branch(C.JB_REL32_64, finish))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.OVERWRITE), 0))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SNAPSHOT_DUE), 1))
 
 
 def _encode_with(asm: _Asm, at: int, labels: Sequence[int]) -> tuple[bytes, dict[int, int], dict[int, int]]:
