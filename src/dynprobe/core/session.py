@@ -1684,7 +1684,8 @@ class Session:
         if path is None:
             return  # static binary: nothing is loaded later
         try:
-            func = load_elf(path).by_name.get(LOADER_HOOK)
+            loader = load_elf(path)
+            func = loader.own_function(LOADER_HOOK) or loader.by_name.get(LOADER_HOOK)
         except SymbolError:
             return
         if func is None:

@@ -135,18 +135,79 @@ class ElfImage:
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.needed, self.rpath, self.runpath, self.soname = self._dynamic(elf)
-            self.functions, self.objects, self.ifuncs, self.default_versions = self._symbols(elf)
-            self.debug_file = None if elf.get_section_by_name(".symtab") else self._debug_file(elf)
-            if self.debug_file is not None:
-                self._add_debug_symbols(self.debug_file)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: BranchTargets | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
             self._elf = elf
-        self._starts = [f.addr for f in self.functions]
-        self.by_name: dict[str, Function] = {}
+        # The symbol tables are read when first asked for: the libraries a program loads are
+        # opened for their dynamic sections (symbols/loader.py), most never for a symbol.
+
+    @functools.cached_property
+    def debug_file(self) -> str | None:
+        """The separate debug file of a file without .symtab (see `_debug_file`), or None."""
+        with _parsing(self.path):
+            return None if self._elf.get_section_by_name(".symtab") else self._debug_file(self._elf)
+
+    @functools.cached_property
+    def _own_symbol_tables(self) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
+        with _parsing(self.path):
+            return self._symbols(self._elf)
+
+    @functools.cached_property
+    def _symbol_tables(self) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
+        functions, objects, ifuncs, defaults = self._own_symbol_tables
+        if self.debug_file is not None:
+            objects, ifuncs = dict(objects), dict(ifuncs)
+            functions = self._add_debug_symbols(self.debug_file, functions, objects, ifuncs)
+        return functions, objects, ifuncs, defaults
+
+    @functools.cached_property
+    def _own_by_name(self) -> dict[str, Function | None]:
+        """The file's own function symbols by name; None for a name of several addresses."""
+        by_name: dict[str, Function | None] = {}
+        for func in self._own_symbol_tables[0]:
+            first = by_name.setdefault(func.name, func)
+            if first is not None and first.addr != func.addr:
+                by_name[func.name] = None
+        return by_name
+
+    def own_function(self, name: str) -> Function | None:
+        """The one function the file's own symbols (not a separate debug file's) name `name`,
+        unless it is an indirect function: what a name a library exports means, found without
+        reading its debug file."""
+        own = self._own_symbol_tables
+        return None if name in own[2] else self._own_by_name.get(name)
+
+    @property
+    def functions(self) -> list[Function]:
+        """Function symbols, sorted by address (the debug file's too: `_add_debug_symbols`)."""
+        return self._symbol_tables[0]
+
+    @property
+    def objects(self) -> dict[str, int]:
+        """Data symbols: name -> address (for @SYM)."""
+        return self._symbol_tables[1]
+
+    @property
+    def ifuncs(self) -> dict[str, int]:
+        """Indirect functions: name -> resolver (symbols/ifunc.py)."""
+        return self._symbol_tables[2]
+
+    @property
+    def default_versions(self) -> dict[str, str]:
+        """The default version of each versioned name ('exp' -> 'GLIBC_2.29')."""
+        return self._own_symbol_tables[3]
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, Function]:
+        by_name: dict[str, Function] = {}
         for func in self.functions:
-            self.by_name.setdefault(func.name, func)
+            by_name.setdefault(func.name, func)
+        return by_name
+
+    @functools.cached_property
+    def _starts(self) -> list[int]:
+        return [f.addr for f in self.functions]
 
     def _debug_file(self, elf: ELFFile) -> str | None:
         """The separate debug file of a stripped file, where gdb looks for it: by build-id under
@@ -174,19 +235,23 @@ class ElfImage:
                     continue
         return None
 
-    def _add_debug_symbols(self, debug_file: str) -> None:
-        """The functions only the debug file names (static ones, an indirect function's
-        implementations); addresses the file's own symbols name keep their names."""
+    def _add_debug_symbols(
+        self, debug_file: str, functions: list[Function], objects: dict[str, int], ifuncs: dict[str, int]
+    ) -> list[Function]:  # fmt: skip
+        """`functions` with those only the debug file names (static ones, an indirect function's
+        implementations), and its data symbols and indirect functions added to `objects` and
+        `ifuncs`; addresses the file's own symbols name keep their names."""
         try:
             data = read_regular(debug_file, MAX_FILE_SIZE)
-        except OSError:
-            return  # gone or replaced since it was checked: the file's own symbols only
-        functions, objects, ifuncs, _ = self._symbols(ELFFile(io.BytesIO(data)))
-        named = {f.addr for f in self.functions}
-        self.functions = sorted([*self.functions, *(f for f in functions if f.addr not in named)], key=_symbol_order)
-        for mine, theirs in ((self.objects, objects), (self.ifuncs, ifuncs)):
-            for name, value in theirs.items():
+            with _parsing(debug_file):
+                theirs, their_objects, their_ifuncs, _ = self._symbols(ELFFile(io.BytesIO(data)))
+        except (OSError, ElfError):
+            return functions  # gone, replaced or damaged since it was checked: the file's own symbols only
+        named = {f.addr for f in functions}
+        for mine, added in ((objects, their_objects), (ifuncs, their_ifuncs)):
+            for name, value in added.items():
                 mine.setdefault(name, value)
+        return sorted([*functions, *(f for f in theirs if f.addr not in named)], key=_symbol_order)
 
     @staticmethod
     def _build_id(elf: ELFFile) -> str | None:

@@ -124,6 +124,11 @@ def loaded_in(image: ElfImage, maps: list[Mapping] | None, memory: Memory | None
 
 def resolve_symbol(image: ElfImage, symbol: str, offset: int, loaded: LoadedIn | None = None) -> Location:
     symbol = unversioned(image, symbol)
+    # A name the file itself gives one function (libc's malloc): that one, whatever static
+    # functions its debug file names alike (which takes a while to read).
+    own = image.own_function(symbol)
+    if own is not None:
+        return _location(image, own, symbol, offset)
     # An indirect function (libc's memcpy, strlen): what runs is the implementation it resolves
     # to, not the resolver at its address (nor an old compatibility symbol of the same name).
     found = [implementation(image, symbol, loaded)] if symbol in image.ifuncs else image.functions_named(symbol)
@@ -140,7 +145,10 @@ def resolve_symbol(image: ElfImage, symbol: str, offset: int, loaded: LoadedIn |
         names = ", ".join(f.name for f in found[:4]) + (", ..." if len(found) > 4 else "")
         raise SymbolError(f"{symbol!r} names {len(found)} functions in {image.path} (overloads): "
                           f"give one's symbol: {names}")  # fmt: skip
-    func = found[0]
+    return _location(image, found[0], symbol, offset)
+
+
+def _location(image: ElfImage, func: Function, symbol: str, offset: int) -> Location:
     vaddr = func.addr + offset
     if func.size and offset >= func.size:
         raise SymbolError(f"{symbol}+{offset:#x} is past the end of {symbol} ({func.size} bytes)")
