@@ -120,7 +120,7 @@ def python_floor(seed: str, calls: int) -> int:
     bare loop does only waitpid, GETREGS, SETREGS, CONT and the wake-up placement (no dispatch,
     no handlers). It reaches into the session's internals on purpose: it is a measuring stick."""
     from dynprobe.ptrace import syscalls as sc
-    from dynprobe.ptrace.process import thread_cpu
+    from dynprobe.ptrace.procfs import thread_cpu
 
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn([seed, str(calls), "boost"], stdout=out.fileno()) as session:

@@ -32,7 +32,8 @@ from dynprobe.cli.main import main as main_command
 from dynprobe.errors import DynprobeError
 from dynprobe.output import callgraph, timeline
 from dynprobe.symbols.elf import ElfImage
-from dynprobe.tracefile import EVENTS, INFO, Trace
+from dynprobe.tracefile import EVENTS, INFO
+from dynprobe.traces import Trace
 
 CASE_SECONDS = 10
 _EXTREMES = (0, 1, 0x7F, 0x80, 0xFF, 0xFFFF, 0x7FFF_FFFF, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF, 1 << 40)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from dynprobe.output.files import OutputError
     from dynprobe.output.hist import Bucket, Histogram
     from dynprobe.spec.argspec import ArgSpecError
-    from dynprobe.tracefile import Trace, TraceError, TraceEvent
+    from dynprobe.tracefile import TraceError
+    from dynprobe.traces import Trace, TraceEvent
 
 # Where each public name lives: imported on first use, so that `import dynprobe` (and the CLI's
 # start-up, which needs none of them to parse its arguments) does not load numpy, iced-x86 and
@@ -54,7 +55,8 @@ _HOMES = {
     "OutputError": "dynprobe.output.files",
     **dict.fromkeys(("Bucket", "Histogram"), "dynprobe.output.hist"),
     "ArgSpecError": "dynprobe.spec.argspec",
-    **dict.fromkeys(("Trace", "TraceError", "TraceEvent"), "dynprobe.tracefile"),
+    "TraceError": "dynprobe.tracefile",
+    **dict.fromkeys(("Trace", "TraceEvent"), "dynprobe.traces"),
 }  # fmt: skip
 
 

@@ -16,7 +16,7 @@
                      u32 function id, u64 time stamp; from version 3, a call's values in data
                      records after its entry or exit (kind bit 15: see layout.TRACE_DATA)
 
-Readers never load the events whole: `Trace.chunks()` yields one chunk at a time (numpy), and a
+Readers never load the events whole: `TraceFile.chunks()` yields one chunk at a time (numpy), and a
 truncated file yields what it holds and says where it stopped.
 """
 
@@ -27,7 +27,7 @@ import json
 import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
 import numpy as np
 
@@ -52,9 +52,6 @@ from dynprobe.spec.argspec import (
     show_value,
 )
 from dynprobe.symbols.demangle import Demangle, display
-
-if TYPE_CHECKING:
-    from dynprobe.output.callgraph import FunctionTime
 
 FORMAT = "dynprobe-trace"
 VERSION = 3
@@ -276,20 +273,9 @@ class Note:
 _NOTHING = Note()
 
 
-@dataclass(frozen=True)
-class TraceEvent:
-    """One entry or exit of a trace, for scripts (`Trace.events()`)."""
-
-    pid: int
-    tid: int
-    time_ns: int  # CLOCK_MONOTONIC
-    exit: bool
-    function: str
-
-
-class Trace:
-    """A trace directory, checked: its info, and its events in chunks. Also the Python API for
-    reading traces: `dynprobe.Trace("dynprobe.data").events()`, `.profile()`."""
+class TraceFile:
+    """A trace directory, checked: its info, and its events in chunks (the Python API's
+    `dynprobe.Trace` adds events and a profile: dynprobe/traces.py)."""
 
     def __init__(
         self, directory: str, demangle: Demangle | str = Demangle.SIMPLE, threads: Collection[int] = ()
@@ -356,24 +342,6 @@ class Trace:
         """A call as replay shows it: 'name()', or a full C++ signature as it is."""
         name = self.name(func)
         return name if self.demangle is Demangle.FULL and "(" in name else f"{name}()"
-
-    def events(self) -> Iterator[TraceEvent]:
-        """Every entry and exit the trace's recorded filters keep, a thread's in time order
-        (threads one after another, as the trace holds them), read in chunks: a trace larger
-        than memory is fine."""
-        from dynprobe.output.callfilter import chunks_of
-
-        for chunk in chunks_of(self):
-            for kind, func, t in zip(chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), strict=True):
-                yield TraceEvent(chunk.pid, chunk.tid, t, bool(kind), self.name(func))
-
-    def profile(self, threshold_ns: int = 0) -> list[tuple[str, FunctionTime]]:
-        """What `dynprobe report` shows: per function its calls, total time (a recursion once),
-        self time and average, longest total first; calls shorter than `threshold_ns` left out."""
-        from dynprobe.output.callgraph import profile
-
-        times = profile(self, threshold_ns=threshold_ns).functions
-        return sorted(((self.name(f), ft) for f, ft in times.items()), key=lambda item: -item[1].total)
 
     def _headers(self) -> Iterator[tuple[BinaryIO, int, int, int]]:
         """The chunks of the events file: (the file, placed at the chunk's first record; the

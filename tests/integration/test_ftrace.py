@@ -26,7 +26,7 @@ from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.errors import ProbeRefused, Refusal
 from dynprobe.ringbuf import layout as L
 from dynprobe.symbols.elf import load_elf
-from dynprobe.tracefile import Trace
+from dynprobe.traces import Trace
 from tests.conftest import BUILD, DYNPROBE, build_target
 
 from .helpers import run_plain
@@ -93,8 +93,12 @@ def test_depth_leaves_out_deeper_calls(ret: str, tmp_path: Path, depth: int) -> 
 def test_live_records_then_replays_and_keeps_nothing(ret: str, tmp_path: Path) -> None:
     """`dynprobe live`: the program's output alone on stdout; its call graph on stderr, as
     record + replay give it; the temporary trace is gone after, and stderr does not name it."""
-    before = set(Path(tempfile.gettempdir()).glob("dynprobe-live-*"))
-    r = dp("live", "-P", "main", "-P", "fact", "--", ret, "fact", "3", cwd=tmp_path)
+    temporary = tmp_path / "tmp"  # (its own: another test's `live` may run meanwhile)
+    temporary.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "dynprobe.cli.main", "live", "-P", "main", "-P", "fact", "--", ret, "fact", "3"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**os.environ, "TMPDIR": str(temporary)},
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     graph = "\n".join(line for line in r.stderr.splitlines() if not line.startswith("dynprobe: "))
     assert r.stdout == "6\n" and masked(graph) == [
@@ -102,7 +106,7 @@ def test_live_records_then_replays_and_keeps_nothing(ret: str, tmp_path: Path) -
         "T |   } /* fact */", "T | } /* main */",
     ]  # fmt: skip
     assert "dynprobe: 4 calls recorded" in r.stderr.splitlines()
-    assert set(Path(tempfile.gettempdir()).glob("dynprobe-live-*")) == before
+    assert not any(temporary.iterdir())
 
 
 def test_trace_read_from_python(ret: str, tmp_path: Path) -> None:

@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 import dynprobe
-from dynprobe.ptrace.guardian import Journal, rescue
-from dynprobe.ptrace.process import Tracee, start_time
+from dynprobe.ptrace.guardian import rescue
+from dynprobe.ptrace.journal import Journal
+from dynprobe.ptrace.process import Tracee
+from dynprobe.ptrace.procfs import start_time
 from dynprobe.symbols.elf import load_elf
 from tests.conftest import build_target
 

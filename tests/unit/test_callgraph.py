@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from dynprobe.output import callgraph
 from dynprobe.output.callgraph import _ENTRY, _EXIT, _LEAF, _OpenCalls, _Texts, duration, profile
 from dynprobe.ringbuf.layout import DATA_END, TRACE_DATA
-from dynprobe.tracefile import Trace, record_dtype, write_info
+from dynprobe.tracefile import record_dtype, write_info
+from dynprobe.traces import Trace
 
 NAMES = ["main", "f", "a_longer_name", "x" * 40]
 HEAD = " [  1234] | "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import struct
 
-from dynprobe.ptrace.guardian import Journal
-from dynprobe.ptrace.process import identity
+from dynprobe.ptrace.journal import Journal
+from dynprobe.ptrace.procfs import identity
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import entries_in, swap_slots, through_entry_points, trampoline_point
 

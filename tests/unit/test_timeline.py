@@ -13,7 +13,8 @@ import pytest
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as perfetto
 
 from dynprobe.output import timeline
-from dynprobe.tracefile import Trace, record_dtype, write_info
+from dynprobe.tracefile import record_dtype, write_info
+from dynprobe.traces import Trace
 
 PID, TSC0 = 1, 2000
 NAMES = ['say "hi"\\', "caf\u00e9\n", "x" * (timeline._WIDTHS[-1] + 1), "a" * 100, "main", "\ud800 lone"]

@@ -89,4 +89,4 @@ def test_an_info_json_not_as_record_writes_it_is_refused(tmp_path: Path, change:
     tracefile.write_info(str(tmp_path), info)
     (tmp_path / tracefile.EVENTS).write_bytes(b"")
     with pytest.raises(tracefile.TraceError, match=says):
-        tracefile.Trace(str(tmp_path))
+        tracefile.TraceFile(str(tmp_path))

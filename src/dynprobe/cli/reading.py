@@ -16,7 +16,7 @@ from dynprobe.errors import DynprobeError
 from dynprobe.output import callgraph, timeline
 from dynprobe.output.callfilter import CallFilter, Trigger
 from dynprobe.symbols.patterns import MatchKind, NamePattern
-from dynprobe.tracefile import EVENTS, Trace
+from dynprobe.tracefile import EVENTS, TraceFile
 
 DEFAULT_DIR = "dynprobe.data"
 READING_EXAMPLES = {
@@ -203,8 +203,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 @contextlib.contextmanager
-def _trace(args: argparse.Namespace) -> Iterator[Trace]:
-    trace = Trace(args.directory, args.demangle, args.tid)
+def _trace(args: argparse.Namespace) -> Iterator[TraceFile]:
+    trace = TraceFile(args.directory, args.demangle, args.tid)
     if not trace.complete:
         print(f"dynprobe: warning: {args.directory} was not closed (the recording was cut short)", file=sys.stderr)
     yield trace
@@ -218,7 +218,7 @@ def _trace(args: argparse.Namespace) -> Iterator[Trace]:
         )
 
 
-def threshold(trace: Trace, args: argparse.Namespace) -> int:
+def threshold(trace: TraceFile, args: argparse.Namespace) -> int:
     """The record's threshold, or a longer one asked for by `report -t`."""
     return max(int(trace.info.get("threshold_ns") or 0), int(getattr(args, "threshold", 0)))
 
@@ -246,7 +246,7 @@ def run_report(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def run_graph(args: argparse.Namespace, command: list[str]) -> int:
-    def show(trace: Trace, out: TextIO, filters: CallFilter) -> None:
+    def show(trace: TraceFile, out: TextIO, filters: CallFilter) -> None:
         if not callgraph.graph(trace, out, args.function, filters) and args.function is not None:
             raise DynprobeError(f"no call of {args.function} in {args.directory}")
 
@@ -259,7 +259,7 @@ def run_dump(args: argparse.Namespace, command: list[str]) -> int:
     return show_trace(args, command, timeline.dump_chrome if args.chrome else callgraph.dump_flame)
 
 
-def _perfetto(trace: Trace, out: TextIO, filters: CallFilter) -> None:
+def _perfetto(trace: TraceFile, out: TextIO, filters: CallFilter) -> None:
     """Perfetto's trace is bytes: on the output's binary stream, never on a terminal."""
     if out.isatty():
         raise UsageError("dump --perfetto writes a binary trace: give -o FILE (trace.pftrace), or redirect the output")
@@ -270,7 +270,7 @@ def _perfetto(trace: Trace, out: TextIO, filters: CallFilter) -> None:
 def show_trace(
     args: argparse.Namespace,
     command: list[str],
-    show: Callable[[Trace, TextIO, CallFilter], object],
+    show: Callable[[TraceFile, TextIO, CallFilter], object],
     *,
     default: TextIO = sys.stdout,
     filters: CallFilter | None = None,

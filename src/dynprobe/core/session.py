@@ -78,19 +78,10 @@ from dynprobe.ptrace.events import (
     wait_event,
 )
 from dynprobe.ptrace.guardian import Guardian
-from dynprobe.ptrace.process import (
-    EVENT_STOPS,
-    TRACE_OPTIONS,
-    ThreadState,
-    Tracee,
-    list_threads,
-    runs_no_code_to_take,
-    sigtrap_pending,
-    thread_cpu,
-    tracer_of,
-)
+from dynprobe.ptrace.process import EVENT_STOPS, TRACE_OPTIONS, ThreadState, Tracee, tracer_of
 from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
+from dynprobe.ptrace.procfs import list_threads, runs_no_code_to_take, sigtrap_pending, thread_cpu
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.ringbuf.consumer import (

@@ -18,7 +18,7 @@ import numpy as np
 
 from dynprobe.symbols.demangle import Demangle, display
 from dynprobe.symbols.patterns import NamePattern
-from dynprobe.tracefile import Chunk, Note, Trace
+from dynprobe.tracefile import Chunk, Note, TraceFile
 
 EXIT = 1
 
@@ -119,7 +119,7 @@ def _ids(mask: list[bool] | None) -> list[int] | None:
     return None if mask is None else [i for i, named in enumerate(mask) if named]
 
 
-def recorded_masks(trace: Trace) -> Masks | None:
+def recorded_masks(trace: TraceFile) -> Masks | None:
     """The filters a trace was recorded with (None if none, or if they do not read as record
     writes them)."""
     saved = trace.info.get("filters")
@@ -196,7 +196,7 @@ class FrameStack:
         del self.calls[depth:]
 
 
-def all_masks(trace: Trace, readers: CallFilter | None) -> list[Masks]:
+def all_masks(trace: TraceFile, readers: CallFilter | None) -> list[Masks]:
     """The filters a trace was recorded with, then a reader's, resolved against its functions."""
     functions = trace.info.get("functions", [])
     return [m for m in (recorded_masks(trace), readers.masks(functions) if readers else None) if m is not None]
@@ -208,7 +208,7 @@ def either(masks: list[Masks], name: str) -> list[bool] | None:
     return [any(column) for column in zip(*named, strict=True)] if named else None
 
 
-def chunks_of(trace: Trace, readers: CallFilter | None = None) -> Iterator[Chunk]:
+def chunks_of(trace: TraceFile, readers: CallFilter | None = None) -> Iterator[Chunk]:
     """The trace's chunks as filtered when recorded, then by a reader's filters (`-F` within
     what the recording kept)."""
     chunks = trace.chunks()
@@ -230,7 +230,7 @@ def chunks_of(trace: Trace, readers: CallFilter | None = None) -> Iterator[Chunk
     return chunks
 
 
-def finish_time(trace: Trace, finish: list[bool]) -> int | None:
+def finish_time(trace: TraceFile, finish: list[bool]) -> int | None:
     """When the first call of a `finish` function began (None: none was called): uftrace's
     finish trigger ends the trace there, in every thread. (A pass over the trace of its own.)"""
     named = np.array(finish, dtype=bool)

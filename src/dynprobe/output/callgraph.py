@@ -14,7 +14,7 @@ from typing import TextIO
 import numpy as np
 
 from dynprobe.output.callfilter import CallFilter, FrameStack, all_masks, chunks_of, either, finish_time
-from dynprobe.tracefile import Chunk, Note, Trace
+from dynprobe.tracefile import Chunk, Note, TraceFile
 
 EXIT = 1
 
@@ -31,7 +31,7 @@ def duration(ns: int) -> str:
 _BATCH = 1 << 16  # events: a thread's chunks read one after another are worked on together
 
 
-def batches(trace: Trace, filters: CallFilter | None) -> Iterator[Chunk]:
+def batches(trace: TraceFile, filters: CallFilter | None) -> Iterator[Chunk]:
     """The trace's chunks (filtered: output/callfilter.py), those of one thread that follow each
     other joined (up to _BATCH events): the consumer drains small chunks, and numpy's work is
     per call, not per event."""
@@ -422,7 +422,7 @@ class _Columns:
     """The fields of replay's lines before the call (uftrace's -f), each a space then its value
     in its width, then " | "."""
 
-    def __init__(self, trace: Trace, fields: tuple[str, ...]) -> None:
+    def __init__(self, trace: TraceFile, fields: tuple[str, ...]) -> None:
         self.trace, self.fields = trace, fields
         self.first = trace.first_ns() if {"elapsed"} & set(fields) else 0
         self.last: dict[int, int] = {}  # tid -> the time of its last line (delta)
@@ -471,7 +471,7 @@ class _Columns:
 
 
 def replay(
-    trace: Trace, out: TextIO, threshold_ns: int = 0, filters: CallFilter | None = None,
+    trace: TraceFile, out: TextIO, threshold_ns: int = 0, filters: CallFilter | None = None,
     fields: tuple[str, ...] = DEFAULT_FIELDS, values: bool = True,
 ) -> int:  # fmt: skip
     """The call graph, one line per call (a call with no callee) or per entry and exit:
@@ -711,7 +711,9 @@ _SUMMED_RUN = 8  # calls with no callee in a row, from which numpy sums them
 _NONE = 1 << 62  # the shortest of no call yet
 
 
-def profile(trace: Trace, folded: bool = False, threshold_ns: int = 0, filters: CallFilter | None = None) -> Profile:
+def profile(
+    trace: TraceFile, folded: bool = False, threshold_ns: int = 0, filters: CallFilter | None = None
+) -> Profile:
     """One pass; per thread only its open calls (functions, entry times, time in callees).
     Calls shorter than `threshold_ns` are not counted (their time still is their caller's).
     Written for speed: plain lists indexed by function id, no object per call."""
@@ -901,7 +903,7 @@ SORT_KEYS = [*REPORT_FIELDS, "calls", "avg", "func", "name"]
 
 
 def report(
-    trace: Trace, out: TextIO, sort: str = "total", threshold_ns: int = 0, filters: CallFilter | None = None,
+    trace: TraceFile, out: TextIO, sort: str = "total", threshold_ns: int = 0, filters: CallFilter | None = None,
     fields: tuple[str, ...] = DEFAULT_REPORT_FIELDS,
 ) -> None:  # fmt: skip
     """Per function, uftrace's report: its `fields` (total time, self time, calls by default),
@@ -920,7 +922,7 @@ def report(
         out.write("".join(f"  {c}" for c in cells) + f"  {trace.name(func)}\n")
 
 
-def dump_flame(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
+def dump_flame(trace: TraceFile, out: TextIO, filters: CallFilter | None = None) -> None:
     """Folded stacks (`main;parse;read_token 1234`, self time in ns) for flamegraph.pl, speedscope."""
     for path, ns in sorted(profile(trace, folded=True, filters=filters).folded.items()):
         if ns > 0:
@@ -946,7 +948,7 @@ class _Node:
         return node
 
 
-def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallFilter | None = None) -> int:
+def graph(trace: TraceFile, out: TextIO, function: str | None = None, filters: CallFilter | None = None) -> int:
     """uftrace's `graph`: the call paths of every thread merged in one tree, each with its calls
     and total time, callees in the order they were first called; under a `function`, only its
     calls' paths, after the paths that led to it (its backtraces). Returns how many calls of
@@ -1011,7 +1013,7 @@ def graph(trace: Trace, out: TextIO, function: str | None = None, filters: CallF
     return root.calls
 
 
-def _graph_lines(out: TextIO, root: _Node, root_name: str, trace: Trace) -> None:
+def _graph_lines(out: TextIO, root: _Node, root_name: str, trace: TraceFile) -> None:
     """The tree as uftrace draws it: a node with several callees marks its column with `|`, each
     of them drawn with `+-` and a blank line between them; a single callee stays in its caller's
     column."""

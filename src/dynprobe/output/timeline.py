@@ -18,7 +18,7 @@ import numpy as np
 
 from dynprobe.output.callfilter import CallFilter
 from dynprobe.output.callgraph import EXIT, batches
-from dynprobe.tracefile import Trace
+from dynprobe.tracefile import TraceFile
 
 _ROWS = 1 << 14  # events laid out at a time: a matrix of their records
 _WIDTHS = (32, 64, 128, 256, 1024)  # bytes of the texts' tables; a longer text (a C++ signature) goes one at a time
@@ -123,7 +123,7 @@ def _decimal(values: np.ndarray, width: int) -> np.ndarray:
     return digits
 
 
-def dump_chrome(trace: Trace, out: TextIO, filters: CallFilter | None = None) -> None:
+def dump_chrome(trace: TraceFile, out: TextIO, filters: CallFilter | None = None) -> None:
     """Trace Event Format (Perfetto UI, chrome://tracing): a B or E event per entry and exit,
     `{"ts":12.345,"pid":1,"tid":2,"ph":"B","name":"main"},`, time stamps in microseconds with
     the nanoseconds as 3 decimals (as uftrace writes them); then each thread's name and the
@@ -199,7 +199,7 @@ def _packet(*fields: bytes) -> bytes:
     return _field(_PACKET, b"".join(fields))
 
 
-def dump_perfetto(trace: Trace, out: BinaryIO, filters: CallFilter | None = None) -> None:
+def dump_perfetto(trace: TraceFile, out: BinaryIO, filters: CallFilter | None = None) -> None:
     """Perfetto's protobuf trace (ui.perfetto.dev, trace_processor): a track per thread under
     its process's; per event a TrackEvent slice begin or end on its thread's track, names
     interned per thread (each thread is a packet sequence), time stamps in ns."""
