@@ -74,17 +74,9 @@ def test_the_import_graph_finds_a_cycle_it_is_given() -> None:
     assert cycles(graph) == [["a", "b", "c"]]
 
 
-# The one cycle left, until the engine's split (issue 18) takes the mechanisms off Session: it
-# may only shrink, and no other may appear.
-ENGINE_CYCLE = [
-    "dynprobe.core.ftrace", "dynprobe.core.optimizer", "dynprobe.core.probe", "dynprobe.core.rescue",
-    "dynprobe.core.returns", "dynprobe.core.session", "dynprobe.core.slots",
-]  # fmt: skip
-
-
 def test_no_module_imports_one_that_imports_it_back() -> None:
     known = modules()
     assert len(known) > 50 and "dynprobe.core.session" in known
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
     assert "dynprobe.core.session" in graph["dynprobe.cli.common"]  # (what an edge looks like)
-    assert cycles(graph) == [ENGINE_CYCLE]
+    assert cycles(graph) == []

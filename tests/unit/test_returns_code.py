@@ -136,7 +136,7 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
 
 
 def test_a_thread_at_an_entry_call_is_going_into_the_region_it_calls() -> None:
-    from dynprobe.core.returns import ProcessReturns
+    from dynprobe.core.traced import ProcessReturns
 
     _, tramp = build_trampoline(LAYOUT, AT)
     returns = ProcessReturns(tramp, tramp.end, tramp.end + 12, tramp.end + 32, tramp.end + 256)

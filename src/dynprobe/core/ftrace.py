@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import iced_x86 as iced
 import numpy as np
@@ -36,8 +37,10 @@ from dynprobe.arch.x86_64.codegen import (
     call_to,
 )
 from dynprobe.arch.x86_64.optimize import can_optimize
+from dynprobe.core.engine import Engine
 from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.core.slots import PlacedCode
+from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
@@ -54,7 +57,22 @@ from dynprobe.symbols.patterns import NamePattern, as_patterns
 from dynprobe.symbols.resolve import find_file
 
 if TYPE_CHECKING:
-    from dynprobe.core.session import Session, TracedProcess
+    from dynprobe.core.returns import ReturnProbes
+
+
+class TracingEngine(Engine, Protocol):
+    """What the function tracer asks of the session, besides the engine's services."""
+
+    returns: ReturnProbes
+
+    def clock(self) -> dict[str, float]: ...
+    def counters_of_index(self, index: int) -> tuple[int, int, int]: ...
+    def ensure_thread_areas(self, proc: TracedProcess) -> bool: ...
+    def reserve_index(self) -> int: ...
+    def thread_rips(self, proc: TracedProcess) -> list[int]: ...
+    def traced_processes(self) -> list[TracedProcess]: ...
+    def write_raw(self, sink: BinaryIO, decode: bool = True) -> None: ...
+
 
 ENDBR64 = bytes.fromhex("f30f1efa")
 # Entered by a jump or a signal return, not a call (and the program's entry point, found in the ELF)
@@ -243,11 +261,30 @@ class FunctionTracer:
 class Tracing:
     """The function tracers of a session."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: TracingEngine) -> None:
         self.session = session
         self.functions: list[TracedFunction] = []
         self._ids: dict[tuple[str, int], TracedFunction] = {}
         self.tracers: dict[int, FunctionTracer] = {}
+        # What the tracers installed in each process (gone with it: a weak reference)
+        self._installed: weakref.WeakKeyDictionary[TracedProcess, ProcessTracing] = weakref.WeakKeyDictionary()
+
+    def of(self, proc: TracedProcess) -> ProcessTracing:
+        """The tracers' sites and code in `proc`."""
+        state = self._installed.get(proc)
+        if state is None:
+            state = self._installed[proc] = ProcessTracing()
+        return state
+
+    def owns(self, proc: TracedProcess, rip: int) -> bool:
+        """A thread of `proc` at `rip` runs tracer code (it must leave it before its thread area goes)."""
+        state = self._installed.get(proc)
+        return state is not None and state.owns(rip)
+
+    def patched_over(self, proc: TracedProcess, addr: int) -> bool:
+        """Whether a traced function's jump covers `addr` in `proc`."""
+        state = self._installed.get(proc)
+        return state is not None and any(s.addr <= addr < s.addr + len(s.region) for s in state.sites.values())
 
     def began_inside(self, tid: int, entries: list[tuple[int, int, int]]) -> None:
         """A forked child's thread `tid` begins inside the calls its parent had open: its copy of
@@ -349,7 +386,7 @@ class Tracing:
                 session.returns.setup(proc, near)
             except ProcessError as exc:  # (no memory for the trampoline: nothing is patched)
                 raise SessionError(f"cannot trace function returns: {exc}") from exc
-        state = proc.tracing
+        state = self.of(proc)
         rips = session.thread_rips(proc)
         # Graph mode replaces return addresses: where return probes cannot be safe (Go's moving
         # stacks, a CET shadow stack), neither is it.
@@ -418,7 +455,7 @@ class Tracing:
         proc.slots.shrink(at, SITE_ROOM, len(detour))
         proc.tracee.write(at, detour)
         proc.tracee.patch(addr, jump_to(addr, at), original)
-        proc.tracing.sites[func.id] = TracerSite(func, addr, at, len(detour), original, [tracer])
+        self.of(proc).sites[func.id] = TracerSite(func, addr, at, len(detour), original, [tracer])
         if all(insn.mnemonic == iced.Mnemonic.NOP for insn in plan.region):
             tracer.nop_entries += 1  # -mnop-mcount, -fpatchable-function-entry: nothing to relocate
         return None
@@ -461,25 +498,31 @@ class Tracing:
             tracer.choose_captures(chosen)
             self._start_in(proc, tracer, chosen)
 
-    def forked(self, parent: int, child: int) -> None:
-        """A fork child has its parent's sites, and waits for the same libraries."""
-        for tracer in self.tracers.values():
-            if parent in tracer.unmapped:
-                tracer.unmapped[child] = set(tracer.unmapped[parent])
+    def forget(self, proc: TracedProcess) -> None:
+        """`proc` exec'd: the old image took the sites and code with it."""
+        self._installed.pop(proc, None)
 
-    @staticmethod
-    def _forget_unmapped(proc: TracedProcess, maps: list[Mapping]) -> None:
+    def forked(self, parent: TracedProcess, child: TracedProcess) -> None:
+        """A fork child has its parent's sites and code, and waits for the same libraries."""
+        if parent in self._installed:
+            self._installed[child] = self._installed[parent].copy()
+        for tracer in self.tracers.values():
+            if parent.pid in tracer.unmapped:
+                tracer.unmapped[child.pid] = set(tracer.unmapped[parent.pid])
+
+    def _forget_unmapped(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         """Sites whose library was unloaded (dlclose): nothing of ours is left there, and the
         address may hold another library by now, which must never get the old bytes back."""
         code: dict[str, list[tuple[int, int]]] = {}  # path -> where it is mapped executable
-        for fid, site in list(proc.tracing.sites.items()):
+        sites = self.of(proc).sites
+        for fid, site in list(sites.items()):
             path = site.function.path
             if path not in code:
                 key = file_key(path)
                 code[path] = [(m.start, m.end) for m in maps if m.executable and maps_file(m, key, path)]
             if any(start <= site.addr < end for start, end in code[path]):
                 continue
-            del proc.tracing.sites[fid]
+            del sites[fid]
             proc.dirty.append(PlacedCode(site.detour, site.size, ()))
             if proc.tracee.journal is not None:
                 proc.tracee.journal.drop(proc.pid, site.addr)
@@ -494,7 +537,7 @@ class Tracing:
             with self.session.world_stopped(proc), proc.tracee.batched():
                 if proc.tracee.image_gone():
                     continue
-                for site in list(proc.tracing.sites.values()):
+                for site in list(self.of(proc).sites.values()):
                     if tracer in site.ops:
                         site.ops.remove(tracer)
                         self._point(proc, site)
@@ -504,7 +547,7 @@ class Tracing:
         if not site.ops:
             proc.tracee.unpatch(site.addr, site.region)
             proc.dirty.append(PlacedCode(site.detour, site.size, ()))
-            del proc.tracing.sites[site.function.id]
+            del self.of(proc).sites[site.function.id]
             return
         if len(site.ops) == 1:
             target = self._ops_entry(proc, site.ops[0], site.function, site.detour)
@@ -517,7 +560,7 @@ class Tracing:
         """The code of `tracer` for `func` within reach of `near`: its instance's, or the
         instance's for the values `func` records."""
         captures = tracer.captures.get(func.id)
-        for key, placed, _ in proc.tracing.code:
+        for key, placed, _ in self.of(proc).code:
             if key == (tracer.index, captures) and abs(placed.entry - near) < REACH:
                 return placed
         session = self.session
@@ -542,7 +585,7 @@ class Tracing:
         proc.slots.shrink(at, room, len(code))
         proc.tracee.write(at, code)
         proc.fixups.update(where.fixups)
-        proc.tracing.code.append(((tracer.index, captures), where, len(code)))
+        self.of(proc).code.append(((tracer.index, captures), where, len(code)))
         return where
 
     def _ops_entry(self, proc: TracedProcess, tracer: FunctionTracer, func: TracedFunction, near: int) -> int:
@@ -550,7 +593,7 @@ class Tracing:
 
     def _list(self, proc: TracedProcess, tracers: list[FunctionTracer], func: TracedFunction, near: int) -> int:
         key = tuple((t.index, t.captures.get(func.id)) for t in tracers)
-        for ops, addr, _ in proc.tracing.lists:
+        for ops, addr, _ in self.of(proc).lists:
             if ops == key and abs(addr - near) < REACH:
                 return addr
         bodies = [self._ops_code(proc, t, func, near).body for t in tracers]
@@ -562,19 +605,20 @@ class Tracing:
         code = build_list_trampoline(bodies, at, points)
         assert len(code) == size
         proc.tracee.write(at, code)
-        proc.tracing.lists.append((key, at, len(code)))
+        self.of(proc).lists.append((key, at, len(code)))
         return at
 
     # --- the process's life ----------------------------------------------------------------------------
     def restore(self, proc: TracedProcess) -> None:
         """Original bytes at every traced function (detach, a fork child let go)."""
-        for site in proc.tracing.sites.values():
+        state = self.of(proc)
+        for site in state.sites.values():
             try:
                 proc.tracee.unpatch(site.addr, site.region)
             except OSError:
                 continue
-            proc.tracing.retired.append((site.detour, site.size))
-        proc.tracing.sites.clear()
+            state.retired.append((site.detour, site.size))
+        state.sites.clear()
 
     # --- events ---------------------------------------------------------------------------------------
     def deliver(self, tracer: FunctionTracer, batch: RecordBatch) -> None:

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen import Detour, build_detour
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
+from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code
+from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
@@ -34,15 +37,34 @@ from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, mapping_at, read_maps
 
 if TYPE_CHECKING:
-    from dynprobe.core.probe import Site
-    from dynprobe.core.session import Session, TracedProcess
+    from dynprobe.actions.model import Program
+    from dynprobe.core.ftrace import Tracing
+    from dynprobe.core.probe import Probe, Site
+    from dynprobe.core.returns import ReturnProbes
+
+
+class OptimizerEngine(Engine, Protocol):
+    """What the optimizer asks of the session, besides the engine's services."""
+
+    optimize: bool  # False: every probe stays a trap
+    returns: ReturnProbes
+    tracing: Tracing
+
+    def action_refusal(self, probe: Probe) -> OptimizeRefusal | None: ...
+    def comm_of(self, pid: int, tid: int) -> str: ...
+    def process(self, pid: int) -> TracedProcess | None: ...
+    def process_of(self, tid: int) -> TracedProcess | None: ...
+    def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program: ...
+    def records(self) -> bool: ...
+    def rescue_knows(self, proc: TracedProcess, site: Site) -> None: ...
+    def symbol_resolver(self, site: Site) -> Callable[[str], int | None]: ...
 
 
 PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
 
 
 class Optimizer:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: OptimizerEngine) -> None:
         self.session = session
         self.delay = 0.01  # seconds between a site's arming and its optimization (batching)
         self._queue: dict[int, set[int]] = {}  # pid -> site addresses
@@ -211,7 +233,7 @@ class Optimizer:
         trampoline = proc.returns.trampoline if proc.returns is not None else None
         layout, rseq = session.layout, proc.rseq_offset_at
         return place_code(
-            session,
+            functools.partial(session.allocate_slot, proc),
             proc,
             site.addr,
             lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq),
@@ -370,7 +392,9 @@ class Optimizer:
             return  # killed meanwhile (another thread's exit_group): its exit event frees the area
         except OSError as exc:
             raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
-        self.session.returns.thread_area_given(proc, tid)
+        began_inside = self.session.returns.thread_area_given(proc, tid)
+        if began_inside:
+            self.session.tracing.began_inside(tid, began_inside)
 
     def thread_stopped(self, proc: TracedProcess, tid: int) -> None:
         """A thread without an area of its own, in a process that uses areas (a new thread, a
@@ -393,7 +417,7 @@ def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:
 COMMIT_BUDGET = 256 << 20  # bytes of rings faulted in at once, per process
 
 
-def new_thread_areas(proc: TracedProcess, session: Session) -> ThreadAreas:
+def new_thread_areas(proc: TracedProcess, session: OptimizerEngine) -> ThreadAreas:
     """The areas of `proc`, and of its vfork children: the remote syscalls run in the process of
     the (stopped) thread an area is given to."""
 

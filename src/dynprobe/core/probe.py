@@ -10,7 +10,7 @@ import enum
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dynprobe.actions.model import ActionKind, Field, Filter, Program, record_fields
 from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
@@ -24,8 +24,18 @@ from dynprobe.spec.model import ArgType, Caller, FetchArg
 from dynprobe.spec.parser import integer_type
 from dynprobe.symbols.resolve import Location
 
-if TYPE_CHECKING:
-    from dynprobe.core.session import Session
+
+class ProbeOwner(Protocol):
+    """What a probe asks of the session that made it (core/session.py)."""
+
+    def counters_of(self, probe: Probe) -> tuple[int, int, int]: ...
+    def histogram_of(self, probe: Probe) -> list[int]: ...
+    def is_optimized(self, probe: Probe) -> bool: ...
+    def trap_reason_of(self, probe: Probe) -> OptimizeRefusal | None: ...
+    def addresses_of(self, probe: Probe) -> list[int]: ...
+    def sync_probe(self, probe: Probe) -> None: ...
+    def remove_probe(self, probe: Probe) -> None: ...
+    def clock_tick_ns(self) -> float: ...  # how finely its time values ($latency) are measured
 
 
 class ProbeMode(enum.Enum):
@@ -189,7 +199,7 @@ class Hit:
 class Probe:
     """One probe: a location in a file, handlers, fetch arguments, counters."""
 
-    session: Session
+    session: ProbeOwner
     location: Location
     group: str
     event: str

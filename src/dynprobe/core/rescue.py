@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from dynprobe.ringbuf import layout as L
 
 if TYPE_CHECKING:
     from dynprobe.core.probe import Site
-    from dynprobe.core.session import Session, TracedProcess
+    from dynprobe.ptrace.process import Tracee
 
 SYS_RT_SIGACTION = 13
 _ACTION = struct.Struct("<QQQQ")  # struct kernel_sigaction: handler, flags, restorer, mask
@@ -74,49 +75,46 @@ class Rescue:
         self.view.close()
 
 
-def install(session: Session, proc: TracedProcess, tid: int) -> Rescue | None:
-    """The handler and page in `proc` (stopped: no thread of it may change its SIGTRAP action
-    meanwhile), through remote syscalls in thread `tid`. None where the program handles
-    SIGTRAP itself: its handler stays, and its threads at traps die with a killed tracer."""
-    stub = proc.slots.stub()
-    assert stub is not None
-    page, view = proc.tracee.map_shared(tid, stub, L.RESCUE_BYTES)
+def install(tracee: Tracee, tid: int, stub: int, allocate: Callable[[int, int], int | None]) -> Rescue | None:
+    """The handler and page in `tracee` (stopped: no thread of it may change its SIGTRAP action
+    meanwhile), through remote syscalls in thread `tid` at `stub`; the handler's code where
+    `allocate(near, size)` says. None where the program handles SIGTRAP itself: its handler
+    stays, and its threads at traps die with a killed tracer."""
+    page, view = tracee.map_shared(tid, stub, L.RESCUE_BYTES)
     code, restorer = build_rescue_handler(page)
-    at = session.allocate_slot(proc, page, len(code))
+    at = allocate(page, len(code))
     if at is None:
         view.close()
-        raise ProcessError(f"no executable memory for the rescue handler in pid {proc.pid}")
-    proc.tracee.write(at, code)
+        raise ProcessError(f"no executable memory for the rescue handler in pid {tracee.pid}")
+    tracee.write(at, code)
     words = memoryview(view).cast("Q")
     words[0] = L.RESCUE_MAGIC
     words.release()
     view[L.RESCUE_MEM_PATH : L.RESCUE_MEM_PATH + len(MEM_PATH)] = MEM_PATH
     _ACTION.pack_into(view, L.RESCUE_ACTION, at, HANDLER_FLAGS, at + restorer, _ALL_SIGNALS)
     _ACTION.pack_into(view, L.RESCUE_DEFAULT_ACTION, _SIG_DFL, 0, 0, 0)
-    _sigaction(proc, tid, stub, page + L.RESCUE_ACTION, page + L.RESCUE_OLD_ACTION)
+    _sigaction(tracee, tid, stub, page + L.RESCUE_ACTION, page + L.RESCUE_OLD_ACTION)
     own = _ACTION.unpack_from(view, L.RESCUE_OLD_ACTION)[0]
     if own not in (_SIG_DFL, _SIG_IGN):
-        _sigaction(proc, tid, stub, page + L.RESCUE_OLD_ACTION, 0)  # the program's own handler, back
-        _debug(f"pid {proc.pid} handles SIGTRAP itself: no rescue handler")
+        _sigaction(tracee, tid, stub, page + L.RESCUE_OLD_ACTION, 0)  # the program's own handler, back
+        _debug(f"pid {tracee.pid} handles SIGTRAP itself: no rescue handler")
         view.close()
         return None
     view[L.RESCUE_OWN : L.RESCUE_OWN + 8] = own.to_bytes(8, "little")
     return Rescue(page, view, at)
 
 
-def uninstall(proc: TracedProcess, rescue: Rescue, tid: int) -> None:
+def uninstall(tracee: Tracee, rescue: Rescue, tid: int, stub: int) -> None:
     """The program's own disposition of SIGTRAP back (unless it has set another since)."""
-    stub = proc.slots.stub()
-    assert stub is not None
     view = rescue.view
     own = int.from_bytes(view[L.RESCUE_OWN : L.RESCUE_OWN + 8], "little")
     _ACTION.pack_into(view, L.RESCUE_ACTION, own, 0, 0, 0)  # (ours is not needed again)
-    _sigaction(proc, tid, stub, rescue.page + L.RESCUE_ACTION, rescue.page + L.RESCUE_OLD_ACTION)
+    _sigaction(tracee, tid, stub, rescue.page + L.RESCUE_ACTION, rescue.page + L.RESCUE_OLD_ACTION)
     if _ACTION.unpack_from(view, L.RESCUE_OLD_ACTION)[0] != rescue.handler:
-        _sigaction(proc, tid, stub, rescue.page + L.RESCUE_OLD_ACTION, 0)  # the program's, since
+        _sigaction(tracee, tid, stub, rescue.page + L.RESCUE_OLD_ACTION, 0)  # the program's, since
 
 
-def _sigaction(proc: TracedProcess, tid: int, stub: int, action: int, old: int) -> None:
-    result = proc.tracee.remote_syscall(tid, stub, SYS_RT_SIGACTION, SIGTRAP, action, old, 8)
+def _sigaction(tracee: Tracee, tid: int, stub: int, action: int, old: int) -> None:
+    result = tracee.remote_syscall(tid, stub, SYS_RT_SIGACTION, SIGTRAP, action, old, 8)
     if result < 0:
-        raise ProcessError(f"rt_sigaction in pid {proc.pid} failed: error {-result}")
+        raise ProcessError(f"rt_sigaction in pid {tracee.pid} failed: error {-result}")

@@ -31,29 +31,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
 from dynprobe.arch.x86_64.codegen import (
-    HOOK_ROOM,
     SAVED_AT,
-    Trampoline,
     build_entry_stamp,
     build_return_code,
     build_trampoline,
     return_stub_code,
 )
 from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.core.engine import Engine
 from dynprobe.core.probe import Hit, Probe, Site
 from dynprobe.core.slots import place_code
+from dynprobe.core.traced import Instance, ProcessReturns, TracedProcess
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal, SymbolError
 from dynprobe.ptrace import syscalls as sc
@@ -65,8 +65,27 @@ from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
 from dynprobe.symbols.resolve import Location, resolve_address
 
-if TYPE_CHECKING:
-    from dynprobe.core.session import Session, TracedProcess
+
+class ReturnsEngine(Engine, Protocol):
+    """What return probes ask of the session, besides the engine's services."""
+
+    def act_in_tracer(
+        self, probe: Probe, proc: TracedProcess, tid: int, address: int, context: FetchContext,
+        caller: int | None = None,
+    ) -> None: ...  # fmt: skip
+    def add_internal_site(
+        self, proc: TracedProcess, location: Location, addr: int, callback: Callable[[int, Regs], None],
+        *, rescue_wait: bool = False,
+    ) -> None: ...  # fmt: skip
+    def arm_site(self, proc: TracedProcess, site: Site) -> None: ...
+    def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext: ...
+    def give_area(self, proc: TracedProcess, tid: int) -> None: ...
+    def probe_by_index(self, index: int) -> Probe | None: ...
+    def read_tsc(self) -> int: ...
+    def symbol_resolver_for(self, probe: Probe, proc: TracedProcess) -> Callable[[str], int | None]: ...
+    def tsc_mult(self) -> int: ...
+    def tsc_to_ns(self, ticks: int) -> int: ...
+
 
 # Where the unwinder starts reading return addresses: exceptions (throw, a cleanup's resume,
 # rethrow, the forced unwind of pthread_cancel/pthread_exit) and backtrace(); and where an
@@ -94,43 +113,6 @@ def default_maxactive() -> int:
     return max(10, 2 * (os.cpu_count() or 1))
 
 
-@dataclass
-class Instance:
-    """A pending instance of a probe with Python handlers (the shadow entry is in the target)."""
-
-    probe: Probe
-    data: object
-
-
-@dataclass(eq=False)
-class ProcessReturns:
-    """The return-probe machinery of one process."""
-
-    trampoline: Trampoline
-    stub: int  # the return code of probes whose return part runs in the tracer
-    stub_trap: int  # its int3
-    entry_stamp: int  # where a thread resumes from a trap entry (build_entry_stamp)
-    end: int  # of this code
-    code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
-    instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
-    snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
-
-    def going_to(self, rip: int, rsp: int, read_u64: Callable[[int], int]) -> int:
-        """Where a thread at `rip` runs next: at an entry's call (`enter_tail`), the relocated
-        region of a function in its detour, which the detour's life must count with."""
-        offset = rip - self.trampoline.table
-        if 0 <= offset < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE and offset % L.TRAMPOLINE_STRIDE == 0:
-            with contextlib.suppress(OSError):
-                return read_u64(rsp - 8 - HOOK_ROOM)
-        return rip
-
-    def owns(self, rip: int) -> bool:
-        """Whether `rip` is in code a thread must leave before the thread area goes."""
-        if self.trampoline.table <= rip < self.end:
-            return True
-        return any(a <= rip < a + n for a, n in self.code.values())
-
-
 def shadow_stack_in(status: str) -> bool:
     """Whether a /proc/PID/status text says a CET shadow stack is on (Linux 6.6+)."""
     for line in status.splitlines():
@@ -148,7 +130,7 @@ def shadow_stack_enabled(pid: int) -> bool:
 
 
 class ReturnProbes:
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: ReturnsEngine) -> None:
         self.session = session
 
     # --- policy -------------------------------------------------------------------------------------
@@ -243,7 +225,8 @@ class ReturnProbes:
             return returns.code[probe.index][0]
         session = self.session
         mult, resolver, rseq = session.tsc_mult(), session.symbol_resolver_for(probe, proc), proc.rseq_offset_at
-        placed = place_code(session, proc, returns.trampoline.table, lambda at: build_return_code(
+        allocate = functools.partial(session.allocate_slot, proc)
+        placed = place_code(allocate, proc, returns.trampoline.table, lambda at: build_return_code(
             probe.program(), session.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             _debug(f"{probe.name}: return part at a stop ({placed})")
@@ -545,14 +528,16 @@ class ReturnProbes:
             snapshot=None if words is None else words.copy(),
         )
 
-    def thread_area_given(self, proc: TracedProcess, tid: int) -> None:
-        """A fork child's thread has its own area now: its shadow stack is the copy."""
+    def thread_area_given(self, proc: TracedProcess, tid: int) -> list[tuple[int, int, int]]:
+        """A fork child's thread has its own area now: its shadow stack is the copy. Returns the
+        entries it begins inside, as (probe index, return-address slot, data) of each (for the
+        function tracer: `Tracing.began_inside`)."""
         returns = proc.returns
         if returns is None or returns.snapshot is None or tid != proc.pid:
-            return
+            return []
         words = self._words(proc, tid)
         if words is None:
-            return
+            return []
         lay = self.session.layout
         snap, returns.snapshot = returns.snapshot, None
         words[L.SHADOW_TOP // 8] = snap[L.SHADOW_TOP // 8]
@@ -570,7 +555,7 @@ class ReturnProbes:
             if snap[at] and index < lay.max_probes:
                 words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
                 entries.append((index, int(snap[at]), int(snap[at + L.ENTRY_DATA // 8])))
-        self.session.tracing.began_inside(tid, entries)
+        return entries
 
     # --- detach -----------------------------------------------------------------------------------------
     def before_detach(self, proc: TracedProcess) -> None:

@@ -22,7 +22,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from types import FrameType, TracebackType
 from typing import Any, BinaryIO, Protocol
 
@@ -45,13 +44,13 @@ from dynprobe.arch.x86_64 import (
 )
 from dynprobe.arch.x86_64.codegen import RSEQ_CPU_ID, build_trap_actions
 from dynprobe.core import rescue
-from dynprobe.core.ftrace import FunctionTracer, ProcessTracing, Selection, TracerEvent, Tracing
+from dynprobe.core.ftrace import FunctionTracer, Selection, TracerEvent, Tracing
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
 from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
-from dynprobe.core.rescue import Rescue
-from dynprobe.core.returns import RETURNS_TWICE, ProcessReturns, ReturnProbes, default_maxactive
+from dynprobe.core.returns import RETURNS_TWICE, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
-from dynprobe.core.slots import PlacedCode, SlotCache, place_code
+from dynprobe.core.slots import PlacedCode, place_code
+from dynprobe.core.traced import StepState, TracedProcess
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import (
@@ -99,7 +98,6 @@ from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_cha
 from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
-from dynprobe.symbols.loader import loaded_libraries
 from dynprobe.symbols.maps import (
     Mapping,
     address_of_offset,
@@ -143,70 +141,6 @@ DEFAULT_WAIT_FOR_ROOM = 1.0  # seconds (Session.wait_for_room): many times a ful
 MAX_WAIT_FOR_ROOM = 60.0
 _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
 _WAKE_SIGNAL = signal.SIGURG  # what wakes the main thread from its wait for a stop (see _wakeable; ignored by default)
-
-
-@dataclass
-class StepState:
-    """A thread single-stepping a probed instruction in its slot."""
-
-    site: Site
-    probes: list[Probe]
-    user_tf: bool  # the target itself had TF set: it expects a SIGTRAP after the instruction
-    held_signals: list[int] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class TracedProcess:
-    tracee: Tracee
-    exe: str
-    follow: bool = True  # False: an unfollowed vfork child, traced only until it execs or exits
-    sites: dict[int, Site] = field(default_factory=dict)
-    stepping: dict[int, StepState] = field(default_factory=dict)
-    retired: set[int] = field(default_factory=set)  # addresses where we removed an int3
-    comms: dict[int, str] = field(default_factory=dict)
-    status: int | None = None  # exit status once it ended (128+N for a signal)
-    leader_status: int | None = None  # set when the leader thread has ended
-    slots: SlotCache = field(init=False)
-    areas: ThreadAreas | None = None  # thread areas, once a site of this process is optimized
-    # GS_IN_USE (the target uses GS itself) or SECCOMP: no thread areas, no optimized probes
-    areas_refused: OptimizeRefusal | None = None
-    gs_inherited: bool = False  # a forked child: its threads' GS bases are its parent's areas
-    fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
-    dirty: list[PlacedCode] = field(default_factory=list)  # detours a thread may still be in
-    returns: ProcessReturns | None = None  # the return trampoline, once a return probe needs it
-    tracing: ProcessTracing = field(default_factory=ProcessTracing)  # function tracer sites and code
-    loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
-    needed: dict[str, str] | None = None  # the libraries its loader maps (symbols/loader.py), once asked
-    rseq_offset_at: int | None = None  # where its glibc keeps __rseq_offset (set with its areas)
-    rseq_offset: int | None = None  # its value, once read at a trap stop (0: none; see cpu_at_stop)
-    rescue: Rescue | None = None  # its SIGTRAP handler for when dynprobe dies (core/rescue.py)
-
-    def libraries(self) -> dict[str, str]:
-        """The libraries the process's loader maps (or has mapped) at start: where a library
-        named before it is mapped is looked for."""
-        if self.needed is None:
-            self.needed = loaded_libraries(self.exe, *self.tracee.environment())
-        return self.needed
-
-    def __post_init__(self) -> None:
-        self.slots = SlotCache(self._map_region)
-        self._map_tid: int | None = None
-        self._scratch: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.tracee.pid
-
-    def _map_region(self, hint: int, size: int) -> int | None:
-        assert self._map_tid is not None and self._scratch is not None
-        scratch = self.slots.stub() or self._scratch
-        return self.tracee.mmap_exec_near(self._map_tid, scratch, hint, size)
-
-    def comm(self, tid: int) -> str:
-        name = self.comms.get(tid)
-        if name is None:
-            name = self.comms[tid] = self.tracee.comm(tid)
-        return name
 
 
 @contextlib.contextmanager
@@ -1116,8 +1050,7 @@ class Session:
         child.rescue = parent.rescue  # its handler and its page (shared memory) came with the fork
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
-        child.tracing = parent.tracing.copy()
-        self.tracing.forked(parent.pid, child_pid)
+        self.tracing.forked(parent, child)
         if not vfork:
             self._guardian.journal.inherit(parent.pid, child_pid)
         if vfork:
@@ -1187,7 +1120,7 @@ class Session:
         proc.fixups.clear()
         proc.dirty.clear()
         proc.returns = None
-        proc.tracing = ProcessTracing()
+        self.tracing.forget(proc)
         proc.loader_hook = None
         proc.needed = None
         if not proc.follow:
@@ -1430,7 +1363,7 @@ class Session:
         programs = [p.program() for p in probes]
         symbols = self.symbol_resolver(site)
         placed = place_code(
-            self, proc, site.addr,
+            functools.partial(self.allocate_slot, proc), proc, site.addr,
             lambda at: build_trap_actions(programs, self.layout, site.addr, at, symbols, proc.rseq_offset_at),
         )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
@@ -1720,7 +1653,7 @@ class Session:
         insn = decode_one(code, addr)
         if insn is None:
             raise refused(Refusal.UNDECODABLE)
-        if proc.tracing.sites and any(s.addr <= addr < s.addr + len(s.region) for s in proc.tracing.sites.values()):
+        if self.tracing.patched_over(proc, addr):
             raise refused(Refusal.FUNCTION_TRACED)
         try:
             current = proc.tracee.read(addr, insn.len)
@@ -1844,7 +1777,11 @@ class Session:
                     if slot is None:
                         return
                     proc.slots.free(slot)
-                proc.rescue = rescue.install(self, proc, tid)
+                stub = proc.slots.stub()
+                assert stub is not None
+                proc.rescue = rescue.install(
+                    proc.tracee, tid, stub, lambda near, size: self.allocate_slot(proc, near, size)
+                )
                 if proc.rescue is not None and proc.tracee.journal is not None:
                     proc.tracee.journal.record_rescue(proc.pid, proc.rescue.page)
         except (ProcessError, OSError) as exc:
@@ -1853,9 +1790,10 @@ class Session:
     @staticmethod
     def _uninstall_rescue(proc: TracedProcess, tid: int) -> None:
         """The program's own disposition of SIGTRAP back, through stopped thread `tid`."""
-        if proc.rescue is not None and proc.slots.stub() is not None:
+        stub = proc.slots.stub()
+        if proc.rescue is not None and stub is not None:
             try:
-                rescue.uninstall(proc, proc.rescue, tid)
+                rescue.uninstall(proc.tracee, proc.rescue, tid, stub)
             except (ProcessError, OSError) as exc:
                 _debug(f"pid {proc.pid}: the rescue handler stays: {exc}")
 
@@ -2384,7 +2322,7 @@ class Session:
         return (
             self._optimizer.in_detour(proc, rip)
             or (proc.returns is not None and proc.returns.owns(rip))
-            or proc.tracing.owns(rip)
+            or self.tracing.owns(proc, rip)
             or any(s.actions is not None and rip in s.actions for s in proc.sites.values())
         )
 

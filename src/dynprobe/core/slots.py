@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import SLOT_SIZE
 from dynprobe.arch.x86_64.codegen import Detour
 from dynprobe.errors import OptimizeRefusal
-
-if TYPE_CHECKING:
-    from dynprobe.core.session import Session, TracedProcess
+from dynprobe.ptrace.process import Tracee
 
 PAGE = 4096
 REGION = 16 * PAGE
@@ -132,15 +130,23 @@ FIRST_GUESS = 512  # bytes: generated code's first room; most fits, the rest is 
 Code = TypeVar("Code", Detour, bytes)
 
 
+class CodeSpace(Protocol):
+    """A process's room for generated code (core/traced.py's TracedProcess)."""
+
+    slots: SlotCache
+    tracee: Tracee
+
+
 def place_code(
-    session: Session, proc: TracedProcess, near: int, build: Callable[[int], Code | OptimizeRefusal]
-) -> tuple[int, Code] | OptimizeRefusal:
+    allocate: Callable[[int, int], int | None], proc: CodeSpace, near: int,
+    build: Callable[[int], Code | OptimizeRefusal],
+) -> tuple[int, Code] | OptimizeRefusal:  # fmt: skip
     """Generated code near `near` (a detour, actions, a return part), written into the target:
-    `build(address)` at a first guess of its size, again with the room it needs if longer; the
-    bytes it does not use go back to the slot cache."""
+    `build(address)` at a first guess of its size, again with the room it needs if longer, where
+    `allocate(near, size)` finds room (in `proc.slots`); the bytes it does not use go back."""
     room = FIRST_GUESS
     while True:
-        start = session.allocate_slot(proc, near, room)
+        start = allocate(near, room)
         if start is None:
             return OptimizeRefusal.NO_MEMORY
         built = build(start)

@@ -1,0 +1,125 @@
+"""One traced process as the engine keeps it (`TracedProcess`): its tracee, its sites, slots
+and thread areas, and what each mechanism installed in it that others must know of (the return
+machinery: `ProcessReturns`). The records only: what is done with them is the mechanisms'
+(core/probe.py, optimizer.py, returns.py, ftrace.py) and the session's; nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynprobe.arch.x86_64.codegen import HOOK_ROOM, Trampoline
+from dynprobe.core.probe import Probe, Site
+from dynprobe.core.rescue import Rescue
+from dynprobe.core.slots import PlacedCode, SlotCache
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.ptrace.process import Tracee
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.areas import ThreadAreas
+from dynprobe.symbols.loader import loaded_libraries
+
+
+@dataclass
+class StepState:
+    """A thread single-stepping a probed instruction in its slot."""
+
+    site: Site
+    probes: list[Probe]
+    user_tf: bool  # the target itself had TF set: it expects a SIGTRAP after the instruction
+    held_signals: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Instance:
+    """A pending instance of a probe with Python handlers (the shadow entry is in the target)."""
+
+    probe: Probe
+    data: object
+
+
+@dataclass(eq=False)
+class ProcessReturns:
+    """The return-probe machinery of one process."""
+
+    trampoline: Trampoline
+    stub: int  # the return code of probes whose return part runs in the tracer
+    stub_trap: int  # its int3
+    entry_stamp: int  # where a thread resumes from a trap entry (build_entry_stamp)
+    end: int  # of this code
+    code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
+    instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
+    snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
+
+    def going_to(self, rip: int, rsp: int, read_u64: Callable[[int], int]) -> int:
+        """Where a thread at `rip` runs next: at an entry's call (`enter_tail`), the relocated
+        region of a function in its detour, which the detour's life must count with."""
+        offset = rip - self.trampoline.table
+        if 0 <= offset < L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE and offset % L.TRAMPOLINE_STRIDE == 0:
+            with contextlib.suppress(OSError):
+                return read_u64(rsp - 8 - HOOK_ROOM)
+        return rip
+
+    def owns(self, rip: int) -> bool:
+        """Whether `rip` is in code a thread must leave before the thread area goes."""
+        if self.trampoline.table <= rip < self.end:
+            return True
+        return any(a <= rip < a + n for a, n in self.code.values())
+
+
+@dataclass(eq=False)
+class TracedProcess:
+    """One traced process: its tracee, and what dynprobe installed in it and keeps of it."""
+
+    tracee: Tracee
+    exe: str
+    follow: bool = True  # False: an unfollowed vfork child, traced only until it execs or exits
+    sites: dict[int, Site] = field(default_factory=dict)
+    stepping: dict[int, StepState] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)  # addresses where we removed an int3
+    comms: dict[int, str] = field(default_factory=dict)
+    status: int | None = None  # exit status once it ended (128+N for a signal)
+    leader_status: int | None = None  # set when the leader thread has ended
+    slots: SlotCache = field(init=False)
+    areas: ThreadAreas | None = None  # thread areas, once a site of this process is optimized
+    # GS_IN_USE (the target uses GS itself) or SECCOMP: no thread areas, no optimized probes
+    areas_refused: OptimizeRefusal | None = None
+    gs_inherited: bool = False  # a forked child: its threads' GS bases are its parent's areas
+    fixups: dict[int, int] = field(default_factory=dict)  # faulting load in a detour -> its fix-up
+    dirty: list[PlacedCode] = field(default_factory=list)  # detours a thread may still be in
+    returns: ProcessReturns | None = None  # the return trampoline, once a return probe needs it
+    loader_hook: int | None = None  # the internal site that reports dlopen/dlclose
+    needed: dict[str, str] | None = None  # the libraries its loader maps (symbols/loader.py), once asked
+    rseq_offset_at: int | None = None  # where its glibc keeps __rseq_offset (set with its areas)
+    rseq_offset: int | None = None  # its value, once read at a trap stop (0: none; see cpu_at_stop)
+    rescue: Rescue | None = None  # its SIGTRAP handler for when dynprobe dies (core/rescue.py)
+
+    def libraries(self) -> dict[str, str]:
+        """The libraries the process's loader maps (or has mapped) at start: where a library
+        named before it is mapped is looked for."""
+        if self.needed is None:
+            self.needed = loaded_libraries(self.exe, *self.tracee.environment())
+        return self.needed
+
+    def __post_init__(self) -> None:
+        self.slots = SlotCache(self._map_region)
+        self._map_tid: int | None = None
+        self._scratch: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.tracee.pid
+
+    def _map_region(self, hint: int, size: int) -> int | None:
+        assert self._map_tid is not None and self._scratch is not None
+        scratch = self.slots.stub() or self._scratch
+        return self.tracee.mmap_exec_near(self._map_tid, scratch, hint, size)
+
+    def comm(self, tid: int) -> str:
+        name = self.comms.get(tid)
+        if name is None:
+            name = self.comms[tid] = self.tracee.comm(tid)
+        return name
