@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import errno
 import functools
 import os
 import shutil
@@ -25,32 +24,26 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, TracebackType
 from typing import Any, BinaryIO, Protocol
 
-from dynprobe.actions.filter import matches, parse_filter, parse_value
+from dynprobe.actions.filter import parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, Program, filter_args, payload_size
 from dynprobe.arch.x86_64 import (
-    FLAG_TF,
     INT3,
     MAX_INSN_LEN,
     SLOT_SIZE,
-    EmulationFault,
-    Fixup,
     Regs,
     ResumeKind,
     boost_is_cheaper,
     decode_one,
-    needs_step_for_post_handler,
     out_of_line,
-    prepare,
 )
-from dynprobe.arch.x86_64.codegen import RSEQ_CPU_ID, build_trap_actions
 from dynprobe.core import rescue
 from dynprobe.core.ftrace import FunctionTracer, Selection, TracerEvent, Tracing
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
-from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Hit, Probe, ProbeEvent, Site
+from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Probe, ProbeEvent, Site
 from dynprobe.core.returns import RETURNS_TWICE, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
-from dynprobe.core.slots import PlacedCode, place_code
-from dynprobe.core.traced import StepState, TracedProcess
+from dynprobe.core.traced import MemoryReader, TracedProcess
+from dynprobe.core.traps import Traps
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import (
@@ -82,9 +75,8 @@ from dynprobe.ptrace.process import attach as ptrace_attach
 from dynprobe.ptrace.process import spawn as ptrace_spawn
 from dynprobe.ptrace.procfs import list_threads, runs_no_code_to_take, sigtrap_pending, thread_cpu
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
+from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import (
-    CPUS,
     HELD_RINGS,
     Consumer,
     RecordBatch,
@@ -93,7 +85,7 @@ from dynprobe.ringbuf.consumer import (
     decode_string,
     time_windows,
 )
-from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value, evaluate
+from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value
 from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
 from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
@@ -165,23 +157,6 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(signum)
 
 
-def _set_regs(proc: TracedProcess, tid: int, regs: Regs) -> None:
-    """The registers of a thread stopped at a trap of ours, about to resume: its rescue handler
-    is told first (should dynprobe die before the resume, the thread goes on as set; `_resume`
-    takes that back once it is on its way)."""
-    if proc.rescue is not None:
-        proc.rescue.mark(tid, int(regs.rip))
-    sc.set_regs(tid, regs)
-
-
-def _resume(proc: TracedProcess, tid: int, sig: int = 0, step: bool = False) -> None:
-    """Resume a thread whose registers `_set_regs` set. The mark goes: a later trap of the
-    thread at that very rip (an emulated one-byte push resumes at site + 1) is another one."""
-    proc.tracee.resume(tid, sig, step)
-    if proc.rescue is not None:
-        proc.rescue.mark(0, 0)
-
-
 def _in_sigtrap_stop(tid: int) -> bool:
     """Whether stopped thread `tid` is in the signal-delivery stop of a SIGTRAP (an int3, a
     single step), which a dying tracer lets go on to take that signal when not yet taken."""
@@ -241,26 +216,6 @@ def symbolize_in(maps: list[Mapping], addr: int) -> str | None:
     return image.symbolize(vaddr) if vaddr is not None else None
 
 
-class _MemoryReader:
-    """The memory of one traced process, as handlers and fetch arguments read it."""
-
-    def __init__(self, tracee: Tracee) -> None:
-        self._tracee = tracee
-
-    def read(self, addr: int, size: int) -> bytes:
-        return self._tracee.read(addr, size)
-
-    def read_upto(self, addr: int, size: int) -> bytes:
-        return self._tracee.read_upto(addr, size)
-
-    def read_u64(self, addr: int) -> int:
-        return self._tracee.read_u64(addr)
-
-    def read_string(self, addr: int, limit: int = 4096) -> str:
-        data = self._tracee.read_upto(addr, limit)
-        return data.split(b"\0", 1)[0].decode("utf-8", "replace")
-
-
 class Session:
     """Traced processes and their probes. Use `spawn()` or `attach()` to make one."""
 
@@ -299,6 +254,7 @@ class Session:
         self._optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
         self.tracing = Tracing(self)
+        self._traps = Traps(self)
         self._consumer: Consumer | None = None
         self._by_index: list[Probe | None] = []
         self._hists = 0
@@ -934,11 +890,11 @@ class Session:
                     state.stopped = True
                     state.in_event_stop = False
                     state.at_trap = site.addr
-                    self._on_breakpoint(proc, pid, site, regs)  # (its resume takes the stop)
+                    self._traps.hit(proc, pid, site, regs)  # (its resume takes the stop)
                     return True
                 if state is not None and (site is not None or (regs.rip - 1) in proc.retired):
                     state.stopped = True
-                    if self._past_trap(proc, pid, regs, site):
+                    if self._traps.past_trap(proc, pid, regs, site):
                         return True
         taken = take_stop(pid)
         if taken is not None:
@@ -1161,17 +1117,17 @@ class Session:
                 regs = sc.get_regs(tid)
                 site = proc.sites.get(regs.rip - 1)
                 if site is not None and site.armed:
-                    self._on_breakpoint(proc, tid, site, regs)
+                    self._traps.hit(proc, tid, site, regs)
                     return
-                if self._past_trap(proc, tid, regs, site):
+                if self._traps.past_trap(proc, tid, regs, site):
                     return
             elif sc.get_siginfo(tid).si_code != sc.SI_KERNEL:
-                self._finish_step(proc, tid, step)
+                self._traps.finish_step(proc, tid, step)
                 return
         if step is not None:
             if sig in _FAULT_SIGNALS:  # the instruction itself faulted in its slot
                 proc.stepping.pop(tid)
-                self._deliver_fault(proc, tid, sig)
+                self._traps.deliver_fault(proc, tid, sig)
                 return
             step.held_signals.append(sig)  # asynchronous: deliver once the step is done
             proc.tracee.resume(tid, 0, step=True)
@@ -1180,339 +1136,9 @@ class Session:
             if sig == signal.SIGTRAP and DEBUG:
                 info = sc.get_siginfo(tid)
                 _debug(f"SIGTRAP of the target's own: tid {tid} rip {sc.get_regs(tid).rip:#x} code {info.si_code:#x}")
-            self._deliver_fault(proc, tid, sig)
+            self._traps.deliver_fault(proc, tid, sig)
             return
         proc.tracee.resume(tid, sig)
-
-    @staticmethod
-    def _past_trap(proc: TracedProcess, tid: int, regs: Regs, site: Site | None) -> bool:
-        """A thread that hit an int3 of ours just before a jump replaced it (run the jump) or
-        just before we took it out (run the original instruction) goes back to the site and
-        on. False (nothing done) for any other SIGTRAP stop at `regs`."""
-        rip = int(regs.rip)
-        if (
-            not (
-                (site is not None and site.optimized)
-                or ((rip - 1) in proc.retired and proc.tracee.read(rip - 1, 1)[0] != INT3)
-            )
-            or sc.get_siginfo(tid).si_code != sc.SI_KERNEL
-        ):
-            return False
-        regs.rip = rip - 1
-        _set_regs(proc, tid, regs)
-        _resume(proc, tid)
-        return True
-
-    def _slot_site(self, proc: TracedProcess, addr: int) -> Site | None:
-        if not proc.slots.contains(addr):
-            return None
-        return next((site for site in proc.sites.values() if site.in_slot(addr)), None)
-
-    def _deliver_fault(self, proc: TracedProcess, tid: int, sig: int) -> None:
-        """Deliver a fault; if it happened in a slot, make it look as if it was at the site."""
-        regs = sc.get_regs(tid)
-        slot_rip = int(regs.rip)
-        site = self._slot_site(proc, slot_rip)
-        if site is not None:
-            regs.rip = site.original_rip(slot_rip)
-            sc.set_regs(tid, regs)
-            info = sc.get_siginfo(tid)
-            if info.si_addr == slot_rip:  # SIGFPE, SIGILL, SIGTRAP: si_addr is the instruction's
-                info.si_addr = int(regs.rip)
-                sc.set_siginfo(tid, info)
-        proc.tracee.resume(tid, sig)
-
-    def _context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site) -> FetchContext:
-        return FetchContext(
-            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver(site),
-            self._symbolizer(proc.pid),
-        )  # fmt: skip
-
-    def _on_breakpoint(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> None:
-        # The hot path of a trap probe: no enum attribute in it (each lookup costs ~0.2 us).
-        self.stats["stops"] += 1
-        regs.rip = site.addr
-        if site.internal is not None:
-            site.internal(tid, regs)
-        probes: list[Probe] = []
-        context: FetchContext | None = None
-        now = 0.0
-        post: list[Probe] = []
-        stamps: list[int] = []  # return-probe entries taken: their time is stamped at the resume
-        actions: list[Probe] = []  # probes whose action runs in the target as the thread resumes
-        for probe in site.probes if proc.follow else ():
-            if not probe.enabled:
-                continue
-            probes.append(probe)
-            if probe.is_return:
-                if context is None:
-                    context, now = self._context(proc, tid, regs, site), time.monotonic()
-                self.returns.on_entry(proc, tid, site, probe, regs, context, stamps)
-                continue
-            if probe.action is not None:
-                if probe.action is _COUNT and probe.filter is None:
-                    probe.trap_hits += 1  # nothing to fetch: no context to build
-                    continue
-                actions.append(probe)
-                continue
-            probe.trap_hits += 1
-            if probe.post is not None:
-                post.append(probe)
-            if probe.pre is None:
-                continue
-            if not now:
-                now = time.monotonic()
-            source = context or (lambda: self._context(proc, tid, regs, site))
-            moved = probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source))
-            # A handler takes its time, and the process goes on meanwhile: another thread's
-            # exec or exit_group may have ended this one, whose tid an exec'd thread then
-            # takes. The exec's or exit's event, handled next, settles it.
-            if proc.tracee.image_gone():
-                raise ProcessLookupError(errno.ESRCH, f"pid {proc.pid} exec'd or ended while a handler ran")
-            if moved:
-                # The handler moved rip itself: the instruction is skipped, no post-handler runs.
-                self._act_at_stop(proc, tid, site, regs, actions)
-                _set_regs(proc, tid, regs)
-                _resume(proc, tid)
-                return
-        user_tf = bool(regs.eflags & FLAG_TF)
-        plan = site.plan
-        if post or user_tf:
-            plan = needs_step_for_post_handler(plan)
-        kind = plan.kind
-        if kind is _EMULATE and site.prefer_slot and not (post or user_tf):
-            kind = _BOOST
-        stub = None
-        if actions:
-            # In the target, then the instruction from its slot (they see the registers of the
-            # hit); at the stop where the thread resumes otherwise: stepped, or stamped
-            steps = kind is _STEP or post or user_tf
-            if (
-                not (steps or stamps)
-                and proc.areas_refused is None
-                and (site.slot is not None or self._slot_at_hit(proc, site))
-            ):
-                stub = self._actions_stub(proc, tid, site, regs, actions)
-            if stub is None:
-                self._act_at_stop(proc, tid, site, regs, actions)
-            else:
-                kind = _BOOST
-        if kind is _EMULATE:
-            if self._emulate(proc, site, regs):
-                for probe in probes:
-                    probe.resumes[kind] += 1
-                if post:
-                    self._run_post(proc, tid, post, regs, site, context or self._context(proc, tid, regs, site))
-                if stamps and not user_tf:  # (the target's own single step must see its instruction)
-                    self.returns.stamp_on_resume(proc, tid, regs, stamps)
-                _set_regs(proc, tid, regs)
-                if user_tf:
-                    self._deliver_step_trap(proc, tid)
-                else:
-                    _resume(proc, tid)
-                return
-            kind = _STEP if post or user_tf else _BOOST
-        if site.slot is None and not self._give_slot(proc, site):
-            raise ProcessError(f"no out-of-line slot for {site.addr:#x}")
-        for probe in probes:
-            probe.resumes[kind] += 1
-        regs.rip = site.slot
-        if stub is not None:
-            # The thread goes through the actions, which then go on at gs:[STAMP_RESUME]
-            words = stub[1]
-            words[_STAMP_RESUME] = int(regs.rip)
-            words[_STAMP_BUSY] = 1
-            regs.rip = stub[0]
-        elif stamps and kind is _BOOST:
-            self.returns.stamp_on_resume(proc, tid, regs, stamps)
-        _set_regs(proc, tid, regs)
-        if kind is _BOOST:
-            _resume(proc, tid)
-        else:
-            proc.stepping[tid] = StepState(site, post, user_tf)
-            _resume(proc, tid, step=True)
-
-    def _act_at_stop(self, proc: TracedProcess, tid: int, site: Site, regs: Regs, probes: list[Probe]) -> None:
-        if probes:
-            context = self._context(proc, tid, regs, site)
-            for probe in probes:
-                self.act_in_tracer(probe, proc, tid, site.addr, context)
-
-    def _actions_stub(
-        self, proc: TracedProcess, tid: int, site: Site, regs: Regs, probes: list[Probe]
-    ) -> tuple[int, memoryview] | None:  # fmt: skip
-        """Where a thread that hit `site` can run the actions of `probes` in the target as it
-        resumes, and its area's words: the site's action code, made for
-        these probes if it was not. None where the actions run at the stop: no thread area
-        (the target uses GS, or runs under seccomp), the thread's resume in use (a signal
-        handler's hit inside it), an action that cannot run in the target."""
-        areas = proc.areas
-        area = areas.by_tid.get(tid) if areas is not None else None
-        if area is None:
-            area = self._give_area_now(proc, tid, regs)
-            if area is None:
-                return None
-        words = area.cells
-        if words[_STAMP_BUSY]:
-            return None
-        key = tuple(probes)
-        if site.actions is not None and site.actions_probes == key:
-            return site.actions.start, words
-        if any(self.action_refusal(p) is not None for p in probes):
-            return None
-        programs = [p.program() for p in probes]
-        symbols = self.symbol_resolver(site)
-        placed = place_code(
-            functools.partial(self.allocate_slot, proc), proc, site.addr,
-            lambda at: build_trap_actions(programs, self.layout, site.addr, at, symbols, proc.rseq_offset_at),
-        )  # fmt: skip
-        if isinstance(placed, OptimizeRefusal):
-            return None
-        at, built = placed
-        proc.fixups.update(built.fixups)
-        if site.actions is not None:
-            proc.dirty.append(site.actions)  # a thread may be in it: freed once none is
-        site.actions, site.actions_probes = PlacedCode(at, len(built.code), tuple(built.fixups)), key
-        return at, words
-
-    def _give_area_now(self, proc: TracedProcess, tid: int, regs: Regs) -> AreaRef | None:
-        """An area for the stopped thread, the process's first areas made if need be (None: no
-        areas here); `regs`, to be written back by the caller, get its GS base too."""
-        if proc.areas is None and (proc.areas_refused is not None or not self.ensure_thread_areas(proc)):
-            return None
-        assert proc.areas is not None
-        if not proc.areas.owns(tid):
-            self._optimizer.give_area(proc, tid)
-        area = proc.areas.by_tid.get(tid)
-        if area is not None:
-            regs.gs_base = area.target_addr
-        return area
-
-    def act_in_tracer(
-        self,
-        probe: Probe,
-        proc: TracedProcess,
-        tid: int,
-        address: int,
-        context: FetchContext,
-        caller: int | None = None,
-    ) -> None:
-        """What the probe's detour (or return code) does, done at the stop (the probe is not
-        optimized yet, or cannot be): the same filter, counters, histogram and record."""
-        if probe.filter is not None:
-            values: dict[str, int | None] = {}
-            for arg in filter_args(probe.filter):
-                v = evaluate(arg, context)
-                values[arg.name] = v if isinstance(v, int) else None
-            if not matches(probe.filter, values):
-                return
-        probe.trap_hits += 1
-        if probe.action == ActionKind.HIST:
-            assert probe.value is not None
-            v = evaluate(probe.value, context)
-            bucket = L.HIST_FAULTED if not isinstance(v, int) else 0 if v <= 0 else min(v.bit_length(), 64)
-            probe.trap_hist[bucket] += 1
-        elif probe.action == ActionKind.RECORD and probe.on_event is not None:
-            event = ProbeEvent(
-                probe, proc.pid, tid, self._cpu_at_stop(proc, tid, context.regs), time.monotonic_ns(), address,
-                {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
-            )  # fmt: skip
-            with self._events_lock:
-                if self._flight_recorder and self._trap_events.maxlen is None:
-                    self._trap_events = deque(self._trap_events, maxlen=HELD_RINGS * self.layout.ring_slots)
-                if len(self._trap_events) == self._trap_events.maxlen:
-                    self._trap_events_gave_way += 1
-                self._trap_events.append(event)
-
-    def _cpu_at_stop(self, proc: TracedProcess, tid: int, regs: Regs) -> int:
-        """The CPU a stopped thread ran on when it stopped: the number the kernel keeps in the
-        thread's rseq area (glibc 2.35 and later register one; a read of the target's memory),
-        else field 39 of /proc/PID/task/TID/stat (a file the kernel formats: ~10x the cost).
-        The target can write its rseq area: a number past this machine's CPUs is not taken."""
-        if proc.rseq_offset is None:
-            at = self._rseq_offset_at(proc)
-            try:
-                proc.rseq_offset = 0 if at is None else int.from_bytes(proc.tracee.read(at, 8), "little", signed=True)
-            except OSError:
-                proc.rseq_offset = 0
-            if not proc.rseq_offset and at is not None:
-                proc.rseq_offset = None  # the loader has not set it yet: ask again next time
-                return thread_cpu(proc.pid, tid)
-        if proc.rseq_offset:
-            try:
-                cpu = int.from_bytes(
-                    proc.tracee.read(int(regs.fs_base) + proc.rseq_offset + RSEQ_CPU_ID, 4), "little", signed=True
-                )
-            except OSError:
-                cpu = -1
-            if 0 <= cpu < CPUS:
-                return cpu
-        return thread_cpu(proc.pid, tid)
-
-    @staticmethod
-    def _emulate(proc: TracedProcess, site: Site, regs: Regs) -> bool:
-        """Emulate the site's instruction on `regs` and apply its memory writes. False (regs as
-        they were) when it cannot be done here, e.g. the stack is unmapped: the hardware will
-        then run it out of line and fault as it should."""
-        if site.emulator is None:
-            site.emulator = prepare(site.insn)
-        try:
-            assert site.emulator is not None
-            writes = site.emulator(regs, proc.tracee.read)
-        except EmulationFault:
-            return False  # raised before any register changed
-        try:
-            for addr, data in writes:
-                proc.tracee.write(addr, data)
-        except OSError:
-            # Only push/call write, each one word at the new rsp: undo the register changes.
-            regs.rip = site.addr
-            regs.rsp = (regs.rsp + 8) & ((1 << 64) - 1)
-            return False
-        return True
-
-    def _run_post(
-        self, proc: TracedProcess, tid: int, post: list[Probe], regs: Regs, site: Site, context: FetchContext
-    ) -> None:
-        now = time.monotonic()
-        for probe in post:
-            assert probe.post is not None
-            probe.post(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
-
-    def _finish_step(self, proc: TracedProcess, tid: int, step: StepState) -> None:
-        self.stats["stops"] += 1
-        proc.stepping.pop(tid)
-        site = step.site
-        regs = sc.get_regs(tid)
-        assert site.slot is not None
-        after = site.slot + site.slot_insn_len
-        if regs.rip == after:
-            regs.rip = site.next_ip
-            if site.plan.fixup & Fixup.SYSCALL_REGS and regs.rcx == after:
-                regs.rcx = site.next_ip
-                if not step.user_tf:
-                    regs.r11 &= ~FLAG_TF
-        if step.probes:
-            self._run_post(proc, tid, step.probes, regs, site, self._context(proc, tid, regs, site))
-        _set_regs(proc, tid, regs)
-        for extra in step.held_signals[1:]:
-            with contextlib.suppress(OSError):
-                sc.tgkill(proc.pid, tid, extra)
-        if step.user_tf:
-            self._deliver_step_trap(proc, tid)  # the hardware trap the target asked for
-            for sig in step.held_signals[:1]:
-                with contextlib.suppress(OSError):
-                    sc.tgkill(proc.pid, tid, sig)
-        else:
-            _resume(proc, tid, step.held_signals[0] if step.held_signals else 0)
-
-    def _deliver_step_trap(self, proc: TracedProcess, tid: int) -> None:
-        info = sc.get_siginfo(tid)
-        info.si_signo = signal.SIGTRAP
-        info.si_code = sc.TRAP_TRACE
-        info.si_addr = int(sc.get_regs(tid).rip)
-        sc.set_siginfo(tid, info)
-        _resume(proc, tid, signal.SIGTRAP)
 
     # --- sites ---------------------------------------------------------------------------------------
     def _sync_process(
@@ -1583,7 +1209,7 @@ class Session:
             return None
         return files.real_path(root_of(proc.pid) + interp) if interp else None
 
-    def _rseq_offset_at(self, proc: TracedProcess) -> int | None:
+    def rseq_offset_at(self, proc: TracedProcess) -> int | None:
         """Where the process's glibc (2.35 and later) keeps `__rseq_offset`: the distance from a
         thread's pointer to the rseq area glibc registers for it, where the kernel keeps the
         thread's CPU number (a load: cheaper than `rdpid`). None without it."""
@@ -1663,22 +1289,22 @@ class Session:
             raise refused(Refusal.FOREIGN_INT3 if current[0] == INT3 else Refusal.BYTES_MISMATCH)
         site = Site(addr, insn, code, plan)  # its emulator is prepared at its first hit
         try:
-            if plan.kind != ResumeKind.EMULATE and not self._give_slot(proc, site):
+            if plan.kind != ResumeKind.EMULATE and not self.give_slot(proc, site):
                 raise refused(Refusal.RIP_REL_OUT_OF_REACH)
         except SeccompFiltered as exc:
             raise refused(Refusal.SECCOMP) from exc
         return site
 
-    def _slot_at_hit(self, proc: TracedProcess, site: Site) -> bool:
+    def slot_at_hit(self, proc: TracedProcess, site: Site) -> bool:
         """`_give_slot` at a hit, in a process that may turn out to run no code of ours (a
         seccomp filter we may not suspend): then it has no thread area either."""
         try:
-            return self._give_slot(proc, site)
+            return self.give_slot(proc, site)
         except SeccompFiltered:
             proc.areas_refused = OptimizeRefusal.SECCOMP
             return False
 
-    def _give_slot(self, proc: TracedProcess, site: Site) -> bool:
+    def give_slot(self, proc: TracedProcess, site: Site) -> bool:
         """The site's out-of-line slot: made at placement, or for an emulated instruction at the
         first hit that needs it (emulation refused, a post-handler): most function entries are
         emulated, and a probe optimized at once never needs one."""
@@ -1740,7 +1366,7 @@ class Session:
         """A slot for an emulated push whose site stays a trap: cheaper from there (an emulated
         hit if none can be made)."""
         with contextlib.suppress(SeccompFiltered):
-            site.prefer_slot = self._give_slot(proc, site)
+            site.prefer_slot = self.give_slot(proc, site)
 
     def process_of(self, tid: int) -> TracedProcess | None:
         """The traced process a thread belongs to."""
@@ -2082,7 +1708,7 @@ class Session:
             if sc.get_siginfo(tid).si_signo != held[-1].sig:
                 return  # no longer in that signal's stop: the detach delivers what it can
             rip = int(sc.get_regs(tid).rip)
-            if (rip - 1) in proc.sites or self._slot_site(proc, rip) or self.in_own_code(proc, rip):
+            if (rip - 1) in proc.sites or self._traps.slot_site(proc, rip) or self.in_own_code(proc, rip):
                 return  # (its handler would return where the detach is about to move it from)
             sc.singlestep(tid, held[-1].sig)
             state.stepped = True
@@ -2160,13 +1786,13 @@ class Session:
         sig = next((s for s in reversed(signals) if s != signal.SIGTRAP), 0)
         rip = int(regs.rip)
         step = proc.stepping.pop(tid, None)
-        site = self._slot_site(proc, rip) or (step.site if step else None)
+        site = self._traps.slot_site(proc, rip) or (step.site if step else None)
         if site is not None and site.in_slot(rip):
             regs.rip = site.original_rip(rip)
-            _set_regs(proc, tid, regs)
+            proc.set_trap_regs(tid, regs)
         elif trapped and (rip - 1) in proc.sites:
             regs.rip = rip - 1  # stopped on our int3, now gone: run the original instruction
-            _set_regs(proc, tid, regs)
+            proc.set_trap_regs(tid, regs)
         elif trapped and step is None and not sig:
             sig = signal.SIGTRAP  # the target's own trap: it is due to it
         if step is not None and step.held_signals:
@@ -2184,7 +1810,7 @@ class Session:
         the signal its detach delivers: that of a signal stop reached instead (None: gone)."""
         with contextlib.suppress(OSError):
             sc.set_options(tid, TRACE_OPTIONS & ~_TRACE_CHILDREN)
-        _resume(proc, tid, sig)
+        proc.resume_trapped(tid, sig)
         with contextlib.suppress(OSError):
             sc.interrupt(tid)
         event = self._wait_stop(tid, timeout=1.0)
@@ -2280,8 +1906,8 @@ class Session:
     def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext:
         """What the probe's fetches read on thread `tid` of `proc`."""
         return FetchContext(
-            regs, _MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver_for(probe, proc),
-            self._symbolizer(proc.pid),
+            regs, MemoryReader(proc.tracee), lambda: proc.comm(tid), self.symbol_resolver_for(probe, proc),
+            self.symbolizer(proc.pid),
         )  # fmt: skip
 
     def probe_by_index(self, index: int) -> Probe | None:
@@ -2332,7 +1958,7 @@ class Session:
 
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         areas = new_thread_areas(proc, self)
-        proc.rseq_offset_at = self._rseq_offset_at(proc)
+        proc.rseq_offset_at = self.rseq_offset_at(proc)
         self._ensure_consumer().add(areas)
         areas.set_wait(self._wait_ticks())
         areas.set_overwrite(self._flight_recorder)
@@ -2391,6 +2017,22 @@ class Session:
     def snapshots_asked(self) -> int:
         """Snapshots a flight recorder took because a call lasted a tracer's `snapshot_over_ns`."""
         return self._consumer.snapshots_asked if self._consumer is not None else 0
+
+    def keep_event(self, event: ProbeEvent) -> None:
+        """An event served at a stop, for the next delivery (core/traps.py)."""
+        with self._events_lock:
+            if self._flight_recorder and self._trap_events.maxlen is None:
+                self._trap_events = deque(self._trap_events, maxlen=HELD_RINGS * self.layout.ring_slots)
+            if len(self._trap_events) == self._trap_events.maxlen:
+                self._trap_events_gave_way += 1
+            self._trap_events.append(event)
+
+    def act_in_tracer(
+        self, probe: Probe, proc: TracedProcess, tid: int, address: int, context: FetchContext,
+        caller: int | None = None,
+    ) -> None:  # fmt: skip
+        """What the probe's detour or return code does, done at a stop (core/traps.py)."""
+        self._traps.act_in_tracer(probe, proc, tid, address, context, caller)
 
     @property
     def records_overwritten(self) -> int:
@@ -2586,7 +2228,7 @@ class Session:
         if probe.is_return:  # the caller is the first field of a return probe's records
             callers = [v if isinstance(v, int) else None for v in values.pop(0)]
         return EventColumns(
-            probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self._symbolizer(batch.pid),
+            probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self.symbolizer(batch.pid),
             batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(),
         )  # fmt: skip
 
@@ -2614,7 +2256,7 @@ class Session:
                 return name
         return known[0] if known is not None else "<...>"
 
-    def _symbolizer(self, pid: int) -> Callable[[int], str | None]:
+    def symbolizer(self, pid: int) -> Callable[[int], str | None]:
         """Symbolizes addresses of `pid` when asked, which may be after it exited (events are
         formatted by the consumer): then with the maps dynprobe saw last."""
 

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynprobe.arch.x86_64 import Regs
 from dynprobe.arch.x86_64.codegen import HOOK_ROOM, Trampoline
 from dynprobe.core.probe import Probe, Site
 from dynprobe.core.rescue import Rescue
 from dynprobe.core.slots import PlacedCode, SlotCache
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.process import Tracee
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
@@ -118,8 +120,43 @@ class TracedProcess:
         scratch = self.slots.stub() or self._scratch
         return self.tracee.mmap_exec_near(self._map_tid, scratch, hint, size)
 
+    def set_trap_regs(self, tid: int, regs: Regs) -> None:
+        """The registers of a thread stopped at a trap of ours, about to resume: its rescue handler
+        is told first (should dynprobe die before the resume, the thread goes on as set;
+        `resume_trapped` takes that back once it is on its way)."""
+        if self.rescue is not None:
+            self.rescue.mark(tid, int(regs.rip))
+        sc.set_regs(tid, regs)
+
+    def resume_trapped(self, tid: int, sig: int = 0, step: bool = False) -> None:
+        """Resume a thread whose registers `set_trap_regs` set. The mark goes: a later trap of the
+        thread at that very rip (an emulated one-byte push resumes at site + 1) is another one."""
+        self.tracee.resume(tid, sig, step)
+        if self.rescue is not None:
+            self.rescue.mark(0, 0)
+
     def comm(self, tid: int) -> str:
         name = self.comms.get(tid)
         if name is None:
             name = self.comms[tid] = self.tracee.comm(tid)
         return name
+
+
+class MemoryReader:
+    """The memory of one traced process, as handlers and fetch arguments read it."""
+
+    def __init__(self, tracee: Tracee) -> None:
+        self._tracee = tracee
+
+    def read(self, addr: int, size: int) -> bytes:
+        return self._tracee.read(addr, size)
+
+    def read_upto(self, addr: int, size: int) -> bytes:
+        return self._tracee.read_upto(addr, size)
+
+    def read_u64(self, addr: int) -> int:
+        return self._tracee.read_u64(addr)
+
+    def read_string(self, addr: int, limit: int = 4096) -> str:
+        data = self._tracee.read_upto(addr, limit)
+        return data.split(b"\0", 1)[0].decode("utf-8", "replace")
