@@ -51,12 +51,18 @@ MODULES: dict[str, tuple[str, ...]] = {
     "arch/x86_64/relocate.py": ("test_arch_tables.py", "test_optimize_tables.py", "test_relocation_edges.py"),
     "arch/x86_64/optimize.py": ("test_optimize_tables.py", "test_relocation_edges.py", "test_codegen.py"),
     "arch/x86_64/emulate.py": ("test_emulate.py", "test_arch_tables.py", "test_properties.py"),
-    "arch/x86_64/codegen.py": (
-        "test_codegen.py",
-        "test_native_returns.py",
-        "test_native_tracer.py",
-        "test_returns_code.py",
-        "test_callgraph.py",
+    **dict.fromkeys(
+        (
+            f"arch/x86_64/codegen/{name}.py"
+            for name in ("asm", "records", "actions", "detours", "returns", "ftrace", "clock")
+        ),
+        (
+            "test_codegen.py",
+            "test_native_returns.py",
+            "test_native_tracer.py",
+            "test_returns_code.py",
+            "test_callgraph.py",
+        ),
     ),
     "ringbuf/layout.py": (
         "test_layout.py",
@@ -148,27 +154,30 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "rounds every size the layout passes (multiples of 16) to the same page"
     ),
     **{
-        ("arch/x86_64/codegen.py", line, change): why
+        (module, line, change): why
+        for module in MODULES
+        if module.startswith("arch/x86_64/codegen/")
         for why, lines in {
             "label numbers: any distinct ones do": {
                 "labels: int = 0": ("0 -> 1", "0 -> -1"), "self.labels += 1": ("+ -> -", "1 -> 2"),
             },
             "iced encodes any scale but 1, 2 and 4 as 8": {
-                "asm.add(iced.Instruction.create_mem(C.INC_RM64, _gs(self.layout.hist(prog.hist_index), index=R.RAX, "
+                "asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(self.layout.hist(prog.hist_index), index=R.RAX, "
                 "scale=8)))": ("8 -> 9", "8 -> 7"),
             },
             "adds a zero (RECORD_PROBE, ENTRY_SLOT: the first field)": {
                 line: ("+ -> -",) for line in (
-                    "header = _gs(ring + L.RECORD_PROBE, R.RSI)",
-                    "asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _gs(shadow + L.ENTRY_SLOT, "
+                    "header = gs_at(ring + L.RECORD_PROBE, R.RSI)",
+                    "asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(shadow + L.ENTRY_SLOT, "
                     "R.RSI)))",
-                    "asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, _gs(shadow + L.ENTRY_SLOT, R.RSI), "
+                    "asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(shadow + L.ENTRY_SLOT, R.RSI), "
                     "R.RCX))",
-                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + L.ENTRY_SLOT, R.RSI), 0))",
-                    "asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, _gs(shadow + L.ENTRY_SLOT, R.RDX), 0))",
-                    "asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, slot), "
+                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(shadow + L.ENTRY_SLOT, R.RSI), "
+                    "0))",
+                    "asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(shadow + L.ENTRY_SLOT, R.RDX), 0))",
+                    "asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, gs_at(ring + L.RECORD_PROBE, slot), "
                     "ops_index))",
-                    "asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, _gs(ring + L.RECORD_PROBE, R.RDX), "
+                    "asm.add(iced.Instruction.create_mem_u32(C.MOV_RM16_IMM16, gs_at(ring + L.RECORD_PROBE, R.RDX), "
                     "ops_index))",
                 )
             },
@@ -193,12 +202,12 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
                 "self.in_record = False": ("delete `self.in_record = False`", "False -> True"),
             },
             "unused at an entry: $latency is refused there": {
-                "returning = _Returning(trampoline.points, 0, at_return=False) if trampoline is not None else None": (
+                "returning = Returning(trampoline.points, 0, at_return=False) if trampoline is not None else None": (
                     "0 -> 1", "0 -> -1",
                 ),
             },
             "unused at a return: %ip there is the caller": {
-                "emitter = _Emitter(asm, layout, 0, 0, False, symbol_address, returning, rseq_offset_at)": (
+                "emitter = Emitter(asm, layout, 0, 0, False, symbol_address, returning, rseq_offset_at)": (
                     "0 -> 1", "0 -> -1",
                 ),
             },
@@ -208,23 +217,23 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
                 ),
             },
             "any number past every record says none is held back": {
-                "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(shadow + held, R.RSI), -1))": (
+                "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(shadow + held, R.RSI), -1))": (
                     "1 -> 2",
                 ),
             },
             "the piece's first byte is always written over (the NUL at least)": {
-                "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(ring + L.RECORD_TSC, R.RDX), 0))": (
+                "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(ring + L.RECORD_TSC, R.RDX), 0))": (
                     "0 -> 1",
                 ),
             },
             "any value but 0 says busy": {
                 line: ("1 -> 2",) for line in (
-                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.SHADOW_BUSY), 1))",
-                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, _gs(L.BUSY), 1))",
+                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.SHADOW_BUSY), 1))",
+                    "asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.BUSY), 1))",
                 )
             },
             "rax holds the entry point shadow_push just wrote there (or, with none written, no entry point)": {
-                "asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, _mem(R.RSP, slot_at)))": (
+                "asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RSP, slot_at)))": (
                     "delete `asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RA`",
                 ),
             },
@@ -232,7 +241,7 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
                 "asm.add(iced.Instruction.create(C.PAUSE))": ("delete `asm.add(iced.Instruction.create(C.PAUSE))`",),
             },
             "TSC_AUX's node bits are 0 on a machine of one NUMA node (this one): the mask changes nothing here": {
-                "asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, _TSC_AUX_CPU))": (
+                "asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, TSC_AUX_CPU))": (
                     "delete `asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.`",
                 ),
             },

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import Trampoline, build_trampoline
+from dynprobe.arch.x86_64.codegen.asm import Trampoline
+from dynprobe.arch.x86_64.codegen.returns import build_trampoline
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.arch.x86_64.relocate import jump_to
 from dynprobe.arch.x86_64.rescue import SA_RESTORER, SA_SIGINFO

@@ -18,17 +18,11 @@ import pytest
 
 from dynprobe.actions.filter import parse_filter
 from dynprobe.actions.model import ActionKind, Program, record_fields
-from dynprobe.arch.x86_64 import codegen
-from dynprobe.arch.x86_64.codegen import (
-    RSEQ_CPU_ID,
-    Trampoline,
-    build_detour,
-    build_entry_stamp,
-    build_return_code,
-    build_trap_actions,
-    read_tsc_code,
-    tsc_readings_code,
-)
+from dynprobe.arch.x86_64.codegen import actions as codegen_actions
+from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID, Trampoline
+from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
+from dynprobe.arch.x86_64.codegen.detours import build_detour, build_trap_actions
+from dynprobe.arch.x86_64.codegen.returns import build_entry_stamp, build_return_code
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
 from dynprobe.errors import OptimizeRefusal
@@ -502,7 +496,7 @@ def test_native_record_cpu_number(area: NativeArea, source: str, monkeypatch: py
         fake.value = area.guarded(b"") - RSEQ_CPU_ID - fs.value
         rseq_offset_at = ctypes.addressof(fake)
     if source == "rdtscp":
-        monkeypatch.setattr(codegen, "has_rdpid", lambda: False)
+        monkeypatch.setattr(codegen_actions, "has_rdpid", lambda: False)
     prog = Program(0, ActionKind.RECORD, record_fields(parse_spec("p f n=%di").args))
     at = None if source in ("rdpid", "rdtscp") else rseq_offset_at
     code = build_detour(plan(), [prog], LAYOUT, AT, True, rseq_offset_at=at)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import textwrap
 
+from tests import mutation
 from tests.mutation import _edits
 
 SOURCE = textwrap.dedent(
@@ -46,3 +47,13 @@ def test_every_edit_is_undone() -> None:
         assert ast.unparse(tree) != before
         edit.swap()
         assert ast.unparse(tree) == before
+
+
+def test_every_equivalent_mutant_names_a_line_that_is_there() -> None:
+    """The table of equivalent mutants names lines as written: one that no module of its entries
+    has any more (code moved or reworded) would hide a survivor of the new line's mutants."""
+    modules: dict[tuple[str, str], list[str]] = {}
+    for module, line, change in mutation.EQUIVALENT:
+        modules.setdefault((line, change), []).append(module)
+    for (line, _), where in modules.items():
+        assert any(line in {x.strip() for x in (mutation.PACKAGE / m).read_text().splitlines()} for m in where), line

@@ -15,7 +15,9 @@ import pytest
 
 from dynprobe.actions.filter import parse_filter
 from dynprobe.actions.model import ActionKind, Program, record_fields
-from dynprobe.arch.x86_64.codegen import build_detour, build_return_code, read_tsc_code
+from dynprobe.arch.x86_64.codegen.clock import read_tsc_code
+from dynprobe.arch.x86_64.codegen.detours import build_detour
+from dynprobe.arch.x86_64.codegen.returns import build_return_code
 from dynprobe.core.probe import CALLER_ARG
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L

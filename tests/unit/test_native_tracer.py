@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from dynprobe.arch.x86_64.codegen import (
+from dynprobe.arch.x86_64.codegen.ftrace import (
     Captures,
     OpsCode,
     build_list_trampoline,

@@ -6,13 +6,8 @@ from __future__ import annotations
 import iced_x86 as iced
 
 from dynprobe.actions.model import ActionKind, Program, ReturnEntry, record_fields
-from dynprobe.arch.x86_64.codegen import (
-    build_detour,
-    build_return_code,
-    build_trampoline,
-    enter_tail,
-    return_stub_code,
-)
+from dynprobe.arch.x86_64.codegen.detours import build_detour, enter_tail
+from dynprobe.arch.x86_64.codegen.returns import build_return_code, build_trampoline, return_stub_code
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan
 from dynprobe.core.returns import shadow_stack_in
@@ -100,7 +95,7 @@ def test_cet_shadow_stack_from_proc_status() -> None:
 
 
 def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
-    from dynprobe.arch.x86_64.codegen import (
+    from dynprobe.arch.x86_64.codegen.ftrace import (
         SITE_CALL_AT,
         build_list_trampoline,
         build_ops_code,

@@ -1,7 +1,7 @@
 """The in-process programs a probe can run instead of a Python handler (docs/architecture.md §6).
 
 An action is arch-independent data: what to fetch, where each value goes in the record, which
-counters and histogram it bumps, and the filter in front of it. `arch/x86_64/codegen.py` turns it
+counters and histogram it bumps, and the filter in front of it. `arch/x86_64/codegen/` turns it
 into machine code; the consumer decodes what that code wrote using the same field layout.
 """
 

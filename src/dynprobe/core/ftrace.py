@@ -27,7 +27,7 @@ import iced_x86 as iced
 import numpy as np
 
 from dynprobe.arch.x86_64 import jump_to
-from dynprobe.arch.x86_64.codegen import (
+from dynprobe.arch.x86_64.codegen.ftrace import (
     SITE_CALL_AT,
     Captures,
     OpsCode,

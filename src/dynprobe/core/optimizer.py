@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from dynprobe.arch.x86_64 import INT3, jump_to
-from dynprobe.arch.x86_64.codegen import Detour, build_detour
+from dynprobe.arch.x86_64.codegen.asm import Detour
+from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
 from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code

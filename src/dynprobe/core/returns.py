@@ -42,8 +42,8 @@ import numpy as np
 
 from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
-from dynprobe.arch.x86_64.codegen import (
-    SAVED_AT,
+from dynprobe.arch.x86_64.codegen.asm import SAVED_AT
+from dynprobe.arch.x86_64.codegen.returns import (
     build_entry_stamp,
     build_return_code,
     build_trampoline,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import SLOT_SIZE
-from dynprobe.arch.x86_64.codegen import Detour
+from dynprobe.arch.x86_64.codegen.asm import Detour
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ptrace.process import Tracee
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dynprobe.arch.x86_64 import Regs
-from dynprobe.arch.x86_64.codegen import HOOK_ROOM, Trampoline
+from dynprobe.arch.x86_64.codegen.asm import HOOK_ROOM, Trampoline
 from dynprobe.core.probe import Probe, Site
 from dynprobe.core.rescue import Rescue
 from dynprobe.core.slots import PlacedCode, SlotCache

@@ -31,7 +31,8 @@ from dynprobe.arch.x86_64 import (
     needs_step_for_post_handler,
     prepare,
 )
-from dynprobe.arch.x86_64.codegen import RSEQ_CPU_ID, build_trap_actions
+from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID
+from dynprobe.arch.x86_64.codegen.detours import build_trap_actions
 from dynprobe.core.engine import Engine
 from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site
 from dynprobe.core.returns import ReturnProbes

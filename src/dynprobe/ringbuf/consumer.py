@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dynprobe.arch.x86_64.codegen import read_tsc_code, tsc_readings_code
+from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.threads import start_without_signals
