@@ -203,3 +203,17 @@ def test_process_exiting_while_a_new_thread_gets_its_area(action: str) -> None:
             probe = session.probe("p probed x=%di", action=action)
             assert session.run(timeout=30) == 0
             assert probe.hits == 1000
+
+
+def test_a_spawned_command_has_the_signal_dispositions_it_has_untraced() -> None:
+    """Python ignores SIGPIPE and SIGXFSZ for itself, and an ignored disposition survives exec: a
+    command dynprobe starts gets them back at their default, as subprocess gives them. `yes |
+    head -1` then ends `yes` by SIGPIPE, silently, instead of with 'Broken pipe' on EPIPE."""
+    script = "yes | head -1; grep SigIgn /proc/self/status"
+    untraced = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
+    assert untraced.stderr == "" and untraced.stdout.startswith("y\nSigIgn:")
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn(["sh", "-c", script], stdout=out, stderr=out) as session:
+            assert session.run(timeout=30) == 0
+        out.seek(0)
+        assert out.read() == untraced.stdout

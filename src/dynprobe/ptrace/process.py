@@ -612,11 +612,19 @@ def _restarted(regs: Regs) -> Regs:
     return regs
 
 
+_IGNORED_BY_PYTHON = (signal.SIGPIPE, signal.SIGXFSZ)
+
+
 def _spawn_child(
     argv: list[str], env: dict[str, str] | None, go_r: int, err_w: int, fds: tuple[int | None, ...]
 ) -> None:
-    """In the forked child: wait until the tracer has seized us, then exec. Never returns."""
+    """In the forked child: wait until the tracer has seized us, then exec. Never returns. The
+    signals Python ignores for itself (SIGPIPE, SIGXFSZ) get their default action back, as
+    subprocess gives them: ignored dispositions survive exec, and `yes | head -1` under dynprobe
+    would have `yes` fail on EPIPE instead of ending by SIGPIPE."""
     try:
+        for sig in _IGNORED_BY_PYTHON:
+            signal.signal(sig, signal.SIG_DFL)
         os.read(go_r, 1)
         os.close(go_r)
         for target, fd in enumerate(fds):
