@@ -291,7 +291,7 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
                 if snapshot_over_ns:
                     asked = session.snapshots_asked
                     over = callgraph.duration(snapshot_over_ns).strip()
-                    what += f" ({asked} snapshot{'' if asked == 1 else 's'} at calls of {over} or more)"
+                    what += f" ({asked} call{'' if asked == 1 else 's'} of {over} or more took a snapshot)"
             where = "" if getattr(args, "temporary", False) else f" in {out}"
             print(f"dynprobe: {what}{where}{dropped}", file=sys.stderr)
             note_rings(session)

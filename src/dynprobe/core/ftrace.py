@@ -1,7 +1,7 @@
 """The function tracer: ftrace for user space (docs/architecture.md §8).
 
 A tracer instance ("ops": which functions, graph mode or not) gets its own generated code in each
-process (`codegen.build_ops_code`): an entry record, and in graph mode a shadow-stack entry whose
+process (`codegen/ftrace.py`'s `build_ops_code`): an entry record, and in graph mode a shadow-stack entry whose
 return code writes the exit record (the return-probe mechanism, core/returns.py). Each traced
 function's entry takes a 5-byte jump (the optimizer's checks and relocation) to a small site
 detour, `push ID; call TARGET`, TARGET being the one ops that traces the function, or a list
@@ -21,7 +21,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import iced_x86 as iced
 import numpy as np
@@ -71,7 +71,6 @@ class TracingEngine(Engine, Protocol):
     def reserve_index(self) -> int: ...
     def thread_rips(self, proc: TracedProcess) -> list[int]: ...
     def traced_processes(self) -> list[TracedProcess]: ...
-    def write_raw(self, sink: BinaryIO, decode: bool = True) -> None: ...
 
 
 ENDBR64 = bytes.fromhex("f30f1efa")
@@ -498,7 +497,7 @@ class Tracing:
             tracer.choose_captures(chosen)
             self._start_in(proc, tracer, chosen)
 
-    def forget(self, proc: TracedProcess) -> None:
+    def forget_image(self, proc: TracedProcess) -> None:
         """`proc` exec'd: the old image took the sites and code with it."""
         self._installed.pop(proc, None)
 

@@ -7,10 +7,10 @@ address with entry point k of the process's return trampoline, k being the entry
 function returns into the trampoline, which runs the probe's return code and returns to the
 original address. The return address names its entry, not the stack pointer: a frame whose stack
 was copied elsewhere still finds its entry. A detour then enters the function through the call
-before entry point k (`codegen.hook_targets`), so both returns are predicted.
+before entry point k (codegen/detours.py's `hook_targets`), so both returns are predicted.
 
 Who does what:
-- the entry: the site's detour (optimized, `codegen.return_entry`), or `on_entry` here at a trap
+- the entry: the site's detour (optimized: codegen/actions.py's `Emitter.return_entry`), or `on_entry` here at a trap
   stop (a Python entry handler, a site that cannot take a jump), with the same shadow-stack rules;
 - the return: always the trampoline, in the target, so a tracer that dies or detaches never
   leaves a return address that leads nowhere. A probe's return code runs its action in the
@@ -203,7 +203,7 @@ class ReturnProbes:
                 (CATCH_ENTRY, lambda tid, regs: self.rehijack(proc, tid, int(regs.rsp))),
             ]
             for name, callback in hooks:
-                func = image.by_name.get(name)
+                func = image.own_function(name)  # (exported names: no library's debug file is read)
                 offset = image.vaddr_to_offset(func.addr) if func is not None else None
                 addr = address_of_offset(maps, file_key(path), path, offset) if offset is not None else None
                 if func is None or offset is None or addr is None or addr in proc.sites:

@@ -120,7 +120,6 @@ _LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, Optimiz
 
 
 _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRAP signal-delivery-stop
-_EMULATE, _BOOST, _STEP, _COUNT = ResumeKind.EMULATE, ResumeKind.BOOST, ResumeKind.STEP, ActionKind.COUNT
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 _TRACE_CHILDREN = sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEVFORKDONE
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
@@ -131,7 +130,6 @@ _FLIGHT_AND_THRESHOLD = (
 _SNAPSHOT_WITHOUT_FLIGHT = "a snapshot threshold is a flight recorder's: set flight_recorder first"
 DEFAULT_WAIT_FOR_ROOM = 1.0  # seconds (Session.wait_for_room): many times a full ring's drain
 MAX_WAIT_FOR_ROOM = 60.0
-_STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 indices: the hot path)
 _WAKE_SIGNAL = signal.SIGURG  # what wakes the main thread from its wait for a stop (see _wakeable; ignored by default)
 
 
@@ -1076,7 +1074,7 @@ class Session:
         proc.fixups.clear()
         proc.dirty.clear()
         proc.returns = None
-        self.tracing.forget(proc)
+        self.tracing.forget_image(proc)
         proc.loader_hook = None
         proc.needed = None
         if not proc.follow:
@@ -1221,7 +1219,7 @@ class Session:
                 image = load_elf(path)
             except SymbolError:
                 continue
-            vaddr = image.objects.get(RSEQ_OFFSET)  # the program's first: a copy relocation's
+            vaddr = image.own_object(RSEQ_OFFSET)  # the program's first: a copy relocation's
             bias = load_bias(maps, file_key(path), path, image.first_page) if vaddr is not None else None
             if vaddr is not None and bias is not None:
                 return bias + vaddr
@@ -1235,14 +1233,13 @@ class Session:
             return  # static binary: nothing is loaded later
         try:
             loader = load_elf(path)
-            func = loader.own_function(LOADER_HOOK) or loader.by_name.get(LOADER_HOOK)
         except SymbolError:
             return
+        func = loader.own_function(LOADER_HOOK) or loader.by_name.get(LOADER_HOOK)
         if func is None:
             self._warn(f"{path} has no {LOADER_HOOK}: libraries loaded later will not be probed")
             return
-        image = load_elf(path)
-        offset = image.vaddr_to_offset(func.addr)
+        offset = loader.vaddr_to_offset(func.addr)
         addr = address_of_offset(maps, file_key(path), path, offset) if offset is not None else None
         if addr is None:
             return
@@ -1296,7 +1293,7 @@ class Session:
         return site
 
     def slot_at_hit(self, proc: TracedProcess, site: Site) -> bool:
-        """`_give_slot` at a hit, in a process that may turn out to run no code of ours (a
+        """`give_slot` at a hit, in a process that may turn out to run no code of ours (a
         seccomp filter we may not suspend): then it has no thread area either."""
         try:
             return self.give_slot(proc, site)
@@ -1375,7 +1372,7 @@ class Session:
     def allocate_slot(self, proc: TracedProcess, near: int, size: int = SLOT_SIZE) -> int | None:
         stopped = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
         if proc.slots.stub() is not None and stopped is not None:
-            proc._map_tid = stopped  # our own page holds the syscall stub: nothing else is touched
+            proc.map_tid = stopped  # our own page holds the syscall stub: nothing else is touched
             return proc.slots.allocate(near, size)
         # The first region borrows target code for the stub, with every thread stopped: the
         # program's entry point, which runs once, at its start (not the site, which may hold
@@ -1383,7 +1380,7 @@ class Session:
         with self.world_stopped(proc) as tid:
             if tid is None:
                 return None
-            proc._map_tid, proc._scratch = tid, self._entry_point(proc) or near
+            proc.map_tid, proc.scratch = tid, self._entry_point(proc) or near
             return proc.slots.allocate(near, size)
 
     def _install_rescue(self, proc: TracedProcess) -> None:
@@ -2015,7 +2012,8 @@ class Session:
 
     @property
     def snapshots_asked(self) -> int:
-        """Snapshots a flight recorder took because a call lasted a tracer's `snapshot_over_ns`."""
+        """Calls that lasted a tracer's `snapshot_over_ns` and asked a flight recorder for a
+        snapshot (one snapshot may answer several; a thread's asks before the reader looks, one)."""
         return self._consumer.snapshots_asked if self._consumer is not None else 0
 
     def keep_event(self, event: ProbeEvent) -> None:

@@ -1,7 +1,9 @@
 """One traced process as the engine keeps it (`TracedProcess`): its tracee, its sites, slots
 and thread areas, and what each mechanism installed in it that others must know of (the return
-machinery: `ProcessReturns`). The records only: what is done with them is the mechanisms'
-(core/probe.py, optimizer.py, returns.py, ftrace.py) and the session's; nothing here imports them.
+machinery: `ProcessReturns`); with the few things done to a process whatever the mechanism (a
+thread's resume from a trap, its memory as fetches read it). What the mechanisms do with it is
+theirs (core/traps.py, optimizer.py, returns.py, ftrace.py) and the session's: none of them is
+imported here (core/probe.py's Site and Probe are records too).
 """
 
 from __future__ import annotations
@@ -108,17 +110,19 @@ class TracedProcess:
 
     def __post_init__(self) -> None:
         self.slots = SlotCache(self._map_region)
-        self._map_tid: int | None = None
-        self._scratch: int | None = None
+        # Where the slot cache maps a new region: the stopped thread its remote mmap runs in, and
+        # the stub it runs from until the process has one of ours (Session.allocate_slot sets them)
+        self.map_tid: int | None = None
+        self.scratch: int | None = None
 
     @property
     def pid(self) -> int:
         return self.tracee.pid
 
     def _map_region(self, hint: int, size: int) -> int | None:
-        assert self._map_tid is not None and self._scratch is not None
-        scratch = self.slots.stub() or self._scratch
-        return self.tracee.mmap_exec_near(self._map_tid, scratch, hint, size)
+        assert self.map_tid is not None and self.scratch is not None
+        scratch = self.slots.stub() or self.scratch
+        return self.tracee.mmap_exec_near(self.map_tid, scratch, hint, size)
 
     def set_trap_regs(self, tid: int, regs: Regs) -> None:
         """The registers of a thread stopped at a trap of ours, about to resume: its rescue handler

@@ -304,7 +304,7 @@ class Consumer:
         self.flight = False
         self.snapshot_due = False
         self.snapshot_asks = False  # threads may ask for a snapshot (layout.SNAPSHOT_DUE)
-        self.snapshots_asked = 0  # snapshots taken because threads asked
+        self.snapshots_asked = 0  # asks of threads (one snapshot may answer several)
         self.overwritten = 0  # a flight recorder's records written over before they were read
         self.held: deque[tuple[int, int, np.ndarray]] = deque()  # (pid, tid, records) of ended threads
         self._lock = threading.RLock()  # one pass at a time (the thread, or a final drain)
@@ -352,7 +352,7 @@ class Consumer:
                 self.clock.recalibrate()
                 last_calibration = now
             woken = False
-            if self.wait:
+            if self.wait or self.flight:  # (a flight recorder's loop never drains at once again)
                 # Rings that appear meanwhile wake it (`add`).
                 woken = self._wake.wait(self._interval())
                 self._wake.clear()
@@ -363,17 +363,23 @@ class Consumer:
         return ASK_INTERVAL if self.snapshot_asks else IDLE_INTERVAL
 
     def _snapshot_asked(self) -> bool:
-        """Whether a thread asked for a snapshot (layout.SNAPSHOT_DUE); the asks are cleared."""
+        """Whether a live thread asked for a snapshot (layout.SNAPSHOT_DUE); the asks are cleared
+        and counted (those of threads that ended are `_hold_ended`'s)."""
         if not self.snapshot_asks:
             return False
-        asked = False
-        for areas in list(self.processes):
-            for _, area in areas.live():
-                words = area.pool.words[area.index]
-                if words[L.SNAPSHOT_DUE // 8]:
-                    words[L.SNAPSHOT_DUE // 8] = 0
-                    asked = True
+        asked = 0
+        with self._lock:  # (a process's pools close under it)
+            for areas in list(self.processes):
+                for _, area in areas.live():
+                    asked += self._take_ask(area)
         self.snapshots_asked += asked
+        return asked > 0
+
+    @staticmethod
+    def _take_ask(area: AreaRef) -> int:
+        cells = area.cells
+        asked = int(cells[L.SNAPSHOT_DUE // 8] != 0)
+        cells[L.SNAPSHOT_DUE // 8] = 0
         return asked
 
     # --- draining ---
@@ -466,6 +472,9 @@ class Consumer:
                     retired, areas.retired = areas.retired, []
                 for tid, area in retired:
                     words = area.pool.words[area.index]
+                    if self.snapshot_asks and self._take_ask(area):  # (a thread that asked, then ended)
+                        self.snapshots_asked += 1
+                        self.snapshot_due = True
                     try:
                         self.held.append((areas.pid, tid, self._snapshot(words, area)))
                     except RingCorrupted as exc:

@@ -64,7 +64,7 @@ READ = 0xD0
 # clears this, takes the snapshot and resumes the ring.
 SNAPSHOT_DUE = 0xD8
 # A thread resuming from a return probe's trap entry stamps the entries' time itself (the entry
-# stamp, codegen.build_entry_stamp): the tracer's clock would count the resume (~5-15 us) as the
+# stamp, codegen/returns.py's build_entry_stamp): the tracer's clock would count the resume (~5-15 us) as the
 # call's. BUSY while it does (a nested trap entry, in a signal handler, then takes the tracer's
 # time); RESUME where it goes on; SAVED the registers it uses; TARGETS the area offsets of the
 # words to stamp (DISCARD for none).

@@ -24,6 +24,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.gnuversions import GNUVerDefSection
 from elftools.elf.sections import SymbolTableSection
 
+from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.output.files import FileTooLarge, NotRegularFile, read_regular
@@ -135,23 +136,23 @@ class ElfImage:
             # Go's runtime moves goroutine stacks: return probes are refused on its programs
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.needed, self.rpath, self.runpath, self.soname = self._dynamic(elf)
+            self._own_symbol_tables = self._symbols(elf)
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: BranchTargets | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
             self._elf = elf
-        # The symbol tables are read when first asked for: the libraries a program loads are
-        # opened for their dynamic sections (symbols/loader.py), most never for a symbol.
+        # A separate debug file is read when a symbol only it may have is asked for (libc's
+        # takes ~40 ms): a name the file itself gives is found without it (`own_function`).
 
     @functools.cached_property
     def debug_file(self) -> str | None:
         """The separate debug file of a file without .symtab (see `_debug_file`), or None."""
-        with _parsing(self.path):
-            return None if self._elf.get_section_by_name(".symtab") else self._debug_file(self._elf)
-
-    @functools.cached_property
-    def _own_symbol_tables(self) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
-        with _parsing(self.path):
-            return self._symbols(self._elf)
+        try:
+            with _parsing(self.path):
+                return None if self._elf.get_section_by_name(".symtab") else self._debug_file(self._elf)
+        except ElfError as exc:
+            _debug(f"{self.path}: no debug file looked for: {exc}")
+            return None
 
     @functools.cached_property
     def _symbol_tables(self) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
@@ -170,6 +171,10 @@ class ElfImage:
             if first is not None and first.addr != func.addr:
                 by_name[func.name] = None
         return by_name
+
+    def own_object(self, name: str) -> int | None:
+        """The address of a data symbol the file's own symbols name (see `own_function`)."""
+        return self._own_symbol_tables[1].get(name)
 
     def own_function(self, name: str) -> Function | None:
         """The one function the file's own symbols (not a separate debug file's) name `name`,

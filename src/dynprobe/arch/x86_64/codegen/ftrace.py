@@ -469,6 +469,6 @@ def _ask_snapshot(asm: Asm, layout: L.AreaLayout, snapshot_over: int, finish: in
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, gs_at(layout.shadow + L.ENTRY_TSC, R.RCX)))
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, snapshot_over))
     asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RDX))
-    asm.add(iced.Instruction.create_branch(C.JB_REL32_64, finish))
+    asm.add(iced.Instruction.create_branch(C.JL_REL32_64, finish))  # (signed: stamps of two CPUs may cross)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.OVERWRITE), 0))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.SNAPSHOT_DUE), 1))

@@ -151,6 +151,3 @@ def build_entry_stamp() -> bytes:
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, reg, gs_at(at)))
     resume_through_area(asm)
     return asm.encode(0)[0]
-
-
-# --- the function tracer (docs/architecture.md §8) ---------------------------------------------------------
