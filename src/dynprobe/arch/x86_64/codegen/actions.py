@@ -4,7 +4,6 @@ histogram, record, return entries (`Emitter`), for detours, trap actions and ret
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import iced_x86 as iced
 
@@ -50,9 +49,6 @@ from dynprobe.spec.model import (
     SymbolAddr,
     fetch_chain,
 )
-
-if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
-    pass
 
 
 def _normalize(asm: Asm, arg: FetchArg) -> None:

@@ -3,14 +3,9 @@ code does."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.codegen.asm import Asm, C, R, mem_at, read_tsc
-
-if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
-    pass
 
 
 def tsc_readings_code() -> bytes:

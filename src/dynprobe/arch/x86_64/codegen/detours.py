@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import iced_x86 as iced
 
@@ -48,10 +47,6 @@ from dynprobe.arch.x86_64.codegen.records import resume_through_area
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
-
-if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
-    pass
-
 
 _PLACEHOLDER = 0x7FFF_FFF0  # a displacement to patch (disp32 whatever the value it becomes)
 
