@@ -258,9 +258,9 @@ def test_a_pass_delivered_a_window_at_a_time_keeps_every_event_in_order(
 ) -> None:
     """A pass's records are made into events a window of time at a time (100 here): every
     event is delivered, once, in the order written and in time order."""
-    from dynprobe.core import session as session_module
+    from dynprobe.core import delivery
 
-    monkeypatch.setattr(session_module, "DELIVERED_AT_ONCE", 100)
+    monkeypatch.setattr(delivery, "DELIVERED_AT_ONCE", 100)
     n = 100_000
     got: list[int] = []
     times: list[int] = []

@@ -37,9 +37,10 @@ from dynprobe.arch.x86_64 import (
     out_of_line,
 )
 from dynprobe.core import rescue
+from dynprobe.core.delivery import Delivery
 from dynprobe.core.ftrace import FunctionTracer, Selection, TracerEvent, Tracing
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
-from dynprobe.core.probe import BatchHandler, EventColumns, EventHandler, Handler, Probe, ProbeEvent, Site
+from dynprobe.core.probe import EventHandler, Handler, Probe, ProbeEvent, Site
 from dynprobe.core.returns import RETURNS_TWICE, ReturnProbes, default_maxactive
 from dynprobe.core.sites import check_location, default_event_name, first_instruction, identifier
 from dynprobe.core.traced import MemoryReader, TracedProcess
@@ -77,16 +78,11 @@ from dynprobe.ptrace.procfs import list_threads, runs_no_code_to_take, sigtrap_p
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import (
-    HELD_RINGS,
     Consumer,
-    RecordBatch,
     TscClock,
-    decode_fields,
-    decode_string,
-    time_windows,
 )
-from dynprobe.spec.fetch import FAULT, FetchContext, StringValue, Value
-from dynprobe.spec.model import Comm, FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
+from dynprobe.spec.fetch import FetchContext
+from dynprobe.spec.model import FetchArg, ProbeSpec, SymbolAddr, fetch_chain, split_location
 from dynprobe.spec.parser import parse_probe
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
@@ -123,7 +119,6 @@ _SIGTRAP_STOP = (signal.SIGTRAP << 8) | 0x7F  # waitpid status of a plain SIGTRA
 _FAULT_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP}
 _TRACE_CHILDREN = sc.PTRACE_O_TRACECLONE | sc.PTRACE_O_TRACEFORK | sc.PTRACE_O_TRACEVFORK | sc.PTRACE_O_TRACEVFORKDONE
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
-DELIVERED_AT_ONCE = 1 << 12  # events made into objects at a time (see _deliver)
 _FLIGHT_AND_THRESHOLD = (
     "a flight recorder keeps every call, the newest: not with a time threshold, which holds calls back until they end"
 )
@@ -256,16 +251,12 @@ class Session:
         self._consumer: Consumer | None = None
         self._by_index: list[Probe | None] = []
         self._hists = 0
-        # Events served at stops, till delivered; a flight recorder's, the newest HELD_RINGS rings'
-        # worth (a bounded deque once the layout is fixed), the older counted as given way.
-        self._trap_events: deque[ProbeEvent] = deque()
-        self._trap_events_gave_way = 0
+        self._delivery = Delivery(self)
         self._comms: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> name, when read
         self._last_maps: dict[int, list[Mapping]] = {}  # for symbolizing after a process ended
         self._maps_now: dict[int, list[Mapping]] = {}  # within batch(): the maps, read once
         # within batch(): sites armed for the optimizer, whose int3 waits for its verdict
         self._int3_deferred: list[tuple[TracedProcess, Site]] | None = None
-        self._events_lock = threading.Lock()
         self._guardian = Guardian()
         self._guardian.journal.on_full = lambda: self._warn(
             f"more than {self._guardian.journal.capacity:,} code changes: if dynprobe dies, its guardian "
@@ -2018,12 +2009,7 @@ class Session:
 
     def keep_event(self, event: ProbeEvent) -> None:
         """An event served at a stop, for the next delivery (core/traps.py)."""
-        with self._events_lock:
-            if self._flight_recorder and self._trap_events.maxlen is None:
-                self._trap_events = deque(self._trap_events, maxlen=HELD_RINGS * self.layout.ring_slots)
-            if len(self._trap_events) == self._trap_events.maxlen:
-                self._trap_events_gave_way += 1
-            self._trap_events.append(event)
+        self._delivery.keep(event)
 
     def act_in_tracer(
         self, probe: Probe, proc: TracedProcess, tid: int, address: int, context: FetchContext,
@@ -2036,7 +2022,7 @@ class Session:
     def records_overwritten(self) -> int:
         """A flight recorder's records that gave way to newer ones before they were read (as of
         the last snapshot: `flight_recorder`)."""
-        return self._trap_events_gave_way + (self._consumer.overwritten if self._consumer is not None else 0)
+        return self._delivery.gave_way + (self._consumer.overwritten if self._consumer is not None else 0)
 
     def _wait_ticks(self) -> int:
         if not self._wait_for_room:
@@ -2122,7 +2108,7 @@ class Session:
     def _ensure_consumer(self) -> Consumer:
         if self._consumer is None:
             self._consumer = Consumer(
-                self.layout, self._deliver,
+                self.layout, self._delivery.deliver,
                 lambda i: 0 <= i < len(self._by_index) and (self._by_index[i] is not None or i in self.tracing.tracers),
                 self._warn, without_cpu=lambda i: i in self.tracing.tracers, clock=self._clock,
             )  # fmt: skip
@@ -2153,82 +2139,7 @@ class Session:
         if self._consumer is not None:
             self._consumer.drain()
         else:
-            self._deliver([])
-
-    def _deliver(self, batches: list[RecordBatch]) -> None:
-        """Hand record batches (and events served at stops) to the probes' handlers, oldest
-        first, a window of time at a time (`time_windows`: the events of a full ring are made
-        into objects a part at a time)."""
-        with self._events_lock:
-            events = list(self._trap_events)
-            self._trap_events.clear()
-        for low, high in time_windows(batches, [e.time_ns for e in events], DELIVERED_AT_ONCE):
-            self._deliver_window(
-                [part for batch in batches if (part := batch.within(low, high)) is not None],
-                [e for e in events if (low is None or e.time_ns >= low) and (high is None or e.time_ns < high)],
-            )
-
-    def _deliver_window(self, batches: list[RecordBatch], events: list[ProbeEvent]) -> None:
-        """A BatchHandler gets the window's events at once, as columns, other handlers one event
-        object at a time."""
-        columns: dict[BatchHandler, list[EventColumns]] = {}
-        for event in events:
-            if isinstance(event.probe.on_event, BatchHandler):
-                columns.setdefault(event.probe.on_event, []).append(EventColumns.of(event))
-        events = [e for e in events if not isinstance(e.probe.on_event, BatchHandler)]
-        for batch in batches:
-            tracer = self.tracing.tracers.get(batch.probe_index)
-            if tracer is not None:
-                self.tracing.deliver(tracer, batch)
-                continue
-            probe = self._by_index[batch.probe_index]
-            if probe is None or probe.on_event is None:
-                continue
-            decoded = self._columns_of(probe, batch)
-            if isinstance(probe.on_event, BatchHandler):
-                columns.setdefault(probe.on_event, []).append(decoded)
-            else:
-                events.extend(decoded.events())
-        for handler, taken in columns.items():
-            self._call_handler(taken[0].probe, lambda: handler.on_batches(taken))  # noqa: B023
-        events.sort(key=lambda e: (e.time_ns, e.order))
-        for event in events:
-            on_event = event.probe.on_event
-            assert on_event is not None
-            self._call_handler(event.probe, lambda: on_event(event))  # noqa: B023
-
-    def _call_handler(self, probe: Probe, call: Callable[[], object]) -> None:
-        try:
-            call()
-        except Exception as exc:  # a callback's bug must not stop the consumer
-            self._warn(f"{probe.name}: on_event raised {type(exc).__name__}: {exc}")
-
-    def _columns_of(self, probe: Probe, batch: RecordBatch) -> EventColumns:
-        ints = [(i, f.offset, f.arg.type.kind, f.arg.type.bits) for i, f in enumerate(probe.fields)
-                if f.in_record and not f.arg.type.is_string]  # fmt: skip
-        decoded = decode_fields(batch, ints)
-        comm = self.comm_of(batch.pid, batch.tid)
-        faults = batch.faults.tolist() if batch.faults.any() else None
-        values: list[list[Value]] = []
-        for i, f in enumerate(probe.fields):
-            column: list[Value]
-            if isinstance(f.arg.fetch, Comm):
-                column = [StringValue(comm)] * len(batch.raw)
-            elif f.arg.type.is_string:
-                column = [StringValue(data.decode("utf-8", "replace"), truncated)
-                          for data, truncated in decode_string(batch, f.offset)]  # fmt: skip
-            else:
-                column = decoded[i].tolist()
-            if faults is not None:
-                column = [FAULT if fault >> i & 1 else v for v, fault in zip(column, faults, strict=True)]
-            values.append(column)
-        callers = None
-        if probe.is_return:  # the caller is the first field of a return probe's records
-            callers = [v if isinstance(v, int) else None for v in values.pop(0)]
-        return EventColumns(
-            probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self.symbolizer(batch.pid),
-            batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(),
-        )  # fmt: skip
+            self._delivery.deliver([])
 
     def thread_names(self) -> dict[int, str]:
         """The name of every thread seen in a thread area (tid -> comm), still known after it ended."""
