@@ -1627,6 +1627,9 @@ class Session:
             # gone, a killed dynprobe must leave no thread a SIGTRAP of ours.
             due: dict[int, int] = {}
             for tid, state in list(proc.tracee.threads.items()):
+                _debug(
+                    f"detach: thread {tid} stopped={state.stopped} stepped={state.stepped} deferred={state.deferred}"
+                )
                 try:
                     sig = self._settle_thread(proc, tid, state) if state.stopped else None
                 except OSError as exc:
@@ -1834,6 +1837,7 @@ class Session:
             # the kernel does from a system-call stop), with the registers of the call it
             # interrupted, so that its handler's return restarts it or fails it with EINTR.
             sc.set_regs(tid, state.interrupted)
+        _debug(f"detach: thread {tid} let go with signal {sig}")
         with contextlib.suppress(OSError):
             sc.detach(tid, sig)
 
