@@ -123,7 +123,7 @@ def test_tracer_site_pushes_the_id_and_calls_its_target() -> None:
     assert next(iter_instructions(moved, AT + 0x3000 + SITE_CALL_AT)).near_branch_target == target + 0x100
     # an instance's code: its body is called by a list trampoline, which calls each body in turn
     _, tramp = build_trampoline(LAYOUT, AT)
-    _, ops = build_ops_code(LAYOUT, 5, tramp, AT + 0x50000, depth=8, threshold=0, captures=None)
+    _, ops = build_ops_code(LAYOUT, 5, tramp, AT + 0x50000, depth=8, threshold=0, captures=None, snapshot_over=0)
     assert ops.entry == AT + 0x50000 and ops.entry < ops.body < ops.exit
     listed = list(iter_instructions(build_list_trampoline([ops.body, ops.body + 0x10], AT + 0x60000, tramp.points),
                                     AT + 0x60000))  # fmt: skip

@@ -299,7 +299,7 @@ def build_list_trampoline(bodies: Sequence[int], at: int, points: int | None) ->
 
 def build_ops_code(
     layout: L.AreaLayout, ops_index: int, trampoline: Trampoline | None, at: int, *, depth: int | None,
-    threshold: int, captures: Captures | None, snapshot_over: int = 0,
+    threshold: int, captures: Captures | None, snapshot_over: int,
 ) -> tuple[bytes, OpsCode]:  # fmt: skip
     """One tracer instance's code at `at`: its entry (called from a site: saves, runs the
     body inline, `_hook_and_return`), its body again as a function (for
