@@ -146,7 +146,7 @@ def python_floor(seed: str, calls: int) -> int:
                         sc.cont(tid)
                         continue
                     if other is not site:  # the loader's hook at start-up
-                        session._on_breakpoint(proc, tid, other, regs)
+                        session._traps.hit(proc, tid, other, regs)
                         continue
                     regs.rip = site.slot
                     sc.set_regs(tid, regs)
