@@ -80,13 +80,9 @@ class Journal:
             self.memory[at + _LENGTH_AT] = len(original)
             return
         self._known(pid)
-        entry = self._take()
-        if entry is None:
-            return
-        at = self._at(entry)
-        _ENTRY.pack_into(self.memory, at, pid, _FREE, len(original), addr, original)
-        self.memory[at + _KIND_AT] = _PATCH
-        self._index[(pid, addr)] = entry
+        entry = self._new(pid, _PATCH, length=len(original), addr=addr, data=original)
+        if entry is not None:
+            self._index[(pid, addr)] = entry
 
     def record_returns(self, pid: int, points: int, shadow: int) -> None:
         """The process hooks returns: its trampoline's entry point 0 is at `points`, and each
@@ -94,26 +90,18 @@ class Journal:
         if pid in self._returns:
             return
         self._known(pid)
-        entry = self._take()
-        if entry is None:
-            return
-        at = self._at(entry)
-        _ENTRY.pack_into(self.memory, at, pid, _FREE, _RETURNS_BYTES.size, points, _RETURNS_BYTES.pack(shadow))
-        self.memory[at + _KIND_AT] = _RETURNS
-        self._returns[pid] = entry
+        entry = self._new(pid, _RETURNS, length=_RETURNS_BYTES.size, addr=points, data=_RETURNS_BYTES.pack(shadow))
+        if entry is not None:
+            self._returns[pid] = entry
 
     def record_rescue(self, pid: int, page: int) -> None:
         """The process has a rescue handler (core/rescue.py), whose page is at `page`: the
         guardian tells it when it has put everything back (RESCUE_RESCUED)."""
         self._release(self._rescues.pop(pid, None))
         self._known(pid)
-        entry = self._take()
-        if entry is None:
-            return
-        at = self._at(entry)
-        _ENTRY.pack_into(self.memory, at, pid, _FREE, 0, page, b"")
-        self.memory[at + _KIND_AT] = _RESCUE
-        self._rescues[pid] = entry
+        entry = self._new(pid, _RESCUE, length=0, addr=page, data=b"")
+        if entry is not None:
+            self._rescues[pid] = entry
 
     def begin_syscall(self, pid: int, tid: int, stub: int, regs: bytes) -> None:
         """Thread `tid` runs a remote syscall from `stub`; `regs` are its registers before it."""
@@ -150,14 +138,21 @@ class Journal:
         """Who the process is, journaled once, before its first entry."""
         if pid in self._processes:
             return
+        started, inode = identity(pid)
+        entry = self._new(pid, _PROCESS, length=0, addr=started, data=inode.to_bytes(8, "little"))
+        if entry is not None:
+            self._processes[pid] = entry
+
+    def _new(self, pid: int, kind: int, *, length: int, addr: int, data: bytes) -> int | None:
+        """A new entry of `kind`, its kind byte written last (see the module's docstring); None
+        when the journal is full."""
         entry = self._take()
         if entry is None:
-            return
+            return None
         at = self._at(entry)
-        started, inode = identity(pid)
-        _ENTRY.pack_into(self.memory, at, pid, _FREE, 0, started, inode.to_bytes(8, "little"))
-        self.memory[at + _KIND_AT] = _PROCESS
-        self._processes[pid] = entry
+        _ENTRY.pack_into(self.memory, at, pid, _FREE, length, addr, data)
+        self.memory[at + _KIND_AT] = kind
+        return entry
 
     def inherit(self, parent: int, child: int) -> None:
         """A forked child has a copy of its parent's changed code and hooked returns."""
