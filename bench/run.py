@@ -125,14 +125,14 @@ def python_floor(seed: str, calls: int) -> int:
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn([seed, str(calls), "boost"], stdout=out.fileno()) as session:
             session.probe("test_boost")
-            proc = session._processes[session.pid]
+            proc = session._runtime.processes.by_pid[session.pid]
             site = next(s for s in proc.sites.values() if s.probes)
             assert site.slot is not None
             tid, allowed = session.pid, os.sched_getaffinity(0)
             home = thread_cpu(tid, tid)  # the CPU session.run() would choose: CPUs of a VM differ
             home = home if home in allowed else min(allowed)
             os.sched_setaffinity(0, {home})
-            session._started = True
+            session._runtime.processes.started = True
             mask = os.sched_getaffinity(tid)
             sc.cont(tid)
             try:
@@ -146,7 +146,7 @@ def python_floor(seed: str, calls: int) -> int:
                         sc.cont(tid)
                         continue
                     if other is not site:  # the loader's hook at start-up
-                        session._traps.hit(proc, tid, other, regs)
+                        session._runtime.traps.hit(proc, tid, other, regs)
                         continue
                     regs.rip = site.slot
                     sc.set_regs(tid, regs)
@@ -155,7 +155,7 @@ def python_floor(seed: str, calls: int) -> int:
                     os.sched_setaffinity(tid, mask)
             finally:
                 os.sched_setaffinity(0, allowed)
-                session._processes.clear()
+                session._runtime.processes.clear()
         out.seek(0)
         return int(out.read())
 

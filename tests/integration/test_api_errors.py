@@ -125,7 +125,7 @@ def test_after_the_target_exited_nothing_can_be_placed(counter: str) -> None:
         ]:
             with pytest.raises(SessionError, match=message):
                 call()
-        assert session.counters_of_index(10**6) == (0, 0, 0)  # (an index no thread area has)
+        assert session._runtime.counters_of_index(10**6) == (0, 0, 0)  # (an index no thread area has)
     with pytest.raises(SessionError, match="the session is closed"):
         session.probe("work")
 

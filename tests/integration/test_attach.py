@@ -277,7 +277,7 @@ def test_a_killed_tracer_s_pending_returns_go_back_to_their_callers(hooks: str, 
 def test_the_guardian_leaves_with_its_session(spinner: str) -> None:
     with open(os.devnull, "w") as devnull, dynprobe.spawn([spinner, "1", "idle", "0.2"], stdout=devnull) as session:
         session.probe("tick")
-        guardian = session._guardian.pid
+        guardian = session._runtime.guardian.pid
         with open(f"/proc/{guardian}/comm") as comm:  # there while the session is, by its own name
             assert comm.read() == "dp-guardian\n"
         assert session.run(timeout=20) == 0
@@ -306,7 +306,7 @@ def test_the_guardian_survives_a_pkill_aimed_at_the_tracer(spinner: str) -> None
     with spinning(spinner, "4") as proc:
         code = (
             f"import dynprobe; s = dynprobe.attach({proc.pid}); p = s.probe('tick'); s.run(timeout=0.3); "
-            "print('ready', s._guardian.pid, p.mode.value, flush=True); s.run()"
+            "print('ready', s._runtime.guardian.pid, p.mode.value, flush=True); s.run()"
         )
         tracer = subprocess.Popen([sys.executable, "-c", code, marker], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -559,21 +559,22 @@ def test_ctrl_c_during_detach_waits_for_it(running: subprocess.Popen[str]) -> No
     code = (
         "import os, signal, dynprobe\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)  # (ignored where started in the background)\n"
-        "from dynprobe.core.session import Session\n"
-        "detach = Session.detach\n"
+        "from dynprobe.core.detach import Detacher\n"
+        "detach = Detacher.detach_all\n"
         "def interrupted(self):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    detach(self)\n"
         "    print('detached', flush=True)\n"
-        "Session.detach = interrupted\n"
+        "Detacher.detach_all = interrupted\n"
         "try:\n"
         f"    with dynprobe.attach({running.pid}) as s:\n"
-        "        s.probe('tick', action='count'); s.probe('tick+4', pre=lambda hit: None); s.run(timeout=0.3)\n"
+        "        s.probe('tick', action='count'); s.probe('tick+1', pre=lambda hit: None)\n"
+        "        print('placed', flush=True); s.run(timeout=0.3)\n"
         "except KeyboardInterrupt:\n"
         "    print('interrupted')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.stdout == "detached\ninterrupted\n", r.stdout + r.stderr
+    assert r.stdout == "placed\ndetached\ninterrupted\n", r.stdout + r.stderr
     assert_text_matches_files(running.pid)
     assert int(finish(running).split("=")[1]) > 100
 
@@ -634,7 +635,7 @@ def test_a_detach_that_cannot_finish_hands_over_to_the_guardian(spinner: str) ->
         def fail(*args: object) -> None:
             raise OSError("a detach that cannot finish")
 
-        session._optimizer.restore_all = fail  # type: ignore[method-assign]
+        session._runtime.optimizer.restore_all = fail  # type: ignore[method-assign]
         session.close()
         assert_text_matches_files(proc.pid)
         assert "ticks=" in finish(proc)

@@ -15,7 +15,7 @@ import pytest
 
 import dynprobe
 from dynprobe.core.probe import ProbeEvent
-from dynprobe.core.session import DEFAULT_WAIT_FOR_ROOM
+from dynprobe.core.datapath import DEFAULT_WAIT_FOR_ROOM
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.spec.fetch import FAULT, StringValue
 from tests.conftest import build_target
@@ -434,7 +434,7 @@ def test_asking_the_clock_first_leaves_the_record_size_to_the_probes() -> None:
     events: list[ProbeEvent] = []
 
     def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
-        assert session.read_tsc() > 0 and session.tsc_mult() > 0
+        assert session.clock()["scale"] > 0
         session.wait_for_room = 0.5
         return [session.probe("p work a=%di b=%di c=%di d=%di", on_event=events.append)]
 

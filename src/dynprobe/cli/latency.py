@@ -62,7 +62,7 @@ def request_for(args: argparse.Namespace) -> ProbeRequest:
 
 def _heading(t: Tally) -> str:
     missed = f", {t.missed} missed" if t.missed else ""
-    tick = t.probe.session.clock_tick_ns()
+    tick = t.probe.clock_tick_ns
     # On a CPU whose counter moves in steps (AMD's Zen: every 10 ns), a call may end in the
     # tick it began in: say how long a tick is, once per histogram that has such calls.
     clock = f" (a tick of the clock: {tick:.3g} ns)" if tick and t.histogram[0] else ""

@@ -163,7 +163,7 @@ def _note_libraries_not_loaded(session: Session, tracer: FunctionTracer) -> None
 def _function_table(session: Session, tracer: FunctionTracer, filters: CallFilter) -> dict[str, object]:
     """The trace's functions (by id) and their files, the ids -F and -N name and the values
     functions record: they grow when a followed process execs another program."""
-    functions = session.tracing.functions
+    functions = session.traced_functions
     table: list[list[object]] = [[f.name, os.path.basename(f.path), f.vaddr, f.size, f.plt] for f in functions]
     return {
         "functions": table,

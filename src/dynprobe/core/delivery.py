@@ -21,7 +21,7 @@ DELIVERED_AT_ONCE = 1 << 12  # events made into objects at a time (see `deliver`
 
 
 class DeliveryEngine(Protocol):
-    """What delivery asks of the session."""
+    """What delivery asks of the engine."""
 
     tracing: Tracing
 
@@ -36,8 +36,8 @@ class DeliveryEngine(Protocol):
 
 
 class Delivery:
-    def __init__(self, session: DeliveryEngine) -> None:
-        self.session = session
+    def __init__(self, engine: DeliveryEngine) -> None:
+        self.engine = engine
         # Events served at stops, till delivered; a flight recorder's, the newest HELD_RINGS rings'
         # worth (a bounded deque once the layout is fixed), the older counted as given way.
         self._served: deque[ProbeEvent] = deque()
@@ -47,8 +47,8 @@ class Delivery:
     def keep(self, event: ProbeEvent) -> None:
         """An event served at a stop (core/traps.py), till the next delivery."""
         with self._lock:
-            if self.session.flight_recorder and self._served.maxlen is None:
-                self._served = deque(self._served, maxlen=HELD_RINGS * self.session.layout.ring_slots)
+            if self.engine.flight_recorder and self._served.maxlen is None:
+                self._served = deque(self._served, maxlen=HELD_RINGS * self.engine.layout.ring_slots)
             if len(self._served) == self._served.maxlen:
                 self.gave_way += 1
             self._served.append(event)
@@ -75,11 +75,11 @@ class Delivery:
                 columns.setdefault(event.probe.on_event, []).append(EventColumns.of(event))
         events = [e for e in events if not isinstance(e.probe.on_event, BatchHandler)]
         for batch in batches:
-            tracer = self.session.tracing.tracers.get(batch.probe_index)
+            tracer = self.engine.tracing.tracers.get(batch.probe_index)
             if tracer is not None:
-                self.session.tracing.deliver(tracer, batch)
+                self.engine.tracing.deliver(tracer, batch)
                 continue
-            probe = self.session.probe_by_index(batch.probe_index)
+            probe = self.engine.probe_by_index(batch.probe_index)
             if probe is None or probe.on_event is None:
                 continue
             decoded = self._columns_of(probe, batch)
@@ -99,13 +99,13 @@ class Delivery:
         try:
             call()
         except Exception as exc:  # a callback's bug must not stop the consumer
-            self.session.warn(f"{probe.name}: on_event raised {type(exc).__name__}: {exc}")
+            self.engine.warn(f"{probe.name}: on_event raised {type(exc).__name__}: {exc}")
 
     def _columns_of(self, probe: Probe, batch: RecordBatch) -> EventColumns:
         ints = [(i, f.offset, f.arg.type.kind, f.arg.type.bits) for i, f in enumerate(probe.fields)
                 if f.in_record and not f.arg.type.is_string]  # fmt: skip
         decoded = decode_fields(batch, ints)
-        comm = self.session.comm_of(batch.pid, batch.tid)
+        comm = self.engine.comm_of(batch.pid, batch.tid)
         faults = batch.faults.tolist() if batch.faults.any() else None
         values: list[list[Value]] = []
         for i, f in enumerate(probe.fields):
@@ -124,6 +124,6 @@ class Delivery:
         if probe.is_return:  # the caller is the first field of a return probe's records
             callers = [v if isinstance(v, int) else None for v in values.pop(0)]
         return EventColumns(
-            probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self.session.symbolizer(batch.pid),
+            probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self.engine.symbolizer(batch.pid),
             batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(),
         )  # fmt: skip

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 
 
 class TracingEngine(Engine, Protocol):
-    """What the function tracer asks of the session, besides the engine's services."""
+    """What the function tracer asks of the runtime (core/runtime.py), besides the engine's services."""
 
     returns: ReturnProbes
 
@@ -246,22 +246,22 @@ class FunctionTracer:
     @property
     def calls(self) -> int:
         """Entries traced (in the target's counters)."""
-        return self.tracing.session.counters_of_index(self.index)[0]
+        return self.tracing.engine.counters_of_index(self.index)[0]
 
     @property
     def missed(self) -> int:
-        return self.tracing.session.counters_of_index(self.index)[1]
+        return self.tracing.engine.counters_of_index(self.index)[1]
 
     @property
     def lost(self) -> int:
-        return self.tracing.session.counters_of_index(self.index)[2]
+        return self.tracing.engine.counters_of_index(self.index)[2]
 
 
 class Tracing:
-    """The function tracers of a session."""
+    """The function tracers of a engine."""
 
-    def __init__(self, session: TracingEngine) -> None:
-        self.session = session
+    def __init__(self, engine: TracingEngine) -> None:
+        self.engine = engine
         self.functions: list[TracedFunction] = []
         self._ids: dict[tuple[str, int], TracedFunction] = {}
         self.tracers: dict[int, FunctionTracer] = {}
@@ -352,7 +352,7 @@ class Tracing:
         if snapshot_over_ns and (not graph or snapshot_over_ns < 0):
             raise SessionError("a snapshot threshold is a positive time, in graph mode")
         tracer = FunctionTracer(
-            self, self.session.reserve_index(), functions, graph, on_event, depth, threshold_ns, snapshot_over_ns
+            self, self.engine.reserve_index(), functions, graph, on_event, depth, threshold_ns, snapshot_over_ns
         )
         self.tracers[tracer.index] = tracer
         return tracer
@@ -364,8 +364,8 @@ class Tracing:
         tracer.not_patched.clear()
         tracer.refused.clear()
         tracer.unmapped.clear()
-        for proc in self.session.traced_processes():
-            with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
+        for proc in self.engine.traced_processes():
+            with self.engine.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
                 if tid is not None:
                     self._start_in(proc, tracer, progress=progress)
 
@@ -373,20 +373,20 @@ class Tracing:
         self, proc: TracedProcess, tracer: FunctionTracer, functions: list[TracedFunction] | None = None,
         progress: Callable[[int], object] | None = None,
     ) -> None:  # fmt: skip
-        session = self.session
+        engine = self.engine
         functions = tracer.functions if functions is None else functions
-        if not session.ensure_thread_areas(proc):
+        if not engine.ensure_thread_areas(proc):
             tracer.not_patched[(proc.areas_refused or OptimizeRefusal.GS_IN_USE).name] += len(functions)
             return
         maps = read_maps(proc.pid)
         if tracer.graph:
             near = next((m.start for m in maps if m.executable and m.path == proc.exe), maps[0].start)
             try:
-                session.returns.setup(proc, near)
+                engine.returns.setup(proc, near)
             except ProcessError as exc:  # (no memory for the trampoline: nothing is patched)
                 raise SessionError(f"cannot trace function returns: {exc}") from exc
         state = self.of(proc)
-        rips = session.thread_rips(proc)
+        rips = engine.thread_rips(proc)
         # Graph mode replaces return addresses: where return probes cannot be safe (Go's moving
         # stacks, a CET shadow stack), neither is it.
         refusals: dict[str, Refusal | None] = {}
@@ -398,7 +398,7 @@ class Tracing:
                     tracer.refuse(func, Refusal.RETURNS_TWICE.name)
                     continue
                 if func.path not in refusals:
-                    refusals[func.path] = session.returns.refusal(proc, func.path)
+                    refusals[func.path] = engine.returns.refusal(proc, func.path)
                 refusal = refusals[func.path]
                 if refusal is not None:
                     tracer.refuse(func, refusal.name)
@@ -444,7 +444,7 @@ class Tracing:
             return "BYTES_MISMATCH"
         if any(addr < rip < addr + plan.length for rip in rips):
             return "BUSY"  # a thread is inside the patched bytes now
-        at = self.session.allocate_slot(proc, addr, SITE_ROOM)
+        at = self.engine.allocate_slot(proc, addr, SITE_ROOM)
         if at is None:
             return OptimizeRefusal.NO_MEMORY.name
         detour = build_tracer_site(plan, func.id, self._ops_entry(proc, tracer, func, at), at)
@@ -467,7 +467,7 @@ class Tracing:
         waiting = [t for t in self.tracers.values() if t.started and t.unmapped.get(proc.pid)]
         if not waiting or not proc.follow:
             return
-        with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
+        with self.engine.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
             if tid is None:
                 return
             for tracer in waiting:
@@ -532,8 +532,8 @@ class Tracing:
 
     def stop(self, tracer: FunctionTracer) -> None:
         tracer.started = False
-        for proc in self.session.traced_processes():
-            with self.session.world_stopped(proc), proc.tracee.batched():
+        for proc in self.engine.traced_processes():
+            with self.engine.world_stopped(proc), proc.tracee.batched():
                 if proc.tracee.image_gone():
                     continue
                 for site in list(self.of(proc).sites.values()):
@@ -562,21 +562,21 @@ class Tracing:
         for key, placed, _ in self.of(proc).code:
             if key == (tracer.index, captures) and abs(placed.entry - near) < REACH:
                 return placed
-        session = self.session
+        engine = self.engine
         trampoline = proc.returns.trampoline if tracer.graph and proc.returns is not None else None
-        scale = session.clock()["scale"]
+        scale = engine.clock()["scale"]
         ticks, snapshot_ticks = (
             max(1, round(ns / scale)) if ns else 0 for ns in (tracer.threshold_ns, tracer.snapshot_over_ns)
         )
 
         def build(at: int) -> tuple[bytes, OpsCode]:
             return build_ops_code(
-                session.layout, tracer.index, trampoline, at, depth=tracer.depth, threshold=ticks, captures=captures,
+                engine.layout, tracer.index, trampoline, at, depth=tracer.depth, threshold=ticks, captures=captures,
                 snapshot_over=snapshot_ticks,
             )  # fmt: skip
 
         room = len(build(near)[0]) + OPS_CODE_SLACK  # (branches out may take other sizes elsewhere)
-        at = session.allocate_slot(proc, near, room)
+        at = engine.allocate_slot(proc, near, room)
         if at is None:
             raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
         code, where = build(at)
@@ -598,7 +598,7 @@ class Tracing:
         bodies = [self._ops_code(proc, t, func, near).body for t in tracers]
         points = proc.returns.trampoline.points if proc.returns is not None else None
         size = len(build_list_trampoline(bodies, near, points))  # (rel32 calls, an imm64: any address)
-        at = self.session.allocate_slot(proc, near, size)
+        at = self.engine.allocate_slot(proc, near, size)
         if at is None:
             raise SessionError(f"no executable memory for the function tracer in pid {proc.pid}")
         code = build_list_trampoline(bodies, at, points)

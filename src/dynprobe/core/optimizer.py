@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class OptimizerEngine(Engine, Protocol):
-    """What the optimizer asks of the session, besides the engine's services."""
+    """What the optimizer asks of the runtime (core/runtime.py), besides the engine's services."""
 
     optimize: bool  # False: every probe stays a trap
     returns: ReturnProbes
@@ -65,8 +65,8 @@ PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
 
 
 class Optimizer:
-    def __init__(self, session: OptimizerEngine) -> None:
-        self.session = session
+    def __init__(self, engine: OptimizerEngine) -> None:
+        self.engine = engine
         self.delay = 0.01  # seconds between a site's arming and its optimization (batching)
         self._queue: dict[int, set[int]] = {}  # pid -> site addresses
         self._due: float | None = None
@@ -74,7 +74,7 @@ class Optimizer:
     # --- policy -------------------------------------------------------------------------------------
     def trap_reason(self, proc: TracedProcess, site: Site) -> OptimizeRefusal | None:
         """Why `site` must stay a trap now, or None if it may take a jump."""
-        if not self.session.optimize:
+        if not self.engine.optimize:
             return OptimizeRefusal.DISABLED
         if site.internal is not None:
             return OptimizeRefusal.INTERNAL_SITE
@@ -86,7 +86,7 @@ class Optimizer:
         if proc.areas_refused is not None:
             return proc.areas_refused
         for probe in probes:
-            reason = self.session.action_refusal(probe)
+            reason = self.engine.action_refusal(probe)
             if reason is not None:
                 return reason
         return site.static_refusal
@@ -128,14 +128,14 @@ class Optimizer:
         is told how far it is, every PROGRESS_STEP sites."""
         queue, self._queue, self._due = self._queue, {}, None
         for pid, addrs in queue.items():
-            proc = self.session.process(pid)
+            proc = self.engine.process(pid)
             if proc is None or proc.status is not None:
                 continue
             sites = [s for a in sorted(addrs) if (s := proc.sites.get(a)) is not None and not s.optimized]
             sites = [s for s in sites if s.armed and self.trap_reason(proc, s) is None]
             _debug(f"optimizing {len(sites)} site(s) of pid {pid}")
             if sites:
-                with self.session.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
+                with self.engine.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
                     if tid is not None:
                         self._optimize_stopped(proc, sites, progress)
 
@@ -226,15 +226,15 @@ class Optimizer:
         self, proc: TracedProcess, site: Site, plan: OptimizePlan
     ) -> tuple[int, Detour] | OptimizeRefusal:
         """Build the site's detour in the slot cache near it; the bytes it does not use go back."""
-        session = self.session
-        programs = [session.program_for(proc, p, site) for p in site.probes if p.enabled]
+        engine = self.engine
+        programs = [engine.program_for(proc, p, site) for p in site.probes if p.enabled]
         loc = site.probes[0].location
         entry = loc.function is not None and loc.function.addr == loc.vaddr
-        symbols = session.symbol_resolver(site)
+        symbols = engine.symbol_resolver(site)
         trampoline = proc.returns.trampoline if proc.returns is not None else None
-        layout, rseq = session.layout, proc.rseq_offset_at
+        layout, rseq = engine.layout, proc.rseq_offset_at
         return place_code(
-            functools.partial(session.allocate_slot, proc),
+            functools.partial(engine.allocate_slot, proc),
             proc,
             site.addr,
             lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq),
@@ -243,11 +243,11 @@ class Optimizer:
     # --- back to trap ------------------------------------------------------------------------------------
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:
         """Put the original bytes back (and the int3 if `arm`); the detour becomes dirty."""
-        with self.session.world_stopped(proc):
+        with self.engine.world_stopped(proc):
             if proc.tracee.image_gone():
                 return  # the site went with the old image
             if arm:
-                self.session.rescue_knows(proc, site)
+                self.engine.rescue_knows(proc, site)
             data = (bytes([INT3]) + site.region[1:]) if arm else site.region
             with contextlib.suppress(OSError):  # the process is exiting
                 proc.tracee.patch(site.addr, data, site.region)
@@ -338,14 +338,14 @@ class Optimizer:
         if proc.areas is None:
             if self.gs_in_use(proc):
                 proc.areas_refused = OptimizeRefusal.GS_IN_USE
-                self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
+                self.engine.warn(f"pid {proc.pid} uses the GS segment base itself: its probes stay traps")
                 return False
             stopped = next((tid for tid, state in proc.tracee.threads.items() if state.stopped), None)
             if stopped is not None and not proc.tracee.may_run_code(stopped):
                 proc.areas_refused = OptimizeRefusal.SECCOMP
-                self.session.warn(f"pid {proc.pid}: {OptimizeRefusal.SECCOMP.value}: its probes stay traps")
+                self.engine.warn(f"pid {proc.pid}: {OptimizeRefusal.SECCOMP.value}: its probes stay traps")
                 return False
-            proc.areas = self.session.new_areas(proc)
+            proc.areas = self.engine.new_areas(proc)
         try:
             for tid, state in list(proc.tracee.threads.items()):
                 if state.stopped and tid not in proc.areas.by_tid:
@@ -361,13 +361,13 @@ class Optimizer:
         detour, so every jump of the process goes back to a trap, and its functions are no
         longer traced. Nothing of that file is mapped or written."""
         proc.areas_refused = OptimizeRefusal.SHARED_MEMORY
-        self.session.warn(f"{why}: its probes stay traps")
-        with self.session.world_stopped(proc):
+        self.engine.warn(f"{why}: its probes stay traps")
+        with self.engine.world_stopped(proc):
             if proc.tracee.image_gone():
                 return
             for site in [s for s in proc.sites.values() if s.optimized]:
                 self.unoptimize(proc, site, arm=site.wanted)
-            self.session.tracing.restore(proc)
+            self.engine.tracing.restore(proc)
 
     def give_area(self, proc: TracedProcess, tid: int) -> None:
         """Point a stopped thread's GS base at its own area. A thread killed meanwhile (another
@@ -380,7 +380,7 @@ class Optimizer:
         except OSError as exc:
             raise ProcessError(f"cannot read the registers of thread {tid}: {exc.strerror}") from exc
         area = proc.areas.assign(tid)
-        self.session.comm_of(proc.pid, tid)  # remembered for its events
+        self.engine.comm_of(proc.pid, tid)  # remembered for its events
         # Read again: making a pool may have run remote syscalls on this very thread, and taken
         # it out of the event stop it was in (a clone's: its registers now hold the result).
         # Writing back the registers read before would undo that (a parent taking the child's
@@ -393,15 +393,15 @@ class Optimizer:
             return  # killed meanwhile (another thread's exit_group): its exit event frees the area
         except OSError as exc:
             raise ProcessError(f"cannot set the thread area of thread {tid}: {exc.strerror}") from exc
-        began_inside = self.session.returns.thread_area_given(proc, tid)
+        began_inside = self.engine.returns.thread_area_given(proc, tid)
         if began_inside:
-            self.session.tracing.began_inside(tid, began_inside)
+            self.engine.tracing.began_inside(tid, began_inside)
 
     def thread_stopped(self, proc: TracedProcess, tid: int) -> None:
         """A thread without an area of its own, in a process that uses areas (a new thread, a
         forked child's whose GS base is its parent's), gets one before it runs."""
         if proc.areas is None and proc.gs_inherited:
-            proc.areas = self.session.new_areas(proc)
+            proc.areas = self.engine.new_areas(proc)
         if proc.areas is not None and tid not in proc.areas.by_tid:
             try:
                 self.give_area(proc, tid)
@@ -418,16 +418,16 @@ def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:
 COMMIT_BUDGET = 256 << 20  # bytes of rings faulted in at once, per process
 
 
-def new_thread_areas(proc: TracedProcess, session: OptimizerEngine) -> ThreadAreas:
+def new_thread_areas(proc: TracedProcess, engine: OptimizerEngine) -> ThreadAreas:
     """The areas of `proc`, and of its vfork children: the remote syscalls run in the process of
     the (stopped) thread an area is given to."""
 
     def map_pool(tid: int, size: int) -> tuple[int, object]:
-        owner = session.process_of(tid) or proc
+        owner = engine.process_of(tid) or proc
         stub = owner.slots.stub()
         if stub is None:  # no slot yet (emulated traps need none): a region for the stub
             near = next(iter(owner.sites), None) or int(sc.get_regs(tid).rip)
-            slot = session.allocate_slot(owner, near)
+            slot = engine.allocate_slot(owner, near)
             if slot is None:
                 raise ProcessError(f"no memory for dynprobe's code in pid {owner.pid}")
             owner.slots.free(slot)
@@ -443,19 +443,19 @@ def new_thread_areas(proc: TracedProcess, session: OptimizerEngine) -> ThreadAre
         # MiB and holds the memory (500 threads with 32 MiB rings would hold 16 GiB). Counters,
         # histograms, the shadow stack and the rings past the budget fault in as they are used.
         nonlocal committed
-        size = session.layout.ring_bytes
-        if not session.records() or committed + size > COMMIT_BUDGET:
+        size = engine.layout.ring_bytes
+        if not engine.records() or committed + size > COMMIT_BUDGET:
             return
         committed += size
-        owner = session.process_of(tid) or proc
+        owner = engine.process_of(tid) or proc
         stub = owner.slots.stub()
         assert stub is not None  # made with the pool
-        err = owner.tracee.commit(tid, stub, addr + session.layout.ring, size)
+        err = owner.tracee.commit(tid, stub, addr + engine.layout.ring, size)
         if err and err != errno.EINVAL:  # EINVAL: a kernel before 5.14, which faults it in as it goes
             reason = os.strerror(err)
-            session.warn(f"pid {owner.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({reason})")
+            engine.warn(f"pid {owner.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({reason})")
 
-    return ThreadAreas(proc.pid, session.layout, map_pool, commit)  # type: ignore[arg-type]
+    return ThreadAreas(proc.pid, engine.layout, map_pool, commit)  # type: ignore[arg-type]
 
 
 __all__ = ["JMP_REL32_LEN", "Optimizer", "new_thread_areas"]

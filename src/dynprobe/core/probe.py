@@ -26,7 +26,7 @@ from dynprobe.symbols.resolve import Location
 
 
 class ProbeOwner(Protocol):
-    """What a probe asks of the session that made it (core/session.py)."""
+    """What a probe asks of the runtime of the session that made it (core/runtime.py)."""
 
     def counters_of(self, probe: Probe) -> tuple[int, int, int]: ...
     def histogram_of(self, probe: Probe) -> list[int]: ...
@@ -199,7 +199,7 @@ class Hit:
 class Probe:
     """One probe: a location in a file, handlers, fetch arguments, counters."""
 
-    session: ProbeOwner
+    owner: ProbeOwner  # the session's runtime (core/runtime.py)
     location: Location
     group: str
     event: str
@@ -256,49 +256,54 @@ class Probe:
     def hits_and_missed(self) -> tuple[int, int]:
         """`hits` and `nmissed` from one read of the target's counters (a read sums every
         thread's: 10^4 probes printed every interval read them once each)."""
-        hits, missed, _ = self.session.counters_of(self)
+        hits, missed, _ = self.owner.counters_of(self)
         return self.trap_hits + hits, self.trap_missed + missed
 
     @property
     def lost(self) -> int:
         """Records dropped because the thread's ring was full."""
-        return self.session.counters_of(self)[2]
+        return self.owner.counters_of(self)[2]
 
     @property
     def histogram(self) -> Histogram:
         """The log2 histogram of `value` (`Histogram`: counts by bucket, `buckets()` with their
         ranges, str() as `dynprobe hist` prints it)."""
-        return Histogram(self.session.histogram_of(self), zero_label(self.value))
+        return Histogram(self.owner.histogram_of(self), zero_label(self.value))
 
     @property
     def mode(self) -> ProbeMode:
         """OPTIMIZED while any of its sites is a jump."""
-        return ProbeMode.OPTIMIZED if self.session.is_optimized(self) else ProbeMode.TRAP
+        return ProbeMode.OPTIMIZED if self.owner.is_optimized(self) else ProbeMode.TRAP
 
     @property
     def trap_reason(self) -> OptimizeRefusal | None:
         """Why a site of this probe is a trap (None when optimized, or not placed yet)."""
-        return self.session.trap_reason_of(self)
+        return self.owner.trap_reason_of(self)
 
     @property
     def name(self) -> str:
         return f"{self.group}/{self.event}"
 
     @property
+    def clock_tick_ns(self) -> float:
+        """How finely its time values ($latency) are measured: the typical step of the clock, in ns."""
+        return self.owner.clock_tick_ns()
+
+    @property
     def armed_addresses(self) -> list[int]:
         """Where this probe is armed now, in each traced process (empty while pending)."""
-        return self.session.addresses_of(self)
+        return self.owner.addresses_of(self)
 
     def enable(self) -> None:
         self.enabled = True
-        self.session.sync_probe(self)
+        self.owner.sync_probe(self)
 
     def disable(self) -> None:
         self.enabled = False
-        self.session.sync_probe(self)
+        self.owner.sync_probe(self)
 
     def remove(self) -> None:
-        self.session.remove_probe(self)
+        self.owner.remove_probe(self)
 
     def __repr__(self) -> str:
         return f"<Probe {self.name} at {self.location.basename}:{self.location.label} hits={self.hits}>"

@@ -67,7 +67,7 @@ from dynprobe.symbols.resolve import Location, resolve_address
 
 
 class ReturnsEngine(Engine, Protocol):
-    """What return probes ask of the session, besides the engine's services."""
+    """What return probes ask of the runtime (core/runtime.py), besides the engine's services."""
 
     def act_in_tracer(
         self, probe: Probe, proc: TracedProcess, tid: int, address: int, context: FetchContext,
@@ -130,8 +130,8 @@ def shadow_stack_enabled(pid: int) -> bool:
 
 
 class ReturnProbes:
-    def __init__(self, session: ReturnsEngine) -> None:
-        self.session = session
+    def __init__(self, engine: ReturnsEngine) -> None:
+        self.engine = engine
 
     # --- policy -------------------------------------------------------------------------------------
     @staticmethod
@@ -156,11 +156,11 @@ class ReturnProbes:
         `proc` is stopped)."""
         if proc.returns is not None:
             return proc.returns
-        session = self.session
-        layout = session.layout
+        engine = self.engine
+        layout = engine.layout
         size = len(build_trampoline(layout, 0)[0])
         entry_stamp = build_entry_stamp()
-        at = session.allocate_slot(proc, near, size + _STUB_ROOM + len(entry_stamp))
+        at = engine.allocate_slot(proc, near, size + _STUB_ROOM + len(entry_stamp))
         if at is None:
             raise ProcessError(f"no executable memory for the return trampoline in pid {proc.pid}")
         code, trampoline = build_trampoline(layout, at)
@@ -186,7 +186,7 @@ class ReturnProbes:
         assert not isinstance(plan, Refusal) and plan.kind == ResumeKind.EMULATE
         site = Site(addr, insn, code, plan, prepare(insn), internal=lambda tid, regs: self.on_return(proc, tid, regs))
         proc.sites[addr] = site
-        self.session.arm_site(proc, site)
+        self.engine.arm_site(proc, site)
 
     def hook_unwinders(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         """Trap the unwinder's entry points in every mapped module that has them."""
@@ -210,9 +210,9 @@ class ReturnProbes:
                     continue
                 location = Location(path, offset, func.addr, func, name)
                 try:
-                    self.session.add_internal_site(proc, location, addr, callback, rescue_wait=True)
+                    self.engine.add_internal_site(proc, location, addr, callback, rescue_wait=True)
                 except (ProbeRefused, OSError) as exc:
-                    self.session.warn(f"cannot watch {name} in {path} for C++ exceptions: {exc}")
+                    self.engine.warn(f"cannot watch {name} in {path} for C++ exceptions: {exc}")
 
     def return_code(self, proc: TracedProcess, probe: Probe) -> int:
         """Where the probe's return part runs in `proc`: its generated code, or the trap stub
@@ -223,11 +223,11 @@ class ReturnProbes:
             return returns.stub
         if probe.index in returns.code:
             return returns.code[probe.index][0]
-        session = self.session
-        mult, resolver, rseq = session.tsc_mult(), session.symbol_resolver_for(probe, proc), proc.rseq_offset_at
-        allocate = functools.partial(session.allocate_slot, proc)
+        engine = self.engine
+        mult, resolver, rseq = engine.tsc_mult(), engine.symbol_resolver_for(probe, proc), proc.rseq_offset_at
+        allocate = functools.partial(engine.allocate_slot, proc)
         placed = place_code(allocate, proc, returns.trampoline.table, lambda at: build_return_code(
-            probe.program(), session.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
+            probe.program(), engine.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             _debug(f"{probe.name}: return part at a stop ({placed})")
             return returns.stub
@@ -254,17 +254,17 @@ class ReturnProbes:
         if proc.areas is None:
             if regs.gs_base and not proc.gs_inherited:
                 proc.areas_refused = OptimizeRefusal.GS_IN_USE
-                self.session.warn(f"pid {proc.pid} uses the GS segment base itself: its return probes miss")
+                self.engine.warn(f"pid {proc.pid} uses the GS segment base itself: its return probes miss")
                 return None
-            proc.areas = self.session.new_areas(proc)
+            proc.areas = self.engine.new_areas(proc)
         if not proc.areas.owns(tid):
-            self.session.give_area(proc, tid)
+            self.engine.give_area(proc, tid)
             regs.gs_base = proc.areas.by_tid[tid].target_addr
         return self._words(proc, tid)
 
     def _take(self, points: int, words: np.ndarray, slot: int, held: int) -> int | None:
         """The entry a new frame at `slot` (holding `held`) takes, as the detour chooses it."""
-        lay = self.session.layout
+        lay = self.engine.layout
         base = lay.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         slots: list[int] = words[base : base + top * _WORDS_PER_ENTRY : _WORDS_PER_ENTRY].tolist()
@@ -287,7 +287,7 @@ class ReturnProbes:
         return top
 
     def _free(self, proc: TracedProcess, tid: int, words: np.ndarray, k: int) -> None:
-        lay = self.session.layout
+        lay = self.engine.layout
         at = self._at(k)
         probe = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
         if probe < lay.max_probes:
@@ -309,7 +309,7 @@ class ReturnProbes:
         whose time stamp goes into `stamps` for `stamp_on_resume` (the tracer's clock, meanwhile)."""
         returns = self.setup(proc, site.addr)
         words = self._area_for(proc, tid, regs)
-        lay = self.session.layout
+        lay = self.engine.layout
         pending = lay.counter(probe.index, L.PENDING) // 8
         if words is None or words[L.SHADOW_BUSY // 8] or int(words[pending]) >= probe.maxactive:
             probe.trap_missed += 1
@@ -344,7 +344,7 @@ class ReturnProbes:
         """At a function entry (rsp: the return address): a shadow entry for the frame, as the
         detour makes it, and the return address pointed at its trampoline entry point."""
         assert proc.returns is not None
-        lay = self.session.layout
+        lay = self.engine.layout
         slot = int(regs.rsp)
         try:
             ret = proc.tracee.read_u64(slot)
@@ -358,7 +358,7 @@ class ReturnProbes:
         words[at + L.ENTRY_RET // 8] = ret
         words[at + L.ENTRY_HANDLER // 8] = handler
         words[at + L.ENTRY_PROBE // 8] = index  # and the flags, cleared
-        words[at + L.ENTRY_TSC // 8] = self.session.read_tsc()
+        words[at + L.ENTRY_TSC // 8] = self.engine.read_tsc()
         for n, name in enumerate(ARG_REGS, start=1):
             words[at + L.ENTRY_DATA // 8 + n - 1] = int(getattr(regs, name)) & ((1 << 64) - 1)
         words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
@@ -376,7 +376,7 @@ class ReturnProbes:
         k = offset // L.SHADOW_ENTRY
         at = self._at(k)
         index = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
-        probe = self.session.probe_by_index(index)
+        probe = self.engine.probe_by_index(index)
         if probe is None:
             return
         _, caller = through_entry_points(
@@ -385,7 +385,7 @@ class ReturnProbes:
         )  # fmt: skip
         # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
         ticks = max(0, int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8]))
-        latency = self.session.tsc_to_ns(ticks)
+        latency = self.engine.tsc_to_ns(ticks)
         args = tuple(int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS)))
         base = int(regs.rsp)
         tracee = proc.tracee
@@ -397,11 +397,11 @@ class ReturnProbes:
         view.rip = caller
         function = probe.sites.get(proc.pid, 0)
         context = dataclasses.replace(
-            self.session.fetch_context(proc, tid, view, probe), returning=ReturnValues(args, caller, latency)
+            self.engine.fetch_context(proc, tid, view, probe), returning=ReturnValues(args, caller, latency)
         )
         instance = returns.instances.pop((tid, k), None)
         if probe.action is not None:
-            self.session.act_in_tracer(probe, proc, tid, function, context, caller)
+            self.engine.act_in_tracer(probe, proc, tid, function, context, caller)
         elif probe.on_return is not None and probe.enabled:
             probe.trap_hits += 1
             hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
@@ -442,7 +442,7 @@ class ReturnProbes:
         if back not in proc.sites:
             try:
                 location = resolve_address(back, read_maps(proc.pid))
-                self.session.add_internal_site(
+                self.engine.add_internal_site(
                     proc, location, back, lambda tid, regs: self.rehijack(proc, tid, int(regs.rsp))
                 )
             except (ProbeRefused, SymbolError, OSError) as exc:
@@ -464,7 +464,7 @@ class ReturnProbes:
                 self._free(proc, tid, words, k)
 
     def _at(self, k: int) -> int:
-        return self.session.layout.shadow // 8 + k * _WORDS_PER_ENTRY
+        return self.engine.layout.shadow // 8 + k * _WORDS_PER_ENTRY
 
     def _swap(
         self, proc: TracedProcess, words: np.ndarray, entries: list[tuple[int, int, int]], restore: bool
@@ -483,7 +483,7 @@ class ReturnProbes:
 
     def _entries(self, words: np.ndarray) -> Iterator[tuple[int, int, int]]:
         """(number, word index, slot) of the entries in use, read as the guardian reads them."""
-        base = self.session.layout.shadow // 8
+        base = self.engine.layout.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         for k, slot, _ in entries_in(words[base : base + top * _WORDS_PER_ENTRY].tobytes()):
             yield k, base + k * _WORDS_PER_ENTRY, slot
@@ -538,7 +538,7 @@ class ReturnProbes:
         words = self._words(proc, tid)
         if words is None:
             return []
-        lay = self.session.layout
+        lay = self.engine.layout
         snap, returns.snapshot = returns.snapshot, None
         words[L.SHADOW_TOP // 8] = snap[L.SHADOW_TOP // 8]
         words[lay.shadow // 8 :] = snap[lay.shadow // 8 :]

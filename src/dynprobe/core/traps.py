@@ -51,7 +51,7 @@ _STAMP_BUSY, _STAMP_RESUME = L.STAMP_BUSY // 8, L.STAMP_RESUME // 8  # (as u64 i
 
 
 class TrapsEngine(Engine, Protocol):
-    """What serving a trap asks of the session, besides the engine's services."""
+    """What serving a trap asks of the runtime (core/runtime.py), besides the engine's services."""
 
     stats: dict[str, int]  # "stops": trap stops served
     returns: ReturnProbes
@@ -70,8 +70,8 @@ class TrapsEngine(Engine, Protocol):
 class Traps:
     """Serves the hits of trap probes (and of probes whose site is a trap for now)."""
 
-    def __init__(self, session: TrapsEngine) -> None:
-        self.session = session
+    def __init__(self, engine: TrapsEngine) -> None:
+        self.engine = engine
 
     @staticmethod
     def past_trap(proc: TracedProcess, tid: int, regs: Regs, site: Site | None) -> bool:
@@ -113,13 +113,13 @@ class Traps:
 
     def context(self, proc: TracedProcess, tid: int, regs: Regs, site: Site) -> FetchContext:
         return FetchContext(
-            regs, MemoryReader(proc.tracee), lambda: proc.comm(tid), self.session.symbol_resolver(site),
-            self.session.symbolizer(proc.pid),
+            regs, MemoryReader(proc.tracee), lambda: proc.comm(tid), self.engine.symbol_resolver(site),
+            self.engine.symbolizer(proc.pid),
         )  # fmt: skip
 
     def hit(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> None:
         # The hot path of a trap probe: no enum attribute in it (each lookup costs ~0.2 us).
-        self.session.stats["stops"] += 1
+        self.engine.stats["stops"] += 1
         regs.rip = site.addr
         if site.internal is not None:
             site.internal(tid, regs)
@@ -136,7 +136,7 @@ class Traps:
             if probe.is_return:
                 if context is None:
                     context, now = self.context(proc, tid, regs, site), time.monotonic()
-                self.session.returns.on_entry(proc, tid, site, probe, regs, context, stamps)
+                self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps)
                 continue
             if probe.action is not None:
                 if probe.action is _COUNT and probe.filter is None:
@@ -179,7 +179,7 @@ class Traps:
             if (
                 not (steps or stamps)
                 and proc.areas_refused is None
-                and (site.slot is not None or self.session.slot_at_hit(proc, site))
+                and (site.slot is not None or self.engine.slot_at_hit(proc, site))
             ):
                 stub = self._actions_stub(proc, tid, site, regs, actions)
             if stub is None:
@@ -193,7 +193,7 @@ class Traps:
                 if post:
                     self._run_post(proc, tid, post, regs, site, context or self.context(proc, tid, regs, site))
                 if stamps and not user_tf:  # (the target's own single step must see its instruction)
-                    self.session.returns.stamp_on_resume(proc, tid, regs, stamps)
+                    self.engine.returns.stamp_on_resume(proc, tid, regs, stamps)
                 proc.set_trap_regs(tid, regs)
                 if user_tf:
                     self._deliver_step_trap(proc, tid)
@@ -201,7 +201,7 @@ class Traps:
                     proc.resume_trapped(tid)
                 return
             kind = _STEP if post or user_tf else _BOOST
-        if site.slot is None and not self.session.give_slot(proc, site):
+        if site.slot is None and not self.engine.give_slot(proc, site):
             raise ProcessError(f"no out-of-line slot for {site.addr:#x}")
         for probe in probes:
             probe.resumes[kind] += 1
@@ -213,7 +213,7 @@ class Traps:
             words[_STAMP_BUSY] = 1
             regs.rip = stub[0]
         elif stamps and kind is _BOOST:
-            self.session.returns.stamp_on_resume(proc, tid, regs, stamps)
+            self.engine.returns.stamp_on_resume(proc, tid, regs, stamps)
         proc.set_trap_regs(tid, regs)
         if kind is _BOOST:
             proc.resume_trapped(tid)
@@ -247,13 +247,13 @@ class Traps:
         key = tuple(probes)
         if site.actions is not None and site.actions_probes == key:
             return site.actions.start, words
-        if any(self.session.action_refusal(p) is not None for p in probes):
+        if any(self.engine.action_refusal(p) is not None for p in probes):
             return None
         programs = [p.program() for p in probes]
-        symbols = self.session.symbol_resolver(site)
+        symbols = self.engine.symbol_resolver(site)
         placed = place_code(
-            functools.partial(self.session.allocate_slot, proc), proc, site.addr,
-            lambda at: build_trap_actions(programs, self.session.layout, site.addr, at, symbols, proc.rseq_offset_at),
+            functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
+            lambda at: build_trap_actions(programs, self.engine.layout, site.addr, at, symbols, proc.rseq_offset_at),
         )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             return None
@@ -267,11 +267,11 @@ class Traps:
     def _give_area_now(self, proc: TracedProcess, tid: int, regs: Regs) -> AreaRef | None:
         """An area for the stopped thread, the process's first areas made if need be (None: no
         areas here); `regs`, to be written back by the caller, get its GS base too."""
-        if proc.areas is None and (proc.areas_refused is not None or not self.session.ensure_thread_areas(proc)):
+        if proc.areas is None and (proc.areas_refused is not None or not self.engine.ensure_thread_areas(proc)):
             return None
         assert proc.areas is not None
         if not proc.areas.owns(tid):
-            self.session.give_area(proc, tid)
+            self.engine.give_area(proc, tid)
         area = proc.areas.by_tid.get(tid)
         if area is not None:
             regs.gs_base = area.target_addr
@@ -306,7 +306,7 @@ class Traps:
                 probe, proc.pid, tid, self._cpu_at_stop(proc, tid, context.regs), time.monotonic_ns(), address,
                 {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
             )  # fmt: skip
-            self.session.keep_event(event)
+            self.engine.keep_event(event)
 
     def _cpu_at_stop(self, proc: TracedProcess, tid: int, regs: Regs) -> int:
         """The CPU a stopped thread ran on when it stopped: the number the kernel keeps in the
@@ -314,7 +314,7 @@ class Traps:
         else field 39 of /proc/PID/task/TID/stat (a file the kernel formats: ~10x the cost).
         The target can write its rseq area: a number past this machine's CPUs is not taken."""
         if proc.rseq_offset is None:
-            at = self.session.rseq_offset_at(proc)
+            at = self.engine.rseq_offset_at(proc)
             try:
                 proc.rseq_offset = 0 if at is None else int.from_bytes(proc.tracee.read(at, 8), "little", signed=True)
             except OSError:
@@ -364,7 +364,7 @@ class Traps:
             probe.post(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
 
     def finish_step(self, proc: TracedProcess, tid: int, step: StepState) -> None:
-        self.session.stats["stops"] += 1
+        self.engine.stats["stops"] += 1
         proc.stepping.pop(tid)
         site = step.site
         regs = sc.get_regs(tid)
