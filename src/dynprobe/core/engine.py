@@ -1,8 +1,13 @@
-"""What the mechanisms (core/optimizer.py, returns.py, ftrace.py) may ask of the session that
-runs them: the services every one uses, as a protocol the session (core/session.py) meets. Each
-mechanism adds what it needs of its own in a protocol next to its code (`OptimizerEngine`,
-`ReturnsEngine`, `TracingEngine`), so that none of them imports the session, and a reader sees
-at the top of each what it reaches for."""
+"""The two sides of a mechanism (core/traps.py, optimizer.py, returns.py, ftrace.py):
+
+- `Engine`: what every mechanism may ask of the runtime that runs it (core/runtime.py), the
+  services they all use. Each mechanism adds what it needs of its own in a protocol next to its
+  code (`OptimizerEngine`, `ReturnsEngine`, ...), so that none imports the runtime, and a reader
+  sees at the top of each what it reaches for.
+- `Mechanism`: what the runtime tells a mechanism of the life of a traced process (a fork, an
+  exec, libraries mapped), so that the services that see those events (core/lifecycle.py,
+  modules.py) call none of them by name.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Protocol
 from dynprobe.core.traced import TracedProcess
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
+from dynprobe.symbols.maps import Mapping
 
 
 class Engine(Protocol):
@@ -30,3 +36,25 @@ class Engine(Protocol):
 
     def new_areas(self, proc: TracedProcess) -> ThreadAreas:
         """The thread areas of `proc`, made."""
+
+
+class Mechanism(Protocol):
+    """Hooks of process life, called in the order the runtime lists its mechanisms. A hook does
+    nothing in a process where the mechanism has installed nothing."""
+
+    def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
+        """Thread `tid` of `parent` forked `child`, which has a copy of its memory (a vfork: the
+        same memory) with what the mechanism installed there."""
+
+    def let_go(self, child: TracedProcess) -> None:
+        """A fork child that is not followed is let go: what it inherited of ours comes out."""
+
+    def forget_image(self, proc: TracedProcess) -> None:
+        """`proc` exec'd: what the mechanism installed went with the old program."""
+
+    def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """`proc` runs its new program, with the probes placed again: install what the mechanism
+        keeps in every traced process (its one thread stopped at the exec, its writes batched)."""
+
+    def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """The loader mapped or unmapped libraries of `proc` (`maps`: as they are now)."""

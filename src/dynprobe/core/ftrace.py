@@ -476,6 +476,9 @@ class Tracing:
                 self._start_in(proc, tracer, [f for f in tracer.functions if f.id in ids])
                 tracer.not_patched += Counter()  # drop zero counts
 
+    def let_go(self, child: TracedProcess) -> None:
+        self.restore(child)
+
     def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         """`proc` runs a new program (exec, followed): each started tracer chooses its functions
         again in it, as it chose them in the first (new ones join its table), and patches them
@@ -501,7 +504,7 @@ class Tracing:
         """`proc` exec'd: the old image took the sites and code with it."""
         self._installed.pop(proc, None)
 
-    def forked(self, parent: TracedProcess, child: TracedProcess) -> None:
+    def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
         """A fork child has its parent's sites and code, and waits for the same libraries."""
         if parent in self._installed:
             self._installed[child] = self._installed[parent].copy()

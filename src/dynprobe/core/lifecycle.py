@@ -14,12 +14,11 @@ import signal
 from typing import Protocol
 
 from dynprobe.core.datapath import DataPath
-from dynprobe.core.ftrace import Tracing
+from dynprobe.core.engine import Mechanism
 from dynprobe.core.modules import Modules
 from dynprobe.core.optimizer import Optimizer
 from dynprobe.core.patching import Patcher
 from dynprobe.core.processes import ProcessTable, exe_of
-from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
 from dynprobe.debug import ENABLED as DEBUG
@@ -42,9 +41,8 @@ class LifecycleEngine(Protocol):
     modules: Modules
     data: DataPath
     optimizer: Optimizer
-    returns: ReturnProbes
-    tracing: Tracing
     traps: Traps
+    mechanisms: tuple[Mechanism, ...]  # told of forks and execs, in this order
     follow_fork: bool
     stats: dict[str, int]
 
@@ -139,14 +137,13 @@ class Lifecycle:
         child.rescue = parent.rescue  # its handler and its page (shared memory) came with the fork
         child.fixups = dict(parent.fixups)
         child.dirty = list(parent.dirty)
-        engine.tracing.forked(parent, child)
         if vfork:
             child.areas = parent.areas  # one address space: its thread takes an area of the parent's pools
-            child.returns = parent.returns
         else:
             processes.journal.inherit(parent.pid, child_pid)
             child.gs_inherited = parent.areas is not None or parent.gs_inherited
-            engine.returns.snapshot(parent, event.tid, child)
+        for mechanism in engine.mechanisms:
+            mechanism.forked(parent, child, event.tid, vfork=vfork)
         processes.add(child)
         orphan = processes.orphans.pop(child_pid, None)
         if not engine.follow_fork and not vfork:
@@ -158,9 +155,8 @@ class Lifecycle:
                         orphan = ev
                         break
             if orphan is not None and orphan.kind not in _ENDED:
-                engine.optimizer.restore_all(child)
-                engine.tracing.restore(child)
-                engine.returns.restore_child(child)
+                for mechanism in engine.mechanisms:
+                    mechanism.let_go(child)
                 engine.patcher.take_out_int3s(child)
                 engine.patcher.uninstall_rescue(child, child_pid)
                 with contextlib.suppress(OSError):
@@ -198,8 +194,8 @@ class Lifecycle:
         proc.areas_refused = None
         proc.fixups.clear()
         proc.dirty.clear()
-        proc.returns = None
-        engine.tracing.forget_image(proc)
+        for mechanism in engine.mechanisms:
+            mechanism.forget_image(proc)
         proc.loader_hook = None
         proc.needed = None
         if not proc.follow:
@@ -213,9 +209,10 @@ class Lifecycle:
         proc.rescue = None  # the exec took the handler and its page with the old image
         engine.patcher.install_rescue(proc)
         engine.modules.sync_process(proc)
-        if engine.tracing.tracers:
-            with files.unchanged(), proc.tracee.batched():
-                engine.tracing.execed(proc, read_maps(pid))
+        with files.unchanged(), proc.tracee.batched():
+            maps = read_maps(pid)
+            for mechanism in engine.mechanisms:
+                mechanism.execed(proc, maps)
         proc.tracee.resume(pid)
 
     def _on_signal(self, proc: TracedProcess, event: Event) -> None:

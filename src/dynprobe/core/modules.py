@@ -11,12 +11,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from dynprobe.arch.x86_64 import Regs
-from dynprobe.core.ftrace import Tracing
-from dynprobe.core.optimizer import Optimizer
+from dynprobe.core.engine import Mechanism
 from dynprobe.core.patching import Patcher
 from dynprobe.core.probe import Probe, Site
 from dynprobe.core.processes import ProcessTable
-from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import MemoryReader, TracedProcess
 from dynprobe.errors import ProbeRefused, Refusal, SymbolError
 from dynprobe.spec.fetch import FetchContext
@@ -73,9 +71,7 @@ class ModulesEngine(Protocol):
 
     processes: ProcessTable
     patcher: Patcher
-    optimizer: Optimizer
-    returns: ReturnProbes
-    tracing: Tracing
+    mechanisms: tuple[Mechanism, ...]
     probes: list[Probe]
 
     def warn(self, message: str) -> None: ...
@@ -154,12 +150,10 @@ class Modules:
                 self.engine.warn(f"{probe.name}: {refused} (pid {proc.pid})")
 
     def _modules_changed(self, proc: TracedProcess) -> None:
-        """The loader mapped or unmapped libraries: arm pending probes, and optimize them at
-        once (they arrive as one batch; the program may not run long enough for the delay)."""
+        """The loader mapped or unmapped libraries: arm pending probes, and tell the mechanisms."""
         self.sync_process(proc)
-        self.engine.returns.hook_unwinders(proc, self.last[proc.pid])
-        self.engine.tracing.modules_changed(proc, self.last[proc.pid])
-        self.engine.optimizer.expedite()
+        for mechanism in self.engine.mechanisms:
+            mechanism.modules_changed(proc, self.last[proc.pid])
 
     def _install_loader_hook(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         if proc.loader_hook in proc.sites:

@@ -397,6 +397,24 @@ class Optimizer:
         if began_inside:
             self.engine.tracing.began_inside(tid, began_inside)
 
+    # --- process life (core/engine.py's Mechanism) ---------------------------------------------
+    def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
+        """(The child's sites are its parent's copies: the process table copied them.)"""
+
+    def let_go(self, child: TracedProcess) -> None:
+        self.restore_all(child)
+
+    def forget_image(self, proc: TracedProcess) -> None:
+        """(The sites went with the process's `sites`, emptied by the exec.)"""
+
+    def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """(Probes placed again in a new program are queued as they are armed.)"""
+
+    def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """Probes armed in libraries just mapped are optimized at once: they arrive as one batch,
+        and the program may not run long enough for the delay."""
+        self.expedite()
+
     def thread_stopped(self, proc: TracedProcess, tid: int) -> None:
         """A thread without an area of its own, in a process that uses areas (a new thread, a
         forked child's whose GS base is its parent's), gets one before it runs."""

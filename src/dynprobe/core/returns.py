@@ -504,6 +504,25 @@ class ReturnProbes:
             self._free(proc, tid, words, k)
         return len(done) == len(entries)
 
+    # --- process life (core/engine.py's Mechanism) ---------------------------------------------
+    def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
+        if vfork:
+            child.returns = parent.returns  # one address space, and the parent's thread areas
+        else:
+            self.snapshot(parent, tid, child)
+
+    def let_go(self, child: TracedProcess) -> None:
+        self.restore_child(child)
+
+    def forget_image(self, proc: TracedProcess) -> None:
+        proc.returns = None
+
+    def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """(The trampoline is made again with the first return probe placed.)"""
+
+    def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        self.hook_unwinders(proc, maps)
+
     def restore_child(self, child: TracedProcess) -> None:
         """A fork child let go: its copy of the forking thread's frames returns to the original
         addresses (its copy of the trampoline would use its parent's thread area)."""

@@ -19,6 +19,7 @@ from dynprobe.arch.x86_64 import SLOT_SIZE, Regs
 from dynprobe.core.datapath import DataPath
 from dynprobe.core.delivery import Delivery
 from dynprobe.core.detach import Detacher
+from dynprobe.core.engine import Mechanism
 from dynprobe.core.ftrace import Tracing
 from dynprobe.core.lifecycle import Lifecycle
 from dynprobe.core.loop import StopLoop
@@ -61,6 +62,7 @@ class Runtime:
         self.optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
         self.tracing = Tracing(self)
+        self.mechanisms: tuple[Mechanism, ...] = (self.optimizer, self.returns, self.tracing)
         self.traps = Traps(self)
         self.patcher = Patcher(self)
         self.modules = Modules(self)
