@@ -204,7 +204,7 @@ def run_target(
 def _stop_command(session: Session, signum: int, grace: float = 2.0) -> int | None:
     """Detach, pass SIGTERM on to the command dynprobe started (see run_target); its exit
     status if it ends within `grace` seconds (else it runs on, and we say so)."""
-    pid = session.main_pid
+    pid = session.pid
     session.close()
     if signum != signal.SIGINT:
         try:

@@ -1,1 +1,3 @@
-"""The arch-independent engine: probes, sites, slots, the session and its event loop."""
+"""The arch-independent engine: the public Session, the runtime under it, its services (the stop
+loop, the process table, patching, module tracking, the data path, detach) and its mechanisms
+(trap probes, the optimizer, return probes, the function tracer)."""

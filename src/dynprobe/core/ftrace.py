@@ -10,6 +10,9 @@ re-points only its own sites, under one stop-the-world per process; the others k
 
 Records are 16 bytes in the thread's ring: u16 ops, u16 kind (entry/exit), u32 function id, u64
 time stamp; `session.write_raw` spools them to disk (`dynprobe record`), or `on_event` gets them.
+
+One mechanism, kept whole in one module: choosing functions, patching them and following the
+processes' life (fork, exec, dlopen) for them.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class Optimizer:
         rips = self.thread_rips(proc)
         self._free_dirty(proc, list(rips.values()))
         # A thread that has just hit the int3 (its SIGTRAP not served yet) is at site+1; it will
-        # be moved back to the site and take the jump (Session._on_signal).
+        # be moved back to the site and take the jump (Traps.past_trap, from core/loop.py or lifecycle.py).
         at_int3 = {int(rip) - 1 for tid, rip in rips.items() if self._trapped(proc, tid)}
         busy: list[Site] = []
         for done, site in enumerate(sites):

@@ -25,6 +25,9 @@ Who does what:
 Stale entries (frames left by longjmp) are reused when a new frame takes the same return-address
 slot: a slot holds one return address, so the older frame is gone. Entries are never dropped by
 comparing stack pointers: coroutines (swapcontext) keep live frames on other stacks.
+
+One mechanism, kept whole in one module: the entry, the return, unwinding and detach apply one
+set of shadow-stack rules.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ processes. `spawn()` and `attach()` make one; it places probes and function trac
 target, and lets it go on `close()` (or at the end of a `with` block), restoring every byte
 dynprobe wrote. Threads that do not hit a probe never stop: a breakpoint stops only the thread
 that hit it, and the world is stopped only to patch memory other threads may be executing or to
-leave. docs/architecture.md describes the layers beneath.
+leave. docs/architecture.md describes the layers beneath. (One concept in one module: the API,
+its length its docstrings, the reference of its users.)
 """
 
 from __future__ import annotations
@@ -99,7 +100,6 @@ class Session:
         """The process the session began with (the command, or the one attached to)."""
         return self._runtime.processes.main_pid
 
-    main_pid = pid
 
     @property
     def exit_status(self) -> int | None:
@@ -375,7 +375,7 @@ class Session:
         `on_event` or, spooled raw, to `write_raw` (`dynprobe record`)."""
         self._check_open()
         runtime = self._runtime
-        main = runtime.processes.process(self.main_pid)
+        main = runtime.processes.process(self.pid)
         if main is None:
             raise SessionError("the target has exited; nothing can be traced")
         if threshold_ns and runtime.data.flight_recorder:

@@ -1,9 +1,9 @@
 """One traced process as the engine keeps it (`TracedProcess`): its tracee, its sites, slots
 and thread areas, and what each mechanism installed in it that others must know of (the return
 machinery: `ProcessReturns`); with the few things done to a process whatever the mechanism (a
-thread's resume from a trap, its memory as fetches read it). What the mechanisms do with it is
-theirs (core/traps.py, optimizer.py, returns.py, ftrace.py) and the session's: none of them is
-imported here (core/probe.py's Site and Probe are records too).
+thread's resume from a trap, its memory as fetches read it). What the mechanisms and services do
+with it is theirs (core/runtime.py lists them): none of them is imported here (core/probe.py's
+Site and Probe are records too).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class TracedProcess:
     def __post_init__(self) -> None:
         self.slots = SlotCache(self._map_region)
         # Where the slot cache maps a new region: the stopped thread its remote mmap runs in, and
-        # the stub it runs from until the process has one of ours (Session.allocate_slot sets them)
+        # the stub it runs from until the process has one of ours (Patcher.allocate_slot sets them)
         self.map_tid: int | None = None
         self.scratch: int | None = None
 

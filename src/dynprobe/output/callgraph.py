@@ -3,6 +3,9 @@
 (`graph`), folded stacks for flame graphs (`dump --flame`; the timelines of `dump --chrome` and
 `--perfetto` are output/timeline.py's). Each keeps per thread only the stack of open calls
 (`graph`: its tree of call paths).
+
+One concept in one module: its length is the numpy paths for spans that nest plainly, kept
+beside the event-at-a-time path each must agree with.
 """
 
 from __future__ import annotations

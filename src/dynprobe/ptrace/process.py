@@ -2,6 +2,9 @@
 
 Memory goes through /proc/PID/mem, which lets a tracer write read-only text (no mprotect dance,
 no PTRACE_POKETEXT word loop). The file must be reopened after exec (it names the old mm).
+
+One concept in one module: the tracee, what every part of the engine does to a process goes
+through it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ head and tail make no sense is reported once and skipped, never read out of boun
 
 Time: records carry the time-stamp counter; `TscClock` converts it to CLOCK_MONOTONIC
 nanoseconds from pairs of (counter, clock) readings the consumer takes itself.
+
+One concept in one module (its length: the flight recorder's snapshots and the checks of
+untrusted shared memory belong to the reading side).
 """
 
 from __future__ import annotations

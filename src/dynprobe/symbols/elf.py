@@ -2,6 +2,9 @@
 
 Function ranges come from .symtab and .dynsym (FUNC symbols with a size); for addresses no symbol
 covers (stripped binaries), the .eh_frame unwind table gives function ranges too.
+
+One concept in one module (its length: the symbol tables, the unwind tables' ranges, the debug
+file, versions and the branch scan are all views of one file).
 """
 
 from __future__ import annotations
