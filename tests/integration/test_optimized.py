@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 import dynprobe
-from dynprobe.core.probe import ProbeEvent
 from dynprobe.core.datapath import DEFAULT_WAIT_FOR_ROOM
+from dynprobe.core.probe import ProbeEvent
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.spec.fetch import FAULT, StringValue
 from tests.conftest import build_target

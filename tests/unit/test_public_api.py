@@ -4,11 +4,13 @@ fetch arguments as handlers' typed views apply them."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 
 import pytest
 
 import dynprobe
+from dynprobe.core.session import Session
 from dynprobe.errors import DynprobeError, ParseError
 from dynprobe.spec.parser import integer_type
 
@@ -26,6 +28,25 @@ def test_every_error_is_importable_from_dynprobe() -> None:
     cli_only = {c for c in errors if c.__module__.startswith("dynprobe.cli.")}  # (UsageError: a command line's)
     missing = {c.__name__ for c in errors - cli_only if getattr(dynprobe, c.__name__, None) is not c}
     assert not missing and "DynprobeError" in dynprobe.__all__
+
+
+SESSION_API = {
+    "batch", "clock", "close", "detach", "drain", "exit_status", "expand", "flight_recorder", "follow_fork",
+    "function_tracer", "interrupt_wait", "layout", "optimize", "optimize_now", "output_failure", "pid", "pin_tracer",
+    "probe", "probes", "probes_from", "process", "processes", "record_size", "records_discarded", "records_drained",
+    "records_overwritten", "records_waited", "request_snapshot", "request_stop", "retprobe", "ring_bytes", "run",
+    "slot_bytes", "slot_bytes_in_use", "snapshots_asked", "stats", "stop", "thread_names", "traced_functions",
+    "wait_for_room", "write_raw",
+}  # fmt: skip
+
+
+def test_help_of_a_session_shows_its_public_api_alone_each_part_documented() -> None:
+    """What the engine asks of itself (core/runtime.py) is not on the Session a user holds."""
+    public = {name for name in dir(Session) if not name.startswith("_")}
+    assert public == SESSION_API
+    for name in public:
+        member = inspect.getattr_static(Session, name)
+        assert (member.fget if isinstance(member, property) else member).__doc__, name
 
 
 CASTS = [

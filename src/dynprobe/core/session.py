@@ -515,6 +515,7 @@ class Session:
 
     @property
     def records_drained(self) -> int:
+        """Records read from the threads' rings so far."""
         return self._runtime.data.drained
 
     @property
@@ -536,6 +537,7 @@ class Session:
 
     @property
     def records_discarded(self) -> int:
+        """Records drained after the output failed (`output_failure`), which could not be written."""
         return self._runtime.data.discarded
 
     def thread_names(self) -> dict[int, str]:
