@@ -100,7 +100,6 @@ class Session:
         """The process the session began with (the command, or the one attached to)."""
         return self._runtime.processes.main_pid
 
-
     @property
     def exit_status(self) -> int | None:
         """The main process's exit status once it ended (128+N if signal N killed it)."""

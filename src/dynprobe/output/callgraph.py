@@ -286,10 +286,8 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
     lv, kd = levels[order], kinds[order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = lv[1:] != lv[:-1]
-    carried = lv < len(stack)
-    alternates = (kd[~first] != kd[np.flatnonzero(~first) - 1]).all()
-    if not alternates or (kd[first] != np.where(carried[first], _EXIT, _ENTRY)).any():
-        return None
+    # (Levels come from the running depth: at each level entries and exits alternate, and a
+    # level's first is an exit exactly when the level is one carried in. Nothing to check.)
     at = items[order]
     later = ~first & (kd == _EXIT)
     entry_at = at[np.flatnonzero(later) - 1]
@@ -304,13 +302,15 @@ def _plain_segment(kind: np.ndarray, func: np.ndarray, time: np.ndarray, frame: 
             return None
         spent[order[o]] = int(time[at[o]]) - call[1]
     leaves = kinds == _LEAF
-    spent[leaves] = time[items[leaves] + 1] - time[items[leaves]]
+    leaf_at = items[leaves]
+    spent[leaves] = time[leaf_at + 1] - time[leaf_at]
     # No call may enter a frame still open. A thread's frames are its shadow stack's entries: when
     # each call's frame is its level plus one offset, carried calls' too (the common case), none
     # can. Else: per frame, opens and closes must alternate.
     carried_frames = np.array([c[2] for c in stack.calls], dtype=np.int64)
     item_frames = frame[items].astype(np.int64)
-    shift = item_frames[kinds != _EXIT] - levels[kinds != _EXIT]
+    opens = kinds != _EXIT
+    shift = item_frames[opens] - levels[opens]
     offset = int(shift[0]) if len(shift) else None
     frames_follow_levels = (
         offset is not None and (shift == offset).all() and (carried_frames - np.arange(len(stack)) == offset).all()
@@ -691,21 +691,25 @@ def _segment_paths(seg: _Segment, funcs: np.ndarray, paths: _CallPaths, carried:
     if high - low > _PATH_LEVELS:
         return None
     above = np.array([0, *carried], dtype=np.int64)  # a level's caller when it is not in the segment
-    positions = np.arange(m)
     nodes = np.zeros(m, dtype=np.int64)
-    callers = np.full(m, -1)  # before each item, the last entry one level up (-1: it is carried)
+    by_level = _stable_order(levels)  # each level's items, in order
+    starts = np.searchsorted(levels[by_level], np.arange(low, high + 2))
+    callers = np.zeros(0, dtype=np.int64)  # where the calls one level up begin, in order
     for level in range(low, high + 1):
-        here = levels == level
-        opens = np.flatnonzero(here & (kinds != _EXIT))
-        if len(opens):
-            caller = callers[opens]
+        here = by_level[starts[level - low] : starts[level - low + 1]]
+        kind = kinds[here]
+        opens = here[kind != _EXIT]
+        if len(opens):  # an entry's or a call with no callee's: its caller's child
+            caller = np.searchsorted(callers, opens) - 1  # the last call begun one level up
             outer = above[min(level, len(above) - 1)]
-            nodes[opens] = paths.children(np.where(caller >= 0, nodes[caller], outer), funcs[opens].astype(np.int64))
-        entries = np.maximum.accumulate(np.where(here & (kinds == _ENTRY), positions, -1))
-        exits = np.flatnonzero(here & (kinds == _EXIT))
-        if len(exits):
-            entry = entries[exits]
-            nodes[exits] = np.where(entry >= 0, nodes[entry], above[min(level + 1, len(above) - 1)])
+            caller_nodes = nodes[callers[caller]] if len(callers) else np.zeros(len(opens), dtype=np.int64)
+            nodes[opens] = paths.children(np.where(caller >= 0, caller_nodes, outer), funcs[opens].astype(np.int64))
+        entries = here[kind == _ENTRY]
+        exits = here[kind == _EXIT]
+        if len(exits):  # an exit's: its entry's
+            entry = np.searchsorted(entries, exits) - 1
+            begun = nodes[entries[entry]] if len(entries) else np.zeros(len(exits), dtype=np.int64)
+            nodes[exits] = np.where(entry >= 0, begun, above[min(level + 1, len(above) - 1)])
         callers = entries
     return nodes
 
