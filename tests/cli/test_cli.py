@@ -287,7 +287,10 @@ def test_bad_return_probe_input_one_line(ret: str, args: list[str], message: str
     [
         (["p no_such_symbol"], "no function 'no_such_symbol'"),
         (["p /no/such/file:f"], "no such file: /no/such/file"),
-        (["p libplugin:f"], "no such file: libplugin (no library of that name is mapped in the target, needed by it"),
+        (
+            ["p libplugin:f"],
+            "no such file: libplugin (no library of that name is mapped in the process, needed by the program",
+        ),
         (["p add_word+1"], "not on an instruction boundary [NOT_INSN_BOUNDARY]"),
     ],
 )
@@ -695,7 +698,7 @@ def test_a_stripped_binary_says_what_can_be_probed(tmp_path: Path) -> None:
     stripped = build_target("wordcount-stripped", "../../examples/wordcount.c", flags=("-O2", "-s"))
     r = dp("list", stripped)
     assert r.returncode == 1 and r.stderr == (
-        "dynprobe: wordcount-stripped has no function symbols (stripped, no debug file found): "
+        "dynprobe: error: wordcount-stripped has no function symbols (stripped, no debug file found): "
         "probe the libraries it uses (libc:malloc), or an offset in it (wordcount-stripped:0x1139)\n"
     )
     r = dp("record", "-o", str(tmp_path / "t.data"), "--", stripped, "a b")  # its calls to libraries

@@ -284,7 +284,9 @@ def test_list_refuses_in_one_line(args: list[str], says: str, wordcount: str) ->
         finally:
             sleeper.kill()
     r = dp("list", wordcount, "no_such_function_*")
-    assert r.returncode == 1 and r.stderr == "dynprobe: no function matches 'no_such_function_*'\n" and not r.stdout
+    assert (
+        r.returncode == 1 and r.stderr == "dynprobe: error: no function matches 'no_such_function_*'\n" and not r.stdout
+    )
 
 
 def test_no_command_prints_the_commands() -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 import dynprobe
 from dynprobe.output.hist import log2_lines
 from tests.conftest import build_target
@@ -101,6 +103,22 @@ def test_a_tracer_on_one_cpu_runs_unpinned() -> None:
     cpu = str(min(os.sched_getaffinity(0)))
     r = subprocess.run(["taskset", "-c", cpu, sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout == "0 1000\n", r.stdout + r.stderr
+
+
+def test_a_consumer_made_during_a_run_is_not_left_on_the_tracer_s_cpu() -> None:
+    """A return probe with Python handlers makes its thread areas, and so the consumer's thread,
+    at its first hit, while `run()` keeps the tracer on one CPU: the thread, born with that
+    affinity, gets every CPU back when the run ends, as one made before it does."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one CPU allowed: the tracer is never pinned")
+    with dynprobe.spawn([counter(), "100", "1"], stdout=subprocess.DEVNULL) as session:
+        returns = session.retprobe("work", handler=lambda hit: None)
+        assert session._runtime.data.consumer is None
+        assert session.run(timeout=60) == 0 and returns.hits == 100
+        consumer = session._runtime.data.consumer
+        assert consumer is not None and consumer._thread is not None and consumer._thread.native_id is not None
+        assert os.sched_getaffinity(consumer._thread.native_id) == allowed == os.sched_getaffinity(0)
 
 
 def test_a_batch_inside_a_batch_places_its_probes_with_the_outer_one() -> None:

@@ -36,7 +36,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="pending calls per thread and function (default max(10, 2 x CPUs))")  # fmt: skip
     p.add_argument("--trap", "--no-optimize", dest="trap", action="store_true",
                    help="keep the entries trap probes (no jump optimization), for comparisons")  # fmt: skip
-    p.add_argument("--stats", action="store_true", help="at the end, per function: mode, calls, missed")
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="at the end, per function: hits, missed, lost and its mode (optimized or trap, and why)",
+    )
     add_target_options(p)
     p.set_defaults(run=run)
 

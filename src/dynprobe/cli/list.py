@@ -137,11 +137,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return report_error(exc)
     if not rows and len(stripped) == len(modules) == 1:
         name = os.path.basename(stripped[0])
-        print(f"dynprobe: {name} has no function symbols (stripped, no debug file found): probe the libraries it uses "
-              f"(libc:malloc), or an offset in it ({name}:0x1139)", file=sys.stderr)  # fmt: skip
+        print(f"dynprobe: error: {name} has no function symbols (stripped, no debug file found): probe the libraries "
+              f"it uses (libc:malloc), or an offset in it ({name}:0x1139)", file=sys.stderr)  # fmt: skip
         return 1
     if not rows:
-        print(f"dynprobe: no function matches {glob!r}", file=sys.stderr)
+        print(f"dynprobe: error: no function matches {glob!r}", file=sys.stderr)
         return 1
     # The function last: a long C++ name then shifts nothing.
     mod_w = max(len(r[3]) for r in rows)

@@ -261,7 +261,7 @@ class FunctionTracer:
 
 
 class Tracing:
-    """The function tracers of a engine."""
+    """The function tracers of a session."""
 
     def __init__(self, engine: TracingEngine) -> None:
         self.engine = engine

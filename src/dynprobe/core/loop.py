@@ -157,14 +157,14 @@ class StopLoop:
         if not self.pin_tracer or len(allowed) < 2:
             yield
             return
-        processes, consumer = self.engine.processes, self.engine.data.consumer
+        processes, data = self.engine.processes, self.engine.data
         cpu = thread_cpu(processes.main_pid, processes.main_pid)
         if cpu not in allowed:
             cpu = min(allowed)
         os.sched_setaffinity(0, {cpu})
         processes.home_cpu = cpu
-        if consumer is not None:
-            consumer.place(allowed - {cpu})  # draining rings never competes with the target
+        if data.consumer is not None:
+            data.consumer.place(allowed - {cpu})  # draining rings never competes with the target
         for proc in processes:
             proc.tracee.home_cpu = cpu
         try:
@@ -174,8 +174,8 @@ class StopLoop:
             for proc in processes:
                 proc.tracee.home_cpu = None
             os.sched_setaffinity(0, allowed)
-            if consumer is not None:
-                consumer.place(allowed)
+            if data.consumer is not None:  # (made during the run, maybe: its thread took our CPU)
+                data.consumer.place(allowed)
 
     def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`

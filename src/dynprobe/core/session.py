@@ -57,16 +57,18 @@ class Session:
     """Traced processes and their probes. Use `spawn()` or `attach()` to make one."""
 
     def __init__(self, tracee: Tracee, spawned: bool, follow_fork: bool = False) -> None:
+        """(Made by `spawn()` and `attach()`, over the tracee they start or attach to.)"""
         self.spawned = spawned
         self.warnings: list[str] = []
         self.on_warning: Callable[[str], None] | None = None
         self._runtime = Runtime(tracee, follow_fork=follow_fork, warn=self._warn)
 
-    # --- context management -------------------------------------------------------------------
     def __enter__(self) -> Session:
+        """The session; `close()` at the end of the block, whatever ends it."""
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        """`close()`."""
         self.close()
 
     def close(self) -> None:

@@ -57,8 +57,8 @@ def find_file(
                 if matches(so):
                     return files.real_path(path)
         raise SymbolError(
-            f"no such file: {name} (no library of that name is mapped in the target, needed by it or in the "
-            "loader's cache: give its path)"
+            f"no such file: {name} (no library of that name is mapped in the process, needed by the program or in "
+            "the loader's cache: give its path)"
         )
     raise SymbolError(f"no such file: {name}")
 
