@@ -4,7 +4,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DP=.venv/bin/dynprobe
 APP=examples/bin/wordcount
-step() { printf '\n\033[1m$ %s\033[0m\n' "$*"; "$@"; }
+# Each command is shown as it could be pasted into a shell (quoted where it needs to be), then run.
+shown() {
+    local words=() word
+    for word in "$@"; do
+        if [[ $word =~ ^[A-Za-z0-9_./:=+@%-]+$ ]]; then words+=("$word"); else words+=("'${word//\'/\'\\\'\'}'"); fi
+    done
+    printf '%s' "${words[*]}"
+}
+step() { printf '\n\033[1m$ %s\033[0m\n' "$(shown "$@")"; "$@"; }
 
 step $DP list $APP
 step $DP trace 'p:demo/add_word add_word word=+0(%di):string len=%si:s32' -- $APP
