@@ -54,13 +54,16 @@ def run_seed(argv: list[str]) -> int:
 
 
 def traced_seed(
-    argv: list[str], spec: str, pin: bool = True, optimize: bool = False, ring: int | None = None, **kw: Any
-) -> tuple[int, dict[str, Any]]:
-    """Run the seed under one probe (a trap probe unless `optimize`); `kw` goes to session.probe."""
+    argv: list[str], spec: str, pin: bool = True, optimize: bool = False, ring: int | None = None,
+    upcalls: bool = False, **kw: Any,
+) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    """Run the seed under one probe (a trap probe unless `optimize`; Python handlers by upcalls
+    if `upcalls`); `kw` goes to session.probe."""
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn(argv, stdout=out.fileno()) as session:
             session.pin_tracer = pin
-            session.optimize = optimize
+            session.optimize = optimize or upcalls
+            session.upcalls = upcalls
             if ring:
                 session.ring_bytes = ring
             probe = session.probe(spec, **kw)
@@ -482,6 +485,8 @@ def main() -> int:
     trap_row("trap, boosted (mov eax,[rip+x])", n_trap, ["boost"], "test_boost")
     trap_row("trap, post-handler (single-step)", n_step, ["boost"], "test_boost", post=lambda hit: None)
     trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
+    trap_row("upcall, push rbp + empty Python pre-handler (no stop)", n_trap, [], "test", pre=lambda hit: None,
+             upcalls=True)  # fmt: skip
     add("floor: bare CPython ptrace loop, boosted, placed", n_trap, median_run(lambda: python_floor(seed, n_trap), int))
     trap_row("trap, push rbp, tracer not pinned (cross-CPU)", n_free, [], "test", pin=False)
     # What a user runs: a trap probe counted, and the same probe printing a line per hit

@@ -36,6 +36,11 @@ MODES: dict[str, list[str]] = {
         "-c",
         _API.format(pid="{pid}", probes="s.probe('work', pre=lambda h: None)"),
     ],
+    "upcall Python handler": [
+        sys.executable,
+        "-c",
+        _API.format(pid="{pid}", probes="s.upcalls = True; s.probe('work', pre=lambda h: None)"),
+    ],
     "trap post-handler": [
         sys.executable,
         "-c",

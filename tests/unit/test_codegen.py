@@ -8,9 +8,11 @@ the counters, histogram buckets and ring records it writes are checked value by 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import iced_x86 as iced
 import numpy as np
@@ -23,9 +25,12 @@ from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID, Trampoline
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
 from dynprobe.arch.x86_64.codegen.detours import build_detour, build_trap_actions
 from dynprobe.arch.x86_64.codegen.returns import build_entry_stamp, build_return_code
+from dynprobe.arch.x86_64.codegen.upcall import build_upcall
 from dynprobe.arch.x86_64.decode import iter_instructions
-from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
+from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region_map
+from dynprobe.arch.x86_64.regs import Regs
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.parser import parse_spec
 from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, field, libc, one_cpu
@@ -632,3 +637,85 @@ def test_native_trap_actions_keep_the_flags(area: NativeArea, spec: str) -> None
         assert area.call_at(stub, flags | 2) == flags, hex(flags)
         area.words[L.STAMP_BUSY // 8] = 1
     assert area.counter(5, L.HITS) == 4
+
+
+def _upcall_site(area: NativeArea, doorbell: int) -> tuple[int, dict[int, int]]:
+    """FUNC placed and entered through an upcall detour: its address, and where each address of
+    its region is in the detour's copy (what the tracer puts in the frame's rip)."""
+    function = area.place(FUNC)
+    region = area.plan(function, len(FUNC))
+    detour = build_upcall(region, 2, LAYOUT, area.base + area.used, doorbell)
+    assert not isinstance(detour, OptimizeRefusal)
+    at = area.place(detour.code)
+    moved = relocate_region_map(region, at + detour.action_bytes)
+    assert moved is not None
+    area.patch(function, at)
+    area.set_word(L.UPCALL_SELF, area.mem.ctypes.data)
+    area.set_word(L.UPCALL_TIMEOUT + 8, 1_000_000)  # 1 ms waits
+    return function, moved[1]
+
+
+def _answer(area: NativeArea, handler: Callable[[Regs], None], resume: dict[int, int]) -> threading.Thread:
+    """A tracer's server in a thread: waits for the request, runs `handler` on the frame, sets
+    where the thread goes on (the copy of the site's instruction unless the handler moved it),
+    answers."""
+
+    def serve() -> None:
+        while area.word(L.UPCALL_STATE) != L.UPCALL_REQUEST:
+            time.sleep(0.0001)
+        regs = Regs.from_buffer_copy(area.mem, L.UPCALL_FRAME)
+        handler(regs)
+        regs.rip = resume.get(int(regs.rip), int(regs.rip))
+        area.mem[L.UPCALL_FRAME : L.UPCALL_FRAME + ctypes.sizeof(Regs)] = np.frombuffer(bytes(regs), dtype=np.uint8)
+        area.set_word(L.UPCALL_STATE, L.UPCALL_ANSWERED)
+        sc.futex_wake(area.mem.ctypes.data + L.UPCALL_STATE)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_native_upcall_hands_the_registers_over_and_takes_them_back(area: NativeArea) -> None:
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    function, resume = _upcall_site(area, doorbell.ctypes.data)
+    seen: list[tuple[int, int, int]] = []
+
+    def handler(regs: Regs) -> None:
+        seen.append((int(regs.rdi), int(regs.rip), int(regs.rsp) % 16))
+        regs.rdi = 42  # FUNC returns its argument: now 42
+
+    server = _answer(area, handler, resume)
+    assert area.call_at(function, 7) == 42
+    server.join()
+    assert seen == [(7, function, 8)] and doorbell[L.DOORBELL_RING // 8] == 1
+    assert area.word(L.UPCALL_STATE) == L.UPCALL_IDLE and area.word(L.UPCALL_BUSY) == 0
+
+
+def test_native_upcall_goes_where_the_handler_sends_it(area: NativeArea) -> None:
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    function, resume = _upcall_site(area, doorbell.ctypes.data)
+
+    def handler(regs: Regs) -> None:  # 'return 5' done by the handler
+        regs.rax = 5
+        regs.rip = int(np.frombuffer(ctypes.string_at(int(regs.rsp), 8), dtype=np.uint64)[0])
+        regs.rsp += 8
+
+    server = _answer(area, handler, resume)
+    assert area.call_at(function, 7) == 5
+    server.join()
+
+
+def test_native_upcall_with_no_tracer_goes_on_unheard(area: NativeArea) -> None:
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    doorbell[L.DOORBELL_GONE // 8] = 1
+    function, _ = _upcall_site(area, doorbell.ctypes.data)
+    assert area.call_at(function, 7) == 7
+    assert area.word(L.UPCALL_STATE) == L.UPCALL_IDLE and area.word(L.UPCALL_BUSY) == 0
+
+
+def test_native_upcall_nested_runs_no_handler_and_counts_a_miss(area: NativeArea) -> None:
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    function, _ = _upcall_site(area, doorbell.ctypes.data)
+    area.set_word(L.UPCALL_BUSY, 1)  # (as in a signal handler during an upcall)
+    assert area.call_at(function, 9) == 9
+    assert area.counter(2, L.MISSED) == 1 and area.word(L.UPCALL_STATE) == L.UPCALL_IDLE

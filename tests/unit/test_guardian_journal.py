@@ -71,6 +71,19 @@ def test_hooked_returns_are_journaled_apart_from_code() -> None:
     assert journal.returns() == {7: (0x7000_0004, 0x40_0000)}
 
 
+def test_a_doorbell_is_journaled_for_the_guardian_to_ring_first() -> None:
+    """The GONE word of a process's upcall doorbell (core/upcalls.py): one per process, inherited
+    by a fork child (the page is shared), gone with an exec; no code to put back for it alone."""
+    journal = Journal(capacity=8)
+    journal.record_doorbell(1, 0x7F00_0008)
+    journal.record_doorbell(1, 0x7F00_0008)
+    assert journal.doorbells() == {1: 0x7F00_0008} and journal.spans() == {} and journal.empty
+    journal.inherit(1, 7)
+    assert journal.doorbells() == {1: 0x7F00_0008, 7: 0x7F00_0008}
+    journal.forget(1)
+    assert journal.doorbells() == {7: 0x7F00_0008}
+
+
 def test_return_addresses_go_back_through_a_chain_of_hooks() -> None:
     """Two return probes on one call: the slot holds entry point 1, whose original is entry
     point 0, whose original is the caller. A slot that no longer holds its entry point (the

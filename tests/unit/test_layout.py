@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from dynprobe.arch.x86_64.regs import REG_NAMES
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.parser import MAX_MAXACTIVE
 
@@ -44,11 +45,20 @@ def test_the_thread_area_header() -> None:
         "stamp saved": (L.STAMP_SAVED, 3 * 8),  # rax, rdx, rsi
         "stamp targets": (L.STAMP_TARGETS, 8 * L.STAMP_TARGETS_MAX),
         "stamp discard": (L.STAMP_DISCARD, 8),
+        "snapshot due": (L.SNAPSHOT_DUE, 8),
+        "upcall frame": (L.UPCALL_FRAME, 8 * len(REG_NAMES)),  # struct user_regs_struct
+        "upcall state": (L.UPCALL_STATE, 8),
+        "upcall busy": (L.UPCALL_BUSY, 8),
+        "upcall probe": (L.UPCALL_PROBE, 8),
+        "upcall self": (L.UPCALL_SELF, 8),
+        "upcall timeout": (L.UPCALL_TIMEOUT, 16),  # struct timespec
     }
     check_fields(fields, L.HEADER_BYTES)
     assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0
     assert L.HEADER_BYTES == L.PAGE
     assert L.AREA_MAGIC.to_bytes(8, "little") == b"DYPREA1\0"
+    assert sorted((L.UPCALL_IDLE, L.UPCALL_REQUEST, L.UPCALL_ANSWERED)) == [0, 1, 2]
+    check_fields({"ring": (L.DOORBELL_RING, 4), "gone": (L.DOORBELL_GONE, 8), "awake": (L.DOORBELL_AWAKE, 8)}, L.PAGE)
 
 
 def test_the_per_probe_counters_and_histogram_buckets() -> None:

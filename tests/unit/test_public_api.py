@@ -36,7 +36,7 @@ SESSION_API = {
     "probe", "probes", "probes_from", "process", "processes", "record_size", "records_discarded", "records_drained",
     "records_overwritten", "records_waited", "request_snapshot", "request_stop", "retprobe", "ring_bytes", "run",
     "slot_bytes", "slot_bytes_in_use", "snapshots_asked", "stats", "stop", "thread_names", "traced_functions",
-    "wait_for_room", "write_raw",
+    "upcalls", "wait_for_room", "write_raw",
 }  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import contextlib
 import signal
 from typing import Protocol
 
+from dynprobe.arch.x86_64 import FLAG_TF, Regs
 from dynprobe.core.datapath import DataPath
 from dynprobe.core.ftrace import Tracing
 from dynprobe.core.lifecycle import FAULT_SIGNALS
@@ -20,6 +21,7 @@ from dynprobe.core.processes import ProcessTable, state_from_stop, traced_by_us
 from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
+from dynprobe.core.upcalls import Upcalls
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ProcessError
 from dynprobe.ptrace import syscalls as sc
@@ -63,6 +65,7 @@ class DetachEngine(Protocol):
     returns: ReturnProbes
     tracing: Tracing
     traps: Traps
+    upcalls: Upcalls
 
     def in_own_code(self, proc: TracedProcess, rip: int) -> bool: ...
 
@@ -100,6 +103,7 @@ class Detacher:
                 if state.stopped:
                     self._deliver_held_signal(proc, tid, state)
             processes.adopt_unseen_threads(proc)
+            engine.upcalls.let_go_all(proc)  # (threads that ask go on unheard; none waits later)
             engine.optimizer.restore_all(proc)
             engine.tracing.restore(proc)
             if proc.areas is not None:
@@ -190,7 +194,8 @@ class Detacher:
             if not state.stopped:
                 continue
             try:
-                rip = int(sc.get_regs(tid).rip)
+                before = sc.get_regs(tid)
+                rip = int(before.rip)
                 # (a detour is straight code, one bounded string loop, and a wait for room in a
                 # full ring, which end_waits made or ended)
                 for _ in range(100_000):
@@ -213,8 +218,19 @@ class Detacher:
                     if not (event.kind == EventKind.SIGNAL and event.sig == signal.SIGTRAP):
                         state.deferred.append(event)
                     rip = int(regs.rip)
+                if state.stepped and tid in proc.tracee.threads:
+                    self._untrapped(tid, before)
             except OSError as exc:
                 _debug(f"detach: thread {tid} could not leave its detour: {exc}")
+
+    @staticmethod
+    def _untrapped(tid: int, before: Regs) -> None:
+        """A thread stepped through a detour's pushfq saved our trap flag with its flags, and its
+        popfq put it back as the program's own: taken out, unless the thread had it before."""
+        regs = sc.get_regs(tid)
+        if regs.eflags & FLAG_TF and not before.eflags & FLAG_TF:
+            regs.eflags &= ~FLAG_TF
+            sc.set_regs(tid, regs)
 
     def _reset_thread_areas(self, proc: TracedProcess, keep: set[int]) -> None:
         """GS bases back to 0 (as we found them), except for a thread still running a detour,

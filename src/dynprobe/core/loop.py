@@ -22,6 +22,7 @@ from dynprobe.core.optimizer import Optimizer
 from dynprobe.core.probe import Probe
 from dynprobe.core.processes import ProcessTable
 from dynprobe.core.traps import Traps
+from dynprobe.core.upcalls import Upcalls
 from dynprobe.debug import debug as _debug
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import WAIT_SLICE, decode_status, peek_stop, sigchld_blocked, take_stop
@@ -41,6 +42,7 @@ class LoopEngine(Protocol):
     optimizer: Optimizer
     data: DataPath
     tracing: Tracing
+    upcalls: Upcalls
     probes: list[Probe]
 
 
@@ -165,6 +167,7 @@ class StopLoop:
         processes.home_cpu = cpu
         if data.consumer is not None:
             data.consumer.place(allowed - {cpu})  # draining rings never competes with the target
+        self.engine.upcalls.place(allowed - {cpu})  # (its wait for a request: not on the target's)
         for proc in processes:
             proc.tracee.home_cpu = cpu
         try:
@@ -176,6 +179,7 @@ class StopLoop:
             os.sched_setaffinity(0, allowed)
             if data.consumer is not None:  # (made during the run, maybe: its thread took our CPU)
                 data.consumer.place(allowed)
+            self.engine.upcalls.place(allowed)
 
     def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`

@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour
 from dynprobe.arch.x86_64.codegen.detours import build_detour
-from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
+from dynprobe.arch.x86_64.codegen.upcall import build_upcall
+from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize, relocate_region_map
 from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code
 from dynprobe.core.traced import TracedProcess
+from dynprobe.core.upcalls import Upcalls
 from dynprobe.debug import ENABLED as DEBUG
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 class OptimizerEngine(Engine, Protocol):
     """What the optimizer asks of the runtime (core/runtime.py), besides the engine's services."""
 
+    upcalls: Upcalls
     optimize: bool  # False: every probe stays a trap
     returns: ReturnProbes
     tracing: Tracing
@@ -81,7 +84,7 @@ class Optimizer:
         probes = [p for p in site.probes if p.enabled]
         if any(p.post is not None for p in probes):
             return OptimizeRefusal.POST_HANDLER
-        if any(p.pre is not None or p.action is None for p in probes):
+        if any(p.pre is not None or p.action is None for p in probes) and not self.engine.upcalls.serves(probes):
             return OptimizeRefusal.PYTHON_HANDLER
         if proc.areas_refused is not None:
             return proc.areas_refused
@@ -227,7 +230,10 @@ class Optimizer:
     ) -> tuple[int, Detour] | OptimizeRefusal:
         """Build the site's detour in the slot cache near it; the bytes it does not use go back."""
         engine = self.engine
-        programs = [engine.program_for(proc, p, site) for p in site.probes if p.enabled]
+        probes = [p for p in site.probes if p.enabled]
+        if engine.upcalls.serves(probes):
+            return self._place_upcall(proc, site, plan, probes[0])
+        programs = [engine.program_for(proc, p, site) for p in probes]
         loc = site.probes[0].location
         entry = loc.function is not None and loc.function.addr == loc.vaddr
         symbols = engine.symbol_resolver(site)
@@ -239,6 +245,30 @@ class Optimizer:
             site.addr,
             lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq),
         )
+
+    def _place_upcall(
+        self, proc: TracedProcess, site: Site, plan: OptimizePlan, first: Probe
+    ) -> tuple[int, Detour] | OptimizeRefusal:
+        """An upcall detour (its probes' Python pre-handlers served by core/upcalls.py)."""
+        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+        if tid is None:
+            return OptimizeRefusal.SHARED_MEMORY
+        try:
+            doorbell = self.engine.upcalls.doorbell(proc, tid)
+        except (SharedMemoryRefused, ProcessError, OSError) as exc:
+            _debug(f"pid {proc.pid}: no doorbell: {exc}")
+            return OptimizeRefusal.SHARED_MEMORY
+        layout = self.engine.layout
+        placed = place_code(
+            functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
+            lambda at: build_upcall(plan, first.index, layout, at, doorbell),
+        )  # fmt: skip
+        if not isinstance(placed, OptimizeRefusal):
+            start, built = placed
+            moved = relocate_region_map(plan, start + built.action_bytes)
+            assert moved is not None  # (as it was when built)
+            site.upcall_resume = moved[1]
+        return placed
 
     # --- back to trap ------------------------------------------------------------------------------------
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:

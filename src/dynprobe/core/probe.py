@@ -339,6 +339,8 @@ class Site:
     # unwinder's entries: the guardian puts the pending return addresses back first)
     rescue_wait: bool = False
     refusal: OptimizeRefusal | None = None  # why it is a trap now
+    # An upcall site's (core/upcalls.py): each address of its region -> its detour's copy of it
+    upcall_resume: dict[int, int] | None = None
     static_refusal: OptimizeRefusal | None = None  # why it can never be optimized (found once)
 
     @property

@@ -31,6 +31,7 @@ from dynprobe.core.processes import ProcessTable, exe_of
 from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
+from dynprobe.core.upcalls import Upcalls
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.guardian import Guardian
@@ -62,7 +63,8 @@ class Runtime:
         self.optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
         self.tracing = Tracing(self)
-        self.mechanisms: tuple[Mechanism, ...] = (self.optimizer, self.returns, self.tracing)
+        self.upcalls = Upcalls(self)
+        self.mechanisms: tuple[Mechanism, ...] = (self.optimizer, self.returns, self.tracing, self.upcalls)
         self.traps = Traps(self)
         self.patcher = Patcher(self)
         self.modules = Modules(self)
@@ -83,11 +85,13 @@ class Runtime:
         has not executed a single instruction of its own), stop the consumer, and end the
         guardian, or hand it what a detach that could not finish left."""
         try:
+            self.upcalls.stop()  # (no handler runs while the processes are let go)
             if kill:
                 self._kill_all()
             else:
                 self.detacher.detach_all()
         finally:
+            self.upcalls.close()
             self.data.stop_consumer()
             if self.guardian.journal.empty:
                 self.guardian.dismiss()
@@ -276,12 +280,14 @@ class Runtime:
         return [a for p in self.processes for a, s in p.sites.items() if probe in s.probes and (s.armed or s.optimized)]
 
     def sync_probe(self, probe: Probe) -> None:
+        self.upcalls.check_not_in_server("enabling or disabling a probe")
         for proc in self.processes:
             for site in proc.sites.values():
                 if probe in site.probes:
                     self.patcher.set_armed(proc, site, site.wanted)
 
     def remove_probe(self, probe: Probe) -> None:
+        self.upcalls.check_not_in_server("removing a probe")
         probe.removed = True
         probe.enabled = False
         if probe in self.probes:

@@ -132,6 +132,19 @@ class Session:
         self._runtime.optimize = on
 
     @property
+    def upcalls(self) -> bool:
+        """Whether Python pre-handlers are served without a ptrace stop: a site whose probes are
+        all pre-handlers takes a jump to code that hands the thread's registers to the handler
+        through shared memory, and waits (docs/architecture.md §4). Handlers then run in a
+        thread of dynprobe's, one at a time, and may not place, enable, disable or remove
+        probes. Off: every hit a stop."""
+        return self._runtime.upcalls.enabled
+
+    @upcalls.setter
+    def upcalls(self, on: bool) -> None:
+        self._runtime.upcalls.enabled = on
+
+    @property
     def pin_tracer(self) -> bool:
         """Whether `run()` keeps dynprobe on one CPU and wakes the target's threads there (trap
         hits cost less when both are on one CPU of a VM)."""
@@ -223,6 +236,7 @@ class Session:
         (a log2 histogram of the fetch argument `value`), behind an optional `filter`
         ('a == 5 and b > 0' over its fetch arguments)."""
         main = self._main_process("no probe can be placed")
+        self._runtime.upcalls.check_not_in_server("placing a probe")
         maps = self._runtime.maps_of(main.pid)
         if isinstance(spec_or_address, int):
             location = resolve_address(spec_or_address, maps)

@@ -190,7 +190,10 @@ def _guard(word_r: int, done_w: int, journal: Journal, lifeline: _Lifeline, trac
     os.write(done_w, os.getpid().to_bytes(8, "little"))
     if (lifeline.wait(word_r) if lifeline.held else _word(word_r)) == b"d":
         return
-    for line in rescue(journal.spans(), journal.returns(), journal.syscall(), journal.rescues(), journal.identities()):
+    for line in rescue(
+        journal.spans(), journal.returns(), journal.syscall(), journal.rescues(), journal.identities(),
+        journal.doorbells(),
+    ):  # fmt: skip
         with contextlib.suppress(OSError):
             print(f"dynprobe guardian: {line}", file=sys.stderr, flush=True)
 
@@ -210,17 +213,21 @@ def rescue(
     syscall: tuple[int, int, int, bytes] | None = None,
     rescues: dict[int, int] | None = None,
     identities: dict[int, tuple[int, int]] | None = None,
+    doorbells: dict[int, int] | None = None,
 ) -> Iterator[str]:
     """Put the journaled spans back, int3s first, a thread left in a remote syscall and hooked
-    returns back to their callers, then tell each process's rescue handler it is done; yields
+    returns back to their callers, then tell each process's rescue handler it is done (but first,
+    no thread is to wait for an answer at a doorbell: its GONE word set); yields
     a line per process for the user. Only in the processes journaled (`identities`): a pid
     whose process has ended may be another's by now."""
-    rescues, identities = rescues or {}, identities or {}
-    for pid in {**spans, **returns, **rescues}:
+    rescues, identities, doorbells = rescues or {}, identities or {}, doorbells or {}
+    for pid in {**spans, **returns, **rescues, **doorbells}:
         with _same_process(pid, identities.get(pid)) as same:
             if same is None:
                 continue  # ended: nothing to save
             fd, still_same = same
+            if pid in doorbells:  # threads waiting for an upcall's answer go on without it
+                _put_back(fd, doorbells[pid], (1).to_bytes(8, "little"))
             plain = 0
             changed = [(a, b) for a, b in spans.get(pid, []) if _ours(fd, a, b)]
             short = [(a, b) for a, b in changed if len(b) == 1]

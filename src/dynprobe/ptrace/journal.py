@@ -28,10 +28,11 @@ _ENTRIES_AT = 512
 _MAGIC = b"dpundo2\0"
 _ENTRY = struct.Struct("<IBBxxQ16s")  # pid, kind, length, address, original bytes
 _KIND_AT, _LENGTH_AT, _BYTES_AT = 4, 5, 16
-# _RESCUE: the address of the process's rescue page; _PROCESS: who the process is (its start
+# _RESCUE: the address of the process's rescue page; _DOORBELL: the address of its doorbell's
+# GONE word (core/upcalls.py), which the guardian sets first; _PROCESS: who the process is (its start
 # time in the address field, its pidfd's inode in the bytes: ptrace.process.identity), which
 # the guardian checks (a pid names another process once its own has ended)
-_FREE, _PATCH, _RETURNS, _RESCUE, _PROCESS = 0, 1, 2, 3, 4
+_FREE, _PATCH, _RETURNS, _RESCUE, _PROCESS, _DOORBELL = 0, 1, 2, 3, 4, 5
 _RETURNS_BYTES = struct.Struct("<Q8x")  # a _RETURNS entry's bytes: the shadow stack's offset in a thread area
 MAX_SPAN = 16  # bytes of one entry (dynprobe changes at most the 5 bytes of a jump)
 CAPACITY = 1 << 18  # entries (8 MiB of address space; pages are touched only as entries are used)
@@ -51,6 +52,7 @@ class Journal:
         self._index: dict[tuple[int, int], int] = {}  # (pid, address) -> entry
         self._returns: dict[int, int] = {}  # pid -> its _RETURNS entry
         self._rescues: dict[int, int] = {}  # pid -> its _RESCUE entry
+        self._doorbells: dict[int, int] = {}  # pid -> its _DOORBELL entry
         self._processes: dict[int, int] = {}  # pid -> its _PROCESS entry
         self.full = False  # more spans than entries: the rest are not journaled
         self.on_full: Callable[[], object] | None = None  # told once, when that happens
@@ -103,6 +105,15 @@ class Journal:
         if entry is not None:
             self._rescues[pid] = entry
 
+    def record_doorbell(self, pid: int, gone: int) -> None:
+        """The process's threads ask dynprobe through a doorbell (core/upcalls.py) whose GONE word
+        is at `gone`: the guardian sets it first, so that no thread waits for an answer."""
+        self._release(self._doorbells.pop(pid, None))
+        self._known(pid)
+        entry = self._new(pid, _DOORBELL, length=0, addr=gone, data=b"")
+        if entry is not None:
+            self._doorbells[pid] = entry
+
     def begin_syscall(self, pid: int, tid: int, stub: int, regs: bytes) -> None:
         """Thread `tid` runs a remote syscall from `stub`; `regs` are its registers before it."""
         self._known(pid)
@@ -132,6 +143,7 @@ class Journal:
             self.drop(*key)
         self._release(self._returns.pop(pid, None))
         self._release(self._rescues.pop(pid, None))
+        self._release(self._doorbells.pop(pid, None))
         self._release(self._processes.pop(pid, None))
 
     def _known(self, pid: int) -> None:
@@ -168,6 +180,9 @@ class Journal:
         rescue = self._rescues.get(parent)
         if rescue is not None:
             self.record_rescue(child, _ENTRY.unpack_from(self.memory, self._at(rescue))[3])
+        doorbell = self._doorbells.get(parent)
+        if doorbell is not None:
+            self.record_doorbell(child, _ENTRY.unpack_from(self.memory, self._at(doorbell))[3])
 
     def spans(self) -> dict[int, list[tuple[int, bytes]]]:
         """Every journaled span by pid: (address, original bytes). Read from the shared memory
@@ -189,6 +204,10 @@ class Journal:
     def rescues(self) -> dict[int, int]:
         """pid -> the address of its rescue page. Read from the shared memory alone."""
         return {pid: page for pid, page, _ in self._of_kind(_RESCUE)}
+
+    def doorbells(self) -> dict[int, int]:
+        """pid -> the address of its doorbell's GONE word. Read from the shared memory alone."""
+        return {pid: gone for pid, gone, _ in self._of_kind(_DOORBELL)}
 
     def identities(self) -> dict[int, tuple[int, int]]:
         """pid -> who its process was (ptrace.process.identity). Read from the shared memory

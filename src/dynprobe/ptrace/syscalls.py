@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
+import time
 
 from dynprobe.arch.x86_64.regs import Regs
 
@@ -156,3 +158,41 @@ def get_event_msg(tid: int) -> int:
 
 def tgkill(tgid: int, tid: int, sig: int) -> None:
     _check(_libc.syscall(234, tgid, tid, sig), f"tgkill({tid}, {sig})")
+
+
+SYS_FUTEX = 202
+SYS_FUTEX_WAITV = 449  # Linux 5.16
+FUTEX_WAKE = 1  # shared (no FUTEX_PRIVATE_FLAG): the word is in memory the target maps too
+FUTEX2_SIZE_U32 = 0x02
+CLOCK_MONOTONIC = 1
+
+
+class _FutexWaitv(ctypes.Structure):
+    _fields_ = [("val", ctypes.c_uint64), ("uaddr", ctypes.c_uint64), ("flags", ctypes.c_uint32),
+                ("reserved", ctypes.c_uint32)]  # fmt: skip
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wake(addr: int, count: int = 1) -> None:
+    """Wake up to `count` waiters on the shared futex at `addr` (our address of it)."""
+    _libc.syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
+
+
+def futex_waitv(words: list[tuple[int, int]], timeout: float) -> None:
+    """Sleep until one of the shared u32 futexes (address, the value seen) is woken or no longer
+    holds its value, or `timeout` seconds pass. Lets the GIL go while it sleeps."""
+    waiters = (_FutexWaitv * len(words))(*(_FutexWaitv(value, addr, FUTEX2_SIZE_U32, 0) for addr, value in words))
+    deadline = time.clock_gettime(time.CLOCK_MONOTONIC) + timeout
+    until = _Timespec(int(deadline), int(deadline % 1 * 1e9))
+    result = _libc.syscall(SYS_FUTEX_WAITV, waiters, len(words), 0, ctypes.byref(until), CLOCK_MONOTONIC)
+    if result == -1 and ctypes.get_errno() not in (errno.EAGAIN, errno.ETIMEDOUT, errno.EINTR):
+        _check(result, "futex_waitv")
+
+
+def has_futex_waitv() -> bool:
+    """Whether this kernel has futex_waitv (5.16 and later)."""
+    result = _libc.syscall(SYS_FUTEX_WAITV, None, 0, 0, None, 0)
+    return not (result == -1 and ctypes.get_errno() == errno.ENOSYS)

@@ -125,6 +125,9 @@ class ThreadAreas:
         words[L.TID // 8] = tid
         words[L.WAIT_TICKS // 8] = self.wait_ticks
         words[L.OVERWRITE // 8] = self.overwrite
+        words[L.UPCALL_SELF // 8] = area.target_addr  # (for its futex: core/upcalls.py)
+        words[L.UPCALL_STATE // 8] = words[L.UPCALL_BUSY // 8] = 0  # (a thread killed in an upcall left them)
+        words[L.UPCALL_TIMEOUT // 8 : L.UPCALL_TIMEOUT // 8 + 2] = divmod(L.UPCALL_WAIT_NS, 1_000_000_000)
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
 

@@ -148,9 +148,18 @@ def relocate_region(plan: OptimizePlan, at: int) -> bytes | None:
     """The region's instructions re-encoded to run at `at`, then the jump back to `resume_at`.
     A final `call` becomes: push the original return address (flags untouched), jmp the callee.
     None if a RIP-relative operand or a branch cannot reach from `at`."""
+    moved = relocate_region_map(plan, at)
+    return None if moved is None else moved[0]
+
+
+def relocate_region_map(plan: OptimizePlan, at: int) -> tuple[bytes, dict[int, int]] | None:
+    """`relocate_region`, and where each instruction of the region starts in the copy (original
+    address -> address in the copy)."""
     out = b""
+    starts: dict[int, int] = {}
     for insn in plan.region:
         here = at + len(out)
+        starts[int(insn.ip)] = here
         if insn.is_call_near or insn.is_call_near_indirect:
             ret = int(insn.next_ip)
             out += (
@@ -162,11 +171,11 @@ def relocate_region(plan: OptimizePlan, at: int) -> bytes | None:
                 jump = relocate(call_as_jump(insn), at + len(out))
                 if jump is None:
                     return None
-                return out + jump
+                return out + jump, starts
             out += jump_to(at + len(out), int(insn.near_branch_target))
-            return out  # a call ends the region: the callee returns to the original code
+            return out, starts  # a call ends the region: the callee returns to the original code
         moved = relocate(insn, here)
         if moved is None:
             return None
         out += moved
-    return out + jump_to(at + len(out), plan.resume_at)
+    return out + jump_to(at + len(out), plan.resume_at), starts

@@ -1,0 +1,261 @@
+"""Upcalls: Python pre-handlers served without a ptrace stop (`Session.upcalls`).
+
+A site whose enabled probes are all Python pre-handlers takes a jump, like an optimized probe,
+to an upcall detour (arch/x86_64/codegen/upcall.py): the thread saves its registers in its
+thread area's frame, asks, rings its process's doorbell and waits. Here, a server thread sleeps
+on every process's doorbell (futex_waitv, the GIL let go), runs the handlers of each thread that
+asks on a `Hit` whose registers are the frame itself (a `Regs` over our mapping of the area: a
+handler's register writes are what the thread resumes with), sets where the thread goes on
+(the relocated copy of the site's instruction, or where a handler that returned True sent it)
+and answers. Memory reads and writes go through /proc/PID/mem, as at a stop.
+
+Handlers run in the server thread, one at a time. What needs the tracing thread (placing,
+enabling, disabling or removing probes) is refused there with a clear error; `session.stop()`
+works. A handler that raises is reported once (`warnings`) and the thread goes on.
+
+A thread never waits for a tracer that is gone: each doorbell page has a GONE word, which a
+detach sets (after answering every thread that asks), and so does the guardian, first, when
+dynprobe dies (the undo journal knows where it is): a waiting thread looks at it after every
+timed wait and goes on without its handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynprobe.arch.x86_64 import Regs
+from dynprobe.core.probe import Hit, Probe, Site
+from dynprobe.core.processes import ProcessTable
+from dynprobe.core.traced import TracedProcess
+from dynprobe.debug import debug as _debug
+from dynprobe.errors import ProcessError, SessionError
+from dynprobe.ptrace import syscalls as sc
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.areas import AreaRef
+from dynprobe.spec.fetch import FetchContext
+from dynprobe.symbols.maps import Mapping
+from dynprobe.threads import start_without_signals
+
+WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it should stop
+_STATE = L.UPCALL_STATE // 8
+
+
+class UpcallsEngine(Protocol):
+    """What upcalls ask of the runtime (core/runtime.py)."""
+
+    processes: ProcessTable
+
+    def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext: ...
+    def warn(self, message: str) -> None: ...
+
+
+@dataclass(eq=False)
+class Doorbell:
+    """A process's doorbell page: its address there, and our mapping of it."""
+
+    addr: int
+    view: mmap.mmap
+    ring: int  # our address of its RING word
+
+    @classmethod
+    def over(cls, addr: int, view: mmap.mmap) -> Doorbell:
+        return cls(addr, view, ctypes.addressof(ctypes.c_char.from_buffer(view)) + L.DOORBELL_RING)
+
+    def rung(self) -> int:
+        return int.from_bytes(self.view[L.DOORBELL_RING : L.DOORBELL_RING + 4], "little")
+
+    def awake(self, on: bool) -> None:
+        """Whether the server looks for requests now (a thread that asks need not wake it)."""
+        self.view[L.DOORBELL_AWAKE : L.DOORBELL_AWAKE + 8] = int(on).to_bytes(8, "little")
+
+
+class Upcalls:
+    """The doorbells of the traced processes and the thread that answers them."""
+
+    def __init__(self, engine: UpcallsEngine) -> None:
+        self.engine = engine
+        self._enabled = False
+        self._bells: dict[int, Doorbell] = {}  # pid -> its doorbell (a fork child shares its parent's)
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._reported: set[Probe] = set()
+        # Where the server runs: during a run, off the CPU where it wakes the target's threads
+        # (core/loop.py), as the consumer: the threads that ask spin on theirs while they wait
+        self._cpus: set[int] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        if on and not sc.has_futex_waitv():
+            raise SessionError("upcalls need futex_waitv (Linux 5.16 or later): Python handlers stay traps here")
+        self._enabled = on
+
+    def serves(self, probes: list[Probe]) -> bool:
+        """Whether a site whose enabled probes are `probes` is served by upcalls: every one a
+        Python pre-handler (post-handlers and return probes stay traps for now)."""
+        return (
+            self._enabled
+            and bool(probes)
+            and all(p.pre is not None and p.post is None and p.action is None and not p.is_return for p in probes)
+        )
+
+    def in_server(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def check_not_in_server(self, what: str) -> None:
+        if self.in_server():
+            raise SessionError(
+                f"{what} from a handler served by an upcall is not possible yet: set session.upcalls = False"
+            )
+
+    # --- the doorbells --------------------------------------------------------------------------
+    def doorbell(self, proc: TracedProcess, tid: int) -> int:
+        """Where `proc`'s doorbell page is (made on first use, through stopped thread `tid`;
+        the server starts with the first)."""
+        bell = self._bells.get(proc.pid)
+        if bell is None:
+            stub = proc.slots.stub()
+            if stub is None:
+                raise ProcessError(f"no code of ours in pid {proc.pid} to map a doorbell from")
+            addr, view = proc.tracee.map_shared(tid, stub, L.PAGE)
+            if proc.tracee.journal is not None:  # should dynprobe die, the guardian sets GONE
+                proc.tracee.journal.record_doorbell(proc.pid, addr + L.DOORBELL_GONE)
+            bell = self._bells[proc.pid] = Doorbell.over(addr, view)
+            if self._thread is None:
+                self._stopping.clear()
+                self._thread = start_without_signals(self._serve, "dynprobe-upcalls")
+        return bell.addr
+
+    def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
+        bell = self._bells.get(parent.pid)
+        if bell is not None:  # the same page, mapped shared: the child's asks ring it too
+            self._bells[child.pid] = bell
+
+    def let_go(self, child: TracedProcess) -> None:
+        self._bells.pop(child.pid, None)
+
+    def forget_image(self, proc: TracedProcess) -> None:
+        self._bells.pop(proc.pid, None)  # (the exec took the mapping with the old image)
+
+    def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """(A new program's sites are optimized as they are armed.)"""
+
+    def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """(Probes in libraries just mapped are optimized as they are armed.)"""
+
+    # --- serving --------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        if self._cpus is not None:
+            os.sched_setaffinity(0, self._cpus)
+        while not self._stopping.is_set():
+            bells = list({id(b): b for b in self._bells.values()}.values())
+            for proc, tid, area in list(self._asking()):
+                try:
+                    self._answer(proc, tid, area)
+                except Exception as exc:  # (answered all the same: the server goes on)
+                    _debug(f"upcall of thread {tid}: {exc!r}")
+            for bell in bells:
+                bell.awake(False)
+            seen = [(bell.ring, bell.rung()) for bell in bells]
+            if not any(True for _ in self._asking()):  # (one asked before the doorbells were quiet)
+                if seen:
+                    sc.futex_waitv(seen, WAIT)
+                else:
+                    self._stopping.wait(WAIT)
+            for bell in bells:
+                bell.awake(True)
+
+    def _asking(self, only: TracedProcess | None = None) -> Iterator[tuple[TracedProcess, int, AreaRef]]:
+        """The threads that ask now (of `only`, if given): their process, tid and area."""
+        for proc in [only] if only is not None else self.engine.processes:
+            if proc.areas is None or proc.pid not in self._bells:
+                continue
+            for tid, area in proc.areas.live():
+                if area.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST:
+                    yield proc, tid, area
+
+    def _answer(self, proc: TracedProcess, tid: int, area: AreaRef, *, handlers: bool = True) -> None:
+        """Run the handlers on the thread's frame (a copy, written back: a handler may keep its
+        hit), set where it goes on, and answer it: whatever happens, it is answered."""
+        view, at = area.pool.view, area.offset + L.UPCALL_FRAME
+        regs = Regs.from_buffer_copy(view, at)
+        site_addr = int(regs.rip)
+        site = proc.sites.get(site_addr)
+        target = site_addr
+        try:
+            if handlers and site is not None:
+                target = self._run_handlers(proc, tid, site, regs) or site_addr
+        finally:
+            # The thread goes on in the detour's copy of the region while that code is there
+            # (it is, as long as a thread is inside it); else at the site, its instruction back.
+            resume = site.upcall_resume if site is not None else None
+            regs.rip = resume.get(target, target) if resume else target
+            view[at : at + ctypes.sizeof(Regs)] = bytes(regs)
+            area.cells[_STATE] = L.UPCALL_ANSWERED
+            sc.futex_wake(ctypes.addressof(ctypes.c_char.from_buffer(view, area.offset + L.UPCALL_STATE)))
+
+    def _run_handlers(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> int | None:
+        """The site's pre-handlers, in order, on the frame; where the thread goes on if one
+        returned True (the handler moved it), else None (the site's instruction)."""
+        now = time.monotonic()
+        for probe in [p for p in site.probes if p.enabled]:
+            pre = probe.pre
+            if pre is None:
+                continue
+            probe.trap_hits += 1
+
+            def context(probe: Probe = probe) -> FetchContext:
+                return self.engine.fetch_context(proc, tid, regs, probe)
+
+            try:
+                moved = pre(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
+            except Exception as exc:  # (the thread must go on whatever a handler does)
+                if probe not in self._reported:
+                    self._reported.add(probe)
+                    self.engine.warn(f"{probe.name}: its handler raised {type(exc).__name__}: {exc} (reported once)")
+                continue
+            if moved:
+                return int(regs.rip)
+        return None
+
+    def place(self, cpus: set[int]) -> None:
+        """Run on these CPUs."""
+        self._cpus = cpus
+        thread = self._thread
+        if thread is not None and thread.native_id is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(thread.native_id, cpus)
+
+    def stop(self) -> None:
+        """The server thread ends (after the handler it runs, if any)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stopping.set()
+            thread.join()
+
+    def close(self) -> None:
+        """Our mappings of the doorbells go (the session has let every process go)."""
+        for bell in {id(b): b for b in self._bells.values()}.values():
+            bell.view.close()
+        self._bells.clear()
+
+    def let_go_all(self, proc: TracedProcess) -> None:
+        """At detach (the server stopped, the world too): every thread of `proc` that asks is
+        answered without its handlers, and no later one waits (GONE back)."""
+        for _, tid, area in list(self._asking(proc)):
+            self._answer(proc, tid, area, handlers=False)
+        bell = self._bells.get(proc.pid)
+        if bell is not None:
+            bell.view[L.DOORBELL_GONE : L.DOORBELL_GONE + 8] = (1).to_bytes(8, "little")
+            _debug(f"pid {proc.pid}: no more upcalls")

@@ -1,0 +1,167 @@
+"""Python pre-handlers served by upcalls (core/upcalls.py) and by ptrace stops: the same hits, the
+same registers, the same effects; upcalls without a stop, from many threads at once, through a
+handler that raises or stops the session, and never waiting for a tracer that is gone."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+
+import pytest
+
+import dynprobe
+from dynprobe.core.probe import Hit
+from dynprobe.errors import OptimizeRefusal
+from tests.conftest import build_target
+from tests.killing import hot_program
+
+from .helpers import run_plain, traced
+
+MODES = ["trap", "upcall"]
+
+
+@pytest.fixture(scope="module")
+def counter() -> str:
+    return build_target("counter", flags=("-O1", "-pthread"))
+
+
+def in_mode(mode: str, place: Callable[[dynprobe.Session], object]) -> Callable[[dynprobe.Session], object]:
+    """`place` with the session in `mode`: trap probes, or upcalls (jumps)."""
+
+    def setup(session: dynprobe.Session) -> object:
+        session.upcalls = mode == "upcall"
+        return place(session)
+
+    return setup
+
+
+def run(argv: list[str], mode: str, place: Callable[[dynprobe.Session], object]) -> tuple[int | None, str, object]:
+    return traced(argv, in_mode(mode, place), optimize=mode == "upcall")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_sees_the_registers_of_the_hit(counter: str, mode: str) -> None:
+    seen: list[tuple[int, int, int, bool]] = []
+
+    def pre(hit: Hit) -> None:
+        seen.append((hit.regs.arg(1), int(hit.regs.rip) - hit.address, int(hit.regs.rsp) % 16, hit.tid != hit.pid))
+
+    status, out, probe = run([counter, "100", "1"], mode, lambda s: s.probe("work", pre=pre))
+    assert status == 0 and out == "total=10000\n"
+    assert seen == [(i, 0, 8, True) for i in range(100)]  # (rsp at an entry: the return address pushed)
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 100
+    assert probe.mode == (dynprobe.ProbeMode.OPTIMIZED if mode == "upcall" else dynprobe.ProbeMode.TRAP)
+
+
+def test_an_upcall_takes_no_stop(counter: str) -> None:
+    with dynprobe.spawn([counter, "1000", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        baseline = session.stats["stops"]
+        probe = session.probe("work", pre=lambda hit: None)
+        assert session.run(timeout=60) == 0 and probe.hits == 1000 and probe.trap_reason is None
+        assert session.stats["stops"] - baseline < 10  # (the loader's hook: no hit of the probe)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_changes_registers(counter: str, mode: str) -> None:
+    def pre(hit: Hit) -> None:
+        hit.regs.rdi = 0  # every call now computes work(0) == 1
+
+    status, out, _ = run([counter, "10", "1"], mode, lambda s: s.probe("work", pre=pre))
+    assert status == 0 and out == "total=10\n"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_returning_true_skips_the_instruction(counter: str, mode: str) -> None:
+    def pre(hit: Hit) -> bool:
+        # 'return 1' done here: rax = 1, the return address popped
+        hit.regs.rax = 1
+        hit.regs.rip = int.from_bytes(hit.read(int(hit.regs.rsp), 8), "little")
+        hit.regs.rsp += 8
+        return True
+
+    status, out, _ = run([counter, "7", "1"], mode, lambda s: s.probe("work", pre=pre))
+    assert status == 0 and out == "total=7\n"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_fetches_the_probes_arguments(counter: str, mode: str) -> None:
+    seen: list[tuple[object, ...]] = []
+
+    def pre(hit: Hit) -> None:
+        values = hit.fetch()
+        seen.append((values["n"], values["c"].text, hit.comm()))  # type: ignore[union-attr]
+
+    status, _, _ = run([counter, "3", "1"], mode, lambda s: s.probe("work n=%di:s32 c=$comm", pre=pre))
+    assert status == 0 and seen == [(i, "counter", "counter") for i in range(3)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_threads_hitting_at_once_are_each_served(counter: str, mode: str) -> None:
+    calls: dict[int, int] = {}
+
+    def pre(hit: Hit) -> None:
+        calls[hit.tid] = calls.get(hit.tid, 0) + 1
+
+    argv = [counter, "2000", "8"]
+    status, out, probe = run(argv, mode, lambda s: s.probe("work", pre=pre))
+    assert status == 0 and out == run_plain(argv).stdout
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 16_000 and probe.nmissed == 0
+    assert sorted(calls.values()) == [2000] * 8
+
+
+def test_a_handler_that_raises_is_reported_once_and_the_program_goes_on(counter: str) -> None:
+    def pre(hit: Hit) -> None:
+        raise ValueError(f"no {hit.regs.arg(1)}")
+
+    with dynprobe.spawn([counter, "50", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        probe = session.probe("p:t/failing work", pre=pre)
+        assert session.run(timeout=60) == 0 and probe.hits == 50
+        assert session.warnings == ["t/failing: its handler raised ValueError: no 0 (reported once)"]
+
+
+def test_a_handler_stops_the_session_and_the_next_run_goes_on(counter: str) -> None:
+    with dynprobe.spawn([counter, "100", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        probe = session.probe("work", pre=lambda hit: session.stop() if hit.regs.arg(1) == 10 else None)
+        assert session.run(timeout=60) is None and probe.hits >= 11
+        assert session.run(timeout=60) == 0 and probe.hits == 100
+
+
+def test_a_handler_may_not_place_probes_yet_and_says_so(counter: str) -> None:
+    with dynprobe.spawn([counter, "5", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        session.probe("p:t/placing work", pre=lambda hit: session.probe("main"))
+        assert session.run(timeout=60) == 0
+        assert session.warnings == [
+            "t/placing: its handler raised SessionError: placing a probe from a handler served by an upcall is not "
+            "possible yet: set session.upcalls = False (reported once)"
+        ]
+
+
+def test_a_post_handler_keeps_its_trap(counter: str) -> None:
+    with dynprobe.spawn([counter, "5", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        probe = session.probe("work", post=lambda hit: None)
+        assert session.run(timeout=60) == 0 and probe.hits == 5
+        assert probe.mode == dynprobe.ProbeMode.TRAP and probe.trap_reason == OptimizeRefusal.POST_HANDLER
+
+
+def test_a_detach_lets_every_thread_go_on() -> None:
+    """Attached to a running program whose threads ask all the time, run briefly and close: no
+    thread is left waiting for an answer, and the program ends as it would have (its own check
+    of every call's result). A tracer killed meanwhile: tests/killing.py's "upcall" mode."""
+    program = subprocess.Popen([hot_program(), "4", "1.0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert program.stdout is not None and program.stdout.readline() == "ready\n"
+        with dynprobe.attach(program.pid) as session:
+            session.upcalls = True
+            probe = session.probe("work", pre=lambda hit: None)
+            assert session.run(timeout=0.3) is None and probe.hits > 0 and probe.mode == dynprobe.ProbeMode.OPTIMIZED
+        out, _ = program.communicate(timeout=60)
+        assert program.returncode == 0 and out.startswith("ok "), out
+    finally:
+        if program.poll() is None:
+            program.kill()
+            program.wait()
