@@ -5,6 +5,7 @@ handler that raises or stops the session, and never waiting for a tracer that is
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -119,6 +120,21 @@ def test_a_handler_that_raises_is_reported_once_and_the_program_goes_on(counter:
         probe = session.probe("p:t/failing work", pre=pre)
         assert session.run(timeout=60) == 0 and probe.hits == 50
         assert session.warnings == ["t/failing: its handler raised ValueError: no 0 (reported once)"]
+
+
+def test_a_handler_that_exits_or_closes_the_session_is_reported_and_the_program_goes_on(counter: str) -> None:
+    """What would end the tracing thread (sys.exit, close()) ends neither the server nor the
+    program: reported once each."""
+    with dynprobe.spawn([counter, "20", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        exits = session.probe("p:t/exits work", pre=lambda hit: sys.exit(3))
+        closes = session.probe("p:t/closes work", pre=lambda hit: session.close())
+        assert session.run(timeout=60) == 0 and exits.hits == closes.hits == 20
+        assert session.warnings == [
+            "t/exits: its handler raised SystemExit: 3 (reported once)",
+            "t/closes: its handler raised SessionError: closing the session from a handler served by an upcall is "
+            "not possible yet: set session.upcalls = False (reported once)",
+        ]
 
 
 def test_a_handler_stops_the_session_and_the_next_run_goes_on(counter: str) -> None:

@@ -52,6 +52,7 @@ def test_the_thread_area_header() -> None:
         "upcall probe": (L.UPCALL_PROBE, 8),
         "upcall self": (L.UPCALL_SELF, 8),
         "upcall timeout": (L.UPCALL_TIMEOUT, 16),  # struct timespec
+        "upcall region": (L.UPCALL_REGION, 8),
     }
     check_fields(fields, L.HEADER_BYTES)
     assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0

@@ -79,6 +79,7 @@ class Detacher:
     def detach_all(self) -> None:
         """Restore every byte written, move threads out of slots and traps, and let all go."""
         processes = self.engine.processes
+        self.engine.upcalls.stop()  # (no handler runs while the processes are let go)
         for proc in processes:
             try:
                 self._detach_process(proc)

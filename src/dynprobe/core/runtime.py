@@ -85,7 +85,7 @@ class Runtime:
         has not executed a single instruction of its own), stop the consumer, and end the
         guardian, or hand it what a detach that could not finish left."""
         try:
-            self.upcalls.stop()  # (no handler runs while the processes are let go)
+            self.upcalls.stop()  # (no handler runs while the processes are let go or killed)
             if kill:
                 self._kill_all()
             else:

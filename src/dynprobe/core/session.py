@@ -79,12 +79,14 @@ class Session:
         processes = self._runtime.processes
         if processes.closed:
             return
+        self._runtime.upcalls.check_not_in_server("closing the session")
         processes.closed = True
         with signals_held():
             self._runtime.shut_down(kill=self.spawned and not processes.started)
 
     def detach(self) -> None:
         """Restore every byte written, move threads out of slots and traps, and let all go."""
+        self._runtime.upcalls.check_not_in_server("detaching")
         self._runtime.detacher.detach_all()
 
     def _check_open(self) -> None:

@@ -36,7 +36,7 @@ from dynprobe.core.probe import Hit, Probe, Site
 from dynprobe.core.processes import ProcessTable
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
-from dynprobe.errors import ProcessError, SessionError
+from dynprobe.errors import ProcessError, SessionError, SharedMemoryRefused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef
@@ -45,6 +45,7 @@ from dynprobe.symbols.maps import Mapping
 from dynprobe.threads import start_without_signals
 
 WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it should stop
+MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at once
 _STATE = L.UPCALL_STATE // 8
 
 
@@ -72,6 +73,10 @@ class Doorbell:
     def rung(self) -> int:
         return int.from_bytes(self.view[L.DOORBELL_RING : L.DOORBELL_RING + 4], "little")
 
+    def gone(self) -> None:
+        """No answer will come: a thread that asks goes on unheard."""
+        self.view[L.DOORBELL_GONE : L.DOORBELL_GONE + 8] = (1).to_bytes(8, "little")
+
     def awake(self, on: bool) -> None:
         """Whether the server looks for requests now (a thread that asks need not wake it)."""
         self.view[L.DOORBELL_AWAKE : L.DOORBELL_AWAKE + 8] = int(on).to_bytes(8, "little")
@@ -83,7 +88,8 @@ class Upcalls:
     def __init__(self, engine: UpcallsEngine) -> None:
         self.engine = engine
         self._enabled = False
-        self._bells: dict[int, Doorbell] = {}  # pid -> its doorbell (a fork child shares its parent's)
+        self._bells: dict[TracedProcess, Doorbell] = {}  # (a fork child shares its parent's)
+        self._lock = threading.Lock()  # the server reads _bells, the tracing thread changes it
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._reported: set[Probe] = set()
@@ -122,31 +128,45 @@ class Upcalls:
     # --- the doorbells --------------------------------------------------------------------------
     def doorbell(self, proc: TracedProcess, tid: int) -> int:
         """Where `proc`'s doorbell page is (made on first use, through stopped thread `tid`;
-        the server starts with the first)."""
-        bell = self._bells.get(proc.pid)
-        if bell is None:
-            stub = proc.slots.stub()
-            if stub is None:
-                raise ProcessError(f"no code of ours in pid {proc.pid} to map a doorbell from")
-            addr, view = proc.tracee.map_shared(tid, stub, L.PAGE)
-            if proc.tracee.journal is not None:  # should dynprobe die, the guardian sets GONE
-                proc.tracee.journal.record_doorbell(proc.pid, addr + L.DOORBELL_GONE)
-            bell = self._bells[proc.pid] = Doorbell.over(addr, view)
-            if self._thread is None:
-                self._stopping.clear()
-                self._thread = start_without_signals(self._serve, "dynprobe-upcalls")
+        the server starts with the first). SharedMemoryRefused past MAX_DOORBELLS at once."""
+        with self._lock:
+            bell = self._bells.get(proc)
+            if bell is not None:
+                return bell.addr
+            if len(self._distinct()) >= MAX_DOORBELLS:
+                raise SharedMemoryRefused(f"more than {MAX_DOORBELLS} processes ask at once")
+        stub = proc.slots.stub()
+        if stub is None:
+            raise ProcessError(f"no code of ours in pid {proc.pid} to map a doorbell from")
+        addr, view = proc.tracee.map_shared(tid, stub, L.PAGE)
+        if proc.tracee.journal is not None:  # should dynprobe die, the guardian sets GONE
+            proc.tracee.journal.record_doorbell(proc.pid, addr + L.DOORBELL_GONE)
+        with self._lock:
+            bell = self._bells[proc] = Doorbell.over(addr, view)
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = start_without_signals(self._serve, "dynprobe-upcalls")
         return bell.addr
 
+    def _distinct(self) -> list[Doorbell]:
+        """Every doorbell once (a fork child shares its parent's), of processes still traced."""
+        for proc in [p for p in self._bells if p.status is not None]:
+            del self._bells[proc]  # (ended: its page went with it)
+        return list({id(b): b for b in self._bells.values()}.values())
+
     def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
-        bell = self._bells.get(parent.pid)
-        if bell is not None:  # the same page, mapped shared: the child's asks ring it too
-            self._bells[child.pid] = bell
+        with self._lock:
+            bell = self._bells.get(parent)
+            if bell is not None:  # the same page, mapped shared: the child's asks ring it too
+                self._bells[child] = bell
 
     def let_go(self, child: TracedProcess) -> None:
-        self._bells.pop(child.pid, None)
+        with self._lock:
+            self._bells.pop(child, None)
 
     def forget_image(self, proc: TracedProcess) -> None:
-        self._bells.pop(proc.pid, None)  # (the exec took the mapping with the old image)
+        with self._lock:
+            self._bells.pop(proc, None)  # (the exec took the mapping with the old image)
 
     def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         """(A new program's sites are optimized as they are armed.)"""
@@ -156,51 +176,69 @@ class Upcalls:
 
     # --- serving --------------------------------------------------------------------------------
     def _serve(self) -> None:
+        """Answer requests until stopped. Should it fail, every thread goes on unheard from then."""
         if self._cpus is not None:
             os.sched_setaffinity(0, self._cpus)
-        while not self._stopping.is_set():
-            bells = list({id(b): b for b in self._bells.values()}.values())
-            for proc, tid, area in list(self._asking()):
-                try:
-                    self._answer(proc, tid, area)
-                except Exception as exc:  # (answered all the same: the server goes on)
-                    _debug(f"upcall of thread {tid}: {exc!r}")
-            for bell in bells:
-                bell.awake(False)
-            seen = [(bell.ring, bell.rung()) for bell in bells]
-            if not any(True for _ in self._asking()):  # (one asked before the doorbells were quiet)
-                if seen:
-                    sc.futex_waitv(seen, WAIT)
-                else:
-                    self._stopping.wait(WAIT)
-            for bell in bells:
-                bell.awake(True)
+        try:
+            while not self._stopping.is_set():
+                with self._lock:
+                    bells = self._distinct()
+                for tid, area in list(self._asking()):
+                    self._answer(tid, area)
+                for bell in bells:
+                    bell.awake(False)
+                seen = [(bell.ring, bell.rung()) for bell in bells]
+                if not any(True for _ in self._asking()):  # (one asked before the doorbells were quiet)
+                    if seen:
+                        sc.futex_waitv(seen, WAIT)
+                    else:
+                        self._stopping.wait(WAIT)
+                for bell in bells:
+                    bell.awake(True)
+        except BaseException as exc:
+            self.engine.warn(f"the upcall server failed ({type(exc).__name__}: {exc}): handlers no longer run")
+            with self._lock:
+                for bell in self._distinct():
+                    bell.gone()
+            for tid, area in list(self._asking()):
+                self._answer(tid, area, handlers=False)
 
-    def _asking(self, only: TracedProcess | None = None) -> Iterator[tuple[TracedProcess, int, AreaRef]]:
-        """The threads that ask now (of `only`, if given): their process, tid and area."""
+    def _asking(self, only: TracedProcess | None = None) -> Iterator[tuple[int, AreaRef]]:
+        """The threads that ask now (of `only`, if given): tid and area, once each (a vfork
+        child's areas are its parent's)."""
+        seen: set[int] = set()
         for proc in [only] if only is not None else self.engine.processes:
-            if proc.areas is None or proc.pid not in self._bells:
+            areas = proc.areas
+            if areas is None or proc not in self._bells:
                 continue
-            for tid, area in proc.areas.live():
-                if area.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST:
-                    yield proc, tid, area
+            for tid, area in areas.live():
+                if area.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and id(area) not in seen:
+                    seen.add(id(area))
+                    yield tid, area
 
-    def _answer(self, proc: TracedProcess, tid: int, area: AreaRef, *, handlers: bool = True) -> None:
+    def _answer(self, tid: int, area: AreaRef, *, handlers: bool = True) -> None:
         """Run the handlers on the thread's frame (a copy, written back: a handler may keep its
-        hit), set where it goes on, and answer it: whatever happens, it is answered."""
+        hit), set where it goes on, and answer it: whatever happens, it is answered. The
+        handlers of a process we do not follow (a vfork child) do not run."""
+        if area.cells[_STATE] & 0xFFFFFFFF != L.UPCALL_REQUEST:
+            return  # (answered meanwhile)
         view, at = area.pool.view, area.offset + L.UPCALL_FRAME
         regs = Regs.from_buffer_copy(view, at)
+        region = int(area.cells[L.UPCALL_REGION // 8])
         site_addr = int(regs.rip)
-        site = proc.sites.get(site_addr)
+        proc = self.engine.processes.process_of(tid)
+        site = proc.sites.get(site_addr) if proc is not None else None
         target = site_addr
         try:
-            if handlers and site is not None:
+            if handlers and proc is not None and proc.follow and site is not None:
                 target = self._run_handlers(proc, tid, site, regs) or site_addr
         finally:
-            # The thread goes on in the detour's copy of the region while that code is there
-            # (it is, as long as a thread is inside it); else at the site, its instruction back.
+            # On in the asking detour's copy of the region (there as long as a thread is in the
+            # detour); an address the handler chose, as it is.
             resume = site.upcall_resume if site is not None else None
-            regs.rip = resume.get(target, target) if resume else target
+            if not resume or resume.get(site_addr) != region:
+                resume = {site_addr: region}  # (a detour made before the site's last one)
+            regs.rip = resume.get(target, target)
             view[at : at + ctypes.sizeof(Regs)] = bytes(regs)
             area.cells[_STATE] = L.UPCALL_ANSWERED
             sc.futex_wake(ctypes.addressof(ctypes.c_char.from_buffer(view, area.offset + L.UPCALL_STATE)))
@@ -220,7 +258,7 @@ class Upcalls:
 
             try:
                 moved = pre(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
-            except Exception as exc:  # (the thread must go on whatever a handler does)
+            except BaseException as exc:  # (the thread goes on whatever a handler does: sys.exit too)
                 if probe not in self._reported:
                     self._reported.add(probe)
                     self.engine.warn(f"{probe.name}: its handler raised {type(exc).__name__}: {exc} (reported once)")
@@ -246,16 +284,17 @@ class Upcalls:
 
     def close(self) -> None:
         """Our mappings of the doorbells go (the session has let every process go)."""
-        for bell in {id(b): b for b in self._bells.values()}.values():
-            bell.view.close()
-        self._bells.clear()
+        with self._lock:
+            for bell in {id(b): b for b in self._bells.values()}.values():
+                bell.view.close()
+            self._bells.clear()
 
     def let_go_all(self, proc: TracedProcess) -> None:
         """At detach (the server stopped, the world too): every thread of `proc` that asks is
-        answered without its handlers, and no later one waits (GONE back)."""
-        for _, tid, area in list(self._asking(proc)):
-            self._answer(proc, tid, area, handlers=False)
-        bell = self._bells.get(proc.pid)
+        answered without its handlers, and no later one waits (GONE set)."""
+        for tid, area in list(self._asking(proc)):
+            self._answer(tid, area, handlers=False)
+        bell = self._bells.get(proc)
         if bell is not None:
-            bell.view[L.DOORBELL_GONE : L.DOORBELL_GONE + 8] = (1).to_bytes(8, "little")
+            bell.gone()
             _debug(f"pid {proc.pid}: no more upcalls")

@@ -81,13 +81,15 @@ STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 # on at the frame's rip (the tracer put the relocated copy of the site's instruction there).
 # UPCALL_BUSY: in an upcall (a nested hit, from a signal handler, runs no handler: missed).
 # UPCALL_SELF: the area's own address, for the futex; UPCALL_TIMEOUT: how long each wait is
-# (a struct timespec), after which the thread looks whether the tracer is gone.
+# (a struct timespec), after which the thread looks whether the tracer is gone; UPCALL_REGION:
+# where the asking detour's copy of the site's instruction is.
 UPCALL_FRAME = 0x200
 UPCALL_STATE = 0x2E0
 UPCALL_BUSY = 0x2E8
 UPCALL_PROBE = 0x2F0
 UPCALL_SELF = 0x2F8
 UPCALL_TIMEOUT = 0x300
+UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 UPCALL_WAIT_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the

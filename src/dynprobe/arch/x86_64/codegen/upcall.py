@@ -78,6 +78,8 @@ def _assemble(plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, doorbe
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, plan.site))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rip"]), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_PROBE), probe_index))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, region))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_REGION), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM32_IMM32, gs_at(L.UPCALL_STATE), L.UPCALL_REQUEST))
     # The doorbell: rung, and the tracer woken unless it is awake (rcx and r11 are the system
     # call's: in the frame). The locked add orders the request before the look at AWAKE; a
@@ -122,8 +124,12 @@ def _assemble(plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, doorbe
     asm.add(iced.Instruction.create_mem(C.PUSH_RM64, gs_at(_FRAME["rip"])))
     _leave(asm)
     asm.add(iced.Instruction.create_i32(C.RETNQ_IMM16, _RED_ZONE))
-    # No tracer: the registers as they were, and the site's instruction
+    # No tracer. An answer it wrote but did not give (it died in between): taken as given.
+    # Else the registers as they were, and the site's instruction.
     asm.bind(gone)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, plan.site))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, gs_at(_FRAME["rip"])))
+    asm.jump(C.JNE_REL32_64, answered)
     _restore(asm)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
     _leave(asm)
