@@ -167,7 +167,7 @@ class StopLoop:
         processes.home_cpu = cpu
         if data.consumer is not None:
             data.consumer.place(allowed - {cpu})  # draining rings never competes with the target
-        self.engine.upcalls.place(allowed - {cpu})  # (its wait for a request: not on the target's)
+        self.engine.upcalls.place({cpu})  # (with the target's wake-ups: a thread that asks sleeps at once)
         for proc in processes:
             proc.tracee.home_cpu = cpu
         try:

@@ -9,7 +9,7 @@ process's doorbell page:
     gs:[UPCALL_PROBE] = probe; gs:[UPCALL_STATE] = REQUEST
     lock inc [RING]; futex(RING, WAKE)          the tracer waits on its process's doorbell
                                                 (no system call while it is AWAKE)
-    until gs:[UPCALL_STATE] == ANSWERED:        spin, then futex(STATE, WAIT, REQUEST, timeout);
+    until gs:[UPCALL_STATE] == ANSWERED:        (spin,) futex(STATE, WAIT, REQUEST, timeout);
                                                 [GONE] set (no tracer): on to the region unheard
     the registers back from the frame; rsp = frame.rsp - 128; push frame.rip; IDLE, not BUSY;
     ret 128
@@ -35,7 +35,7 @@ from dynprobe.ringbuf import layout as L
 
 SYS_FUTEX = 202
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared: the tracer waits on its own mapping of the same page
-UPCALL_SPIN = 2000  # pauses before a thread sleeps on its answer (a few microseconds)
+UPCALL_SPIN = 1  # pauses before a thread sleeps on its answer: the server runs on its CPU (core/loop.py)
 _RED_ZONE = 128
 _FRAME = {name: L.UPCALL_FRAME + 8 * i for i, name in enumerate(REG_NAMES)}
 # Saved and restored by moves; rax, rsp, rip and the flags take a path of their own.
