@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -54,13 +55,15 @@ def test_a_handler_sees_the_registers_of_the_hit(counter: str, mode: str) -> Non
     assert probe.mode == (dynprobe.ProbeMode.OPTIMIZED if mode == "upcall" else dynprobe.ProbeMode.TRAP)
 
 
-def test_an_upcall_takes_no_stop(counter: str) -> None:
+def test_an_upcall_takes_no_stop_and_its_server_ends_with_the_session(counter: str) -> None:
     with dynprobe.spawn([counter, "1000", "1"], stdout=subprocess.DEVNULL) as session:
         session.upcalls = True
         baseline = session.stats["stops"]
         probe = session.probe("work", pre=lambda hit: None)
         assert session.run(timeout=60) == 0 and probe.hits == 1000 and probe.trap_reason is None
         assert session.stats["stops"] - baseline < 10  # (the loader's hook: no hit of the probe)
+        assert any(t.name == "dynprobe-upcalls" for t in threading.enumerate())
+    assert not any(t.name == "dynprobe-upcalls" for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("mode", MODES)
