@@ -159,6 +159,18 @@ def test_a_handler_may_not_place_probes_yet_and_says_so(counter: str) -> None:
         ]
 
 
+def test_switching_upcalls_replans_the_sites_placed(counter: str) -> None:
+    with dynprobe.spawn([counter, "10", "1"], stdout=subprocess.DEVNULL) as session:
+        probe = session.probe("work", pre=lambda hit: None)
+        assert probe.mode == dynprobe.ProbeMode.TRAP and probe.trap_reason == OptimizeRefusal.PYTHON_HANDLER
+        session.upcalls = True
+        session.optimize_now()
+        assert probe.mode == dynprobe.ProbeMode.OPTIMIZED
+        session.upcalls = False
+        assert probe.mode == dynprobe.ProbeMode.TRAP and probe.trap_reason == OptimizeRefusal.PYTHON_HANDLER
+        assert session.run(timeout=60) == 0 and probe.hits == 10 and session.stats["stops"] >= 10
+
+
 def test_a_post_handler_keeps_its_trap(counter: str) -> None:
     with dynprobe.spawn([counter, "5", "1"], stdout=subprocess.DEVNULL) as session:
         session.upcalls = True

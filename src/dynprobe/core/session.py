@@ -144,7 +144,11 @@ class Session:
 
     @upcalls.setter
     def upcalls(self, on: bool) -> None:
+        if on == self._runtime.upcalls.enabled:
+            return
         self._runtime.upcalls.enabled = on
+        for probe in self.probes:  # (sites placed already: a jump now, or a trap again)
+            self._runtime.sync_probe(probe)
 
     @property
     def pin_tracer(self) -> bool:
