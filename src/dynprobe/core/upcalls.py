@@ -4,14 +4,15 @@ A site whose enabled probes are all Python pre-handlers takes a jump, like an op
 to an upcall detour (arch/x86_64/codegen/upcall.py): the thread saves its registers in its
 thread area's frame, asks, rings its process's doorbell and waits. Here, a server thread sleeps
 on every process's doorbell (futex_waitv, the GIL let go), runs the handlers of each thread that
-asks on a `Hit` whose registers are the frame itself (a `Regs` over our mapping of the area: a
-handler's register writes are what the thread resumes with), sets where the thread goes on
-(the relocated copy of the site's instruction, or where a handler that returned True sent it)
-and answers. Memory reads and writes go through /proc/PID/mem, as at a stop.
+asks on a `Hit` whose registers are the frame's (a copy, written back: a handler's register
+writes are what the thread resumes with), sets where the thread goes on (the relocated copy of
+the site's instruction, or where a handler that returned True sent it) and answers. Memory
+reads and writes go through /proc/PID/mem, as at a stop.
 
 Handlers run in the server thread, one at a time. What needs the tracing thread (placing,
-enabling, disabling or removing probes) is refused there with a clear error; `session.stop()`
-works. A handler that raises is reported once (`warnings`) and the thread goes on.
+enabling, disabling or removing probes, closing the session) is refused there with a clear
+error; `session.stop()` works. Whatever a handler raises is reported once (`warnings`) and the
+thread goes on.
 
 A thread never waits for a tracer that is gone: each doorbell page has a GONE word, which a
 detach sets (after answering every thread that asks), and so does the guardian, first, when
