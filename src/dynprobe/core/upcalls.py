@@ -28,6 +28,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,7 +41,7 @@ from dynprobe.debug import debug as _debug
 from dynprobe.errors import ProcessError, SessionError, SharedMemoryRefused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.areas import AreaRef
+from dynprobe.ringbuf.areas import AreaRef, Pool
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.symbols.maps import Mapping
 from dynprobe.threads import start_without_signals
@@ -91,6 +92,7 @@ class Upcalls:
         self._enabled = False
         self._bells: dict[TracedProcess, Doorbell] = {}  # (a fork child shares its parent's)
         self._lock = threading.Lock()  # the server reads _bells, the tracing thread changes it
+        self._pools: weakref.WeakKeyDictionary[Pool, int] = weakref.WeakKeyDictionary()  # (see _address)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._reported: set[Probe] = set()
@@ -243,7 +245,14 @@ class Upcalls:
             regs.rip = resume.get(target, target)
             view[at : at + ctypes.sizeof(Regs)] = bytes(regs)
             area.cells[_STATE] = L.UPCALL_ANSWERED
-            sc.futex_wake(ctypes.addressof(ctypes.c_char.from_buffer(view, area.offset + L.UPCALL_STATE)))
+            sc.futex_wake(self._address(area) + L.UPCALL_STATE)
+
+    def _address(self, area: AreaRef) -> int:
+        """Where `area` is in our memory (its pool's address found once)."""
+        base = self._pools.get(area.pool)
+        if base is None:
+            base = self._pools[area.pool] = ctypes.addressof(ctypes.c_char.from_buffer(area.pool.view))
+        return base + area.offset
 
     def _run_handlers(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> int | None:
         """The site's pre-handlers, in order, on the frame; where the thread goes on if one

@@ -176,9 +176,13 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+# futex_wake keeps the GIL (PyDLL): it never sleeps, and letting the GIL go costs as much.
+_syscall_hot = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).syscall
+
+
 def futex_wake(addr: int, count: int = 1) -> None:
     """Wake up to `count` waiters on the shared futex at `addr` (our address of it)."""
-    _libc.syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
+    _syscall_hot(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
 
 
 def futex_waitv(words: list[tuple[int, int]], timeout: float) -> None:
