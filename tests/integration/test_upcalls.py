@@ -171,12 +171,35 @@ def test_switching_upcalls_replans_the_sites_placed(counter: str) -> None:
         assert session.run(timeout=60) == 0 and probe.hits == 10 and session.stats["stops"] >= 10
 
 
-def test_a_post_handler_keeps_its_trap(counter: str) -> None:
-    with dynprobe.spawn([counter, "5", "1"], stdout=subprocess.DEVNULL) as session:
-        session.upcalls = True
-        probe = session.probe("work", post=lambda hit: None)
-        assert session.run(timeout=60) == 0 and probe.hits == 5
-        assert probe.mode == dynprobe.ProbeMode.TRAP and probe.trap_reason == OptimizeRefusal.POST_HANDLER
+@pytest.mark.parametrize("mode", MODES)
+def test_a_post_handler_sees_the_instruction_done_and_its_register_writes_hold(counter: str, mode: str) -> None:
+    """work() starts with `mov rax, [rip+seed]`: after it, rax is the seed (1) and rip the next
+    instruction; a post-handler's rax = 5 makes every call return 2i + 5."""
+    seen: list[tuple[int, int]] = []
+
+    def post(hit: Hit) -> None:
+        seen.append((int(hit.regs.rax), int(hit.regs.rip) - hit.address))
+        hit.regs.rax = 5
+
+    status, out, probe = run([counter, "4", "1"], mode, lambda s: s.probe("work", post=post))
+    assert status == 0 and out == f"total={sum(2 * i + 5 for i in range(4))}\n"
+    assert seen == [(1, 7)] * 4 and isinstance(probe, dynprobe.Probe) and probe.hits == 4
+    assert probe.mode == (dynprobe.ProbeMode.OPTIMIZED if mode == "upcall" else dynprobe.ProbeMode.TRAP)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pre_and_post_handlers_on_one_site_each_run_once_a_hit(counter: str, mode: str) -> None:
+    order: list[str] = []
+
+    def place(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [
+            session.probe("p:t/before work", pre=lambda hit: order.append("pre")),
+            session.probe("p:t/after work", post=lambda hit: order.append("post")),
+        ]
+
+    status, _, probes = run([counter, "3", "1"], mode, place)
+    assert status == 0 and order == ["pre", "post"] * 3
+    assert [p.hits for p in probes] == [3, 3]  # type: ignore[attr-defined]
 
 
 def test_a_detach_lets_every_thread_go_on() -> None:

@@ -53,6 +53,7 @@ def test_the_thread_area_header() -> None:
         "upcall self": (L.UPCALL_SELF, 8),
         "upcall timeout": (L.UPCALL_TIMEOUT, 16),  # struct timespec
         "upcall region": (L.UPCALL_REGION, 8),
+        "upcall site": (L.UPCALL_SITE, 8),
     }
     check_fields(fields, L.HEADER_BYTES)
     assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour
 from dynprobe.arch.x86_64.codegen.detours import build_detour
-from dynprobe.arch.x86_64.codegen.upcall import build_upcall
-from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize, relocate_region_map
+from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, build_upcall
+from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
 from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code
 from dynprobe.core.traced import TracedProcess
@@ -82,10 +82,11 @@ class Optimizer:
         if site.internal is not None:
             return OptimizeRefusal.INTERNAL_SITE
         probes = [p for p in site.probes if p.enabled]
-        if any(p.post is not None for p in probes):
-            return OptimizeRefusal.POST_HANDLER
-        if any(p.pre is not None or p.action is None for p in probes) and not self.engine.upcalls.serves(probes):
-            return OptimizeRefusal.PYTHON_HANDLER
+        python = any(p.pre is not None or p.post is not None or p.action is None for p in probes)
+        if python and not self.engine.upcalls.serves(probes):
+            return OptimizeRefusal.POST_HANDLER if any(p.post is not None for p in probes) else (
+                OptimizeRefusal.PYTHON_HANDLER
+            )  # fmt: skip
         if proc.areas_refused is not None:
             return proc.areas_refused
         for probe in probes:
@@ -249,7 +250,7 @@ class Optimizer:
     def _place_upcall(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan, first: Probe
     ) -> tuple[int, Detour] | OptimizeRefusal:
-        """An upcall detour (its probes' Python pre-handlers served by core/upcalls.py)."""
+        """An upcall detour (its probes' Python handlers served by core/upcalls.py)."""
         tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
         if tid is None:
             return OptimizeRefusal.SHARED_MEMORY
@@ -259,16 +260,17 @@ class Optimizer:
             _debug(f"pid {proc.pid}: no doorbell: {exc}")
             return OptimizeRefusal.SHARED_MEMORY
         layout = self.engine.layout
+        pre, post = (any(getattr(p, kind) is not None for p in site.probes if p.enabled) for kind in ("pre", "post"))
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
-            lambda at: build_upcall(plan, first.index, layout, at, doorbell),
+            lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post),
         )  # fmt: skip
-        if not isinstance(placed, OptimizeRefusal):
-            start, built = placed
-            moved = relocate_region_map(plan, start + built.action_bytes)
-            assert moved is not None  # (as it was when built)
-            site.upcall_resume = moved[1]
-        return placed
+        if isinstance(placed, OptimizeRefusal):
+            return placed
+        start, built = placed
+        assert isinstance(built, UpcallDetour)
+        site.upcall_resume = built.resume
+        return start, built
 
     # --- back to trap ------------------------------------------------------------------------------------
     def unoptimize(self, proc: TracedProcess, site: Site, arm: bool) -> None:

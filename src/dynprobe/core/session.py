@@ -135,11 +135,11 @@ class Session:
 
     @property
     def upcalls(self) -> bool:
-        """Whether Python pre-handlers are served without a ptrace stop: a site whose probes are
-        all pre-handlers takes a jump to code that hands the thread's registers to the handler
-        through shared memory, and waits (docs/architecture.md §4). Handlers then run in a
-        thread of dynprobe's, one at a time, and may not place, enable, disable or remove
-        probes. Off: every hit a stop."""
+        """Whether Python pre- and post-handlers are served without a ptrace stop: a site whose
+        probes all have Python handlers takes a jump to code that hands the thread's registers
+        to them through shared memory, and waits (docs/architecture.md §4). Handlers then run in
+        a thread of dynprobe's, one at a time, and may not place, enable, disable or remove
+        probes. Return probes stay traps. Off: every hit a stop."""
         return self._runtime.upcalls.enabled
 
     @upcalls.setter

@@ -1,6 +1,6 @@
-"""Upcalls: Python pre-handlers served without a ptrace stop (`Session.upcalls`).
+"""Upcalls: Python pre- and post-handlers served without a ptrace stop (`Session.upcalls`).
 
-A site whose enabled probes are all Python pre-handlers takes a jump, like an optimized probe,
+A site whose enabled probes all have Python handlers takes a jump, like an optimized probe,
 to an upcall detour (arch/x86_64/codegen/upcall.py): the thread saves its registers in its
 thread area's frame, asks, rings its process's doorbell and waits. Here, a server thread sleeps
 on every process's doorbell (futex_waitv, the GIL let go), runs the handlers of each thread that
@@ -113,11 +113,11 @@ class Upcalls:
 
     def serves(self, probes: list[Probe]) -> bool:
         """Whether a site whose enabled probes are `probes` is served by upcalls: every one a
-        Python pre-handler (post-handlers and return probes stay traps for now)."""
+        probe with Python pre- or post-handlers (return probes stay traps for now)."""
         return (
             self._enabled
             and bool(probes)
-            and all(p.pre is not None and p.post is None and p.action is None and not p.is_return for p in probes)
+            and all((p.pre or p.post) is not None and p.action is None and not p.is_return for p in probes)
         )
 
     def in_server(self) -> bool:
@@ -229,13 +229,14 @@ class Upcalls:
         view, at = area.pool.view, area.offset + L.UPCALL_FRAME
         regs = Regs.from_buffer_copy(view, at)
         region = int(area.cells[L.UPCALL_REGION // 8])
-        site_addr = int(regs.rip)
+        site_addr = int(area.cells[L.UPCALL_SITE // 8])
+        asked_at = int(regs.rip)  # the site (before its instruction) or the next one (after)
         proc = self.engine.processes.process_of(tid)
         site = proc.sites.get(site_addr) if proc is not None else None
-        target = site_addr
+        target = asked_at
         try:
             if handlers and proc is not None and proc.follow and site is not None:
-                target = self._run_handlers(proc, tid, site, regs) or site_addr
+                target = self._run_handlers(proc, tid, site, regs, post=asked_at != site_addr) or asked_at
         finally:
             # On in the asking detour's copy of the region (there as long as a thread is in the
             # detour); an address the handler chose, as it is.
@@ -254,29 +255,35 @@ class Upcalls:
             base = self._pools[area.pool] = ctypes.addressof(ctypes.c_char.from_buffer(area.pool.view))
         return base + area.offset
 
-    def _run_handlers(self, proc: TracedProcess, tid: int, site: Site, regs: Regs) -> int | None:
-        """The site's pre-handlers, in order, on the frame; where the thread goes on if one
-        returned True (the handler moved it), else None (the site's instruction)."""
+    def _run_handlers(self, proc: TracedProcess, tid: int, site: Site, regs: Regs, *, post: bool) -> int | None:
+        """The site's pre-handlers (`post`: its post-handlers, the instruction done), in order, on
+        the frame; where the thread goes on if a pre-handler returned True (it moved it: the
+        instruction and the post-handlers are skipped) or a post-handler moved it, else None.
+        A hit is counted at its first upcall."""
         now = time.monotonic()
-        for probe in [p for p in site.probes if p.enabled]:
-            pre = probe.pre
-            if pre is None:
+        probes = [p for p in site.probes if p.enabled]
+        count_here = not post or not any(p.pre is not None for p in probes)  # (no upcall before)
+        asked_at = int(regs.rip)
+        for probe in probes:
+            if count_here:
+                probe.trap_hits += 1
+            handler = probe.post if post else probe.pre
+            if handler is None:
                 continue
-            probe.trap_hits += 1
 
             def context(probe: Probe = probe) -> FetchContext:
                 return self.engine.fetch_context(proc, tid, regs, probe)
 
             try:
-                moved = pre(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
+                moved = handler(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
             except BaseException as exc:  # (the thread goes on whatever a handler does: sys.exit too)
                 if probe not in self._reported:
                     self._reported.add(probe)
                     self.engine.warn(f"{probe.name}: its handler raised {type(exc).__name__}: {exc} (reported once)")
                 continue
-            if moved:
+            if moved and not post:
                 return int(regs.rip)
-        return None
+        return int(regs.rip) if post and int(regs.rip) != asked_at else None
 
     def place(self, cpus: set[int]) -> None:
         """Run on these CPUs."""

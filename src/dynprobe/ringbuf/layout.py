@@ -90,6 +90,7 @@ UPCALL_PROBE = 0x2F0
 UPCALL_SELF = 0x2F8
 UPCALL_TIMEOUT = 0x300
 UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
+UPCALL_SITE = 0x318  # the site it asks for (its rip: where it is, the site or the next instruction)
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 UPCALL_WAIT_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the

@@ -1,22 +1,25 @@
-"""The upcall detour: a site whose probes are Python pre-handlers, served without a ptrace stop
-(core/upcalls.py serves it). On the target thread, with its thread area (GS base) and its
-process's doorbell page:
+"""The upcall detour: a site whose probes are Python handlers, served without a ptrace stop
+(core/upcalls.py serves it). Its parts: an upcall before the site's instruction (for
+pre-handlers), the relocated instruction, an upcall after it (for post-handlers: its frame's rip
+is the next instruction), the rest of the relocated region and the jump back. An upcall, on the
+target thread, with its thread area (GS base) and its process's doorbell page:
 
     lea rsp, [rsp-128]; pushfq; push rax        over the red zone
     xchg gs:[UPCALL_BUSY], 1                    taken: a nested hit (a signal handler's): no
                                                 handler, counted missed, on to the region
-    the registers into gs:[UPCALL_FRAME]        (user_regs_struct; rip = the site, rsp as it was)
-    gs:[UPCALL_PROBE] = probe; gs:[UPCALL_STATE] = REQUEST
+    the registers into gs:[UPCALL_FRAME]        (user_regs_struct; rip = where it is, rsp as it was)
+    gs:[UPCALL_SITE], [UPCALL_PROBE], [UPCALL_REGION] = the site, its first probe, where the
+    relocated instruction is; gs:[UPCALL_STATE] = REQUEST
     lock inc [RING]; futex(RING, WAKE)          the tracer waits on its process's doorbell
                                                 (no system call while it is AWAKE)
     until gs:[UPCALL_STATE] == ANSWERED:        (spin,) futex(STATE, WAIT, REQUEST, timeout);
-                                                [GONE] set (no tracer): on to the region unheard
+                                                [GONE] set (no tracer): on, unheard
     the registers back from the frame; rsp = frame.rsp - 128; push frame.rip; IDLE, not BUSY;
     ret 128
 
 Where the thread goes on is the frame's rip, which the tracer sets before it answers: the
-relocated copy of the site's instruction (the region, after this code), or wherever a handler
-that returned True sent it. `ret 128` takes it from below the red zone, so once BUSY is clear
+relocated copy of the instruction it was at (`UpcallDetour.resume`), or wherever a handler sent
+it. `ret 128` takes it from below the red zone, so once BUSY is clear
 the thread needs nothing of the frame: a signal's nested hit in those two instructions may
 have the frame. The flags and every register are the frame's.
 
@@ -25,11 +28,15 @@ Pure: a plan, a probe, a layout and addresses in, bytes out.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
+
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.codegen.asm import REG, Asm, C, Detour, R, gs_at, mem_at
-from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
+from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
 from dynprobe.arch.x86_64.regs import REG_NAMES
+from dynprobe.arch.x86_64.relocate import jump_to, relocate
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 
@@ -57,9 +64,13 @@ def _leave(asm: Asm) -> None:
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_BUSY), 0))
 
 
-def _assemble(plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, doorbell: int, region: int, spin: int) -> Asm:
-    asm = Asm()
-    nested, wait, spinning, answered, gone = (asm.label() for _ in range(5))
+def _upcall(
+    asm: Asm, *, rip: int, site: int, probe_index: int, layout: L.AreaLayout, doorbell: int, region: int,
+    unheard: int, spin: int,
+) -> None:  # fmt: skip
+    """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
+    is at `region`; unheard (no tracer) or nested, the thread goes on at `unheard`."""
+    nested, wait, spinning, answered, gone, awake = (asm.label() for _ in range(6))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
@@ -75,16 +86,14 @@ def _assemble(plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, doorbe
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME[name]), REG[name]))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, mem_at(R.RSP, _RED_ZONE)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rsp"]), R.RAX))
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, plan.site))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rip"]), R.RAX))
+    for word, value in ((_FRAME["rip"], rip), (L.UPCALL_SITE, site), (L.UPCALL_REGION, region)):
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(word), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_PROBE), probe_index))
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, region))
-    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_REGION), R.RAX))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM32_IMM32, gs_at(L.UPCALL_STATE), L.UPCALL_REQUEST))
     # The doorbell: rung, and the tracer woken unless it is awake (rcx and r11 are the system
     # call's: in the frame). The locked add orders the request before the look at AWAKE; a
     # tracer that falls asleep meanwhile finds RING changed (futex_waitv's own check).
-    awake = asm.label()
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, doorbell + L.DOORBELL_RING))
     ring = iced.Instruction.create_mem(C.INC_RM32, mem_at(R.RDI))
     ring.has_lock_prefix = True
@@ -96,7 +105,7 @@ def _assemble(plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, doorbe
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EDX, 1))
     asm.add(iced.Instruction.create(C.SYSCALL))
     asm.bind(awake)
-    # The answer: a short spin, then a futex wait with a timeout; no tracer left: unheard
+    # The answer: (a spin,) a futex wait with a timeout; no tracer left: unheard
     asm.bind(wait)
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, spin))
     asm.bind(spinning)
@@ -125,38 +134,76 @@ def _assemble(plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, doorbe
     _leave(asm)
     asm.add(iced.Instruction.create_i32(C.RETNQ_IMM16, _RED_ZONE))
     # No tracer. An answer it wrote but did not give (it died in between): taken as given.
-    # Else the registers as they were, and the site's instruction.
+    # Else the registers as they were, on unheard.
     asm.bind(gone)
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, plan.site))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, rip))
     asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, gs_at(_FRAME["rip"])))
     asm.jump(C.JNE_REL32_64, answered)
     _restore(asm)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
     _leave(asm)
-    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, region))
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
     # A nested hit: its handlers miss this one
     asm.bind(nested)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(layout.counter(probe_index, L.MISSED))))
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RAX))
     asm.add(iced.Instruction.create(C.POPFQ))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, _RED_ZONE)))
-    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, region))
-    return asm
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
+
+
+@dataclass(frozen=True)
+class UpcallDetour(Detour):
+    resume: dict[int, int] = field(default_factory=dict)  # an address of the region -> its copy's
 
 
 def build_upcall(
-    plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, at: int, doorbell: int, *, spin: int = UPCALL_SPIN
-) -> Detour | OptimizeRefusal:
+    plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, at: int, doorbell: int, *, pre: bool = True,
+    post: bool = False, spin: int = UPCALL_SPIN,
+) -> UpcallDetour | OptimizeRefusal:  # fmt: skip
     """The upcall detour of a site (`plan`) whose first probe is `probe_index` (its nested hits
-    are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`; the
-    relocated region follows it (`Detour.action_bytes`: where)."""
-    length = 0
-    while True:  # (the region follows the code: its address moves with the code's length)
-        code, _ = _assemble(plan, probe_index, layout, doorbell, at + length, spin).encode(at)
-        if len(code) == length:
-            break
-        length = len(code)
-    region = relocate_region(plan, at + length)
-    if region is None:
-        return OptimizeRefusal.RIP_REL_OUT_OF_REACH
-    return Detour(code + region, {}, length)
+    are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`: an
+    upcall before the site's instruction if `pre`, one after it if `post` (not after a branch:
+    POST_HANDLER). `action_bytes`: where the relocated instruction is."""
+    first, rest = plan.region[0], plan.region[1:]
+    if post and first.flow_control != iced.FlowControl.NEXT:
+        return OptimizeRefusal.POST_HANDLER
+    next_ip = int(first.next_ip)
+    lengths = [0, 0]  # of the two upcalls' code: their addresses follow from them
+    while True:
+        region = at + lengths[0]
+        upcall = functools.partial(
+            _upcall, site=plan.site, probe_index=probe_index, layout=layout, doorbell=doorbell, region=region,
+            spin=spin,
+        )  # fmt: skip
+        before = Asm()
+        if pre:
+            upcall(before, rip=plan.site, unheard=region)
+        before_code = before.encode(at)[0] if pre else b""
+        if not post:
+            moved = relocate_region_map(plan, region)
+            if moved is None:
+                return OptimizeRefusal.RIP_REL_OUT_OF_REACH
+            if len(before_code) == lengths[0]:
+                return UpcallDetour(before_code + moved[0], {}, len(before_code), moved[1])
+            lengths[0] = len(before_code)
+            continue
+        copied = relocate(first, region)
+        if copied is None:
+            return OptimizeRefusal.RIP_REL_OUT_OF_REACH
+        after_at = region + len(copied)
+        rest_at = after_at + lengths[1]
+        after = Asm()
+        upcall(after, rip=next_ip, unheard=rest_at)
+        after_code = after.encode(after_at)[0]
+        if rest:
+            moved = relocate_region_map(OptimizePlan(next_ip, rest), rest_at)
+            if moved is None:
+                return OptimizeRefusal.RIP_REL_OUT_OF_REACH
+            tail, resume = moved
+        else:
+            tail, resume = jump_to(rest_at, plan.resume_at), {next_ip: rest_at}
+        if (len(before_code), len(after_code)) == tuple(lengths):
+            code = before_code + copied + after_code + tail
+            return UpcallDetour(code, {}, len(before_code), {plan.site: region, **resume})
+        lengths = [len(before_code), len(after_code)]
