@@ -484,6 +484,8 @@ def main() -> int:
     trap_row("trap, emulated (mov rbp,rsp)", n_trap, [], "test+1")
     trap_row("trap, boosted (mov eax,[rip+x])", n_trap, ["boost"], "test_boost")
     trap_row("trap, post-handler (single-step)", n_step, ["boost"], "test_boost", post=lambda hit: None)
+    trap_row("upcall, post-handler (no stop, no step)", n_step, ["boost"], "test_boost", post=lambda hit: None,
+             upcalls=True)  # fmt: skip
     trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
     trap_row("upcall, push rbp + empty Python pre-handler (no stop)", n_trap, [], "test", pre=lambda hit: None,
              upcalls=True)  # fmt: skip
