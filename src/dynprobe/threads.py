@@ -1,4 +1,5 @@
-"""dynprobe's own threads (the consumer, the waker): started with every signal blocked. Signals
+"""dynprobe's own threads (the consumer, the waker, the upcall server): started with every signal
+blocked, and placed on CPUs. Signals
 sent to the process (a stop's SIGCHLD, Ctrl-C, SIGTERM) must reach the tracing thread, whose
 wait for stops they end; a thread of ours that took one would discard a SIGCHLD or leave a
 Ctrl-C unseen. Blocked from birth (a thread inherits its creator's mask), not from its first
@@ -6,6 +7,8 @@ line: one could come in between."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -20,3 +23,10 @@ def start_without_signals(target: Callable[[], None], name: str) -> threading.Th
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return thread
+
+
+def place(thread: threading.Thread | None, cpus: set[int]) -> None:
+    """Run `thread` (if it runs) on these CPUs."""
+    if thread is not None and thread.native_id is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(thread.native_id, cpus)

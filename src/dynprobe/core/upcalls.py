@@ -22,7 +22,6 @@ timed wait and goes on without its handlers.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
@@ -44,7 +43,7 @@ from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, Pool
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.symbols.maps import Mapping
-from dynprobe.threads import start_without_signals
+from dynprobe.threads import place, start_without_signals
 
 WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it should stop
 MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at once
@@ -288,10 +287,7 @@ class Upcalls:
     def place(self, cpus: set[int]) -> None:
         """Run on these CPUs."""
         self._cpus = cpus
-        thread = self._thread
-        if thread is not None and thread.native_id is not None:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(thread.native_id, cpus)
+        place(self._thread, cpus)
 
     def stop(self) -> None:
         """The server thread ends (after the handler it runs, if any)."""

@@ -14,7 +14,6 @@ untrusted shared memory belong to the reading side).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import mmap
@@ -31,7 +30,7 @@ import numpy as np
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
-from dynprobe.threads import start_without_signals
+from dynprobe.threads import place, start_without_signals
 
 _READINGS_AT = 64  # where tsc_readings_code goes in the clock's page, after read_tsc_code
 _READINGS = 4096
@@ -324,10 +323,7 @@ class Consumer:
     def place(self, cpus: set[int]) -> None:
         """Run on these CPUs (the session keeps the consumer off the target's CPU)."""
         self.cpus = cpus
-        thread = self._thread
-        if thread is not None and thread.native_id is not None:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(thread.native_id, cpus)
+        place(self._thread, cpus)
 
     def stop(self) -> None:
         self._stop.set()
