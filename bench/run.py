@@ -45,7 +45,7 @@ def compile_c(source: Path, output: Path, *flags: str) -> str:
 
 
 def seed_binary() -> str:
-    return compile_c(HERE / "targets" / "seed.c", BUILD / "seed", "-O0")
+    return compile_c(HERE / "targets" / "seed.c", BUILD / "seed", "-O0", "-pthread")
 
 
 def run_seed(argv: list[str]) -> int:
@@ -489,6 +489,12 @@ def main() -> int:
     trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
     trap_row("upcall, push rbp + empty Python pre-handler (no stop)", n_trap, [], "test", pre=lambda hit: None,
              upcalls=True)  # fmt: skip
+    # 4 threads making a quarter of the calls each, at once: the time of a call of all of them
+    elapsed, info = median_run(
+        lambda: traced_seed([seed, str(n_trap // 4), "plain", "4"], "test", pre=lambda hit: None, upcalls=True),
+        lambda r: r[0],
+    )
+    add("upcall, the same, 4 threads at once", n_trap // 4 * 4, elapsed, **info, runs=REPEAT)
     add("floor: bare CPython ptrace loop, boosted, placed", n_trap, median_run(lambda: python_floor(seed, n_trap), int))
     trap_row("trap, push rbp, tracer not pinned (cross-CPU)", n_free, [], "test", pin=False)
     # What a user runs: a trap probe counted, and the same probe printing a line per hit
