@@ -6,7 +6,7 @@ target thread, with its thread area (GS base) and its process's doorbell page:
 
     lea rsp, [rsp-128]; pushfq; push rax        over the red zone
     xchg gs:[UPCALL_BUSY], 1                    taken: a nested hit (a signal handler's): no
-                                                handler, counted missed, on to the region
+                                                handler, counted missed, on (unheard)
     the registers into gs:[UPCALL_FRAME]        (user_regs_struct; rip = where it is, rsp as it was)
     gs:[UPCALL_SITE], [UPCALL_PROBE], [UPCALL_REGION] = the site, its first probe, where the
     relocated instruction is; gs:[UPCALL_STATE] = REQUEST
@@ -19,9 +19,9 @@ target thread, with its thread area (GS base) and its process's doorbell page:
 
 Where the thread goes on is the frame's rip, which the tracer sets before it answers: the
 relocated copy of the instruction it was at (`UpcallDetour.resume`), or wherever a handler sent
-it. `ret 128` takes it from below the red zone, so once BUSY is clear
-the thread needs nothing of the frame: a signal's nested hit in those two instructions may
-have the frame. The flags and every register are the frame's.
+it. `ret 128` takes it from below the red zone, so once BUSY is clear the thread needs nothing
+of the frame: a signal's nested hit in those two instructions may have the frame. The flags and
+every register are the frame's.
 
 Pure: a plan, a probe, a layout and addresses in, bytes out.
 """
