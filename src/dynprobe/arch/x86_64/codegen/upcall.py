@@ -12,7 +12,7 @@ target thread, with its thread area (GS base) and its process's doorbell page:
     relocated instruction is; gs:[UPCALL_STATE] = REQUEST
     lock inc [RING]; futex(RING, WAKE)          the tracer waits on its process's doorbell
                                                 (no system call while it is AWAKE)
-    until gs:[UPCALL_STATE] == ANSWERED:        (spin,) futex(STATE, WAIT, REQUEST, timeout);
+    until gs:[UPCALL_STATE] == ANSWERED:        futex(STATE, WAIT, REQUEST, timeout);
                                                 [GONE] set (no tracer): on, unheard
     the registers back from the frame; rsp = frame.rsp - 128; push frame.rip; IDLE, not BUSY;
     ret 128
@@ -42,7 +42,6 @@ from dynprobe.ringbuf import layout as L
 
 SYS_FUTEX = 202
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared: the tracer waits on its own mapping of the same page
-UPCALL_SPIN = 1  # pauses before a thread sleeps on its answer: the server runs on its CPU (core/loop.py)
 _RED_ZONE = 128
 _FRAME = {name: L.UPCALL_FRAME + 8 * i for i, name in enumerate(REG_NAMES)}
 # Saved and restored by moves; rax, rsp, rip and the flags take a path of their own.
@@ -66,11 +65,11 @@ def _leave(asm: Asm) -> None:
 
 def _upcall(
     asm: Asm, *, rip: int, site: int, probe_index: int, layout: L.AreaLayout, doorbell: int, region: int,
-    unheard: int, spin: int,
+    unheard: int,
 ) -> None:  # fmt: skip
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
     is at `region`; unheard (no tracer) or nested, the thread goes on at `unheard`."""
-    nested, wait, spinning, answered, gone, awake = (asm.label() for _ in range(6))
+    nested, wait, answered, gone, awake = (asm.label() for _ in range(5))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
@@ -105,15 +104,11 @@ def _upcall(
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EDX, 1))
     asm.add(iced.Instruction.create(C.SYSCALL))
     asm.bind(awake)
-    # The answer: (a spin,) a futex wait with a timeout; no tracer left: unheard
+    # The answer: a futex wait with a timeout (no spin: the server runs on this thread's CPU,
+    # core/loop.py); no tracer left: unheard
     asm.bind(wait)
-    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, spin))
-    asm.bind(spinning)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM32_IMM8, gs_at(L.UPCALL_STATE), L.UPCALL_ANSWERED))
     asm.jump(C.JE_REL32_64, answered)
-    asm.add(iced.Instruction.create(C.PAUSE))
-    asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.ECX))
-    asm.jump(C.JNE_REL32_64, spinning)
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, doorbell))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RDI, L.DOORBELL_GONE), 0))
     asm.jump(C.JNE_REL32_64, gone)
@@ -159,7 +154,7 @@ class UpcallDetour(Detour):
 
 def build_upcall(
     plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, at: int, doorbell: int, *, pre: bool = True,
-    post: bool = False, spin: int = UPCALL_SPIN,
+    post: bool = False,
 ) -> UpcallDetour | OptimizeRefusal:  # fmt: skip
     """The upcall detour of a site (`plan`) whose first probe is `probe_index` (its nested hits
     are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`: an
@@ -173,9 +168,8 @@ def build_upcall(
     while True:
         region = at + lengths[0]
         upcall = functools.partial(
-            _upcall, site=plan.site, probe_index=probe_index, layout=layout, doorbell=doorbell, region=region,
-            spin=spin,
-        )  # fmt: skip
+            _upcall, site=plan.site, probe_index=probe_index, layout=layout, doorbell=doorbell, region=region
+        )
         before = Asm()
         if pre:
             upcall(before, rip=plan.site, unheard=region)
