@@ -21,7 +21,7 @@ from dynprobe.errors import ProbeRefused, Refusal, SessionError
 from dynprobe.ringbuf import layout as L
 from tests.conftest import BUILD, build_target
 
-from .helpers import run_plain, traced
+from .helpers import run_plain, run_until, traced
 
 MODES = [pytest.param(True, id="optimized"), pytest.param(False, id="trap")]
 MASK = (1 << 64) - 1
@@ -315,8 +315,7 @@ def test_detach_with_instances_pending_returns_to_the_real_caller(ret: str) -> N
                 with dynprobe.attach(proc.pid) as session:
                     session.optimize = optimize
                     probe = session.probe("r:t/nap nap", action="count")
-                    session.run(timeout=0.3)
-                    assert probe.hits >= 3
+                    run_until(session, lambda probe=probe: probe.hits >= 3, "3 returns")
                 # nap is in usleep now, its return address the trampoline's: after the detach
                 # it returns where it was called from and the loop goes on.
                 before = proc.stdout.readline()
@@ -339,7 +338,7 @@ def test_latency_is_the_time_from_entry_to_return(ret: str, optimize: bool) -> N
                 session.optimize = optimize
                 rec = session.probe("r:t/nap nap ms=$arg1 ns=$latency:u64", on_event=events.append)
                 hist = session.probe("r:t/nap2 nap ns=$latency:u64", action="hist", value="ns")
-                session.run(timeout=0.5)
+                run_until(session, lambda: rec.hits >= 5 and hist.hits >= 5, "5 returns")
                 session.drain()
                 assert rec.mode == hist.mode == (dynprobe.ProbeMode.OPTIMIZED if optimize else dynprobe.ProbeMode.TRAP)
                 buckets = hist.histogram
