@@ -705,6 +705,85 @@ def test_native_upcall_goes_where_the_handler_sends_it(area: NativeArea) -> None
     server.join()
 
 
+def _answer_when(
+    area: NativeArea, asked: Callable[[], bool], resume: dict[int, int], *, wake: bool
+) -> threading.Thread:
+    """A server that answers once `asked()` holds (looked at for 5 s at most, then answered
+    anyway: the test fails on what it saw), waking the thread only if `wake`."""
+
+    def serve() -> None:
+        deadline = time.monotonic() + 5
+        while not asked() and time.monotonic() < deadline:
+            time.sleep(0.0001)
+        regs = Regs.from_buffer_copy(area.mem, L.UPCALL_FRAME)
+        regs.rip = resume[int(regs.rip)]
+        area.mem[L.UPCALL_FRAME : L.UPCALL_FRAME + ctypes.sizeof(Regs)] = np.frombuffer(bytes(regs), dtype=np.uint8)
+        area.set_word(L.UPCALL_STATE, L.UPCALL_ANSWERED)
+        if wake:
+            sc.futex_wake(area.mem.ctypes.data + L.UPCALL_STATE)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return thread
+
+
+def test_native_upcall_spins_for_its_answer_when_the_server_runs_elsewhere(area: NativeArea) -> None:
+    """With SPIN ticks to spare and the server on another CPU, a thread that asked looks for
+    its answer and never sleeps: an answer with no wake-up reaches it at once."""
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    doorbell[L.DOORBELL_SPIN // 8] = 1 << 40  # (minutes)
+    doorbell[L.DOORBELL_CPU // 8] = (1 << 64) - 1  # (no CPU)
+    function, resume = _upcall_site(area, doorbell.ctypes.data)
+    area.set_word(L.UPCALL_TIMEOUT, 5)  # (a thread that slept, never woken, would go on in 5 s)
+    slept: list[int] = []
+
+    def asked() -> bool:  # (and, 50 ms on, still not asleep)
+        if area.word(L.UPCALL_STATE) != L.UPCALL_REQUEST:
+            return False
+        deadline = time.monotonic() + 0.05
+        while time.monotonic() < deadline and not area.word(L.UPCALL_SLEEPING):
+            time.sleep(0.001)
+        slept.append(area.word(L.UPCALL_SLEEPING))
+        return True
+
+    server = _answer_when(area, asked, resume, wake=False)
+    assert area.call_at(function, 7) == 7
+    server.join()
+    assert slept == [0]
+    assert area.word(L.UPCALL_CPU) in os.sched_getaffinity(0)
+    assert area.word(L.UPCALL_STATE) == L.UPCALL_IDLE and area.word(L.UPCALL_SLEEPING) == 0
+
+
+def test_native_upcall_on_the_servers_cpu_sleeps_at_once(area: NativeArea) -> None:
+    """A thread that asks on the CPU the server runs on does not spin (it would keep the server
+    from running): it says it sleeps, and is woken by the answer."""
+    cpu = min(os.sched_getaffinity(0))
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    doorbell[L.DOORBELL_SPIN // 8] = 1 << 40
+    doorbell[L.DOORBELL_CPU // 8] = cpu
+    function, resume = _upcall_site(area, doorbell.ctypes.data)
+    area.set_word(L.UPCALL_TIMEOUT, 60)  # (asleep until woken)
+    slept: list[int] = []
+
+    def asked() -> bool:
+        slept.append(area.word(L.UPCALL_SLEEPING))
+        return slept[-1] == 1
+
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        server = _answer_when(area, asked, resume, wake=True)
+        os.sched_setaffinity(server.native_id or 0, allowed)
+        started = time.monotonic()
+        assert area.call_at(function, 7) == 7
+        waited = time.monotonic() - started
+    finally:
+        os.sched_setaffinity(0, allowed)
+    server.join()
+    assert slept[-1] == 1 and waited < 30  # (asleep, then woken: not the wait's 60 s)
+    assert area.word(L.UPCALL_CPU) == cpu and area.word(L.UPCALL_SLEEPING) == 0
+
+
 def test_native_upcall_with_no_tracer_goes_on_unheard(area: NativeArea) -> None:
     doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
     doorbell[L.DOORBELL_GONE // 8] = 1

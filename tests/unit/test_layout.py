@@ -54,13 +54,16 @@ def test_the_thread_area_header() -> None:
         "upcall timeout": (L.UPCALL_TIMEOUT, 16),  # struct timespec
         "upcall region": (L.UPCALL_REGION, 8),
         "upcall site": (L.UPCALL_SITE, 8),
+        "upcall cpu": (L.UPCALL_CPU, 8),
+        "upcall sleeping": (L.UPCALL_SLEEPING, 8),
     }
     check_fields(fields, L.HEADER_BYTES)
     assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0
     assert L.HEADER_BYTES == L.PAGE
     assert L.AREA_MAGIC.to_bytes(8, "little") == b"DYPREA1\0"
     assert sorted((L.UPCALL_IDLE, L.UPCALL_REQUEST, L.UPCALL_ANSWERED)) == [0, 1, 2]
-    check_fields({"ring": (L.DOORBELL_RING, 4), "gone": (L.DOORBELL_GONE, 8), "awake": (L.DOORBELL_AWAKE, 8)}, L.PAGE)
+    bell = {"ring": (L.DOORBELL_RING, 4), "gone": (L.DOORBELL_GONE, 8), "awake": (L.DOORBELL_AWAKE, 8)}
+    check_fields({**bell, "spin": (L.DOORBELL_SPIN, 8), "cpu": (L.DOORBELL_CPU, 8)}, L.PAGE)
 
 
 def test_the_per_probe_counters_and_histogram_buckets() -> None:

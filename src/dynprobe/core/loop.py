@@ -167,7 +167,7 @@ class StopLoop:
         processes.home_cpu = cpu
         if data.consumer is not None:
             data.consumer.place(allowed - {cpu})  # draining rings never competes with the target
-        self.engine.upcalls.place({cpu})  # (with the target's wake-ups: a thread that asks sleeps at once)
+        self.engine.upcalls.place(allowed - {cpu}, spin=True)
         for proc in processes:
             proc.tracee.home_cpu = cpu
         try:
@@ -179,7 +179,7 @@ class StopLoop:
             os.sched_setaffinity(0, allowed)
             if data.consumer is not None:  # (made during the run, maybe: its thread took our CPU)
                 data.consumer.place(allowed)
-            self.engine.upcalls.place(allowed)
+            self.engine.upcalls.place(allowed, spin=len(allowed) > 1)
 
     def _next_stop(self, timeout: float | None) -> tuple[int, int] | None:
         """The next (pid, status) of any tracee, (-1, 0) when none is left, or None when `timeout`

@@ -128,7 +128,7 @@ class BatchHandler:
         raise NotImplementedError
 
 
-@dataclass
+@dataclass(slots=True)
 class Hit:
     """What a handler gets: the probe, the thread's registers (writable) and its memory."""
 

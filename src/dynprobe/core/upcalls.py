@@ -2,12 +2,18 @@
 
 A site whose enabled probes all have Python handlers takes a jump, like an optimized probe,
 to an upcall detour (arch/x86_64/codegen/upcall.py): the thread saves its registers in its
-thread area's frame, asks, rings its process's doorbell and waits. Here, a server thread sleeps
-on every process's doorbell (futex_waitv, the GIL let go), runs the handlers of each thread that
-asks on a `Hit` whose registers are the frame's (a copy, written back: a handler's register
-writes are what the thread resumes with), sets where the thread goes on (the relocated copy of
-the site's instruction, or where a handler that returned True sent it) and answers. Memory
-reads and writes go through /proc/PID/mem, as at a stop.
+thread area's frame, asks, rings its process's doorbell and waits. Here, a server thread runs
+the handlers of each thread that asks on a `Hit` whose registers are the frame's (a copy,
+written back: a handler's register writes are what the thread resumes with), sets where the
+thread goes on (the relocated copy of the site's instruction, or where a handler that returned
+True sent it) and answers. Memory reads and writes go through /proc/PID/mem, as at a stop.
+
+Waking a sleeping thread costs more than a ptrace stop on this kind of VM, so neither side
+sleeps while hits come often: the server runs on another CPU than the threads that ask, and
+after each answer looks at the doorbells for SPIN before it sleeps on them (futex_waitv, the GIL
+let go); a thread that asked looks for its answer as long (the doorbell's SPIN ticks) before it
+sleeps on its state, and is woken only if it said it sleeps. A thread that asks on the server's
+CPU sleeps at once, and the server moves away from it.
 
 Handlers run in the server thread, one at a time. What needs the tracing thread (placing,
 enabling, disabling or removing probes, closing the session) is refused there with a clear
@@ -46,8 +52,13 @@ from dynprobe.symbols.maps import Mapping
 from dynprobe.threads import place, start_without_signals
 
 WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it should stop
+# Seconds each side looks for the other before it sleeps, when they run on different CPUs: a
+# thread for its answer, the server for the next request after its last.
+SPIN = 100e-6
+MOVE_EVERY = 0.01  # seconds between two moves of the server away from a thread that asks on its CPU
 MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at once
 _STATE = L.UPCALL_STATE // 8
+_RING = L.DOORBELL_RING // 8
 
 
 class UpcallsEngine(Protocol):
@@ -57,6 +68,7 @@ class UpcallsEngine(Protocol):
 
     def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext: ...
     def warn(self, message: str) -> None: ...
+    def tsc_mult(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -66,21 +78,47 @@ class Doorbell:
     addr: int
     view: mmap.mmap
     ring: int  # our address of its RING word
+    words: memoryview  # the page as i64s
 
     @classmethod
     def over(cls, addr: int, view: mmap.mmap) -> Doorbell:
-        return cls(addr, view, ctypes.addressof(ctypes.c_char.from_buffer(view)) + L.DOORBELL_RING)
+        ring = ctypes.addressof(ctypes.c_char.from_buffer(view)) + L.DOORBELL_RING
+        return cls(addr, view, ring, memoryview(view).cast("q"))
 
     def rung(self) -> int:
-        return int.from_bytes(self.view[L.DOORBELL_RING : L.DOORBELL_RING + 4], "little")
+        return self.words[_RING] & 0xFFFFFFFF
 
     def gone(self) -> None:
         """No answer will come: a thread that asks goes on unheard."""
-        self.view[L.DOORBELL_GONE : L.DOORBELL_GONE + 8] = (1).to_bytes(8, "little")
+        self.words[L.DOORBELL_GONE // 8] = 1
 
     def awake(self, on: bool) -> None:
         """Whether the server looks for requests now (a thread that asks need not wake it)."""
-        self.view[L.DOORBELL_AWAKE : L.DOORBELL_AWAKE + 8] = int(on).to_bytes(8, "little")
+        self.words[L.DOORBELL_AWAKE // 8] = on
+
+    def on_cpu(self, cpu: int) -> None:
+        """The CPU the server runs on: a thread that asks there does not spin."""
+        self.words[L.DOORBELL_CPU // 8] = cpu
+
+    def spin(self, ticks: int) -> None:
+        """How long a thread that asked looks for its answer before it sleeps."""
+        self.words[L.DOORBELL_SPIN // 8] = ticks
+
+    def close(self) -> None:
+        self.words.release()
+        self.view.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Asker:
+    """A thread that may ask, with what answering it takes, found once."""
+
+    tid: int
+    proc: TracedProcess | None
+    cells: memoryview  # its area as u64s
+    view: mmap.mmap  # its area's pool
+    frame: int  # where its frame is in `view`
+    state: int  # our address of its UPCALL_STATE (a futex)
 
 
 class Upcalls:
@@ -90,15 +128,23 @@ class Upcalls:
         self.engine = engine
         self._enabled = False
         self._bells: dict[TracedProcess, Doorbell] = {}  # (a fork child shares its parent's)
+        self._version = 0  # of _bells: the server looks at them again when it changes
         self._lock = threading.Lock()  # the server reads _bells, the tracing thread changes it
         self._pools: weakref.WeakKeyDictionary[Pool, int] = weakref.WeakKeyDictionary()  # (see _address)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._reported: set[Probe] = set()
-        # Where the server runs: during a run, on the CPU where it wakes the target's threads
-        # (core/loop.py): a thread that asks sleeps at once, and the wake-ups on one CPU cost
-        # least on this kind of VM (measured: `make bench`'s upcall row)
+        # Where the server runs (during a run, off the CPU where the target's threads wake up,
+        # core/loop.py), and whether it and the threads that ask look for each other (SPIN)
+        # before they sleep: not when they may share a CPU, where it would only delay the other.
         self._cpus: set[int] | None = None
+        self._allowed = os.sched_getaffinity(0)
+        self._spin = len(self._allowed) > 1
+        self._cpu = -1  # where the server runs
+        self._moved_at = 0.0  # when the server last left a CPU to a thread that asks there
+        # Acquired and released between storing an answer and looking whether its thread
+        # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
+        self._fence = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -146,6 +192,9 @@ class Upcalls:
             proc.tracee.journal.record_doorbell(proc.pid, addr + L.DOORBELL_GONE)
         with self._lock:
             bell = self._bells[proc] = Doorbell.over(addr, view)
+            self._version += 1
+            bell.spin(self._spin_ticks())
+            bell.on_cpu(self._cpu)
         if self._thread is None:
             self._stopping.clear()
             self._thread = start_without_signals(self._serve, "dynprobe-upcalls")
@@ -155,6 +204,7 @@ class Upcalls:
         """Every doorbell once (a fork child shares its parent's), of processes still traced."""
         for proc in [p for p in self._bells if p.status is not None]:
             del self._bells[proc]  # (ended: its page went with it)
+            self._version += 1
         return list({id(b): b for b in self._bells.values()}.values())
 
     def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
@@ -162,14 +212,17 @@ class Upcalls:
             bell = self._bells.get(parent)
             if bell is not None:  # the same page, mapped shared: the child's asks ring it too
                 self._bells[child] = bell
+                self._version += 1
 
     def let_go(self, child: TracedProcess) -> None:
         with self._lock:
             self._bells.pop(child, None)
+            self._version += 1
 
     def forget_image(self, proc: TracedProcess) -> None:
         with self._lock:
             self._bells.pop(proc, None)  # (the exec took the mapping with the old image)
+            self._version += 1
 
     def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         """(A new program's sites are optimized as they are armed.)"""
@@ -182,18 +235,38 @@ class Upcalls:
         """Answer requests until stopped. Should it fail, every thread goes on unheard from then."""
         if self._cpus is not None:
             os.sched_setaffinity(0, self._cpus)
+        bells: list[Doorbell] = []
+        pages: list[memoryview] = []  # the doorbells' words
+        askers: list[Asker] = []
+        seen: tuple[int, ...] = ()  # the versions of the doorbells and thread areas they are of
         try:
             while not self._stopping.is_set():
-                with self._lock:
-                    bells = self._distinct()
-                for tid, area in list(self._asking()):
-                    self._answer(tid, area)
+                rings = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
+                answered = False
+                for asker in askers:
+                    if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST:
+                        self._answer(asker)
+                        answered = True
+                if not answered and self._versions() != seen:  # (a new process or thread may ask)
+                    with self._lock:
+                        bells = self._distinct()
+                    pages = [bell.words for bell in bells]
+                    askers = list(self._areas())
+                    seen = self._versions()
+                    continue
+                cpu = sc.current_cpu()
+                if cpu != self._cpu:
+                    self._cpu = cpu
+                    for bell in bells:
+                        bell.on_cpu(cpu)
+                if self._spin and self._rung(pages, rings, time.monotonic() + SPIN):
+                    continue
                 for bell in bells:
                     bell.awake(False)
-                seen = [(bell.ring, bell.rung()) for bell in bells]
+                waits = [(bell.ring, bell.rung()) for bell in bells]
                 if not any(True for _ in self._asking()):  # (one asked before the doorbells were quiet)
-                    if seen:
-                        sc.futex_waitv(seen, WAIT)
+                    if waits:
+                        sc.futex_waitv(waits, WAIT)
                     else:
                         self._stopping.wait(WAIT)
                 for bell in bells:
@@ -203,11 +276,38 @@ class Upcalls:
             with self._lock:
                 for bell in self._distinct():
                     bell.gone()
-            for tid, area in list(self._asking()):
-                self._answer(tid, area, handlers=False)
+            for asker in list(self._asking()):
+                self._answer(asker, handlers=False)
 
-    def _asking(self, only: TracedProcess | None = None) -> Iterator[tuple[int, AreaRef]]:
-        """The threads that ask now (of `only`, if given): tid and area, once each (a vfork
+    def _versions(self) -> tuple[int, ...]:
+        """What the server's lists of doorbells and threads are made of, as it is now."""
+        return (self._version, *(p.areas.version for p in list(self._bells) if p.areas is not None))
+
+    def _make_room(self, cpu: int) -> None:
+        """A thread asked on the server's CPU, where neither can spin for the other: the
+        server moves to another (at most every MOVE_EVERY seconds: threads that ask on every
+        CPU would keep it moving)."""
+        others = self._allowed - {cpu}
+        now = time.monotonic()
+        if others and now - self._moved_at >= MOVE_EVERY:
+            self._moved_at = now
+            self.place(others, spin=self._spin)
+
+    def _rung(self, pages: list[memoryview], seen: list[int], until: float) -> bool:
+        """Whether a doorbell (its `pages`) has rung since it was `seen`, or does before `until`
+        (time.monotonic), looked at again and again. The GIL is let go now and then, for the
+        tracing thread."""
+        while True:
+            for _ in range(64):
+                for page, value in zip(pages, seen, strict=True):
+                    if page[_RING] & 0xFFFFFFFF != value:
+                        return True
+            if time.monotonic() >= until or self._stopping.is_set():
+                return False
+            time.sleep(0)
+
+    def _areas(self, only: TracedProcess | None = None) -> Iterator[Asker]:
+        """The threads of the processes with doorbells (of `only`, if given), once each (a vfork
         child's areas are its parent's)."""
         seen: set[int] = set()
         for proc in [only] if only is not None else self.engine.processes:
@@ -215,27 +315,41 @@ class Upcalls:
             if areas is None or proc not in self._bells:
                 continue
             for tid, area in areas.live():
-                if area.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and id(area) not in seen:
+                if id(area) not in seen:
                     seen.add(id(area))
-                    yield tid, area
+                    owner = self.engine.processes.process_of(tid)
+                    at = area.offset
+                    yield Asker(
+                        tid,
+                        owner,
+                        area.cells,
+                        area.pool.view,
+                        at + L.UPCALL_FRAME,
+                        self._address(area) + L.UPCALL_STATE,
+                    )
 
-    def _answer(self, tid: int, area: AreaRef, *, handlers: bool = True) -> None:
+    def _asking(self, only: TracedProcess | None = None) -> Iterator[Asker]:
+        """The threads that ask now (of `only`, if given)."""
+        for asker in self._areas(only):
+            if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST:
+                yield asker
+
+    def _answer(self, asker: Asker, *, handlers: bool = True) -> None:
         """Run the handlers on the thread's frame (a copy, written back: a handler may keep its
         hit), set where it goes on, and answer it: whatever happens, it is answered. The
         handlers of a process we do not follow (a vfork child) do not run."""
-        if area.cells[_STATE] & 0xFFFFFFFF != L.UPCALL_REQUEST:
+        cells, proc = asker.cells, asker.proc
+        if cells[_STATE] & 0xFFFFFFFF != L.UPCALL_REQUEST:
             return  # (answered meanwhile)
-        view, at = area.pool.view, area.offset + L.UPCALL_FRAME
+        view, at = asker.view, asker.frame
         regs = Regs.from_buffer_copy(view, at)
-        region = int(area.cells[L.UPCALL_REGION // 8])
-        site_addr = int(area.cells[L.UPCALL_SITE // 8])
-        asked_at = int(regs.rip)  # the site (before its instruction) or the next one (after)
-        proc = self.engine.processes.process_of(tid)
+        region, site_addr = cells[L.UPCALL_REGION // 8], cells[L.UPCALL_SITE // 8]
+        asked_at = regs.rip  # the site (before its instruction) or the next one (after)
         site = proc.sites.get(site_addr) if proc is not None else None
         target = asked_at
         try:
             if handlers and proc is not None and proc.follow and site is not None:
-                target = self._run_handlers(proc, tid, site, regs, post=asked_at != site_addr) or asked_at
+                target = self._run_handlers(proc, asker.tid, site, regs, post=asked_at != site_addr) or asked_at
         finally:
             # On in the asking detour's copy of the region (there as long as a thread is in the
             # detour); an address the handler chose, as it is.
@@ -243,9 +357,14 @@ class Upcalls:
             if not resume or resume.get(site_addr) != region:
                 resume = {site_addr: region}  # (a detour made before the site's last one)
             regs.rip = resume.get(target, target)
-            view[at : at + ctypes.sizeof(Regs)] = bytes(regs)
-            area.cells[_STATE] = L.UPCALL_ANSWERED
-            sc.futex_wake(self._address(area) + L.UPCALL_STATE)
+            view[at : at + ctypes.sizeof(Regs)] = regs
+            cells[_STATE] = L.UPCALL_ANSWERED
+            with self._fence:  # (see the detour's SLEEPING)
+                pass
+            if cells[L.UPCALL_SLEEPING // 8]:
+                sc.futex_wake(asker.state)
+            if self._spin and cells[L.UPCALL_CPU // 8] == self._cpu:
+                self._make_room(self._cpu)
 
     def _address(self, area: AreaRef) -> int:
         """Where `area` is in our memory (its pool's address found once)."""
@@ -284,10 +403,18 @@ class Upcalls:
                 return int(regs.rip)
         return int(regs.rip) if post and int(regs.rip) != asked_at else None
 
-    def place(self, cpus: set[int]) -> None:
-        """Run on these CPUs."""
+    def place(self, cpus: set[int], *, spin: bool) -> None:
+        """Run on these CPUs; `spin`: whether the server and the threads that ask look for each
+        other before they sleep (not where they may share a CPU)."""
         self._cpus = cpus
+        self._spin = spin
         place(self._thread, cpus)
+        with self._lock:
+            for bell in self._distinct():
+                bell.spin(self._spin_ticks())
+
+    def _spin_ticks(self) -> int:
+        return (int(SPIN * 1e9) << 32) // self.engine.tsc_mult() if self._spin else 0
 
     def stop(self) -> None:
         """The server thread ends (after the handler it runs, if any)."""
@@ -300,14 +427,15 @@ class Upcalls:
         """Our mappings of the doorbells go (the session has let every process go)."""
         with self._lock:
             for bell in {id(b): b for b in self._bells.values()}.values():
-                bell.view.close()
+                bell.close()
             self._bells.clear()
+            self._version += 1
 
     def let_go_all(self, proc: TracedProcess) -> None:
         """At detach (the server stopped, the world too): every thread of `proc` that asks is
         answered without its handlers, and no later one waits (GONE set)."""
-        for tid, area in list(self._asking(proc)):
-            self._answer(tid, area, handlers=False)
+        for asker in list(self._asking(proc)):
+            self._answer(asker, handlers=False)
         bell = self._bells.get(proc)
         if bell is not None:
             bell.gone()

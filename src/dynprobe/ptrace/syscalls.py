@@ -185,6 +185,12 @@ def futex_wake(addr: int, count: int = 1) -> None:
     _syscall_hot(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
 
 
+current_cpu = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6").sched_getcpu
+current_cpu.restype = ctypes.c_int
+current_cpu.argtypes = []
+current_cpu.__doc__ = """The CPU the calling thread runs on (the vDSO's getcpu: no system call)."""
+
+
 def futex_waitv(words: list[tuple[int, int]], timeout: float) -> None:
     """Sleep until one of the shared u32 futexes (address, the value seen) is woken or no longer
     holds its value, or `timeout` seconds pass. Lets the GIL go while it sleeps."""

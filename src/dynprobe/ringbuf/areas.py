@@ -102,6 +102,7 @@ class ThreadAreas:
         self._commit = commit
         self.pools: list[Pool] = []
         self.by_tid: dict[int, AreaRef] = {}
+        self.version = 0  # of by_tid
         self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
         self.wait_ticks = 0  # how long a writer may wait for room in a full ring (layout.WAIT_TICKS)
         self.overwrite = False  # a flight recorder's rings: a full one gives up its oldest records
@@ -118,6 +119,7 @@ class ThreadAreas:
                 self._free.extend(AreaRef(pool, i) for i in reversed(range(pool.count)))
             area = self._free.pop()
             self.by_tid[tid] = area
+            self.version += 1
         if area.index not in area.pool.committed:
             area.pool.committed.add(area.index)
             self._commit(tid, area.target_addr)
@@ -126,7 +128,8 @@ class ThreadAreas:
         words[L.WAIT_TICKS // 8] = self.wait_ticks
         words[L.OVERWRITE // 8] = self.overwrite
         words[L.UPCALL_SELF // 8] = area.target_addr  # (for its futex: core/upcalls.py)
-        words[L.UPCALL_STATE // 8] = words[L.UPCALL_BUSY // 8] = 0  # (a thread killed in an upcall left them)
+        for word in (L.UPCALL_STATE, L.UPCALL_BUSY, L.UPCALL_SLEEPING):  # (a thread killed in an upcall left them)
+            words[word // 8] = 0
         words[L.UPCALL_TIMEOUT // 8 : L.UPCALL_TIMEOUT // 8 + 2] = divmod(L.UPCALL_WAIT_NS, 1_000_000_000)
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
@@ -155,6 +158,7 @@ class ThreadAreas:
         with self.lock:
             area = self.by_tid.pop(tid, None)
             if area is not None:
+                self.version += 1
                 _publish_held(area, self.layout)
                 self.retired.append((tid, area))
 

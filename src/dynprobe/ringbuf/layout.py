@@ -91,14 +91,20 @@ UPCALL_SELF = 0x2F8
 UPCALL_TIMEOUT = 0x300
 UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
 UPCALL_SITE = 0x318  # the site it asks for (its rip: where it is, the site or the next instruction)
+UPCALL_CPU = 0x320  # the CPU it asked on
+UPCALL_SLEEPING = 0x328  # nonzero while it may sleep for its answer (the answer then wakes it)
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 UPCALL_WAIT_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the
 # tracer is looking for requests already); GONE, set when no tracer will answer (a detach, the
-# guardian), when a waiting thread goes on without its handlers.
+# guardian), when a waiting thread goes on without its handlers; SPIN, how many time-stamp
+# counter ticks a thread that asked looks for its answer before it sleeps, unless it asked on
+# CPU, the server's (where spinning would only keep the server from running).
 DOORBELL_RING = 0
 DOORBELL_GONE = 8
 DOORBELL_AWAKE = 16
+DOORBELL_SPIN = 24
+DOORBELL_CPU = 32
 HEADER_BYTES = PAGE
 
 PROBE_COUNTERS = 4  # per probe: hits, missed, lost, pending return instances

@@ -12,10 +12,12 @@ target thread, with its thread area (GS base) and its process's doorbell page:
     relocated instruction is; gs:[UPCALL_STATE] = REQUEST
     lock inc [RING]; futex(RING, WAKE)          the tracer waits on its process's doorbell
                                                 (no system call while it is AWAKE)
-    until gs:[UPCALL_STATE] == ANSWERED:        futex(STATE, WAIT, REQUEST, timeout);
+    until gs:[UPCALL_STATE] == ANSWERED:        looked for during [SPIN] ticks (pause) unless
+                                                the server runs on this CPU ([CPU]), then
+                                                SLEEPING; futex(STATE, WAIT, REQUEST, timeout);
                                                 [GONE] set (no tracer): on, unheard
-    the registers back from the frame; rsp = frame.rsp - 128; push frame.rip; IDLE, not BUSY;
-    ret 128
+    the registers back from the frame; rsp = frame.rsp - 128; push frame.rip; IDLE, not
+    SLEEPING, not BUSY; ret 128
 
 Where the thread goes on is the frame's rip, which the tracer sets before it answers: the
 relocated copy of the instruction it was at (`UpcallDetour.resume`), or wherever a handler sent
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import REG, Asm, C, Detour, R, gs_at, mem_at
+from dynprobe.arch.x86_64.codegen.asm import REG, Asm, C, Detour, R, gs_at, mem_at, read_tsc
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
 from dynprobe.arch.x86_64.regs import REG_NAMES
 from dynprobe.arch.x86_64.relocate import jump_to, relocate
@@ -43,6 +45,7 @@ from dynprobe.ringbuf import layout as L
 SYS_FUTEX = 202
 FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared: the tracer waits on its own mapping of the same page
 _RED_ZONE = 128
+_CPUNODE_SELECTOR = 15 * 8 + 3  # GDT_ENTRY_CPUNODE, user privilege
 _FRAME = {name: L.UPCALL_FRAME + 8 * i for i, name in enumerate(REG_NAMES)}
 # Saved and restored by moves; rax, rsp, rip and the flags take a path of their own.
 _MOVED = ("rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
@@ -57,9 +60,18 @@ def _restore(asm: Asm) -> None:
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(_FRAME["rax"])))
 
 
+def _read_cpu(asm: Asm) -> None:
+    """rax = the CPU this thread runs on, as the kernel's getcpu() reads it on every x86-64
+    (the limit of the per-CPU segment of the GDT, entry 15: the node above bit 12)."""
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, _CPUNODE_SELECTOR))
+    asm.add(iced.Instruction.create_reg_reg(C.LSL_R32_R32M16, R.EAX, R.EAX))
+    asm.add(iced.Instruction.create_reg_u32(C.AND_EAX_IMM32, R.EAX, 0xFFF))
+
+
 def _leave(asm: Asm) -> None:
     """The upcall over: the thread's state idle, no longer busy (moves: the flags are the frame's)."""
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM32_IMM32, gs_at(L.UPCALL_STATE), L.UPCALL_IDLE))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_SLEEPING), 0))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_BUSY), 0))
 
 
@@ -69,7 +81,7 @@ def _upcall(
 ) -> None:  # fmt: skip
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
     is at `region`; unheard (no tracer) or nested, the thread goes on at `unheard`."""
-    nested, wait, answered, gone, awake = (asm.label() for _ in range(5))
+    nested, spin, wait, answered, gone, awake = (asm.label() for _ in range(6))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
@@ -104,14 +116,37 @@ def _upcall(
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EDX, 1))
     asm.add(iced.Instruction.create(C.SYSCALL))
     asm.bind(awake)
-    # The answer: a futex wait with a timeout (no spin: the server runs on this thread's CPU,
-    # core/loop.py); no tracer left: unheard
+    # The answer: looked for until the doorbell's SPIN ticks have passed, unless the server runs
+    # on this CPU (rax, rdx and r8 are in the frame), then a futex wait with a timeout, again and
+    # again; no tracer left: unheard
+    _read_cpu(asm)
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_CPU), R.RAX))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, mem_at(R.RDI, L.DOORBELL_CPU - L.DOORBELL_RING)))
+    asm.jump(C.JE_REL32_64, wait)
+    read_tsc(asm)
+    asm.add(iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.RAX, mem_at(R.RDI, L.DOORBELL_SPIN - L.DOORBELL_RING)))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.R8, R.RAX))
+    asm.bind(spin)
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM32_IMM8, gs_at(L.UPCALL_STATE), L.UPCALL_ANSWERED))
+    asm.jump(C.JE_REL32_64, answered)
+    asm.add(iced.Instruction.create(C.PAUSE))
+    read_tsc(asm)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.R8))
+    asm.jump(C.JB_REL32_64, spin)
     asm.bind(wait)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM32_IMM8, gs_at(L.UPCALL_STATE), L.UPCALL_ANSWERED))
     asm.jump(C.JE_REL32_64, answered)
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, doorbell))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RDI, L.DOORBELL_GONE), 0))
     asm.jump(C.JNE_REL32_64, gone)
+    # SLEEPING, then the state once more, with a full barrier between (the tracer stores the
+    # state, then looks at SLEEPING: one of the two sees the other's store, no wake-up is lost)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_SLEEPING), 1))
+    fence = iced.Instruction.create_mem_i32(C.OR_RM64_IMM8, mem_at(R.RSP), 0)
+    fence.has_lock_prefix = True
+    asm.add(fence)
+    asm.add(iced.Instruction.create_mem_i32(C.CMP_RM32_IMM8, gs_at(L.UPCALL_STATE), L.UPCALL_ANSWERED))
+    asm.jump(C.JE_REL32_64, answered)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDI, gs_at(L.UPCALL_SELF)))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R10, mem_at(R.RDI, L.UPCALL_TIMEOUT)))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, mem_at(R.RDI, L.UPCALL_STATE)))
