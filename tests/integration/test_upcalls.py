@@ -136,7 +136,7 @@ def test_a_handler_that_exits_or_closes_the_session_is_reported_and_the_program_
         assert session.warnings == [
             "t/exits: its handler raised SystemExit: 3 (reported once)",
             "t/closes: its handler raised SessionError: closing the session from a handler served by an upcall is "
-            "not possible yet: set session.upcalls = False (reported once)",
+            "not possible: set session.upcalls = False (reported once)",
         ]
 
 
@@ -148,15 +148,65 @@ def test_a_handler_stops_the_session_and_the_next_run_goes_on(counter: str) -> N
         assert session.run(timeout=60) == 0 and probe.hits == 100
 
 
-def test_a_handler_may_not_place_probes_yet_and_says_so(counter: str) -> None:
-    with dynprobe.spawn([counter, "5", "1"], stdout=subprocess.DEVNULL) as session:
-        session.upcalls = True
-        session.probe("p:t/placing work", pre=lambda hit: session.probe("main"))
-        assert session.run(timeout=60) == 0
-        assert session.warnings == [
-            "t/placing: its handler raised SessionError: placing a probe from a handler served by an upcall is not "
-            "possible yet: set session.upcalls = False (reported once)"
-        ]
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_places_removes_and_disables_probes(counter: str, mode: str) -> None:
+    """From a handler: a probe placed (its handler runs from the next call on), one that removes
+    itself, one that disables itself; the stop loop makes those calls for a handler served by
+    an upcall, which waits for them."""
+    seen: list[int] = []
+    placed: list[dynprobe.Probe] = []
+    sessions: list[dynprobe.Session] = []
+
+    def later(hit: Hit) -> None:
+        seen.append(hit.regs.arg(1))
+        if hit.regs.arg(1) == 19:
+            hit.probe.remove()
+
+    def first(hit: Hit) -> None:
+        if hit.regs.arg(1) == 9:
+            placed.append(sessions[0].probe("p:t/later work", pre=later))
+        if hit.regs.arg(1) == 49:
+            hit.probe.disable()
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        sessions.append(session)
+        return session.probe("p:t/first work", pre=first)
+
+    status, out, probe = run([counter, "100", "1"], mode, place)
+    assert status == 0 and out == "total=10000\n"
+    assert seen == list(range(10, 20))
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 50 and not probe.enabled
+    assert len(placed) == 1 and placed[0].removed
+
+
+def test_a_handler_asks_for_the_loop_only_while_it_runs() -> None:
+    """Between two runs the threads still ask and are served, but nobody would make a call
+    for a handler: it is told so (reported once), and the program goes on."""
+    program = subprocess.Popen([hot_program(), "2", "2.0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert program.stdout is not None and program.stdout.readline() == "ready\n"
+        wanted, tried = threading.Event(), threading.Event()
+
+        def pre(hit: Hit) -> None:
+            if wanted.is_set():
+                tried.set()
+                session.probe("main")
+
+        with dynprobe.attach(program.pid) as session:
+            session.upcalls = True
+            probe = session.probe("p:t/placing work", pre=pre)
+            run_until(session, lambda: probe.hits > 0, "a hit")
+            wanted.set()
+            assert tried.wait(60)
+            assert session.warnings == [
+                "t/placing: its handler raised SessionError: placing a probe from a handler served by an upcall "
+                "needs session.run() to be running (reported once)"
+            ]
+        out, _ = program.communicate(timeout=60)
+        assert program.returncode == 0 and out.startswith("ok "), out
+    finally:
+        if program.poll() is None:
+            program.kill()
 
 
 def test_switching_upcalls_replans_the_sites_placed(counter: str) -> None:

@@ -58,6 +58,7 @@ class StopLoop:
         self._waiting = False  # in a blocking wait for a stop (see _wakeable)
         self._wait_until: float | None = None  # when that wait's time limit passes (time.monotonic)
         self._waker_on = False  # the main thread's run: its waits are woken by a thread (_wakeable)
+        self._main: int | None = None  # that thread's ident, while so
 
     def run(self, timeout: float | None) -> bool:
         """Serve stops until every traced process has exited (True), or `timeout` seconds
@@ -70,11 +71,14 @@ class StopLoop:
         if any(p.action is not None for p in engine.probes) or engine.tracing.tracers:
             engine.data.ensure_consumer().start()  # before the tracer pins itself: it runs elsewhere
         optimizer, pending = engine.optimizer, processes.pending
-        with self._tracer_pinned(), self._running(), self._wakeable():
+        upcalls = engine.upcalls
+        with self._tracer_pinned(), self._running(), self._wakeable(), upcalls.taking_jobs():
             optimizer.flush()  # everything placed so far, before the target runs on
             processes.start()
             while processes and not self.stop_requested:
                 try:
+                    if upcalls.has_jobs():
+                        upcalls.run_jobs()
                     due = optimizer.due_in()
                     if due == 0:
                         optimizer.flush()
@@ -236,9 +240,11 @@ class StopLoop:
 
         waker = start_without_signals(wake_while_waiting, "dynprobe-waker")
         self._waker_on = True
+        self._main = main
         try:
             yield
         finally:
+            self._main = None
             self._waker_on = False
             done.set()
             waker.join()
@@ -246,8 +252,17 @@ class StopLoop:
 
     def _woken(self, signum: int, frame: FrameType | None) -> None:
         until = self._wait_until
-        if self._waiting and (self.stop_requested or (until is not None and time.monotonic() >= until)):
+        due = self.stop_requested or self.engine.upcalls.has_jobs()
+        if self._waiting and (due or (until is not None and time.monotonic() >= until)):
             self.engine.processes.interrupt_running()
+
+    def wake(self) -> None:
+        """End the wait for a stop soon, from any thread (a handler's call for the loop to
+        make, core/upcalls.py): at once in the main thread's run, else at its next stop."""
+        main = self._main
+        if main is not None and self._waiting:
+            with contextlib.suppress(OSError):
+                signal.pthread_kill(main, _WAKE_SIGNAL)
 
     def interrupt_wait(self) -> None:
         """Make `run()` return promptly (from a signal handler): never raises (an exception in

@@ -111,6 +111,9 @@ class Runtime:
     def request_stop(self) -> None:
         self.loop.stop_requested = True
 
+    def wake_loop(self) -> None:
+        self.loop.wake()
+
     # --- processes and threads ------------------------------------------------------------------
     def process(self, pid: int) -> TracedProcess | None:
         return self.processes.process(pid)
@@ -280,14 +283,18 @@ class Runtime:
         return [a for p in self.processes for a, s in p.sites.items() if probe in s.probes and (s.armed or s.optimized)]
 
     def sync_probe(self, probe: Probe) -> None:
-        self.upcalls.check_not_in_server("enabling or disabling a probe")
+        self.upcalls.on_tracing_thread("enabling or disabling a probe", lambda: self._sync_probe(probe))
+
+    def _sync_probe(self, probe: Probe) -> None:
         for proc in self.processes:
             for site in proc.sites.values():
                 if probe in site.probes:
                     self.patcher.set_armed(proc, site, site.wanted)
 
     def remove_probe(self, probe: Probe) -> None:
-        self.upcalls.check_not_in_server("removing a probe")
+        self.upcalls.on_tracing_thread("removing a probe", lambda: self._remove_probe(probe))
+
+    def _remove_probe(self, probe: Probe) -> None:
         probe.removed = True
         probe.enabled = False
         if probe in self.probes:

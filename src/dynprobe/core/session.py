@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import signal
@@ -18,7 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, TracebackType
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO, ParamSpec, Protocol, TypeVar
 
 from dynprobe.actions.filter import parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, filter_args
@@ -51,6 +52,25 @@ from dynprobe.symbols.resolve import (
     resolve,
     resolve_address,
 )
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _on_tracing_thread(what: str) -> Callable[[Callable[_P, _T]], Callable[_P, _T]]:
+    """A method that uses ptrace: called from a handler served by an upcall, the stop loop
+    makes the call for it (core/upcalls.py)."""
+
+    def decorate(method: Callable[_P, _T]) -> Callable[_P, _T]:
+        @functools.wraps(method)
+        def call(*args: _P.args, **kw: _P.kwargs) -> _T:
+            session = args[0]
+            assert isinstance(session, Session)
+            return session._runtime.upcalls.on_tracing_thread(what, lambda: method(*args, **kw))
+
+        return call
+
+    return decorate
 
 
 class Session:
@@ -216,6 +236,7 @@ class Session:
             raise SessionError(f"the target has exited; {refused}")
         return main
 
+    @_on_tracing_thread("placing a probe")
     def probe(
         self,
         spec_or_address: str | int | ProbeSpec,
@@ -242,7 +263,6 @@ class Session:
         (a log2 histogram of the fetch argument `value`), behind an optional `filter`
         ('a == 5 and b > 0' over its fetch arguments)."""
         main = self._main_process("no probe can be placed")
-        self._runtime.upcalls.check_not_in_server("placing a probe")
         maps = self._runtime.maps_of(main.pid)
         if isinstance(spec_or_address, int):
             location = resolve_address(spec_or_address, maps)
@@ -368,6 +388,7 @@ class Session:
             return Refusal.RETURNS_TWICE
         return self._runtime.returns.refusal(proc, location.path)
 
+    @_on_tracing_thread("making a function tracer")
     def function_tracer(
         self,
         filter: Iterable[str | NamePattern] = (),  # ftrace's word (set_ftrace_filter)
@@ -446,6 +467,7 @@ class Session:
             if isinstance(fetch, SymbolAddr) and image.address_of(fetch.symbol) is None:
                 raise SymbolError(f"no symbol {fetch.symbol!r} in {location.path} (for @{fetch.symbol})")
 
+    @_on_tracing_thread("placing probes")
     def probes_from(self, specs: list[str], **kw: Any) -> list[Probe]:
         """Place many probes (keyword arguments as for `probe`)."""
         with self.batch():
@@ -460,6 +482,7 @@ class Session:
         far that optimization is. (From a handler, they start as traps: the loop optimizes them
         when the handler has returned.)"""
         runtime = self._runtime
+        runtime.upcalls.check_not_in_server("a batch of probes")
         if runtime.modules.now:  # nested: the outer block does it
             yield
             return

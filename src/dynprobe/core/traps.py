@@ -129,7 +129,7 @@ class Traps:
         post: list[Probe] = []
         stamps: list[int] = []  # return-probe entries taken: their time is stamped at the resume
         actions: list[Probe] = []  # probes whose action runs in the target as the thread resumes
-        for probe in site.probes if proc.follow else ():
+        for probe in list(site.probes) if proc.follow else ():  # (a probe a handler places: from the next hit)
             if not probe.enabled:
                 continue
             probes.append(probe)

@@ -16,9 +16,11 @@ sleeps on its state, and is woken only if it said it sleeps. A thread that asks 
 CPU sleeps at once, and the server moves away from it.
 
 Handlers run in the server thread, one at a time. What needs the tracing thread (placing,
-enabling, disabling or removing probes, closing the session) is refused there with a clear
-error; `session.stop()` works. Whatever a handler raises is reported once (`warnings`) and the
-thread goes on.
+enabling, disabling or removing probes) is handed to the stop loop, which runs it between two
+stops while the handler waits for it (`on_tracing_thread`): only while `run()` runs, and
+promptly only in the main thread (elsewhere the loop has no waker: at its next stop). Closing
+or detaching the session from a handler is refused; `session.stop()` works. Whatever a handler
+raises is reported once (`warnings`) and the thread goes on.
 
 A thread never waits for a tracer that is gone: each doorbell page has a GONE word, which a
 detach sets (after answering every thread that asks), and so does the guardian, first, when
@@ -28,15 +30,16 @@ timed wait and goes on without its handlers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.core.probe import Hit, Probe, Site
@@ -69,6 +72,7 @@ class UpcallsEngine(Protocol):
     def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext: ...
     def warn(self, message: str) -> None: ...
     def tsc_mult(self) -> int: ...
+    def wake_loop(self) -> None: ...
 
 
 @dataclass(eq=False)
@@ -109,6 +113,26 @@ class Doorbell:
         self.view.close()
 
 
+T = TypeVar("T")
+
+
+@dataclass(eq=False)
+class Job(Generic[T]):
+    """A call a handler asks the tracing thread to make, and its outcome."""
+
+    call: Callable[[], T]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: T | None = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.call()
+        except BaseException as exc:  # (the handler gets it)
+            self.error = exc
+        self.done.set()
+
+
 @dataclass(frozen=True, slots=True)
 class Asker:
     """A thread that may ask, with what answering it takes, found once."""
@@ -145,6 +169,8 @@ class Upcalls:
         # Acquired and released between storing an answer and looking whether its thread
         # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
         self._fence = threading.Lock()
+        self._jobs: list[Job[object]] = []  # for the tracing thread (under _lock)
+        self._taking_jobs = False  # while run() runs
 
     @property
     def enabled(self) -> bool:
@@ -171,8 +197,48 @@ class Upcalls:
     def check_not_in_server(self, what: str) -> None:
         if self.in_server():
             raise SessionError(
-                f"{what} from a handler served by an upcall is not possible yet: set session.upcalls = False"
+                f"{what} from a handler served by an upcall is not possible: set session.upcalls = False"
             )
+
+    def on_tracing_thread(self, what: str, call: Callable[[], T]) -> T:
+        """`call()` made by the tracing thread (where ptrace may be used): at once if this is it;
+        from a handler the server runs, by the stop loop between two stops, the handler (and
+        the thread that asked) waiting for it. SessionError if `run()` is not running."""
+        if not self.in_server():
+            return call()
+        job = Job(call)
+        with self._lock:
+            if not self._taking_jobs:
+                raise SessionError(f"{what} from a handler served by an upcall needs session.run() to be running")
+            self._jobs.append(job)  # type: ignore[arg-type]
+        self.engine.wake_loop()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result  # type: ignore[return-value]
+
+    def has_jobs(self) -> bool:
+        return bool(self._jobs)
+
+    def run_jobs(self) -> None:
+        """Make the calls handlers asked for (the tracing thread, between two stops)."""
+        while self._jobs:
+            with self._lock:
+                jobs, self._jobs = self._jobs, []
+            for job in jobs:
+                job.run()
+
+    @contextlib.contextmanager
+    def taking_jobs(self) -> Iterator[None]:
+        """While `run()` runs: handlers may hand calls to it (made before it returns)."""
+        with self._lock:
+            self._taking_jobs = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._taking_jobs = False
+            self.run_jobs()
 
     # --- the doorbells --------------------------------------------------------------------------
     def doorbell(self, proc: TracedProcess, tid: int) -> int:
@@ -419,6 +485,12 @@ class Upcalls:
     def stop(self) -> None:
         """The server thread ends (after the handler it runs, if any)."""
         thread, self._thread = self._thread, None
+        with self._lock:  # (a handler waiting for the loop waits no more: the session detaches)
+            self._taking_jobs = False
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.error = SessionError("the session detached meanwhile")
+            job.done.set()
         if thread is not None:
             self._stopping.set()
             thread.join()
