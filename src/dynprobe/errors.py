@@ -130,6 +130,7 @@ class OptimizeRefusal(enum.Enum):
     RIP_REL_OUT_OF_REACH = "a RIP-relative operand is out of reach of the detour"
     POST_HANDLER = "a post-handler needs a single-step after the instruction"
     PYTHON_HANDLER = "a Python pre-handler runs in the tracer, at a stop"
+    SECCOMP_FILTER = "the process runs under a seccomp filter, which may forbid the futex calls of an upcall"
     FETCH_UNSUPPORTED = "a fetch argument has no in-process form (segment or orig_rax register, unknown symbol)"
     RECORD_TOO_LARGE = "the record is larger than the session's record size (set record_size before the first probe)"
     TOO_MANY_PROBES = "the thread area's counter or histogram table is full"

@@ -4,6 +4,7 @@ handler that raises or stops the session, and never waiting for a tracer that is
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -270,3 +271,24 @@ def test_a_detach_lets_every_thread_go_on() -> None:
         if program.poll() is None:
             program.kill()
             program.wait()
+
+
+def test_a_process_under_seccomp_keeps_its_handlers_at_traps() -> None:
+    """A seccomp filter may forbid futex, which an upcall makes in the target: a process under
+    one keeps its Python handlers at traps, and says why."""
+    target = build_target("seccomp", flags=("-O0",))
+    program = subprocess.Popen([target, "usr1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert program.stdout is not None and program.stdout.readline() == "ready\n"
+        with dynprobe.attach(program.pid) as session:
+            session.upcalls = True
+            seen: list[int] = []
+            probe = session.probe("work", pre=lambda hit: seen.append(hit.regs.arg(1)))
+            run_until(session, lambda: len(seen) > 10, "10 hits")
+            assert probe.mode == dynprobe.ProbeMode.TRAP and probe.trap_reason == OptimizeRefusal.SECCOMP_FILTER
+        program.send_signal(signal.SIGUSR1)
+        out, _ = program.communicate(timeout=60)
+        assert program.returncode == 0 and out.endswith(" sum=0\n"), out
+    finally:
+        if program.poll() is None:
+            program.kill()

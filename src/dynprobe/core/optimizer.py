@@ -34,6 +34,7 @@ from dynprobe.gcpause import gc_paused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ptrace.process import SHARED_NAME
+from dynprobe.ptrace.procfs import seccomp_mode
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
@@ -87,6 +88,8 @@ class Optimizer:
             return OptimizeRefusal.POST_HANDLER if any(p.post is not None for p in probes) else (
                 OptimizeRefusal.PYTHON_HANDLER
             )  # fmt: skip
+        if python and any(seccomp_mode(proc.pid, tid) for tid in list(proc.tracee.threads)):
+            return OptimizeRefusal.SECCOMP_FILTER  # (a filter may kill the thread at its first futex call)
         if proc.areas_refused is not None:
             return proc.areas_refused
         for probe in probes:

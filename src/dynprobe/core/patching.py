@@ -37,7 +37,12 @@ from dynprobe.symbols.maps import Mapping, address_of_offset, file_key
 from dynprobe.symbols.resolve import Location
 
 # Reasons a site stays a trap for as long as its probes are there (not the optimizer's delay).
-_LASTING_TRAP = (OptimizeRefusal.DISABLED, OptimizeRefusal.POST_HANDLER, OptimizeRefusal.PYTHON_HANDLER)
+_LASTING_TRAP = (
+    OptimizeRefusal.DISABLED,
+    OptimizeRefusal.POST_HANDLER,
+    OptimizeRefusal.PYTHON_HANDLER,
+    OptimizeRefusal.SECCOMP_FILTER,
+)
 
 
 class PatcherEngine(Protocol):
