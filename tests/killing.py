@@ -41,6 +41,14 @@ MODES: dict[str, list[str]] = {
         "-c",
         _API.format(pid="{pid}", probes="s.upcalls = True; s.probe('work', pre=lambda h: None)"),
     ],
+    "upcall return handlers": [
+        sys.executable,
+        "-c",
+        _API.format(
+            pid="{pid}",
+            probes="s.upcalls = True; s.retprobe('work', entry=lambda h: None, handler=lambda h: None)",
+        ),
+    ],
     "trap post-handler": [
         sys.executable,
         "-c",

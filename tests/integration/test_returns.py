@@ -24,6 +24,7 @@ from tests.conftest import BUILD, build_target
 from .helpers import run_plain, run_until, traced
 
 MODES = [pytest.param(True, id="optimized"), pytest.param(False, id="trap")]
+HANDLER_MODES = ["trap", "upcall"]  # Python handlers at trap stops, or served by upcalls
 MASK = (1 << 64) - 1
 
 
@@ -262,9 +263,11 @@ def test_backtrace_is_the_same_with_return_probes(ret: str, optimize: bool) -> N
     assert [p.hits for p in probes] == [1, 1, 1]
 
 
-def test_python_handlers_entry_veto_data_and_return_value(ret: str) -> None:
+@pytest.mark.parametrize("mode", HANDLER_MODES)
+def test_python_handlers_entry_veto_data_and_return_value(ret: str, mode: str) -> None:
     """Entry handler vetoes odd first arguments and keeps a Python object; the return handler
-    sees it with the return value, and changes the return value of every tenth call."""
+    sees it with the return value, and changes the return value of every tenth call. At trap
+    stops, or served by upcalls (no stop)."""
     seen: list[tuple[object, int]] = []
 
     def entry(hit: Hit) -> bool:
@@ -284,6 +287,7 @@ def test_python_handlers_entry_veto_data_and_return_value(ret: str) -> None:
 
     with tempfile.TemporaryFile("w+") as out:
         with dynprobe.spawn([ret, "loop", "100"], stdout=out.fileno()) as session:
+            session.upcalls = mode == "upcall"
             (probe,) = setup(session)
             assert session.run(timeout=60) == 0
             stops = session.stats["stops"]
@@ -292,17 +296,24 @@ def test_python_handlers_entry_veto_data_and_return_value(ret: str) -> None:
     assert probe.hits == 50 and probe.nmissed == 0  # vetoed instances are not missed
     assert seen == [({"a": a, "b": 1}, a + 1) for a in range(0, 100, 2)]
     assert total == sum(range(1, 101)) - sum(a + 1 for a in range(0, 100, 10))
-    # One stop at the entry, one at the return (and the loader's few) per call.
-    assert stops <= 2 * 100 + 10
+    if mode == "trap":  # one stop at the entry, one at the return (and the loader's few) per call
+        assert stops <= 2 * 100 + 10 and probe.mode == dynprobe.ProbeMode.TRAP
+    else:
+        assert stops <= 10 and probe.mode == dynprobe.ProbeMode.OPTIMIZED
 
 
-def test_a_return_handler_changes_both_halves_of_a_two_register_value(ret: str) -> None:
+@pytest.mark.parametrize("mode", HANDLER_MODES)
+def test_a_return_handler_changes_both_halves_of_a_two_register_value(ret: str, mode: str) -> None:
     """A struct of two longs comes back in rax:rdx; the handler changes each half it is given."""
 
     def handler(hit: Hit) -> None:
         hit.regs.rax, hit.regs.rdx = int(hit.regs.rax) + 1, 0
 
-    status, out, _ = traced([ret, "wide", "100"], lambda s: [s.retprobe("wide", handler=handler)])
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.upcalls = mode == "upcall"
+        return [session.retprobe("wide", handler=handler)]
+
+    status, out, _ = traced([ret, "wide", "100"], setup, optimize=mode == "upcall")
     assert status == 0 and out == f"{sum(range(100)) + 100} 0\n"
     assert run_plain([ret, "wide", "100"]).stdout == f"{sum(range(100))} {2 * sum(range(100))}\n"
 

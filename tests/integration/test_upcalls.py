@@ -292,3 +292,99 @@ def test_a_process_under_seccomp_keeps_its_handlers_at_traps() -> None:
     finally:
         if program.poll() is None:
             program.kill()
+
+
+@pytest.fixture(scope="module")
+def ret() -> str:
+    return build_target("ret", flags=("-O1", "-pthread"))
+
+
+def _factorial(n: int) -> int:
+    product = 1
+    for i in range(2, n + 1):
+        product = product * i & ((1 << 64) - 1)
+    return product
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_return_handlers_in_a_recursion_each_see_their_own_entry(ret: str, mode: str) -> None:
+    """fact(200): each return handler gets the data its own entry kept and its own value; the
+    returns come deepest first."""
+    seen: list[tuple[object, int]] = []
+
+    def entry(hit: Hit) -> None:
+        hit.data = hit.regs.arg(1)
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        handler = lambda hit: seen.append((hit.data, hit.retval))  # noqa: E731
+        return session.retprobe("fact", handler=handler, entry=entry, maxactive=200)
+
+    status, out, probe = run([ret, "fact", "200"], mode, place)
+    assert status == 0 and out == f"{_factorial(200)}\n"
+    assert seen == [(n, _factorial(n)) for n in range(1, 201)]
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 200 and probe.nmissed == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_return_probes_with_handlers_from_many_threads(ret: str, mode: str) -> None:
+    """8 threads of 300 calls each: every entry's data comes back with its own return."""
+    pairs: list[tuple[int, object, int]] = []
+
+    def entry(hit: Hit) -> None:
+        hit.data = (hit.tid, hit.regs.arg(1))
+
+    def handler(hit: Hit) -> None:
+        pairs.append((hit.tid, hit.data, hit.retval))
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        return session.retprobe("add", handler=handler, entry=entry)
+
+    status, out, probe = run([ret, "threads", "8", "300"], mode, place)
+    plain = run_plain([ret, "threads", "8", "300"]).stdout
+    assert status == 0 and out == plain
+    assert len(pairs) == 2400 and len({tid for tid, _, _ in pairs}) == 8
+    assert all(data[0] == tid for tid, data, _ in pairs)  # type: ignore[index]
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 2400 and probe.nmissed == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_return_probes_with_handlers_keep_maxactive(ret: str, mode: str) -> None:
+    """fact(20) with 5 instances at most: the 5 outermost calls are seen, 15 missed."""
+    seen: list[int] = []
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        return session.retprobe("fact", handler=lambda hit: seen.append(hit.retval), maxactive=5)
+
+    status, _, probe = run([ret, "fact", "20"], mode, place)
+    assert status == 0 and seen == [_factorial(n) for n in range(16, 21)]
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 5 and probe.nmissed == 15
+
+
+def test_return_handlers_that_raise_are_reported_once(ret: str) -> None:
+    with dynprobe.spawn([ret, "loop", "30"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = True
+        at_entry = session.retprobe("r:t/entry add", entry=lambda hit: 1 / 0, handler=lambda hit: None)
+        at_return = session.retprobe("r:t/return add", handler=lambda hit: {}["x"])
+        assert session.run(timeout=60) == 0
+        assert at_return.hits == 30 and at_entry.mode == at_return.mode == dynprobe.ProbeMode.OPTIMIZED
+        assert session.warnings == [
+            "t/entry: its handler raised ZeroDivisionError: division by zero (reported once)",
+            "t/return: its handler raised KeyError: 'x' (reported once)",
+        ]
+
+
+def test_a_detach_with_return_instances_pending_lets_them_return(ret: str) -> None:
+    """nap() is asleep inside a probed call when the session detaches: it returns to its caller,
+    and the program goes on."""
+    with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+            with dynprobe.attach(proc.pid) as session:
+                session.upcalls = True
+                probe = session.retprobe("nap", entry=lambda hit: None, handler=lambda hit: None)
+                run_until(session, lambda: probe.hits >= 3, "3 returns")
+                assert probe.mode == dynprobe.ProbeMode.OPTIMIZED
+            before = int(proc.stdout.readline())
+            assert [int(proc.stdout.readline()) for _ in range(3)] == [before + 1, before + 2, before + 3]
+        finally:
+            proc.kill()

@@ -49,7 +49,6 @@ def test_the_thread_area_header() -> None:
         "upcall frame": (L.UPCALL_FRAME, 8 * len(REG_NAMES)),  # struct user_regs_struct
         "upcall state": (L.UPCALL_STATE, 8),
         "upcall busy": (L.UPCALL_BUSY, 8),
-        "upcall probe": (L.UPCALL_PROBE, 8),
         "upcall self": (L.UPCALL_SELF, 8),
         "upcall timeout": (L.UPCALL_TIMEOUT, 16),  # struct timespec
         "upcall region": (L.UPCALL_REGION, 8),

@@ -134,7 +134,7 @@ def test_a_thread_at_an_entry_call_is_going_into_the_region_it_calls() -> None:
     from dynprobe.core.traced import ProcessReturns
 
     _, tramp = build_trampoline(LAYOUT, AT)
-    returns = ProcessReturns(tramp, tramp.end, tramp.end + 12, tramp.end + 32, tramp.end + 256)
+    returns = ProcessReturns(tramp, tramp.end, tramp.end + 12, tramp.end + 32, tramp.end + 256, tramp.end + 256)
     region, rsp = 0x5555_0000_1234, 0x7FFF_0000_1008  # rsp: the slot + 8, at the call
     memory = {rsp - 24: region}
     call = AT + 7 * L.TRAMPOLINE_STRIDE

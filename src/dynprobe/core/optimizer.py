@@ -263,7 +263,15 @@ class Optimizer:
             _debug(f"pid {proc.pid}: no doorbell: {exc}")
             return OptimizeRefusal.SHARED_MEMORY
         layout = self.engine.layout
-        pre, post = (any(getattr(p, kind) is not None for p in site.probes if p.enabled) for kind in ("pre", "post"))
+        probes = [p for p in site.probes if p.enabled]
+        if any(p.is_return for p in probes):  # (the return stub, for the server to answer from its entry)
+            try:
+                self.engine.returns.upcall_stub(proc, site.addr, doorbell)
+            except ProcessError as exc:
+                _debug(f"pid {proc.pid}: no return trampoline: {exc}")
+                return OptimizeRefusal.NO_MEMORY
+        pre = any(p.pre is not None or p.is_return for p in probes)
+        post = any(p.post is not None for p in probes)
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
             lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post),

@@ -52,9 +52,10 @@ from dynprobe.arch.x86_64.codegen.returns import (
     build_trampoline,
     return_stub_code,
 )
+from dynprobe.arch.x86_64.codegen.upcall import build_return_upcall
 from dynprobe.arch.x86_64.regs import ARG_REGS
 from dynprobe.core.engine import Engine
-from dynprobe.core.probe import Hit, Probe, Site
+from dynprobe.core.probe import Handler, Hit, Probe, Site
 from dynprobe.core.slots import place_code
 from dynprobe.core.traced import Instance, ProcessReturns, TracedProcess
 from dynprobe.debug import debug as _debug
@@ -105,11 +106,23 @@ CATCH_ENTRY = "__cxa_begin_catch"
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
 _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
+_UPCALL_STUB_ROOM = 1024  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
 
 def _return_rsp(regs: Regs) -> int:
     """The stack pointer after the return, from a trap stub (the trampoline's frame below it)."""
     return int(regs.rsp) + 8 * (len(SAVED_AT) + 1)
+
+
+def _called(handler: Handler, hit: Hit, report: Callable[[Probe, BaseException], None] | None) -> object:
+    """What `handler(hit)` returns; an error it raises goes to `report` if given (None then)."""
+    if report is None:
+        return handler(hit)
+    try:
+        return handler(hit)
+    except BaseException as exc:  # (the thread goes on whatever a handler does: sys.exit too)
+        report(hit.probe, exc)
+        return None
 
 
 def default_maxactive() -> int:
@@ -163,7 +176,7 @@ class ReturnProbes:
         layout = engine.layout
         size = len(build_trampoline(layout, 0)[0])
         entry_stamp = build_entry_stamp()
-        at = engine.allocate_slot(proc, near, size + _STUB_ROOM + len(entry_stamp))
+        at = engine.allocate_slot(proc, near, size + _STUB_ROOM + len(entry_stamp) + _UPCALL_STUB_ROOM)
         if at is None:
             raise ProcessError(f"no executable memory for the return trampoline in pid {proc.pid}")
         code, trampoline = build_trampoline(layout, at)
@@ -172,8 +185,10 @@ class ReturnProbes:
         stub_code, stub_trap = return_stub_code(layout, stub, trampoline)
         assert len(stub_code) <= _STUB_ROOM
         stamp_at = stub + _STUB_ROOM
-        proc.tracee.write(at, code + stub_code.ljust(_STUB_ROOM, b"\xcc") + entry_stamp)
-        proc.returns = ProcessReturns(trampoline, stub, stub_trap, stamp_at, stamp_at + len(entry_stamp))
+        upcall_at = stamp_at + len(entry_stamp)
+        room = b"\xcc" * _UPCALL_STUB_ROOM
+        proc.tracee.write(at, code + stub_code.ljust(_STUB_ROOM, b"\xcc") + entry_stamp + room)
+        proc.returns = ProcessReturns(trampoline, stub, stub_trap, stamp_at, upcall_at, upcall_at + _UPCALL_STUB_ROOM)
         if proc.tracee.journal is not None:  # for the guardian: hooked returns to put back
             proc.tracee.journal.record_returns(proc.pid, trampoline.points, layout.shadow)
         self._add_stub(proc, stub_trap, stub_code[stub_trap - stub :])
@@ -237,6 +252,17 @@ class ReturnProbes:
         at, code = placed
         returns.code[probe.index] = (at, len(code))
         return at
+
+    def upcall_stub(self, proc: TracedProcess, near: int, doorbell: int) -> int:
+        """Where the return part of probes served by upcalls runs in `proc`, ringing `doorbell`
+        (made once, in the room the trampoline keeps for it; a thread of `proc` is stopped)."""
+        returns = self.setup(proc, near)
+        if returns.upcall_doorbell != doorbell:
+            code = build_return_upcall(self.engine.layout, returns.upcall_stub, doorbell, returns.trampoline)
+            assert len(code) <= _UPCALL_STUB_ROOM
+            proc.tracee.write(returns.upcall_stub, code)
+            returns.upcall_doorbell = doorbell
+        return returns.upcall_stub
 
     def entry_program(self, proc: TracedProcess, probe: Probe, near: int) -> Program:
         """The probe's program for its entry site's detour."""
@@ -305,11 +331,14 @@ class ReturnProbes:
 
     # --- trap mode --------------------------------------------------------------------------------------
     def on_entry(
-        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs, context: FetchContext,
-        stamps: list[int],
+        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
+        context: FetchContext | Callable[[], FetchContext], stamps: list[int], *,
+        upcall: Callable[[Probe, BaseException], None] | None = None,
     ) -> None:  # fmt: skip
-        """A return probe's entry at a trap stop: the entry handler, then the shadow entry,
-        whose time stamp goes into `stamps` for `stamp_on_resume` (the tracer's clock, meanwhile)."""
+        """A return probe's entry at a trap stop (or, `upcall`, a thread that asks from its
+        entry: core/upcalls.py, whose handler errors go to `upcall`; the return is then an upcall
+        too): the entry handler, then the shadow entry, whose time stamp goes into `stamps` for
+        `stamp_on_resume` (the tracer's clock, meanwhile)."""
         returns = self.setup(proc, site.addr)
         words = self._area_for(proc, tid, regs)
         lay = self.engine.layout
@@ -319,9 +348,10 @@ class ReturnProbes:
             return
         now = time.monotonic()
         hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
-        if probe.on_entry is not None and probe.on_entry(hit):
+        if probe.on_entry is not None and _called(probe.on_entry, hit, upcall):
             return  # vetoed: no return handler, nothing missed
-        k = self._push(proc, words, regs, self.return_code(proc, probe), probe.index)
+        code = returns.upcall_stub if upcall else self.return_code(proc, probe)
+        k = self._push(proc, words, regs, code, probe.index)
         if k is None:
             probe.trap_missed += 1
             return
@@ -368,9 +398,12 @@ class ReturnProbes:
         proc.tracee.write(slot, proc.returns.trampoline.point(k).to_bytes(8, "little"))
         return k
 
-    def on_return(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
-        """The trap stub: a return whose part runs here. rsi holds the entry's offset; the
-        trampoline's saved registers are on the stack (rax, rdx: the return value)."""
+    def on_return(
+        self, proc: TracedProcess, tid: int, regs: Regs, *, upcall: Callable[[Probe, BaseException], None] | None = None
+    ) -> None:
+        """The trap stub: a return whose part runs here (or, `upcall`, the upcall stub, whose
+        handler errors go to `upcall`). rsi holds the entry's offset; the trampoline's saved
+        registers are on the stack (rax, rdx: the return value)."""
         returns = proc.returns
         words = self._words(proc, tid)
         offset = int(regs.rsi)
@@ -410,7 +443,7 @@ class ReturnProbes:
             hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
                       instance.data if instance else None, caller)  # fmt: skip
             rax, rdx = int(view.rax), int(view.rdx)
-            probe.on_return(hit)
+            _called(probe.on_return, hit, upcall)
             if int(view.rax) != rax:
                 tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
             if int(view.rdx) != rdx:

@@ -53,7 +53,9 @@ class ProcessReturns:
     stub: int  # the return code of probes whose return part runs in the tracer
     stub_trap: int  # its int3
     entry_stamp: int  # where a thread resumes from a trap entry (build_entry_stamp)
+    upcall_stub: int  # the return code of probes whose return part is an upcall (room until made)
     end: int  # of this code
+    upcall_doorbell: int | None = None  # the doorbell the upcall stub rings, once it is made
     code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
     instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
     snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack

@@ -44,6 +44,7 @@ from typing import Generic, Protocol, TypeVar
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.core.probe import Hit, Probe, Site
 from dynprobe.core.processes import ProcessTable
+from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ProcessError, SessionError, SharedMemoryRefused
@@ -73,6 +74,9 @@ class UpcallsEngine(Protocol):
     def warn(self, message: str) -> None: ...
     def tsc_mult(self) -> int: ...
     def wake_loop(self) -> None: ...
+
+    @property
+    def returns(self) -> ReturnProbes: ...
 
 
 @dataclass(eq=False)
@@ -184,11 +188,11 @@ class Upcalls:
 
     def serves(self, probes: list[Probe]) -> bool:
         """Whether a site whose enabled probes are `probes` is served by upcalls: every one a
-        probe with Python pre- or post-handlers (return probes stay traps for now)."""
+        probe with Python pre- or post-handlers, or a return probe with Python handlers."""
         return (
             self._enabled
             and bool(probes)
-            and all((p.pre or p.post) is not None and p.action is None and not p.is_return for p in probes)
+            and all(p.action is None and (p.is_return or (p.pre or p.post) is not None) for p in probes)
         )
 
     def in_server(self) -> bool:
@@ -412,17 +416,28 @@ class Upcalls:
         region, site_addr = cells[L.UPCALL_REGION // 8], cells[L.UPCALL_SITE // 8]
         asked_at = regs.rip  # the site (before its instruction) or the next one (after)
         site = proc.sites.get(site_addr) if proc is not None else None
+        returned = proc is not None and proc.returns is not None and site_addr == proc.returns.upcall_stub
         target = asked_at
+        stamps: list[int] = []  # shadow entries taken (return probes' entries)
         try:
-            if handlers and proc is not None and proc.follow and site is not None:
-                target = self._run_handlers(proc, asker.tid, site, regs, post=asked_at != site_addr) or asked_at
+            if handlers and proc is not None and proc.follow:
+                if returned:
+                    self.engine.returns.on_return(proc, asker.tid, regs, upcall=self._report)
+                elif site is not None:
+                    post = asked_at != site_addr
+                    target = self._run_handlers(proc, asker.tid, site, regs, post=post, stamps=stamps) or asked_at
         finally:
-            # On in the asking detour's copy of the region (there as long as a thread is in the
-            # detour); an address the handler chose, as it is.
-            resume = site.upcall_resume if site is not None else None
-            if not resume or resume.get(site_addr) != region:
-                resume = {site_addr: region}  # (a detour made before the site's last one)
-            regs.rip = resume.get(target, target)
+            if returned:  # (on to the trampoline's finish)
+                regs.rip = region
+            else:
+                # On in the asking detour's copy of the region (there as long as a thread is in
+                # the detour); an address the handler chose, as it is.
+                resume = site.upcall_resume if site is not None else None
+                if not resume or resume.get(site_addr) != region:
+                    resume = {site_addr: region}  # (a detour made before the site's last one)
+                regs.rip = resume.get(target, target)
+                if stamps and proc is not None:  # (shadow entries taken: their time as it goes on)
+                    self.engine.returns.stamp_on_resume(proc, asker.tid, regs, stamps)
             view[at : at + ctypes.sizeof(Regs)] = regs
             cells[_STATE] = L.UPCALL_ANSWERED
             with self._fence:  # (see the detour's SLEEPING)
@@ -439,35 +454,45 @@ class Upcalls:
             base = self._pools[area.pool] = ctypes.addressof(ctypes.c_char.from_buffer(area.pool.view))
         return base + area.offset
 
-    def _run_handlers(self, proc: TracedProcess, tid: int, site: Site, regs: Regs, *, post: bool) -> int | None:
-        """The site's pre-handlers (`post`: its post-handlers, the instruction done), in order, on
-        the frame; where the thread goes on if a pre-handler returned True (it moved it: the
-        instruction and the post-handlers are skipped) or a post-handler moved it, else None.
-        A hit is counted at its first upcall."""
+    def _run_handlers(
+        self, proc: TracedProcess, tid: int, site: Site, regs: Regs, *, post: bool, stamps: list[int]
+    ) -> int | None:
+        """The site's pre-handlers and return probes' entries (`post`: its post-handlers, the
+        instruction done), in order, on the frame; where the thread goes on if a pre-handler
+        returned True (it moved it: the instruction and the post-handlers are skipped) or a
+        post-handler moved it, else None. A hit is counted at its first upcall (a return
+        probe's, at its return); the shadow entries taken go into `stamps`."""
         now = time.monotonic()
         probes = [p for p in site.probes if p.enabled]
-        count_here = not post or not any(p.pre is not None for p in probes)  # (no upcall before)
+        count_here = not post or not any(p.pre is not None or p.is_return for p in probes)  # (no upcall before)
         asked_at = int(regs.rip)
         for probe in probes:
+
+            def context(probe: Probe = probe) -> FetchContext:
+                return self.engine.fetch_context(proc, tid, regs, probe)
+
+            if probe.is_return:
+                if not post:
+                    self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps, upcall=self._report)
+                continue
             if count_here:
                 probe.trap_hits += 1
             handler = probe.post if post else probe.pre
             if handler is None:
                 continue
-
-            def context(probe: Probe = probe) -> FetchContext:
-                return self.engine.fetch_context(proc, tid, regs, probe)
-
             try:
                 moved = handler(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
             except BaseException as exc:  # (the thread goes on whatever a handler does: sys.exit too)
-                if probe not in self._reported:
-                    self._reported.add(probe)
-                    self.engine.warn(f"{probe.name}: its handler raised {type(exc).__name__}: {exc} (reported once)")
+                self._report(probe, exc)
                 continue
             if moved and not post:
                 return int(regs.rip)
         return int(regs.rip) if post and int(regs.rip) != asked_at else None
+
+    def _report(self, probe: Probe, exc: BaseException) -> None:
+        if probe not in self._reported:
+            self._reported.add(probe)
+            self.engine.warn(f"{probe.name}: its handler raised {type(exc).__name__}: {exc} (reported once)")
 
     def place(self, cpus: set[int], *, spin: bool) -> None:
         """Run on these CPUs; `spin`: whether the server and the threads that ask look for each

@@ -76,8 +76,8 @@ STAMP_TARGETS_MAX = 4
 STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 # An upcall (core/upcalls.py): a thread at a site whose probes are Python pre-handlers saves its
 # registers in UPCALL_FRAME (struct user_regs_struct: the tracer's Regs over its own mapping of
-# the area), the probe in UPCALL_PROBE, REQUEST in UPCALL_STATE (a futex), rings its process's
-# doorbell (DOORBELL_*) and waits for ANSWERED: then its registers are the frame's, and it goes
+# the area), REQUEST in UPCALL_STATE (a futex), rings its process's doorbell (DOORBELL_*) and
+# waits for ANSWERED: then its registers are the frame's, and it goes
 # on at the frame's rip (the tracer put the relocated copy of the site's instruction there).
 # UPCALL_BUSY: in an upcall (a nested hit, from a signal handler, runs no handler: missed).
 # UPCALL_SELF: the area's own address, for the futex; UPCALL_TIMEOUT: how long each wait is
@@ -86,7 +86,6 @@ STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 UPCALL_FRAME = 0x200
 UPCALL_STATE = 0x2E0
 UPCALL_BUSY = 0x2E8
-UPCALL_PROBE = 0x2F0
 UPCALL_SELF = 0x2F8
 UPCALL_TIMEOUT = 0x300
 UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction

@@ -113,7 +113,7 @@ def build_return_code(
     return asm.encode(at)[0]
 
 
-def _stamp(asm: Asm, base: RegisterT, disp: int) -> None:
+def stamp(asm: Asm, base: RegisterT, disp: int) -> None:
     """The time-stamp counter into the u64 at gs:[base + disp], flags untouched (rax, rdx used)."""
     asm.add(iced.Instruction.create(C.RDTSC))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, gs_at(disp, base), R.EAX))
@@ -126,7 +126,7 @@ def return_stub_code(layout: L.AreaLayout, at: int, trampoline: Trampoline) -> t
     `jmp finish`, where an int3 goes: the tracer's clock at the stop would count the trap in the
     call's latency. Returns the code and the address of the jump."""
     asm = Asm()
-    _stamp(asm, R.RSI, layout.shadow + L.ENTRY_RETURN_TSC)
+    stamp(asm, R.RSI, layout.shadow + L.ENTRY_RETURN_TSC)
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, trampoline.finish))
     code = asm.encode(at)[0]
     return code, at + len(code) - JMP_REL32_LEN

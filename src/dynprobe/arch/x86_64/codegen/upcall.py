@@ -8,8 +8,8 @@ target thread, with its thread area (GS base) and its process's doorbell page:
     xchg gs:[UPCALL_BUSY], 1                    taken: a nested hit (a signal handler's): no
                                                 handler, counted missed, on (unheard)
     the registers into gs:[UPCALL_FRAME]        (user_regs_struct; rip = where it is, rsp as it was)
-    gs:[UPCALL_SITE], [UPCALL_PROBE], [UPCALL_REGION] = the site, its first probe, where the
-    relocated instruction is; gs:[UPCALL_STATE] = REQUEST
+    gs:[UPCALL_SITE], [UPCALL_REGION] = the site, where the relocated instruction is;
+    gs:[UPCALL_STATE] = REQUEST
     lock inc [RING]; futex(RING, WAKE)          the tracer waits on its process's doorbell
                                                 (no system call while it is AWAKE)
     until gs:[UPCALL_STATE] == ANSWERED:        looked for during [SPIN] ticks (pause) unless
@@ -23,7 +23,9 @@ Where the thread goes on is the frame's rip, which the tracer sets before it ans
 relocated copy of the instruction it was at (`UpcallDetour.resume`), or wherever a handler sent
 it. `ret 128` takes it from below the red zone, so once BUSY is clear the thread needs nothing
 of the frame: a signal's nested hit in those two instructions may have the frame. The flags and
-every register are the frame's.
+every register are the frame's. Return probes with Python handlers upcall from their entry (the
+tracer takes the shadow entry, as at a trap) and from a return stub the trampoline calls
+(`build_return_upcall`).
 
 Pure: a plan, a probe, a layout and addresses in, bytes out.
 """
@@ -31,11 +33,13 @@ Pure: a plan, a probe, a layout and addresses in, bytes out.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import REG, Asm, C, Detour, R, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.asm import REG, Asm, C, Detour, R, Trampoline, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.returns import stamp
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
 from dynprobe.arch.x86_64.regs import REG_NAMES
 from dynprobe.arch.x86_64.relocate import jump_to, relocate
@@ -76,11 +80,11 @@ def _leave(asm: Asm) -> None:
 
 
 def _upcall(
-    asm: Asm, *, rip: int, site: int, probe_index: int, layout: L.AreaLayout, doorbell: int, region: int,
-    unheard: int,
-) -> None:  # fmt: skip
+    asm: Asm, *, rip: int, site: int, missed: Callable[[Asm], None], doorbell: int, region: int, unheard: int
+) -> None:
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
-    is at `region`; unheard (no tracer) or nested, the thread goes on at `unheard`."""
+    is at `region`; unheard (no tracer) or nested (`missed` counts it, rax free), the thread goes
+    on at `unheard`."""
     nested, spin, wait, answered, gone, awake = (asm.label() for _ in range(6))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
@@ -100,7 +104,6 @@ def _upcall(
     for word, value in ((_FRAME["rip"], rip), (L.UPCALL_SITE, site), (L.UPCALL_REGION, region)):
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(word), R.RAX))
-    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_PROBE), probe_index))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM32_IMM32, gs_at(L.UPCALL_STATE), L.UPCALL_REQUEST))
     # The doorbell: rung, and the tracer woken unless it is awake (rcx and r11 are the system
     # call's: in the frame). The locked add orders the request before the look at AWAKE; a
@@ -175,11 +178,18 @@ def _upcall(
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
     # A nested hit: its handlers miss this one
     asm.bind(nested)
-    asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(layout.counter(probe_index, L.MISSED))))
+    missed(asm)
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RAX))
     asm.add(iced.Instruction.create(C.POPFQ))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, _RED_ZONE)))
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
+
+
+def _count_missed(layout: L.AreaLayout, probe_index: int) -> Callable[[Asm], None]:
+    def count(asm: Asm) -> None:
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(layout.counter(probe_index, L.MISSED))))
+
+    return count
 
 
 @dataclass(frozen=True)
@@ -203,7 +213,7 @@ def build_upcall(
     while True:
         region = at + lengths[0]
         upcall = functools.partial(
-            _upcall, site=plan.site, probe_index=probe_index, layout=layout, doorbell=doorbell, region=region
+            _upcall, site=plan.site, missed=_count_missed(layout, probe_index), doorbell=doorbell, region=region
         )
         before = Asm()
         if pre:
@@ -236,3 +246,27 @@ def build_upcall(
             code = before_code + copied + after_code + tail
             return UpcallDetour(code, {}, len(before_code), {plan.site: region, **resume})
         lengths = [len(before_code), len(after_code)]
+
+
+def build_return_upcall(layout: L.AreaLayout, at: int, doorbell: int, trampoline: Trampoline) -> bytes:
+    """The return part of return probes whose handlers are Python's served by upcalls, placed at
+    `at` (the trampoline comes here with its registers saved and rsi the shadow entry's offset):
+    the return's time into the entry, an upcall (core/upcalls.py runs the return handlers; the
+    frame's rsp is the trampoline's frame, as at the trap stub, and UPCALL_SITE is `at`, which
+    tells the tracer what asks), then on to the trampoline's `finish`. A nested return (a
+    signal handler's, during the upcall) runs no handler and counts a miss of its entry's probe."""
+
+    def missed(asm: Asm) -> None:  # (the entry's probe number, as one_less_pending finds it)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, gs_at(layout.shadow + L.ENTRY_PROBE, R.RSI)))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, L.PROBE_BYTES.bit_length() - 1))
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(layout.counter(0, L.MISSED), R.RAX)))
+
+    resume = at
+    while True:
+        asm = Asm()
+        stamp(asm, R.RSI, layout.shadow + L.ENTRY_RETURN_TSC)
+        _upcall(asm, rip=at, site=at, missed=missed, doorbell=doorbell, region=resume, unheard=resume)
+        body = asm.encode(at)[0]
+        if at + len(body) == resume:
+            return body + jump_to(resume, trampoline.finish)
+        resume = at + len(body)
