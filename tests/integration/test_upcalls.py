@@ -294,11 +294,6 @@ def test_a_process_under_seccomp_keeps_its_handlers_at_traps() -> None:
             program.kill()
 
 
-@pytest.fixture(scope="module")
-def ret() -> str:
-    return build_target("ret", flags=("-O1", "-pthread"))
-
-
 def _factorial(n: int) -> int:
     product = 1
     for i in range(2, n + 1):

@@ -270,11 +270,12 @@ class Optimizer:
             except ProcessError as exc:
                 _debug(f"pid {proc.pid}: no return trampoline: {exc}")
                 return OptimizeRefusal.NO_MEMORY
-        pre = any(p.pre is not None or p.is_return for p in probes)
+        hooks = any(p.is_return for p in probes)
+        pre = hooks or any(p.pre is not None for p in probes)
         post = any(p.post is not None for p in probes)
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
-            lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post),
+            lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post, hooks=hooks),
         )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             return placed

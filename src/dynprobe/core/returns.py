@@ -333,12 +333,13 @@ class ReturnProbes:
     def on_entry(
         self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
         context: FetchContext | Callable[[], FetchContext], stamps: list[int], *,
-        upcall: Callable[[Probe, BaseException], None] | None = None,
+        upcall: Callable[[Probe, BaseException], None] | None = None, cells: memoryview | None = None,
     ) -> None:  # fmt: skip
         """A return probe's entry at a trap stop (or, `upcall`, a thread that asks from its
-        entry: core/upcalls.py, whose handler errors go to `upcall`; the return is then an upcall
-        too): the entry handler, then the shadow entry, whose time stamp goes into `stamps` for
-        `stamp_on_resume` (the tracer's clock, meanwhile)."""
+        entry: core/upcalls.py, whose handler errors go to `upcall`, and whose area's `cells`
+        hand the return address over; the return is then an upcall too): the entry handler,
+        then the shadow entry, whose time stamp goes into `stamps` for `stamp_on_resume` (the
+        tracer's clock, meanwhile)."""
         returns = self.setup(proc, site.addr)
         words = self._area_for(proc, tid, regs)
         lay = self.engine.layout
@@ -351,7 +352,7 @@ class ReturnProbes:
         if probe.on_entry is not None and _called(probe.on_entry, hit, upcall):
             return  # vetoed: no return handler, nothing missed
         code = returns.upcall_stub if upcall else self.return_code(proc, probe)
-        k = self._push(proc, words, regs, code, probe.index)
+        k = self._push(proc, words, regs, code, probe.index, cells)
         if k is None:
             probe.trap_missed += 1
             return
@@ -373,16 +374,22 @@ class ReturnProbes:
         words[L.STAMP_BUSY // 8] = 1
         regs.rip = proc.returns.entry_stamp
 
-    def _push(self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int) -> int | None:
+    def _push(
+        self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int, cells: memoryview | None
+    ) -> int | None:
         """At a function entry (rsp: the return address): a shadow entry for the frame, as the
-        detour makes it, and the return address pointed at its trampoline entry point."""
+        detour makes it, and the return address pointed at its trampoline entry point (by the
+        thread itself once answered, at an upcall: `cells`, its area)."""
         assert proc.returns is not None
         lay = self.engine.layout
         slot = int(regs.rsp)
-        try:
-            ret = proc.tracee.read_u64(slot)
-        except OSError:
-            return None
+        if cells is not None:
+            ret = cells[L.UPCALL_RETURN // 8]
+        else:
+            try:
+                ret = proc.tracee.read_u64(slot)
+            except OSError:
+                return None
         k = self._take(proc.returns.trampoline.points, words, slot, ret)
         if k is None:
             return None
@@ -392,10 +399,14 @@ class ReturnProbes:
         words[at + L.ENTRY_HANDLER // 8] = handler
         words[at + L.ENTRY_PROBE // 8] = index  # and the flags, cleared
         words[at + L.ENTRY_TSC // 8] = self.engine.read_tsc()
-        for n, name in enumerate(ARG_REGS, start=1):
-            words[at + L.ENTRY_DATA // 8 + n - 1] = int(getattr(regs, name)) & ((1 << 64) - 1)
+        data = at + L.ENTRY_DATA // 8
+        words[data : data + len(ARG_REGS)] = [getattr(regs, name) for name in ARG_REGS]  # (u64s: Regs's fields)
         words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
-        proc.tracee.write(slot, proc.returns.trampoline.point(k).to_bytes(8, "little"))
+        point = proc.returns.trampoline.point(k)
+        if cells is not None:
+            cells[L.UPCALL_HOOKED // 8] = point
+        else:
+            proc.tracee.write(slot, point.to_bytes(8, "little"))
         return k
 
     def on_return(
@@ -432,12 +443,14 @@ class ReturnProbes:
         view.rsp = _return_rsp(regs)
         view.rip = caller
         function = probe.sites.get(proc.pid, 0)
-        context = dataclasses.replace(
-            self.engine.fetch_context(proc, tid, view, probe), returning=ReturnValues(args, caller, latency)
-        )
+
+        def context() -> FetchContext:  # (made if a handler asks: most never do)
+            made = self.engine.fetch_context(proc, tid, view, probe)
+            return dataclasses.replace(made, returning=ReturnValues(args, caller, latency))
+
         instance = returns.instances.pop((tid, k), None)
         if probe.action is not None:
-            self.engine.act_in_tracer(probe, proc, tid, function, context, caller)
+            self.engine.act_in_tracer(probe, proc, tid, function, context(), caller)
         elif probe.on_return is not None and probe.enabled:
             probe.trap_hits += 1
             hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,

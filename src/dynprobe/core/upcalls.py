@@ -424,16 +424,18 @@ class Upcalls:
                 if returned:
                     self.engine.returns.on_return(proc, asker.tid, regs, upcall=self._report)
                 elif site is not None:
-                    post = asked_at != site_addr
-                    target = self._run_handlers(proc, asker.tid, site, regs, post=post, stamps=stamps) or asked_at
+                    post, current = asked_at != site_addr, self._current(site, site_addr, region)
+                    ran = self._run_handlers(proc, asker, site, regs, post=post, stamps=stamps, current=current)
+                    target = ran or asked_at
         finally:
             if returned:  # (on to the trampoline's finish)
                 regs.rip = region
             else:
                 # On in the asking detour's copy of the region (there as long as a thread is in
                 # the detour); an address the handler chose, as it is.
-                resume = site.upcall_resume if site is not None else None
-                if not resume or resume.get(site_addr) != region:
+                if site is not None and self._current(site, site_addr, region):
+                    resume = site.upcall_resume or {}
+                else:
                     resume = {site_addr: region}  # (a detour made before the site's last one)
                 regs.rip = resume.get(target, target)
                 if stamps and proc is not None:  # (shadow entries taken: their time as it goes on)
@@ -454,15 +456,24 @@ class Upcalls:
             base = self._pools[area.pool] = ctypes.addressof(ctypes.c_char.from_buffer(area.pool.view))
         return base + area.offset
 
+    @staticmethod
+    def _current(site: Site, site_addr: int, region: int) -> bool:
+        """Whether the thread asks from the site's detour of now (not one made before it)."""
+        resume = site.upcall_resume
+        return resume is not None and resume.get(site_addr) == region
+
     def _run_handlers(
-        self, proc: TracedProcess, tid: int, site: Site, regs: Regs, *, post: bool, stamps: list[int]
-    ) -> int | None:
+        self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool, stamps: list[int],
+        current: bool,
+    ) -> int | None:  # fmt: skip
         """The site's pre-handlers and return probes' entries (`post`: its post-handlers, the
         instruction done), in order, on the frame; where the thread goes on if a pre-handler
         returned True (it moved it: the instruction and the post-handlers are skipped) or a
         post-handler moved it, else None. A hit is counted at its first upcall (a return
-        probe's, at its return); the shadow entries taken go into `stamps`."""
-        now = time.monotonic()
+        probe's, at its return); the shadow entries taken go into `stamps`. A thread that asks
+        from an older detour than the site's `current` one may not hand its return address
+        over: its return probes miss this call."""
+        now, tid = time.monotonic(), asker.tid
         probes = [p for p in site.probes if p.enabled]
         count_here = not post or not any(p.pre is not None or p.is_return for p in probes)  # (no upcall before)
         asked_at = int(regs.rip)
@@ -472,8 +483,12 @@ class Upcalls:
                 return self.engine.fetch_context(proc, tid, regs, probe)
 
             if probe.is_return:
-                if not post:
-                    self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps, upcall=self._report)
+                if not post and not current:
+                    probe.trap_missed += 1
+                elif not post:
+                    self.engine.returns.on_entry(
+                        proc, tid, site, probe, regs, context, stamps, upcall=self._report, cells=asker.cells
+                    )
                 continue
             if count_here:
                 probe.trap_hits += 1

@@ -92,6 +92,10 @@ UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
 UPCALL_SITE = 0x318  # the site it asks for (its rip: where it is, the site or the next instruction)
 UPCALL_CPU = 0x320  # the CPU it asked on
 UPCALL_SLEEPING = 0x328  # nonzero while it may sleep for its answer (the answer then wakes it)
+# At a return probe's entry: the return address the thread had at [rsp], and what it writes
+# there once answered, if not 0 (the trampoline's entry point the tracer chose)
+UPCALL_RETURN = 0x330
+UPCALL_HOOKED = 0x338
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 UPCALL_WAIT_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the

@@ -80,11 +80,13 @@ def _leave(asm: Asm) -> None:
 
 
 def _upcall(
-    asm: Asm, *, rip: int, site: int, missed: Callable[[Asm], None], doorbell: int, region: int, unheard: int
-) -> None:
+    asm: Asm, *, rip: int, site: int, missed: Callable[[Asm], None], doorbell: int, region: int, unheard: int,
+    hooks: bool = False,
+) -> None:  # fmt: skip
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
     is at `region`; unheard (no tracer) or nested (`missed` counts it, rax free), the thread goes
-    on at `unheard`."""
+    on at `unheard`. `hooks` (a return probe's entry): the return address at [rsp] is handed
+    over (UPCALL_RETURN), and UPCALL_HOOKED, if the tracer set it, written there once answered."""
     nested, spin, wait, answered, gone, awake = (asm.label() for _ in range(6))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
@@ -101,6 +103,10 @@ def _upcall(
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME[name]), REG[name]))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, mem_at(R.RSP, _RED_ZONE)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rsp"]), R.RAX))
+    if hooks:
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RAX)))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_RETURN), R.RAX))
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_HOOKED), 0))
     for word, value in ((_FRAME["rip"], rip), (L.UPCALL_SITE, site), (L.UPCALL_REGION, region)):
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(word), R.RAX))
@@ -158,8 +164,17 @@ def _upcall(
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EDX, L.UPCALL_REQUEST))
     asm.add(iced.Instruction.create(C.SYSCALL))
     asm.jump(C.JMP_REL32_64, wait)
-    # Answered: the frame's registers, and on at the frame's rip, taken from below the red zone
+    # Answered: the return address the tracer chose (rax, rdx: in the frame), the frame's
+    # registers, and on at the frame's rip, taken from below the red zone
     asm.bind(answered)
+    if hooks:
+        unhooked = asm.label()
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.UPCALL_HOOKED)))
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+        asm.jump(C.JE_REL32_64, unhooked)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, gs_at(_FRAME["rsp"])))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDX), R.RAX))
+        asm.bind(unhooked)
     _restore(asm)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
@@ -199,12 +214,13 @@ class UpcallDetour(Detour):
 
 def build_upcall(
     plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, at: int, doorbell: int, *, pre: bool = True,
-    post: bool = False,
+    post: bool = False, hooks: bool = False,
 ) -> UpcallDetour | OptimizeRefusal:  # fmt: skip
     """The upcall detour of a site (`plan`) whose first probe is `probe_index` (its nested hits
     are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`: an
-    upcall before the site's instruction if `pre`, one after it if `post` (not after a branch:
-    POST_HANDLER). `action_bytes`: where the relocated instruction is."""
+    upcall before the site's instruction if `pre` (one that `hooks` the return address, at a
+    return probe's entry), one after it if `post` (not after a branch: POST_HANDLER).
+    `action_bytes`: where the relocated instruction is."""
     first, rest = plan.region[0], plan.region[1:]
     if post and first.flow_control != iced.FlowControl.NEXT:
         return OptimizeRefusal.POST_HANDLER
@@ -217,7 +233,7 @@ def build_upcall(
         )
         before = Asm()
         if pre:
-            upcall(before, rip=plan.site, unheard=region)
+            upcall(before, rip=plan.site, unheard=region, hooks=hooks)
         before_code = before.encode(at)[0] if pre else b""
         if not post:
             moved = relocate_region_map(plan, region)
