@@ -639,12 +639,12 @@ def test_native_trap_actions_keep_the_flags(area: NativeArea, spec: str) -> None
     assert area.counter(5, L.HITS) == 4
 
 
-def _upcall_site(area: NativeArea, doorbell: int) -> tuple[int, dict[int, int]]:
+def _upcall_site(area: NativeArea, doorbell: int, *, hooks: bool = False) -> tuple[int, dict[int, int]]:
     """FUNC placed and entered through an upcall detour: its address, and where each address of
     its region is in the detour's copy (what the tracer puts in the frame's rip)."""
     function = area.place(FUNC)
     region = area.plan(function, len(FUNC))
-    detour = build_upcall(region, 2, LAYOUT, area.base + area.used, doorbell)
+    detour = build_upcall(region, 2, LAYOUT, area.base + area.used, doorbell, hooks=hooks)
     assert not isinstance(detour, OptimizeRefusal)
     at = area.place(detour.code)
     moved = relocate_region_map(region, at + detour.action_bytes)
@@ -689,6 +689,27 @@ def test_native_upcall_hands_the_registers_over_and_takes_them_back(area: Native
     server.join()
     assert seen == [(7, function, 8)] and doorbell[L.DOORBELL_RING // 8] == 1
     assert area.word(L.UPCALL_STATE) == L.UPCALL_IDLE and area.word(L.UPCALL_BUSY) == 0
+
+
+def test_native_upcall_at_a_return_probes_entry_hands_the_return_address_over(area: NativeArea) -> None:
+    """The return address at [rsp] is in UPCALL_RETURN while the thread asks; the one the tracer
+    puts in UPCALL_HOOKED is where the function returns to (here a pad that sets rax and goes on
+    to the real caller)."""
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    function, resume = _upcall_site(area, doorbell.ctypes.data, hooks=True)
+    handed: list[tuple[int, int]] = []
+
+    def handler(regs: Regs) -> None:
+        real = ctypes.c_uint64.from_address(int(regs.rsp)).value
+        handed.append((area.word(L.UPCALL_RETURN), real))
+        pad = area.place(bytes.fromhex("b8d2040000") + b"\xff\x25\x00\x00\x00\x00" + real.to_bytes(8, "little"))
+        area.set_word(L.UPCALL_HOOKED, pad)  # (mov eax, 1234; jmp [the real return address])
+
+    server = _answer(area, handler, resume)
+    assert area.call_at(function, 7) == 1234
+    server.join()
+    ((given, real),) = handed
+    assert given == real != 0
 
 
 def test_native_upcall_goes_where_the_handler_sends_it(area: NativeArea) -> None:

@@ -8,8 +8,10 @@ import iced_x86 as iced
 from dynprobe.actions.model import ActionKind, Program, ReturnEntry, record_fields
 from dynprobe.arch.x86_64.codegen.detours import build_detour, enter_tail
 from dynprobe.arch.x86_64.codegen.returns import build_return_code, build_trampoline, return_stub_code
+from dynprobe.arch.x86_64.codegen.upcall import build_return_upcall
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan
+from dynprobe.arch.x86_64.regs import REG_NAMES
 from dynprobe.core.returns import shadow_stack_in
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
@@ -64,6 +66,29 @@ def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:
         f"mov gs:[rsi+{LAYOUT.shadow + L.ENTRY_RETURN_TSC + 4:X}h],edx",
     ]  # fmt: skip
     assert stub[-1].ip == trap and stub[-1].near_branch_target == tramp.finish
+
+
+def test_the_upcall_stub_stamps_asks_with_its_own_address_and_goes_to_finish() -> None:
+    """The return part served by upcalls: the return's time stamp, an upcall whose UPCALL_SITE
+    and frame rip are the stub's own address (how the tracer knows a return) and whose
+    UPCALL_REGION and unheard path are where it goes on: the jump to the trampoline's finish."""
+    _, tramp = build_trampoline(LAYOUT, AT)
+    at = AT + 0x30000
+    code = build_return_upcall(LAYOUT, at, 0x7E00_0000_0000, tramp)
+    insns = list(iter_instructions(code, at))
+    assert str(insns[0]) == "rdtsc" and insns[1].memory_displacement == LAYOUT.shadow + L.ENTRY_RETURN_TSC
+    last = insns[-1]
+    assert last.mnemonic == iced.Mnemonic.JMP and last.near_branch_target == tramp.finish
+
+    def stored(word: int) -> int:  # the imm64 moved into rax just before `mov gs:[word], rax`
+        i = next(n for n, insn in enumerate(insns) if insn.segment_prefix == iced.Register.GS
+                 and insn.memory_displacement == word and insn.op0_kind == iced.OpKind.MEMORY)  # fmt: skip
+        return int(insns[i - 1].immediate(1))
+
+    assert stored(L.UPCALL_SITE) == stored(L.UPCALL_FRAME + 8 * REG_NAMES.index("rip")) == at
+    assert stored(L.UPCALL_REGION) == last.ip
+    unheard = [i for i in insns if i.mnemonic == iced.Mnemonic.JMP and i.near_branch_target == last.ip]
+    assert len(unheard) == 2  # (no tracer; a nested return)
 
 
 def test_entry_part_needs_a_function_entry_and_the_trampoline() -> None:

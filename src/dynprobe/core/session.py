@@ -155,11 +155,11 @@ class Session:
 
     @property
     def upcalls(self) -> bool:
-        """Whether Python pre- and post-handlers are served without a ptrace stop: a site whose
-        probes all have Python handlers takes a jump to code that hands the thread's registers
-        to them through shared memory, and waits (docs/architecture.md §4). Handlers then run in
-        a thread of dynprobe's, one at a time, and may not place, enable, disable or remove
-        probes. Return probes stay traps. Off: every hit a stop."""
+        """Whether Python handlers are served without a ptrace stop: a site whose probes all
+        have Python handlers (pre, post, a return probe's entry and return) takes a jump to code
+        that hands the thread's registers to them through shared memory, and waits
+        (docs/architecture.md §4). Handlers then run in a thread of dynprobe's, one at a time;
+        what they ask of the session is done by `run()` while they wait. Off: every hit a stop."""
         return self._runtime.upcalls.enabled
 
     @upcalls.setter
