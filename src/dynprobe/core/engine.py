@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from dynprobe.core.probe import Probe
 from dynprobe.core.traced import TracedProcess
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
@@ -27,6 +28,9 @@ class Engine(Protocol):
 
     def warn(self, message: str) -> None:
         """Tell the user (once per message)."""
+
+    def handler_failed(self, probe: Probe, error: BaseException) -> None:
+        """A Python handler of `probe` raised `error`: tell the user (once per probe)."""
 
     def allocate_slot(self, proc: TracedProcess, near: int, size: int = ...) -> int | None:
         """`size` bytes of executable memory within reach of `near` in `proc` (None: none)."""

@@ -44,6 +44,7 @@ class ProbeMode(enum.Enum):
 
 
 Handler = Callable[["Hit"], object]
+HandlerFailed = Callable[["Probe", BaseException], None]
 CALLER_ARG = FetchArg("__caller", Caller(), ArgType("x", 64), "")  # first in a return probe's records
 EventHandler = Callable[["ProbeEvent"], object]
 
@@ -193,6 +194,22 @@ class Hit:
 
     def comm(self) -> str:
         return self.context.comm()
+
+
+def call_handler(handler: Handler, hit: Hit, failed: HandlerFailed, *, anything: bool = False) -> object:
+    """What `handler(hit)` returns. An Exception it raises goes to `failed` and counts as None:
+    the program goes on as if the handler had not run. So does anything else it raises if
+    `anything` (the upcall server, which nothing may end); else that (a Ctrl-C, sys.exit in the
+    tracing thread) ends the run."""
+    try:
+        return handler(hit)
+    except Exception as exc:
+        failed(hit.probe, exc)
+    except BaseException as exc:
+        if not anything:
+            raise
+        failed(hit.probe, exc)
+    return None
 
 
 @dataclass(eq=False)

@@ -55,7 +55,7 @@ from dynprobe.arch.x86_64.codegen.returns import (
 from dynprobe.arch.x86_64.codegen.upcall import build_return_upcall
 from dynprobe.arch.x86_64.regs import ARG_REGS
 from dynprobe.core.engine import Engine
-from dynprobe.core.probe import Handler, Hit, Probe, Site
+from dynprobe.core.probe import Hit, Probe, Site, call_handler
 from dynprobe.core.slots import place_code
 from dynprobe.core.traced import Instance, ProcessReturns, TracedProcess
 from dynprobe.debug import debug as _debug
@@ -112,17 +112,6 @@ _UPCALL_STUB_ROOM = 1024  # for the upcall stub (codegen/upcall.py's build_retur
 def _return_rsp(regs: Regs) -> int:
     """The stack pointer after the return, from a trap stub (the trampoline's frame below it)."""
     return int(regs.rsp) + 8 * (len(SAVED_AT) + 1)
-
-
-def _called(handler: Handler, hit: Hit, report: Callable[[Probe, BaseException], None] | None) -> object:
-    """What `handler(hit)` returns; an error it raises goes to `report` if given (None then)."""
-    if report is None:
-        return handler(hit)
-    try:
-        return handler(hit)
-    except BaseException as exc:  # (the thread goes on whatever a handler does: sys.exit too)
-        report(hit.probe, exc)
-        return None
 
 
 def default_maxactive() -> int:
@@ -332,14 +321,12 @@ class ReturnProbes:
     # --- trap mode --------------------------------------------------------------------------------------
     def on_entry(
         self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
-        context: FetchContext | Callable[[], FetchContext], stamps: list[int], *,
-        upcall: Callable[[Probe, BaseException], None] | None = None, cells: memoryview | None = None,
+        context: FetchContext | Callable[[], FetchContext], stamps: list[int], *, cells: memoryview | None = None,
     ) -> None:  # fmt: skip
-        """A return probe's entry at a trap stop (or, `upcall`, a thread that asks from its
-        entry: core/upcalls.py, whose handler errors go to `upcall`, and whose area's `cells`
-        hand the return address over; the return is then an upcall too): the entry handler,
-        then the shadow entry, whose time stamp goes into `stamps` for `stamp_on_resume` (the
-        tracer's clock, meanwhile)."""
+        """A return probe's entry at a trap stop (or at an upcall, core/upcalls.py: `cells`, the
+        thread's area, where the return address is handed over; the return is then an upcall
+        too): the entry handler, then the shadow entry, whose time stamp goes into `stamps` for
+        `stamp_on_resume` (the tracer's clock, meanwhile)."""
         returns = self.setup(proc, site.addr)
         words = self._area_for(proc, tid, regs)
         lay = self.engine.layout
@@ -349,7 +336,10 @@ class ReturnProbes:
             return
         now = time.monotonic()
         hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
-        if probe.on_entry is not None and _called(probe.on_entry, hit, upcall):
+        upcall = cells is not None
+        if probe.on_entry is not None and call_handler(
+            probe.on_entry, hit, self.engine.handler_failed, anything=upcall
+        ):
             return  # vetoed: no return handler, nothing missed
         code = returns.upcall_stub if upcall else self.return_code(proc, probe)
         k = self._push(proc, words, regs, code, probe.index, cells)
@@ -383,8 +373,8 @@ class ReturnProbes:
         assert proc.returns is not None
         lay = self.engine.layout
         slot = int(regs.rsp)
-        if cells is not None:
-            ret = cells[L.UPCALL_RETURN // 8]
+        if cells is not None:  # (what the thread will have there: a return probe before this one may have hooked it)
+            ret = cells[L.UPCALL_HOOKED // 8] or cells[L.UPCALL_RETURN // 8]
         else:
             try:
                 ret = proc.tracee.read_u64(slot)
@@ -409,12 +399,10 @@ class ReturnProbes:
             proc.tracee.write(slot, point.to_bytes(8, "little"))
         return k
 
-    def on_return(
-        self, proc: TracedProcess, tid: int, regs: Regs, *, upcall: Callable[[Probe, BaseException], None] | None = None
-    ) -> None:
-        """The trap stub: a return whose part runs here (or, `upcall`, the upcall stub, whose
-        handler errors go to `upcall`). rsi holds the entry's offset; the trampoline's saved
-        registers are on the stack (rax, rdx: the return value)."""
+    def on_return(self, proc: TracedProcess, tid: int, regs: Regs, *, upcall: bool = False) -> None:
+        """The trap stub: a return whose part runs here (or the upcall stub, `upcall`). rsi
+        holds the entry's offset; the trampoline's saved registers are on the stack (rax, rdx:
+        the return value)."""
         returns = proc.returns
         words = self._words(proc, tid)
         offset = int(regs.rsi)
@@ -456,7 +444,7 @@ class ReturnProbes:
             hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
                       instance.data if instance else None, caller)  # fmt: skip
             rax, rdx = int(view.rax), int(view.rdx)
-            _called(probe.on_return, hit, upcall)
+            call_handler(probe.on_return, hit, self.engine.handler_failed, anything=upcall)
             if int(view.rax) != rax:
                 tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
             if int(view.rdx) != rdx:

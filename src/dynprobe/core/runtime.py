@@ -52,6 +52,7 @@ class Runtime:
         self.probes: list[Probe] = []
         self.stats = {"stops": 0, "fixups": 0}
         self.warn = warn
+        self._failed: set[Probe] = set()  # probes whose handler raised (see handler_failed)
         self.guardian = Guardian()
         journal = self.guardian.journal
         journal.on_full = lambda: warn(
@@ -110,6 +111,11 @@ class Runtime:
 
     def request_stop(self) -> None:
         self.loop.stop_requested = True
+
+    def handler_failed(self, probe: Probe, error: BaseException) -> None:
+        if probe not in self._failed:
+            self._failed.add(probe)
+            self.warn(f"{probe.name}: its handler raised {type(error).__name__}: {error} (reported once)")
 
     def wake_loop(self) -> None:
         self.loop.wake()

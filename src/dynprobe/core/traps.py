@@ -34,7 +34,7 @@ from dynprobe.arch.x86_64 import (
 from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID
 from dynprobe.arch.x86_64.codegen.detours import build_trap_actions
 from dynprobe.core.engine import Engine
-from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site
+from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site, call_handler
 from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.slots import PlacedCode, place_code
 from dynprobe.core.traced import MemoryReader, StepState, TracedProcess
@@ -129,6 +129,7 @@ class Traps:
         post: list[Probe] = []
         stamps: list[int] = []  # return-probe entries taken: their time is stamped at the resume
         actions: list[Probe] = []  # probes whose action runs in the target as the thread resumes
+        failed = self.engine.handler_failed
         for probe in list(site.probes) if proc.follow else ():  # (a probe a handler places: from the next hit)
             if not probe.enabled:
                 continue
@@ -152,7 +153,7 @@ class Traps:
             if not now:
                 now = time.monotonic()
             source = context or (lambda: self.context(proc, tid, regs, site))
-            moved = probe.pre(Hit(probe, proc.pid, tid, regs, site.addr, now, source))
+            moved = call_handler(probe.pre, Hit(probe, proc.pid, tid, regs, site.addr, now, source), failed)
             # A handler takes its time, and the process goes on meanwhile: another thread's
             # exec or exit_group may have ended this one, whose tid an exec'd thread then
             # takes. The exec's or exit's event, handled next, settles it.
@@ -361,7 +362,9 @@ class Traps:
         now = time.monotonic()
         for probe in post:
             assert probe.post is not None
-            probe.post(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
+            call_handler(
+                probe.post, Hit(probe, proc.pid, tid, regs, site.addr, now, context), self.engine.handler_failed
+            )
 
     def finish_step(self, proc: TracedProcess, tid: int, step: StepState) -> None:
         self.engine.stats["stops"] += 1

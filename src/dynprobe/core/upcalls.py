@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import Regs
-from dynprobe.core.probe import Hit, Probe, Site
+from dynprobe.core.probe import Hit, Probe, Site, call_handler
 from dynprobe.core.processes import ProcessTable
 from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
@@ -72,6 +72,7 @@ class UpcallsEngine(Protocol):
 
     def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext: ...
     def warn(self, message: str) -> None: ...
+    def handler_failed(self, probe: Probe, error: BaseException) -> None: ...
     def tsc_mult(self) -> int: ...
     def wake_loop(self) -> None: ...
 
@@ -161,7 +162,6 @@ class Upcalls:
         self._pools: weakref.WeakKeyDictionary[Pool, int] = weakref.WeakKeyDictionary()  # (see _address)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._reported: set[Probe] = set()
         # Where the server runs (during a run, off the CPU where the target's threads wake up,
         # core/loop.py), and whether it and the threads that ask look for each other (SPIN)
         # before they sleep: not when they may share a CPU, where it would only delay the other.
@@ -422,7 +422,7 @@ class Upcalls:
         try:
             if handlers and proc is not None and proc.follow:
                 if returned:
-                    self.engine.returns.on_return(proc, asker.tid, regs, upcall=self._report)
+                    self.engine.returns.on_return(proc, asker.tid, regs, upcall=True)
                 elif site is not None:
                     post, current = asked_at != site_addr, self._current(site, site_addr, region)
                     ran = self._run_handlers(proc, asker, site, regs, post=post, stamps=stamps, current=current)
@@ -486,28 +486,18 @@ class Upcalls:
                 if not post and not current:
                     probe.trap_missed += 1
                 elif not post:
-                    self.engine.returns.on_entry(
-                        proc, tid, site, probe, regs, context, stamps, upcall=self._report, cells=asker.cells
-                    )
+                    self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps, cells=asker.cells)
                 continue
             if count_here:
                 probe.trap_hits += 1
             handler = probe.post if post else probe.pre
             if handler is None:
                 continue
-            try:
-                moved = handler(Hit(probe, proc.pid, tid, regs, site.addr, now, context))
-            except BaseException as exc:  # (the thread goes on whatever a handler does: sys.exit too)
-                self._report(probe, exc)
-                continue
+            hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
+            moved = call_handler(handler, hit, self.engine.handler_failed, anything=True)
             if moved and not post:
                 return int(regs.rip)
         return int(regs.rip) if post and int(regs.rip) != asked_at else None
-
-    def _report(self, probe: Probe, exc: BaseException) -> None:
-        if probe not in self._reported:
-            self._reported.add(probe)
-            self.engine.warn(f"{probe.name}: its handler raised {type(exc).__name__}: {exc} (reported once)")
 
     def place(self, cpus: set[int], *, spin: bool) -> None:
         """Run on these CPUs; `spin`: whether the server and the threads that ask look for each
