@@ -122,6 +122,7 @@ def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
     rounds = 2000
 
     def setup(session: dynprobe.Session) -> dict[str, dynprobe.Probe]:
+        session.upcalls = False  # (why Python handlers stay traps without upcalls)
         names = ["jump_into", "one_ret", "call_first", "add_one", "endbr_func", "endbr_func+4", "redzone_leaf+10"]
         with session.batch() if placed == "in a batch" else contextlib.nullcontext():
             probes = {name: session.probe(name) for name in names}
@@ -297,6 +298,7 @@ def test_target_using_gs_keeps_trap_probes(opt: str) -> None:
     def setup(s: dynprobe.Session) -> list[dynprobe.Probe]:
         nonlocal session
         session = s
+        s.upcalls = False  # (the handler at a stop: served by upcalls, it would go unheard, test_upcalls.py)
         s.probe("worker", pre=place_after_gs_is_set)  # main has set GS when it calls worker
         return made
 

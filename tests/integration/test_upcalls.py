@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 
@@ -142,11 +143,14 @@ def test_a_handler_that_exits_or_closes_the_session_is_reported_and_the_program_
         ]
 
 
-def test_a_handler_stops_the_session_and_the_next_run_goes_on(counter: str) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_a_handler_stops_the_session_and_the_next_run_goes_on(counter: str, mode: str) -> None:
+    """After `stop()` from a handler no other handler runs until the next run: the threads
+    that come by wait for it, at a trap stop or in their upcall."""
     with dynprobe.spawn([counter, "100", "1"], stdout=subprocess.DEVNULL) as session:
-        session.upcalls = True
+        session.upcalls = mode == "upcall"
         probe = session.probe("work", pre=lambda hit: session.stop() if hit.regs.arg(1) == 10 else None)
-        assert session.run(timeout=60) is None and probe.hits >= 11
+        assert session.run(timeout=60) is None and probe.hits == 11
         assert session.run(timeout=60) == 0 and probe.hits == 100
 
 
@@ -213,6 +217,7 @@ def test_a_handler_asks_for_the_loop_only_while_it_runs() -> None:
 
 def test_switching_upcalls_replans_the_sites_placed(counter: str) -> None:
     with dynprobe.spawn([counter, "10", "1"], stdout=subprocess.DEVNULL) as session:
+        session.upcalls = False
         probe = session.probe("work", pre=lambda hit: None)
         assert probe.mode == dynprobe.ProbeMode.TRAP and probe.trap_reason == OptimizeRefusal.PYTHON_HANDLER
         session.upcalls = True
@@ -387,3 +392,21 @@ def test_a_detach_with_return_instances_pending_lets_them_return(ret: str) -> No
             assert [int(proc.stdout.readline()) for _ in range(3)] == [before + 1, before + 2, before + 3]
         finally:
             proc.kill()
+
+
+def test_a_program_that_sets_its_own_gs_base_goes_on_untouched_and_is_told() -> None:
+    """Its threads' areas were given (their GS base), then the program set its own: an upcall
+    there touches nothing of the program's and runs no handler; the user is told, once."""
+    opt = build_target("opt", "opt.c", "opt_asm.S", flags=("-O1", "-pthread"))
+    calls: list[int] = []
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([opt, "gs", "1", "500"], stdout=out.fileno()) as session:
+            session.upcalls = True
+            probe = session.probe("hammer", pre=lambda hit: calls.append(hit.regs.arg(1)))
+            assert session.run(timeout=60) == 0 and probe.mode == dynprobe.ProbeMode.OPTIMIZED
+        out.seek(0)
+        assert out.read() == "gs kept\n"
+    assert calls == [] and session.warnings == [
+        f"pid {session.pid} set its own GS base: its Python handlers served without a stop no longer run"
+        " (session.upcalls = False serves them at traps)"
+    ]

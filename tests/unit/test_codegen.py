@@ -652,6 +652,7 @@ def _upcall_site(area: NativeArea, doorbell: int, *, hooks: bool = False) -> tup
     area.patch(function, at)
     area.set_word(L.UPCALL_SELF, area.mem.ctypes.data)
     area.set_word(L.UPCALL_TIMEOUT + 8, 1_000_000)  # 1 ms waits
+    area.set_word(L.MAGIC, L.AREA_MAGIC)
     return function, moved[1]
 
 
@@ -811,6 +812,18 @@ def test_native_upcall_with_no_tracer_goes_on_unheard(area: NativeArea) -> None:
     function, _ = _upcall_site(area, doorbell.ctypes.data)
     assert area.call_at(function, 7) == 7
     assert area.word(L.UPCALL_STATE) == L.UPCALL_IDLE and area.word(L.UPCALL_BUSY) == 0
+
+
+def test_native_upcall_through_a_gs_base_not_ours_touches_nothing(area: NativeArea) -> None:
+    """The program set its own GS base after its area was given: the thread goes on without
+    asking, and writes nothing there (no frame, no state)."""
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    function, _ = _upcall_site(area, doorbell.ctypes.data)
+    area.set_word(L.MAGIC, 0)
+    before = bytes(area.mem[: L.HEADER_BYTES])
+    assert area.call_at(function, 7) == 7
+    assert bytes(area.mem[: L.HEADER_BYTES]) == before and doorbell[L.DOORBELL_RING // 8] == 0
+    assert doorbell[L.DOORBELL_FOREIGN // 8] == 1
 
 
 def test_native_upcall_nested_runs_no_handler_and_counts_a_miss(area: NativeArea) -> None:

@@ -64,7 +64,8 @@ def test_the_thread_area_header() -> None:
     assert L.AREA_MAGIC.to_bytes(8, "little") == b"DYPREA1\0"
     assert sorted((L.UPCALL_IDLE, L.UPCALL_REQUEST, L.UPCALL_ANSWERED)) == [0, 1, 2]
     bell = {"ring": (L.DOORBELL_RING, 4), "gone": (L.DOORBELL_GONE, 8), "awake": (L.DOORBELL_AWAKE, 8)}
-    check_fields({**bell, "spin": (L.DOORBELL_SPIN, 8), "cpu": (L.DOORBELL_CPU, 8)}, L.PAGE)
+    bell |= {"spin": (L.DOORBELL_SPIN, 8), "cpu": (L.DOORBELL_CPU, 8), "foreign": (L.DOORBELL_FOREIGN, 8)}
+    check_fields(bell, L.PAGE)
 
 
 def test_the_per_probe_counters_and_histogram_buckets() -> None:

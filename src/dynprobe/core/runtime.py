@@ -111,6 +111,9 @@ class Runtime:
 
     def request_stop(self) -> None:
         self.loop.stop_requested = True
+        if self.upcalls.in_server():  # (a handler: later hits wait for the next run, as at traps)
+            self.upcalls.hold()
+            self.loop.wake()
 
     def handler_failed(self, probe: Probe, error: BaseException) -> None:
         if probe not in self._failed:

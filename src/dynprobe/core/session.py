@@ -159,7 +159,8 @@ class Session:
         have Python handlers (pre, post, a return probe's entry and return) takes a jump to code
         that hands the thread's registers to them through shared memory, and waits
         (docs/architecture.md §4). Handlers then run in a thread of dynprobe's, one at a time;
-        what they ask of the session is done by `run()` while they wait. Off: every hit a stop."""
+        what they ask of the session is done by `run()` while they wait. On by default where
+        the kernel has futex_waitv (5.16+). Off: every hit a stop."""
         return self._runtime.upcalls.enabled
 
     @upcalls.setter

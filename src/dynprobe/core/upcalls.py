@@ -47,7 +47,7 @@ from dynprobe.core.processes import ProcessTable
 from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
-from dynprobe.errors import ProcessError, SessionError, SharedMemoryRefused
+from dynprobe.errors import OptimizeRefusal, ProcessError, SessionError, SharedMemoryRefused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, Pool
@@ -113,6 +113,10 @@ class Doorbell:
         """How long a thread that asked looks for its answer before it sleeps."""
         self.words[L.DOORBELL_SPIN // 8] = ticks
 
+    def foreign(self) -> bool:
+        """Whether a thread came by with a GS base that is not ours (it could not ask)."""
+        return self.words[L.DOORBELL_FOREIGN // 8] != 0
+
     def close(self) -> None:
         self.words.release()
         self.view.close()
@@ -155,7 +159,7 @@ class Upcalls:
 
     def __init__(self, engine: UpcallsEngine) -> None:
         self.engine = engine
-        self._enabled = False
+        self._enabled = sc.has_futex_waitv()  # (else Python handlers stay at traps)
         self._bells: dict[TracedProcess, Doorbell] = {}  # (a fork child shares its parent's)
         self._version = 0  # of _bells: the server looks at them again when it changes
         self._lock = threading.Lock()  # the server reads _bells, the tracing thread changes it
@@ -175,6 +179,8 @@ class Upcalls:
         self._fence = threading.Lock()
         self._jobs: list[Job[object]] = []  # for the tracing thread (under _lock)
         self._taking_jobs = False  # while run() runs
+        self._serving = threading.Event()  # clear: a handler stopped the run, the next one goes on
+        self._serving.set()
 
     @property
     def enabled(self) -> bool:
@@ -221,6 +227,11 @@ class Upcalls:
             raise job.error
         return job.result  # type: ignore[return-value]
 
+    def hold(self) -> None:
+        """A handler stopped the run: the threads that ask from now on wait for the next run
+        (as a trap hit does), or for the detach."""
+        self._serving.clear()
+
     def has_jobs(self) -> bool:
         return bool(self._jobs)
 
@@ -237,6 +248,7 @@ class Upcalls:
         """While `run()` runs: handlers may hand calls to it (made before it returns)."""
         with self._lock:
             self._taking_jobs = True
+        self._serving.set()
         try:
             yield
         finally:
@@ -272,6 +284,7 @@ class Upcalls:
 
     def _distinct(self) -> list[Doorbell]:
         """Every doorbell once (a fork child shares its parent's), of processes still traced."""
+        self._tell_foreign()  # (before those of ended processes go)
         for proc in [p for p in self._bells if p.status is not None]:
             del self._bells[proc]  # (ended: its page went with it)
             self._version += 1
@@ -311,10 +324,13 @@ class Upcalls:
         seen: tuple[int, ...] = ()  # the versions of the doorbells and thread areas they are of
         try:
             while not self._stopping.is_set():
+                if not self._serving.is_set():
+                    self._serving.wait(WAIT)
+                    continue
                 rings = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
                 answered = False
                 for asker in askers:
-                    if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST:
+                    if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and self._serving.is_set():
                         self._answer(asker)
                         answered = True
                 if not answered and self._versions() != seen:  # (a new process or thread may ask)
@@ -331,6 +347,7 @@ class Upcalls:
                         bell.on_cpu(cpu)
                 if self._spin and self._rung(pages, rings, time.monotonic() + SPIN):
                     continue
+                self._tell_foreign()
                 for bell in bells:
                     bell.awake(False)
                 waits = [(bell.ring, bell.rung()) for bell in bells]
@@ -348,6 +365,18 @@ class Upcalls:
                     bell.gone()
             for asker in list(self._asking()):
                 self._answer(asker, handlers=False)
+
+    def _tell_foreign(self) -> None:
+        """A process whose threads came by with a GS base of their own (the program set it after
+        its areas were given): its upcalls go unheard from then on; say so, once, and its new
+        probes stay traps (GS_IN_USE)."""
+        for proc, bell in list(self._bells.items()):
+            if proc.areas_refused is None and bell.foreign():
+                proc.areas_refused = OptimizeRefusal.GS_IN_USE
+                self.engine.warn(
+                    f"pid {proc.pid} set its own GS base: its Python handlers served without a stop no longer run"
+                    " (session.upcalls = False serves them at traps)"
+                )
 
     def _versions(self) -> tuple[int, ...]:
         """What the server's lists of doorbells and threads are made of, as it is now."""
@@ -523,7 +552,9 @@ class Upcalls:
             job.done.set()
         if thread is not None:
             self._stopping.set()
+            self._serving.set()  # (held: it looks at _stopping at once)
             thread.join()
+        self._tell_foreign()
 
     def close(self) -> None:
         """Our mappings of the doorbells go (the session has let every process go)."""

@@ -108,6 +108,7 @@ DOORBELL_GONE = 8
 DOORBELL_AWAKE = 16
 DOORBELL_SPIN = 24
 DOORBELL_CPU = 32
+DOORBELL_FOREIGN = 40  # threads that came by with a GS base not ours (the program set its own)
 HEADER_BYTES = PAGE
 
 PROBE_COUNTERS = 4  # per probe: hits, missed, lost, pending return instances

@@ -5,6 +5,8 @@ is the next instruction), the rest of the relocated region and the jump back. An
 target thread, with its thread area (GS base) and its process's doorbell page:
 
     lea rsp, [rsp-128]; pushfq; push rax        over the red zone
+    gs:[MAGIC] is not ours                      the program set its own GS base: counted in
+                                                [FOREIGN], on (unheard)
     xchg gs:[UPCALL_BUSY], 1                    taken: a nested hit (a signal handler's): no
                                                 handler, counted missed, on (unheard)
     the registers into gs:[UPCALL_FRAME]        (user_regs_struct; rip = where it is, rsp as it was)
@@ -87,10 +89,13 @@ def _upcall(
     is at `region`; unheard (no tracer) or nested (`missed` counts it, rax free), the thread goes
     on at `unheard`. `hooks` (a return probe's entry): the return address at [rsp] is handed
     over (UPCALL_RETURN), and UPCALL_HOOKED, if the tracer set it, written there once answered."""
-    nested, spin, wait, answered, gone, awake = (asm.label() for _ in range(6))
+    nested, foreign, out, spin, wait, answered, gone, awake = (asm.label() for _ in range(8))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, L.AREA_MAGIC))
+    asm.add(iced.Instruction.create_mem_reg(C.CMP_RM64_R64, gs_at(L.MAGIC), R.RAX))
+    asm.jump(C.JNE_REL32_64, foreign)
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, 1))
     asm.add(iced.Instruction.create_mem_reg(C.XCHG_RM64_R64, gs_at(L.UPCALL_BUSY), R.RAX))
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
@@ -191,9 +196,17 @@ def _upcall(
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
     _leave(asm)
     asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
-    # A nested hit: its handlers miss this one
+    # A nested hit: its handlers miss this one. A GS base that is not ours (the program set its
+    # own since): nothing of it is touched, no handler runs, the doorbell's FOREIGN counts it.
     asm.bind(nested)
     missed(asm)
+    asm.jump(C.JMP_REL32_64, out)
+    asm.bind(foreign)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, doorbell + L.DOORBELL_FOREIGN))
+    count = iced.Instruction.create_mem(C.INC_RM64, mem_at(R.RAX))
+    count.has_lock_prefix = True
+    asm.add(count)
+    asm.bind(out)
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RAX))
     asm.add(iced.Instruction.create(C.POPFQ))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, _RED_ZONE)))
