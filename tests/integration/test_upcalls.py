@@ -19,7 +19,7 @@ from dynprobe.errors import OptimizeRefusal
 from tests.conftest import build_target
 from tests.killing import hot_program
 
-from .helpers import run_plain, run_until, traced
+from .helpers import run_plain, run_until, started, traced
 
 MODES = ["trap", "upcall"]
 
@@ -188,16 +188,14 @@ def test_a_handler_places_removes_and_disables_probes(counter: str, mode: str) -
 def test_a_handler_asks_for_the_loop_only_while_it_runs() -> None:
     """Between two runs the threads still ask and are served, but nobody would make a call
     for a handler: it is told so (reported once), and the program goes on."""
-    program = subprocess.Popen([hot_program(), "2", "2.0"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert program.stdout is not None and program.stdout.readline() == "ready\n"
-        wanted, tried = threading.Event(), threading.Event()
+    wanted, tried = threading.Event(), threading.Event()
 
-        def pre(hit: Hit) -> None:
-            if wanted.is_set():
-                tried.set()
-                session.probe("main")
+    def pre(hit: Hit) -> None:
+        if wanted.is_set():
+            tried.set()
+            session.probe("main")
 
+    with started([hot_program(), "2", "2.0"], "ready") as program:
         with dynprobe.attach(program.pid) as session:
             session.upcalls = True
             probe = session.probe("p:t/placing work", pre=pre)
@@ -210,9 +208,6 @@ def test_a_handler_asks_for_the_loop_only_while_it_runs() -> None:
             ]
         out, _ = program.communicate(timeout=60)
         assert program.returncode == 0 and out.startswith("ok "), out
-    finally:
-        if program.poll() is None:
-            program.kill()
 
 
 def test_switching_upcalls_replans_the_sites_placed(counter: str) -> None:
@@ -263,9 +258,7 @@ def test_a_detach_lets_every_thread_go_on() -> None:
     """Attached to a running program whose threads ask all the time, run briefly and close: no
     thread is left waiting for an answer, and the program ends as it would have (its own check
     of every call's result). A tracer killed meanwhile: tests/killing.py's "upcall" mode."""
-    program = subprocess.Popen([hot_program(), "4", "1.0"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert program.stdout is not None and program.stdout.readline() == "ready\n"
+    with started([hot_program(), "4", "1.0"], "ready") as program:
         with dynprobe.attach(program.pid) as session:
             session.upcalls = True
             probe = session.probe("work", pre=lambda hit: None)
@@ -273,19 +266,13 @@ def test_a_detach_lets_every_thread_go_on() -> None:
             assert probe.mode == dynprobe.ProbeMode.OPTIMIZED
         out, _ = program.communicate(timeout=60)
         assert program.returncode == 0 and out.startswith("ok "), out
-    finally:
-        if program.poll() is None:
-            program.kill()
-            program.wait()
 
 
 def test_a_process_under_seccomp_keeps_its_handlers_at_traps() -> None:
     """A seccomp filter may forbid futex, which an upcall makes in the target: a process under
     one keeps its Python handlers at traps, and says why."""
     target = build_target("seccomp", flags=("-O0",))
-    program = subprocess.Popen([target, "usr1"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert program.stdout is not None and program.stdout.readline() == "ready\n"
+    with started([target, "usr1"], "ready") as program:
         with dynprobe.attach(program.pid) as session:
             session.upcalls = True
             seen: list[int] = []
@@ -295,9 +282,6 @@ def test_a_process_under_seccomp_keeps_its_handlers_at_traps() -> None:
         program.send_signal(signal.SIGUSR1)
         out, _ = program.communicate(timeout=60)
         assert program.returncode == 0 and out.endswith(" sum=0\n"), out
-    finally:
-        if program.poll() is None:
-            program.kill()
 
 
 def _factorial(n: int) -> int:
@@ -380,18 +364,15 @@ def test_return_handlers_that_raise_are_reported_once(ret: str, mode: str) -> No
 def test_a_detach_with_return_instances_pending_lets_them_return(ret: str) -> None:
     """nap() is asleep inside a probed call when the session detaches: it returns to its caller,
     and the program goes on."""
-    with subprocess.Popen([ret, "sleep"], stdout=subprocess.PIPE, text=True) as proc:
-        try:
-            assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
-            with dynprobe.attach(proc.pid) as session:
-                session.upcalls = True
-                probe = session.retprobe("nap", entry=lambda hit: None, handler=lambda hit: None)
-                run_until(session, lambda: probe.hits >= 3, "3 returns")
-                assert probe.mode == dynprobe.ProbeMode.OPTIMIZED
-            before = int(proc.stdout.readline())
-            assert [int(proc.stdout.readline()) for _ in range(3)] == [before + 1, before + 2, before + 3]
-        finally:
-            proc.kill()
+    with started([ret, "sleep"], "ready") as proc:
+        assert proc.stdout is not None
+        with dynprobe.attach(proc.pid) as session:
+            session.upcalls = True
+            probe = session.retprobe("nap", entry=lambda hit: None, handler=lambda hit: None)
+            run_until(session, lambda: probe.hits >= 3, "3 returns")
+            assert probe.mode == dynprobe.ProbeMode.OPTIMIZED
+        before = int(proc.stdout.readline())
+        assert [int(proc.stdout.readline()) for _ in range(3)] == [before + 1, before + 2, before + 3]
 
 
 def test_a_program_that_sets_its_own_gs_base_goes_on_untouched_and_is_told() -> None:
