@@ -1,4 +1,4 @@
-"""Upcalls: Python pre- and post-handlers served without a ptrace stop (`Session.upcalls`).
+"""Upcalls: Python handlers served without a ptrace stop (`Session.upcalls`).
 
 A site whose enabled probes all have Python handlers takes a jump, like an optimized probe,
 to an upcall detour (arch/x86_64/codegen/upcall.py): the thread saves its registers in its
@@ -6,7 +6,9 @@ thread area's frame, asks, rings its process's doorbell and waits. Here, a serve
 the handlers of each thread that asks on a `Hit` whose registers are the frame's (a copy,
 written back: a handler's register writes are what the thread resumes with), sets where the
 thread goes on (the relocated copy of the site's instruction, or where a handler that returned
-True sent it) and answers. Memory reads and writes go through /proc/PID/mem, as at a stop.
+True sent it) and answers. Memory reads and writes go through /proc/PID/mem, as at a stop. A
+return probe's entry and return are upcalls too: the shadow stack is kept as at a trap stop
+(core/returns.py), the return address handed over in the thread area.
 
 Waking a sleeping thread costs more than a ptrace stop on this kind of VM, so neither side
 sleeps while hits come often: the server runs on another CPU than the threads that ask, and
@@ -19,8 +21,9 @@ Handlers run in the server thread, one at a time. What needs the tracing thread 
 enabling, disabling or removing probes) is handed to the stop loop, which runs it between two
 stops while the handler waits for it (`on_tracing_thread`): only while `run()` runs, and
 promptly only in the main thread (elsewhere the loop has no waker: at its next stop). Closing
-or detaching the session from a handler is refused; `session.stop()` works. Whatever a handler
-raises is reported once (`warnings`) and the thread goes on.
+or detaching the session from a handler is refused; after `session.stop()` from one, no thread
+is answered until the next run (as trap hits wait for it). Whatever a handler raises is
+reported once (`warnings`) and the thread goes on.
 
 A thread never waits for a tracer that is gone: each doorbell page has a GONE word, which a
 detach sets (after answering every thread that asks), and so does the guardian, first, when
@@ -39,7 +42,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.core.probe import Hit, Probe, Site, call_handler
@@ -177,7 +180,7 @@ class Upcalls:
         # Acquired and released between storing an answer and looking whether its thread
         # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
         self._fence = threading.Lock()
-        self._jobs: list[Job[object]] = []  # for the tracing thread (under _lock)
+        self._jobs: list[Job[Any]] = []  # for the tracing thread (under _lock)
         self._taking_jobs = False  # while run() runs
         self._serving = threading.Event()  # clear: a handler stopped the run, the next one goes on
         self._serving.set()
@@ -220,12 +223,12 @@ class Upcalls:
         with self._lock:
             if not self._taking_jobs:
                 raise SessionError(f"{what} from a handler served by an upcall needs session.run() to be running")
-            self._jobs.append(job)  # type: ignore[arg-type]
+            self._jobs.append(job)
         self.engine.wake_loop()
         job.done.wait()
         if job.error is not None:
             raise job.error
-        return job.result  # type: ignore[return-value]
+        return cast(T, job.result)
 
     def hold(self) -> None:
         """A handler stopped the run: the threads that ask from now on wait for the next run
