@@ -34,7 +34,7 @@ MODES: dict[str, list[str]] = {
     "trap Python handler": [
         sys.executable,
         "-c",
-        _API.format(pid="{pid}", probes="s.probe('work', pre=lambda h: None)"),
+        _API.format(pid="{pid}", probes="s.upcalls = False; s.probe('work', pre=lambda h: None)"),
     ],
     "upcall Python handler": [
         sys.executable,
@@ -52,7 +52,7 @@ MODES: dict[str, list[str]] = {
     "trap post-handler": [
         sys.executable,
         "-c",
-        _API.format(pid="{pid}", probes="s.probe('leaf', post=lambda h: None)"),
+        _API.format(pid="{pid}", probes="s.upcalls = False; s.probe('leaf', post=lambda h: None)"),
     ],
     "optimized count": [*DYNPROBE, "count", "p work"],
     "optimized record": [*DYNPROBE, "trace", "p work i=%di", "-o", "{out}/events.txt"],
