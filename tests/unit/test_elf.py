@@ -143,11 +143,18 @@ def test_an_address_resolves_to_the_file_it_maps_or_says_why_not() -> None:
         resolve("+0x10", located.path)
 
 
-def test_a_file_s_branch_targets_are_those_of_its_functions_decoded() -> None:
+@pytest.mark.parametrize("lookups", [10**9, 0], ids=["each question weighed", "from every target"])
+def test_a_file_s_branch_targets_are_those_of_its_functions_decoded(
+    lookups: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """libc: at every function's first bytes (what a probe's jump covers), `addr in targets` says
-    what decoding every function says (among them, the jumps of mempcpy into memmove's start)."""
+    what decoding every function says (among them, the jumps of mempcpy into memmove's start),
+    whether it weighs each question's candidates or, past BranchTargets.LOOKUPS, looks in the
+    set of every target."""
     from dynprobe.arch.x86_64.optimize import branch_targets
+    from dynprobe.symbols.elf import BranchTargets
 
+    monkeypatch.setattr(BranchTargets, "LOOKUPS", lookups)
     libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
     targets = libc.branch_targets()
     ranges = {(f.addr, f.end) for f in libc.functions if f.size} | set(libc.eh_frame_ranges())

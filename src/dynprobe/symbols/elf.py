@@ -567,10 +567,13 @@ class BranchTargets:
     one, a superset of the real ones; when one lands on an address asked about, the function it
     is in (a symbol's or an unwind-table range) is decoded to see whether it is a branch (one in
     no function counts). One with an 8-bit displacement comes from at most 129 bytes away: the
-    functions there are decoded. Each function is decoded at most once."""
+    functions there are decoded. Each function is decoded at most once. Past LOOKUPS questions
+    (many probes placed in one file), every function is decoded and the answers come from the
+    set of all targets: the same answers, without the tens of candidates each question weighs."""
 
     _SCAN = 1 << 20  # bytes of code scanned at a time: the scan's memory stays bounded
     _ANY_FILE = 1 << 16  # places a rel32 branch may start at in any file (past them: one byte of code in 8)
+    LOOKUPS = 64
 
     def __init__(self, image: ElfImage) -> None:
         self.image = image
@@ -602,12 +605,19 @@ class BranchTargets:
         # Ranges may nest (a hostile symbol table: thousands around one place): what is decoded is
         # bounded too, by the code's size (then every address is a target).
         self._may_decode = 8 * scanned + self._ANY_FILE
+        self._lookups = 0
+        self._all: frozenset[int] | None = None  # every target, once LOOKUPS questions were asked
 
     def __contains__(self, addr: object) -> bool:
         if self.everything:
             return True
         if not isinstance(addr, int):
             return False
+        self._lookups += 1
+        if self._all is None and self._lookups > self.LOOKUPS:
+            self._all = self._every_target()
+        if self._all is not None:
+            return addr in self._all or self.everything
         low, high = np.searchsorted(self.targets, [addr, addr + 1])
         for source in self.sources[low:high].tolist():
             around = list(self._around(source, source))
@@ -616,9 +626,21 @@ class BranchTargets:
         found = any(addr in self._targets(r) for r in self._around(addr - 129, addr + 127))
         return found or self.everything
 
+    def _every_target(self) -> frozenset[int]:
+        """The targets of every function's branches, and of the candidates in no function."""
+        every: set[int] = set()
+        for bounds in self.ranges:
+            every |= self._targets(bounds)
+        for source, target in zip(self.sources.tolist(), self.targets.tolist(), strict=True):
+            if next(self._around(source, source), None) is None:
+                every.add(target)
+        return frozenset(every)
+
     def _around(self, low: int, high: int) -> Iterator[tuple[int, int]]:
         """The function ranges with a byte in [low, high] (ranges may nest: an alias, an FDE)."""
-        for start, end in self.ranges[bisect.bisect_right(self._reach, low) :]:
+        ranges = self.ranges
+        for index in range(bisect.bisect_right(self._reach, low), len(ranges)):  # (a slice would copy the rest)
+            start, end = ranges[index]
             if start > high:
                 break
             if end > low:

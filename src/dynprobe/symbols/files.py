@@ -1,5 +1,6 @@
-"""File identity (os.stat), asked once per file while a batch of work may assume that no file
-changes under it: placing thousands of probes must not stat the same library thousands of times."""
+"""File identity (os.stat, the real path), asked once per file while a batch of work may assume
+that no file changes under it: placing thousands of probes must not stat the same library, nor
+resolve its path, thousands of times."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 from collections.abc import Iterator
 
 _snapshot: dict[str, os.stat_result] | None = None
+_real_paths: dict[str, str] = {}  # (within the snapshot's block)
 
 
 def stat(path: str) -> os.stat_result:
@@ -27,11 +29,17 @@ _PROC_ROOT = re.compile(r"/proc/\d+/root(?=/)")
 def real_path(path: str) -> str:
     """os.path.realpath, except that a path through another process's root (/proc/PID/root/...,
     see maps.root_of) keeps that root, which realpath would follow to our '/'; the rest is only
-    normalized (the kernel resolves its links as that process sees them when it is opened)."""
+    normalized (the kernel resolves its links as that process sees them when it is opened).
+    Inside `unchanged()`, once per path."""
     m = _PROC_ROOT.match(path)
     if m:
         return m.group(0) + os.path.normpath(path[m.end() :])
-    return os.path.realpath(path)
+    if _snapshot is None:
+        return os.path.realpath(path)
+    real = _real_paths.get(path)
+    if real is None:
+        real = _real_paths[path] = os.path.realpath(path)
+    return real
 
 
 @contextlib.contextmanager
@@ -46,3 +54,4 @@ def unchanged() -> Iterator[None]:
         yield
     finally:
         _snapshot = None
+        _real_paths.clear()
