@@ -25,7 +25,7 @@ from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID, Trampoline
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
 from dynprobe.arch.x86_64.codegen.detours import build_detour, build_trap_actions
 from dynprobe.arch.x86_64.codegen.returns import build_entry_stamp, build_return_code
-from dynprobe.arch.x86_64.codegen.upcall import build_upcall
+from dynprobe.arch.x86_64.codegen.upcall import UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region_map
 from dynprobe.arch.x86_64.regs import Regs
@@ -639,12 +639,14 @@ def test_native_trap_actions_keep_the_flags(area: NativeArea, spec: str) -> None
     assert area.counter(5, L.HITS) == 4
 
 
-def _upcall_site(area: NativeArea, doorbell: int, *, hooks: bool = False) -> tuple[int, dict[int, int]]:
+def _upcall_site(
+    area: NativeArea, doorbell: int, *, returns: UpcallReturns | None = None
+) -> tuple[int, dict[int, int]]:
     """FUNC placed and entered through an upcall detour: its address, and where each address of
     its region is in the detour's copy (what the tracer puts in the frame's rip)."""
     function = area.place(FUNC)
     region = area.plan(function, len(FUNC))
-    detour = build_upcall(region, 2, LAYOUT, area.base + area.used, doorbell, hooks=hooks)
+    detour = build_upcall(region, 2, LAYOUT, area.base + area.used, doorbell, returns=returns)
     assert not isinstance(detour, OptimizeRefusal)
     at = area.place(detour.code)
     moved = relocate_region_map(region, at + detour.action_bytes)
@@ -692,25 +694,34 @@ def test_native_upcall_hands_the_registers_over_and_takes_them_back(area: Native
     assert area.word(L.UPCALL_STATE) == L.UPCALL_IDLE and area.word(L.UPCALL_BUSY) == 0
 
 
-def test_native_upcall_at_a_return_probes_entry_hands_the_return_address_over(area: NativeArea) -> None:
-    """The return address at [rsp] is in UPCALL_RETURN while the thread asks; the one the tracer
-    puts in UPCALL_HOOKED is where the function returns to (here a pad that sets rax and goes on
-    to the real caller)."""
+def test_native_upcall_at_a_return_probes_entry_takes_its_shadow_entry_first(area: NativeArea) -> None:
+    """At a return probe's entry the detour takes the shadow entry before it asks (its offset in
+    UPCALL_ENTRIES; the return address, the stub, the probe, the arguments in the entry; the
+    return address pointed at the trampoline's entry point), and stamps its time once answered.
+    (The handler here puts the real return address back: there is no trampoline.)"""
     doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
-    function, resume = _upcall_site(area, doorbell.ctypes.data, hooks=True)
-    handed: list[tuple[int, int]] = []
+    stub, points = 0x7E00_0000_1000, 0x7E00_0000_2000
+    returns = UpcallReturns(((2, 10),), LAYOUT, stub, points)
+    function, resume = _upcall_site(area, doorbell.ctypes.data, returns=returns)
+    seen: list[tuple[int, ...]] = []
 
     def handler(regs: Regs) -> None:
-        real = ctypes.c_uint64.from_address(int(regs.rsp)).value
-        handed.append((area.word(L.UPCALL_RETURN), real))
-        pad = area.place(bytes.fromhex("b8d2040000") + b"\xff\x25\x00\x00\x00\x00" + real.to_bytes(8, "little"))
-        area.set_word(L.UPCALL_HOOKED, pad)  # (mov eax, 1234; jmp [the real return address])
+        offset = area.word(L.UPCALL_ENTRIES)
+        k, entry = offset // L.SHADOW_ENTRY, LAYOUT.shadow + offset
+        slot = ctypes.c_uint64.from_address(int(regs.rsp))
+        fields = (L.ENTRY_SLOT, L.ENTRY_RET, L.ENTRY_HANDLER, L.ENTRY_PROBE, L.ENTRY_DATA)
+        seen.append((k, slot.value - points, *(area.word(entry + f) for f in fields), int(regs.rsp)))
+        slot.value = area.word(entry + L.ENTRY_RET)  # (the real return address back)
+        area.set_word(entry + L.ENTRY_TSC, 0)
 
     server = _answer(area, handler, resume)
-    assert area.call_at(function, 7) == 1234
+    assert area.call_at(function, 7) == 7
     server.join()
-    ((given, real),) = handed
-    assert given == real != 0
+    ((k, point, slot, ret, to, probe, arg1, rsp),) = seen
+    assert point == k * L.TRAMPOLINE_STRIDE and slot == rsp and ret != 0
+    assert (to, probe, arg1) == (stub, 2, 7) and area.counter(2, L.PENDING) == 1
+    assert area.word(LAYOUT.shadow + k * L.SHADOW_ENTRY + L.ENTRY_TSC) != 0  # (stamped once answered)
+    assert area.word(L.UPCALL_ENTRIES + 8) == 0  # (one return probe: the next word untouched)
 
 
 def test_native_upcall_goes_where_the_handler_sends_it(area: NativeArea) -> None:

@@ -55,8 +55,8 @@ def test_the_thread_area_header() -> None:
         "upcall site": (L.UPCALL_SITE, 8),
         "upcall cpu": (L.UPCALL_CPU, 8),
         "upcall sleeping": (L.UPCALL_SLEEPING, 8),
-        "upcall return": (L.UPCALL_RETURN, 8),
-        "upcall hooked": (L.UPCALL_HOOKED, 8),
+        "upcall entries": (L.UPCALL_ENTRIES, 8 * L.UPCALL_ENTRIES_MAX),
+        "upcall rsi": (L.UPCALL_RSI, 8),
     }
     check_fields(fields, L.HEADER_BYTES)
     assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import iced_x86 as iced
 
 from dynprobe.actions.model import ActionKind, Program, ReturnEntry, record_fields
+from dynprobe.arch.x86_64.codegen.asm import SAVED_AT
 from dynprobe.arch.x86_64.codegen.detours import build_detour, enter_tail
 from dynprobe.arch.x86_64.codegen.returns import build_return_code, build_trampoline, return_stub_code
 from dynprobe.arch.x86_64.codegen.upcall import build_return_upcall
@@ -69,16 +70,25 @@ def test_return_code_and_stub_end_in_the_trampoline_finish() -> None:
 
 
 def test_the_upcall_stub_stamps_asks_with_its_own_address_and_goes_to_finish() -> None:
-    """The return part served by upcalls: the return's time stamp, an upcall whose UPCALL_SITE
-    and frame rip are the stub's own address (how the tracer knows a return) and whose
-    UPCALL_REGION and unheard path are where it goes on: the jump to the trampoline's finish."""
+    """The return part served by upcalls: the return's time stamp, the function's rsi kept and
+    its return value back in rax and rdx (the stamp took them), an upcall whose UPCALL_SITE and
+    frame rip are the stub's own address (how the tracer knows a return) and whose
+    UPCALL_REGION and unheard paths are where it goes on: the frame's rax and rdx into the
+    trampoline's saved ones, and the jump to the trampoline's finish."""
     _, tramp = build_trampoline(LAYOUT, AT)
     at = AT + 0x30000
     code = build_return_upcall(LAYOUT, at, 0x7E00_0000_0000, tramp)
     insns = list(iter_instructions(code, at))
-    assert str(insns[0]) == "rdtsc" and insns[1].memory_displacement == LAYOUT.shadow + L.ENTRY_RETURN_TSC
-    last = insns[-1]
-    assert last.mnemonic == iced.Mnemonic.JMP and last.near_branch_target == tramp.finish
+    rax, rdx, rsi = (f"[rsp+{SAVED_AT[name]:X}h]" if SAVED_AT[name] else "[rsp]" for name in ("rax", "rdx", "rsi"))
+    assert [str(i) for i in insns[:7]] == [
+        "rdtsc",
+        f"mov gs:[rsi+{LAYOUT.shadow + L.ENTRY_RETURN_TSC:X}h],eax",
+        f"mov gs:[rsi+{LAYOUT.shadow + L.ENTRY_RETURN_TSC + 4:X}h],edx",
+        f"mov rax,{rsi}", f"mov gs:[{L.UPCALL_RSI:X}h],rax", f"mov rax,{rax}", f"mov rdx,{rdx}",
+    ]  # fmt: skip
+    tail = insns[-3:]
+    assert [str(i) for i in tail[:2]] == [f"mov {rax},rax", f"mov {rdx},rdx"]
+    assert tail[2].mnemonic == iced.Mnemonic.JMP and tail[2].near_branch_target == tramp.finish
 
     def stored(word: int) -> int:  # the imm64 moved into rax just before `mov gs:[word], rax`
         i = next(n for n, insn in enumerate(insns) if insn.segment_prefix == iced.Register.GS
@@ -86,8 +96,8 @@ def test_the_upcall_stub_stamps_asks_with_its_own_address_and_goes_to_finish() -
         return int(insns[i - 1].immediate(1))
 
     assert stored(L.UPCALL_SITE) == stored(L.UPCALL_FRAME + 8 * REG_NAMES.index("rip")) == at
-    assert stored(L.UPCALL_REGION) == last.ip
-    unheard = [i for i in insns if i.mnemonic == iced.Mnemonic.JMP and i.near_branch_target == last.ip]
+    assert stored(L.UPCALL_REGION) == tail[0].ip
+    unheard = [i for i in insns if i.mnemonic == iced.Mnemonic.JMP and i.near_branch_target == tail[0].ip]
     assert len(unheard) == 2  # (no tracer; a nested return)
 
 

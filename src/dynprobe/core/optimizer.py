@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour
 from dynprobe.arch.x86_64.codegen.detours import build_detour
-from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, build_upcall
+from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
 from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code
@@ -35,6 +35,7 @@ from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import EventKind
 from dynprobe.ptrace.process import SHARED_NAME
 from dynprobe.ptrace.procfs import seccomp_mode
+from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import load_elf
@@ -264,18 +265,23 @@ class Optimizer:
             return OptimizeRefusal.SHARED_MEMORY
         layout = self.engine.layout
         probes = [p for p in site.probes if p.enabled]
-        if any(p.is_return for p in probes):  # (the return stub, for the server to answer from its entry)
+        returning = tuple((p.index, p.maxactive) for p in probes if p.is_return)
+        returns = None
+        if returning:  # (their shadow entries taken by the detour; their returns by the upcall stub)
+            if len(returning) > L.UPCALL_ENTRIES_MAX:
+                return OptimizeRefusal.TOO_MANY_PROBES
             try:
-                self.engine.returns.upcall_stub(proc, site.addr, doorbell)
+                stub = self.engine.returns.upcall_stub(proc, site.addr, doorbell)
             except ProcessError as exc:
                 _debug(f"pid {proc.pid}: no return trampoline: {exc}")
                 return OptimizeRefusal.NO_MEMORY
-        hooks = any(p.is_return for p in probes)
-        pre = hooks or any(p.pre is not None for p in probes)
+            assert proc.returns is not None
+            returns = UpcallReturns(returning, layout, stub, proc.returns.trampoline.points)
+        pre = returns is not None or any(p.pre is not None for p in probes)
         post = any(p.post is not None for p in probes)
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
-            lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post, hooks=hooks),
+            lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post, returns=returns),
         )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             return placed

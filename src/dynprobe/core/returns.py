@@ -106,7 +106,7 @@ CATCH_ENTRY = "__cxa_begin_catch"
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
 _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
-_UPCALL_STUB_ROOM = 1024  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
+_UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
 
 def _return_rsp(regs: Regs) -> int:
@@ -321,12 +321,10 @@ class ReturnProbes:
     # --- trap mode --------------------------------------------------------------------------------------
     def on_entry(
         self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
-        context: FetchContext | Callable[[], FetchContext], stamps: list[int], *, cells: memoryview | None = None,
+        context: FetchContext, stamps: list[int],
     ) -> None:  # fmt: skip
-        """A return probe's entry at a trap stop (or at an upcall, core/upcalls.py: `cells`, the
-        thread's area, where the return address is handed over; the return is then an upcall
-        too): the entry handler, then the shadow entry, whose time stamp goes into `stamps` for
-        `stamp_on_resume` (the tracer's clock, meanwhile)."""
+        """A return probe's entry at a trap stop: the entry handler, then the shadow entry, whose
+        time stamp goes into `stamps` for `stamp_on_resume` (the tracer's clock, meanwhile)."""
         returns = self.setup(proc, site.addr)
         words = self._area_for(proc, tid, regs)
         lay = self.engine.layout
@@ -336,19 +334,46 @@ class ReturnProbes:
             return
         now = time.monotonic()
         hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
-        upcall = cells is not None
-        if probe.on_entry is not None and call_handler(
-            probe.on_entry, hit, self.engine.handler_failed, anything=upcall
-        ):
+        if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed):
             return  # vetoed: no return handler, nothing missed
-        code = returns.upcall_stub if upcall else self.return_code(proc, probe)
-        k = self._push(proc, words, regs, code, probe.index, cells)
+        k = self._push(proc, words, regs, self.return_code(proc, probe), probe.index)
         if k is None:
             probe.trap_missed += 1
             return
         stamps.append(lay.shadow + k * L.SHADOW_ENTRY + L.ENTRY_TSC)
         if probe.action is None:
             returns.instances[tid, k] = Instance(probe, hit.data)
+
+    def entered(
+        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
+        context: Callable[[], FetchContext], cells: memoryview,
+    ) -> None:  # fmt: skip
+        """A return probe's entry served by an upcall (core/upcalls.py): the detour has taken its
+        shadow entry (UPCALL_ENTRIES; none: missed, and counted so). The entry handler runs on
+        the frame; a veto marks the entry (its return runs no handler), else its data is kept
+        for the return."""
+        assert proc.returns is not None
+        k = self._taken_at_upcall(cells, probe.index, int(regs.rsp))
+        if k is None:
+            return
+        hit = Hit(probe, proc.pid, tid, regs, site.addr, time.monotonic(), context)
+        if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed, anything=True):
+            cells[self._at(k) + L.ENTRY_PROBE // 8] |= L.ENTRY_VETOED << 32
+            return
+        proc.returns.instances[tid, k] = Instance(probe, hit.data)
+
+    def _taken_at_upcall(self, cells: memoryview, index: int, slot: int) -> int | None:
+        """The entry the upcall detour took for probe `index` at return-address `slot` (an
+        offset in UPCALL_ENTRIES, checked: the thread area is the target's to write)."""
+        for i in range(L.UPCALL_ENTRIES_MAX):
+            offset = cells[L.UPCALL_ENTRIES // 8 + i]
+            k, rest = divmod(offset, L.SHADOW_ENTRY)
+            if rest or k >= L.SHADOW_CAPACITY:
+                continue  # (-1: missed)
+            at = self._at(k)
+            if cells[at + L.ENTRY_SLOT // 8] == slot and cells[at + L.ENTRY_PROBE // 8] & 0xFFFF_FFFF == index:
+                return k
+        return None
 
     def stamp_on_resume(self, proc: TracedProcess, tid: int, regs: Regs, stamps: list[int]) -> None:
         """The thread, about to resume at `regs.rip` from a trap entry that took shadow entries,
@@ -364,22 +389,16 @@ class ReturnProbes:
         words[L.STAMP_BUSY // 8] = 1
         regs.rip = proc.returns.entry_stamp
 
-    def _push(
-        self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int, cells: memoryview | None
-    ) -> int | None:
+    def _push(self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int) -> int | None:
         """At a function entry (rsp: the return address): a shadow entry for the frame, as the
-        detour makes it, and the return address pointed at its trampoline entry point (by the
-        thread itself once answered, at an upcall: `cells`, its area)."""
+        detour makes it, and the return address pointed at its trampoline entry point."""
         assert proc.returns is not None
         lay = self.engine.layout
         slot = int(regs.rsp)
-        if cells is not None:  # (what the thread will have there: a return probe before this one may have hooked it)
-            ret = cells[L.UPCALL_HOOKED // 8] or cells[L.UPCALL_RETURN // 8]
-        else:
-            try:
-                ret = proc.tracee.read_u64(slot)
-            except OSError:
-                return None
+        try:
+            ret = proc.tracee.read_u64(slot)
+        except OSError:
+            return None
         k = self._take(proc.returns.trampoline.points, words, slot, ret)
         if k is None:
             return None
@@ -392,19 +411,16 @@ class ReturnProbes:
         data = at + L.ENTRY_DATA // 8
         words[data : data + len(ARG_REGS)] = [getattr(regs, name) for name in ARG_REGS]  # (u64s: Regs's fields)
         words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
-        point = proc.returns.trampoline.point(k)
-        if cells is not None:
-            cells[L.UPCALL_HOOKED // 8] = point
-        else:
-            proc.tracee.write(slot, point.to_bytes(8, "little"))
+        proc.tracee.write(slot, proc.returns.trampoline.point(k).to_bytes(8, "little"))
         return k
 
-    def on_return(self, proc: TracedProcess, tid: int, regs: Regs, *, upcall: bool = False) -> None:
-        """The trap stub: a return whose part runs here (or the upcall stub, `upcall`). rsi
-        holds the entry's offset; the trampoline's saved registers are on the stack (rax, rdx:
-        the return value)."""
+    def on_return(self, proc: TracedProcess, tid: int, regs: Regs, *, cells: memoryview | None = None) -> None:
+        """The trap stub: a return whose part runs here. rsi holds the entry's offset; the
+        trampoline's saved registers are on the stack (rax, rdx: the return value). Or the
+        upcall stub (`cells`: the thread's area): `regs` is the frame, whose rax and rdx are the
+        return value (a handler's changes go back through it) and UPCALL_RSI the function's rsi."""
         returns = proc.returns
-        words = self._words(proc, tid)
+        words = self._words(proc, tid) if cells is None else cells
         offset = int(regs.rsi)
         if returns is None or words is None or offset % L.SHADOW_ENTRY or offset >= L.SHADOW_CAPACITY * L.SHADOW_ENTRY:
             return
@@ -414,27 +430,33 @@ class ReturnProbes:
         probe = self.engine.probe_by_index(index)
         if probe is None:
             return
+        if int(words[at + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_VETOED:
+            returns.instances.pop((tid, k), None)
+            return  # (its entry handler vetoed it: nothing runs, nothing is counted)
         _, caller = through_entry_points(
             int(words[at + L.ENTRY_RET // 8]), returns.trampoline.points,
             lambda k: int(words[self._at(k) + L.ENTRY_RET // 8]),
         )  # fmt: skip
         # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
         ticks = max(0, int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8]))
-        latency = self.engine.tsc_to_ns(ticks)
-        args = tuple(int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS)))
+        data = [int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS))]  # (before the entry goes)
         base = int(regs.rsp)
         tracee = proc.tracee
         view = Regs.from_buffer_copy(regs)
-        saved = tracee.read(base, 8 * len(SAVED_AT))
-        for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
-            setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
+        if cells is not None:
+            view.rsi = cells[L.UPCALL_RSI // 8]
+        else:
+            saved = tracee.read(base, 8 * len(SAVED_AT))
+            for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
+                setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
         view.rsp = _return_rsp(regs)
         view.rip = caller
         function = probe.sites.get(proc.pid, 0)
 
         def context() -> FetchContext:  # (made if a handler asks: most never do)
             made = self.engine.fetch_context(proc, tid, view, probe)
-            return dataclasses.replace(made, returning=ReturnValues(args, caller, latency))
+            returning = ReturnValues(tuple(data), caller, self.engine.tsc_to_ns(ticks))
+            return dataclasses.replace(made, returning=returning)
 
         instance = returns.instances.pop((tid, k), None)
         if probe.action is not None:
@@ -444,7 +466,10 @@ class ReturnProbes:
             hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
                       instance.data if instance else None, caller)  # fmt: skip
             rax, rdx = int(view.rax), int(view.rdx)
-            call_handler(probe.on_return, hit, self.engine.handler_failed, anything=upcall)
+            call_handler(probe.on_return, hit, self.engine.handler_failed, anything=cells is not None)
+            if cells is not None:
+                regs.rax, regs.rdx = view.rax, view.rdx
+                return
             if int(view.rax) != rax:
                 tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
             if int(view.rdx) != rdx:
@@ -496,7 +521,7 @@ class ReturnProbes:
         restored = [e for e in self._entries(words) if int(words[e[1] + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_RESTORED]
         back = self._swap(proc, words, [e for e in restored if e[2] > rsp], restore=False)
         for k, at, _ in restored:
-            words[at + L.ENTRY_PROBE // 8] &= np.uint64(0xFFFF_FFFF)
+            words[at + L.ENTRY_PROBE // 8] &= np.uint64(~(L.ENTRY_RESTORED << 32) & ((1 << 64) - 1))
             if k not in back:
                 self._free(proc, tid, words, k)
 

@@ -7,8 +7,8 @@ the handlers of each thread that asks on a `Hit` whose registers are the frame's
 written back: a handler's register writes are what the thread resumes with), sets where the
 thread goes on (the relocated copy of the site's instruction, or where a handler that returned
 True sent it) and answers. Memory reads and writes go through /proc/PID/mem, as at a stop. A
-return probe's entry and return are upcalls too: the shadow stack is kept as at a trap stop
-(core/returns.py), the return address handed over in the thread area.
+return probe's entry and return are upcalls too: the detour keeps the shadow stack, as an
+optimized return probe's does, and core/returns.py runs the handlers (`entered`, `on_return`).
 
 Waking a sleeping thread costs more than a ptrace stop on this kind of VM, so neither side
 sleeps while hits come often: the server runs on another CPU than the threads that ask, and
@@ -450,15 +450,12 @@ class Upcalls:
         site = proc.sites.get(site_addr) if proc is not None else None
         returned = proc is not None and proc.returns is not None and site_addr == proc.returns.upcall_stub
         target = asked_at
-        stamps: list[int] = []  # shadow entries taken (return probes' entries)
         try:
             if handlers and proc is not None and proc.follow:
                 if returned:
-                    self.engine.returns.on_return(proc, asker.tid, regs, upcall=True)
+                    self.engine.returns.on_return(proc, asker.tid, regs, cells=asker.cells)
                 elif site is not None:
-                    post, current = asked_at != site_addr, self._current(site, site_addr, region)
-                    ran = self._run_handlers(proc, asker, site, regs, post=post, stamps=stamps, current=current)
-                    target = ran or asked_at
+                    target = self._run_handlers(proc, asker, site, regs, post=asked_at != site_addr) or asked_at
         finally:
             if returned:  # (on to the trampoline's finish)
                 regs.rip = region
@@ -470,8 +467,6 @@ class Upcalls:
                 else:
                     resume = {site_addr: region}  # (a detour made before the site's last one)
                 regs.rip = resume.get(target, target)
-                if stamps and proc is not None:  # (shadow entries taken: their time as it goes on)
-                    self.engine.returns.stamp_on_resume(proc, asker.tid, regs, stamps)
             view[at : at + ctypes.sizeof(Regs)] = regs
             cells[_STATE] = L.UPCALL_ANSWERED
             with self._fence:  # (see the detour's SLEEPING)
@@ -494,17 +489,12 @@ class Upcalls:
         resume = site.upcall_resume
         return resume is not None and resume.get(site_addr) == region
 
-    def _run_handlers(
-        self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool, stamps: list[int],
-        current: bool,
-    ) -> int | None:  # fmt: skip
-        """The site's pre-handlers and return probes' entries (`post`: its post-handlers, the
-        instruction done), in order, on the frame; where the thread goes on if a pre-handler
+    def _run_handlers(self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool) -> int | None:
+        """The site's pre-handlers and return probes' entry handlers (`post`: its post-handlers,
+        the instruction done), in order, on the frame; where the thread goes on if a pre-handler
         returned True (it moved it: the instruction and the post-handlers are skipped) or a
         post-handler moved it, else None. A hit is counted at its first upcall (a return
-        probe's, at its return); the shadow entries taken go into `stamps`. A thread that asks
-        from an older detour than the site's `current` one may not hand its return address
-        over: its return probes miss this call."""
+        probe's, at its return)."""
         now, tid = time.monotonic(), asker.tid
         probes = [p for p in site.probes if p.enabled]
         count_here = not post or not any(p.pre is not None or p.is_return for p in probes)  # (no upcall before)
@@ -515,10 +505,8 @@ class Upcalls:
                 return self.engine.fetch_context(proc, tid, regs, probe)
 
             if probe.is_return:
-                if not post and not current:
-                    probe.trap_missed += 1
-                elif not post:
-                    self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps, cells=asker.cells)
+                if not post:
+                    self.engine.returns.entered(proc, tid, site, probe, regs, context, asker.cells)
                 continue
             if count_here:
                 probe.trap_hits += 1

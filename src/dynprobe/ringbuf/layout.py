@@ -92,10 +92,11 @@ UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
 UPCALL_SITE = 0x318  # the site it asks for (its rip: where it is, the site or the next instruction)
 UPCALL_CPU = 0x320  # the CPU it asked on
 UPCALL_SLEEPING = 0x328  # nonzero while it may sleep for its answer (the answer then wakes it)
-# At a return probe's entry: the return address the thread had at [rsp], and what it writes
-# there once answered, if not 0 (the trampoline's entry point the tracer chose)
-UPCALL_RETURN = 0x330
-UPCALL_HOOKED = 0x338
+# At a return probes' entry: the offsets of the shadow entries the detour took for them (-1:
+# none, missed), in the order of the site's return probes
+UPCALL_ENTRIES = 0x330
+UPCALL_ENTRIES_MAX = 4
+UPCALL_RSI = 0x350  # at a return: the function's rsi (the frame's is the shadow entry's offset)
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 UPCALL_WAIT_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the
@@ -129,6 +130,7 @@ SHADOW_CAPACITY = 4096  # also the largest maxactive
 ENTRY_SLOT, ENTRY_RET, ENTRY_HANDLER, ENTRY_PROBE, ENTRY_FLAGS, ENTRY_TSC, ENTRY_DATA = 0, 8, 16, 24, 28, 32, 40
 ENTRY_RETURN_TSC = 88  # a return served at a stop: its time, stamped before the trap
 ENTRY_RESTORED = 1  # flag: the tracer put the original return address back while the unwinder ran
+ENTRY_VETOED = 2  # flag: its entry handler (served by an upcall) vetoed it: no return handler runs
 TRAMPOLINE_CALL = 4  # `call [rsp-24]`, then the entry point
 TRAMPOLINE_STRIDE = 14  # bytes per trampoline entry: that call, then `push OFFSET; jmp common`
 

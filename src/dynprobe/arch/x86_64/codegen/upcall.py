@@ -26,8 +26,8 @@ relocated copy of the instruction it was at (`UpcallDetour.resume`), or wherever
 it. `ret 128` takes it from below the red zone, so once BUSY is clear the thread needs nothing
 of the frame: a signal's nested hit in those two instructions may have the frame. The flags and
 every register are the frame's. Return probes with Python handlers upcall from their entry (the
-tracer takes the shadow entry, as at a trap) and from a return stub the trampoline calls
-(`build_return_upcall`).
+detour takes their shadow entries first, `UpcallReturns`) and from a return stub the trampoline
+calls (`build_return_upcall`).
 
 Pure: a plan, a probe, a layout and addresses in, bytes out.
 """
@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import REG, Asm, C, Detour, R, Trampoline, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.asm import REG, SAVED_AT, Asm, C, Detour, R, Trampoline, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.records import shadow_push
 from dynprobe.arch.x86_64.codegen.returns import stamp
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
-from dynprobe.arch.x86_64.regs import REG_NAMES
+from dynprobe.arch.x86_64.regs import ARG_REGS, REG_NAMES
 from dynprobe.arch.x86_64.relocate import jump_to, relocate
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
@@ -81,14 +82,56 @@ def _leave(asm: Asm) -> None:
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_BUSY), 0))
 
 
+@dataclass(frozen=True)
+class UpcallReturns:
+    """The return probes at an upcall site, a function's entry: the detour takes their shadow
+    entries, as an optimized return probe's does, before it asks."""
+
+    probes: tuple[tuple[int, int], ...]  # (probe index, maxactive) each, in the site's order
+    layout: L.AreaLayout
+    stub: int  # their return code: the process's upcall return stub
+    points: int  # the trampoline's entry point 0
+
+
+def _take_entries(asm: Asm, returns: UpcallReturns) -> None:
+    """The shadow entries of the site's return probes (the registers are in the frame: all
+    free), each with the entry's arguments, its offset in UPCALL_ENTRIES (-1: missed)."""
+    shadow = returns.layout.shadow
+    for i, (index, maxactive) in enumerate(returns.probes):
+        word = gs_at(L.UPCALL_ENTRIES + 8 * i)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, word, -1))
+
+        def fill(word: iced.MemoryOperand = word) -> None:  # (rsi: the entry's offset)
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, word, R.RSI))
+            stamp(asm, R.RSI, shadow + L.ENTRY_TSC)  # (again as the thread goes on: see _stamp_entries)
+            for n, name in enumerate(ARG_REGS):
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(_FRAME[name])))
+                at = gs_at(shadow + L.ENTRY_DATA + 8 * n, R.RSI)
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, at, R.RAX))
+
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, gs_at(_FRAME["rsp"])))
+        shadow_push(asm, returns.layout, returns.points, index, maxactive, returns.stub, fill)
+
+
+def _stamp_entries(asm: Asm, returns: UpcallReturns) -> None:
+    """The entries taken get their time as the thread goes on (their calls' latency is not the
+    upcall's); rax, rdx, rsi and the flags are in the frame."""
+    for i in range(len(returns.probes)):
+        missed = asm.label()
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, gs_at(L.UPCALL_ENTRIES + 8 * i)))
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RSI, R.RSI))
+        asm.jump(C.JS_REL32_64, missed)
+        stamp(asm, R.RSI, returns.layout.shadow + L.ENTRY_TSC)
+        asm.bind(missed)
+
+
 def _upcall(
     asm: Asm, *, rip: int, site: int, missed: Callable[[Asm], None], doorbell: int, region: int, unheard: int,
-    hooks: bool = False,
+    returns: UpcallReturns | None = None,
 ) -> None:  # fmt: skip
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
     is at `region`; unheard (no tracer) or nested (`missed` counts it, rax free), the thread goes
-    on at `unheard`. `hooks` (a return probe's entry): the return address at [rsp] is handed
-    over (UPCALL_RETURN), and UPCALL_HOOKED, if the tracer set it, written there once answered."""
+    on at `unheard`. `returns`: the return probes' shadow entries are taken first."""
     nested, foreign, out, spin, wait, answered, gone, awake = (asm.label() for _ in range(8))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
@@ -108,10 +151,8 @@ def _upcall(
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME[name]), REG[name]))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, mem_at(R.RSP, _RED_ZONE)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rsp"]), R.RAX))
-    if hooks:
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RAX)))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_RETURN), R.RAX))
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_HOOKED), 0))
+    if returns is not None:
+        _take_entries(asm, returns)
     for word, value in ((_FRAME["rip"], rip), (L.UPCALL_SITE, site), (L.UPCALL_REGION, region)):
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(word), R.RAX))
@@ -169,17 +210,11 @@ def _upcall(
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EDX, L.UPCALL_REQUEST))
     asm.add(iced.Instruction.create(C.SYSCALL))
     asm.jump(C.JMP_REL32_64, wait)
-    # Answered: the return address the tracer chose (rax, rdx: in the frame), the frame's
-    # registers, and on at the frame's rip, taken from below the red zone
+    # Answered: the entries' time, the frame's registers, and on at the frame's rip, taken from
+    # below the red zone
     asm.bind(answered)
-    if hooks:
-        unhooked = asm.label()
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.UPCALL_HOOKED)))
-        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
-        asm.jump(C.JE_REL32_64, unhooked)
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, gs_at(_FRAME["rsp"])))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDX), R.RAX))
-        asm.bind(unhooked)
+    if returns is not None:
+        _stamp_entries(asm, returns)
     _restore(asm)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
@@ -227,12 +262,12 @@ class UpcallDetour(Detour):
 
 def build_upcall(
     plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, at: int, doorbell: int, *, pre: bool = True,
-    post: bool = False, hooks: bool = False,
+    post: bool = False, returns: UpcallReturns | None = None,
 ) -> UpcallDetour | OptimizeRefusal:  # fmt: skip
     """The upcall detour of a site (`plan`) whose first probe is `probe_index` (its nested hits
     are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`: an
-    upcall before the site's instruction if `pre` (one that `hooks` the return address, at a
-    return probe's entry), one after it if `post` (not after a branch: POST_HANDLER).
+    upcall before the site's instruction if `pre` (which takes the shadow entries of the
+    site's `returns` probes first), one after it if `post` (not after a branch: POST_HANDLER).
     `action_bytes`: where the relocated instruction is."""
     first, rest = plan.region[0], plan.region[1:]
     if post and first.flow_control != iced.FlowControl.NEXT:
@@ -246,7 +281,7 @@ def build_upcall(
         )
         before = Asm()
         if pre:
-            upcall(before, rip=plan.site, unheard=region, hooks=hooks)
+            upcall(before, rip=plan.site, unheard=region, returns=returns)
         before_code = before.encode(at)[0] if pre else b""
         if not post:
             moved = relocate_region_map(plan, region)
@@ -281,21 +316,34 @@ def build_return_upcall(layout: L.AreaLayout, at: int, doorbell: int, trampoline
     """The return part of return probes whose handlers are Python's served by upcalls, placed at
     `at` (the trampoline comes here with its registers saved and rsi the shadow entry's offset):
     the return's time into the entry, an upcall (core/upcalls.py runs the return handlers; the
-    frame's rsp is the trampoline's frame, as at the trap stub, and UPCALL_SITE is `at`, which
-    tells the tracer what asks), then on to the trampoline's `finish`. A nested return (a
-    signal handler's, during the upcall) runs no handler and counts a miss of its entry's probe."""
+    frame's rsp is the trampoline's frame, as at the trap stub, its rax and rdx the return
+    value, its rsi the entry's offset and UPCALL_RSI the function's; UPCALL_SITE is `at`, which
+    tells the tracer what asks), then the frame's rax and rdx into the trampoline's (a handler
+    may have changed them) and on to its `finish`. A nested return (a signal handler's, during
+    the upcall) runs no handler and counts a miss of its entry's probe."""
 
     def missed(asm: Asm) -> None:  # (the entry's probe number, as one_less_pending finds it)
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, gs_at(layout.shadow + L.ENTRY_PROBE, R.RSI)))
         asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, L.PROBE_BYTES.bit_length() - 1))
         asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(layout.counter(0, L.MISSED), R.RAX)))
 
+    def saved(name: str) -> iced.MemoryOperand:
+        return mem_at(R.RSP, SAVED_AT[name])
+
     resume = at
     while True:
         asm = Asm()
         stamp(asm, R.RSI, layout.shadow + L.ENTRY_RETURN_TSC)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, saved("rsi")))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_RSI), R.RAX))
+        for name in ("rax", "rdx"):  # (the stamp took them)
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, REG[name], saved(name)))
         _upcall(asm, rip=at, site=at, missed=missed, doorbell=doorbell, region=resume, unheard=resume)
         body = asm.encode(at)[0]
         if at + len(body) == resume:
-            return body + jump_to(resume, trampoline.finish)
+            back = Asm()
+            for name in ("rax", "rdx"):
+                back.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, saved(name), REG[name]))
+            tail = back.encode(resume)[0]
+            return body + tail + jump_to(resume + len(tail), trampoline.finish)
         resume = at + len(body)
