@@ -391,3 +391,30 @@ def test_a_program_that_sets_its_own_gs_base_goes_on_untouched_and_is_told() -> 
         f"pid {session.pid} set its own GS base: its Python handlers served without a stop no longer run"
         " (session.upcalls = False serves them at traps)"
     ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_return_handlers_across_cxx_exceptions(ret_cxx: str, mode: str) -> None:
+    """Throws, catches and rethrows through frames whose returns are served by handlers: the
+    program runs as alone, and each return handler runs once per frame that returns (not for
+    the frames an exception unwinds), with the data its own entry kept."""
+    plain = run_plain([ret_cxx, "300"])
+    returned: dict[str, list[int]] = {}
+
+    def place(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        def entry(hit: Hit) -> None:
+            hit.data = hit.regs.arg(1)
+
+        def handler(hit: Hit) -> None:
+            returned.setdefault(hit.probe.name, []).append(hit.data)  # type: ignore[arg-type]
+
+        names = ("thrower", "middle", "rethrower", "catcher")
+        return [session.retprobe(f"r:t/{name} {name}", entry=entry, handler=handler) for name in names]
+
+    status, out, probes = run([ret_cxx, "300"], mode, place)
+    assert status == 0 and out == plain.stdout
+    assert isinstance(probes, list) and [p.hits for p in probes] == [200, 200, 200, 300]
+    assert {name: len(seen) for name, seen in returned.items()} == {
+        "t/thrower": 200, "t/middle": 200, "t/rethrower": 200, "t/catcher": 300
+    }  # fmt: skip
+    assert returned["t/catcher"] == list(range(300))  # (each its own entry's argument)
