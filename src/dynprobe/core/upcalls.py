@@ -184,6 +184,8 @@ class Upcalls:
         self._taking_jobs = False  # while run() runs
         self._serving = threading.Event()  # clear: a handler stopped the run, the next one goes on
         self._serving.set()
+        self._held = False  # (the same, read where a request is answered: no call)
+        self._pinned: int | None = None  # the one CPU the server is placed on, if one
 
     @property
     def enabled(self) -> bool:
@@ -233,6 +235,7 @@ class Upcalls:
     def hold(self) -> None:
         """A handler stopped the run: the threads that ask from now on wait for the next run
         (as a trap hit does), or for the detach."""
+        self._held = True
         self._serving.clear()
 
     def has_jobs(self) -> bool:
@@ -251,6 +254,7 @@ class Upcalls:
         """While `run()` runs: handlers may hand calls to it (made before it returns)."""
         with self._lock:
             self._taking_jobs = True
+        self._held = False
         self._serving.set()
         try:
             yield
@@ -333,7 +337,7 @@ class Upcalls:
                 rings = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
                 answered = False
                 for asker in askers:
-                    if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and self._serving.is_set():
+                    if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and not self._held:
                         self._answer(asker)
                         answered = True
                 if not answered and self._versions() != seen:  # (a new process or thread may ask)
@@ -343,7 +347,7 @@ class Upcalls:
                     askers = list(self._areas())
                     seen = self._versions()
                     continue
-                cpu = sc.current_cpu()
+                cpu = self._pinned if self._pinned is not None else sc.current_cpu()
                 if cpu != self._cpu:
                     self._cpu = cpu
                     for bell in bells:
@@ -399,6 +403,15 @@ class Upcalls:
         """Whether a doorbell (its `pages`) has rung since it was `seen`, or does before `until`
         (time.monotonic), looked at again and again. The GIL is let go now and then, for the
         tracing thread."""
+        if len(pages) == 1:  # (the common case, looked at in fewer steps)
+            page, value = pages[0], seen[0]
+            while True:
+                for _ in range(64):
+                    if page[_RING] & 0xFFFFFFFF != value:
+                        return True
+                if time.monotonic() >= until or self._stopping.is_set():
+                    return False
+                time.sleep(0)
         while True:
             for _ in range(64):
                 for page, value in zip(pages, seen, strict=True):
@@ -462,9 +475,8 @@ class Upcalls:
             else:
                 # On in the asking detour's copy of the region (there as long as a thread is in
                 # the detour); an address the handler chose, as it is.
-                if site is not None and self._current(site, site_addr, region):
-                    resume = site.upcall_resume or {}
-                else:
+                resume = site.upcall_resume if site is not None else None
+                if resume is None or resume.get(site_addr) != region:
                     resume = {site_addr: region}  # (a detour made before the site's last one)
                 regs.rip = resume.get(target, target)
             view[at : at + ctypes.sizeof(Regs)] = regs
@@ -482,12 +494,6 @@ class Upcalls:
         if base is None:
             base = self._pools[area.pool] = ctypes.addressof(ctypes.c_char.from_buffer(area.pool.view))
         return base + area.offset
-
-    @staticmethod
-    def _current(site: Site, site_addr: int, region: int) -> bool:
-        """Whether the thread asks from the site's detour of now (not one made before it)."""
-        resume = site.upcall_resume
-        return resume is not None and resume.get(site_addr) == region
 
     def _run_handlers(self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool) -> int | None:
         """The site's pre-handlers and return probes' entry handlers (`post`: its post-handlers,
@@ -524,6 +530,7 @@ class Upcalls:
         other before they sleep (not where they may share a CPU)."""
         self._cpus = cpus
         self._spin = spin
+        self._pinned = next(iter(cpus)) if len(cpus) == 1 else None
         place(self._thread, cpus)
         with self._lock:
             for bell in self._distinct():
