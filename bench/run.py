@@ -482,6 +482,8 @@ def main() -> int:
              on_entry=lambda hit: None, on_return=lambda hit: None)  # fmt: skip
     trap_row("upcall return: Python entry + return handlers (no stop)", n_step, [], "r test",
              on_entry=lambda hit: None, on_return=lambda hit: None, upcalls=True)  # fmt: skip
+    trap_row("upcall return: a Python return handler alone (one upcall)", n_step, [], "r test",
+             on_return=lambda hit: None, upcalls=True)  # fmt: skip
     trap_row("trap, push rbp (a lasting trap: from its slot)", n_trap, [], "test")
     trap_row("trap, emulated (mov rbp,rsp)", n_trap, [], "test+1")
     trap_row("trap, boosted (mov eax,[rip+x])", n_trap, ["boost"], "test_boost")

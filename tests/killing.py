@@ -49,6 +49,11 @@ MODES: dict[str, list[str]] = {
             probes="s.upcalls = True; s.retprobe('work', entry=lambda h: None, handler=lambda h: None)",
         ),
     ],
+    "upcall return handler alone": [
+        sys.executable,
+        "-c",
+        _API.format(pid="{pid}", probes="s.upcalls = True; s.retprobe('work', handler=lambda h: None)"),
+    ],
     "trap post-handler": [
         sys.executable,
         "-c",

@@ -277,7 +277,7 @@ class Optimizer:
                 return OptimizeRefusal.NO_MEMORY
             assert proc.returns is not None
             returns = UpcallReturns(returning, layout, stub, proc.returns.trampoline.points)
-        pre = returns is not None or any(p.pre is not None for p in probes)
+        pre = self.engine.upcalls.asks_before(probes)
         post = any(p.post is not None for p in probes)
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,

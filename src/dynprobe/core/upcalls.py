@@ -206,6 +206,13 @@ class Upcalls:
             and all(p.action is None and (p.is_return or (p.pre or p.post) is not None) for p in probes)
         )
 
+    @staticmethod
+    def asks_before(probes: list[Probe]) -> bool:
+        """Whether a site's thread asks before its instruction: a pre-handler, or a return
+        probe's entry handler, runs there (a return probe with none takes its shadow entry in
+        the detour, and asks only at the return)."""
+        return any(p.pre is not None or (p.is_return and p.on_entry is not None) for p in probes)
+
     def in_server(self) -> bool:
         return threading.current_thread() is self._thread
 
@@ -503,7 +510,7 @@ class Upcalls:
         probe's, at its return)."""
         now, tid = time.monotonic(), asker.tid
         probes = [p for p in site.probes if p.enabled]
-        count_here = not post or not any(p.pre is not None or p.is_return for p in probes)  # (no upcall before)
+        count_here = not post or not self.asks_before(probes)
         asked_at = int(regs.rip)
         for probe in probes:
 

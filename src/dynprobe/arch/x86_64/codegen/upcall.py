@@ -127,11 +127,12 @@ def _stamp_entries(asm: Asm, returns: UpcallReturns) -> None:
 
 def _upcall(
     asm: Asm, *, rip: int, site: int, missed: Callable[[Asm], None], doorbell: int, region: int, unheard: int,
-    returns: UpcallReturns | None = None,
+    returns: UpcallReturns | None = None, ask: bool = True,
 ) -> None:  # fmt: skip
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
     is at `region`; unheard (no tracer) or nested (`missed` counts it, rax free), the thread goes
-    on at `unheard`. `returns`: the return probes' shadow entries are taken first."""
+    on at `unheard`. `returns`: the return probes' shadow entries are taken first; without
+    `ask` (no handler to run: return probes with no entry handler), only that, and on."""
     nested, foreign, out, spin, wait, answered, gone, awake = (asm.label() for _ in range(8))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
@@ -153,6 +154,10 @@ def _upcall(
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rsp"]), R.RAX))
     if returns is not None:
         _take_entries(asm, returns)
+    if not ask:
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, unheard))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rip"]), R.RAX))
+        asm.jump(C.JMP_REL32_64, answered)
     for word, value in ((_FRAME["rip"], rip), (L.UPCALL_SITE, site), (L.UPCALL_REGION, region)):
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(word), R.RAX))
@@ -267,8 +272,8 @@ def build_upcall(
     """The upcall detour of a site (`plan`) whose first probe is `probe_index` (its nested hits
     are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`: an
     upcall before the site's instruction if `pre` (which takes the shadow entries of the
-    site's `returns` probes first), one after it if `post` (not after a branch: POST_HANDLER).
-    `action_bytes`: where the relocated instruction is."""
+    site's `returns` probes first; without `pre`, they are taken all the same), one after it if
+    `post` (not after a branch: POST_HANDLER). `action_bytes`: where the relocated instruction is."""
     first, rest = plan.region[0], plan.region[1:]
     if post and first.flow_control != iced.FlowControl.NEXT:
         return OptimizeRefusal.POST_HANDLER
@@ -280,9 +285,9 @@ def build_upcall(
             _upcall, site=plan.site, missed=_count_missed(layout, probe_index), doorbell=doorbell, region=region
         )
         before = Asm()
-        if pre:
-            upcall(before, rip=plan.site, unheard=region, returns=returns)
-        before_code = before.encode(at)[0] if pre else b""
+        if pre or returns is not None:
+            upcall(before, rip=plan.site, unheard=region, returns=returns, ask=pre)
+        before_code = before.encode(at)[0] if pre or returns is not None else b""
         if not post:
             moved = relocate_region_map(plan, region)
             if moved is None:
