@@ -131,6 +131,7 @@ class OptimizeRefusal(enum.Enum):
     POST_HANDLER = "a post-handler needs a single-step after the instruction"
     PYTHON_HANDLER = "a Python pre-handler runs in the tracer, at a stop"
     SECCOMP_FILTER = "the process runs under a seccomp filter, which may forbid the futex calls of an upcall"
+    UPCALL_RETURNS = "more than 4 return probes with Python handlers on one function (one detour takes their entries)"
     FETCH_UNSUPPORTED = "a fetch argument has no in-process form (segment or orig_rax register, unknown symbol)"
     RECORD_TOO_LARGE = "the record is larger than the session's record size (set record_size before the first probe)"
     TOO_MANY_PROBES = "the thread area's counter or histogram table is full"

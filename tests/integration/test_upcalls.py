@@ -418,3 +418,23 @@ def test_return_handlers_across_cxx_exceptions(ret_cxx: str, mode: str) -> None:
         "t/thrower": 200, "t/middle": 200, "t/rethrower": 200, "t/catcher": 300
     }  # fmt: skip
     assert returned["t/catcher"] == list(range(300))  # (each its own entry's argument)
+
+
+@pytest.mark.parametrize(("argv", "calls"), [(["fork"], 2 + 5), (["threads"], 402 + 2), (["exec"], 1 + 4)])
+def test_processes_that_fork_exec_and_end_keep_their_handlers(argv: list[str], calls: int) -> None:
+    """Followed children ask too, and a process that ends or execs (its areas let go under the
+    server) leaves the server serving the others: every call is seen, nothing reported."""
+    forks = build_target("forks", flags=("-O1", "-pthread"))
+    seen: list[int] = []
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        session.upcalls = True
+        return session.probe("probed", pre=lambda hit: seen.append(hit.pid))
+
+    with tempfile.TemporaryFile("w+") as out:
+        with dynprobe.spawn([forks, *argv], follow_fork=True, stdout=out.fileno()) as session:
+            probe = place(session)
+            assert session.run(timeout=60) == 0
+            assert probe.hits == len(seen) == calls and session.warnings == []
+        out.seek(0)
+        assert out.read() == run_plain([forks, *argv]).stdout

@@ -155,6 +155,7 @@ def test_a_file_s_branch_targets_are_those_of_its_functions_decoded(
     from dynprobe.symbols.elf import BranchTargets
 
     monkeypatch.setattr(BranchTargets, "LOOKUPS", lookups)
+    monkeypatch.setattr(BranchTargets, "FUNCTIONS_PER_LOOKUP", 1 << 60)
     libc = ElfImage("/usr/lib/x86_64-linux-gnu/libc.so.6")
     targets = libc.branch_targets()
     ranges = {(f.addr, f.end) for f in libc.functions if f.size} | set(libc.eh_frame_ranges())

@@ -195,9 +195,10 @@ class StopLoop:
         never by SIGCHLD: another thread of the Python program may take a SIGCHLD (the kernel
         gives a process's signal to any thread that does not block it) and leave this one
         asleep. Another thread's run has no waker, nor a wait with no tracee running (nothing
-        for the waker to interrupt): a timed wait sleeps in sigtimedwait for SIGCHLD, in slices
-        that bound what a SIGCHLD taken elsewhere costs."""
-        if timeout is None or (self._waker_on and next(self.engine.processes.running_tids(), None) is not None):
+        for the waker to interrupt): it sleeps in sigtimedwait for SIGCHLD, in slices that bound
+        what a SIGCHLD taken elsewhere costs, and how long a handler's call for the loop
+        (core/upcalls.py) waits, where no stop may come."""
+        if self._waker_on and (timeout is None or next(self.engine.processes.running_tids(), None) is not None):
             self._wait_until = None if timeout is None else time.monotonic() + timeout
             self._waiting = True  # (see _wakeable)
             try:
@@ -208,7 +209,7 @@ class StopLoop:
         with sigchld_blocked():
             stop = peek_stop(block=False)
             if stop is None:
-                signal.sigtimedwait([signal.SIGCHLD], min(timeout, WAIT_SLICE))
+                signal.sigtimedwait([signal.SIGCHLD], WAIT_SLICE if timeout is None else min(timeout, WAIT_SLICE))
                 stop = peek_stop(block=False)
         return stop
 
@@ -258,7 +259,7 @@ class StopLoop:
 
     def wake(self) -> None:
         """End the wait for a stop soon, from any thread (a handler's call for the loop to
-        make, core/upcalls.py): at once in the main thread's run, else at its next stop."""
+        make, core/upcalls.py): at once in the main thread's run, else within a wait's slice."""
         main = self._main
         if main is not None and self._waiting:
             with contextlib.suppress(OSError):

@@ -269,7 +269,7 @@ class Optimizer:
         returns = None
         if returning:  # (their shadow entries taken by the detour; their returns by the upcall stub)
             if len(returning) > L.UPCALL_ENTRIES_MAX:
-                return OptimizeRefusal.TOO_MANY_PROBES
+                return OptimizeRefusal.UPCALL_RETURNS
             try:
                 stub = self.engine.returns.upcall_stub(proc, site.addr, doorbell)
             except ProcessError as exc:

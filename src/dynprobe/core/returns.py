@@ -459,6 +459,8 @@ class ReturnProbes:
             return dataclasses.replace(made, returning=returning)
 
         instance = returns.instances.pop((tid, k), None)
+        if instance is not None and instance.probe is not probe:
+            instance = None  # (an entry a longjmp left, taken again by another probe's call)
         if probe.action is not None:
             self.engine.act_in_tracer(probe, proc, tid, function, context(), caller)
         elif probe.on_return is not None and probe.enabled:
@@ -605,7 +607,7 @@ class ReturnProbes:
         child.returns = dataclasses.replace(
             returns,
             code=dict(returns.code),
-            instances={(child.pid, k): i for (t, k), i in returns.instances.items() if t == tid},
+            instances={(child.pid, k): i for (t, k), i in list(returns.instances.items()) if t == tid},
             snapshot=None if words is None else words.copy(),
         )
 

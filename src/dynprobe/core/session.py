@@ -480,8 +480,9 @@ class Session:
         while the target is stopped, between runs: nothing is mapped meanwhile). Probes that
         may be optimized are, at the end of the block, without a trap first: their int3 is
         written only where the optimizer refuses the site. `progress(done, total)` is told how
-        far that optimization is. (From a handler, they start as traps: the loop optimizes them
-        when the handler has returned.)"""
+        far that optimization is. (From a handler at a trap stop, they start as traps: the loop
+        optimizes them when the handler has returned. From one served by an upcall, a batch is
+        refused: `probes_from` places many.)"""
         runtime = self._runtime
         runtime.upcalls.check_not_in_server("a batch of probes")
         if runtime.modules.now:  # nested: the outer block does it

@@ -12,7 +12,7 @@ optimized return probe's does, and core/returns.py runs the handlers (`entered`,
 
 Waking a sleeping thread costs more than a ptrace stop on this kind of VM, so neither side
 sleeps while hits come often: the server runs on another CPU than the threads that ask, and
-after each answer looks at the doorbells for SPIN before it sleeps on them (futex_waitv, the GIL
+after each look looks at the doorbells for SPIN before it sleeps on them (futex_waitv, the GIL
 let go); a thread that asked looks for its answer as long (the doorbell's SPIN ticks) before it
 sleeps on its state, and is woken only if it said it sleeps. A thread that asks on the server's
 CPU sleeps at once, and the server moves away from it.
@@ -20,7 +20,7 @@ CPU sleeps at once, and the server moves away from it.
 Handlers run in the server thread, one at a time. What needs the tracing thread (placing,
 enabling, disabling or removing probes) is handed to the stop loop, which runs it between two
 stops while the handler waits for it (`on_tracing_thread`): only while `run()` runs, and
-promptly only in the main thread (elsewhere the loop has no waker: at its next stop). Closing
+at once in the main thread's run (elsewhere the loop has no waker: within 50 ms). Closing
 or detaching the session from a handler is refused; after `session.stop()` from one, no thread
 is answered until the next run (as trap hits wait for it). Whatever a handler raises is
 reported once (`warnings`) and the thread goes on.
@@ -53,7 +53,7 @@ from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SessionError, SharedMemoryRefused
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.areas import AreaRef, Pool
+from dynprobe.ringbuf.areas import AreaRef, Pool, ThreadAreas
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.symbols.maps import Mapping
 from dynprobe.threads import place, start_without_signals
@@ -335,24 +335,26 @@ class Upcalls:
         bells: list[Doorbell] = []
         pages: list[memoryview] = []  # the doorbells' words
         askers: list[Asker] = []
-        seen: tuple[int, ...] = ()  # the versions of the doorbells and thread areas they are of
+        seen: tuple[int, ...] = ()  # the versions of the doorbells and the thread areas they are of
         try:
             while not self._stopping.is_set():
                 if not self._serving.is_set():
                     self._serving.wait(WAIT)
                     continue
                 rings = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
-                answered = False
-                for asker in askers:
-                    if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and not self._held:
-                        self._answer(asker)
-                        answered = True
-                if not answered and self._versions() != seen:  # (a new process or thread may ask)
-                    with self._lock:
-                        bells = self._distinct()
-                    pages = [bell.words for bell in bells]
-                    askers = list(self._areas())
-                    seen = self._versions()
+                try:
+                    if (self._version, ThreadAreas.changes) != seen:  # (a thread or process came or went)
+                        seen = (self._version, ThreadAreas.changes)
+                        with self._lock:
+                            bells = self._distinct()
+                        pages = [bell.words for bell in bells]
+                        askers = list(self._areas())
+                        continue
+                    for asker in askers:
+                        if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and not self._held:
+                            self._answer(asker)
+                except ValueError:  # (a process ended meanwhile: its areas' memory is let go under us)
+                    seen = ()
                     continue
                 cpu = self._pinned if self._pinned is not None else sc.current_cpu()
                 if cpu != self._cpu:
@@ -391,10 +393,6 @@ class Upcalls:
                     f"pid {proc.pid} set its own GS base: its Python handlers served without a stop no longer run"
                     " (session.upcalls = False serves them at traps)"
                 )
-
-    def _versions(self) -> tuple[int, ...]:
-        """What the server's lists of doorbells and threads are made of, as it is now."""
-        return (self._version, *(p.areas.version for p in list(self._bells) if p.areas is not None))
 
     def _make_room(self, cpu: int) -> None:
         """A thread asked on the server's CPU, where neither can spin for the other: the
@@ -547,8 +545,9 @@ class Upcalls:
         return (int(SPIN * 1e9) << 32) // self.engine.tsc_mult() if self._spin else 0
 
     def stop(self) -> None:
-        """The server thread ends (after the handler it runs, if any)."""
-        thread, self._thread = self._thread, None
+        """The server thread ends (after the handler it runs, if any: until then it is still the
+        server, and what it asks is refused)."""
+        thread = self._thread
         with self._lock:  # (a handler waiting for the loop waits no more: the session detaches)
             self._taking_jobs = False
             jobs, self._jobs = self._jobs, []
@@ -557,8 +556,10 @@ class Upcalls:
             job.done.set()
         if thread is not None:
             self._stopping.set()
+            self._held = False
             self._serving.set()  # (held: it looks at _stopping at once)
             thread.join()
+        self._thread = None
         self._tell_foreign()
 
     def close(self) -> None:

@@ -89,6 +89,10 @@ class ThreadAreas:
     maps a new pool and returns (its address in the target, our view); `commit(tid, addr)` may
     fault the area at `addr` in (the part worth it) before its first use."""
 
+    # Areas given, taken back or closed, in any process (an upcall server keeps a list of the
+    # threads that may ask: core/upcalls.py)
+    changes = 0
+
     def __init__(
         self,
         pid: int,
@@ -102,7 +106,6 @@ class ThreadAreas:
         self._commit = commit
         self.pools: list[Pool] = []
         self.by_tid: dict[int, AreaRef] = {}
-        self.version = 0  # of by_tid
         self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
         self.wait_ticks = 0  # how long a writer may wait for room in a full ring (layout.WAIT_TICKS)
         self.overwrite = False  # a flight recorder's rings: a full one gives up its oldest records
@@ -119,7 +122,7 @@ class ThreadAreas:
                 self._free.extend(AreaRef(pool, i) for i in reversed(range(pool.count)))
             area = self._free.pop()
             self.by_tid[tid] = area
-            self.version += 1
+            ThreadAreas.changes += 1
         if area.index not in area.pool.committed:
             area.pool.committed.add(area.index)
             self._commit(tid, area.target_addr)
@@ -158,7 +161,7 @@ class ThreadAreas:
         with self.lock:
             area = self.by_tid.pop(tid, None)
             if area is not None:
-                self.version += 1
+                ThreadAreas.changes += 1
                 _publish_held(area, self.layout)
                 self.retired.append((tid, area))
 
@@ -184,6 +187,7 @@ class ThreadAreas:
             return list(self.by_tid.items())
 
     def close(self) -> None:
+        ThreadAreas.changes += 1
         for pool in self.pools:
             pool.close()
         self.pools.clear()

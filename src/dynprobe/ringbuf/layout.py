@@ -74,7 +74,7 @@ STAMP_SAVED = 0x110  # rax, rdx, rsi
 STAMP_TARGETS = 0x128
 STAMP_TARGETS_MAX = 4
 STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
-# An upcall (core/upcalls.py): a thread at a site whose probes are Python pre-handlers saves its
+# An upcall (core/upcalls.py): a thread at a site whose probes are Python handlers saves its
 # registers in UPCALL_FRAME (struct user_regs_struct: the tracer's Regs over its own mapping of
 # the area), REQUEST in UPCALL_STATE (a futex), rings its process's doorbell (DOORBELL_*) and
 # waits for ANSWERED: then its registers are the frame's, and it goes

@@ -567,13 +567,16 @@ class BranchTargets:
     one, a superset of the real ones; when one lands on an address asked about, the function it
     is in (a symbol's or an unwind-table range) is decoded to see whether it is a branch (one in
     no function counts). One with an 8-bit displacement comes from at most 129 bytes away: the
-    functions there are decoded. Each function is decoded at most once. Past LOOKUPS questions
-    (many probes placed in one file), every function is decoded and the answers come from the
-    set of all targets: the same answers, without the tens of candidates each question weighs."""
+    functions there are decoded. Each function is decoded at most once. Past LOOKUPS questions,
+    and one for every 16 functions of a big file (many probes placed in one file: decoding every
+    function is then a small part of the work), the answers come from the set of every target:
+    the same answers (a function's code, decoded whole, is the truth the candidates are weighed
+    against), without the tens of candidates each question weighs."""
 
     _SCAN = 1 << 20  # bytes of code scanned at a time: the scan's memory stays bounded
     _ANY_FILE = 1 << 16  # places a rel32 branch may start at in any file (past them: one byte of code in 8)
     LOOKUPS = 64
+    FUNCTIONS_PER_LOOKUP = 16
 
     def __init__(self, image: ElfImage) -> None:
         self.image = image
@@ -614,7 +617,7 @@ class BranchTargets:
         if not isinstance(addr, int):
             return False
         self._lookups += 1
-        if self._all is None and self._lookups > self.LOOKUPS:
+        if self._all is None and self._lookups > max(self.LOOKUPS, len(self.ranges) // self.FUNCTIONS_PER_LOOKUP):
             self._all = self._every_target()
         if self._all is not None:
             return addr in self._all or self.everything

@@ -127,12 +127,14 @@ def _stamp_entries(asm: Asm, returns: UpcallReturns) -> None:
 
 def _upcall(
     asm: Asm, *, rip: int, site: int, missed: Callable[[Asm], None], doorbell: int, region: int, unheard: int,
-    returns: UpcallReturns | None = None, ask: bool = True,
+    returns: UpcallReturns | None = None, ask: bool = True, keep: Callable[[Asm], None] | None = None,
 ) -> None:  # fmt: skip
     """One upcall at original address `rip` of `site`'s region, whose relocated first instruction
     is at `region`; unheard (no tracer) or nested (`missed` counts it, rax free), the thread goes
     on at `unheard`. `returns`: the return probes' shadow entries are taken first; without
-    `ask` (no handler to run: return probes with no entry handler), only that, and on."""
+    `ask` (no handler to run: return probes with no entry handler), only that, and on. `keep`
+    writes more for the tracer once the frame is saved (every register free: it is the
+    thread's own, a nested one goes by before)."""
     nested, foreign, out, spin, wait, answered, gone, awake = (asm.label() for _ in range(8))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
@@ -152,6 +154,8 @@ def _upcall(
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME[name]), REG[name]))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, mem_at(R.RSP, _RED_ZONE)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rsp"]), R.RAX))
+    if keep is not None:
+        keep(asm)
     if returns is not None:
         _take_entries(asm, returns)
     if not ask:
@@ -335,15 +339,18 @@ def build_return_upcall(layout: L.AreaLayout, at: int, doorbell: int, trampoline
     def saved(name: str) -> iced.MemoryOperand:
         return mem_at(R.RSP, SAVED_AT[name])
 
+    def keep_rsi(asm: Asm) -> None:  # (the function's, saved by the trampoline: rsp is the frame's)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(_FRAME["rsp"])))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RAX, SAVED_AT["rsi"])))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_RSI), R.RAX))
+
     resume = at
     while True:
         asm = Asm()
         stamp(asm, R.RSI, layout.shadow + L.ENTRY_RETURN_TSC)
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, saved("rsi")))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.UPCALL_RSI), R.RAX))
         for name in ("rax", "rdx"):  # (the stamp took them)
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, REG[name], saved(name)))
-        _upcall(asm, rip=at, site=at, missed=missed, doorbell=doorbell, region=resume, unheard=resume)
+        _upcall(asm, rip=at, site=at, missed=missed, doorbell=doorbell, region=resume, unheard=resume, keep=keep_rsi)
         body = asm.encode(at)[0]
         if at + len(body) == resume:
             back = Asm()
