@@ -265,11 +265,20 @@ def test_a_flight_recorder_s_threshold_keeps_what_led_up_to_a_long_call(ret: str
                       "-P", "main", "-P", "add", "-P", "nap", "-A", "add@arg1", "--", ret, "spike", "20000", "10000",
                       "300")  # fmt: skip
     assert r.stdout == f"{sum(range(1, 20_001))}\n"
-    assert "20002 calls traced, the newest 512 records kept (2 calls of 150.000 ms or more took a snapshot)" in r.stderr
+    # (2 calls, unless the machine held a thread 150 ms in the middle of another: then that
+    # call lasted as long, and its snapshot is kept too)
+    kept = re.search(r"20002 calls traced, the newest (\d+) records kept \((\d+) calls of 150.000 ms or more", r.stderr)
+    assert kept is not None and int(kept.group(2)) >= 2 and int(kept.group(1)) >= 512, r.stderr
     shown = [line.split("| ", 1)[1] for line in dp("replay", trace).stdout.splitlines()[1:]]
-    assert shown == [
-        *(f"add({i});" for i in range(9917, 10_001)), "nap();", *(f"add({i});" for i in range(19_915, 20_000))
-    ]  # fmt: skip
+    before, last = (
+        [*(f"add({i});" for i in range(9917, 10_001)), "nap();"],
+        [f"add({i});" for i in range(19_915, 20_000)],
+    )
+    assert shown[-len(last) :] == last
+    at = shown.index("nap();")
+    assert shown[at + 1 - len(before) : at + 1] == before
+    if int(kept.group(2)) == 2:
+        assert shown == before + last
     assert Trace(trace).info["lost"] == 0 and Trace(trace).info["snapshot_over_ns"] == 150_000_000
 
 
