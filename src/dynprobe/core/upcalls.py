@@ -41,8 +41,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, cast
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.core.probe import Hit, Probe, Site, call_handler
@@ -128,23 +129,6 @@ class Doorbell:
 T = TypeVar("T")
 
 
-@dataclass(eq=False)
-class Job(Generic[T]):
-    """A call a handler asks the tracing thread to make, and its outcome."""
-
-    call: Callable[[], T]
-    done: threading.Event = field(default_factory=threading.Event)
-    result: T | None = None
-    error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.call()
-        except BaseException as exc:  # (the handler gets it)
-            self.error = exc
-        self.done.set()
-
-
 @dataclass(frozen=True, slots=True)
 class Asker:
     """A thread that may ask, with what answering it takes, found once."""
@@ -176,16 +160,18 @@ class Upcalls:
         self._allowed = os.sched_getaffinity(0)
         self._spin = len(self._allowed) > 1
         self._cpu = -1  # where the server runs
+        # The one CPU the server is placed on, if one: what the doorbells say from the placing
+        # on (where the scheduler has it at a look may lag behind)
+        self._placed_on: int | None = None
         self._moved_at = 0.0  # when the server last left a CPU to a thread that asks there
         # Acquired and released between storing an answer and looking whether its thread
         # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
         self._fence = threading.Lock()
-        self._jobs: list[Job[Any]] = []  # for the tracing thread (under _lock)
+        # Calls handlers ask the tracing thread to make, and their outcome (under _lock)
+        self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._taking_jobs = False  # while run() runs
         self._serving = threading.Event()  # clear: a handler stopped the run, the next one goes on
         self._serving.set()
-        self._held = False  # (the same, read where a request is answered: no call)
-        self._pinned: int | None = None  # the one CPU the server is placed on, if one
 
     @property
     def enabled(self) -> bool:
@@ -228,21 +214,17 @@ class Upcalls:
         the thread that asked) waiting for it. SessionError if `run()` is not running."""
         if not self.in_server():
             return call()
-        job = Job(call)
+        outcome: Future[T] = Future()
         with self._lock:
             if not self._taking_jobs:
                 raise SessionError(f"{what} from a handler served by an upcall needs session.run() to be running")
-            self._jobs.append(job)
+            self._jobs.append((call, outcome))
         self.engine.wake_loop()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        return cast(T, job.result)
+        return outcome.result()
 
     def hold(self) -> None:
         """A handler stopped the run: the threads that ask from now on wait for the next run
         (as a trap hit does), or for the detach."""
-        self._held = True
         self._serving.clear()
 
     def has_jobs(self) -> bool:
@@ -253,15 +235,17 @@ class Upcalls:
         while self._jobs:
             with self._lock:
                 jobs, self._jobs = self._jobs, []
-            for job in jobs:
-                job.run()
+            for call, outcome in jobs:
+                try:
+                    outcome.set_result(call())
+                except BaseException as exc:  # (the handler gets it)
+                    outcome.set_exception(exc)
 
     @contextlib.contextmanager
     def taking_jobs(self) -> Iterator[None]:
         """While `run()` runs: handlers may hand calls to it (made before it returns)."""
         with self._lock:
             self._taking_jobs = True
-        self._held = False
         self._serving.set()
         try:
             yield
@@ -351,12 +335,12 @@ class Upcalls:
                         askers = list(self._areas())
                         continue
                     for asker in askers:
-                        if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and not self._held:
+                        if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and self._serving.is_set():
                             self._answer(asker)
                 except ValueError:  # (a process ended meanwhile: its areas' memory is let go under us)
                     seen = ()
                     continue
-                cpu = self._pinned if self._pinned is not None else sc.current_cpu()
+                cpu = self._placed_on if self._placed_on is not None else sc.current_cpu()
                 if cpu != self._cpu:
                     self._cpu = cpu
                     for bell in bells:
@@ -535,7 +519,7 @@ class Upcalls:
         other before they sleep (not where they may share a CPU)."""
         self._cpus = cpus
         self._spin = spin
-        self._pinned = next(iter(cpus)) if len(cpus) == 1 else None
+        self._placed_on = next(iter(cpus)) if len(cpus) == 1 else None
         place(self._thread, cpus)
         with self._lock:
             for bell in self._distinct():
@@ -551,12 +535,10 @@ class Upcalls:
         with self._lock:  # (a handler waiting for the loop waits no more: the session detaches)
             self._taking_jobs = False
             jobs, self._jobs = self._jobs, []
-        for job in jobs:
-            job.error = SessionError("the session detached meanwhile")
-            job.done.set()
+        for _, outcome in jobs:
+            outcome.set_exception(SessionError("the session detached meanwhile"))
         if thread is not None:
             self._stopping.set()
-            self._held = False
             self._serving.set()  # (held: it looks at _stopping at once)
             thread.join()
         self._thread = None
