@@ -5,6 +5,7 @@ be, and the program unharmed (it runs to its end, with its own output)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -332,6 +333,37 @@ def test_sigterm_while_probes_are_placed_detaches(spinner: str, tmp_path: Path) 
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# dynprobe's CLI with SIGTERM sent to itself as each of its forks returns: while os.fork runs its
+# at-fork callbacks (logging has one), where an exception its handler raises is printed and lost
+SIGTERM_IN_FORK = (
+    "import os, signal, sys;"
+    "os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM));"
+    "from dynprobe.cli.main import main; sys.exit(main())"
+)
+
+
+@pytest.mark.parametrize("how", ["attached", "started"])
+def test_sigterm_as_a_fork_returns_is_not_lost(how: str, spinner: str, tmp_path: Path) -> None:
+    """The forks are the guardian's (attached) and the command's (started): SIGTERM then ends
+    the set-up as anywhere else, and nothing is left (the command is never run untraced)."""
+    out = tmp_path / "t.data"
+    started = tmp_path / "started"  # (a copy of its own, to find any process left running it)
+    shutil.copy(spinner, started)
+    target = subprocess.Popen([spinner, "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline() == "ready\n"
+        which = ["-p", str(target.pid)] if how == "attached" else ["--", str(started), "1"]
+        r = subprocess.run([sys.executable, "-c", SIGTERM_IN_FORK, "record", "--lib", "libc", "-o", str(out), *which],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 128 + signal.SIGTERM and not r.stderr and not r.stdout, r.stderr
+        assert tracer_of(target.pid) == 0 and not out.exists()
+        running = [p for p in Path("/proc").glob("[0-9]*/exe") if os.path.realpath(p) == str(started)]
+        assert not running
+    finally:
+        target.kill()
+        target.wait()
 
 
 def test_an_output_is_named_in_messages_as_the_user_gave_it() -> None:

@@ -48,6 +48,7 @@ from dynprobe.ptrace.process import attach as attach_process
 from dynprobe.ptrace.procfs import identity
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
+from dynprobe.threads import signals_held
 
 ATTACH_PATIENCE = 2.0  # seconds the guardian retries attaching while the dying tracer lets go
 
@@ -113,18 +114,19 @@ class Guardian:
         word_r, self._word_w = os.pipe2(os.O_CLOEXEC)
         self._done_r, done_w = os.pipe2(os.O_CLOEXEC)
         tracer = os.getpid()
-        middle = os.fork()
-        if middle == 0:  # the guardian
-            try:
-                os.setsid()
-                if os.fork() == 0:
-                    _guard(word_r, done_w, self.journal, self._lifeline, tracer)
-            finally:
-                os._exit(0)
-        os.close(word_r)
-        os.close(done_w)
-        os.waitpid(middle, 0)
-        self.pid = int.from_bytes(os.read(self._done_r, 8).ljust(8, b"\0"), "little")
+        with signals_held():  # (a Ctrl-C lands once the guardian is known: see signals_held)
+            middle = os.fork()
+            if middle == 0:  # the guardian (_guard unblocks the signals it does not ignore)
+                try:
+                    os.setsid()
+                    if os.fork() == 0:
+                        _guard(word_r, done_w, self.journal, self._lifeline, tracer)
+                finally:
+                    os._exit(0)
+            os.close(word_r)
+            os.close(done_w)
+            os.waitpid(middle, 0)
+            self.pid = int.from_bytes(os.read(self._done_r, 8).ljust(8, b"\0"), "little")
 
     def dismiss(self) -> None:
         self._end(b"d")

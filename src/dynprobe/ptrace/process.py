@@ -35,6 +35,7 @@ from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, poll_event, thread_state, wait_event
 from dynprobe.ptrace.journal import Journal
 from dynprobe.ptrace.procfs import is_kernel_thread, list_threads, seccomp_mode
+from dynprobe.threads import signals_held
 
 # TRACESYSGOOD: a syscall stop of ours (remote syscalls) is SIGTRAP | 0x80, which a tracer that
 # dies in it leaves as no signal at all (a plain SIGTRAP would be sent to the thread).
@@ -619,17 +620,26 @@ _IGNORED_BY_PYTHON = (signal.SIGPIPE, signal.SIGXFSZ)
 
 
 def _spawn_child(
-    argv: list[str], env: dict[str, str] | None, go_r: int, err_w: int, fds: tuple[int | None, ...]
+    argv: list[str],
+    env: dict[str, str] | None,
+    go_r: int,
+    err_w: int,
+    fds: tuple[int | None, ...],
+    *,
+    mask: set[int | signal.Signals],
 ) -> None:
-    """In the forked child: wait until the tracer has seized us, then exec. Never returns. The
+    """In the forked child: wait until the tracer has seized us, then exec with the tracer's
+    signal mask; if the tracer goes without a word, end. Never returns. The
     signals Python ignores for itself (SIGPIPE, SIGXFSZ) get their default action back, as
     subprocess gives them: ignored dispositions survive exec, and `yes | head -1` under dynprobe
     would have `yes` fail on EPIPE instead of ending by SIGPIPE."""
     try:
         for sig in _IGNORED_BY_PYTHON:
             signal.signal(sig, signal.SIG_DFL)
-        os.read(go_r, 1)
+        if os.read(go_r, 1) != b"g":
+            return
         os.close(go_r)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for target, fd in enumerate(fds):
             if fd is not None:
                 os.dup2(fd, target)
@@ -656,21 +666,23 @@ def spawn(
         raise ProcessError("no command given")
     go_r, go_w = os.pipe()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
-    if pid == 0:
-        os.close(go_w)
-        os.close(err_r)
-        _spawn_child(argv, env, go_r, err_w, (stdin, stdout, stderr))
+    with signals_held() as mask:
+        pid = os.fork()
+        if pid == 0:
+            os.close(go_w)
+            os.close(err_r)
+            _spawn_child(argv, env, go_r, err_w, (stdin, stdout, stderr), mask=mask)
     os.close(go_r)
     os.close(err_w)
-    try:
+    try:  # (closing go_w unsaid, as an interrupt here does, has the child end: see _spawn_child)
         sc.seize(pid, TRACE_OPTIONS)
+        os.write(go_w, b"g")
     except OSError as exc:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         raise _ptrace_error(exc, pid) from exc
-    os.write(go_w, b"g")
-    os.close(go_w)
+    finally:
+        os.close(go_w)
     while True:
         event = wait_event(pid)
         if event is None:
