@@ -79,11 +79,9 @@ def test_an_old_version_keeps_its_version_after_the_name() -> None:
 def test_without_a_cxx_runtime_names_stay_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     """A name that is not C++'s is itself; with no C++ runtime library to demangle with (none
     found, or one that does not load), a mangled name is shown as it is, never an error."""
-    import ctypes.util
-
     assert demangle.demangle_full("main") == "main"
-    for found in (lambda name: None, lambda name: "/no/such/libstdc++.so.6"):
-        monkeypatch.setattr(ctypes.util, "find_library", found)
+    for runtimes in ((), ("/no/such/libstdc++.so.6",)):
+        monkeypatch.setattr(demangle, "CXX_RUNTIMES", runtimes)
         demangle._runtime.cache_clear()
         demangle.demangle_full.cache_clear()
         assert demangle.demangle_full("_ZN3app7Counter3addEi") == "_ZN3app7Counter3addEi"

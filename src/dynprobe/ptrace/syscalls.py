@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import time
 
 from dynprobe.arch.x86_64.regs import Regs
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)  # (find_library would run `ldconfig -p`)
 _ptrace = _libc.ptrace
 _ptrace.restype = ctypes.c_long
 _ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
@@ -21,7 +20,8 @@ _ptrace.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_
 # keep the GIL (PyDLL): each takes a microsecond, and letting the GIL go for it let the consumer
 # thread take it, which the tracing thread then waited for after every call (a trap hit took
 # 25-50% longer while the consumer printed events).
-_ptrace_hot = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).ptrace
+_libc_with_gil = ctypes.PyDLL("libc.so.6", use_errno=True)
+_ptrace_hot = _libc_with_gil.ptrace
 _ptrace_hot.restype = ctypes.c_long
 
 PTRACE_PEEKUSER = 3
@@ -177,7 +177,7 @@ class _Timespec(ctypes.Structure):
 
 
 # futex_wake keeps the GIL (PyDLL): it never sleeps, and letting the GIL go costs as much.
-_syscall_hot = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).syscall
+_syscall_hot = _libc_with_gil.syscall
 
 
 def futex_wake(addr: int, count: int = 1) -> None:
@@ -185,7 +185,7 @@ def futex_wake(addr: int, count: int = 1) -> None:
     _syscall_hot(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
 
 
-current_cpu = ctypes.PyDLL(ctypes.util.find_library("c") or "libc.so.6").sched_getcpu
+current_cpu = _libc_with_gil.sched_getcpu
 current_cpu.restype = ctypes.c_int
 current_cpu.argtypes = []
 current_cpu.__doc__ = """The CPU the calling thread runs on (the vDSO's getcpu: no system call)."""

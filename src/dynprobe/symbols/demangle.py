@@ -11,7 +11,6 @@ stay mangled.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import enum
 import functools
 from collections.abc import Callable, Iterator
@@ -26,15 +25,15 @@ class Demangle(enum.Enum):
     NO = "no"  # the symbol as it is
 
 
+CXX_RUNTIMES = ("libstdc++.so.6", "libc++.so.1")  # by soname (find_library would run `ldconfig -p`)
+
+
 @functools.cache
 def _runtime() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    for name in ("stdc++", "c++"):
-        path = ctypes.util.find_library(name)
-        if path is None:
-            continue
+    for soname in CXX_RUNTIMES:
         try:
-            lib = ctypes.CDLL(path)
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            lib = ctypes.CDLL(soname)
+            libc = ctypes.CDLL("libc.so.6")
         except OSError:
             continue
         cxa = lib.__cxa_demangle

@@ -25,7 +25,7 @@ from elftools.construct.core import ConstructError
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 from elftools.elf.gnuversions import GNUVerDefSection
-from elftools.elf.sections import SymbolTableSection
+from elftools.elf.sections import Section, SymbolTableSection
 
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, SymbolError
@@ -100,6 +100,21 @@ _MALFORMED = (
 )  # fmt: skip
 
 
+class _Elf(ELFFile):
+    """pyelftools' ELFFile, making a section only when it is asked for: its own map of names made
+    every section, and making a hash section parses its whole table (libc's .hash: ~15 ms)."""
+
+    @functools.cached_property
+    def _section_name_map(self) -> dict[str, int]:
+        return {self._get_section_name(self._get_section_header(i)): i for i in range(self.num_sections())}
+
+    def iter_sections(self, type: str | None = None) -> Iterator[Section]:  # (pyelftools' names)
+        for i in range(self.num_sections()):
+            header = self._get_section_header(i)
+            if type is None or header["sh_type"] == type:
+                yield self._make_section(header)
+
+
 @contextlib.contextmanager
 def _parsing(path: str) -> Iterator[None]:
     """A malformed file's error, whatever pyelftools raised, as one ElfError."""
@@ -121,7 +136,7 @@ class ElfImage:
         if self.data[4] != 2:
             raise ElfError(f"{path} is a 32-bit ELF file; dynprobe traces x86-64 programs only")
         with _parsing(path):
-            elf = ELFFile(io.BytesIO(self.data))
+            elf = _Elf(io.BytesIO(self.data))
             if elf["e_machine"] != "EM_X86_64":
                 raise ElfError(f"{path} is built for {elf['e_machine']}, not x86-64")
             self.is_pie = elf["e_type"] == "ET_DYN"
@@ -169,7 +184,7 @@ class ElfImage:
     def _own_by_name(self) -> dict[str, Function | None]:
         """The file's own function symbols by name; None for a name of several addresses."""
         by_name: dict[str, Function | None] = {}
-        for func in self._own_symbol_tables[0]:
+        for func in self.own_functions:
             first = by_name.setdefault(func.name, func)
             if first is not None and first.addr != func.addr:
                 by_name[func.name] = None
@@ -185,6 +200,11 @@ class ElfImage:
         reading its debug file."""
         own = self._own_symbol_tables
         return None if name in own[2] else self._own_by_name.get(name)
+
+    @property
+    def own_functions(self) -> list[Function]:
+        """The function symbols of the file itself (not its debug file's), sorted by address."""
+        return self._own_symbol_tables[0]
 
     @property
     def functions(self) -> list[Function]:
@@ -236,7 +256,7 @@ class ElfImage:
         for candidate in candidates:
             if os.path.isfile(candidate) and not os.path.samefile(candidate, self.path):
                 try:
-                    other = ELFFile(io.BytesIO(read_regular(candidate, MAX_FILE_SIZE)))
+                    other = _Elf(io.BytesIO(read_regular(candidate, MAX_FILE_SIZE)))
                     if self.build_id in (None, self._build_id(other)):
                         return candidate
                 except (OSError, *_MALFORMED):
@@ -252,7 +272,7 @@ class ElfImage:
         try:
             data = read_regular(debug_file, MAX_FILE_SIZE)
             with _parsing(debug_file):
-                theirs, their_objects, their_ifuncs, _ = self._symbols(ELFFile(io.BytesIO(data)))
+                theirs, their_objects, their_ifuncs, _ = self._symbols(_Elf(io.BytesIO(data)))
         except (OSError, ElfError):
             return functions  # gone, replaced or damaged since it was checked: the file's own symbols only
         named = {f.addr for f in functions}
@@ -263,11 +283,10 @@ class ElfImage:
 
     @staticmethod
     def _build_id(elf: ELFFile) -> str | None:
-        for section in elf.iter_sections():
-            if section["sh_type"] == "SHT_NOTE":
-                for note in section.iter_notes():  # type: ignore[attr-defined]
-                    if note["n_type"] == "NT_GNU_BUILD_ID":
-                        return str(note["n_desc"])
+        for section in elf.iter_sections("SHT_NOTE"):
+            for note in section.iter_notes():  # type: ignore[attr-defined]
+                if note["n_type"] == "NT_GNU_BUILD_ID":
+                    return str(note["n_desc"])
         return None
 
     @staticmethod
@@ -516,8 +535,8 @@ class ElfImage:
         by_slot = {slot: name for name, slots in self.symbol_slots.items() for slot in slots}
         stubs = []
         with _parsing(self.path):
-            for section in self._elf.iter_sections():
-                if section.name not in _PLT_SECTIONS or section["sh_type"] != "SHT_PROGBITS":
+            for section in self._elf.iter_sections("SHT_PROGBITS"):
+                if section.name not in _PLT_SECTIONS:
                     continue
                 entry = section["sh_entsize"] if section["sh_entsize"] in (8, 16) else 16
                 start, end = section["sh_addr"], section["sh_addr"] + min(section["sh_size"], len(self.data))
@@ -530,8 +549,8 @@ class ElfImage:
 
     def _relocations(self) -> Iterator[tuple[np.ndarray, Callable[[int], str]]]:
         """Each SHT_RELA section's rows, and the name of a symbol of its symbol table by index."""
-        for section in self._elf.iter_sections():
-            if section["sh_type"] != "SHT_RELA" or section["sh_entsize"] != _RELA.itemsize:
+        for section in self._elf.iter_sections("SHT_RELA"):
+            if section["sh_entsize"] != _RELA.itemsize:
                 continue
             table = self._elf.get_section(section["sh_link"]) if section["sh_link"] else None
             symbols = np.frombuffer(table.data(), dtype=_SYM) if isinstance(table, SymbolTableSection) else None
@@ -602,7 +621,11 @@ class BranchTargets:
         targets = np.concatenate([np.zeros(0, np.int64), *(to for _, to in found)])
         order = np.argsort(targets, kind="stable")
         self.sources, self.targets = sources[order], targets[order]  # by target
-        self.ranges = sorted({(f.addr, f.end) for f in image.functions if f.size} | set(image.eh_frame_ranges()))
+        # (The file's own symbols: a function only its debug file names has an unwind-table
+        # range as a rule, and a candidate in no range counts as a branch, so a probe may stay a
+        # trap, never go wrong: not worth reading the debug file, ~30 ms for libc's.)
+        own = image.own_functions
+        self.ranges = sorted({(f.addr, f.end) for f in own if f.size} | set(image.eh_frame_ranges()))
         self._reach = list(itertools.accumulate((end for _, end in self.ranges), max))  # the furthest end so far
         self._decoded: dict[tuple[int, int], frozenset[int]] = {}  # a function range -> its branches' targets
         # Ranges may nest (a hostile symbol table: thousands around one place): what is decoded is
