@@ -45,7 +45,8 @@ typecheck: venv
 	$(VENV)/bin/mypy src
 
 # A Go toolchain lets the return-probe tests check that Go programs are refused (hazard 1);
-# uftrace is the function tracer's reference (same call graphs, and the benchmark's comparison).
+# uftrace is the function tracer's reference (same call graphs, and the benchmark's comparison);
+# gdb is the stack walk's (the same frames as its backtraces).
 toolchains:
 	@command -v go >/dev/null || (apt-get install -y -qq golang-go >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq golang-go >/dev/null 2>&1)) || \
@@ -53,6 +54,9 @@ toolchains:
 	@command -v uftrace >/dev/null || (apt-get install -y -qq uftrace >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq uftrace >/dev/null 2>&1)) || \
 	  echo "note: no uftrace; the comparison with it will be skipped"
+	@command -v gdb >/dev/null || (apt-get install -y -qq gdb >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq gdb >/dev/null 2>&1)) || \
+	  echo "note: no gdb; the comparison of stacks with its backtraces will be skipped"
 
 test: venv tracefs toolchains lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider

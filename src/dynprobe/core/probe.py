@@ -16,6 +16,7 @@ from dynprobe.actions.model import ActionKind, Field, Filter, Program, record_fi
 from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
 from dynprobe.arch.x86_64.regs import canonical_name
 from dynprobe.core.slots import PlacedCode
+from dynprobe.core.stacks import MAX_FRAMES, Stack
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.output.hist import Histogram, zero_label
 from dynprobe.ringbuf.layout import HIST_BUCKETS
@@ -36,6 +37,7 @@ class ProbeOwner(Protocol):
     def sync_probe(self, probe: Probe) -> None: ...
     def remove_probe(self, probe: Probe) -> None: ...
     def clock_tick_ns(self) -> float: ...  # how finely its time values ($latency) are measured
+    def stack_of(self, hit: Hit, max_frames: int) -> Stack: ...
 
 
 class ProbeMode(enum.Enum):
@@ -194,6 +196,14 @@ class Hit:
 
     def comm(self) -> str:
         return self.context.comm()
+
+    def stack(self, max_frames: int = MAX_FRAMES) -> Stack:
+        """The thread's call stack now, innermost first (`str()` prints it a frame a line, as
+        `function+0xoff (module)`): walked with each module's unwind tables, frame pointers
+        where there are none; return addresses dynprobe replaced appear as the real callers."""
+        if not 1 <= max_frames <= MAX_FRAMES:
+            raise ValueError(f"max_frames {max_frames} is out of range (1..{MAX_FRAMES})")
+        return self.probe.owner.stack_of(self, max_frames)
 
 
 def call_handler(handler: Handler, hit: Hit, failed: HandlerFailed, *, anything: bool = False) -> object:

@@ -260,6 +260,19 @@ class ReturnProbes:
         return dataclasses.replace(probe.program(), entry=entry)
 
     # --- the shadow stack, from the tracer --------------------------------------------------------------
+    def real_return(self, proc: TracedProcess, tid: int) -> Callable[[int], int]:
+        """For a stack walk of thread `tid`: the return address an entry point of the trampoline
+        stands for (its shadow entry's original; other addresses are themselves)."""
+        words = self._words(proc, tid) if proc.returns is not None else None
+        if words is None or proc.returns is None:
+            return lambda ret: ret
+        points = proc.returns.trampoline.points
+
+        def original(ret: int) -> int:
+            return through_entry_points(ret, points, lambda k: int(words[self._at(k) + L.ENTRY_RET // 8]))[1]
+
+        return original
+
     def _words(self, proc: TracedProcess, tid: int) -> np.ndarray | None:
         if proc.areas is None:
             return None

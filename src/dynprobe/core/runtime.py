@@ -26,13 +26,14 @@ from dynprobe.core.loop import StopLoop
 from dynprobe.core.modules import Modules
 from dynprobe.core.optimizer import Optimizer, new_thread_areas
 from dynprobe.core.patching import Patcher
-from dynprobe.core.probe import Probe, ProbeEvent, Site
+from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site
 from dynprobe.core.processes import ProcessTable, exe_of
 from dynprobe.core.returns import ReturnProbes
+from dynprobe.core.stacks import Stack, walk
 from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
 from dynprobe.core.upcalls import Upcalls
-from dynprobe.errors import OptimizeRefusal
+from dynprobe.errors import OptimizeRefusal, ProcessError
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.guardian import Guardian
 from dynprobe.ptrace.process import Tracee
@@ -287,6 +288,14 @@ class Runtime:
                 if probe in site.probes and site.refusal is not None:
                     return site.refusal
         return probe.refusal
+
+    def stack_of(self, hit: Hit, max_frames: int) -> Stack:
+        proc = self.processes.process(hit.pid)
+        if proc is None:
+            raise ProcessError(f"pid {hit.pid} has ended: its stacks are read while a handler runs")
+        real_return = self.returns.real_return(proc, hit.tid)
+        return walk(hit.regs, self.modules.maps_of(proc.pid), proc.tracee.read, real_return=real_return,
+                    max_frames=max_frames)  # fmt: skip
 
     def addresses_of(self, probe: Probe) -> list[int]:
         return [a for p in self.processes for a, s in p.sites.items() if probe in s.probes and (s.armed or s.optimized)]

@@ -27,6 +27,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.gnuversions import GNUVerDefSection
 from elftools.elf.sections import Section, SymbolTableSection
 
+from dynprobe.arch.x86_64.unwind import UnwindTable, compile_cfi
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, SymbolError
 from dynprobe.gcpause import gc_paused
@@ -419,8 +420,32 @@ class ElfImage:
             i -= 1
         for start, end in self.eh_frame_ranges():
             if start <= vaddr < end:
+                # (named by a symbol without a size in the range, if one is: __restore_rt)
+                i = bisect.bisect_right(self._starts, vaddr)
+                if i and self._starts[i - 1] >= start:
+                    named = self.functions[bisect.bisect_left(self._starts, self._starts[i - 1])]
+                    return Function(named.name, named.addr, end - named.addr)
                 return Function(f"fde_{start:x}", start, end - start)
         return None
+
+    @functools.cached_property
+    def unwind_table(self) -> UnwindTable:
+        """The rows stacks are walked with (arch/x86_64/unwind.py), from the file's .eh_frame,
+        else a .debug_frame (its own, or its debug file's); empty when it has none."""
+        for path, elf in ((self.path, self._elf), (self.debug_file, None)):
+            if path is None:
+                continue
+            try:
+                with _parsing(path):
+                    if elf is None:
+                        elf = _Elf(io.BytesIO(read_regular(path, MAX_FILE_SIZE)))
+                    for name in (".eh_frame", ".debug_frame"):
+                        section = elf.get_section_by_name(name)
+                        if section is not None and section["sh_type"] == "SHT_PROGBITS" and section["sh_size"]:
+                            return compile_cfi(section.data(), section["sh_addr"], debug_frame=name == ".debug_frame")
+            except (OSError, ElfError) as exc:
+                _debug(f"{path}: no unwind table read: {exc}")
+        return compile_cfi(b"", 0)
 
     def eh_frame_ranges(self) -> list[tuple[int, int]]:
         """(start, end) of every function the unwind tables describe, sorted."""

@@ -1,0 +1,181 @@
+"""Call stacks of a traced thread, walked by the tracer over the target's memory (`hit.stack()`).
+
+Each frame's caller is found with the rows compiled from its module's unwind tables
+(arch/x86_64/unwind.py), with frame pointers where its module has none (JIT code, a file without
+unwind tables: the stack is then marked as possibly cut). A return address dynprobe replaced
+(return probes, the function tracer) is given as the caller it stands for. The walk ends at the
+outermost frame (its return address is undefined), at `max_frames`, or where a caller cannot be
+read or is not code; every read is bounded (the target's stack is untrusted).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import overload
+
+from dynprobe.arch.x86_64 import Regs
+from dynprobe.arch.x86_64.unwind import Frame, Kind, Row, step
+from dynprobe.errors import SymbolError
+from dynprobe.symbols.demangle import display
+from dynprobe.symbols.elf import ElfImage, load_elf
+from dynprobe.symbols.maps import Mapping, mapping_at
+
+MAX_FRAMES = 127  # as bpftrace's ustack (perf_event_max_stack)
+_PAGE = 4096
+_MAX_PAGES = 1024  # of stack read in one walk (4 MiB: a deeper stack is cut there)
+
+
+@dataclass(frozen=True)
+class StackFrame:
+    """One frame: its address, and the module and function it is in when they are known."""
+
+    address: int
+    module: str | None = None  # the file's path
+    symbol: str | None = None  # as the file names it (mangled)
+    offset: int = 0  # from the symbol's start
+
+    @property
+    def function(self) -> str | None:
+        """The symbol as people read it (C++ names demangled, without their parameters)."""
+        return display(self.symbol) if self.symbol is not None else None
+
+    def __str__(self) -> str:
+        where = f" ({os.path.basename(self.module)})" if self.module else ""
+        if self.symbol is None:
+            return f"{self.address:#x}{where}"
+        return f"{self.function}{f'+{self.offset:#x}' if self.offset else ''}{where}"
+
+
+@dataclass(frozen=True)
+class Stack(Sequence[StackFrame]):
+    """The frames of a thread at a hit, innermost first. `cut`: the walk may have missed the
+    outermost frames (it stopped at `max_frames`, at memory it could not read, or went by frame
+    pointers, which code built without them does not keep)."""
+
+    frames: tuple[StackFrame, ...]
+    cut: bool
+
+    @overload
+    def __getitem__(self, index: int) -> StackFrame: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[StackFrame]: ...
+    def __getitem__(self, index: int | slice) -> StackFrame | Sequence[StackFrame]:
+        return self.frames[index]
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def __iter__(self) -> Iterator[StackFrame]:
+        return iter(self.frames)
+
+    def __str__(self) -> str:
+        return "\n".join([*(str(f) for f in self.frames), *(["..."] if self.cut else [])])
+
+
+class _StackMemory:
+    """The target's memory a walk reads, a page at a time, at most _MAX_PAGES of it."""
+
+    def __init__(self, read: Callable[[int, int], bytes]) -> None:
+        self._read = read
+        self._pages: dict[int, bytes] = {}
+
+    def u64(self, addr: int) -> int:
+        page, within = addr & ~(_PAGE - 1), addr & (_PAGE - 1)
+        if within > _PAGE - 8:
+            return int.from_bytes(self._bytes(page)[within:] + self._bytes(page + _PAGE)[: within - (_PAGE - 8)],
+                                  "little")  # fmt: skip
+        return int.from_bytes(self._bytes(page)[within : within + 8], "little")
+
+    def _bytes(self, page: int) -> bytes:
+        data = self._pages.get(page)
+        if data is None:
+            if len(self._pages) >= _MAX_PAGES or not 0 < page < 1 << 47:
+                raise OSError("outside the stack a walk reads")
+            data = self._pages[page] = self._read(page, _PAGE)
+        return data
+
+
+@dataclass
+class _Module:
+    mapping: Mapping
+    image: ElfImage | None
+
+
+def walk(
+    regs: Regs,
+    maps: list[Mapping],
+    read: Callable[[int, int], bytes],
+    *,
+    real_return: Callable[[int], int],
+    max_frames: int = MAX_FRAMES,
+) -> Stack:
+    """The stack of a thread whose registers are `regs` (its rip: the innermost frame), in a
+    process with these maps and memory (`read(addr, size)`, OSError where unmapped).
+    `real_return(address)`: the return address a replaced one stands for (itself otherwise)."""
+    memory = _StackMemory(read)
+    modules: dict[int, _Module | None] = {}
+    frame: Frame | None = Frame(int(regs.rip), int(regs.rsp), int(regs.rbp), exact=True)
+    frames: list[StackFrame] = []
+    cut = False
+    while frame is not None:
+        module = _module_at(maps, frame.pc, modules)
+        if module is None:
+            cut = cut or bool(frames)  # (a return address into no code: the walk went wrong)
+            break
+        row = _row(module, frame.lookup)
+        # (a signal's trampoline is named at its address: the return address the handler got)
+        frames.append(_frame(module, frame, frame.pc if row is not None and row.kind == Kind.SIGNAL else frame.lookup))
+        if len(frames) >= max_frames:
+            cut = True
+            break
+        caller = step(frame, row, memory.u64)
+        if caller is None:
+            cut = cut or row is None or row.kind != Kind.END
+            break
+        if row is None or row.kind == Kind.NONE:
+            cut = True  # (by frame pointers: a frame without one is skipped unseen)
+        if not caller.exact and caller.sp <= frame.sp:
+            cut = True  # (the stack grows down: a caller's frame is above its callee's)
+            break
+        frame = caller._replace(pc=real_return(caller.pc)) if caller.pc else None
+    return Stack(tuple(frames), cut)
+
+
+def _module_at(maps: list[Mapping], pc: int, modules: dict[int, _Module | None]) -> _Module | None:
+    """The executable mapping holding `pc` (None: none does) and the ELF file it maps, if any."""
+    mapping = mapping_at(maps, pc)
+    if mapping is None or not mapping.executable:
+        return None
+    if mapping.start not in modules:
+        image = None
+        if mapping.path.startswith("/"):
+            try:
+                image = load_elf(mapping.path)
+            except SymbolError:
+                image = None
+        modules[mapping.start] = _Module(mapping, image)
+    return modules[mapping.start]
+
+
+def _vaddr(module: _Module, pc: int) -> int | None:
+    if module.image is None:
+        return None
+    return module.image.offset_to_vaddr(pc - module.mapping.start + module.mapping.offset)
+
+
+def _row(module: _Module, pc: int) -> Row | None:
+    vaddr = _vaddr(module, pc)
+    return module.image.unwind_table.find(vaddr) if module.image is not None and vaddr is not None else None
+
+
+def _frame(module: _Module, frame: Frame, named_at: int) -> StackFrame:
+    """The frame, named by the function `named_at` is in (a return address looks up the call
+    before it, which may be its function's last instruction)."""
+    path = module.mapping.path or None
+    vaddr = _vaddr(module, named_at)
+    func = module.image.function_at(vaddr) if module.image is not None and vaddr is not None else None
+    if func is None or vaddr is None:
+        return StackFrame(frame.pc, path)
+    return StackFrame(frame.pc, path, func.name, vaddr + frame.pc - named_at - func.addr)

@@ -1,0 +1,126 @@
+"""`hit.stack()` against gdb's backtraces, frame for frame: C built at -O0 and -O2, with and
+without frame pointers, through libc (a qsort callback), a thread's start, a signal handler and a
+deep chain; C++ through a destructor run by an exception and the handler that catches it. Each
+frame is compared as (file, offset in the file): where ASLR puts things differs between the runs.
+Trap probes and upcalls walk from the same registers; so do return probes, whose replaced
+return addresses must appear as the real callers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import dynprobe
+from dynprobe.core.probe import Hit
+from dynprobe.symbols.maps import mapping_at, read_maps
+from tests.conftest import build_target
+
+GDB = shutil.which("gdb")
+GDB_SCRIPT = Path(__file__).with_name("gdb_stacks.py")
+BUILDS = {
+    "O0": ("-O0",), "O2": ("-O2",), "O0-nofp": ("-O0", "-fomit-frame-pointer"),
+    "O2-nofp": ("-O2", "-fomit-frame-pointer"),
+}  # fmt: skip
+CXX_BUILDS = {"cxx-O0": ("-O0",), "cxx-O2": ("-O2", "-fomit-frame-pointer")}
+Frames = list[tuple[str, int]]
+
+
+def program(build: str) -> str:
+    if build in CXX_BUILDS:
+        return build_target(f"stacks_{build}", "stacks_cxx.cpp", flags=(*CXX_BUILDS[build], "-lstdc++"))
+    return build_target(f"stacks_{build}", "stacks.c", flags=(*BUILDS[build], "-pthread"))
+
+
+_GDB_STACKS: dict[str, list[Frames]] = {}
+
+
+def gdb_stacks(path: str, tmp_path: Path) -> list[Frames]:
+    """gdb's stack at each call of leaf(), run once per program."""
+    if GDB is None:
+        pytest.skip("gdb is not installed (make test installs it): no reference for stacks")
+    if path not in _GDB_STACKS:
+        out = tmp_path / "gdb.json"
+        subprocess.run([GDB, "-batch", "-nx", "-x", str(GDB_SCRIPT), "--args", path],
+                       env={**os.environ, "DYNPROBE_GDB_OUT": str(out)}, capture_output=True, timeout=120,
+                       check=True)  # fmt: skip
+        _GDB_STACKS[path] = [[(f, o) for f, o in json.loads(line)] for line in out.read_text().splitlines()]
+    return _GDB_STACKS[path]
+
+
+def in_files(hit: Hit) -> Frames:
+    """The hit's stack as (file, offset) frames; the walk must have reached the outermost."""
+    stack = hit.stack()
+    assert not stack.cut, str(stack)
+    maps = read_maps(hit.pid)
+    frames = []
+    for frame in stack:
+        m = mapping_at(maps, frame.address)
+        assert m is not None and m.path == frame.module, frame
+        frames.append((m.path, frame.address - m.start + m.offset))
+    return frames
+
+
+def dynprobe_stacks(path: str, mode: str, *, returns_hit: int = 0) -> list[Frames]:
+    """The stack at each call of leaf(); with `returns_hit`, a return probe on deep() too (its
+    hits: that many)."""
+    stacks: list[Frames] = []
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.optimize = mode != "trap"
+        returns = session.probe(f"r16 {path}:deep") if returns_hit else None
+        session.probe(f"{path}:leaf", pre=lambda hit: stacks.append(in_files(hit)))
+        assert session.run(timeout=60) == 0
+    assert returns is None or returns.hits == returns_hit
+    return stacks
+
+
+@pytest.mark.parametrize("mode", ["trap", "upcall"])
+@pytest.mark.parametrize("build", [*BUILDS, *CXX_BUILDS])
+def test_stacks_are_gdbs(build: str, mode: str, tmp_path: Path) -> None:
+    path = program(build)
+    expected = gdb_stacks(path, tmp_path)
+    assert len(expected) == (2 if build in CXX_BUILDS else 4)  # (each way to leaf() once)
+    assert dynprobe_stacks(path, mode) == expected
+
+
+def test_a_stack_names_its_frames(tmp_path: Path) -> None:
+    """`str(stack)`: a frame a line, `function+0xoff (module)`, C++ names demangled."""
+    path = program("cxx-O0")
+    texts: list[str] = []
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.probe(f"{path}:leaf", pre=lambda hit: texts.append(str(hit.stack())))
+        assert session.run(timeout=60) == 0
+    name = os.path.basename(path)
+    first = texts[0].splitlines()
+    assert first[:3] == [f"leaf ({name})", f"app::Guard::~Guard+{first[1].split('+')[1]}",
+                         f"app::thrower+{first[2].split('+')[1]}"]  # fmt: skip
+    assert first[1].endswith(f" ({name})") and first[-1].startswith("_start+")
+
+
+def test_return_addresses_dynprobe_replaced_are_the_callers(tmp_path: Path) -> None:
+    """With a return probe on deep() (each of its 13 calls' return address replaced), the stack
+    at leaf() is gdb's: the trampoline never shows."""
+    path = program("O2-nofp")
+    expected = gdb_stacks(path, tmp_path)
+    for mode in ("trap", "upcall"):
+        assert dynprobe_stacks(path, mode, returns_hit=13) == expected, mode
+
+
+def test_max_frames_cuts_the_stack() -> None:
+    path = program("O0")
+    seen: list[tuple[int, bool]] = []
+
+    def on_leaf(hit: Hit) -> None:
+        stack = hit.stack(max_frames=3)
+        seen.append((len(stack), stack.cut))
+        with pytest.raises(ValueError, match="out of range"):
+            hit.stack(max_frames=0)
+
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.probe(f"{path}:leaf", pre=on_leaf)
+        assert session.run(timeout=60) == 0
+    assert seen == [(3, True)] * 4
