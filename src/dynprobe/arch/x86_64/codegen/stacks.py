@@ -1,0 +1,260 @@
+"""The stack walker the target runs (issue 20): a routine a detour calls, walking the thread's
+stack with the rows of arch/x86_64/unwind.py that dynprobe maps into the target (a directory of
+modules, each with its sorted addresses and its rows), frame pointers where no row says, and
+the shadow stack for return addresses dynprobe replaced. Every read of the stack and of the
+tables may fault (the target owns both): a fault ends the walk, as a cut stack.
+
+The routine, called with the System V ABI's caller-saved registers free:
+    in:  rdi pc (the innermost frame, exact), rsi rsp, rdx rbp, rcx where to store the frames'
+         addresses (0: none), r8 at most this many frames, r9 the hash's seed
+    out: rax a hash of the frames' addresses (and of the seed), rdx the number of frames, bit 63
+         set when the walk may have missed frames (cut)
+It runs twice for a new stack: once to hash it, once more to store it (core/ decides).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import iced_x86 as iced
+
+from dynprobe.arch.x86_64.codegen.asm import Asm, C, R, gs_at, mem_at
+from dynprobe.arch.x86_64.codegen.records import entry_of_point
+from dynprobe.arch.x86_64.unwind import UCONTEXT_GREGS, BpRule, Kind
+from dynprobe.ringbuf import layout as L
+
+if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
+    from iced_x86._iced_x86_py import Code as CodeT
+    from iced_x86._iced_x86_py import Register as RegisterT
+
+# The directory of modules in the target: a u64 count, then entries of these u64 fields.
+DIR_COUNT, DIR_ENTRIES = 0, 8
+DIR_START, DIR_SIZE, DIR_BASE, DIR_IPS, DIR_ROWS, DIR_ROW_COUNT = 0, 8, 16, 24, 32, 40
+DIR_ENTRY = 48  # bytes of an entry: the module's runtime [start, start+size), the runtime
+# address its table's u32 addresses are offsets from, where its u32 addresses and its u64 rows are
+MAX_MODULES = 256
+MAX_ROWS = 1 << 24
+HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a frame's address changes every bit)
+CUT = 1 << 63
+_GREG_RBP, _GREG_RSP, _GREG_RIP = 10, 15, 16
+# flags in r11
+_EXACT, _BP_LOST, _CUT = 1, 2, 4
+
+
+def _mov(dst: RegisterT | iced.MemoryOperand, src: RegisterT | iced.MemoryOperand) -> iced.Instruction:
+    if isinstance(src, iced.MemoryOperand):
+        assert not isinstance(dst, iced.MemoryOperand)
+        return iced.Instruction.create_reg_mem(C.MOV_R64_RM64, dst, src)
+    if isinstance(dst, iced.MemoryOperand):
+        return iced.Instruction.create_mem_reg(C.MOV_RM64_R64, dst, src)
+    return iced.Instruction.create_reg_reg(C.MOV_R64_RM64, dst, src)
+
+
+def _reg_imm(code: CodeT, reg: RegisterT, value: int) -> iced.Instruction:
+    return iced.Instruction.create_reg_i32(code, reg, value)
+
+
+def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: int) -> None:
+    """The routine (see the module's docstring), `directory` the address of the modules'
+    directory, `points` the return trampoline's entry point 0 (None: the process has none),
+    `shadow` the shadow stack's offset in the thread area."""
+    callee_saved = (R.RBX, R.R12, R.R13, R.R14, R.R15)
+    frame, no_store, modules, found, search, less, searched = (asm.label() for _ in range(7))
+    by_frame_pointer, cfa_row, signal, plt, caller, cut, done, not_lost = (asm.label() for _ in range(8))
+    base_sp, bp_done, plt_base, translated, to_caller = (asm.label() for _ in range(5))
+    for reg in callee_saved:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
+    asm.add(_mov(R.R12, R.R8))  # max frames
+    asm.add(_mov(R.R14, R.R9))  # the hash
+    asm.add(_mov(R.R8, R.RDI))  # pc
+    asm.add(_mov(R.R9, R.RSI))  # sp
+    asm.add(_mov(R.R10, R.RDX))  # bp
+    asm.add(_mov(R.RDI, R.RCX))  # where frames go
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.R13D, R.R13D))  # frames so far
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R11D, _EXACT))
+
+    asm.bind(frame)  # r8: this frame's address
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDI, R.RDI))
+    asm.jump(C.JE_REL32_64, no_store)
+    asm.add(_mov(iced.MemoryOperand(R.RDI, R.R13, 8), R.R8), fault=cut)
+    asm.bind(no_store)
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R64_RM64, R.R14, R.R8))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, HASH_MULTIPLIER))
+    asm.add(iced.Instruction.create_reg_reg(C.IMUL_R64_RM64, R.R14, R.RAX))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R13))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.R13, R.R12))
+    asm.jump(C.JAE_REL32_64, cut)
+
+    # rax: the address to look up (a return address: the call before it)
+    asm.add(_mov(R.RAX, R.R8))
+    asm.add(iced.Instruction.create_reg_i32(C.TEST_RM64_IMM32, R.R11, _EXACT))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, mem_at(R.RAX, -1)))
+    asm.add(iced.Instruction.create_reg_reg(C.CMOVE_R64_RM64, R.RAX, R.RCX))
+    # rcx: the module's entry (a linear search: tens of modules, the first ones the most used)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, directory))
+    asm.add(_mov(R.RDX, mem_at(R.RCX, DIR_COUNT)), fault=cut)
+    asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RDX, MAX_MODULES))
+    asm.jump(C.JA_REL32_64, cut)
+    asm.add(_reg_imm(C.ADD_RM64_IMM32, R.RCX, DIR_ENTRIES))
+    asm.bind(modules)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDX, R.RDX))
+    asm.jump(C.JE_REL32_64, by_frame_pointer)  # in no module with a table (JIT code)
+    asm.add(_mov(R.RBX, R.RAX))
+    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RBX, mem_at(R.RCX, DIR_START)), fault=cut)
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RBX, mem_at(R.RCX, DIR_SIZE)), fault=cut)
+    asm.jump(C.JB_REL32_64, found)
+    asm.add(_reg_imm(C.ADD_RM64_IMM32, R.RCX, DIR_ENTRY))
+    asm.add(iced.Instruction.create_reg(C.DEC_RM64, R.RDX))
+    asm.jump(C.JMP_REL32_64, modules)
+
+    # eax: the address as an offset in the table; the last of its addresses at or below it
+    asm.bind(found)
+    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, mem_at(R.RCX, DIR_BASE)), fault=cut)
+    asm.add(_mov(R.RBX, R.RAX))
+    asm.add(_reg_imm(C.SHR_RM64_IMM8, R.RBX, 32))
+    asm.jump(C.JNE_REL32_64, by_frame_pointer)
+    asm.add(_mov(R.RSI, mem_at(R.RCX, DIR_IPS)), fault=cut)
+    asm.add(_mov(R.R15, mem_at(R.RCX, DIR_ROWS)), fault=cut)
+    asm.add(_mov(R.RDX, mem_at(R.RCX, DIR_ROW_COUNT)), fault=cut)
+    asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RDX, MAX_ROWS))
+    asm.jump(C.JA_REL32_64, cut)
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EBX, R.EBX))  # rbx: low, rdx: high
+    asm.bind(search)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RBX, R.RDX))
+    asm.jump(C.JAE_REL32_64, searched)
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, iced.MemoryOperand(R.RBX, R.RDX)))
+    asm.add(_reg_imm(C.SHR_RM64_IMM8, R.RCX, 1))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R32_RM32, R.EAX, iced.MemoryOperand(R.RSI, R.RCX, 4)), fault=cut)
+    asm.jump(C.JB_REL32_64, less)
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RBX, mem_at(R.RCX, 1)))
+    asm.jump(C.JMP_REL32_64, search)
+    asm.bind(less)
+    asm.add(_mov(R.RDX, R.RCX))
+    asm.jump(C.JMP_REL32_64, search)
+    asm.bind(searched)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RBX, R.RBX))
+    asm.jump(C.JE_REL32_64, by_frame_pointer)  # below the table's first address
+    asm.add(_mov(R.RAX, iced.MemoryOperand(R.R15, R.RBX, 8, -8)), fault=cut)  # the row
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ECX, R.EAX))
+    asm.add(_reg_imm(C.AND_RM32_IMM8, R.ECX, 7))
+    for kind, label in ((Kind.CFA, cfa_row), (Kind.END, done), (Kind.SIGNAL, signal), (Kind.PLT, plt)):
+        asm.add(_reg_imm(C.CMP_RM32_IMM8, R.ECX, kind))
+        asm.jump(C.JE_REL32_64, label)
+
+    # No row: frame pointers (rbx the return address, then the caller's sp and bp)
+    asm.bind(by_frame_pointer)
+    asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _CUT))
+    asm.add(_reg_imm(C.TEST_RM64_IMM32, R.R11, _BP_LOST))
+    asm.jump(C.JNE_REL32_64, cut)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.R10, R.R9))
+    asm.jump(C.JB_REL32_64, cut)
+    asm.add(_reg_imm(C.TEST_RM64_IMM32, R.R10, 7))
+    asm.jump(C.JNE_REL32_64, cut)
+    asm.add(_mov(R.RBX, mem_at(R.R10, 8)), fault=cut)
+    asm.add(_mov(R.RCX, mem_at(R.R10)), fault=cut)
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R9, mem_at(R.R10, 16)))
+    asm.add(_mov(R.R10, R.RCX))
+    asm.jump(C.JMP_REL32_64, to_caller)
+
+    # A CFA row: rcx the CFA (rsp or rbp plus the row's offset), rbx the return address
+    asm.bind(cfa_row)
+    asm.add(_mov(R.RCX, R.R9))
+    asm.add(_reg_imm(C.TEST_RM32_IMM32, R.EAX, 8))
+    asm.jump(C.JE_REL32_64, base_sp)
+    asm.add(_reg_imm(C.TEST_RM64_IMM32, R.R11, _BP_LOST))
+    asm.jump(C.JNE_REL32_64, cut)
+    asm.add(_mov(R.RCX, R.R10))
+    asm.bind(base_sp)
+    asm.add(_mov(R.RDX, R.RAX))
+    asm.add(_reg_imm(C.SAR_RM64_IMM8, R.RDX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RCX, R.RDX))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.R9))
+    asm.jump(C.JBE_REL32_64, cut)  # (a caller's frame is above its callee's)
+    asm.add(_mov(R.RBX, mem_at(R.RCX, -8)), fault=cut)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EDX, R.EAX))
+    asm.add(_reg_imm(C.SHR_RM32_IMM8, R.EDX, 4))
+    asm.add(_reg_imm(C.AND_RM32_IMM8, R.EDX, 3))
+    asm.add(_reg_imm(C.CMP_RM32_IMM8, R.EDX, BpRule.SAVED))
+    asm.jump(C.JNE_REL32_64, not_lost)
+    asm.add(_mov(R.RDX, R.RAX))
+    asm.add(_reg_imm(C.SHL_RM64_IMM8, R.RDX, 32))
+    asm.add(_reg_imm(C.SAR_RM64_IMM8, R.RDX, 48))  # the signed 16 bits at bit 16
+    asm.add(_mov(R.R10, iced.MemoryOperand(R.RCX, R.RDX)), fault=cut)
+    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~_BP_LOST))
+    asm.jump(C.JMP_REL32_64, bp_done)
+    asm.bind(not_lost)
+    asm.add(_reg_imm(C.CMP_RM32_IMM8, R.EDX, BpRule.LOST))
+    asm.jump(C.JNE_REL32_64, bp_done)
+    asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _BP_LOST))
+    asm.bind(bp_done)
+    asm.add(_mov(R.R9, R.RCX))
+    asm.jump(C.JMP_REL32_64, to_caller)
+
+    # A PLT stub: CFA rsp + offset, 8 more once its push ran ((pc & 15) >= the threshold)
+    asm.bind(plt)
+    asm.add(_mov(R.RCX, R.RAX))
+    asm.add(_reg_imm(C.SAR_RM64_IMM8, R.RCX, 32))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RCX, R.R9))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EDX, R.R8D))
+    asm.add(_reg_imm(C.AND_RM32_IMM8, R.EDX, 15))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EBX, R.EAX))
+    asm.add(_reg_imm(C.SHR_RM32_IMM8, R.EBX, 16))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R32_RM32, R.EDX, R.EBX))
+    asm.jump(C.JB_REL32_64, plt_base)
+    asm.add(_reg_imm(C.ADD_RM64_IMM8, R.RCX, 8))
+    asm.bind(plt_base)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.R9))
+    asm.jump(C.JBE_REL32_64, cut)
+    asm.add(_mov(R.RBX, mem_at(R.RCX, -8)), fault=cut)
+    asm.add(_mov(R.R9, R.RCX))
+    asm.jump(C.JMP_REL32_64, to_caller)
+
+    # A signal frame: the interrupted registers, from the ucontext at rsp
+    asm.bind(signal)
+    gregs = UCONTEXT_GREGS
+    asm.add(_mov(R.RBX, mem_at(R.R9, gregs + 8 * _GREG_RIP)), fault=cut)
+    asm.add(_mov(R.R10, mem_at(R.R9, gregs + 8 * _GREG_RBP)), fault=cut)
+    asm.add(_mov(R.R9, mem_at(R.R9, gregs + 8 * _GREG_RSP)), fault=cut)
+    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~_BP_LOST))
+    asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _EXACT))
+    asm.jump(C.JMP_REL32_64, caller)
+
+    # rbx: the caller's address, as the trampoline's shadow entries say it is (an interrupted
+    # thread at an entry point has returned to what its entry holds)
+    asm.bind(to_caller)
+    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~_EXACT))
+    asm.bind(caller)
+    if points is not None:
+        again = asm.label()
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ESI, L.SHADOW_CAPACITY))  # (a loop bound)
+        asm.bind(again)
+        asm.add(_mov(R.RAX, R.RBX))
+        entry_of_point(asm, points, translated)
+        asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.SHADOW_ENTRY))
+        asm.jump(C.JAE_REL32_64, cut)
+        asm.add(_reg_imm(C.TEST_RM32_IMM32, R.EDX, L.SHADOW_ENTRY - 1))
+        asm.jump(C.JNE_REL32_64, cut)  # (not an entry point's offset: rbx was inside one)
+        asm.add(_mov(R.RBX, gs_at(shadow + L.ENTRY_RET, R.RDX)), fault=cut)
+        asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.ESI))
+        asm.jump(C.JNE_REL32_64, again)
+        asm.jump(C.JMP_REL32_64, cut)
+    asm.bind(translated)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RBX, R.RBX))
+    asm.jump(C.JE_REL32_64, done)  # (a zero return address: the outermost frame)
+    asm.add(_mov(R.R8, R.RBX))
+    asm.jump(C.JMP_REL32_64, frame)
+
+    asm.bind(cut)
+    asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _CUT))
+    asm.bind(done)
+    asm.add(_mov(R.RAX, R.R14))
+    asm.add(_mov(R.RDX, R.R13))
+    asm.add(_reg_imm(C.TEST_RM64_IMM32, R.R11, _CUT))
+    no_cut = asm.label()
+    asm.jump(C.JE_REL32_64, no_cut)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, CUT))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RDX, R.RCX))
+    asm.bind(no_cut)
+    for reg in reversed(callee_saved):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, reg))
+    asm.add(iced.Instruction.create(C.RETNQ))

@@ -1,0 +1,240 @@
+"""The generated stack walker (codegen/stacks.py) run natively (tests/unit/native.py) over stacks
+and unwind tables laid out in this process: frame for frame as the rows say, a walk cut where it
+must be, never a crash on memory it cannot read, and the same frames as the Python walk's steps
+(arch/x86_64/unwind.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from dynprobe.arch.x86_64.codegen.asm import Asm
+from dynprobe.arch.x86_64.codegen.stacks import (
+    CUT,
+    DIR_ENTRY,
+    HASH_MULTIPLIER,
+    MAX_MODULES,
+    build_stack_walker,
+)
+from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, pack, step
+from dynprobe.ringbuf import layout as L
+
+from .native import NativeArea
+
+LAYOUT = L.AreaLayout(ring_bytes=1 << 12)
+MODULE = 0x7100_0000_0000  # where the fake module's code is said to be (never run)
+SIGNAL_AT = MODULE + 0x800
+
+
+class Scene:
+    """A fake module's table, a stack in this process's memory, and the walker placed to walk
+    them; `walk(pc, sp, bp)` runs it: (frames, cut, hash)."""
+
+    def __init__(self, area: NativeArea, rows: list[tuple[int, Row | None]], *, points: int | None = None) -> None:
+        self.area = area
+        self.stack = np.zeros(1 << 12, dtype=np.uint64)  # 32 KiB
+        self.base = self.stack.ctypes.data
+        self.ips = np.array([at - MODULE for at, _ in rows], dtype=np.uint32)
+        none = pack(Row(Kind.NONE, RSP, 0, BpRule.LOST, 0))
+        self.rows = np.array([pack(row) if row is not None else none for _, row in rows], dtype=np.int64)
+        self.directory = np.zeros(1 + DIR_ENTRY // 8, dtype=np.uint64)
+        self.directory[:7] = (1, MODULE, 0x10000, MODULE, self.ips.ctypes.data, self.rows.ctypes.data, len(rows))
+        asm = Asm()
+        build_stack_walker(asm, directory=self.directory.ctypes.data, points=points, shadow=LAYOUT.shadow)
+        walker = area.place(lambda at: asm.encode(at)[0])
+        area.add_fixups(asm.encode(walker)[1])
+        self.out = np.zeros(64, dtype=np.uint64)
+        call = bytes.fromhex("e8") + b"\0" * 4
+        self.hash_of = area.place(lambda at: call[:1] + (walker - at - 5).to_bytes(4, "little", signed=True) + b"\xc3")
+        self.count_of = area.place(
+            lambda at: call[:1] + (walker - at - 5).to_bytes(4, "little", signed=True) + bytes.fromhex("4889d0c3")
+        )  # call walker; mov rax, rdx; ret
+
+    def at(self, index: int) -> int:
+        """The address of stack word `index`."""
+        return self.base + 8 * index
+
+    def walk(self, pc: int, sp: int, bp: int, max_frames: int = 32, seed: int = 5) -> tuple[list[int], bool, int]:
+        args = (pc, sp, bp, self.out.ctypes.data, max_frames, seed)
+        digest = self.area.call_at(self.hash_of, *args)
+        count = self.area.call_at(self.count_of, *args)
+        n = count & ~CUT
+        return [int(x) for x in self.out[:n]], bool(count & CUT), digest
+
+
+def hashed(frames: list[int], seed: int = 5) -> int:
+    digest = seed
+    for pc in frames:
+        digest = ((digest ^ pc) * HASH_MULTIPLIER) & ((1 << 64) - 1)
+    return digest
+
+
+@pytest.fixture
+def area() -> Iterator[NativeArea]:
+    native = NativeArea(LAYOUT)
+    try:
+        yield native
+    finally:
+        native.close()
+
+
+def cfa(base: int, offset: int, bp: BpRule = BpRule.SAME, bp_offset: int = 0) -> Row:
+    return Row(Kind.CFA, base, offset, bp, bp_offset)
+
+
+# Functions of the fake module: a (entry row, rbp row after its prologue), b (no frame
+# pointer: CFA rsp+32), c (the outermost: return address undefined), a signal trampoline, and
+# a gap with no row at 0x900.
+ROWS = [
+    (MODULE + 0x100, cfa(RSP, 8)),
+    (MODULE + 0x104, cfa(RBP, 16, BpRule.SAVED, -16)),
+    (MODULE + 0x200, cfa(RSP, 32)),
+    (MODULE + 0x300, Row(Kind.END, RSP, 0, BpRule.LOST, 0)),
+    (MODULE + 0x400, Row(Kind.PLT, RSP, 8, BpRule.SAME, 11)),
+    (SIGNAL_AT - 1, Row(Kind.SIGNAL, RSP, 0, BpRule.LOST, 0)),
+    (MODULE + 0x900, None),
+]
+
+
+def reference(scene: Scene, pc: int, sp: int, bp: int, max_frames: int = 32) -> tuple[list[int], bool]:
+    """The Python walk's steps over the same rows and memory (core/stacks.py's loop)."""
+    words = {scene.base + 8 * i: int(w) for i, w in enumerate(scene.stack)}
+
+    def read(addr: int) -> int:
+        if addr not in words:
+            raise OSError
+        return words[addr]
+
+    def row_at(addr: int) -> Row | None:
+        i = int(np.searchsorted(scene.ips, addr - MODULE, side="right")) - 1
+        return None if i < 0 or not 0 <= addr - MODULE < 0x10000 else ROWS[i][1]
+
+    frame: Frame | None = Frame(pc, sp, bp, exact=True)
+    frames: list[int] = []
+    cut = False
+    while frame is not None:
+        frames.append(frame.pc)
+        if len(frames) >= max_frames:
+            return frames, True
+        row = row_at(frame.lookup)
+        caller = step(frame, row, read)
+        if caller is None:
+            return frames, cut or row is None or row.kind != Kind.END
+        if row is None or row.kind == Kind.NONE:
+            cut = True
+        if not caller.exact and caller.sp <= frame.sp:
+            return frames, True
+        frame = caller if caller.pc else None
+    return frames, cut
+
+
+def test_frames_by_their_rows(area: NativeArea) -> None:
+    """a+0x10 (rbp-based) called from b, called from c (the outermost)."""
+    scene = Scene(area, ROWS)
+    sp, bp = scene.at(100), scene.at(104)
+    scene.stack[104:106] = (scene.at(200), MODULE + 0x210)  # a's saved rbp, its return address into b
+    scene.stack[106 + 3] = MODULE + 0x310  # b's CFA: rsp (106) + 32 bytes: its return address below it
+    frames, cut, digest = scene.walk(MODULE + 0x110, sp, bp)
+    assert (frames, cut) == ([MODULE + 0x110, MODULE + 0x210, MODULE + 0x310], False)
+    assert digest == hashed(frames)
+    assert reference(scene, MODULE + 0x110, sp, bp) == (frames, cut)
+
+
+def test_the_callers_rbp_is_the_one_saved(area: NativeArea) -> None:
+    """a called from a: the caller's CFA is its rbp, which the callee saved at CFA-16."""
+    scene = Scene(area, ROWS)
+    scene.stack[104:106] = (scene.at(150), MODULE + 0x120)  # the saved rbp: the caller's
+    scene.stack[150:152] = (0, MODULE + 0x310)
+    frames, cut, _ = scene.walk(MODULE + 0x110, scene.at(100), scene.at(104))
+    assert (frames, cut) == ([MODULE + 0x110, MODULE + 0x120, MODULE + 0x310], False)
+    assert reference(scene, MODULE + 0x110, scene.at(100), scene.at(104)) == (frames, cut)
+
+
+def test_at_a_function_entry_and_cut_at_max_frames(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    scene.stack[100] = MODULE + 0x210  # a's return address at rsp (its entry)
+    scene.stack[101 + 3] = MODULE + 0x310
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100, MODULE + 0x210, MODULE + 0x310], False)
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0, max_frames=2)[:2] == ([MODULE + 0x100, MODULE + 0x210], True)
+
+
+def test_frame_pointers_where_no_row_says(area: NativeArea) -> None:
+    """A pc in the gap (or in no module): rbp's chain, and the stack marked as possibly cut."""
+    scene = Scene(area, ROWS)
+    scene.stack[110:112] = (scene.at(120), MODULE + 0x910)  # saved rbp, return address (no row either)
+    scene.stack[120:122] = (0, MODULE + 0x310)
+    for pc in (MODULE + 0x910, 0x1234):
+        frames, cut, _ = scene.walk(pc, scene.at(100), scene.at(110))
+        assert (frames, cut) == ([pc, MODULE + 0x910, MODULE + 0x310], True)
+        assert reference(scene, pc, scene.at(100), scene.at(110)) == (frames, cut)
+
+
+def test_a_signal_frame(area: NativeArea) -> None:
+    """The handler returns to the signal trampoline: the interrupted rip, rsp and rbp come from
+    the ucontext, and the interrupted frame is looked up at its own address."""
+    scene = Scene(area, ROWS)
+    scene.stack[100] = SIGNAL_AT  # the handler (at its entry)'s return address
+    uc = 101 + 5  # the ucontext at the trampoline's rsp; gregs 40 bytes in
+    scene.stack[uc + 10], scene.stack[uc + 15], scene.stack[uc + 16] = scene.at(300), scene.at(290), MODULE + 0x300
+    frames, cut, _ = scene.walk(MODULE + 0x100, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x100, SIGNAL_AT, MODULE + 0x300], False)
+    assert reference(scene, MODULE + 0x100, scene.at(100), 0) == (frames, cut)
+
+
+def test_a_plt_stub(area: NativeArea) -> None:
+    """Before the stub's push (pc & 15 < 11) the return address is at rsp, after it above."""
+    scene = Scene(area, ROWS)
+    scene.stack[100:102] = (MODULE + 0x310, MODULE + 0x310)
+    assert scene.walk(MODULE + 0x40A, scene.at(100), 0)[:2] == ([MODULE + 0x40A, MODULE + 0x310], False)
+    scene.stack[100] = 0x77
+    assert scene.walk(MODULE + 0x40B, scene.at(100), 0)[:2] == ([MODULE + 0x40B, MODULE + 0x310], False)
+
+
+def test_memory_that_cannot_be_read_cuts_the_walk(area: NativeArea) -> None:
+    """A stack pointer into a page that cannot be read, and rbp's chain into it: cut, no crash."""
+    scene = Scene(area, ROWS)
+    unreadable = area.guarded(b"") + 64
+    assert scene.walk(MODULE + 0x100, unreadable, 0)[:2] == ([MODULE + 0x100], True)
+    assert scene.walk(0x1234, scene.at(100), unreadable & ~7)[:2] == ([0x1234], True)
+
+
+def test_a_caller_frame_below_its_callee_cuts_the_walk(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    scene.stack[104:106] = (scene.at(10), MODULE + 0x110)  # a's caller: a again, with rbp far below
+    frames, cut, _ = scene.walk(MODULE + 0x110, scene.at(100), scene.at(104))
+    assert cut and frames == [MODULE + 0x110, MODULE + 0x110]
+    assert reference(scene, MODULE + 0x110, scene.at(100), scene.at(104)) == (frames, cut)
+
+
+def test_a_hostile_directory_is_not_read_past_its_bounds(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    scene.directory[0] = MAX_MODULES + 1
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+    scene.directory[0] = 1
+    scene.directory[6] = 1 << 30  # rows: more than any table has
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+
+
+def test_return_addresses_through_the_trampoline(area: NativeArea) -> None:
+    """A return address that is entry point k of the trampoline is the original its shadow
+    entry holds (through a chain of them); one inside an entry point ends the walk."""
+    trampoline = area.trampoline
+    scene = Scene(area, ROWS, points=trampoline.points)
+    scene.stack[100] = trampoline.point(3)
+    area.set_word(LAYOUT.shadow + 3 * L.SHADOW_ENTRY + L.ENTRY_RET, trampoline.point(7))
+    area.set_word(LAYOUT.shadow + 7 * L.SHADOW_ENTRY + L.ENTRY_RET, MODULE + 0x310)
+    scene.stack[101 + 3] = 0
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100, MODULE + 0x310], False)
+    scene.stack[100] = trampoline.point(3) + 1
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+
+
+def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
+    """With no buffer (the first of the two runs) the walk only hashes and counts."""
+    scene = Scene(area, ROWS)
+    scene.stack[100] = MODULE + 0x310
+    at = scene.hash_of
+    digest = area.call_at(at, MODULE + 0x100, scene.at(100), 0, 0, 32, 5)
+    assert digest == hashed([MODULE + 0x100, MODULE + 0x310]) and not scene.out.any()
