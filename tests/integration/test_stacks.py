@@ -11,12 +11,15 @@ import json
 import os
 import shutil
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 import dynprobe
-from dynprobe.core.probe import Hit
+from dynprobe.core.probe import Hit, ProbeMode
+from dynprobe.core.stacks import Stack
+from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import mapping_at, read_maps
 from tests.conftest import build_target
 
@@ -124,3 +127,75 @@ def test_max_frames_cuts_the_stack() -> None:
         session.probe(f"{path}:leaf", pre=on_leaf)
         assert session.run(timeout=60) == 0
     assert seen == [(3, True)] * 4
+
+
+def counted_in_files(stacks: Counter[Stack]) -> Counter[tuple[tuple[str, int], ...]]:
+    """Stacks counted by a probe, as (file, offset in the file) frames: the maps named them."""
+    out: Counter[tuple[tuple[str, int], ...]] = Counter()
+    for stack, count in stacks.items():
+        assert not stack.cut, str(stack)
+        frames = []
+        for frame in stack:
+            assert frame.module is not None and frame.symbol is not None, frame
+            image = load_elf(frame.module)
+            vaddr = image.by_name[frame.symbol].addr + frame.offset
+            offset = image.vaddr_to_offset(vaddr)
+            assert offset is not None
+            frames.append((frame.module, offset))
+        out[tuple(frames)] += count
+    return out
+
+
+@pytest.mark.parametrize("mode", ["trap", "optimized"])
+@pytest.mark.parametrize("build", [*BUILDS, *CXX_BUILDS])
+def test_stacks_counted_in_the_target_are_gdbs(build: str, mode: str, tmp_path: Path) -> None:
+    """`by="stack"`: the walk the target runs (in a detour, or as a trap site's actions) counts
+    each of gdb's stacks once."""
+    path = program(build)
+    expected = Counter(tuple(stack) for stack in gdb_stacks(path, tmp_path))
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.optimize = mode != "trap"
+        probe = session.probe(f"{path}:leaf", by="stack")
+        assert session.run(timeout=60) == 0
+    assert probe.mode == (ProbeMode.OPTIMIZED if mode == "optimized" else ProbeMode.TRAP)
+    assert counted_in_files(probe.stacks) == expected
+
+
+def test_stacks_counted_through_replaced_return_addresses(tmp_path: Path) -> None:
+    path = program("O2-nofp")
+    expected = Counter(tuple(stack) for stack in gdb_stacks(path, tmp_path))
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        returns = session.probe(f"r16 {path}:deep")
+        probe = session.probe(f"{path}:leaf", by="stack")
+        assert session.run(timeout=60) == 0
+    assert returns.hits == 13 and probe.mode == ProbeMode.OPTIMIZED
+    assert counted_in_files(probe.stacks) == expected
+
+
+def test_a_full_table_of_stacks_counts_what_it_missed() -> None:
+    """8192 distinct stacks, a table of 4096: every hit is in a stack's count or missed, and no
+    stack is counted wrong (each counted stack was hit once)."""
+    path = build_target("paths", flags=("-O1",))
+    with dynprobe.spawn([path, "13"], stdout=subprocess.DEVNULL) as session:
+        probe = session.probe(f"{path}:leaf", by="stack")
+        assert session.run(timeout=60) == 0
+    stacks = probe.stacks
+    assert probe.hits == 8192 and probe.nmissed > 0
+    assert sum(stacks.values()) + probe.nmissed == 8192 and set(stacks.values()) == {1}
+    assert all(len(s) == 2 + 2 * 13 + 4 and not s.cut for s in stacks)  # leaf, path, 13 turns, main .. _start
+
+
+def test_max_frames_and_what_cannot_count_by_stack() -> None:
+    path = program("O0")
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        probe = session.probe(f"{path}:leaf", by="stack", max_frames=2)
+        for kwargs, says in (({"by": "caller"}, "by='caller'"), ({"by": "stack", "max_frames": 128}, "out of range"),
+                             ({"by": "stack", "action": "hist", "value": "$arg1"}, "not hist"),
+                             ({"by": "stack", "pre": print}, "not Python handlers")):  # fmt: skip
+            with pytest.raises(dynprobe.SessionError, match=says):
+                session.probe(f"{path}:sorter", **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(dynprobe.SessionError, match="not a return probe"):
+            session.probe(f"r {path}:sorter", by="stack")
+        assert session.run(timeout=60) == 0
+    assert sum(probe.stacks.values()) == 4
+    assert all(len(s) == 2 and s.cut for s in probe.stacks)

@@ -7,16 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import iced_x86 as iced
 import numpy as np
 import pytest
 
-from dynprobe.arch.x86_64.codegen.asm import Asm
+from dynprobe.arch.x86_64.codegen.asm import Asm, C, R
 from dynprobe.arch.x86_64.codegen.stacks import (
     CUT,
     DIR_ENTRY,
+    EXACT_FRAME,
     HASH_MULTIPLIER,
     MAX_MODULES,
+    SLOT_COUNT,
+    SLOT_FRAMES,
+    SLOT_FRAMES_CUT,
+    SLOT_PROBE,
+    SLOT_READY,
+    SLOT_SIZE,
     build_stack_walker,
+    emit_stack_count,
 )
 from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, pack, step
 from dynprobe.ringbuf import layout as L
@@ -61,7 +70,8 @@ class Scene:
         digest = self.area.call_at(self.hash_of, *args)
         count = self.area.call_at(self.count_of, *args)
         n = count & ~CUT
-        return [int(x) for x in self.out[:n]], bool(count & CUT), digest
+        assert self.out[0] & EXACT_FRAME or not n
+        return [int(x) & ~EXACT_FRAME for x in self.out[:n]], bool(count & CUT), digest
 
 
 def hashed(frames: list[int], seed: int = 5) -> int:
@@ -180,6 +190,7 @@ def test_a_signal_frame(area: NativeArea) -> None:
     scene.stack[uc + 10], scene.stack[uc + 15], scene.stack[uc + 16] = scene.at(300), scene.at(290), MODULE + 0x300
     frames, cut, _ = scene.walk(MODULE + 0x100, scene.at(100), 0)
     assert (frames, cut) == ([MODULE + 0x100, SIGNAL_AT, MODULE + 0x300], False)
+    assert [bool(x & EXACT_FRAME) for x in scene.out[:3]] == [True, False, True]  # (the interrupted: exact)
     assert reference(scene, MODULE + 0x100, scene.at(100), 0) == (frames, cut)
 
 
@@ -238,3 +249,69 @@ def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
     at = scene.hash_of
     digest = area.call_at(at, MODULE + 0x100, scene.at(100), 0, 0, 32, 5)
     assert digest == hashed([MODULE + 0x100, MODULE + 0x310]) and not scene.out.any()
+
+
+def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, probe_index: int) -> int:
+    """A function u64 f(sp, bp) that counts a hit at MODULE+0x100 by its stack, rsp and rbp
+    the given ones (the scene's stack) while it runs."""
+    asm = Asm()
+    build_stack_walker(asm, directory=scene.directory.ctypes.data, points=None, shadow=LAYOUT.shadow)
+    walker = area.place(lambda at: asm.encode(at)[0])
+    area.add_fixups(asm.encode(walker)[1])
+    body = Asm()
+    for reg in (R.RBP, R.RBX):
+        body.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBX, R.RSP))
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RDI))
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBP, R.RSI))
+    emit_stack_count(body, walker=walker, table=table.ctypes.data, slots=slots, max_frames=16,
+                     probe_index=probe_index, site=MODULE + 0x100, frame=0,
+                     missed=LAYOUT.counter(probe_index, L.MISSED))  # fmt: skip
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RBX))
+    for reg in (R.RBX, R.RBP):
+        body.add(iced.Instruction.create_reg(C.POP_R64, reg))
+    body.add(iced.Instruction.create(C.RETNQ))
+    at = area.place(lambda here: body.encode(here)[0])
+    area.add_fixups(body.encode(at)[1])
+    return at
+
+
+def slots_of(table: np.ndarray, slots: int) -> list[tuple[int, int, list[int], bool]]:
+    """(probe, count, frames, cut) of each ready slot."""
+    words = table.view(np.uint64)
+    out = []
+    for i in range(slots):
+        at = i * SLOT_SIZE // 8
+        probe = int(words[at + SLOT_PROBE // 8])
+        if probe & SLOT_READY:
+            n = int(words[at + SLOT_FRAMES_CUT // 8])
+            frames = [int(x) & ~EXACT_FRAME for x in words[at + SLOT_FRAMES // 8 : at + SLOT_FRAMES // 8 + (n & ~CUT)]]
+            out.append((probe & 0xFFFF_FFFF, int(words[at + SLOT_COUNT // 8]), frames, bool(n & CUT)))
+    return sorted(out)
+
+
+def test_hits_counted_by_stack(area: NativeArea) -> None:
+    """Two stacks of probe 3, two of probe 4: a slot each, counted; a table too small for a
+    fifth: the hit counted as missed, nothing overwritten."""
+    scene = Scene(area, ROWS)
+    slots = 4
+    table = np.zeros(slots * SLOT_SIZE // 8, dtype=np.uint64)
+    three, four = counting(scene, area, table, slots, 3), counting(scene, area, table, slots, 4)
+    sp = scene.at(100)
+    scene.stack[100] = MODULE + 0x310  # a stack: entry of a, called from c
+    scene.stack[200] = MODULE + 0x210  # another: a called from b (CFA rsp+32), from c
+    scene.stack[201 + 3] = MODULE + 0x310
+    for _ in range(3):
+        area.call_at(three, sp, 0)
+    area.call_at(three, scene.at(200), 0)
+    area.call_at(four, sp, 0)
+    assert slots_of(table, slots) == [
+        (3, 1, [MODULE + 0x100, MODULE + 0x210, MODULE + 0x310], False),
+        (3, 3, [MODULE + 0x100, MODULE + 0x310], False),
+        (4, 1, [MODULE + 0x100, MODULE + 0x310], False),
+    ]
+    assert area.counter(3, L.MISSED) == area.counter(4, L.MISSED) == 0
+    area.call_at(four, scene.at(200), 0)  # the fourth slot
+    scene.stack[500] = 0  # a fifth stack: [a] alone
+    area.call_at(four, scene.at(500), 0)
+    assert area.counter(4, L.MISSED) == 1 and len(slots_of(table, slots)) == 4

@@ -86,6 +86,18 @@ class ReturnEntry:
 
 
 @dataclass(frozen=True)
+class StackCount:
+    """Count the hit by its stack too: in the process's table of stacks (at `table`, `slots`
+    of them), walked by the process's stack walker (at `walker`: arch/x86_64/codegen/stacks.py),
+    at most `max_frames` frames."""
+
+    walker: int
+    table: int
+    slots: int
+    max_frames: int
+
+
+@dataclass(frozen=True)
 class Program:
     """What one probe does at a hit, in the target."""
 
@@ -96,6 +108,7 @@ class Program:
     hist_index: int = 0
     filter: Filter | None = None
     entry: ReturnEntry | None = None  # a return probe: at the entry this, the rest at the return
+    stacks: StackCount | None = None
 
     def fetch_args(self) -> list[FetchArg]:
         """Everything it reads: its fields, its histogram's value, its filter's arguments."""

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from dynprobe.arch.x86_64 import INT3, jump_to
-from dynprobe.arch.x86_64.codegen.asm import Detour
+from dynprobe.arch.x86_64.codegen.asm import Detour, Unsupported
 from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
@@ -238,7 +238,10 @@ class Optimizer:
         probes = [p for p in site.probes if p.enabled]
         if engine.upcalls.serves(probes):
             return self._place_upcall(proc, site, plan, probes[0])
-        programs = [engine.program_for(proc, p, site) for p in probes]
+        try:
+            programs = [engine.program_for(proc, p, site) for p in probes]
+        except Unsupported as exc:
+            return exc.reason
         loc = site.probes[0].location
         entry = loc.function is not None and loc.function.addr == loc.vaddr
         symbols = engine.symbol_resolver(site)

@@ -38,6 +38,7 @@ class ProbeOwner(Protocol):
     def remove_probe(self, probe: Probe) -> None: ...
     def clock_tick_ns(self) -> float: ...  # how finely its time values ($latency) are measured
     def stack_of(self, hit: Hit, max_frames: int) -> Stack: ...
+    def stacks_of(self, probe: Probe) -> Counter[Stack]: ...
 
 
 class ProbeMode(enum.Enum):
@@ -256,6 +257,8 @@ class Probe:
     on_return: Handler | None = None
     data_size: int = 0
     trap_missed: int = 0  # entries refused at a stop (maxactive reached, shadow stack full)
+    stack_frames: int = 0  # counting by stack, walking at most this many frames (0: not by stack)
+    trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
 
     def __post_init__(self) -> None:
         self.fields = record_fields(((CALLER_ARG,) if self.is_return else ()) + self.args)
@@ -285,6 +288,12 @@ class Probe:
         thread's: 10^4 probes printed every interval read them once each)."""
         hits, missed, _ = self.owner.counters_of(self)
         return self.trap_hits + hits, self.trap_missed + missed
+
+    @property
+    def stacks(self) -> Counter[Stack]:
+        """Hits by stack, for a probe placed with `by="stack"` (walked in the target once
+        optimized, in the tracer at a stop): the most hit first with `most_common()`."""
+        return self.owner.stacks_of(self)
 
     @property
     def lost(self) -> int:

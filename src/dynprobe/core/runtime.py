@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections import Counter
 from collections.abc import Callable
 
 from dynprobe.actions.model import Program
 from dynprobe.arch.x86_64 import SLOT_SIZE, Regs
+from dynprobe.arch.x86_64.codegen.asm import Unsupported
 from dynprobe.core.datapath import DataPath
 from dynprobe.core.delivery import Delivery
 from dynprobe.core.detach import Detacher
@@ -29,6 +31,7 @@ from dynprobe.core.patching import Patcher
 from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site
 from dynprobe.core.processes import ProcessTable, exe_of
 from dynprobe.core.returns import ReturnProbes
+from dynprobe.core.stackmaps import StackMaps
 from dynprobe.core.stacks import Stack, walk
 from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
@@ -66,7 +69,10 @@ class Runtime:
         self.returns = ReturnProbes(self)
         self.tracing = Tracing(self)
         self.upcalls = Upcalls(self)
-        self.mechanisms: tuple[Mechanism, ...] = (self.optimizer, self.returns, self.tracing, self.upcalls)
+        self.stackmaps = StackMaps(self)
+        self.mechanisms: tuple[Mechanism, ...] = (
+            self.optimizer, self.returns, self.tracing, self.upcalls, self.stackmaps,
+        )  # fmt: skip
         self.traps = Traps(self)
         self.patcher = Patcher(self)
         self.modules = Modules(self)
@@ -172,10 +178,15 @@ class Runtime:
         )
 
     def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program:
-        """What the probe runs in `proc`'s detour at `site`."""
+        """What the probe runs in `proc`'s detour at `site` (or as a trap site's actions)."""
         if probe.is_return:
             return self.returns.entry_program(proc, probe, site.addr)
-        return probe.program()
+        if not probe.stack_frames:
+            return probe.program()
+        program = self.stackmaps.program(proc, probe, probe.program())
+        if isinstance(program, OptimizeRefusal):
+            raise Unsupported(program)
+        return program
 
     def act_in_tracer(
         self, probe: Probe, proc: TracedProcess, tid: int, address: int, context: FetchContext,
@@ -296,6 +307,15 @@ class Runtime:
         real_return = self.returns.real_return(proc, hit.tid)
         return walk(hit.regs, self.modules.maps_of(proc.pid), proc.tracee.read, real_return=real_return,
                     max_frames=max_frames)  # fmt: skip
+
+    def stacks_of(self, probe: Probe) -> Counter[Stack]:
+        return self.stackmaps.stacks_of(probe) + probe.trap_stacks
+
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs) -> None:
+        """A hit counted by its stack at a stop (the probe's actions not run in the target)."""
+        stack = walk(regs, self.modules.maps_of(proc.pid), proc.tracee.read, real_return=self.returns.real_return(
+            proc, tid), max_frames=probe.stack_frames)  # fmt: skip
+        probe.trap_stacks[stack] += 1
 
     def addresses_of(self, probe: Probe) -> list[int]:
         return [a for p in self.processes for a, s in p.sites.items() if probe in s.probes and (s.armed or s.optimized)]

@@ -30,6 +30,7 @@ from dynprobe.core.processes import signals_held
 from dynprobe.core.returns import RETURNS_TWICE, default_maxactive
 from dynprobe.core.runtime import Runtime
 from dynprobe.core.sites import check_location, default_event_name, identifier
+from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.core.traced import TracedProcess
 from dynprobe.errors import ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
@@ -253,6 +254,8 @@ class Session:
         on_return: Handler | None = None,
         maxactive: int | None = None,
         data_size: int = 0,
+        by: str | None = None,
+        max_frames: int = MAX_FRAMES,
     ) -> Probe:
         """Place a probe (a return probe for an 'r' spec; see `retprobe`). `spec_or_address` is a
         probe spec ('p:grp/ev libc:malloc size=%di'), a bare location ('main', 'main+4',
@@ -262,8 +265,11 @@ class Session:
         runs an action in the target once optimized: 'count' (the default), 'record' (the fetch
         arguments, delivered to `on_event` by the consumer; implied by `on_event`) or 'hist'
         (a log2 histogram of the fetch argument `value`), behind an optional `filter`
-        ('a == 5 and b > 0' over its fetch arguments)."""
+        ('a == 5 and b > 0' over its fetch arguments). With `by="stack"` a count also counts
+        each hit by its stack (`probe.stacks`), walked in the target, at most `max_frames`
+        frames."""
         main = self._main_process("no probe can be placed")
+        stack_frames = self._stack_frames(by, max_frames)
         maps = self._runtime.maps_of(main.pid)
         if isinstance(spec_or_address, int):
             location = resolve_address(spec_or_address, maps)
@@ -289,6 +295,9 @@ class Session:
         self._check_fetch_symbols(spec.args, location)
         python = any(h is not None for h in (pre, post, on_entry, on_return))
         kind = self._action_kind(action, python, on_event)
+        if stack_frames and (kind != ActionKind.COUNT or is_return):
+            other = "a return probe" if is_return else kind.value if kind else "Python handlers"
+            raise SessionError(f"by='stack' counts a probe's hits by stack: a count ('p'), not {other}")
         parsed_filter = parse_filter(filter, spec.args) if filter is not None else None
         hist_value = None
         if kind == ActionKind.HIST:
@@ -302,7 +311,7 @@ class Session:
             self._runtime, location, spec.group or "uprobes", spec.event or default_event_name(location, is_return),
             spec.args, pre, post, enabled, kind, parsed_filter, hist_value, on_event,
             index=data.next_index(), hist_index=data.hists, is_return=is_return, maxactive=active,
-            on_entry=on_entry, on_return=on_return, data_size=data_size,
+            on_entry=on_entry, on_return=on_return, data_size=data_size, stack_frames=stack_frames,
         )  # fmt: skip
         if is_return and kind is not None:
             self._check_data_size(probe)
@@ -317,6 +326,16 @@ class Session:
             probe.remove()
             raise
         return probe
+
+    @staticmethod
+    def _stack_frames(by: str | None, max_frames: int) -> int:
+        if by is None:
+            return 0
+        if by != "stack":
+            raise SessionError(f"by={by!r}: hits are counted by 'stack' only")
+        if not 1 <= max_frames <= MAX_FRAMES:
+            raise SessionError(f"max_frames {max_frames} is out of range (1..{MAX_FRAMES})")
+        return max_frames
 
     def expand(self, spec: str | ProbeSpec) -> list[ProbeSpec]:
         """A spec whose location is a shell-style pattern ('p libc:str*', 'r app:parse_*

@@ -125,8 +125,7 @@ def walk(
             cut = cut or bool(frames)  # (a return address into no code: the walk went wrong)
             break
         row = _row(module, frame.lookup)
-        # (a signal's trampoline is named at its address: the return address the handler got)
-        frames.append(_frame(module, frame, frame.pc if row is not None and row.kind == Kind.SIGNAL else frame.lookup))
+        frames.append(_frame(module, frame.pc, exact=frame.exact))
         if len(frames) >= max_frames:
             cut = True
             break
@@ -170,12 +169,28 @@ def _row(module: _Module, pc: int) -> Row | None:
     return module.image.unwind_table.find(vaddr) if module.image is not None and vaddr is not None else None
 
 
-def _frame(module: _Module, frame: Frame, named_at: int) -> StackFrame:
-    """The frame, named by the function `named_at` is in (a return address looks up the call
-    before it, which may be its function's last instruction)."""
+def _frame(module: _Module, pc: int, *, exact: bool) -> StackFrame:
+    """The frame at `pc`, named by the function of its lookup address (a return address: the
+    call before it, which may be its function's last instruction; but a signal's trampoline
+    at its own address, the return address the handler got)."""
     path = module.mapping.path or None
+    named_at = pc if exact else pc - 1
+    row = _row(module, named_at)
+    if row is not None and row.kind == Kind.SIGNAL:
+        named_at = pc
     vaddr = _vaddr(module, named_at)
     func = module.image.function_at(vaddr) if module.image is not None and vaddr is not None else None
     if func is None or vaddr is None:
-        return StackFrame(frame.pc, path)
-    return StackFrame(frame.pc, path, func.name, vaddr + frame.pc - named_at - func.addr)
+        return StackFrame(pc, path)
+    return StackFrame(pc, path, func.name, vaddr + pc - named_at - func.addr)
+
+
+def named(frames: Sequence[tuple[int, bool]], cut: bool, maps: list[Mapping]) -> Stack:
+    """A stack the target's walker stored, as (address, whether the thread was there rather
+    than a return address) frames, named by the process's `maps`."""
+    modules: dict[int, _Module | None] = {}
+    out = []
+    for pc, exact in frames:
+        module = _module_at(maps, pc, modules)
+        out.append(_frame(module, pc, exact=exact) if module is not None else StackFrame(pc))
+    return Stack(tuple(out), cut)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from dynprobe.actions.filter import matches
-from dynprobe.actions.model import ActionKind, filter_args
+from dynprobe.actions.model import ActionKind, Program, filter_args
 from dynprobe.arch.x86_64 import (
     FLAG_TF,
     INT3,
@@ -31,7 +31,7 @@ from dynprobe.arch.x86_64 import (
     needs_step_for_post_handler,
     prepare,
 )
-from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID
+from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID, Unsupported
 from dynprobe.arch.x86_64.codegen.detours import build_trap_actions
 from dynprobe.core.engine import Engine
 from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site, call_handler
@@ -57,6 +57,8 @@ class TrapsEngine(Engine, Protocol):
     returns: ReturnProbes
 
     def action_refusal(self, probe: Probe) -> OptimizeRefusal | None: ...
+    def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program: ...
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs) -> None: ...
     def symbol_resolver(self, site: Site) -> Callable[[str], int | None]: ...
     def symbolizer(self, pid: int) -> Callable[[int], str | None]: ...
     def slot_at_hit(self, proc: TracedProcess, site: Site) -> bool: ...
@@ -140,7 +142,7 @@ class Traps:
                 self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps)
                 continue
             if probe.action is not None:
-                if probe.action is _COUNT and probe.filter is None:
+                if probe.action is _COUNT and probe.filter is None and not probe.stack_frames:
                     probe.trap_hits += 1  # nothing to fetch: no context to build
                     continue
                 actions.append(probe)
@@ -250,7 +252,10 @@ class Traps:
             return site.actions.start, words
         if any(self.engine.action_refusal(p) is not None for p in probes):
             return None
-        programs = [p.program() for p in probes]
+        try:
+            programs = [self.engine.program_for(proc, p, site) for p in probes]
+        except Unsupported:
+            return None
         symbols = self.engine.symbol_resolver(site)
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
@@ -297,6 +302,8 @@ class Traps:
             if not matches(probe.filter, values):
                 return
         probe.trap_hits += 1
+        if probe.stack_frames:
+            self.engine.count_stack(probe, proc, tid, context.regs)
         if probe.action == ActionKind.HIST:
             assert probe.value is not None
             v = evaluate(probe.value, context)

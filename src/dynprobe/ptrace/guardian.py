@@ -48,7 +48,7 @@ from dynprobe.ptrace.process import attach as attach_process
 from dynprobe.ptrace.procfs import identity
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import entries_in, swap_slots, trampoline_point
-from dynprobe.threads import signals_held
+from dynprobe.threads import signals_blocked
 
 ATTACH_PATIENCE = 2.0  # seconds the guardian retries attaching while the dying tracer lets go
 
@@ -114,7 +114,7 @@ class Guardian:
         word_r, self._word_w = os.pipe2(os.O_CLOEXEC)
         self._done_r, done_w = os.pipe2(os.O_CLOEXEC)
         tracer = os.getpid()
-        with signals_held():  # (a Ctrl-C lands once the guardian is known: see signals_held)
+        with signals_blocked():  # (a Ctrl-C lands once the guardian is known: see signals_blocked)
             middle = os.fork()
             if middle == 0:  # the guardian (_guard unblocks the signals it does not ignore)
                 try:

@@ -35,7 +35,7 @@ from dynprobe.ptrace import syscalls as sc
 from dynprobe.ptrace.events import Event, EventKind, poll_event, thread_state, wait_event
 from dynprobe.ptrace.journal import Journal
 from dynprobe.ptrace.procfs import is_kernel_thread, list_threads, seccomp_mode
-from dynprobe.threads import signals_held
+from dynprobe.threads import signals_blocked
 
 # TRACESYSGOOD: a syscall stop of ours (remote syscalls) is SIGTRAP | 0x80, which a tracer that
 # dies in it leaves as no signal at all (a plain SIGTRAP would be sent to the thread).
@@ -666,7 +666,7 @@ def spawn(
         raise ProcessError("no command given")
     go_r, go_w = os.pipe()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    with signals_held() as mask:
+    with signals_blocked() as mask:
         pid = os.fork()
         if pid == 0:
             os.close(go_w)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dynprobe.errors import DynprobeError
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import ElfImage, load_elf
-from dynprobe.threads import signals_held
+from dynprobe.threads import signals_blocked
 
 _DEFAULT_DIRS = (
     "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib",
@@ -46,7 +46,7 @@ def _cache_mtime() -> int:
 @functools.lru_cache(maxsize=1)
 def _ld_cache(mtime: int) -> dict[str, str]:
     try:
-        with signals_held():  # (a fork: see signals_held; ldconfig reads one file and ends)
+        with signals_blocked():  # (a fork: see signals_blocked; ldconfig reads one file and ends)
             out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return {}

@@ -29,6 +29,7 @@ from dynprobe.arch.x86_64.codegen.asm import (
     read_tsc,
 )
 from dynprobe.arch.x86_64.codegen.records import entry_of_point, ring_record, shadow_push
+from dynprobe.arch.x86_64.codegen.stacks import emit_stack_count
 from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.regs import ARG_REGS
 from dynprobe.arch.x86_64.relocate import in_rel32_reach
@@ -251,6 +252,12 @@ class Emitter:
             self.condition(prog.filter, passed, done)
             asm.bind(passed)
         self.inc(layout.counter(prog.probe_index, L.HITS))
+        if prog.stacks is not None:
+            emit_stack_count(
+                asm, walker=prog.stacks.walker, table=prog.stacks.table, slots=prog.stacks.slots,
+                max_frames=prog.stacks.max_frames, probe_index=prog.probe_index, site=self.site, frame=self.frame,
+                missed=layout.counter(prog.probe_index, L.MISSED),
+            )  # fmt: skip
         if prog.kind == ActionKind.HIST:
             self.histogram(prog)
         elif prog.kind == ActionKind.RECORD:

@@ -6,7 +6,9 @@ tables may fault (the target owns both): a fault ends the walk, as a cut stack.
 
 The routine, called with the System V ABI's caller-saved registers free:
     in:  rdi pc (the innermost frame, exact), rsi rsp, rdx rbp, rcx where to store the frames'
-         addresses (0: none), r8 at most this many frames, r9 the hash's seed
+         addresses (0: none; EXACT_FRAME set on those where the thread was, the first and
+         those a signal interrupted, not return addresses), r8 at most this many frames, r9
+         the hash's seed
     out: rax a hash of the frames' addresses (and of the seed), rdx the number of frames, bit 63
          set when the walk may have missed frames (cut)
 It runs twice for a new stack: once to hash it, once more to store it (core/ decides).
@@ -33,9 +35,20 @@ DIR_START, DIR_SIZE, DIR_BASE, DIR_IPS, DIR_ROWS, DIR_ROW_COUNT = 0, 8, 16, 24, 
 DIR_ENTRY = 48  # bytes of an entry: the module's runtime [start, start+size), the runtime
 # address its table's u32 addresses are offsets from, where its u32 addresses and its u64 rows are
 MAX_MODULES = 256
+DIR_BYTES = DIR_ENTRIES + MAX_MODULES * DIR_ENTRY
 MAX_ROWS = 1 << 24
+# The table of stacks a process's probes count by (`emit_stack_count`): slots. A slot is
+# claimed for a stack by writing its key (its hash, made odd: never 0); its frames are written
+# then, and its probe word last (the probe's index, READY at bit 32): the tracer reads a slot
+# once it is ready. Hits add to its count, from any thread (lock inc).
+SLOT_KEY, SLOT_COUNT, SLOT_FRAMES_CUT, SLOT_PROBE, SLOT_FRAMES = 0, 8, 16, 24, 32  # frames: n | CUT
+SLOT_READY = 1 << 32
+MAX_STACK_FRAMES = 127  # as bpftrace's ustack
+SLOT_SIZE = SLOT_FRAMES + 8 * MAX_STACK_FRAMES
+TABLE_PROBES = 32  # slots looked at for a stack, from its hash's (open addressing)
 HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a frame's address changes every bit)
 CUT = 1 << 63
+EXACT_FRAME = 1 << 63
 _GREG_RBP, _GREG_RSP, _GREG_RIP = 10, 15, 16
 # flags in r11
 _EXACT, _BP_LOST, _CUT = 1, 2, 4
@@ -76,7 +89,10 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     asm.bind(frame)  # r8: this frame's address
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDI, R.RDI))
     asm.jump(C.JE_REL32_64, no_store)
-    asm.add(_mov(iced.MemoryOperand(R.RDI, R.R13, 8), R.R8), fault=cut)
+    asm.add(_mov(R.RAX, R.R11))  # (stored with EXACT_FRAME when the thread was there)
+    asm.add(_reg_imm(C.SHL_RM64_IMM8, R.RAX, 63))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.R8))
+    asm.add(_mov(iced.MemoryOperand(R.RDI, R.R13, 8), R.RAX), fault=cut)
     asm.bind(no_store)
     asm.add(iced.Instruction.create_reg_reg(C.XOR_R64_RM64, R.R14, R.R8))
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, HASH_MULTIPLIER))
@@ -258,3 +274,77 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     for reg in reversed(callee_saved):
         asm.add(iced.Instruction.create_reg(C.POP_R64, reg))
     asm.add(iced.Instruction.create(C.RETNQ))
+
+
+def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frames: int, probe_index: int,
+                     site: int, frame: int, missed: int) -> None:  # fmt: skip
+    """In a detour's actions (rsp + `frame`: the thread's rsp at `site`, rbp the thread's; rax,
+    rcx, rdx, rsi, rdi free, r8-r11 kept): add the hit to its stack's slot in the table at
+    `table` (`slots` of them, a power of two), claiming one for a stack new to the probe (the
+    walker then runs again to store its frames), or, when none is free where it looks, to the
+    probe's missed hits (gs:[`missed`])."""
+    kept = (R.R8, R.R9, R.R10, R.R11)
+    probe, claim, claimed, counted, following, done = (asm.label() for _ in range(6))
+    for reg in kept:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
+
+    def walk(store: bool) -> None:
+        """rax, rdx: the walker's hash and frames (rsi, stored: the slot, kept on the stack)."""
+        pushed = 8 * len(kept) + (8 if store else 0)
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, site))
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSI, mem_at(R.RSP, frame + pushed)))
+        asm.add(_mov(R.RDX, R.RBP))
+        if store:
+            asm.add(_mov(R.RCX, mem_at(R.RSP)))
+            asm.add(_reg_imm(C.ADD_RM64_IMM32, R.RCX, SLOT_FRAMES))
+        else:
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ECX, R.ECX))
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R8D, max_frames))
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R9D, probe_index + 1))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, walker))
+        asm.add(iced.Instruction.create_reg(C.CALL_RM64, R.RAX))
+
+    walk(store=False)
+    asm.add(_mov(R.R8, R.RAX))
+    asm.add(_reg_imm(C.OR_RM64_IMM8, R.R8, 1))  # the key
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ECX, R.EAX))
+    asm.add(_reg_imm(C.AND_RM32_IMM32, R.ECX, slots - 1))
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R10D, TABLE_PROBES))
+    asm.bind(probe)
+    asm.add(iced.Instruction.create_reg_reg_i32(C.IMUL_R64_RM64_IMM32, R.RSI, R.RCX, SLOT_SIZE))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, table))
+    asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RSI, R.RAX))
+    asm.add(_mov(R.RAX, mem_at(R.RSI, SLOT_KEY)), fault=done)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.R8))
+    asm.jump(C.JE_REL32_64, counted)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+    asm.jump(C.JNE_REL32_64, following)
+    asm.bind(claim)  # rax 0: the slot is ours if it still is
+    cmpxchg = iced.Instruction.create_mem_reg(C.CMPXCHG_RM64_R64, mem_at(R.RSI, SLOT_KEY), R.R8)
+    cmpxchg.has_lock_prefix = True
+    asm.add(cmpxchg, fault=done)
+    asm.jump(C.JE_REL32_64, claimed)
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.R8))  # taken meanwhile: by this stack?
+    asm.jump(C.JE_REL32_64, counted)
+    asm.jump(C.JMP_REL32_64, following)
+    asm.bind(claimed)
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RSI))
+    walk(store=True)
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RSI))
+    asm.add(_mov(mem_at(R.RSI, SLOT_FRAMES_CUT), R.RDX), fault=done)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, SLOT_READY | probe_index))
+    asm.add(_mov(mem_at(R.RSI, SLOT_PROBE), R.RAX), fault=done)  # (after its frames: x86 keeps stores in order)
+    asm.bind(counted)
+    increment = iced.Instruction.create_mem(C.INC_RM64, mem_at(R.RSI, SLOT_COUNT))
+    increment.has_lock_prefix = True
+    asm.add(increment, fault=done)
+    asm.jump(C.JMP_REL32_64, done)
+    asm.bind(following)
+    asm.add(iced.Instruction.create_reg(C.INC_RM32, R.ECX))
+    asm.add(_reg_imm(C.AND_RM32_IMM32, R.ECX, slots - 1))
+    asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.R10D))
+    asm.jump(C.JNE_REL32_64, probe)
+    asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(missed)))
+    asm.bind(done)
+    for reg in reversed(kept):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, reg))

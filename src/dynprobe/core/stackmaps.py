@@ -1,0 +1,238 @@
+"""Stacks counted in the target (`count --by stack`, `session.probe(..., by="stack")`, issue 20).
+
+Per process, in memory shared with it (a memfd, as the thread areas): the directory of the
+modules whose unwind rows the stack walker reads (codegen/stacks.py), each module's rows, and
+the table of stacks the probes count by; in its code cache, the walker. The directory follows
+the process's maps (libraries mapped and unmapped). A fork child shares all of it with its
+parent (the same memory: their counts add up); an exec leaves it behind. The counts are read
+back at any time, after the process has ended too (our mapping stays), as stacks named by the
+maps the process had (core/stacks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from dynprobe.actions.model import Program, StackCount
+from dynprobe.arch.x86_64.codegen.asm import Asm, Detour
+from dynprobe.arch.x86_64.codegen.stacks import (
+    CUT,
+    DIR_BYTES,
+    DIR_COUNT,
+    DIR_ENTRIES,
+    DIR_ENTRY,
+    DIR_SIZE,
+    MAX_MODULES,
+    SLOT_COUNT,
+    SLOT_FRAMES,
+    SLOT_FRAMES_CUT,
+    SLOT_PROBE,
+    SLOT_READY,
+    SLOT_SIZE,
+    build_stack_walker,
+)
+from dynprobe.core.engine import Engine
+from dynprobe.core.probe import Probe
+from dynprobe.core.slots import place_code
+from dynprobe.core.stacks import Stack, named
+from dynprobe.core.traced import TracedProcess
+from dynprobe.debug import debug as _debug
+from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused, SymbolError
+from dynprobe.ringbuf import layout as L
+from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.maps import Mapping
+
+STACK_SLOTS = 4096  # stacks a process's table holds (a power of two)
+_TABLE_AT = (DIR_BYTES + 63) & ~63
+_REGION = (_TABLE_AT + STACK_SLOTS * SLOT_SIZE + L.PAGE - 1) & ~(L.PAGE - 1)
+_EXACT = 1 << 63  # a stored frame's address: where the thread was (not a return address)
+
+
+class StackMapsEngine(Engine, Protocol):
+    def maps_of(self, pid: int) -> list[Mapping]: ...
+
+
+@dataclass
+class _Module:
+    ips: int  # where its table's addresses are in the target
+    rows: int
+    count: int
+    link_base: int  # the link-time address its addresses are offsets from
+    view: mmap.mmap
+
+
+@dataclass
+class _Shared:
+    """What one process (and the fork children that share it) has of ours."""
+
+    walker: int
+    region: int  # the directory, then the table of stacks (in the target)
+    view: mmap.mmap
+    modules: dict[str, _Module] = field(default_factory=dict)  # by path
+    listed: list[tuple[int, int, str]] = field(default_factory=list)  # the directory: (start, end, path)
+    maps: dict[int, Mapping] = field(default_factory=dict)  # every executable mapping seen, by start
+
+    @property
+    def table(self) -> np.ndarray:
+        return np.frombuffer(self.view, dtype=np.uint64, offset=_TABLE_AT)
+
+
+class StackMaps:
+    """The stacks probes count by, in the target (see the module's docstring)."""
+
+    def __init__(self, engine: StackMapsEngine) -> None:
+        self.engine = engine
+        self._of: dict[TracedProcess, _Shared] = {}
+        self._ended: list[_Shared] = []  # of processes gone: their counts are still read
+
+    def program(self, proc: TracedProcess, probe: Probe, program: Program) -> Program | OptimizeRefusal:
+        """`program` counting by stack too, in `proc` (set up there on first use, through a
+        stopped thread)."""
+        shared = self._of.get(proc) or self._set_up(proc)
+        if isinstance(shared, OptimizeRefusal):
+            return shared
+        count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames)
+        return Program(program.probe_index, program.kind, program.fields, program.value, program.hist_index,
+                       program.filter, program.entry, count)  # fmt: skip
+
+    def _set_up(self, proc: TracedProcess) -> _Shared | OptimizeRefusal:
+        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+        stub = proc.slots.stub()
+        if tid is None or stub is None:
+            return OptimizeRefusal.SHARED_MEMORY
+        try:
+            region, view = proc.tracee.map_shared(tid, stub, _REGION)
+        except (SharedMemoryRefused, ProcessError, OSError) as exc:
+            _debug(f"pid {proc.pid}: no table of stacks: {exc}")
+            return OptimizeRefusal.SHARED_MEMORY
+        points = proc.returns.trampoline.points if proc.returns is not None else None
+
+        def build(at: int) -> Detour:
+            asm = Asm()
+            build_stack_walker(asm, directory=region, points=points, shadow=self.engine.layout.shadow)
+            code, fixups = asm.encode(at)
+            return Detour(code, fixups, len(code))
+
+        placed = place_code(functools.partial(self.engine.allocate_slot, proc), proc, region, build)
+        if isinstance(placed, OptimizeRefusal):
+            return placed
+        walker, built = placed
+        proc.fixups.update(built.fixups)
+        shared = self._of[proc] = _Shared(walker, region, view)
+        self._list_modules(proc, shared, tid, self.engine.maps_of(proc.pid))
+        return shared
+
+    def _list_modules(self, proc: TracedProcess, shared: _Shared, tid: int | None, maps: list[Mapping]) -> None:
+        """The directory as `maps` say: a module that went has its range emptied (a walk in it
+        meanwhile finds no row, or faults: its table may be unmapped); one that came is added."""
+        words = np.frombuffer(shared.view, dtype=np.uint64, count=DIR_BYTES // 8)
+        executable = [m for m in maps if m.executable and m.path.startswith("/")]
+        shared.maps.update((m.start, m) for m in executable)
+        now = {(m.start, m.end, m.path) for m in executable}
+        for index, listed in enumerate(shared.listed):
+            if listed not in now:
+                words[(DIR_ENTRIES + index * DIR_ENTRY + DIR_SIZE) // 8] = 0
+        for m in executable:
+            if (m.start, m.end, m.path) in shared.listed or len(shared.listed) >= MAX_MODULES:
+                continue
+            module = self._module(proc, shared, tid, m.path)
+            bias = self._bias(m)
+            if module is None or bias is None:
+                continue
+            at = (DIR_ENTRIES + len(shared.listed) * DIR_ENTRY) // 8
+            words[at : at + DIR_ENTRY // 8] = (
+                m.start, m.end - m.start, (bias + module.link_base) & ((1 << 64) - 1), module.ips, module.rows,
+                module.count,
+            )  # fmt: skip
+            shared.listed.append((m.start, m.end, m.path))
+            words[DIR_COUNT // 8] = len(shared.listed)  # (last: the entry is whole before it counts)
+
+    @staticmethod
+    def _bias(m: Mapping) -> int | None:
+        try:
+            vaddr = load_elf(m.path).offset_to_vaddr(m.offset)
+        except SymbolError:
+            return None
+        return None if vaddr is None else m.start - vaddr
+
+    def _module(self, proc: TracedProcess, shared: _Shared, tid: int | None, path: str) -> _Module | None:
+        """The module's rows, mapped in the target (once per file)."""
+        if path in shared.modules:
+            return shared.modules[path]
+        stub = proc.slots.stub()
+        try:
+            table = load_elf(path).unwind_table
+        except SymbolError:
+            return None
+        if tid is None or stub is None or not len(table) or len(table) > (1 << 24):
+            return None
+        starts = np.frombuffer(table.starts, dtype=np.uint64)
+        link_base = int(starts[0])
+        if int(starts[-1]) - link_base >= 1 << 32:
+            return None
+        count = len(table)
+        ips_bytes = (4 * count + 7) & ~7
+        size = (ips_bytes + 8 * count + L.PAGE - 1) & ~(L.PAGE - 1)
+        try:
+            addr, view = proc.tracee.map_shared(tid, stub, size)
+        except (SharedMemoryRefused, ProcessError, OSError) as exc:
+            _debug(f"pid {proc.pid}: no unwind table for {path}: {exc}")
+            return None
+        np.frombuffer(view, dtype=np.uint32, count=count)[:] = starts - link_base
+        np.frombuffer(view, dtype=np.int64, count=count, offset=ips_bytes)[:] = np.frombuffer(table.rows, np.int64)
+        module = shared.modules[path] = _Module(addr, addr + ips_bytes, count, link_base, view)
+        return module
+
+    # --- process life (core/engine.py's Mechanism) --------------------------------------------------
+    def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
+        shared = self._of.get(parent)
+        if shared is not None:  # (the same memory, mapped shared; the walker copied at its address)
+            self._of[child] = shared
+
+    def let_go(self, child: TracedProcess) -> None:
+        self._of.pop(child, None)
+
+    def forget_image(self, proc: TracedProcess) -> None:
+        shared = self._of.pop(proc, None)
+        if shared is not None:
+            self._ended.append(shared)
+
+    def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        pass
+
+    def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        shared = self._of.get(proc)
+        if shared is not None:
+            tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+            self._list_modules(proc, shared, tid, maps)
+
+    # --- reading --------------------------------------------------------------------------------
+    def stacks_of(self, probe: Probe) -> Counter[Stack]:
+        """The probe's hits by stack, in every process it was placed in."""
+        counts: Counter[Stack] = Counter()
+        for shared in {id(s): s for s in [*self._of.values(), *self._ended]}.values():
+            maps = sorted(shared.maps.values(), key=lambda m: m.start)
+            for frames, cut, count in _slots(shared.table, probe.index):
+                counts[named(frames, cut, maps)] += count
+        return counts
+
+
+def _slots(table: np.ndarray, probe_index: int) -> list[tuple[list[tuple[int, bool]], bool, int]]:
+    """The ready slots of a probe: (frames as (address, exact), cut, count). Bounded: the
+    target writes this memory."""
+    out = []
+    stride = SLOT_SIZE // 8
+    slots = table[: STACK_SLOTS * stride].reshape(STACK_SLOTS, stride)
+    mine = np.flatnonzero(slots[:, SLOT_PROBE // 8] == np.uint64(SLOT_READY | probe_index))
+    for row in slots[mine].tolist():
+        n = min(row[SLOT_FRAMES_CUT // 8] & ~CUT, (SLOT_SIZE - SLOT_FRAMES) // 8)
+        words = row[SLOT_FRAMES // 8 : SLOT_FRAMES // 8 + n]
+        frames = [(w & ~_EXACT, bool(w & _EXACT) or i == 0) for i, w in enumerate(words)]
+        out.append((frames, bool(row[SLOT_FRAMES_CUT // 8] & CUT), int(row[SLOT_COUNT // 8])))
+    return out
