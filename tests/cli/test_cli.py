@@ -389,6 +389,24 @@ def test_count_trap_mode_says_why(wordcount: str) -> None:
     assert "mode=trap (DISABLED)" in r.stderr
 
 
+def test_count_by_stack(wordcount: str) -> None:
+    """`--by stack`: each stack after the counts, as bpftrace prints `@[ustack] = count()`,
+    named frames a line, the count after, the most hit last; `--max-frames` cuts them."""
+    r = dp("count", "-o", "-", "--by", "stack", "p hash", "--", wordcount, "a b a")
+    assert r.returncode == 0, r.stderr
+    name = os.path.basename(wordcount)
+    lines = r.stdout.splitlines()
+    lines = lines[lines.index("hits:") :]  # (after the program's own output)
+    assert lines[:4] == ["hits:", "  uprobes/p_hash            3", "", "uprobes/p_hash["]
+    frames = lines[4 : lines.index("]: 3")]
+    assert frames[0] == f"        hash ({name})" and frames[-1].startswith("        _start+")
+    assert any(f.startswith("        main+") for f in frames) and lines[-1] == "]: 3"
+    r = dp("count", "-o", "-", "--by", "stack", "--max-frames", "2", "p hash", "--", wordcount, "a")
+    stack = r.stdout.splitlines()
+    stack = stack[stack.index("hits:") + 4 :]
+    assert r.returncode == 0 and stack[0] == f"        hash ({name})" and stack[2:] == ["        ...", "]: 1"]
+
+
 def test_hist_of_a_fetched_value(wordcount: str) -> None:
     r = dp("hist", "-o", "-", "p add_word len=%si:s32", "--value", "len", "--", wordcount, "a bb ccc dddd")
     assert r.returncode == 0, r.stderr

@@ -257,6 +257,8 @@ VALUES = [  # each refused in one line, before the program is touched
     (["record", "-D", "0"], "-D 0: a depth is 1 or more"),
     (["count", "-p", "1", "p add_word"], "give either -p PID or -- COMMAND, not both"),
     (["latency", "p add_word"], "give a function, not a probe spec: 'p add_word'"),
+    (["count", "--by", "stack", "--max-frames", "128", "p add_word"], "'128' is not a number of frames (1 to 127)"),
+    (["count", "--max-frames", "8", "p add_word"], "--max-frames is for --by stack"),
 ]
 
 

@@ -199,3 +199,26 @@ def test_max_frames_and_what_cannot_count_by_stack() -> None:
         assert session.run(timeout=60) == 0
     assert sum(probe.stacks.values()) == 4
     assert all(len(s) == 2 and s.cut for s in probe.stacks)
+
+
+def test_stacks_through_a_library_loaded_later_and_again() -> None:
+    """A probe in a library dlopen'd, closed and opened again (where lib_b was meanwhile):
+    its rows are in the target's directory each time it is mapped, so no stack is cut."""
+    lib_a = build_target("libdl_a", "libdl_a.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_a.so")
+    lib_b = build_target("libdl_b", "libdl_b.c", flags=("-O1", "-shared", "-fPIC"), output="libdl_b.so")
+    main = build_target("dl", flags=("-O1", "-ldl"))
+    with dynprobe.spawn([main, lib_a, lib_b], stdout=subprocess.DEVNULL) as session:
+        probe = session.probe(f"{lib_a}:lib_func", by="stack")
+        assert session.run(timeout=60) == 0
+    assert probe.hits == 6 and sum(probe.stacks.values()) == 6
+    for stack in probe.stacks:
+        assert not stack.cut and [f.function for f in stack][:2] == ["lib_func", "main"], str(stack)
+
+
+def test_a_fork_childs_stacks_add_to_its_parents() -> None:
+    forks = build_target("forks", flags=("-O1", "-pthread"))
+    with dynprobe.spawn([forks, "fork"], stdout=subprocess.DEVNULL, follow_fork=True) as session:
+        probe = session.probe(f"{forks}:probed", by="stack")
+        assert session.run(timeout=60) == 0
+    assert probe.hits == 2 + 5 and sum(probe.stacks.values()) == 7
+    assert all(not s.cut and s[1].function == "main" for s in probe.stacks)

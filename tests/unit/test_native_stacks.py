@@ -16,8 +16,10 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     CUT,
     DIR_ENTRY,
     EXACT_FRAME,
+    FRAME_ADDRESS,
     HASH_MULTIPLIER,
     MAX_MODULES,
+    MODULE_SHIFT,
     SLOT_COUNT,
     SLOT_FRAMES,
     SLOT_FRAMES_CUT,
@@ -71,7 +73,12 @@ class Scene:
         count = self.area.call_at(self.count_of, *args)
         n = count & ~CUT
         assert self.out[0] & EXACT_FRAME or not n
-        return [int(x) & ~EXACT_FRAME for x in self.out[:n]], bool(count & CUT), digest
+        assert digest == hashed([int(x) for x in self.out[:n]], seed)
+        listed = self.directory[0] == 1  # (the fake module: entry 0 of the directory, when it has one)
+        for word in self.out[:n].tolist():
+            in_module = listed and MODULE <= word & FRAME_ADDRESS < MODULE + 0x10000
+            assert word >> MODULE_SHIFT & 0x1FF == (1 if in_module else 0)
+        return [int(x) & FRAME_ADDRESS for x in self.out[:n]], bool(count & CUT), digest
 
 
 def hashed(frames: list[int], seed: int = 5) -> int:
@@ -146,9 +153,8 @@ def test_frames_by_their_rows(area: NativeArea) -> None:
     sp, bp = scene.at(100), scene.at(104)
     scene.stack[104:106] = (scene.at(200), MODULE + 0x210)  # a's saved rbp, its return address into b
     scene.stack[106 + 3] = MODULE + 0x310  # b's CFA: rsp (106) + 32 bytes: its return address below it
-    frames, cut, digest = scene.walk(MODULE + 0x110, sp, bp)
+    frames, cut, _ = scene.walk(MODULE + 0x110, sp, bp)
     assert (frames, cut) == ([MODULE + 0x110, MODULE + 0x210, MODULE + 0x310], False)
-    assert digest == hashed(frames)
     assert reference(scene, MODULE + 0x110, sp, bp) == (frames, cut)
 
 
@@ -248,7 +254,8 @@ def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
     scene.stack[100] = MODULE + 0x310
     at = scene.hash_of
     digest = area.call_at(at, MODULE + 0x100, scene.at(100), 0, 0, 32, 5)
-    assert digest == hashed([MODULE + 0x100, MODULE + 0x310]) and not scene.out.any()
+    assert digest == hashed([EXACT_FRAME | 1 << MODULE_SHIFT | MODULE + 0x100, 1 << MODULE_SHIFT | MODULE + 0x310])
+    assert not scene.out.any()
 
 
 def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, probe_index: int) -> int:
@@ -285,7 +292,7 @@ def slots_of(table: np.ndarray, slots: int) -> list[tuple[int, int, list[int], b
         probe = int(words[at + SLOT_PROBE // 8])
         if probe & SLOT_READY:
             n = int(words[at + SLOT_FRAMES_CUT // 8])
-            frames = [int(x) & ~EXACT_FRAME for x in words[at + SLOT_FRAMES // 8 : at + SLOT_FRAMES // 8 + (n & ~CUT)]]
+            frames = [int(x) & FRAME_ADDRESS for x in words[at + SLOT_FRAMES // 8 : at + SLOT_FRAMES // 8 + (n & ~CUT)]]
             out.append((probe & 0xFFFF_FFFF, int(words[at + SLOT_COUNT // 8]), frames, bool(n & CUT)))
     return sorted(out)
 

@@ -15,6 +15,7 @@ from dynprobe.cli.probes import (
     run_aggregating,
     write_report,
 )
+from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.errors import DynprobeError
 
 EXAMPLES = """\
@@ -23,6 +24,7 @@ examples:
   dynprobe count -i 1 'p:srv/req handle_request' -p 1234
   dynprobe count 'p libc:write fd=%di' --filter 'fd == 2' --stats -- ./app
   dynprobe count -f all_functions.txt -- ./app      (thousands of probes: one per line)
+  dynprobe count --by stack 'p libc:malloc' -- ./app   (who calls it: each stack, counted)
 """
 
 
@@ -32,6 +34,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         epilog=EXAMPLES,
     )  # fmt: skip
     add_probe_options(p, filter_help="count only hits where EXPR holds")
+    p.add_argument("--by", choices=["stack"],
+                   help="also count each probe's hits by stack (walked in the target), printed at the end, "
+                        "the most hit last")  # fmt: skip
+    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
+                   help=f"with --by stack: walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
     add_aggregate_options(p, "counts")
     add_target_options(p)
     p.set_defaults(run=run)
@@ -47,12 +54,42 @@ def print_counts(shown: Shown, out: TextIO) -> None:
     write_report(out, lines)
 
 
+def frames(text: str) -> int:
+    """An argparse type: a number of frames, 1 to MAX_FRAMES."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_FRAMES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of frames (1 to {MAX_FRAMES})")
+    return int(text)
+
+
+def print_stacks(shown: Shown, out: TextIO) -> None:
+    """Each probe's stacks as bpftrace prints `@[ustack] = count()`: a frame a line, the count
+    after, the most hit last."""
+    lines = []
+    for tally in shown.tallies:
+        for stack, count in sorted(tally.probe.stacks.items(), key=lambda item: item[1]):
+            lines += [f"{tally.probe.name}[", *(f"        {line}" for line in str(stack).splitlines()), f"]: {count}"]
+        if tally.missed:
+            lines.append(f"  ({tally.missed} hits of {tally.probe.name} not counted by stack: its table was full)")
+    if lines:
+        write_report(out, ["", *lines])
+
+
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         request = check_request(args)
     except DynprobeError as exc:
         return report_error(exc)
+    if args.max_frames != MAX_FRAMES and args.by is None:
+        return report_error(DynprobeError("--max-frames is for --by stack"))
+
+    def report(shown: Shown, out: TextIO) -> None:
+        print_counts(shown, out)
+        if args.by == "stack" and shown.title in (None, "total:"):
+            print_stacks(shown, out)
+
     return run_aggregating(
-        args, command, request, lambda session, spec: session.probe(spec, action="count", filter=request.filter),
-        print_counts,
+        args, command, request,
+        lambda session, spec: session.probe(spec, action="count", filter=request.filter, by=args.by,
+                                            max_frames=args.max_frames),
+        report,
     )  # fmt: skip

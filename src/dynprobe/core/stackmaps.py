@@ -28,7 +28,10 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     DIR_ENTRIES,
     DIR_ENTRY,
     DIR_SIZE,
+    EXACT_FRAME,
+    FRAME_ADDRESS,
     MAX_MODULES,
+    MODULE_SHIFT,
     SLOT_COUNT,
     SLOT_FRAMES,
     SLOT_FRAMES_CUT,
@@ -51,7 +54,6 @@ from dynprobe.symbols.maps import Mapping
 STACK_SLOTS = 4096  # stacks a process's table holds (a power of two)
 _TABLE_AT = (DIR_BYTES + 63) & ~63
 _REGION = (_TABLE_AT + STACK_SLOTS * SLOT_SIZE + L.PAGE - 1) & ~(L.PAGE - 1)
-_EXACT = 1 << 63  # a stored frame's address: where the thread was (not a return address)
 
 
 class StackMapsEngine(Engine, Protocol):
@@ -75,7 +77,7 @@ class _Shared:
     region: int  # the directory, then the table of stacks (in the target)
     view: mmap.mmap
     modules: dict[str, _Module] = field(default_factory=dict)  # by path
-    listed: list[tuple[int, int, str]] = field(default_factory=list)  # the directory: (start, end, path)
+    listed: list[Mapping] = field(default_factory=list)  # the directory's entries
     maps: dict[int, Mapping] = field(default_factory=dict)  # every executable mapping seen, by start
 
     @property
@@ -134,12 +136,11 @@ class StackMaps:
         words = np.frombuffer(shared.view, dtype=np.uint64, count=DIR_BYTES // 8)
         executable = [m for m in maps if m.executable and m.path.startswith("/")]
         shared.maps.update((m.start, m) for m in executable)
-        now = {(m.start, m.end, m.path) for m in executable}
-        for index, listed in enumerate(shared.listed):
-            if listed not in now:
-                words[(DIR_ENTRIES + index * DIR_ENTRY + DIR_SIZE) // 8] = 0
+        now = set(executable)
+        for index, listed in enumerate(shared.listed):  # (one mapped again is back)
+            words[(DIR_ENTRIES + index * DIR_ENTRY + DIR_SIZE) // 8] = listed.end - listed.start if listed in now else 0
         for m in executable:
-            if (m.start, m.end, m.path) in shared.listed or len(shared.listed) >= MAX_MODULES:
+            if m in shared.listed or len(shared.listed) >= MAX_MODULES:
                 continue
             module = self._module(proc, shared, tid, m.path)
             bias = self._bias(m)
@@ -150,7 +151,7 @@ class StackMaps:
                 m.start, m.end - m.start, (bias + module.link_base) & ((1 << 64) - 1), module.ips, module.rows,
                 module.count,
             )  # fmt: skip
-            shared.listed.append((m.start, m.end, m.path))
+            shared.listed.append(m)
             words[DIR_COUNT // 8] = len(shared.listed)  # (last: the entry is whole before it counts)
 
     @staticmethod
@@ -219,13 +220,16 @@ class StackMaps:
         for shared in {id(s): s for s in [*self._of.values(), *self._ended]}.values():
             maps = sorted(shared.maps.values(), key=lambda m: m.start)
             for frames, cut, count in _slots(shared.table, probe.index):
-                counts[named(frames, cut, maps)] += count
+                # (a frame in a directory's entry: named by the file mapped there when it was hit)
+                where = [(pc, exact, shared.listed[tag - 1] if 0 < tag <= len(shared.listed) else None)
+                         for pc, exact, tag in frames]  # fmt: skip
+                counts[named(where, cut, maps)] += count
         return counts
 
 
-def _slots(table: np.ndarray, probe_index: int) -> list[tuple[list[tuple[int, bool]], bool, int]]:
-    """The ready slots of a probe: (frames as (address, exact), cut, count). Bounded: the
-    target writes this memory."""
+def _slots(table: np.ndarray, probe_index: int) -> list[tuple[list[tuple[int, bool, int]], bool, int]]:
+    """The ready slots of a probe: (frames as (address, exact, module tag), cut, count).
+    Bounded: the target writes this memory."""
     out = []
     stride = SLOT_SIZE // 8
     slots = table[: STACK_SLOTS * stride].reshape(STACK_SLOTS, stride)
@@ -233,6 +237,7 @@ def _slots(table: np.ndarray, probe_index: int) -> list[tuple[list[tuple[int, bo
     for row in slots[mine].tolist():
         n = min(row[SLOT_FRAMES_CUT // 8] & ~CUT, (SLOT_SIZE - SLOT_FRAMES) // 8)
         words = row[SLOT_FRAMES // 8 : SLOT_FRAMES // 8 + n]
-        frames = [(w & ~_EXACT, bool(w & _EXACT) or i == 0) for i, w in enumerate(words)]
+        frames = [(w & FRAME_ADDRESS, bool(w & EXACT_FRAME) or i == 0, w >> MODULE_SHIFT & 0x7FFF)
+                  for i, w in enumerate(words)]  # fmt: skip
         out.append((frames, bool(row[SLOT_FRAMES_CUT // 8] & CUT), int(row[SLOT_COUNT // 8])))
     return out

@@ -148,14 +148,18 @@ def _module_at(maps: list[Mapping], pc: int, modules: dict[int, _Module | None])
     if mapping is None or not mapping.executable:
         return None
     if mapping.start not in modules:
-        image = None
-        if mapping.path.startswith("/"):
-            try:
-                image = load_elf(mapping.path)
-            except SymbolError:
-                image = None
-        modules[mapping.start] = _Module(mapping, image)
+        modules[mapping.start] = _module_of(mapping)
     return modules[mapping.start]
+
+
+def _module_of(mapping: Mapping) -> _Module:
+    image = None
+    if mapping.path.startswith("/"):
+        try:
+            image = load_elf(mapping.path)
+        except SymbolError:
+            image = None
+    return _Module(mapping, image)
 
 
 def _vaddr(module: _Module, pc: int) -> int | None:
@@ -185,12 +189,13 @@ def _frame(module: _Module, pc: int, *, exact: bool) -> StackFrame:
     return StackFrame(pc, path, func.name, vaddr + pc - named_at - func.addr)
 
 
-def named(frames: Sequence[tuple[int, bool]], cut: bool, maps: list[Mapping]) -> Stack:
-    """A stack the target's walker stored, as (address, whether the thread was there rather
-    than a return address) frames, named by the process's `maps`."""
+def named(frames: Sequence[tuple[int, bool, Mapping | None]], cut: bool, maps: list[Mapping]) -> Stack:
+    """A stack the target's walker stored, as frames (address, whether the thread was there
+    rather than a return address, the mapping it was in if known), named by their mapping or
+    else by the process's `maps`."""
     modules: dict[int, _Module | None] = {}
     out = []
-    for pc, exact in frames:
-        module = _module_at(maps, pc, modules)
+    for pc, exact, mapping in frames:
+        module = _module_of(mapping) if mapping is not None else _module_at(maps, pc, modules)
         out.append(_frame(module, pc, exact=exact) if module is not None else StackFrame(pc))
     return Stack(tuple(out), cut)

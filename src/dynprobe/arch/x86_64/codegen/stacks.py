@@ -5,11 +5,13 @@ the shadow stack for return addresses dynprobe replaced. Every read of the stack
 tables may fault (the target owns both): a fault ends the walk, as a cut stack.
 
 The routine, called with the System V ABI's caller-saved registers free:
-    in:  rdi pc (the innermost frame, exact), rsi rsp, rdx rbp, rcx where to store the frames'
-         addresses (0: none; EXACT_FRAME set on those where the thread was, the first and
-         those a signal interrupted, not return addresses), r8 at most this many frames, r9
+    in:  rdi pc (the innermost frame, exact), rsi rsp, rdx rbp, rcx where to store the frames
+         (0: none): each its address, the number + 1 of the directory's entry it is in at
+         MODULE_SHIFT (0: none; the file mapped there then, which a library mapped there later
+         does not change), and EXACT_FRAME where the thread was (the first frame, those a
+         signal interrupted) rather than a return address; r8 at most this many frames, r9
          the hash's seed
-    out: rax a hash of the frames' addresses (and of the seed), rdx the number of frames, bit 63
+    out: rax a hash of the frames (as stored, and of the seed), rdx the number of frames, bit 63
          set when the walk may have missed frames (cut)
 It runs twice for a new stack: once to hash it, once more to store it (core/ decides).
 """
@@ -49,6 +51,8 @@ TABLE_PROBES = 32  # slots looked at for a stack, from its hash's (open addressi
 HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a frame's address changes every bit)
 CUT = 1 << 63
 EXACT_FRAME = 1 << 63
+MODULE_SHIFT = 48  # (user-space addresses are below 2^47)
+FRAME_ADDRESS = (1 << MODULE_SHIFT) - 1
 _GREG_RBP, _GREG_RSP, _GREG_RIP = 10, 15, 16
 # flags in r11
 _EXACT, _BP_LOST, _CUT = 1, 2, 4
@@ -72,7 +76,7 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     directory, `points` the return trampoline's entry point 0 (None: the process has none),
     `shadow` the shadow stack's offset in the thread area."""
     callee_saved = (R.RBX, R.R12, R.R13, R.R14, R.R15)
-    frame, no_store, modules, found, search, less, searched = (asm.label() for _ in range(7))
+    frame, no_store, modules, no_module, found, record, search, less, searched = (asm.label() for _ in range(9))
     by_frame_pointer, cfa_row, signal, plt, caller, cut, done, not_lost = (asm.label() for _ in range(8))
     base_sp, bp_done, plt_base, translated, to_caller = (asm.label() for _ in range(5))
     for reg in callee_saved:
@@ -87,34 +91,22 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R11D, _EXACT))
 
     asm.bind(frame)  # r8: this frame's address
-    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDI, R.RDI))
-    asm.jump(C.JE_REL32_64, no_store)
-    asm.add(_mov(R.RAX, R.R11))  # (stored with EXACT_FRAME when the thread was there)
-    asm.add(_reg_imm(C.SHL_RM64_IMM8, R.RAX, 63))
-    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.R8))
-    asm.add(_mov(iced.MemoryOperand(R.RDI, R.R13, 8), R.RAX), fault=cut)
-    asm.bind(no_store)
-    asm.add(iced.Instruction.create_reg_reg(C.XOR_R64_RM64, R.R14, R.R8))
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, HASH_MULTIPLIER))
-    asm.add(iced.Instruction.create_reg_reg(C.IMUL_R64_RM64, R.R14, R.RAX))
-    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R13))
-    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.R13, R.R12))
-    asm.jump(C.JAE_REL32_64, cut)
-
     # rax: the address to look up (a return address: the call before it)
     asm.add(_mov(R.RAX, R.R8))
     asm.add(iced.Instruction.create_reg_i32(C.TEST_RM64_IMM32, R.R11, _EXACT))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, mem_at(R.RAX, -1)))
     asm.add(iced.Instruction.create_reg_reg(C.CMOVE_R64_RM64, R.RAX, R.RCX))
-    # rcx: the module's entry (a linear search: tens of modules, the first ones the most used)
+    # rcx: the module's entry, rsi its number + 1 (a linear search: tens of modules, the first
+    # ones the most used); rcx 0 and rsi 0 in none
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, directory))
     asm.add(_mov(R.RDX, mem_at(R.RCX, DIR_COUNT)), fault=cut)
     asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RDX, MAX_MODULES))
-    asm.jump(C.JA_REL32_64, cut)
+    asm.jump(C.JA_REL32_64, no_module)
+    asm.add(_mov(R.RSI, R.RDX))
     asm.add(_reg_imm(C.ADD_RM64_IMM32, R.RCX, DIR_ENTRIES))
     asm.bind(modules)
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDX, R.RDX))
-    asm.jump(C.JE_REL32_64, by_frame_pointer)  # in no module with a table (JIT code)
+    asm.jump(C.JE_REL32_64, no_module)
     asm.add(_mov(R.RBX, R.RAX))
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RBX, mem_at(R.RCX, DIR_START)), fault=cut)
     asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RBX, mem_at(R.RCX, DIR_SIZE)), fault=cut)
@@ -122,9 +114,36 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     asm.add(_reg_imm(C.ADD_RM64_IMM32, R.RCX, DIR_ENTRY))
     asm.add(iced.Instruction.create_reg(C.DEC_RM64, R.RDX))
     asm.jump(C.JMP_REL32_64, modules)
+    asm.bind(no_module)
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ECX, R.ECX))
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ESI, R.ESI))
+    asm.jump(C.JMP_REL32_64, record)
+    asm.bind(found)
+    asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RSI, R.RDX))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RSI))
+
+    # The frame: its address, its module's number + 1 (MODULE_SHIFT), EXACT_FRAME; stored, hashed
+    asm.bind(record)
+    asm.add(_mov(R.RBX, R.RSI))
+    asm.add(_reg_imm(C.SHL_RM64_IMM8, R.RBX, MODULE_SHIFT))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RBX, R.R8))
+    asm.add(_mov(R.RDX, R.R11))
+    asm.add(_reg_imm(C.SHL_RM64_IMM8, R.RDX, 63))
+    asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RBX, R.RDX))
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDI, R.RDI))
+    asm.jump(C.JE_REL32_64, no_store)
+    asm.add(_mov(iced.MemoryOperand(R.RDI, R.R13, 8), R.RBX), fault=cut)
+    asm.bind(no_store)
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R64_RM64, R.R14, R.RBX))
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, HASH_MULTIPLIER))
+    asm.add(iced.Instruction.create_reg_reg(C.IMUL_R64_RM64, R.R14, R.RDX))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R13))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.R13, R.R12))
+    asm.jump(C.JAE_REL32_64, cut)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
+    asm.jump(C.JE_REL32_64, by_frame_pointer)  # in no module with a table (JIT code)
 
     # eax: the address as an offset in the table; the last of its addresses at or below it
-    asm.bind(found)
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, mem_at(R.RCX, DIR_BASE)), fault=cut)
     asm.add(_mov(R.RBX, R.RAX))
     asm.add(_reg_imm(C.SHR_RM64_IMM8, R.RBX, 32))
