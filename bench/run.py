@@ -440,9 +440,10 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
-    n_trap, n_step, n_free, n_kernel, n_opt, n_rec, n_async, n_ret = (
-        int(x * scale) for x in (20_000, 10_000, 2_000, 200_000, 20_000_000, 2_000_000, 1_000_000, 5_000_000)
-    )
+    n_trap, n_step, n_free, n_kernel, n_opt, n_rec, n_async, n_ret, n_stack = (
+        int(x * scale) for x in (20_000, 10_000, 2_000, 200_000, 20_000_000, 2_000_000, 1_000_000, 5_000_000,
+                                 5_000_000)
+    )  # fmt: skip
     seed = seed_binary()
     image = load_elf(seed)
     test_offset = image.vaddr_to_offset(image.by_name["test"].addr)
@@ -468,11 +469,22 @@ def main() -> int:
         ("optimized return: latency histogram (dynprobe latency)", n_ret, "r test ns=$latency:u64",
          {"action": "hist", "value": "ns"}),
         ("optimized return: count (no time stamps)", n_ret, "r test", {"action": "count"}),
+        ("optimized: count by stack (6 frames: test, calls, main, libc's two, _start)", n_stack, "test",
+         {"action": "count", "by": "stack"}),
     ]  # fmt: skip
     for name, calls, spec, kw in optimized:
         elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw),  # noqa: B023
                                    lambda r: r[0])  # fmt: skip
         add(name, calls, elapsed, **info, runs=REPEAT)
+    # 16 frames through -O2 code without frame pointers: the same calls untraced, then counted by stack
+    deep = compile_c(HERE / "targets" / "stack16.c", BUILD / "stack16", "-O2", "-fomit-frame-pointer")
+    deep_argv = [deep, "10", str(n_stack // 16)]
+    add("untraced: 16-frame stacks (leaf at depth 10, -O2, no frame pointers)", n_stack // 16,
+        median_run(lambda: run_seed(deep_argv), int))  # fmt: skip
+    elapsed, info = median_run(
+        lambda: traced_seed(deep_argv, f"{deep}:leaf", optimize=True, action="count", by="stack"), lambda r: r[0]
+    )
+    add("optimized: count by stack (16 frames, -O2, no frame pointers)", n_stack // 16, elapsed, **info, runs=REPEAT)
 
     def trap_row(name: str, calls: int, argv_tail: list[str], spec: str, **kw: Any) -> None:
         elapsed, info = median_run(lambda: traced_seed([seed, str(calls), *argv_tail], spec, **kw), lambda r: r[0])

@@ -30,6 +30,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     emit_stack_count,
 )
 from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, pack, step
+from dynprobe.core.stackmaps import block_bounds
 from dynprobe.ringbuf import layout as L
 
 from .native import NativeArea
@@ -43,15 +44,19 @@ class Scene:
     """A fake module's table, a stack in this process's memory, and the walker placed to walk
     them; `walk(pc, sp, bp)` runs it: (frames, cut, hash)."""
 
-    def __init__(self, area: NativeArea, rows: list[tuple[int, Row | None]], *, points: int | None = None) -> None:
+    def __init__(
+        self, area: NativeArea, rows: list[tuple[int, Row | None]], *, points: int | None = None, blocks: bool = True
+    ) -> None:
         self.area = area
         self.stack = np.zeros(1 << 12, dtype=np.uint64)  # 32 KiB
         self.base = self.stack.ctypes.data
         self.ips = np.array([at - MODULE for at, _ in rows], dtype=np.uint32)
         none = pack(Row(Kind.NONE, RSP, 0, BpRule.LOST, 0))
         self.rows = np.array([pack(row) if row is not None else none for _, row in rows], dtype=np.int64)
+        self.blocks = block_bounds(self.ips)
         self.directory = np.zeros(1 + DIR_ENTRY // 8, dtype=np.uint64)
-        self.directory[:7] = (1, MODULE, 0x10000, MODULE, self.ips.ctypes.data, self.rows.ctypes.data, len(rows))
+        self.directory[:9] = (1, MODULE, 0x10000, MODULE, self.ips.ctypes.data, self.rows.ctypes.data, len(rows),
+                              self.blocks.ctypes.data, len(self.blocks) if blocks else 0)  # fmt: skip
         asm = Asm()
         build_stack_walker(asm, directory=self.directory.ctypes.data, points=points, shadow=LAYOUT.shadow)
         walker = area.place(lambda at: asm.encode(at)[0])
@@ -158,6 +163,19 @@ def test_frames_by_their_rows(area: NativeArea) -> None:
     assert reference(scene, MODULE + 0x110, sp, bp) == (frames, cut)
 
 
+@pytest.mark.parametrize("blocks", [True, False])
+def test_every_row_is_found_with_and_without_blocks(area: NativeArea, blocks: bool) -> None:
+    """The row of each address around each row's start, searched between its block's bounds
+    or in the whole table: the frame pointer walk where the gap is, the row's step elsewhere."""
+    scene = Scene(area, ROWS, blocks=blocks)
+    scene.stack[100] = MODULE + 0x310  # (at rsp: a's return address, read by the CFA rows of rsp+8)
+    scene.stack[101 + 3] = MODULE + 0x310  # (b's, at rsp+32)
+    for at, row in ROWS:
+        for pc in (at - 1, at, at + 1):
+            frames, cut, _ = scene.walk(pc, scene.at(100), 0)
+            assert (frames, cut) == reference(scene, pc, scene.at(100), 0)[:2], (hex(pc), row)
+
+
 def test_the_callers_rbp_is_the_one_saved(area: NativeArea) -> None:
     """a called from a: the caller's CFA is its rbp, which the callee saved at CFA-16."""
     scene = Scene(area, ROWS)
@@ -232,6 +250,10 @@ def test_a_hostile_directory_is_not_read_past_its_bounds(area: NativeArea) -> No
     scene.directory[0] = 1
     scene.directory[6] = 1 << 30  # rows: more than any table has
     assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+    scene.directory[6] = len(ROWS)
+    scene.blocks[:] = 0xFFFF_FFFF  # bounds past the table: the search stays within it
+    scene.stack[100] = MODULE + 0x310
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[0][0] == MODULE + 0x100
 
 
 def test_return_addresses_through_the_trampoline(area: NativeArea) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 from dynprobe.actions.model import Program, StackCount
 from dynprobe.arch.x86_64.codegen.asm import Asm, Detour
 from dynprobe.arch.x86_64.codegen.stacks import (
+    BLOCK_SHIFT,
     CUT,
     DIR_BYTES,
     DIR_COUNT,
@@ -65,8 +66,17 @@ class _Module:
     ips: int  # where its table's addresses are in the target
     rows: int
     count: int
+    blocks: int  # where its blocks' bounds are
+    block_count: int
     link_base: int  # the link-time address its addresses are offsets from
     view: mmap.mmap
+
+
+def block_bounds(ips: np.ndarray) -> np.ndarray:
+    """For each block of 2^BLOCK_SHIFT bytes of code (and one past the last), how many of the
+    sorted offsets `ips` are at or below its first byte (the walker's search bounds)."""
+    starts = np.arange((int(ips[-1]) >> BLOCK_SHIFT) + 2, dtype=np.uint64) << np.uint64(BLOCK_SHIFT)
+    return np.searchsorted(ips, starts, side="right").astype(np.uint32)
 
 
 @dataclass
@@ -149,7 +159,7 @@ class StackMaps:
             at = (DIR_ENTRIES + len(shared.listed) * DIR_ENTRY) // 8
             words[at : at + DIR_ENTRY // 8] = (
                 m.start, m.end - m.start, (bias + module.link_base) & ((1 << 64) - 1), module.ips, module.rows,
-                module.count,
+                module.count, module.blocks, module.block_count,
             )  # fmt: skip
             shared.listed.append(m)
             words[DIR_COUNT // 8] = len(shared.listed)  # (last: the entry is whole before it counts)
@@ -178,16 +188,22 @@ class StackMaps:
         if int(starts[-1]) - link_base >= 1 << 32:
             return None
         count = len(table)
+        ips = (starts - np.uint64(link_base)).astype(np.uint32)
+        blocks = block_bounds(ips)
         ips_bytes = (4 * count + 7) & ~7
-        size = (ips_bytes + 8 * count + L.PAGE - 1) & ~(L.PAGE - 1)
+        blocks_at = ips_bytes + 8 * count
+        size = (blocks_at + 4 * len(blocks) + L.PAGE - 1) & ~(L.PAGE - 1)
         try:
             addr, view = proc.tracee.map_shared(tid, stub, size)
         except (SharedMemoryRefused, ProcessError, OSError) as exc:
             _debug(f"pid {proc.pid}: no unwind table for {path}: {exc}")
             return None
-        np.frombuffer(view, dtype=np.uint32, count=count)[:] = starts - link_base
+        np.frombuffer(view, dtype=np.uint32, count=count)[:] = ips
         np.frombuffer(view, dtype=np.int64, count=count, offset=ips_bytes)[:] = np.frombuffer(table.rows, np.int64)
-        module = shared.modules[path] = _Module(addr, addr + ips_bytes, count, link_base, view)
+        np.frombuffer(view, dtype=np.uint32, count=len(blocks), offset=blocks_at)[:] = blocks
+        module = shared.modules[path] = _Module(
+            addr, addr + ips_bytes, count, addr + blocks_at, len(blocks), link_base, view
+        )  # fmt: skip
         return module
 
     # --- process life (core/engine.py's Mechanism) --------------------------------------------------

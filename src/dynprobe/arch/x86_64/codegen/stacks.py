@@ -33,9 +33,13 @@ if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the val
 
 # The directory of modules in the target: a u64 count, then entries of these u64 fields.
 DIR_COUNT, DIR_ENTRIES = 0, 8
-DIR_START, DIR_SIZE, DIR_BASE, DIR_IPS, DIR_ROWS, DIR_ROW_COUNT = 0, 8, 16, 24, 32, 40
-DIR_ENTRY = 48  # bytes of an entry: the module's runtime [start, start+size), the runtime
-# address its table's u32 addresses are offsets from, where its u32 addresses and its u64 rows are
+DIR_START, DIR_SIZE, DIR_BASE, DIR_IPS, DIR_ROWS, DIR_ROW_COUNT, DIR_BLOCKS, DIR_BLOCK_COUNT = range(0, 64, 8)
+DIR_ENTRY = 64  # bytes of an entry: the module's runtime [start, start+size), the runtime
+# address its table's u32 addresses are offsets from, where its u32 addresses and its u64 rows
+# are and how many, and its blocks' u32 bounds: for each BLOCK bytes of code, how many addresses
+# are at or below the block's first (a search looks only between a block's bound and the next's,
+# as the kernel's ORC lookup table does)
+BLOCK_SHIFT = 8
 MAX_MODULES = 256
 DIR_BYTES = DIR_ENTRIES + MAX_MODULES * DIR_ENTRY
 MAX_ROWS = 1 << 24
@@ -78,7 +82,7 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     callee_saved = (R.RBX, R.R12, R.R13, R.R14, R.R15)
     frame, no_store, modules, no_module, found, record, search, less, searched = (asm.label() for _ in range(9))
     by_frame_pointer, cfa_row, signal, plt, caller, cut, done, not_lost = (asm.label() for _ in range(8))
-    base_sp, bp_done, plt_base, translated, to_caller = (asm.label() for _ in range(5))
+    base_sp, bp_done, plt_base, translated, to_caller, cut_popped = (asm.label() for _ in range(6))
     for reg in callee_saved:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
     asm.add(_mov(R.R12, R.R8))  # max frames
@@ -143,30 +147,51 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
     asm.jump(C.JE_REL32_64, by_frame_pointer)  # in no module with a table (JIT code)
 
-    # eax: the address as an offset in the table; the last of its addresses at or below it
+    # eax: the address as an offset in the table; rbx: how many of its addresses are at or below
+    # it (the last of them: its row), searched between the bounds its block of code gives
     asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, mem_at(R.RCX, DIR_BASE)), fault=cut)
     asm.add(_mov(R.RBX, R.RAX))
     asm.add(_reg_imm(C.SHR_RM64_IMM8, R.RBX, 32))
     asm.jump(C.JNE_REL32_64, by_frame_pointer)
-    asm.add(_mov(R.RSI, mem_at(R.RCX, DIR_IPS)), fault=cut)
-    asm.add(_mov(R.R15, mem_at(R.RCX, DIR_ROWS)), fault=cut)
-    asm.add(_mov(R.RDX, mem_at(R.RCX, DIR_ROW_COUNT)), fault=cut)
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RCX))  # (the entry, popped before a fault goes to `cut`)
+    asm.add(_mov(R.RSI, mem_at(R.RCX, DIR_IPS)), fault=cut_popped)
+    asm.add(_mov(R.RDX, mem_at(R.RCX, DIR_ROW_COUNT)), fault=cut_popped)
     asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RDX, MAX_ROWS))
-    asm.jump(C.JA_REL32_64, cut)
+    asm.jump(C.JA_REL32_64, cut_popped)
     asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EBX, R.EBX))  # rbx: low, rdx: high
+    asm.add(_mov(R.R15, R.RAX))
+    asm.add(_reg_imm(C.SHR_RM64_IMM8, R.R15, BLOCK_SHIFT))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R15))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.R15, mem_at(R.RCX, DIR_BLOCK_COUNT)), fault=cut_popped)
+    asm.jump(C.JAE_REL32_64, search)  # (past the blocks: the whole table)
+    asm.add(_mov(R.RCX, mem_at(R.RCX, DIR_BLOCKS)), fault=cut_popped)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EBX, iced.MemoryOperand(R.RCX, R.R15, 4, -4)),
+            fault=cut_popped)  # fmt: skip
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ECX, iced.MemoryOperand(R.RCX, R.R15, 4)),
+            fault=cut_popped)  # fmt: skip
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.RDX))  # (the target may have written them)
+    asm.add(iced.Instruction.create_reg_reg(C.CMOVB_R64_RM64, R.RDX, R.RCX))
+    asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RBX, R.RDX))
+    asm.add(iced.Instruction.create_reg_reg(C.CMOVA_R64_RM64, R.RBX, R.RDX))
     asm.bind(search)
     asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RBX, R.RDX))
     asm.jump(C.JAE_REL32_64, searched)
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RCX, iced.MemoryOperand(R.RBX, R.RDX)))
     asm.add(_reg_imm(C.SHR_RM64_IMM8, R.RCX, 1))
-    asm.add(iced.Instruction.create_reg_mem(C.CMP_R32_RM32, R.EAX, iced.MemoryOperand(R.RSI, R.RCX, 4)), fault=cut)
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R32_RM32, R.EAX, iced.MemoryOperand(R.RSI, R.RCX, 4)),
+            fault=cut_popped)  # fmt: skip
     asm.jump(C.JB_REL32_64, less)
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RBX, mem_at(R.RCX, 1)))
     asm.jump(C.JMP_REL32_64, search)
     asm.bind(less)
     asm.add(_mov(R.RDX, R.RCX))
     asm.jump(C.JMP_REL32_64, search)
+    asm.bind(cut_popped)
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RCX))
+    asm.jump(C.JMP_REL32_64, cut)
     asm.bind(searched)
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RCX))
+    asm.add(_mov(R.R15, mem_at(R.RCX, DIR_ROWS)), fault=cut)
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RBX, R.RBX))
     asm.jump(C.JE_REL32_64, by_frame_pointer)  # below the table's first address
     asm.add(_mov(R.RAX, iced.MemoryOperand(R.R15, R.RBX, 8, -8)), fault=cut)  # the row
