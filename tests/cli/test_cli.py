@@ -92,8 +92,8 @@ def help_examples() -> list[tuple[str, str]]:
     """(command, example) for each line of each command's help that shows a dynprobe command,
     without its comment (after two spaces)."""
     commands = re.findall(r"^    ([a-z]+) ", dp("--help").stdout, re.M)
-    assert commands == ["trace", "count", "hist", "latency", "list", "record", "live", "replay", "report", "graph",
-                        "dump"]  # fmt: skip
+    assert commands == ["trace", "count", "stacks", "hist", "latency", "list", "record", "live", "replay", "report",
+                        "graph", "dump"]  # fmt: skip
     found = []
     for command in commands:
         shown = dp(command, "--help")
@@ -405,6 +405,22 @@ def test_count_by_stack(wordcount: str) -> None:
     stack = r.stdout.splitlines()
     stack = stack[stack.index("hits:") + 4 :]
     assert r.returncode == 0 and stack[0] == f"        hash ({name})" and stack[2:] == ["        ...", "]: 1"]
+
+
+def test_stacks_folded() -> None:
+    """`dynprobe stacks --folded`: a line a stack, outermost first, for flame graphs."""
+    path = build_target("stacks_O2-nofp", "stacks.c", flags=("-O2", "-fomit-frame-pointer", "-pthread"))
+    r = dp("stacks", "--folded", "-o", "-", "p leaf", "--", path)
+    assert r.returncode == 0, r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert len(lines) == 4 and all(line.endswith(";leaf 1") for line in lines), lines
+    deep, signal, sorted_, thread = lines
+    assert deep.startswith("_start;") and deep.endswith(";main;" + "deep;" * 13 + "leaf 1")
+    assert ";main;raise;" in signal and ";__restore_rt;leaf 1" in signal
+    assert ";main;sorter;" in sorted_ and sorted_.endswith(";compare;leaf 1")
+    assert thread.endswith(";start_thread;worker;leaf 1")
+    r = dp("stacks", "-o", "-", "p leaf", "--", path)
+    assert r.returncode == 0 and r.stdout.count("uprobes/p_leaf[\n        leaf (stacks_O2-nofp)\n") == 4
 
 
 def test_hist_of_a_fetched_value(wordcount: str) -> None:

@@ -4,9 +4,10 @@ printed every -i seconds and at the end."""
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from typing import TextIO
 
-from dynprobe.cli.common import add_target_options, report_error
+from dynprobe.cli.common import add_output_option, add_target_options, report_error
 from dynprobe.cli.probes import (
     Shown,
     add_aggregate_options,
@@ -26,6 +27,12 @@ examples:
   dynprobe count -f all_functions.txt -- ./app      (thousands of probes: one per line)
   dynprobe count --by stack 'p libc:malloc' -- ./app   (who calls it: each stack, counted)
 """
+STACKS_EXAMPLES = """\
+examples:
+  dynprobe stacks 'p libc:malloc' -- ./app
+  dynprobe stacks --folded -o malloc.folded 'p libc:malloc' -p 1234
+  flamegraph.pl malloc.folded > malloc.svg       (then: a flame graph of who calls malloc)
+"""
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -42,6 +49,21 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     add_aggregate_options(p, "counts")
     add_target_options(p)
     p.set_defaults(run=run)
+    p = sub.add_parser(
+        "stacks", help="count probe hits by stack (folded for flame graphs)",
+        description="Count each probe's hits by stack, walked in the target (unwind tables, not frame "
+                    "pointers), and print them at the end: as bpftrace prints @[ustack] = count(), or folded.",
+        epilog=STACKS_EXAMPLES,
+    )  # fmt: skip
+    add_probe_options(p, filter_help="count only hits where EXPR holds")
+    p.add_argument("--folded", action="store_true",
+                   help="one line a stack, its functions outermost first joined by ';', then its count "
+                        "(flamegraph.pl's and speedscope's input)")  # fmt: skip
+    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
+                   help=f"walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
+    add_output_option(p, "the stacks")
+    add_target_options(p)
+    p.set_defaults(run=run_stacks, by="stack", interval=None, top=None, all=True)
 
 
 def print_counts(shown: Shown, out: TextIO) -> None:
@@ -61,17 +83,41 @@ def frames(text: str) -> int:
     return int(text)
 
 
-def print_stacks(shown: Shown, out: TextIO) -> None:
+def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False) -> None:
     """Each probe's stacks as bpftrace prints `@[ustack] = count()`: a frame a line, the count
-    after, the most hit last."""
-    lines = []
+    after, the most hit last (a blank line first, `after_counts`)."""
+    lines: list[str] = []
     for tally in shown.tallies:
         for stack, count in sorted(tally.probe.stacks.items(), key=lambda item: item[1]):
             lines += [f"{tally.probe.name}[", *(f"        {line}" for line in str(stack).splitlines()), f"]: {count}"]
         if tally.missed:
             lines.append(f"  ({tally.missed} hits of {tally.probe.name} not counted by stack: its table was full)")
     if lines:
-        write_report(out, ["", *lines])
+        write_report(out, ["", *lines] if after_counts else lines)
+
+
+def print_folded(shown: Shown, out: TextIO) -> None:
+    """Folded stacks: a line a stack, its functions (or addresses) outermost first joined by
+    ';', a space, its count; the same call path from different call sites adds up."""
+    folded: Counter[str] = Counter()
+    for tally in shown.tallies:
+        for stack, count in tally.probe.stacks.items():
+            folded[";".join(f.function or f"{f.address:#x}" for f in reversed(stack.frames))] += count
+    write_report(out, [f"{path} {count}" for path, count in sorted(folded.items())])
+
+
+def run_stacks(args: argparse.Namespace, command: list[str]) -> int:
+    """`dynprobe stacks`: `count --by stack` printing the stacks alone."""
+    try:
+        request = check_request(args)
+    except DynprobeError as exc:
+        return report_error(exc)
+    return run_aggregating(
+        args, command, request,
+        lambda session, spec: session.probe(spec, action="count", filter=request.filter, by="stack",
+                                            max_frames=args.max_frames),
+        print_folded if args.folded else print_stacks,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
@@ -85,7 +131,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     def report(shown: Shown, out: TextIO) -> None:
         print_counts(shown, out)
         if args.by == "stack" and shown.title in (None, "total:"):
-            print_stacks(shown, out)
+            print_stacks(shown, out, after_counts=True)
 
     return run_aggregating(
         args, command, request,

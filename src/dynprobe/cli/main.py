@@ -14,7 +14,7 @@ from dynprobe import __version__
 # The module of each command (its parser, and what runs it). Only the module of the command
 # asked for is imported: `list` and `--version` never load the tracing engine.
 COMMANDS = {
-    "trace": "trace", "count": "count", "hist": "hist", "latency": "latency", "list": "list",
+    "trace": "trace", "count": "count", "stacks": "count", "hist": "hist", "latency": "latency", "list": "list",
     "record": "record", "live": "record",
     **dict.fromkeys(("replay", "report", "graph", "dump"), "reading"),
 }  # fmt: skip
