@@ -222,3 +222,29 @@ def test_a_fork_childs_stacks_add_to_its_parents() -> None:
         assert session.run(timeout=60) == 0
     assert probe.hits == 2 + 5 and sum(probe.stacks.values()) == 7
     assert all(not s.cut and s[1].function == "main" for s in probe.stacks)
+
+
+@pytest.mark.parametrize("mode", ["trap", "optimized"])
+def test_a_module_without_unwind_tables_is_walked_by_frame_pointers(mode: str, tmp_path: Path) -> None:
+    """No .eh_frame nor .debug_frame: said once, its frames followed by rbp (built with frame
+    pointers: the callers are found; at a function's entry, the return address at rsp), the
+    stacks marked as possibly cut."""
+    built = build_target("stacks_nocfi", "stacks.c", flags=("-O0", "-fno-asynchronous-unwind-tables",
+                                                            "-fno-unwind-tables", "-pthread"))  # fmt: skip
+    path = str(tmp_path / "stacks_nocfi")
+    subprocess.run(["objcopy", "--strip-debug", "--remove-section=.eh_frame", "--remove-section=.eh_frame_hdr",
+                    built, path], check=True)  # fmt: skip
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.optimize = mode != "trap"
+        probe = session.probe(f"{path}:leaf", by="stack")
+        assert session.run(timeout=60) == 0
+        warnings = [w for w in session.warnings if "unwind" in w]
+    assert warnings == [f"{path} has no unwind table: stacks through its code follow frame pointers, and may be cut"]
+    deep = next(s for s in probe.stacks if s[1].function == "deep")
+    assert [f.function for f in deep][:15] == ["leaf", *["deep"] * 13, "main"] and deep.cut
+    if mode == "trap":  # hit.stack() (the tracer's walk) at the same entry: the caller is there too
+        with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+            seen: list[list[str | None]] = []
+            session.probe(f"{path}:deep", pre=lambda hit: seen.append([f.function for f in hit.stack()][:3]))
+            assert session.run(timeout=60) == 0
+        assert seen[-1] == ["deep", "deep", "deep"] and seen[0] == ["deep", "main", "__libc_start_call_main"]

@@ -13,6 +13,7 @@ import pytest
 
 from dynprobe.arch.x86_64.codegen.asm import Asm, C, R
 from dynprobe.arch.x86_64.codegen.stacks import (
+    AT_ENTRY,
     CUT,
     DIR_ENTRY,
     EXACT_FRAME,
@@ -205,6 +206,17 @@ def test_frame_pointers_where_no_row_says(area: NativeArea) -> None:
         assert reference(scene, pc, scene.at(100), scene.at(110)) == (frames, cut)
 
 
+def test_a_first_frame_at_a_function_entry_without_a_row(area: NativeArea) -> None:
+    """AT_ENTRY: the return address at rsp (frame pointers would skip the caller); for the
+    first frame only."""
+    scene = Scene(area, ROWS)
+    scene.stack[100] = MODULE + 0x910  # the caller, in the gap too: then by frame pointers
+    scene.stack[110:112] = (0, MODULE + 0x310)
+    pc, sp, bp = MODULE + 0x900, scene.at(100), scene.at(110)
+    assert scene.walk(pc, sp, bp, max_frames=32 | AT_ENTRY)[:2] == ([pc, MODULE + 0x910, MODULE + 0x310], True)
+    assert scene.walk(pc, sp, bp)[:2] == ([pc, MODULE + 0x310], True)
+
+
 def test_a_signal_frame(area: NativeArea) -> None:
     """The handler returns to the signal trampoline: the interrupted rip, rsp and rbp come from
     the ucontext, and the interrupted frame is looked up at its own address."""
@@ -295,7 +307,7 @@ def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, prob
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBP, R.RSI))
     emit_stack_count(body, walker=walker, table=table.ctypes.data, slots=slots, max_frames=16,
                      probe_index=probe_index, site=MODULE + 0x100, frame=0,
-                     missed=LAYOUT.counter(probe_index, L.MISSED))  # fmt: skip
+                     missed=LAYOUT.counter(probe_index, L.MISSED), at_entry=False)  # fmt: skip
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RBX))
     for reg in (R.RBX, R.RBP):
         body.add(iced.Instruction.create_reg(C.POP_R64, reg))

@@ -89,12 +89,14 @@ class ReturnEntry:
 class StackCount:
     """Count the hit by its stack too: in the process's table of stacks (at `table`, `slots`
     of them), walked by the process's stack walker (at `walker`: arch/x86_64/codegen/stacks.py),
-    at most `max_frames` frames."""
+    at most `max_frames` frames, from a site that is a function's first instruction or not
+    (`at_entry`: its return address is at rsp)."""
 
     walker: int
     table: int
     slots: int
     max_frames: int
+    at_entry: bool
 
 
 @dataclass(frozen=True)

@@ -304,18 +304,21 @@ class Runtime:
         proc = self.processes.process(hit.pid)
         if proc is None:
             raise ProcessError(f"pid {hit.pid} has ended: its stacks are read while a handler runs")
-        real_return = self.returns.real_return(proc, hit.tid)
-        return walk(hit.regs, self.modules.maps_of(proc.pid), proc.tracee.read, real_return=real_return,
-                    max_frames=max_frames)  # fmt: skip
+        return self._walk(proc, hit.tid, hit.regs, hit.probe, site=hit.address, max_frames=max_frames)
 
     def stacks_of(self, probe: Probe) -> Counter[Stack]:
         return self.stackmaps.stacks_of(probe) + probe.trap_stacks
 
-    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs) -> None:
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> None:
         """A hit counted by its stack at a stop (the probe's actions not run in the target)."""
-        stack = walk(regs, self.modules.maps_of(proc.pid), proc.tracee.read, real_return=self.returns.real_return(
-            proc, tid), max_frames=probe.stack_frames)  # fmt: skip
-        probe.trap_stacks[stack] += 1
+        probe.trap_stacks[self._walk(proc, tid, regs, probe, site=site, max_frames=probe.stack_frames)] += 1
+
+    def _walk(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe, *, site: int, max_frames: int) -> Stack:
+        """The stack of thread `tid` at a hit of `probe` at `site` (its registers `regs`)."""
+        function = probe.location.function
+        at_entry = int(regs.rip) == site and function is not None and function.addr == probe.location.vaddr
+        return walk(regs, self.modules.maps_of(proc.pid), proc.tracee.read, real_return=self.returns.real_return(
+            proc, tid), max_frames=max_frames, at_entry=at_entry)  # fmt: skip
 
     def addresses_of(self, probe: Probe) -> list[int]:
         return [a for p in self.processes for a, s in p.sites.items() if probe in s.probes and (s.armed or s.optimized)]

@@ -32,6 +32,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     EXACT_FRAME,
     FRAME_ADDRESS,
     MAX_MODULES,
+    MAX_ROWS,
     MODULE_SHIFT,
     SLOT_COUNT,
     SLOT_FRAMES,
@@ -86,7 +87,7 @@ class _Shared:
     walker: int
     region: int  # the directory, then the table of stacks (in the target)
     view: mmap.mmap
-    modules: dict[str, _Module] = field(default_factory=dict)  # by path
+    modules: dict[str, _Module | None] = field(default_factory=dict)  # by path (None: no rows)
     listed: list[Mapping] = field(default_factory=list)  # the directory's entries
     maps: dict[int, Mapping] = field(default_factory=dict)  # every executable mapping seen, by start
 
@@ -109,7 +110,9 @@ class StackMaps:
         shared = self._of.get(proc) or self._set_up(proc)
         if isinstance(shared, OptimizeRefusal):
             return shared
-        count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames)
+        loc = probe.location
+        at_entry = loc.function is not None and loc.function.addr == loc.vaddr
+        count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames, at_entry)
         return Program(program.probe_index, program.kind, program.fields, program.value, program.hist_index,
                        program.filter, program.entry, count)  # fmt: skip
 
@@ -181,7 +184,13 @@ class StackMaps:
             table = load_elf(path).unwind_table
         except SymbolError:
             return None
-        if tid is None or stub is None or not len(table) or len(table) > (1 << 24):
+        if tid is None or stub is None:
+            return None
+        if not len(table) or table.skipped:
+            what = f"{table.skipped} unwind descriptions dynprobe cannot read" if len(table) else "no unwind table"
+            self.engine.warn(f"{path} has {what}: stacks through its code follow frame pointers, and may be cut")
+        if not len(table) or len(table) > MAX_ROWS:
+            shared.modules[path] = None
             return None
         starts = np.frombuffer(table.starts, dtype=np.uint64)
         link_base = int(starts[0])

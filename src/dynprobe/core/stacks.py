@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from dynprobe.arch.x86_64 import Regs
-from dynprobe.arch.x86_64.unwind import Frame, Kind, Row, step
+from dynprobe.arch.x86_64.unwind import RSP, BpRule, Frame, Kind, Row, step
 from dynprobe.errors import SymbolError
 from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import ElfImage, load_elf
@@ -110,10 +110,13 @@ def walk(
     *,
     real_return: Callable[[int], int],
     max_frames: int = MAX_FRAMES,
+    at_entry: bool = False,
 ) -> Stack:
-    """The stack of a thread whose registers are `regs` (its rip: the innermost frame), in a
-    process with these maps and memory (`read(addr, size)`, OSError where unmapped).
-    `real_return(address)`: the return address a replaced one stands for (itself otherwise)."""
+    """The stack of a thread whose registers are `regs` (its rip: the innermost frame, a
+    function's first instruction if `at_entry`: its return address is at rsp even where no row
+    says so), in a process with these maps and memory (`read(addr, size)`, OSError where
+    unmapped). `real_return(address)`: the return address a replaced one stands for (itself
+    otherwise)."""
     memory = _StackMemory(read)
     modules: dict[int, _Module | None] = {}
     frame: Frame | None = Frame(int(regs.rip), int(regs.rsp), int(regs.rbp), exact=True)
@@ -125,6 +128,8 @@ def walk(
             cut = cut or bool(frames)  # (a return address into no code: the walk went wrong)
             break
         row = _row(module, frame.lookup)
+        if row is None and at_entry and not frames:
+            row = Row(Kind.CFA, RSP, 8, BpRule.SAME, 0)
         frames.append(_frame(module, frame.pc, exact=frame.exact))
         if len(frames) >= max_frames:
             cut = True

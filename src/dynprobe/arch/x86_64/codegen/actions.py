@@ -256,7 +256,7 @@ class Emitter:
             emit_stack_count(
                 asm, walker=prog.stacks.walker, table=prog.stacks.table, slots=prog.stacks.slots,
                 max_frames=prog.stacks.max_frames, probe_index=prog.probe_index, site=self.site, frame=self.frame,
-                missed=layout.counter(prog.probe_index, L.MISSED),
+                missed=layout.counter(prog.probe_index, L.MISSED), at_entry=prog.stacks.at_entry,
             )  # fmt: skip
         if prog.kind == ActionKind.HIST:
             self.histogram(prog)

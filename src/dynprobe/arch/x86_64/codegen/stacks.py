@@ -9,8 +9,9 @@ The routine, called with the System V ABI's caller-saved registers free:
          (0: none): each its address, the number + 1 of the directory's entry it is in at
          MODULE_SHIFT (0: none; the file mapped there then, which a library mapped there later
          does not change), and EXACT_FRAME where the thread was (the first frame, those a
-         signal interrupted) rather than a return address; r8 at most this many frames, r9
-         the hash's seed
+         signal interrupted) rather than a return address; r8 at most this many frames
+         (AT_ENTRY set: the first frame is a function's first instruction, whose return
+         address is at rsp even where no row says so), r9 the hash's seed
     out: rax a hash of the frames (as stored, and of the seed), rdx the number of frames, bit 63
          set when the walk may have missed frames (cut)
 It runs twice for a new stack: once to hash it, once more to store it (core/ decides).
@@ -24,7 +25,7 @@ import iced_x86 as iced
 
 from dynprobe.arch.x86_64.codegen.asm import Asm, C, R, gs_at, mem_at
 from dynprobe.arch.x86_64.codegen.records import entry_of_point
-from dynprobe.arch.x86_64.unwind import UCONTEXT_GREGS, BpRule, Kind
+from dynprobe.arch.x86_64.unwind import RSP, UCONTEXT_GREGS, BpRule, Kind, Row, pack
 from dynprobe.ringbuf import layout as L
 
 if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
@@ -54,12 +55,13 @@ SLOT_SIZE = SLOT_FRAMES + 8 * MAX_STACK_FRAMES
 TABLE_PROBES = 32  # slots looked at for a stack, from its hash's (open addressing)
 HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a frame's address changes every bit)
 CUT = 1 << 63
+AT_ENTRY = 1 << 62  # in r8 with the frames: the first frame is a function's first instruction
 EXACT_FRAME = 1 << 63
 MODULE_SHIFT = 48  # (user-space addresses are below 2^47)
 FRAME_ADDRESS = (1 << MODULE_SHIFT) - 1
 _GREG_RBP, _GREG_RSP, _GREG_RIP = 10, 15, 16
 # flags in r11
-_EXACT, _BP_LOST, _CUT = 1, 2, 4
+_EXACT, _BP_LOST, _CUT, _ENTRY = 1, 2, 4, 8
 
 
 def _mov(dst: RegisterT | iced.MemoryOperand, src: RegisterT | iced.MemoryOperand) -> iced.Instruction:
@@ -83,16 +85,21 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     frame, no_store, modules, no_module, found, record, search, less, searched = (asm.label() for _ in range(9))
     by_frame_pointer, cfa_row, signal, plt, caller, cut, done, not_lost = (asm.label() for _ in range(8))
     base_sp, bp_done, plt_base, translated, to_caller, cut_popped = (asm.label() for _ in range(6))
+    started, no_entry = asm.label(), asm.label()
     for reg in callee_saved:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
-    asm.add(_mov(R.R12, R.R8))  # max frames
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R11D, _EXACT))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.R12D, R.R8D))  # max frames
+    asm.add(_reg_imm(C.BT_RM64_IMM8, R.R8, AT_ENTRY.bit_length() - 1))
+    asm.jump(C.JAE_REL32_64, started)
+    asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _ENTRY))
+    asm.bind(started)
     asm.add(_mov(R.R14, R.R9))  # the hash
     asm.add(_mov(R.R8, R.RDI))  # pc
     asm.add(_mov(R.R9, R.RSI))  # sp
     asm.add(_mov(R.R10, R.RDX))  # bp
     asm.add(_mov(R.RDI, R.RCX))  # where frames go
     asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.R13D, R.R13D))  # frames so far
-    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R11D, _EXACT))
 
     asm.bind(frame)  # r8: this frame's address
     # rax: the address to look up (a return address: the call before it)
@@ -203,6 +210,11 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
 
     # No row: frame pointers (rbx the return address, then the caller's sp and bp)
     asm.bind(by_frame_pointer)
+    asm.add(_reg_imm(C.TEST_RM64_IMM32, R.R11, _ENTRY))  # (the first frame, at a function's entry:
+    asm.jump(C.JE_REL32_64, no_entry)  # its return address at rsp)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, pack(Row(Kind.CFA, RSP, 8, BpRule.SAME, 0))))
+    asm.jump(C.JMP_REL32_64, cfa_row)
+    asm.bind(no_entry)
     asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _CUT))
     asm.add(_reg_imm(C.TEST_RM64_IMM32, R.R11, _BP_LOST))
     asm.jump(C.JNE_REL32_64, cut)
@@ -275,14 +287,14 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     asm.add(_mov(R.RBX, mem_at(R.R9, gregs + 8 * _GREG_RIP)), fault=cut)
     asm.add(_mov(R.R10, mem_at(R.R9, gregs + 8 * _GREG_RBP)), fault=cut)
     asm.add(_mov(R.R9, mem_at(R.R9, gregs + 8 * _GREG_RSP)), fault=cut)
-    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~_BP_LOST))
+    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~(_BP_LOST | _ENTRY)))
     asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _EXACT))
     asm.jump(C.JMP_REL32_64, caller)
 
     # rbx: the caller's address, as the trampoline's shadow entries say it is (an interrupted
     # thread at an entry point has returned to what its entry holds)
     asm.bind(to_caller)
-    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~_EXACT))
+    asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~(_EXACT | _ENTRY)))
     asm.bind(caller)
     if points is not None:
         again = asm.label()
@@ -321,8 +333,9 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
 
 
 def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frames: int, probe_index: int,
-                     site: int, frame: int, missed: int) -> None:  # fmt: skip
-    """In a detour's actions (rsp + `frame`: the thread's rsp at `site`, rbp the thread's; rax,
+                     site: int, frame: int, missed: int, at_entry: bool) -> None:  # fmt: skip
+    """In a detour's actions (rsp + `frame`: the thread's rsp at `site`, a function's first
+    instruction if `at_entry`; rbp the thread's; rax,
     rcx, rdx, rsi, rdi free, r8-r11 kept): add the hit to its stack's slot in the table at
     `table` (`slots` of them, a power of two), claiming one for a stack new to the probe (the
     walker then runs again to store its frames), or, when none is free where it looks, to the
@@ -343,7 +356,7 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
             asm.add(_reg_imm(C.ADD_RM64_IMM32, R.RCX, SLOT_FRAMES))
         else:
             asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.ECX, R.ECX))
-        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R8D, max_frames))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.R8, max_frames | (AT_ENTRY if at_entry else 0)))
         asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R9D, probe_index + 1))
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, walker))
         asm.add(iced.Instruction.create_reg(C.CALL_RM64, R.RAX))
