@@ -163,6 +163,25 @@ def python_floor(seed: str, calls: int) -> int:
         return int(out.read())
 
 
+class BpftraceMissing(Exception):
+    """bpftrace is not installed or cannot run here: its rows are left out, with this reason."""
+
+
+def bpftrace_run(argv: list[str], function: str, action: str) -> int:
+    """Elapsed microseconds the program reports when run under bpftrace with a uprobe on
+    `function` of argv[0] doing `action` (bpftrace counts in the kernel, BPF maps)."""
+    if shutil.which("bpftrace") is None:
+        raise BpftraceMissing("bpftrace is not installed (make bench installs it where apt can)")
+    result = subprocess.run(
+        ["bpftrace", "-e", f"uprobe:{argv[0]}:{function} {{ {action} }}", "-c", " ".join(argv)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    elapsed = next((line for line in result.stdout.splitlines() if line.strip().isdigit()), None)
+    if result.returncode != 0 or elapsed is None:
+        raise BpftraceMissing(f"bpftrace failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+    return int(elapsed)
+
+
 def tracefs_problem() -> str | None:
     if not (TRACEFS / "uprobe_events").exists():
         return "tracefs is not mounted (mount -t tracefs nodev /sys/kernel/tracing)"
@@ -530,6 +549,19 @@ def main() -> int:
     if problem:
         rows.append({"name": "kernel uprobe (tracefs)", "unavailable": problem})
         console.log(f"kernel uprobe: unavailable: {problem}")
+    bpftrace_rows = {  # bpftrace's count and count by ustack (frame pointers, in the kernel) on the same site
+        "bpftrace: uprobe count()": (seed, "test", "@ = count();"),
+        "bpftrace: uprobe @[ustack] = count()": (seed, "test", "@[ustack] = count();"),
+        "bpftrace: @[ustack] = count(), 16-frame stacks": (deep, "leaf", "@[ustack] = count();"),
+    }
+    for name, (binary, function, action) in bpftrace_rows.items():
+        calls = n_kernel if binary == seed else n_stack // 16
+        argv = [binary, str(calls)] if binary == seed else [*deep_argv[:2], str(calls)]
+        try:
+            add(name, calls, median_run(lambda: bpftrace_run(argv, function, action), int))  # noqa: B023
+        except BpftraceMissing as exc:
+            rows.append({"name": name, "unavailable": str(exc)})
+            console.log(f"{name}: unavailable: {exc}")
     kernel_cost = {
         r["name"]: r["us_per_call"] - baseline for r in rows if r["name"].startswith("kernel") and "us_per_call" in r
     }
