@@ -423,6 +423,21 @@ def test_stacks_folded() -> None:
     assert r.returncode == 0 and r.stdout.count("uprobes/p_leaf[\n        leaf (stacks_O2-nofp)\n") == 4
 
 
+def test_trace_with_stacks(wordcount: str) -> None:
+    """`trace --stack`: each event line followed by its stack, ` => frame` a line (as ftrace
+    prints user stacks); in JSON, a "stack" list."""
+    name = os.path.basename(wordcount)
+    r = dp("trace", "-o", "-", "--stack", "p:wc/h hash", "--", wordcount, "a b")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if "wc/h" in line or line.startswith(" => ")]
+    assert "wc/h: (0x" in lines[0] and lines[1] == f" => hash ({name})" and lines[2].startswith(" => add_word+")
+    events = [i for i, line in enumerate(lines) if "wc/h" in line]
+    assert len(events) == 2 and lines[events[1] - 1].startswith(" => _start+")
+    r = dp("trace", "--json", "-o", "-", "--stack", "--max-frames", "2", "p:wc/h hash", "--", wordcount, "a")
+    event = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
+    assert event["stack"][0] == f"hash ({name})" and len(event["stack"]) == 2 and event["stack_cut"] is True
+
+
 def test_hist_of_a_fetched_value(wordcount: str) -> None:
     r = dp("hist", "-o", "-", "p add_word len=%si:s32", "--value", "len", "--", wordcount, "a bb ccc dddd")
     assert r.returncode == 0, r.stderr

@@ -248,3 +248,21 @@ def test_a_module_without_unwind_tables_is_walked_by_frame_pointers(mode: str, t
             session.probe(f"{path}:deep", pre=lambda hit: seen.append([f.function for f in hit.stack()][:3]))
             assert session.run(timeout=60) == 0
         assert seen[-1] == ["deep", "deep", "deep"] and seen[0] == ["deep", "main", "__libc_start_call_main"]
+
+
+@pytest.mark.parametrize("mode", ["trap", "optimized"])
+def test_each_recorded_event_carries_its_stack(mode: str, tmp_path: Path) -> None:
+    """A recording probe placed with by="stack": each event's stack (`ProbeEvent.stack`, its
+    slot in the table carried by its record) is gdb's for that hit."""
+    path = program("O2-nofp")
+    expected = gdb_stacks(path, tmp_path)
+    events: list[dynprobe.ProbeEvent] = []
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.optimize = mode != "trap"
+        probe = session.probe(f"p {path}:leaf why=%di:s32", on_event=events.append, by="stack")
+        assert session.run(timeout=60) == 0
+    assert [e.values["why"] for e in sorted(events, key=lambda e: e.time_ns)] == [1, 2, 3, 4]
+    by_why = {e.values["why"]: e.stack for e in events}
+    got = [counted_in_files(Counter([by_why[why]])) for why in (1, 2, 3, 4)]  # type: ignore[list-item]
+    assert got == [Counter([tuple(stack)]) for stack in expected]
+    assert sum(probe.stacks.values()) == 4

@@ -7,7 +7,7 @@ import argparse
 from collections import Counter
 from typing import TextIO
 
-from dynprobe.cli.common import add_output_option, add_target_options, report_error
+from dynprobe.cli.common import add_output_option, add_target_options, frames, report_error
 from dynprobe.cli.probes import (
     Shown,
     add_aggregate_options,
@@ -74,13 +74,6 @@ def print_counts(shown: Shown, out: TextIO) -> None:
     if (line := shown.left_out_line()) is not None:
         lines.append(line)
     write_report(out, lines)
-
-
-def frames(text: str) -> int:
-    """An argparse type: a number of frames, 1 to MAX_FRAMES."""
-    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_FRAMES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of frames (1 to {MAX_FRAMES})")
-    return int(text)
 
 
 def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False) -> None:

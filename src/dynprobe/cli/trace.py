@@ -15,6 +15,7 @@ from dynprobe.cli.common import (
     add_output_option,
     add_target_options,
     close_output,
+    frames,
     open_output,
     open_session,
     output_name,
@@ -36,6 +37,7 @@ from dynprobe.cli.probes import (
 )
 from dynprobe.core.probe import BatchHandler, EventColumns, Probe
 from dynprobe.core.session import Session, print_warning
+from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.errors import DynprobeError
 from dynprobe.output.ftrace import ftrace_lines, json_lines
 
@@ -67,6 +69,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )  # fmt: skip
     add_probe_options(p)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of ftrace lines")
+    p.add_argument("--stack", action="store_true",
+                   help="each event followed by its stack (walked in the target), ` => function+0xoff (module)` "
+                        "a line, as ftrace prints user stacks")  # fmt: skip
+    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
+                   help=f"with --stack: walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
     add_output_option(p, "the events")
     add_ring_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
@@ -113,13 +120,19 @@ class EventPrinter(BatchHandler):
                 self.on_failure()
 
 
-def trace(session: Session, request: ProbeRequest, printer: EventPrinter) -> list[Probe]:
-    return place_all(session, request, lambda spec: session.probe(spec, on_event=printer, filter=request.filter))
+def trace(session: Session, request: ProbeRequest, printer: EventPrinter, *, max_frames: int | None = None
+          ) -> list[Probe]:  # fmt: skip
+    """Place the probes; with `max_frames`, each event carries its stack."""
+    by, frames_at_most = ("stack", max_frames) if max_frames is not None else (None, MAX_FRAMES)
+    return place_all(session, request, lambda spec: session.probe(
+        spec, on_event=printer, filter=request.filter, by=by, max_frames=frames_at_most))  # fmt: skip
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
     try:
         request = check_request(args)
+        if args.max_frames != MAX_FRAMES and not args.stack:
+            raise DynprobeError("--max-frames is for --stack")
         out = open_output(args.output)
     except DynprobeError as exc:
         return report_error(exc)
@@ -129,7 +142,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             printer.on_failure = session.request_stop
-            probes = trace(session, request, printer)
+            probes = trace(session, request, printer, max_frames=args.max_frames if args.stack else None)
             status = run_target(session, ready=lambda: say_placed(probes, args.pid))
             session.close()
             try:

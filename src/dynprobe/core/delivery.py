@@ -12,6 +12,7 @@ from typing import Protocol
 
 from dynprobe.core.ftrace import Tracing
 from dynprobe.core.probe import BatchHandler, EventColumns, Probe, ProbeEvent
+from dynprobe.core.stacks import Stack
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import HELD_RINGS, RecordBatch, decode_fields, decode_string, time_windows
 from dynprobe.spec.fetch import FAULT, StringValue, Value
@@ -32,6 +33,7 @@ class DeliveryEngine(Protocol):
     def probe_by_index(self, index: int) -> Probe | None: ...
     def comm_of(self, pid: int, tid: int) -> str: ...
     def symbolizer(self, pid: int) -> Callable[[int], str | None]: ...
+    def stack_at(self, pid: int, address: int) -> Stack | None: ...
     def warn(self, message: str) -> None: ...
 
 
@@ -120,10 +122,13 @@ class Delivery:
             if faults is not None:
                 column = [FAULT if fault >> i & 1 else v for v, fault in zip(column, faults, strict=True)]
             values.append(column)
-        callers = None
+        callers = stacks = None
         if probe.is_return:  # the caller is the first field of a return probe's records
             callers = [v if isinstance(v, int) else None for v in values.pop(0)]
+        if probe.stack_frames:  # and the stack's slot the last of a by="stack" probe's
+            slots = values.pop()
+            stacks = [self.engine.stack_at(batch.pid, v) if isinstance(v, int) else None for v in slots]
         return EventColumns(
             probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self.engine.symbolizer(batch.pid),
-            batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(),
+            batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(), stacks,
         )  # fmt: skip

@@ -21,7 +21,7 @@ from dynprobe.errors import OptimizeRefusal
 from dynprobe.output.hist import Histogram, zero_label
 from dynprobe.ringbuf.layout import HIST_BUCKETS
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
-from dynprobe.spec.model import ArgType, Caller, FetchArg
+from dynprobe.spec.model import ArgType, Caller, FetchArg, StackSlot
 from dynprobe.spec.parser import integer_type
 from dynprobe.symbols.resolve import Location
 
@@ -49,6 +49,7 @@ class ProbeMode(enum.Enum):
 Handler = Callable[["Hit"], object]
 HandlerFailed = Callable[["Probe", BaseException], None]
 CALLER_ARG = FetchArg("__caller", Caller(), ArgType("x", 64), "")  # first in a return probe's records
+STACK_ARG = FetchArg("__stack", StackSlot(), ArgType("x", 64), "")  # last in the records of a by="stack" probe
 EventHandler = Callable[["ProbeEvent"], object]
 
 
@@ -68,6 +69,7 @@ class ProbeEvent:
     symbolize: Callable[[int], str | None] | None = None
     caller: int | None = None  # a return event: where the function returned to
     order: int = 0  # RecordBatch.order: after time, what puts a thread's events in order
+    stack: Stack | None = None  # the thread's stack at the hit, for a probe placed with by="stack"
 
     @property
     def time(self) -> float:
@@ -96,6 +98,7 @@ class EventColumns:
     values: list[list[Value]]  # one column per fetch argument, in the spec's order
     callers: list[int | None] | None = None  # a return probe's: where each call returned to
     order: list[int] | None = None  # RecordBatch.order (None: an event served at a stop)
+    stacks: list[Stack | None] | None = None  # a by="stack" probe's: each hit's stack
 
     @classmethod
     def of(cls, event: ProbeEvent) -> EventColumns:
@@ -104,16 +107,18 @@ class EventColumns:
             event.probe, event.pid, event.tid, event.comm, event.address, event.symbolize, [event.time_ns],
             [event.cpu], [[event.values[a.name]] for a in event.probe.args],
             [event.caller] if event.probe.is_return else None, [event.order],
+            [event.stack] if event.probe.stack_frames else None,
         )  # fmt: skip
 
     def events(self) -> list[ProbeEvent]:
         names = [a.name for a in self.probe.args]
         callers = self.callers or [None] * len(self.time_ns)
+        stacks = self.stacks or [None] * len(self.time_ns)
         return [
             ProbeEvent(self.probe, self.pid, self.tid, cpu, t, self.address, dict(zip(names, row, strict=True)),
-                       self.comm, self.symbolize, caller, order)
-            for t, order, cpu, caller, *row in zip(self.time_ns, self.orders(), self.cpu, callers, *self.values,
-                                                   strict=True)
+                       self.comm, self.symbolize, caller, order, stack)
+            for t, order, cpu, caller, stack, *row in zip(self.time_ns, self.orders(), self.cpu, callers, stacks,
+                                                          *self.values, strict=True)
         ]  # fmt: skip
 
     def orders(self) -> list[int]:
@@ -261,7 +266,8 @@ class Probe:
     trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
 
     def __post_init__(self) -> None:
-        self.fields = record_fields(((CALLER_ARG,) if self.is_return else ()) + self.args)
+        stacks = (STACK_ARG,) if self.stack_frames and self.action == ActionKind.RECORD else ()
+        self.fields = record_fields(((CALLER_ARG,) if self.is_return else ()) + self.args + stacks)
 
     @property
     def python_handlers(self) -> bool:

@@ -306,12 +306,17 @@ class Runtime:
             raise ProcessError(f"pid {hit.pid} has ended: its stacks are read while a handler runs")
         return self._walk(proc, hit.tid, hit.regs, hit.probe, site=hit.address, max_frames=max_frames)
 
+    def stack_at(self, pid: int, address: int) -> Stack | None:
+        return self.stackmaps.stack_at(pid, address)
+
     def stacks_of(self, probe: Probe) -> Counter[Stack]:
         return self.stackmaps.stacks_of(probe) + probe.trap_stacks
 
-    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> None:
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> Stack:
         """A hit counted by its stack at a stop (the probe's actions not run in the target)."""
-        probe.trap_stacks[self._walk(proc, tid, regs, probe, site=site, max_frames=probe.stack_frames)] += 1
+        stack = self._walk(proc, tid, regs, probe, site=site, max_frames=probe.stack_frames)
+        probe.trap_stacks[stack] += 1
+        return stack
 
     def _walk(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe, *, site: int, max_frames: int) -> Stack:
         """The stack of thread `tid` at a hit of `probe` at `site` (its registers `regs`)."""

@@ -267,7 +267,8 @@ class Session:
         (a log2 histogram of the fetch argument `value`), behind an optional `filter`
         ('a == 5 and b > 0' over its fetch arguments). With `by="stack"` a count also counts
         each hit by its stack (`probe.stacks`), walked in the target, at most `max_frames`
-        frames."""
+        frames; the records of a probe placed so (`on_event`, action="record") carry their stack
+        (`ProbeEvent.stack`)."""
         main = self._main_process("no probe can be placed")
         stack_frames = self._stack_frames(by, max_frames)
         maps = self._runtime.maps_of(main.pid)
@@ -295,9 +296,10 @@ class Session:
         self._check_fetch_symbols(spec.args, location)
         python = any(h is not None for h in (pre, post, on_entry, on_return))
         kind = self._action_kind(action, python, on_event)
-        if stack_frames and (kind != ActionKind.COUNT or is_return):
+        if stack_frames and (kind not in (ActionKind.COUNT, ActionKind.RECORD) or is_return):
             other = "a return probe" if is_return else kind.value if kind else "Python handlers"
-            raise SessionError(f"by='stack' counts a probe's hits by stack: a count ('p'), not {other}")
+            raise SessionError(f"by='stack' counts or records a probe's hits with their stacks: a count or a "
+                               f"record ('p'), not {other}")  # fmt: skip
         parsed_filter = parse_filter(filter, spec.args) if filter is not None else None
         hist_value = None
         if kind == ActionKind.HIST:

@@ -33,6 +33,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     FRAME_ADDRESS,
     MAX_MODULES,
     MAX_ROWS,
+    MAX_STACK_FRAMES,
     MODULE_SHIFT,
     SLOT_COUNT,
     SLOT_FRAMES,
@@ -90,6 +91,8 @@ class _Shared:
     modules: dict[str, _Module | None] = field(default_factory=dict)  # by path (None: no rows)
     listed: list[Mapping] = field(default_factory=list)  # the directory's entries
     maps: dict[int, Mapping] = field(default_factory=dict)  # every executable mapping seen, by start
+    pids: set[int] = field(default_factory=set)  # the processes that share it
+    named: dict[int, Stack] = field(default_factory=dict)  # the stacks of slots read so far, by slot
 
     @property
     def table(self) -> np.ndarray:
@@ -139,7 +142,7 @@ class StackMaps:
             return placed
         walker, built = placed
         proc.fixups.update(built.fixups)
-        shared = self._of[proc] = _Shared(walker, region, view)
+        shared = self._of[proc] = _Shared(walker, region, view, pids={proc.pid})
         self._list_modules(proc, shared, tid, self.engine.maps_of(proc.pid))
         return shared
 
@@ -220,6 +223,7 @@ class StackMaps:
         shared = self._of.get(parent)
         if shared is not None:  # (the same memory, mapped shared; the walker copied at its address)
             self._of[child] = shared
+            shared.pids.add(child.pid)
 
     def let_go(self, child: TracedProcess) -> None:
         self._of.pop(child, None)
@@ -242,27 +246,48 @@ class StackMaps:
     def stacks_of(self, probe: Probe) -> Counter[Stack]:
         """The probe's hits by stack, in every process it was placed in."""
         counts: Counter[Stack] = Counter()
-        for shared in {id(s): s for s in [*self._of.values(), *self._ended]}.values():
-            maps = sorted(shared.maps.values(), key=lambda m: m.start)
-            for frames, cut, count in _slots(shared.table, probe.index):
-                # (a frame in a directory's entry: named by the file mapped there when it was hit)
-                where = [(pc, exact, shared.listed[tag - 1] if 0 < tag <= len(shared.listed) else None)
-                         for pc, exact, tag in frames]  # fmt: skip
-                counts[named(where, cut, maps)] += count
+        for shared in self._distinct():
+            for slot in np.flatnonzero(_probe_words(shared.table) == np.uint64(SLOT_READY | probe.index)).tolist():
+                counts[self._named(shared, slot)] += int(_slot_words(shared.table, slot)[SLOT_COUNT // 8])
         return counts
 
+    def stack_at(self, pid: int, address: int) -> Stack | None:
+        """The stack in the slot at `address` of the table of process `pid` (a record's: the
+        target wrote it), if that is a ready slot."""
+        shared = next((s for s in self._distinct() if pid in s.pids), None)
+        if shared is None:
+            return None
+        slot, rest = divmod(address - shared.region - _TABLE_AT, SLOT_SIZE)
+        if rest or not 0 <= slot < STACK_SLOTS or not _probe_words(shared.table)[slot] & np.uint64(SLOT_READY):
+            return None
+        return self._named(shared, slot)
 
-def _slots(table: np.ndarray, probe_index: int) -> list[tuple[list[tuple[int, bool, int]], bool, int]]:
-    """The ready slots of a probe: (frames as (address, exact, module tag), cut, count).
-    Bounded: the target writes this memory."""
-    out = []
-    stride = SLOT_SIZE // 8
-    slots = table[: STACK_SLOTS * stride].reshape(STACK_SLOTS, stride)
-    mine = np.flatnonzero(slots[:, SLOT_PROBE // 8] == np.uint64(SLOT_READY | probe_index))
-    for row in slots[mine].tolist():
-        n = min(row[SLOT_FRAMES_CUT // 8] & ~CUT, (SLOT_SIZE - SLOT_FRAMES) // 8)
-        words = row[SLOT_FRAMES // 8 : SLOT_FRAMES // 8 + n]
-        frames = [(w & FRAME_ADDRESS, bool(w & EXACT_FRAME) or i == 0, w >> MODULE_SHIFT & 0x7FFF)
-                  for i, w in enumerate(words)]  # fmt: skip
-        out.append((frames, bool(row[SLOT_FRAMES_CUT // 8] & CUT), int(row[SLOT_COUNT // 8])))
-    return out
+    def _distinct(self) -> list[_Shared]:
+        return list({id(s): s for s in [*self._of.values(), *self._ended]}.values())
+
+    @staticmethod
+    def _named(shared: _Shared, slot: int) -> Stack:
+        """The stack in a ready slot (its frames never change), named once: a frame in a
+        directory's entry by the file mapped there when it was hit."""
+        stack = shared.named.get(slot)
+        if stack is None:
+            words = _slot_words(shared.table, slot).tolist()
+            frames_cut = words[SLOT_FRAMES_CUT // 8]
+            n = min(frames_cut & ~CUT, MAX_STACK_FRAMES)
+            where = []
+            for i, word in enumerate(words[SLOT_FRAMES // 8 : SLOT_FRAMES // 8 + n]):
+                tag = word >> MODULE_SHIFT & 0x7FFF
+                mapping = shared.listed[tag - 1] if 0 < tag <= len(shared.listed) else None
+                where.append((word & FRAME_ADDRESS, bool(word & EXACT_FRAME) or i == 0, mapping))
+            maps = sorted(shared.maps.values(), key=lambda m: m.start)
+            stack = shared.named[slot] = named(where, bool(frames_cut & CUT), maps)
+        return stack
+
+
+def _slot_words(table: np.ndarray, slot: int) -> np.ndarray:
+    return table[slot * SLOT_SIZE // 8 : (slot + 1) * SLOT_SIZE // 8]
+
+
+def _probe_words(table: np.ndarray) -> np.ndarray:
+    """Each slot's probe word (READY | the probe's index once its frames are written)."""
+    return table[SLOT_PROBE // 8 : STACK_SLOTS * SLOT_SIZE // 8 : SLOT_SIZE // 8]

@@ -37,6 +37,7 @@ from dynprobe.core.engine import Engine
 from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site, call_handler
 from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.slots import PlacedCode, place_code
+from dynprobe.core.stacks import Stack
 from dynprobe.core.traced import MemoryReader, StepState, TracedProcess
 from dynprobe.errors import OptimizeRefusal, ProcessError
 from dynprobe.ptrace import syscalls as sc
@@ -58,7 +59,7 @@ class TrapsEngine(Engine, Protocol):
 
     def action_refusal(self, probe: Probe) -> OptimizeRefusal | None: ...
     def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program: ...
-    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> None: ...
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> Stack: ...
     def symbol_resolver(self, site: Site) -> Callable[[str], int | None]: ...
     def symbolizer(self, pid: int) -> Callable[[int], str | None]: ...
     def slot_at_hit(self, proc: TracedProcess, site: Site) -> bool: ...
@@ -302,8 +303,7 @@ class Traps:
             if not matches(probe.filter, values):
                 return
         probe.trap_hits += 1
-        if probe.stack_frames:
-            self.engine.count_stack(probe, proc, tid, context.regs, address)
+        stack = self.engine.count_stack(probe, proc, tid, context.regs, address) if probe.stack_frames else None
         if probe.action == ActionKind.HIST:
             assert probe.value is not None
             v = evaluate(probe.value, context)
@@ -313,6 +313,7 @@ class Traps:
             event = ProbeEvent(
                 probe, proc.pid, tid, self._cpu_at_stop(proc, tid, context.regs), time.monotonic_ns(), address,
                 {arg.name: evaluate(arg, context) for arg in probe.args}, proc.comm(tid), context.symbolize, caller,
+                stack=stack,
             )  # fmt: skip
             self.engine.keep_event(event)
 

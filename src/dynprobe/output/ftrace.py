@@ -2,6 +2,7 @@
 
     comm-tid [cpu] seconds: GROUP/EVENT: (0xaddr) name=value ...
     comm-tid [cpu] seconds: GROUP/EVENT: (0xcaller <- 0xfunction) name=value ...   (return probes)
+     => function+0xoff (module)                                               (its stack, if taken)
 
 as /sys/kernel/tracing/trace prints uprobe events, so existing habits (grep, awk, trace-cmd
 reading) carry over.
@@ -17,6 +18,7 @@ from dynprobe.spec.model import FetchArg
 
 if TYPE_CHECKING:
     from dynprobe.core.probe import EventColumns, ProbeEvent
+    from dynprobe.core.stacks import Stack
 
 
 def json_line(event: ProbeEvent) -> str:
@@ -27,6 +29,8 @@ def json_line(event: ProbeEvent) -> str:
             "time": round(event.time_ns / 1e9, 9), "group": probe.group, "event": probe.event,
             "addr": event.address, **({"caller": event.caller} if event.caller is not None else {}),
             "args": event.json_values(),
+            **({"stack": [str(f) for f in event.stack]} if event.stack is not None else {}),
+            **({"stack_cut": True} if event.stack is not None and event.stack.cut else {}),
         },
         separators=(",", ":"),
     )  # fmt: skip
@@ -59,10 +63,21 @@ def ftrace_lines(columns: EventColumns) -> list[str]:
     else:
         wheres = [f"{columns.address:#x})"] * n
     # (printf-style: twice as fast as an f-string with a float in it, at a line per event)
-    return [
+    lines = [
         "%s%03d] %12.6f: %s%s%s" % (head, cpu, t / 1e9, tail, where, a)  # noqa: UP031
         for cpu, t, where, a in zip(columns.cpu, columns.time_ns, wheres, args, strict=True)
     ]
+    if columns.stacks is None:
+        return lines
+    # (an event and its stack in one entry: the printer puts events in order, not lines)
+    return [line + _stack_lines(stack) for line, stack in zip(lines, columns.stacks, strict=True)]
+
+
+def _stack_lines(stack: Stack | None) -> str:
+    """The stack after its event's line, as ftrace prints a user stack trace: ` => frame` a line."""
+    if stack is None:
+        return "\n => (no stack: the table of stacks was full)"
+    return "".join(f"\n => {line}" for line in str(stack).splitlines())
 
 
 def json_lines(columns: EventColumns) -> list[str]:

@@ -97,6 +97,7 @@ UPCALL_SLEEPING = 0x328  # nonzero while it may sleep for its answer (the answer
 UPCALL_ENTRIES = 0x330
 UPCALL_ENTRIES_MAX = 4
 UPCALL_RSI = 0x350  # at a return: the function's rsi (the frame's is the shadow entry's offset)
+STACK_SLOT = 0x358  # the table slot of the stack the thread's hit just counted (0: none), for its record
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 UPCALL_WAIT_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the

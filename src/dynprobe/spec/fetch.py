@@ -26,6 +26,7 @@ from dynprobe.spec.model import (
     RetVal,
     Stack,
     StackPointer,
+    StackSlot,
     SymbolAddr,
 )
 
@@ -111,6 +112,8 @@ def _word(fetch: Fetch, ctx: FetchContext, size: int = 8) -> int:
         return ctx.returning.latency_ns if isinstance(fetch, Latency) else ctx.returning.caller
     if isinstance(fetch, StackPointer):
         return int(regs.rsp)
+    if isinstance(fetch, StackSlot):
+        return 0  # (a stack walked at a stop is the event's own: core/traps.py)
     if isinstance(fetch, Stack):
         return _read(ctx, int(regs.rsp) + 8 * fetch.index, 8)
     if isinstance(fetch, RetVal):

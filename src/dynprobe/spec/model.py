@@ -73,12 +73,17 @@ class Comm:
 
 
 @dataclass(frozen=True)
+class StackSlot:
+    pass  # where a hit's stack is in its process's table of stacks (records of by="stack" probes)
+
+
+@dataclass(frozen=True)
 class Deref:
     offset: int  # +|-OFFS(INNER): the value stored at INNER + OFFS
     inner: Fetch
 
 
-Fetch = Reg | Arg | Absolute | SymbolAddr | Stack | StackPointer | RetVal | Latency | Caller | Comm | Deref
+Fetch = Reg | Arg | Absolute | SymbolAddr | Stack | StackPointer | RetVal | Latency | Caller | Comm | StackSlot | Deref
 
 
 def fetch_chain(fetch: Fetch) -> Iterator[Fetch]:

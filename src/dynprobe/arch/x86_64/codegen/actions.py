@@ -47,6 +47,7 @@ from dynprobe.spec.model import (
     RetVal,
     Stack,
     StackPointer,
+    StackSlot,
     SymbolAddr,
     fetch_chain,
 )
@@ -204,6 +205,9 @@ class Emitter:
             return
         if isinstance(fetch, StackPointer):
             self.load_reg("rsp")
+            return
+        if isinstance(fetch, StackSlot):
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.STACK_SLOT)))
             return
         if isinstance(fetch, Stack):
             self.load_reg("rsp")

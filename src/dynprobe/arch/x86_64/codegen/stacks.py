@@ -339,9 +339,11 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     rcx, rdx, rsi, rdi free, r8-r11 kept): add the hit to its stack's slot in the table at
     `table` (`slots` of them, a power of two), claiming one for a stack new to the probe (the
     walker then runs again to store its frames), or, when none is free where it looks, to the
-    probe's missed hits (gs:[`missed`])."""
+    probe's missed hits (gs:[`missed`]). The slot's address is left in gs:[STACK_SLOT] (0: none)
+    for the hit's record."""
     kept = (R.R8, R.R9, R.R10, R.R11)
     probe, claim, claimed, counted, following, done = (asm.label() for _ in range(6))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.STACK_SLOT), 0))
     for reg in kept:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
 
@@ -395,6 +397,7 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     increment = iced.Instruction.create_mem(C.INC_RM64, mem_at(R.RSI, SLOT_COUNT))
     increment.has_lock_prefix = True
     asm.add(increment, fault=done)
+    asm.add(_mov(gs_at(L.STACK_SLOT), R.RSI))  # (for the hit's record)
     asm.jump(C.JMP_REL32_64, done)
     asm.bind(following)
     asm.add(iced.Instruction.create_reg(C.INC_RM32, R.ECX))
