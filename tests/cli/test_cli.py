@@ -399,12 +399,14 @@ def test_count_by_stack(wordcount: str) -> None:
     lines = lines[lines.index("hits:") :]  # (after the program's own output)
     assert lines[:4] == ["hits:", "  uprobes/p_hash            3", "", "uprobes/p_hash["]
     frames = lines[4 : lines.index("]: 3")]
-    assert frames[0] == f"        hash ({name})" and frames[-1].startswith("        _start+")
+    assert frames[0].startswith(f"        hash ({name}) at wordcount.c:") and frames[-1].startswith("        _start+")
     assert any(f.startswith("        main+") for f in frames) and lines[-1] == "]: 3"
     r = dp("count", "-o", "-", "--by", "stack", "--max-frames", "2", "p hash", "--", wordcount, "a")
     stack = r.stdout.splitlines()
     stack = stack[stack.index("hits:") + 4 :]
-    assert r.returncode == 0 and stack[0] == f"        hash ({name})" and stack[2:] == ["        ...", "]: 1"]
+    assert (
+        r.returncode == 0 and stack[0].startswith(f"        hash ({name}) at ") and stack[2:] == ["        ...", "]: 1"]
+    )
 
 
 def test_stacks_folded() -> None:
@@ -420,7 +422,7 @@ def test_stacks_folded() -> None:
     assert ";main;sorter;" in sorted_ and sorted_.endswith(";compare;leaf 1")
     assert thread.endswith(";start_thread;worker;leaf 1")
     r = dp("stacks", "-o", "-", "p leaf", "--", path)
-    assert r.returncode == 0 and r.stdout.count("uprobes/p_leaf[\n        leaf (stacks_O2-nofp)\n") == 4
+    assert r.returncode == 0 and r.stdout.count("uprobes/p_leaf[\n        leaf (stacks_O2-nofp) at stacks.c:10\n") == 4
 
 
 def test_trace_with_stacks(wordcount: str) -> None:
@@ -430,12 +432,13 @@ def test_trace_with_stacks(wordcount: str) -> None:
     r = dp("trace", "-o", "-", "--stack", "p:wc/h hash", "--", wordcount, "a b")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if "wc/h" in line or line.startswith(" => ")]
-    assert "wc/h: (0x" in lines[0] and lines[1] == f" => hash ({name})" and lines[2].startswith(" => add_word+")
+    assert "wc/h: (0x" in lines[0] and lines[1].startswith(f" => hash ({name}) at wordcount.c:")
+    assert lines[2].startswith(" => add_word+")
     events = [i for i, line in enumerate(lines) if "wc/h" in line]
     assert len(events) == 2 and lines[events[1] - 1].startswith(" => _start+")
     r = dp("trace", "--json", "-o", "-", "--stack", "--max-frames", "2", "p:wc/h hash", "--", wordcount, "a")
     event = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("{")))
-    assert event["stack"][0] == f"hash ({name})" and len(event["stack"]) == 2 and event["stack_cut"] is True
+    assert event["stack"][0].startswith(f"hash ({name}) at ") and len(event["stack"]) == 2 and event["stack_cut"]
 
 
 def test_hist_of_a_fetched_value(wordcount: str) -> None:

@@ -1,8 +1,9 @@
 """Run inside gdb (`gdb -batch -x gdb_stacks.py --args PROGRAM`): at each call of `leaf` (its
 first instruction), the stack as gdb unwinds it, one JSON line per hit on the file named by
-$DYNPROBE_GDB_OUT: [[file, offset in file], ...] for each frame, innermost first, down to
-_start. Left out: inlined frames and the tail calls gdb infers from DWARF's call sites, which
-have no frame of their own on the stack."""
+$DYNPROBE_GDB_OUT: [[file, offset in file, "source:line" or null], ...] for each frame,
+innermost first, down to _start. Left out: inlined frames and the tail calls gdb infers from
+DWARF's call sites, which have no frame of their own on the stack; a frame's line is that of
+the innermost function inlined there (where its code is)."""
 
 import json
 import os
@@ -40,10 +41,15 @@ for command in (
 with open(os.environ["DYNPROBE_GDB_OUT"], "w") as out:
     while gdb.selected_inferior().pid:
         maps = mappings(gdb.selected_inferior().pid)
-        frame, stack = gdb.newest_frame(), []
+        frame, stack, sal = gdb.newest_frame(), [], None
         while frame is not None:
-            if frame.type() not in (gdb.INLINE_FRAME, gdb.TAILCALL_FRAME):
-                stack.append(where(maps, frame.pc()))
+            kind = frame.type()
+            if kind != gdb.TAILCALL_FRAME:
+                sal = sal or frame.find_sal()
+                if kind != gdb.INLINE_FRAME:
+                    line = f"{os.path.basename(sal.symtab.filename)}:{sal.line}" if sal.symtab and sal.line else None
+                    stack.append([*where(maps, frame.pc()), line])
+                    sal = None
             frame = frame.older()
         out.write(json.dumps(stack) + "\n")
         gdb.execute("continue", to_string=True)

@@ -31,6 +31,7 @@ BUILDS = {
 }  # fmt: skip
 CXX_BUILDS = {"cxx-O0": ("-O0",), "cxx-O2": ("-O2", "-fomit-frame-pointer")}
 Frames = list[tuple[str, int]]
+Lines = list[str | None]
 
 
 def program(build: str) -> str:
@@ -39,11 +40,16 @@ def program(build: str) -> str:
     return build_target(f"stacks_{build}", "stacks.c", flags=(*BUILDS[build], "-pthread"))
 
 
-_GDB_STACKS: dict[str, list[Frames]] = {}
+_GDB_STACKS: dict[str, list[tuple[Frames, Lines]]] = {}
 
 
 def gdb_stacks(path: str, tmp_path: Path) -> list[Frames]:
     """gdb's stack at each call of leaf(), run once per program."""
+    return [frames for frames, _ in gdb_stacks_and_lines(path, tmp_path)]
+
+
+def gdb_stacks_and_lines(path: str, tmp_path: Path) -> list[tuple[Frames, Lines]]:
+    """gdb's stack at each call of leaf() and each frame's source line, run once per program."""
     if GDB is None:
         pytest.skip("gdb is not installed (make test installs it): no reference for stacks")
     if path not in _GDB_STACKS:
@@ -51,7 +57,8 @@ def gdb_stacks(path: str, tmp_path: Path) -> list[Frames]:
         subprocess.run([GDB, "-batch", "-nx", "-x", str(GDB_SCRIPT), "--args", path],
                        env={**os.environ, "DYNPROBE_GDB_OUT": str(out)}, capture_output=True, timeout=120,
                        check=True)  # fmt: skip
-        _GDB_STACKS[path] = [[(f, o) for f, o in json.loads(line)] for line in out.read_text().splitlines()]
+        stacks = [json.loads(line) for line in out.read_text().splitlines()]
+        _GDB_STACKS[path] = [([(f, o) for f, o, _ in s], [line for _, _, line in s]) for s in stacks]
     return _GDB_STACKS[path]
 
 
@@ -91,17 +98,23 @@ def test_stacks_are_gdbs(build: str, mode: str, tmp_path: Path) -> None:
 
 
 def test_a_stack_names_its_frames(tmp_path: Path) -> None:
-    """`str(stack)`: a frame a line, `function+0xoff (module)`, C++ names demangled."""
+    """`str(stack)`: a frame a line, `function+0xoff (module) at file:line`, C++ names demangled;
+    the lines are gdb's wherever both have one."""
     path = program("cxx-O0")
-    texts: list[str] = []
+    stacks: list[Stack] = []
     with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
-        session.probe(f"{path}:leaf", pre=lambda hit: texts.append(str(hit.stack())))
+        session.probe(f"{path}:leaf", pre=lambda hit: stacks.append(hit.stack()))
         assert session.run(timeout=60) == 0
     name = os.path.basename(path)
-    first = texts[0].splitlines()
-    assert first[:3] == [f"leaf ({name})", f"app::Guard::~Guard+{first[1].split('+')[1]}",
-                         f"app::thrower+{first[2].split('+')[1]}"]  # fmt: skip
-    assert first[1].endswith(f" ({name})") and first[-1].startswith("_start+")
+    first = str(stacks[0]).splitlines()
+    assert first[0] == f"leaf ({name}) at stacks_cxx.cpp:5"
+    assert first[1].startswith("app::Guard::~Guard+0x") and first[1].endswith(f" ({name}) at stacks_cxx.cpp:9")
+    assert first[2].startswith("app::thrower+0x") and f" ({name}) at stacks_cxx.cpp:1" in first[2]
+    assert first[-1].startswith("_start+")
+    for stack, (_, lines) in zip(stacks, gdb_stacks_and_lines(path, tmp_path), strict=True):
+        ours = [os.path.basename(f.line) if f.line else None for f in stack]
+        assert [o for o, g in zip(ours, lines, strict=True) if o and g] == [g for o, g in zip(ours, lines, strict=True)
+                                                                           if o and g]  # fmt: skip
 
 
 def test_return_addresses_dynprobe_replaced_are_the_callers(tmp_path: Path) -> None:
@@ -266,3 +279,22 @@ def test_each_recorded_event_carries_its_stack(mode: str, tmp_path: Path) -> Non
     got = [counted_in_files(Counter([by_why[why]])) for why in (1, 2, 3, 4)]  # type: ignore[list-item]
     assert got == [Counter([tuple(stack)]) for stack in expected]
     assert sum(probe.stacks.values()) == 4
+
+
+@pytest.mark.parametrize("build", [*BUILDS, *CXX_BUILDS])
+def test_source_lines_are_gdbs(build: str, tmp_path: Path) -> None:
+    """Each frame's `file:line` (DWARF's line table, of the call for a return address) is
+    gdb's wherever both have one: ours are of the code at the address, so gdb's of the
+    innermost function inlined there."""
+    path = program(build)
+    stacks: list[Stack] = []
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.probe(f"{path}:leaf", pre=lambda hit: stacks.append(hit.stack()))
+        assert session.run(timeout=60) == 0
+    compared = 0
+    for stack, (_, lines) in zip(stacks, gdb_stacks_and_lines(path, tmp_path), strict=True):
+        for frame, theirs in zip(stack, lines, strict=True):
+            if frame.line is not None and theirs is not None:
+                assert os.path.basename(frame.line) == theirs, str(stack)
+                compared += 1
+    assert compared >= 2 * len(stacks)

@@ -20,6 +20,7 @@ from dynprobe.arch.x86_64.unwind import RSP, BpRule, Frame, Kind, Row, step
 from dynprobe.errors import SymbolError
 from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import ElfImage, load_elf
+from dynprobe.symbols.lines import source_line
 from dynprobe.symbols.maps import Mapping, mapping_at
 
 MAX_FRAMES = 127  # as bpftrace's ustack (perf_event_max_stack)
@@ -35,17 +36,27 @@ class StackFrame:
     module: str | None = None  # the file's path
     symbol: str | None = None  # as the file names it (mangled)
     offset: int = 0  # from the symbol's start
+    named_at: int | None = None  # the link-time address it is named by (a return address: the call's)
 
     @property
     def function(self) -> str | None:
         """The symbol as people read it (C++ names demangled, without their parameters)."""
         return display(self.symbol) if self.symbol is not None else None
 
+    @property
+    def line(self) -> str | None:
+        """`file:line` of its code (of the call, for a return address), when DWARF says."""
+        if self.module is None or self.named_at is None:
+            return None
+        return source_line(self.module, self.named_at)
+
     def __str__(self) -> str:
         where = f" ({os.path.basename(self.module)})" if self.module else ""
         if self.symbol is None:
             return f"{self.address:#x}{where}"
-        return f"{self.function}{f'+{self.offset:#x}' if self.offset else ''}{where}"
+        line = self.line
+        at = f" at {line}" if line is not None else ""
+        return f"{self.function}{f'+{self.offset:#x}' if self.offset else ''}{where}{at}"
 
 
 @dataclass(frozen=True)
@@ -191,7 +202,7 @@ def _frame(module: _Module, pc: int, *, exact: bool) -> StackFrame:
     func = module.image.function_at(vaddr) if module.image is not None and vaddr is not None else None
     if func is None or vaddr is None:
         return StackFrame(pc, path)
-    return StackFrame(pc, path, func.name, vaddr + pc - named_at - func.addr)
+    return StackFrame(pc, path, func.name, vaddr + pc - named_at - func.addr, vaddr)
 
 
 def named(frames: Sequence[tuple[int, bool, Mapping | None]], cut: bool, maps: list[Mapping]) -> Stack:
