@@ -61,6 +61,7 @@ MODES: dict[str, list[str]] = {
     ],
     "optimized count": [*DYNPROBE, "count", "p work"],
     "optimized record": [*DYNPROBE, "trace", "p work i=%di", "-o", "{out}/events.txt"],
+    "stacks counted in the target": [*DYNPROBE, "trace", "--stack", "p work i=%di", "-o", "{out}/events.txt"],
     "return probe": [*DYNPROBE, "latency", "work"],
     "trap return probe": [*DYNPROBE, "latency", "--trap", "work"],
     "function tracer": [*DYNPROBE, "record", "-o", "{out}/trace.data"],
