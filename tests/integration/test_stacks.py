@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import dynprobe
-from dynprobe.core.probe import Hit, ProbeMode
+from dynprobe.core.probe import Hit, Probe, ProbeMode
 from dynprobe.core.stacks import Stack
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import mapping_at, read_maps
@@ -174,13 +174,21 @@ def test_stacks_counted_in_the_target_are_gdbs(build: str, mode: str, tmp_path: 
     assert counted_in_files(probe.stacks) == expected
 
 
-def test_stacks_counted_through_replaced_return_addresses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("later", [False, True])
+def test_stacks_counted_through_replaced_return_addresses(later: bool, tmp_path: Path) -> None:
+    """The return probe placed with the stacks' probe, or `later` (from a handler, once the
+    walker runs: its trampoline made after the walker, which finds it in the directory)."""
     path = program("O2-nofp")
     expected = Counter(tuple(stack) for stack in gdb_stacks(path, tmp_path))
+    placed: list[Probe] = []
     with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
-        returns = session.probe(f"r16 {path}:deep")
         probe = session.probe(f"{path}:leaf", by="stack")
+        if later:
+            session.probe(f"{path}:sorter", pre=lambda hit: placed.append(session.probe(f"r16 {path}:deep")))
+        else:
+            placed.append(session.probe(f"r16 {path}:deep"))
         assert session.run(timeout=60) == 0
+    returns = placed[0]
     assert returns.hits == 13 and probe.mode == ProbeMode.OPTIMIZED
     assert counted_in_files(probe.stacks) == expected
 

@@ -55,11 +55,11 @@ class Scene:
         none = pack(Row(Kind.NONE, RSP, 0, BpRule.LOST, 0))
         self.rows = np.array([pack(row) if row is not None else none for _, row in rows], dtype=np.int64)
         self.blocks = block_bounds(self.ips)
-        self.directory = np.zeros(1 + DIR_ENTRY // 8, dtype=np.uint64)
-        self.directory[:9] = (1, MODULE, 0x10000, MODULE, self.ips.ctypes.data, self.rows.ctypes.data, len(rows),
-                              self.blocks.ctypes.data, len(self.blocks) if blocks else 0)  # fmt: skip
+        self.directory = np.zeros(2 + DIR_ENTRY // 8, dtype=np.uint64)
+        self.directory[:10] = (1, points or 0, MODULE, 0x10000, MODULE, self.ips.ctypes.data, self.rows.ctypes.data,
+                               len(rows), self.blocks.ctypes.data, len(self.blocks) if blocks else 0)  # fmt: skip
         asm = Asm()
-        build_stack_walker(asm, directory=self.directory.ctypes.data, points=points, shadow=LAYOUT.shadow)
+        build_stack_walker(asm, directory=self.directory.ctypes.data, shadow=LAYOUT.shadow)
         walker = area.place(lambda at: asm.encode(at)[0])
         area.add_fixups(asm.encode(walker)[1])
         self.out = np.zeros(64, dtype=np.uint64)
@@ -260,9 +260,9 @@ def test_a_hostile_directory_is_not_read_past_its_bounds(area: NativeArea) -> No
     scene.directory[0] = MAX_MODULES + 1
     assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
     scene.directory[0] = 1
-    scene.directory[6] = 1 << 30  # rows: more than any table has
+    scene.directory[7] = 1 << 30  # rows: more than any table has
     assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
-    scene.directory[6] = len(ROWS)
+    scene.directory[7] = len(ROWS)
     scene.blocks[:] = 0xFFFF_FFFF  # bounds past the table: the search stays within it
     scene.stack[100] = MODULE + 0x310
     assert scene.walk(MODULE + 0x100, scene.at(100), 0)[0][0] == MODULE + 0x100
@@ -280,6 +280,9 @@ def test_return_addresses_through_the_trampoline(area: NativeArea) -> None:
     assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100, MODULE + 0x310], False)
     scene.stack[100] = trampoline.point(3) + 1
     assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+    scene.stack[100] = trampoline.point(3)
+    scene.directory[1] = 0  # (a trampoline the directory does not name yet: its entry point is a frame)
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[0][:2] == [MODULE + 0x100, trampoline.point(3)]
 
 
 def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
@@ -296,7 +299,7 @@ def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, prob
     """A function u64 f(sp, bp) that counts a hit at MODULE+0x100 by its stack, rsp and rbp
     the given ones (the scene's stack) while it runs."""
     asm = Asm()
-    build_stack_walker(asm, directory=scene.directory.ctypes.data, points=None, shadow=LAYOUT.shadow)
+    build_stack_walker(asm, directory=scene.directory.ctypes.data, shadow=LAYOUT.shadow)
     walker = area.place(lambda at: asm.encode(at)[0])
     area.add_fixups(asm.encode(walker)[1])
     body = Asm()

@@ -89,6 +89,7 @@ class ReturnsEngine(Engine, Protocol):
     def symbol_resolver_for(self, probe: Probe, proc: TracedProcess) -> Callable[[str], int | None]: ...
     def tsc_mult(self) -> int: ...
     def tsc_to_ns(self, ticks: int) -> int: ...
+    def trampoline_made(self, proc: TracedProcess) -> None: ...
 
 
 # Where the unwinder starts reading return addresses: exceptions (throw, a cleanup's resume,
@@ -182,6 +183,7 @@ class ReturnProbes:
             proc.tracee.journal.record_returns(proc.pid, trampoline.points, layout.shadow)
         self._add_stub(proc, stub_trap, stub_code[stub_trap - stub :])
         self.hook_unwinders(proc, read_maps(proc.pid))
+        self.engine.trampoline_made(proc)
         _debug(f"pid {proc.pid}: return trampoline at {at:#x}, {size} bytes")
         return proc.returns
 

@@ -31,7 +31,7 @@ from dynprobe.core.patching import Patcher
 from dynprobe.core.probe import Hit, Probe, ProbeEvent, Site
 from dynprobe.core.processes import ProcessTable, exe_of
 from dynprobe.core.returns import ReturnProbes
-from dynprobe.core.stackmaps import StackMaps
+from dynprobe.core.stackmaps import STACK_SLOTS, StackMaps
 from dynprobe.core.stacks import Stack, walk
 from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
@@ -306,6 +306,9 @@ class Runtime:
             raise ProcessError(f"pid {hit.pid} has ended: its stacks are read while a handler runs")
         return self._walk(proc, hit.tid, hit.regs, hit.probe, site=hit.address, max_frames=max_frames)
 
+    def trampoline_made(self, proc: TracedProcess) -> None:
+        self.stackmaps.trampoline_made(proc)
+
     def stack_at(self, pid: int, address: int) -> Stack | None:
         return self.stackmaps.stack_at(pid, address)
 
@@ -315,7 +318,10 @@ class Runtime:
     def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> Stack:
         """A hit counted by its stack at a stop (the probe's actions not run in the target)."""
         stack = self._walk(proc, tid, regs, probe, site=site, max_frames=probe.stack_frames)
-        probe.trap_stacks[stack] += 1
+        if stack in probe.trap_stacks or len(probe.trap_stacks) < STACK_SLOTS:  # (bounded as the target's table)
+            probe.trap_stacks[stack] += 1
+        else:
+            probe.trap_missed += 1
         return stack
 
     def _walk(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe, *, site: int, max_frames: int) -> Stack:

@@ -11,6 +11,7 @@ maps the process had (core/stacks.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 from collections import Counter
@@ -28,6 +29,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     DIR_COUNT,
     DIR_ENTRIES,
     DIR_ENTRY,
+    DIR_POINTS,
     DIR_SIZE,
     EXACT_FRAME,
     FRAME_ADDRESS,
@@ -50,6 +52,7 @@ from dynprobe.core.stacks import Stack, named
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused, SymbolError
+from dynprobe.ptrace.process import SYS_MUNMAP
 from dynprobe.ringbuf import layout as L
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping
@@ -91,6 +94,7 @@ class _Shared:
     modules: dict[str, _Module | None] = field(default_factory=dict)  # by path (None: no rows)
     listed: list[Mapping] = field(default_factory=list)  # the directory's entries
     maps: dict[int, Mapping] = field(default_factory=dict)  # every executable mapping seen, by start
+    owner: int = 0  # the process whose maps the directory follows (a fork child's are not)
     pids: set[int] = field(default_factory=set)  # the processes that share it
     named: dict[int, Stack] = field(default_factory=dict)  # the stacks of slots read so far, by slot
 
@@ -106,12 +110,14 @@ class StackMaps:
         self.engine = engine
         self._of: dict[TracedProcess, _Shared] = {}
         self._ended: list[_Shared] = []  # of processes gone: their counts are still read
+        self._refused: dict[TracedProcess, OptimizeRefusal] = {}  # (tried once per process)
 
     def program(self, proc: TracedProcess, probe: Probe, program: Program) -> Program | OptimizeRefusal:
         """`program` counting by stack too, in `proc` (set up there on first use, through a
         stopped thread)."""
-        shared = self._of.get(proc) or self._set_up(proc)
+        shared = self._of.get(proc) or self._refused.get(proc) or self._set_up(proc)
         if isinstance(shared, OptimizeRefusal):
+            self._refused[proc] = shared
             return shared
         loc = probe.location
         at_entry = loc.function is not None and loc.function.addr == loc.vaddr
@@ -129,22 +135,33 @@ class StackMaps:
         except (SharedMemoryRefused, ProcessError, OSError) as exc:
             _debug(f"pid {proc.pid}: no table of stacks: {exc}")
             return OptimizeRefusal.SHARED_MEMORY
-        points = proc.returns.trampoline.points if proc.returns is not None else None
 
         def build(at: int) -> Detour:
             asm = Asm()
-            build_stack_walker(asm, directory=region, points=points, shadow=self.engine.layout.shadow)
+            build_stack_walker(asm, directory=region, shadow=self.engine.layout.shadow)
             code, fixups = asm.encode(at)
             return Detour(code, fixups, len(code))
 
-        placed = place_code(functools.partial(self.engine.allocate_slot, proc), proc, region, build)
+        placed = place_code(functools.partial(self.engine.allocate_slot, proc), proc, stub, build)
         if isinstance(placed, OptimizeRefusal):
+            view.close()
+            with contextlib.suppress(ProcessError, OSError):
+                proc.tracee.remote_syscall(tid, stub, SYS_MUNMAP, region, _REGION)
             return placed
         walker, built = placed
         proc.fixups.update(built.fixups)
-        shared = self._of[proc] = _Shared(walker, region, view, pids={proc.pid})
+        shared = self._of[proc] = _Shared(walker, region, view, owner=proc.pid, pids={proc.pid})
         self._list_modules(proc, shared, tid, self.engine.maps_of(proc.pid))
+        self.trampoline_made(proc)
         return shared
+
+    def trampoline_made(self, proc: TracedProcess) -> None:
+        """`proc` has a return trampoline now (maybe after its walker was made): the walker
+        finds it in the directory."""
+        shared = self._of.get(proc)
+        if shared is not None and proc.returns is not None:
+            words = np.frombuffer(shared.view, dtype=np.uint64, count=DIR_BYTES // 8)
+            words[DIR_POINTS // 8] = proc.returns.trampoline.points
 
     def _list_modules(self, proc: TracedProcess, shared: _Shared, tid: int | None, maps: list[Mapping]) -> None:
         """The directory as `maps` say: a module that went has its range emptied (a walk in it
@@ -226,19 +243,26 @@ class StackMaps:
             shared.pids.add(child.pid)
 
     def let_go(self, child: TracedProcess) -> None:
-        self._of.pop(child, None)
+        shared = self._of.pop(child, None)
+        if shared is not None:
+            shared.pids.discard(child.pid)
 
     def forget_image(self, proc: TracedProcess) -> None:
+        self._refused.pop(proc, None)
         shared = self._of.pop(proc, None)
         if shared is not None:
+            shared.pids.discard(proc.pid)
             self._ended.append(shared)
 
     def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         pass
 
     def modules_changed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
+        """The directory follows its owner's maps: a fork child shares the directory (the same
+        memory) and leaves it as its parent's (what the child alone maps is walked by frame
+        pointers; what the parent maps later may be code of another file in the child)."""
         shared = self._of.get(proc)
-        if shared is not None:
+        if shared is not None and proc.pid == shared.owner:
             tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
             self._list_modules(proc, shared, tid, maps)
 
@@ -254,7 +278,9 @@ class StackMaps:
     def stack_at(self, pid: int, address: int) -> Stack | None:
         """The stack in the slot at `address` of the table of process `pid` (a record's: the
         target wrote it), if that is a ready slot."""
-        shared = next((s for s in self._distinct() if pid in s.pids), None)
+        self._distinct()  # (the table of a process traced now, else of the last one gone with that pid)
+        live = [s for p, s in self._of.items() if p.pid == pid]
+        shared = next(iter(live), None) or next((s for s in reversed(self._ended) if pid in s.pids), None)
         if shared is None:
             return None
         slot, rest = divmod(address - shared.region - _TABLE_AT, SLOT_SIZE)
@@ -263,6 +289,10 @@ class StackMaps:
         return self._named(shared, slot)
 
     def _distinct(self) -> list[_Shared]:
+        """Every table once, of processes traced or gone (those that ended move to `_ended`)."""
+        for proc in [p for p in self._of if p.status is not None]:
+            self._ended.append(self._of.pop(proc))  # (its pid kept: its last records may come)
+        self._refused = {p: r for p, r in self._refused.items() if p.status is None}
         return list({id(s): s for s in [*self._of.values(), *self._ended]}.values())
 
     @staticmethod

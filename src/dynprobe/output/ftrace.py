@@ -76,7 +76,7 @@ def ftrace_lines(columns: EventColumns) -> list[str]:
 def _stack_lines(stack: Stack | None) -> str:
     """The stack after its event's line, as ftrace prints a user stack trace: ` => frame` a line."""
     if stack is None:
-        return "\n => (no stack: the table of stacks was full)"
+        return "\n => (no stack: none was stored for this hit)"
     return "".join(f"\n => {line}" for line in str(stack).splitlines())
 
 

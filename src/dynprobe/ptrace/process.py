@@ -666,21 +666,30 @@ def spawn(
         raise ProcessError("no command given")
     go_r, go_w = os.pipe()
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    with signals_blocked() as mask:
-        pid = os.fork()
-        if pid == 0:
-            os.close(go_w)
-            os.close(err_r)
-            _spawn_child(argv, env, go_r, err_w, (stdin, stdout, stderr), mask=mask)
-    os.close(go_r)
-    os.close(err_w)
-    try:  # (closing go_w unsaid, as an interrupt here does, has the child end: see _spawn_child)
+    pid = 0
+    try:
+        with signals_blocked() as mask:  # (a Ctrl-C then lands below, where it is undone)
+            pid = os.fork()
+            if pid == 0:
+                os.close(go_w)
+                os.close(err_r)
+                _spawn_child(argv, env, go_r, err_w, (stdin, stdout, stderr), mask=mask)
+            os.close(go_r)
+            os.close(err_w)
         sc.seize(pid, TRACE_OPTIONS)
         os.write(go_w, b"g")
-    except OSError as exc:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise _ptrace_error(exc, pid) from exc
+    except BaseException as exc:
+        if pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        else:  # (the fork failed: both ends are ours)
+            os.close(go_r)
+            os.close(err_w)
+        os.close(err_r)
+        if isinstance(exc, OSError) and pid:
+            raise _ptrace_error(exc, pid) from exc
+        raise
     finally:
         os.close(go_w)
     while True:

@@ -423,8 +423,10 @@ class ElfImage:
                 # (named by a symbol without a size in the range, if one is: __restore_rt)
                 i = bisect.bisect_right(self._starts, vaddr)
                 if i and self._starts[i - 1] >= start:
-                    named = self.functions[bisect.bisect_left(self._starts, self._starts[i - 1])]
-                    return Function(named.name, named.addr, end - named.addr)
+                    first = bisect.bisect_left(self._starts, self._starts[i - 1])
+                    named = next((f for f in self.functions[first:i] if not f.size), None)
+                    if named is not None:
+                        return Function(named.name, named.addr, end - named.addr)
                 return Function(f"fde_{start:x}", start, end - start)
         return None
 
@@ -441,7 +443,8 @@ class ElfImage:
                         elf = _Elf(io.BytesIO(read_regular(path, MAX_FILE_SIZE)))
                     for name in (".eh_frame", ".debug_frame"):
                         section = elf.get_section_by_name(name)
-                        if section is not None and section["sh_type"] == "SHT_PROGBITS" and section["sh_size"]:
+                        # (not NOBITS: a debug file's copy; lld's .eh_frame is SHT_X86_64_UNWIND)
+                        if section is not None and section["sh_type"] != "SHT_NOBITS" and section["sh_size"]:
                             return compile_cfi(section.data(), section["sh_addr"], debug_frame=name == ".debug_frame")
             except (OSError, ElfError) as exc:
                 _debug(f"{path}: no unwind table read: {exc}")

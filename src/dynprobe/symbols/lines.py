@@ -23,7 +23,7 @@ from dynprobe.output.files import read_regular
 from dynprobe.symbols.elf import MAX_FILE_SIZE, load_elf
 
 _UNREADABLE = (ELFError, DWARFError, ConstructError, KeyError, ValueError, IndexError, AssertionError,
-               OverflowError, TypeError, AttributeError, OSError, DynprobeError)  # fmt: skip
+               OverflowError, TypeError, AttributeError, ZeroDivisionError, OSError, DynprobeError)  # fmt: skip
 
 
 class _Lines:
@@ -65,7 +65,7 @@ class _Lines:
         return [a for a, _ in rows], [line for _, line in rows]
 
 
-@functools.cache
+@functools.lru_cache(maxsize=32)  # (a file's DWARF is held while it is used: not every file's forever)
 def _lines_of(path: str) -> _Lines | None:
     try:
         image = load_elf(path)

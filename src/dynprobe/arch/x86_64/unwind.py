@@ -285,6 +285,8 @@ def _execute(reader: _Reader, state: _State, cie: _Cie, *, initial: _State | Non
             pass
         elif op == 0x01:  # set_loc
             target = reader.pointer(cie.fde_encoding, section_vaddr) if section_vaddr is not None else reader.take(8)
+            if target < at:
+                raise _Malformed  # (rows go forward: the tables are searched in order)
             emit(at, state)
             at = target
         elif op in (0x02, 0x03, 0x04):  # advance_loc1/2/4
@@ -521,7 +523,7 @@ class Frame(NamedTuple):
 # The interrupted registers of a signal frame: in the ucontext_t at rsp when the handler has
 # returned to __restore_rt, at uc_mcontext.gregs (REG_RBP 10, REG_RSP 15, REG_RIP 16).
 UCONTEXT_GREGS = 40
-_GREG_RBP, _GREG_RSP, _GREG_RIP = 10, 15, 16
+GREG_RBP, GREG_RSP, GREG_RIP = 10, 15, 16
 
 
 def step(frame: Frame, row: Row | None, read_u64: Callable[[int], int]) -> Frame | None:
@@ -537,8 +539,8 @@ def step(frame: Frame, row: Row | None, read_u64: Callable[[int], int]) -> Frame
             return None
         if row.kind == Kind.SIGNAL:
             gregs = frame.sp + UCONTEXT_GREGS
-            return Frame(read_u64(gregs + 8 * _GREG_RIP), read_u64(gregs + 8 * _GREG_RSP),
-                         read_u64(gregs + 8 * _GREG_RBP), exact=True)  # fmt: skip
+            return Frame(read_u64(gregs + 8 * GREG_RIP), read_u64(gregs + 8 * GREG_RSP),
+                         read_u64(gregs + 8 * GREG_RBP), exact=True)  # fmt: skip
         if row.kind == Kind.PLT:
             cfa = frame.sp + row.cfa_offset + (8 if frame.pc & 15 >= row.bp_offset else 0)
             return Frame(read_u64(cfa - 8), cfa, frame.bp, exact=False)

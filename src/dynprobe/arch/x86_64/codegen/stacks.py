@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.codegen.asm import Asm, C, R, gs_at, mem_at
-from dynprobe.arch.x86_64.codegen.records import entry_of_point
-from dynprobe.arch.x86_64.unwind import RSP, UCONTEXT_GREGS, BpRule, Kind, Row, pack
+from dynprobe.arch.x86_64.unwind import GREG_RBP, GREG_RIP, GREG_RSP, RSP, UCONTEXT_GREGS, BpRule, Kind, Row, pack
 from dynprobe.ringbuf import layout as L
 
 if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
@@ -33,7 +32,7 @@ if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the val
     from iced_x86._iced_x86_py import Register as RegisterT
 
 # The directory of modules in the target: a u64 count, then entries of these u64 fields.
-DIR_COUNT, DIR_ENTRIES = 0, 8
+DIR_COUNT, DIR_POINTS, DIR_ENTRIES = 0, 8, 16  # (POINTS: the return trampoline's entry point 0, 0: none)
 DIR_START, DIR_SIZE, DIR_BASE, DIR_IPS, DIR_ROWS, DIR_ROW_COUNT, DIR_BLOCKS, DIR_BLOCK_COUNT = range(0, 64, 8)
 DIR_ENTRY = 64  # bytes of an entry: the module's runtime [start, start+size), the runtime
 # address its table's u32 addresses are offsets from, where its u32 addresses and its u64 rows
@@ -53,13 +52,12 @@ SLOT_READY = 1 << 32
 MAX_STACK_FRAMES = 127  # as bpftrace's ustack
 SLOT_SIZE = SLOT_FRAMES + 8 * MAX_STACK_FRAMES
 TABLE_PROBES = 32  # slots looked at for a stack, from its hash's (open addressing)
-HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a frame's address changes every bit)
+HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a table's slot is the hash's top bits)
 CUT = 1 << 63
 AT_ENTRY = 1 << 62  # in r8 with the frames: the first frame is a function's first instruction
 EXACT_FRAME = 1 << 63
 MODULE_SHIFT = 48  # (user-space addresses are below 2^47)
 FRAME_ADDRESS = (1 << MODULE_SHIFT) - 1
-_GREG_RBP, _GREG_RSP, _GREG_RIP = 10, 15, 16
 # flags in r11
 _EXACT, _BP_LOST, _CUT, _ENTRY = 1, 2, 4, 8
 
@@ -77,9 +75,9 @@ def _reg_imm(code: CodeT, reg: RegisterT, value: int) -> iced.Instruction:
     return iced.Instruction.create_reg_i32(code, reg, value)
 
 
-def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: int) -> None:
+def build_stack_walker(asm: Asm, *, directory: int, shadow: int) -> None:
     """The routine (see the module's docstring), `directory` the address of the modules'
-    directory, `points` the return trampoline's entry point 0 (None: the process has none),
+    directory (with the return trampoline's entry point 0, made after the walker maybe),
     `shadow` the shadow stack's offset in the thread area."""
     callee_saved = (R.RBX, R.R12, R.R13, R.R14, R.R15)
     frame, no_store, modules, no_module, found, record, search, less, searched = (asm.label() for _ in range(9))
@@ -284,9 +282,9 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     # A signal frame: the interrupted registers, from the ucontext at rsp
     asm.bind(signal)
     gregs = UCONTEXT_GREGS
-    asm.add(_mov(R.RBX, mem_at(R.R9, gregs + 8 * _GREG_RIP)), fault=cut)
-    asm.add(_mov(R.R10, mem_at(R.R9, gregs + 8 * _GREG_RBP)), fault=cut)
-    asm.add(_mov(R.R9, mem_at(R.R9, gregs + 8 * _GREG_RSP)), fault=cut)
+    asm.add(_mov(R.RBX, mem_at(R.R9, gregs + 8 * GREG_RIP)), fault=cut)
+    asm.add(_mov(R.R10, mem_at(R.R9, gregs + 8 * GREG_RBP)), fault=cut)
+    asm.add(_mov(R.R9, mem_at(R.R9, gregs + 8 * GREG_RSP)), fault=cut)
     asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~(_BP_LOST | _ENTRY)))
     asm.add(_reg_imm(C.OR_RM64_IMM8, R.R11, _EXACT))
     asm.jump(C.JMP_REL32_64, caller)
@@ -296,20 +294,30 @@ def build_stack_walker(asm: Asm, *, directory: int, points: int | None, shadow: 
     asm.bind(to_caller)
     asm.add(_reg_imm(C.AND_RM64_IMM8, R.R11, ~(_EXACT | _ENTRY)))
     asm.bind(caller)
-    if points is not None:
-        again = asm.label()
-        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ESI, L.SHADOW_CAPACITY))  # (a loop bound)
-        asm.bind(again)
-        asm.add(_mov(R.RAX, R.RBX))
-        entry_of_point(asm, points, translated)
-        asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RDX, L.SHADOW_CAPACITY * L.SHADOW_ENTRY))
-        asm.jump(C.JAE_REL32_64, cut)
-        asm.add(_reg_imm(C.TEST_RM32_IMM32, R.EDX, L.SHADOW_ENTRY - 1))
-        asm.jump(C.JNE_REL32_64, cut)  # (not an entry point's offset: rbx was inside one)
-        asm.add(_mov(R.RBX, gs_at(shadow + L.ENTRY_RET, R.RDX)), fault=cut)
-        asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.ESI))
-        asm.jump(C.JNE_REL32_64, again)
-        asm.jump(C.JMP_REL32_64, cut)
+    # rbx a return address: if it is entry point k of the trampoline (entry point 0 + k * STRIDE),
+    # the original its shadow entry holds (through a chain of them); one inside an entry point
+    # (not at its start) ends the walk
+    again = asm.label()
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ESI, L.SHADOW_CAPACITY))  # (a loop bound)
+    asm.bind(again)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, directory))
+    asm.add(_mov(R.RDX, mem_at(R.RCX, DIR_POINTS)), fault=cut)
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDX, R.RDX))
+    asm.jump(C.JE_REL32_64, translated)
+    asm.add(_mov(R.RAX, R.RBX))
+    asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RAX, R.RDX))
+    asm.add(_reg_imm(C.CMP_RM64_IMM32, R.RAX, L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE))
+    asm.jump(C.JAE_REL32_64, translated)
+    asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDX, R.EDX))
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, L.TRAMPOLINE_STRIDE))
+    asm.add(iced.Instruction.create_reg(C.DIV_RM64, R.RCX))  # rax = k, rdx = within the entry point
+    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RDX, R.RDX))
+    asm.jump(C.JNE_REL32_64, cut)
+    asm.add(_reg_imm(C.SHL_RM64_IMM8, R.RAX, L.SHADOW_ENTRY.bit_length() - 1))
+    asm.add(_mov(R.RBX, gs_at(shadow + L.ENTRY_RET, R.RAX)), fault=cut)
+    asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.ESI))
+    asm.jump(C.JNE_REL32_64, again)
+    asm.jump(C.JMP_REL32_64, cut)  # (a loop of entries: the target wrote them)
     asm.bind(translated)
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RBX, R.RBX))
     asm.jump(C.JE_REL32_64, done)  # (a zero return address: the outermost frame)
@@ -341,8 +349,9 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     walker then runs again to store its frames), or, when none is free where it looks, to the
     probe's missed hits (gs:[`missed`]). The slot's address is left in gs:[STACK_SLOT] (0: none)
     for the hit's record."""
+    assert slots >= 2 and not slots & (slots - 1), "a power of two, 2 or more"
     kept = (R.R8, R.R9, R.R10, R.R11)
-    probe, claim, claimed, counted, following, done = (asm.label() for _ in range(6))
+    probe, claimed, counted, following, done = (asm.label() for _ in range(5))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.STACK_SLOT), 0))
     for reg in kept:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
@@ -366,8 +375,8 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     walk(store=False)
     asm.add(_mov(R.R8, R.RAX))
     asm.add(_reg_imm(C.OR_RM64_IMM8, R.R8, 1))  # the key
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ECX, R.EAX))
-    asm.add(_reg_imm(C.AND_RM32_IMM32, R.ECX, slots - 1))
+    asm.add(_mov(R.RCX, R.RAX))
+    asm.add(_reg_imm(C.SHR_RM64_IMM8, R.RCX, 64 - (slots.bit_length() - 1)))  # (the hash's top bits)
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R10D, TABLE_PROBES))
     asm.bind(probe)
     asm.add(iced.Instruction.create_reg_reg_i32(C.IMUL_R64_RM64_IMM32, R.RSI, R.RCX, SLOT_SIZE))
@@ -378,7 +387,7 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     asm.jump(C.JE_REL32_64, counted)
     asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
     asm.jump(C.JNE_REL32_64, following)
-    asm.bind(claim)  # rax 0: the slot is ours if it still is
+    # rax 0: the slot is ours if it still is
     cmpxchg = iced.Instruction.create_mem_reg(C.CMPXCHG_RM64_R64, mem_at(R.RSI, SLOT_KEY), R.R8)
     cmpxchg.has_lock_prefix = True
     asm.add(cmpxchg, fault=done)
