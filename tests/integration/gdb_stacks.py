@@ -1,9 +1,10 @@
 """Run inside gdb (`gdb -batch -x gdb_stacks.py --args PROGRAM`): at each call of `leaf` (its
 first instruction), the stack as gdb unwinds it, one JSON line per hit on the file named by
-$DYNPROBE_GDB_OUT: [[file, offset in file, "source:line" or null], ...] for each frame,
-innermost first, down to _start. Left out: inlined frames and the tail calls gdb infers from
-DWARF's call sites, which have no frame of their own on the stack; a frame's line is that of
-the innermost function inlined there (where its code is)."""
+$DYNPROBE_GDB_OUT: {"physical": [[file, offset in file, "source:line" or null], ...],
+"all": [[inlined, function, "source:line" or null], ...]}, innermost first, down to _start.
+"physical" leaves out inlined frames, its lines those of the innermost function inlined there
+(where the code is); both leave out the tail calls gdb infers from DWARF's call sites, which
+have no frame on the stack."""
 
 import json
 import os
@@ -28,6 +29,10 @@ def where(maps: list[tuple[int, int, int, str]], pc: int) -> list[object]:
     return ["", pc]
 
 
+def line_of(sal: gdb.Symtab_and_line) -> str | None:
+    return f"{os.path.basename(sal.symtab.filename)}:{sal.line}" if sal.symtab and sal.line else None
+
+
 for command in (
     "set pagination off",
     "set confirm off",
@@ -41,15 +46,16 @@ for command in (
 with open(os.environ["DYNPROBE_GDB_OUT"], "w") as out:
     while gdb.selected_inferior().pid:
         maps = mappings(gdb.selected_inferior().pid)
-        frame, stack, sal = gdb.newest_frame(), [], None
+        frame, stack, every, sal = gdb.newest_frame(), [], [], None
         while frame is not None:
             kind = frame.type()
             if kind != gdb.TAILCALL_FRAME:
-                sal = sal or frame.find_sal()
+                own = frame.find_sal()
+                every.append([kind == gdb.INLINE_FRAME, frame.name(), line_of(own)])
+                sal = sal or own
                 if kind != gdb.INLINE_FRAME:
-                    line = f"{os.path.basename(sal.symtab.filename)}:{sal.line}" if sal.symtab and sal.line else None
-                    stack.append([*where(maps, frame.pc()), line])
+                    stack.append([*where(maps, frame.pc()), line_of(sal)])
                     sal = None
             frame = frame.older()
-        out.write(json.dumps(stack) + "\n")
+        out.write(json.dumps({"physical": stack, "all": every}) + "\n")
         gdb.execute("continue", to_string=True)

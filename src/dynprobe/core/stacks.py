@@ -10,6 +10,7 @@ read or is not code; every read is bounded (the target's stack is untrusted).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from dynprobe.arch.x86_64.unwind import RSP, BpRule, Frame, Kind, Row, step
 from dynprobe.errors import SymbolError
 from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import ElfImage, load_elf
-from dynprobe.symbols.lines import source_line
+from dynprobe.symbols.lines import inlined_at, source_line
 from dynprobe.symbols.maps import Mapping, mapping_at
 
 MAX_FRAMES = 127  # as bpftrace's ustack (perf_event_max_stack)
@@ -37,6 +38,8 @@ class StackFrame:
     symbol: str | None = None  # as the file names it (mangled)
     offset: int = 0  # from the symbol's start
     named_at: int | None = None  # the link-time address it is named by (a return address: the call's)
+    inlined: bool = False  # a function inlined there (DWARF's): no frame of its own on the stack
+    call_site: str | None = None  # `file:line` where the function inlined in it was called, if one is
 
     @property
     def function(self) -> str | None:
@@ -45,9 +48,10 @@ class StackFrame:
 
     @property
     def line(self) -> str | None:
-        """`file:line` of its code (of the call, for a return address), when DWARF says."""
-        if self.module is None or self.named_at is None:
-            return None
+        """`file:line` of its code (of the call, for a return address; where the function
+        inlined in it was called, if one is), when DWARF says."""
+        if self.call_site is not None or self.module is None or self.named_at is None:
+            return self.call_site
         return source_line(self.module, self.named_at)
 
     def __str__(self) -> str:
@@ -56,7 +60,8 @@ class StackFrame:
             return f"{self.address:#x}{where}"
         line = self.line
         at = f" at {line}" if line is not None else ""
-        return f"{self.function}{f'+{self.offset:#x}' if self.offset else ''}{where}{at}"
+        how = " [inlined]" if self.inlined else f"+{self.offset:#x}" if self.offset else ""
+        return f"{self.function}{how}{where}{at}"
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ def walk(
     frame: Frame | None = Frame(int(regs.rip), int(regs.rsp), int(regs.rbp), exact=True)
     frames: list[StackFrame] = []
     cut = False
+    walked = 0
     while frame is not None:
         module = _module_at(maps, frame.pc, modules)
         if module is None:
@@ -141,8 +147,9 @@ def walk(
         row = _row(module, frame.lookup)
         if row is None and at_entry and not frames:
             row = Row(Kind.CFA, RSP, 8, BpRule.SAME, 0)
-        frames.append(_frame(module, frame.pc, exact=frame.exact))
-        if len(frames) >= max_frames:
+        frames += _frames(module, frame.pc, exact=frame.exact)
+        walked += 1
+        if walked >= max_frames:
             cut = True
             break
         caller = step(frame, row, memory.u64)
@@ -189,6 +196,23 @@ def _row(module: _Module, pc: int) -> Row | None:
     return module.image.unwind_table.find(vaddr) if module.image is not None and vaddr is not None else None
 
 
+def _frames(module: _Module, pc: int, *, exact: bool) -> list[StackFrame]:
+    """The frame at `pc`, after the frames of the functions DWARF says are inlined there
+    (innermost first, as gdb shows them)."""
+    frame = _frame(module, pc, exact=exact)
+    if frame.module is None or frame.named_at is None:
+        return [frame]
+    chain = inlined_at(frame.module, frame.named_at)
+    if not chain:
+        return [frame]
+    inlined = [
+        StackFrame(pc, frame.module, name, 0, frame.named_at, inlined=True,
+                   call_site=chain[k + 1][1] if k + 1 < len(chain) else None)
+        for k, (name, _) in reversed(list(enumerate(chain)))
+    ]  # fmt: skip
+    return [*inlined, dataclasses.replace(frame, call_site=chain[0][1])]
+
+
 def _frame(module: _Module, pc: int, *, exact: bool) -> StackFrame:
     """The frame at `pc`, named by the function of its lookup address (a return address: the
     call before it, which may be its function's last instruction; but a signal's trampoline
@@ -213,5 +237,5 @@ def named(frames: Sequence[tuple[int, bool, Mapping | None]], cut: bool, maps: l
     out = []
     for pc, exact, mapping in frames:
         module = _module_of(mapping) if mapping is not None else _module_at(maps, pc, modules)
-        out.append(_frame(module, pc, exact=exact) if module is not None else StackFrame(pc))
+        out += _frames(module, pc, exact=exact) if module is not None else [StackFrame(pc)]
     return Stack(tuple(out), cut)

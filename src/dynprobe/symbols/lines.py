@@ -1,9 +1,11 @@
-"""Source lines of code addresses, from DWARF line tables (`file:line` in stacks).
+"""Source lines of code addresses, and the functions inlined there, from DWARF (stacks).
 
 A file's own debug information, or its separate debug file's (`ElfImage.debug_file`). Looked
 up lazily and by compilation unit: .debug_aranges says which unit holds an address, and only
 that unit's line program is decoded (libc's whole table would take seconds; one unit takes
-milliseconds). A file is untrusted: anything pyelftools cannot read is no line, never an error.
+milliseconds); the functions inlined at an address come from that unit's DIEs (its
+DW_TAG_inlined_subroutine entries whose ranges hold it). A file is untrusted: anything
+pyelftools cannot read is no line, never an error.
 """
 
 from __future__ import annotations
@@ -14,55 +16,137 @@ import io
 
 from elftools.common.exceptions import DWARFError, ELFError
 from elftools.construct.core import ConstructError
+from elftools.dwarf.die import DIE
 from elftools.dwarf.dwarfinfo import DWARFInfo
+from elftools.dwarf.ranges import BaseAddressEntry, RangeEntry
 from elftools.elf.elffile import ELFFile
 
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import DynprobeError
 from dynprobe.output.files import read_regular
+from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import MAX_FILE_SIZE, load_elf
 
 _UNREADABLE = (ELFError, DWARFError, ConstructError, KeyError, ValueError, IndexError, AssertionError,
                OverflowError, TypeError, AttributeError, ZeroDivisionError, OSError, DynprobeError)  # fmt: skip
 
 
-class _Lines:
-    """One file's DWARF: its units' line tables, decoded as they are asked for."""
+_MAX_DEPTH = 64  # DIEs nested in a unit that a lookup goes into (a file's own may nest without end)
 
-    def __init__(self, dwarf: DWARFInfo) -> None:
-        self.dwarf = dwarf
-        self.aranges = dwarf.get_aranges()
-        self.units: dict[int, tuple[list[int], list[tuple[str, int]]]] = {}
 
-    def at(self, vaddr: int) -> tuple[str, int] | None:
-        offset = self.aranges.cu_offset_at_addr(vaddr) if self.aranges is not None else None
-        if offset is None:
-            return None
-        if offset not in self.units:
-            self.units[offset] = self._unit(offset)
-        addresses, lines = self.units[offset]
-        i = bisect.bisect_right(addresses, vaddr) - 1
-        return lines[i] if i >= 0 else None
+class _Unit:
+    """One compilation unit: its line table by address, and its file names."""
 
-    def _unit(self, offset: int) -> tuple[list[int], list[tuple[str, int]]]:
-        """The unit's rows by address: (file, line) from each row's address on."""
-        unit = self.dwarf.get_CU_at(offset)
-        program = self.dwarf.line_program_for_CU(unit)
+    def __init__(self, dwarf: DWARFInfo, offset: int) -> None:
+        self.cu = dwarf.get_CU_at(offset)
+        self.files: list[str] = []
+        self.first_file = 1
+        self.addresses: list[int] = []
+        self.lines: list[tuple[str, int]] = []
+        program = dwarf.line_program_for_CU(self.cu)
         if program is None:
-            return [], []
+            return
         header = program.header
-        files = header["file_entry"]
-        first = 0 if header["version"] >= 5 else 1  # (file numbers: from 0 in DWARF 5, from 1 before)
+        self.files = [f.name.decode("utf-8", "replace") for f in header["file_entry"]]
+        self.first_file = 0 if header["version"] >= 5 else 1  # (file numbers: from 0 in DWARF 5, 1 before)
         rows: list[tuple[int, tuple[str, int]]] = []
         for entry in program.get_entries():
             state = entry.state
             if state is None or state.end_sequence:
                 continue
-            index = state.file - first
-            name = files[index].name.decode("utf-8", "replace") if 0 <= index < len(files) else "?"
-            rows.append((state.address, (name, state.line)))
+            rows.append((state.address, (self.file(state.file), state.line)))
         rows.sort(key=lambda row: row[0])
-        return [a for a, _ in rows], [line for _, line in rows]
+        self.addresses, self.lines = [a for a, _ in rows], [line for _, line in rows]
+
+    def file(self, number: int) -> str:
+        index = number - self.first_file
+        return self.files[index] if 0 <= index < len(self.files) else "?"
+
+
+class _Lines:
+    """One file's DWARF: its units, decoded as they are asked for."""
+
+    def __init__(self, dwarf: DWARFInfo) -> None:
+        self.dwarf = dwarf
+        self.aranges = dwarf.get_aranges()
+        self.units: dict[int, _Unit] = {}
+        self.range_lists = dwarf.range_lists()
+
+    def unit(self, vaddr: int) -> _Unit | None:
+        offset = self.aranges.cu_offset_at_addr(vaddr) if self.aranges is not None else None
+        if offset is None:
+            return None
+        if offset not in self.units:
+            self.units[offset] = _Unit(self.dwarf, offset)
+        return self.units[offset]
+
+    def at(self, vaddr: int) -> tuple[str, int] | None:
+        unit = self.unit(vaddr)
+        if unit is None:
+            return None
+        i = bisect.bisect_right(unit.addresses, vaddr) - 1
+        return unit.lines[i] if i >= 0 else None
+
+    def inlined(self, vaddr: int) -> list[tuple[str, str | None]]:
+        """The functions inlined at `vaddr`, outermost first: (name, where it was called from
+        as `file:line`)."""
+        unit = self.unit(vaddr)
+        if unit is None:
+            return []
+        chain: list[tuple[str, str | None]] = []
+        top = unit.cu.get_top_DIE()
+        base = top.attributes["DW_AT_low_pc"].value if "DW_AT_low_pc" in top.attributes else 0
+        die: DIE | None = top
+        depth = 0
+        while die is not None and depth < _MAX_DEPTH:
+            inside = next((child for child in die.iter_children() if child.tag in _SCOPES
+                           and self._holds(child, vaddr, base, unit)), None)  # fmt: skip
+            if inside is not None and inside.tag == "DW_TAG_inlined_subroutine":
+                attrs = inside.attributes
+                call = (f"{unit.file(attrs['DW_AT_call_file'].value)}:{attrs['DW_AT_call_line'].value}"
+                        if "DW_AT_call_file" in attrs and "DW_AT_call_line" in attrs else None)  # fmt: skip
+                chain.append((_name(inside), call))
+            die, depth = inside, depth + 1
+        return chain
+
+    def _holds(self, die: DIE, vaddr: int, base: int, unit: _Unit) -> bool:
+        attrs = die.attributes
+        if "DW_AT_low_pc" in attrs and "DW_AT_high_pc" in attrs:
+            low, high = attrs["DW_AT_low_pc"].value, attrs["DW_AT_high_pc"]
+            end = high.value if high.form == "DW_FORM_addr" else low + high.value
+            return bool(low <= vaddr < end)
+        if "DW_AT_ranges" not in attrs or self.range_lists is None:
+            return False
+        for entry in self.range_lists.get_range_list_at_offset(attrs["DW_AT_ranges"].value, cu=unit.cu):
+            if isinstance(entry, BaseAddressEntry):
+                base = entry.base_address
+                continue
+            begin, end = (0, 0) if not isinstance(entry, RangeEntry) else (entry.begin_offset, entry.end_offset)
+            if not entry.is_absolute:
+                begin, end = base + begin, base + end
+            if begin <= vaddr < end:
+                return True
+        return False
+
+
+_SCOPES = ("DW_TAG_subprogram", "DW_TAG_inlined_subroutine", "DW_TAG_lexical_block")
+
+
+def _name(die: DIE) -> str:
+    """An inlined function's name, as its abstract origin (or what that specifies) gives it:
+    the linkage name demangled, else the name."""
+    for _ in range(8):
+        attrs = die.attributes
+        for key in ("DW_AT_linkage_name", "DW_AT_MIPS_linkage_name"):
+            if key in attrs:
+                return display(attrs[key].value.decode("utf-8", "replace"))
+        if "DW_AT_name" in attrs:
+            return str(attrs["DW_AT_name"].value.decode("utf-8", "replace"))
+        origin = next((k for k in ("DW_AT_abstract_origin", "DW_AT_specification") if k in attrs), None)
+        if origin is None:
+            break
+        die = die.get_DIE_from_attribute(origin)
+    return "?"
 
 
 @functools.lru_cache(maxsize=32)  # (a file's DWARF is held while it is used: not every file's forever)
@@ -93,3 +177,17 @@ def source_line(path: str, vaddr: int) -> str | None:
         _debug(f"{path}: no line for {vaddr:#x}: {exc}")
         return None
     return f"{found[0]}:{found[1]}" if found is not None else None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def inlined_at(path: str, vaddr: int) -> tuple[tuple[str, str | None], ...]:
+    """The functions inlined at link-time address `vaddr` of the file at `path`, outermost
+    first, each with the `file:line` it was called from (none without DWARF)."""
+    lines = _lines_of(path)
+    if lines is None:
+        return ()
+    try:
+        return tuple(lines.inlined(vaddr))
+    except _UNREADABLE as exc:
+        _debug(f"{path}: no inlined functions for {vaddr:#x}: {exc}")
+        return ()
