@@ -133,12 +133,12 @@ _SCOPES = ("DW_TAG_subprogram", "DW_TAG_inlined_subroutine", "DW_TAG_lexical_blo
 
 
 def _name(die: DIE) -> str:
-    """An inlined function's name, as its abstract origin (or what that specifies) gives it:
-    the linkage name demangled, else the name."""
+    """An inlined function's name, as its abstract origin (or what that specifies) gives it,
+    as gdb shows it: a C++ linkage name demangled (qualified), else the name."""
     for _ in range(8):
         attrs = die.attributes
         for key in ("DW_AT_linkage_name", "DW_AT_MIPS_linkage_name"):
-            if key in attrs:
+            if key in attrs and attrs[key].value.startswith(b"_Z"):
                 return display(attrs[key].value.decode("utf-8", "replace"))
         if "DW_AT_name" in attrs:
             return str(attrs["DW_AT_name"].value.decode("utf-8", "replace"))
