@@ -423,6 +423,14 @@ def test_stacks_folded() -> None:
     assert thread.endswith(";start_thread;worker;leaf 1")
     r = dp("stacks", "-o", "-", "p leaf", "--", path)
     assert r.returncode == 0 and r.stdout.count("uprobes/p_leaf[\n        leaf (stacks_O2-nofp) at stacks.c:10\n") == 4
+    r = dp("stacks", "--folded", "--value", "why", "-o", "-", "p leaf why=%di:s32", "--", path)  # summed
+    assert r.returncode == 0 and sorted(line.rsplit(" ", 1)[1] for line in r.stdout.splitlines()) == [
+        "1",
+        "2",
+        "3",
+        "4",
+    ]
+    assert next(line for line in r.stdout.splitlines() if ";worker;" in line).endswith(";leaf 2")
 
 
 def test_trace_with_stacks(wordcount: str) -> None:

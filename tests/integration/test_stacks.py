@@ -304,3 +304,19 @@ def test_inlined_frames_are_gdbs(build: str, tmp_path: Path) -> None:
             if frame.line is not None and line is not None:
                 assert os.path.basename(frame.line) == line, str(stack)
     assert inlined or build not in ("O2", "cxx-O2")  # (-O2 inlines somewhere in these stacks)
+
+
+@pytest.mark.parametrize("mode", ["trap", "optimized"])
+def test_a_value_summed_by_stack(mode: str) -> None:
+    """`by="stack"` with a `value`: each stack's sum of it (leaf's argument says which way it
+    was reached), counted too; a value without by='stack' is a histogram's only."""
+    path = program("O2-nofp")
+    with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
+        session.optimize = mode != "trap"
+        probe = session.probe(f"p {path}:leaf why=%di:s32", by="stack", value="why")
+        with pytest.raises(dynprobe.SessionError, match="a value is for a histogram, or summed by stack"):
+            session.probe(f"p {path}:sorter n=%di", value="n")
+        assert session.run(timeout=60) == 0
+    sums = {stack[1].function: total for stack, total in probe.stack_sums.items()}
+    assert sums == {"compare": 1, "worker": 2, "__restore_rt": 3, "deep": 4}
+    assert sorted(probe.stacks.values()) == [1, 1, 1, 1]

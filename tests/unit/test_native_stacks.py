@@ -27,6 +27,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     SLOT_PROBE,
     SLOT_READY,
     SLOT_SIZE,
+    SLOT_SUM,
     build_stack_walker,
     emit_stack_count,
 )
@@ -295,9 +296,10 @@ def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
     assert not scene.out.any()
 
 
-def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, probe_index: int) -> int:
-    """A function u64 f(sp, bp) that counts a hit at MODULE+0x100 by its stack, rsp and rbp
-    the given ones (the scene's stack) while it runs."""
+def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, probe_index: int, *,
+             summing: bool = False) -> int:  # fmt: skip
+    """A function u64 f(sp, bp, value) that counts a hit at MODULE+0x100 by its stack, rsp and
+    rbp the given ones (the scene's stack) while it runs (`summing`: adding `value` up too)."""
     asm = Asm()
     build_stack_walker(asm, directory=scene.directory.ctypes.data, shadow=LAYOUT.shadow)
     walker = area.place(lambda at: asm.encode(at)[0])
@@ -308,9 +310,10 @@ def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, prob
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBX, R.RSP))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RDI))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBP, R.RSI))
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RDX))
     emit_stack_count(body, walker=walker, table=table.ctypes.data, slots=slots, max_frames=16,
                      probe_index=probe_index, site=MODULE + 0x100, frame=0,
-                     missed=LAYOUT.counter(probe_index, L.MISSED), at_entry=False)  # fmt: skip
+                     missed=LAYOUT.counter(probe_index, L.MISSED), at_entry=False, add_value=summing)  # fmt: skip
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RBX))
     for reg in (R.RBX, R.RBP):
         body.add(iced.Instruction.create_reg(C.POP_R64, reg))
@@ -359,3 +362,17 @@ def test_hits_counted_by_stack(area: NativeArea) -> None:
     scene.stack[500] = 0  # a fifth stack: [a] alone
     area.call_at(four, scene.at(500), 0)
     assert area.counter(4, L.MISSED) == 1 and len(slots_of(table, slots)) == 4
+
+
+def test_a_value_summed_by_stack(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    slots = 4
+    table = np.zeros(slots * SLOT_SIZE // 8, dtype=np.uint64)
+    summing = counting(scene, area, table, slots, 7, summing=True)
+    scene.stack[100] = MODULE + 0x310
+    for value in (5, 10, (1 << 64) - 3):  # (-3 as a signed value: the sum wraps as it does in 64 bits)
+        area.call_at(summing, scene.at(100), 0, value)
+    [(probe, count, frames, cut)] = slots_of(table, slots)
+    at = next(i for i in range(slots) if table[i * SLOT_SIZE // 8 + SLOT_PROBE // 8])
+    assert (probe, count, frames, cut) == (7, 3, [MODULE + 0x100, MODULE + 0x310], False)
+    assert int(table[at * SLOT_SIZE // 8 + SLOT_SUM // 8]) == 12

@@ -28,7 +28,7 @@ FILTER_ERRORS: dict[str, str] = {
     "FILTER_PAREN": "a '(' has no matching ')'",
     "FILTER_TOO_DEEP": f"parentheses nested deeper than {MAX_DEPTH} levels",
     "FILTER_TOO_LONG": f"more than {MAX_COMPARISONS} comparisons in one filter",
-    "VALUE_UNKNOWN": "the histogram value is not a fetch argument of this probe, nor a fetch argument itself",
+    "VALUE_UNKNOWN": "the value is not a fetch argument of this probe, nor a fetch argument itself",
     "VALUE_STRING": "cannot make a histogram of a string; give an integer type",
 }
 

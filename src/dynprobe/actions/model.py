@@ -90,13 +90,15 @@ class StackCount:
     """Count the hit by its stack too: in the process's table of stacks (at `table`, `slots`
     of them), walked by the process's stack walker (at `walker`: arch/x86_64/codegen/stacks.py),
     at most `max_frames` frames, from a site that is a function's first instruction or not
-    (`at_entry`: its return address is at rsp)."""
+    (`at_entry`: its return address is at rsp); with the program's value summed by stack too
+    (`sums`)."""
 
     walker: int
     table: int
     slots: int
     max_frames: int
     at_entry: bool
+    sums: bool
 
 
 @dataclass(frozen=True)

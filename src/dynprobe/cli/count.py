@@ -32,6 +32,7 @@ examples:
   dynprobe stacks 'p libc:malloc' -- ./app
   dynprobe stacks --folded -o malloc.folded 'p libc:malloc' -p 1234
   flamegraph.pl malloc.folded > malloc.svg       (then: a flame graph of who calls malloc)
+  dynprobe stacks --folded --value size 'p libc:malloc size=%di:u64' -- ./app   (bytes, by stack)
 """
 
 
@@ -59,6 +60,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--folded", action="store_true",
                    help="one line a stack, its functions outermost first joined by ';', then its count "
                         "(flamegraph.pl's and speedscope's input)")  # fmt: skip
+    p.add_argument("--value", metavar="VALUE",
+                   help="sum VALUE (a fetch argument's name, or a fetch argument) by stack instead of counting "
+                        "hits: bytes allocated by each stack, say")  # fmt: skip
     p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
                    help=f"walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
     add_output_option(p, "the stacks")
@@ -76,12 +80,13 @@ def print_counts(shown: Shown, out: TextIO) -> None:
     write_report(out, lines)
 
 
-def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False) -> None:
+def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False, sums: bool = False) -> None:
     """Each probe's stacks as bpftrace prints `@[ustack] = count()`: a frame a line, the count
-    after, the most hit last (a blank line first, `after_counts`)."""
+    (`sums`: the value's sum) after, the most last (a blank line first, `after_counts`)."""
     lines: list[str] = []
     for tally in shown.tallies:
-        for stack, count in sorted(tally.probe.stacks.items(), key=lambda item: item[1]):
+        counts = tally.probe.stack_sums if sums else tally.probe.stacks
+        for stack, count in sorted(counts.items(), key=lambda item: item[1]):
             lines += [f"{tally.probe.name}[", *(f"        {line}" for line in str(stack).splitlines()), f"]: {count}"]
         if tally.missed:
             lines.append(f"  ({tally.missed} hits of {tally.probe.name} not counted by stack: its table was full)")
@@ -89,12 +94,13 @@ def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False) -> No
         write_report(out, ["", *lines] if after_counts else lines)
 
 
-def print_folded(shown: Shown, out: TextIO) -> None:
+def print_folded(shown: Shown, out: TextIO, *, sums: bool = False) -> None:
     """Folded stacks: a line a stack, its functions (or addresses) outermost first joined by
-    ';', a space, its count; the same call path from different call sites adds up."""
+    ';', a space, its count (`sums`: the value's sum); the same call path from different call
+    sites adds up."""
     folded: Counter[str] = Counter()
     for tally in shown.tallies:
-        for stack, count in tally.probe.stacks.items():
+        for stack, count in (tally.probe.stack_sums if sums else tally.probe.stacks).items():
             folded[";".join(f.function or f"{f.address:#x}" for f in reversed(stack.frames))] += count
     write_report(out, [f"{path} {count}" for path, count in sorted(folded.items())])
 
@@ -105,11 +111,12 @@ def run_stacks(args: argparse.Namespace, command: list[str]) -> int:
         request = check_request(args)
     except DynprobeError as exc:
         return report_error(exc)
+    report = print_folded if args.folded else print_stacks
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="count", filter=request.filter, by="stack",
-                                            max_frames=args.max_frames),
-        print_folded if args.folded else print_stacks,
+                                            max_frames=args.max_frames, value=args.value),
+        lambda shown, out: report(shown, out, sums=args.value is not None),
     )  # fmt: skip
 
 

@@ -38,7 +38,7 @@ class ProbeOwner(Protocol):
     def remove_probe(self, probe: Probe) -> None: ...
     def clock_tick_ns(self) -> float: ...  # how finely its time values ($latency) are measured
     def stack_of(self, hit: Hit, max_frames: int) -> Stack: ...
-    def stacks_of(self, probe: Probe) -> Counter[Stack]: ...
+    def stacks_of(self, probe: Probe, *, sums: bool = False) -> Counter[Stack]: ...
 
 
 class ProbeMode(enum.Enum):
@@ -264,6 +264,7 @@ class Probe:
     trap_missed: int = 0  # entries refused at a stop (maxactive reached, shadow stack full)
     stack_frames: int = 0  # counting by stack, walking at most this many frames (0: not by stack)
     trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
+    trap_stack_sums: Counter[Stack] = field(default_factory=Counter)  # and their values summed
 
     def __post_init__(self) -> None:
         stacks = (STACK_ARG,) if self.stack_frames and self.action == ActionKind.RECORD else ()
@@ -300,6 +301,12 @@ class Probe:
         """Hits by stack, for a probe placed with `by="stack"` (walked in the target once
         optimized, in the tracer at a stop): the most hit first with `most_common()`."""
         return self.owner.stacks_of(self)
+
+    @property
+    def stack_sums(self) -> Counter[Stack]:
+        """For a count by stack with a `value`: the value summed by stack (bytes allocated by
+        each stack, say)."""
+        return self.owner.stacks_of(self, sums=True)
 
     @property
     def lost(self) -> int:

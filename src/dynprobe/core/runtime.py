@@ -312,14 +312,18 @@ class Runtime:
     def stack_at(self, pid: int, address: int) -> Stack | None:
         return self.stackmaps.stack_at(pid, address)
 
-    def stacks_of(self, probe: Probe) -> Counter[Stack]:
-        return self.stackmaps.stacks_of(probe) + probe.trap_stacks
+    def stacks_of(self, probe: Probe, *, sums: bool = False) -> Counter[Stack]:
+        counted = self.stackmaps.stacks_of(probe, sums=sums)
+        counted.update(probe.trap_stack_sums if sums else probe.trap_stacks)  # (update: sums may be negative)
+        return counted
 
-    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> Stack:
-        """A hit counted by its stack at a stop (the probe's actions not run in the target)."""
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int, value: int) -> Stack:
+        """A hit counted by its stack at a stop (the probe's actions not run in the target),
+        `value` summed by stack (a count with a value)."""
         stack = self._walk(proc, tid, regs, probe, site=site, max_frames=probe.stack_frames)
         if stack in probe.trap_stacks or len(probe.trap_stacks) < STACK_SLOTS:  # (bounded as the target's table)
             probe.trap_stacks[stack] += 1
+            probe.trap_stack_sums[stack] += value
         else:
             probe.trap_missed += 1
         return stack

@@ -267,8 +267,8 @@ class Session:
         (a log2 histogram of the fetch argument `value`), behind an optional `filter`
         ('a == 5 and b > 0' over its fetch arguments). With `by="stack"` a count also counts
         each hit by its stack (`probe.stacks`), walked in the target, at most `max_frames`
-        frames; the records of a probe placed so (`on_event`, action="record") carry their stack
-        (`ProbeEvent.stack`)."""
+        frames (with a `value`, it is summed by stack too: `probe.stack_sums`); the records of a
+        probe placed so (`on_event`, action="record") carry their stack (`ProbeEvent.stack`)."""
         main = self._main_process("no probe can be placed")
         stack_frames = self._stack_frames(by, max_frames)
         maps = self._runtime.maps_of(main.pid)
@@ -305,6 +305,10 @@ class Session:
         if kind == ActionKind.HIST:
             if value is None:
                 raise SessionError("a histogram needs a value: a fetch argument's name, or a fetch argument")
+            hist_value = parse_value(value, spec.args)
+        elif value is not None:
+            if not (stack_frames and kind == ActionKind.COUNT):
+                raise SessionError("a value is for a histogram, or summed by stack (a count with by='stack')")
             hist_value = parse_value(value, spec.args)
         if parsed_filter is not None:
             self._check_fetch_symbols(tuple(filter_args(parsed_filter)), location)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from dynprobe.actions.model import Program, StackCount
+from dynprobe.actions.model import ActionKind, Program, StackCount
 from dynprobe.arch.x86_64.codegen.asm import Asm, Detour
 from dynprobe.arch.x86_64.codegen.stacks import (
     BLOCK_SHIFT,
@@ -43,6 +43,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     SLOT_PROBE,
     SLOT_READY,
     SLOT_SIZE,
+    SLOT_SUM,
     build_stack_walker,
 )
 from dynprobe.core.engine import Engine
@@ -121,7 +122,8 @@ class StackMaps:
             return shared
         loc = probe.location
         at_entry = loc.function is not None and loc.function.addr == loc.vaddr
-        count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames, at_entry)
+        sums = probe.action == ActionKind.COUNT and probe.value is not None
+        count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames, at_entry, sums)
         return Program(program.probe_index, program.kind, program.fields, program.value, program.hist_index,
                        program.filter, program.entry, count)  # fmt: skip
 
@@ -267,12 +269,16 @@ class StackMaps:
             self._list_modules(proc, shared, tid, maps)
 
     # --- reading --------------------------------------------------------------------------------
-    def stacks_of(self, probe: Probe) -> Counter[Stack]:
-        """The probe's hits by stack, in every process it was placed in."""
+    def stacks_of(self, probe: Probe, *, sums: bool = False) -> Counter[Stack]:
+        """The probe's hits by stack (`sums`: the sums of its value by stack), in every process
+        it was placed in."""
         counts: Counter[Stack] = Counter()
+        field = (SLOT_SUM if sums else SLOT_COUNT) // 8
+        signed = sums and probe.value is not None and probe.value.type.kind == "s"
         for shared in self._distinct():
             for slot in np.flatnonzero(_probe_words(shared.table) == np.uint64(SLOT_READY | probe.index)).tolist():
-                counts[self._named(shared, slot)] += int(_slot_words(shared.table, slot)[SLOT_COUNT // 8])
+                value = int(_slot_words(shared.table, slot)[field])
+                counts[self._named(shared, slot)] += value - (1 << 64) if signed and value >> 63 else value
         return counts
 
     def stack_at(self, pid: int, address: int) -> Stack | None:

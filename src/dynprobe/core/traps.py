@@ -59,7 +59,7 @@ class TrapsEngine(Engine, Protocol):
 
     def action_refusal(self, probe: Probe) -> OptimizeRefusal | None: ...
     def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program: ...
-    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int) -> Stack: ...
+    def count_stack(self, probe: Probe, proc: TracedProcess, tid: int, regs: Regs, site: int, value: int) -> Stack: ...
     def symbol_resolver(self, site: Site) -> Callable[[str], int | None]: ...
     def symbolizer(self, pid: int) -> Callable[[int], str | None]: ...
     def slot_at_hit(self, proc: TracedProcess, site: Site) -> bool: ...
@@ -303,7 +303,14 @@ class Traps:
             if not matches(probe.filter, values):
                 return
         probe.trap_hits += 1
-        stack = self.engine.count_stack(probe, proc, tid, context.regs, address) if probe.stack_frames else None
+        stack = None
+        if probe.stack_frames:
+            summed = (
+                evaluate(probe.value, context) if probe.value is not None and probe.action == ActionKind.COUNT else 0
+            )
+            stack = self.engine.count_stack(
+                probe, proc, tid, context.regs, address, summed if isinstance(summed, int) else 0
+            )
         if probe.action == ActionKind.HIST:
             assert probe.value is not None
             v = evaluate(probe.value, context)

@@ -257,10 +257,19 @@ class Emitter:
             asm.bind(passed)
         self.inc(layout.counter(prog.probe_index, L.HITS))
         if prog.stacks is not None:
+            if prog.stacks.sums:  # rax: the value (a fault: 0)
+                assert prog.value is not None
+                valued, faulted = asm.label(), asm.label()
+                self.typed_value(prog.value, faulted)
+                asm.jump(C.JMP_REL32_64, valued)
+                asm.bind(faulted)
+                asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+                asm.bind(valued)
             emit_stack_count(
                 asm, walker=prog.stacks.walker, table=prog.stacks.table, slots=prog.stacks.slots,
                 max_frames=prog.stacks.max_frames, probe_index=prog.probe_index, site=self.site, frame=self.frame,
                 missed=layout.counter(prog.probe_index, L.MISSED), at_entry=prog.stacks.at_entry,
+                add_value=prog.stacks.sums,
             )  # fmt: skip
         if prog.kind == ActionKind.HIST:
             self.histogram(prog)

@@ -47,7 +47,7 @@ MAX_ROWS = 1 << 24
 # claimed for a stack by writing its key (its hash, made odd: never 0); its frames are written
 # then, and its probe word last (the probe's index, READY at bit 32): the tracer reads a slot
 # once it is ready. Hits add to its count, from any thread (lock inc).
-SLOT_KEY, SLOT_COUNT, SLOT_FRAMES_CUT, SLOT_PROBE, SLOT_FRAMES = 0, 8, 16, 24, 32  # frames: n | CUT
+SLOT_KEY, SLOT_COUNT, SLOT_SUM, SLOT_FRAMES_CUT, SLOT_PROBE, SLOT_FRAMES = 0, 8, 16, 24, 32, 40  # frames: n | CUT
 SLOT_READY = 1 << 32
 MAX_STACK_FRAMES = 127  # as bpftrace's ustack
 SLOT_SIZE = SLOT_FRAMES + 8 * MAX_STACK_FRAMES
@@ -341,24 +341,27 @@ def build_stack_walker(asm: Asm, *, directory: int, shadow: int) -> None:
 
 
 def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frames: int, probe_index: int,
-                     site: int, frame: int, missed: int, at_entry: bool) -> None:  # fmt: skip
+                     site: int, frame: int, missed: int, at_entry: bool, add_value: bool) -> None:  # fmt: skip
     """In a detour's actions (rsp + `frame`: the thread's rsp at `site`, a function's first
     instruction if `at_entry`; rbp the thread's; rax,
     rcx, rdx, rsi, rdi free, r8-r11 kept): add the hit to its stack's slot in the table at
     `table` (`slots` of them, a power of two), claiming one for a stack new to the probe (the
     walker then runs again to store its frames), or, when none is free where it looks, to the
-    probe's missed hits (gs:[`missed`]). The slot's address is left in gs:[STACK_SLOT] (0: none)
-    for the hit's record."""
+    probe's missed hits (gs:[`missed`]); `add_value`: rax holds a value the slot's SLOT_SUM adds
+    up too. The slot's address is left in gs:[STACK_SLOT] (0: none) for the hit's record."""
     assert slots >= 2 and not slots & (slots - 1), "a power of two, 2 or more"
     kept = (R.R8, R.R9, R.R10, R.R11)
     probe, claimed, counted, following, done = (asm.label() for _ in range(5))
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.STACK_SLOT), 0))
+    value_at = 8 * len(kept)  # (from rsp, once the kept registers are pushed)
+    if add_value:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
     for reg in kept:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
 
     def walk(store: bool) -> None:
         """rax, rdx: the walker's hash and frames (rsi, stored: the slot, kept on the stack)."""
-        pushed = 8 * len(kept) + (8 if store else 0)
+        pushed = 8 * len(kept) + (8 if store else 0) + (8 if add_value else 0)
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, site))
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSI, mem_at(R.RSP, frame + pushed)))
         asm.add(_mov(R.RDX, R.RBP))
@@ -406,6 +409,11 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     increment = iced.Instruction.create_mem(C.INC_RM64, mem_at(R.RSI, SLOT_COUNT))
     increment.has_lock_prefix = True
     asm.add(increment, fault=done)
+    if add_value:
+        asm.add(_mov(R.RAX, mem_at(R.RSP, value_at)))
+        added = iced.Instruction.create_mem_reg(C.ADD_RM64_R64, mem_at(R.RSI, SLOT_SUM), R.RAX)
+        added.has_lock_prefix = True
+        asm.add(added, fault=done)
     asm.add(_mov(gs_at(L.STACK_SLOT), R.RSI))  # (for the hit's record)
     asm.jump(C.JMP_REL32_64, done)
     asm.bind(following)
@@ -417,3 +425,5 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     asm.bind(done)
     for reg in reversed(kept):
         asm.add(iced.Instruction.create_reg(C.POP_R64, reg))
+    if add_value:
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, 8)))
