@@ -395,6 +395,21 @@ def cli_seed(seed: str, calls: int, command: list[str]) -> int:
     return int(result.stdout.split("\n", 1)[0])
 
 
+def unwind_tables() -> dict[str, float]:
+    """Seconds to compile the unwind rows of libc and of the system's python3 (each in a process
+    of its own, so nothing is cached): the stack walker's tables."""
+    code = ("import sys, time; from dynprobe.symbols.elf import load_elf; image = load_elf(sys.argv[1]); "
+            "t = time.perf_counter(); image.unwind_table; print(time.perf_counter() - t)")  # fmt: skip
+    files = {"libc": "/lib/x86_64-linux-gnu/libc.so.6", "python3": os.path.realpath("/usr/bin/python3")}
+    seconds = {}
+    for name, path in files.items():
+        if os.path.exists(path):
+            runs = [subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True)
+                    for _ in range(REPEAT)]  # fmt: skip
+            seconds[name] = sorted(float(run.stdout) for run in runs)[REPEAT // 2]
+    return seconds
+
+
 def timestamp_cost() -> tuple[float, float]:
     """ns per rdtscp and per rdtsc here: the floor of a record's cost (its time stamp)."""
     binary = compile_c(HERE / "targets" / "tsc.c", BUILD / "tsc", "-O2")
@@ -592,6 +607,8 @@ def main() -> int:
     rdtscp_ns, rdtsc_ns = timestamp_cost()
     started = startup()
     console.log(f"start-up: {started}")
+    unwinding = unwind_tables()
+    console.log(f"unwind tables compiled: {unwinding}")
     reading = post_processing(int(175_000 * scale))
     console.log(f"post-processing: {reading}")
     peaks = memory(int(4_000_000 * scale), int(10_000_000 * scale))
@@ -638,6 +655,8 @@ def main() -> int:
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
     out.print(f"start-up: `dynprobe --version` {started['version_s'] * 1000:.0f} ms, `dynprobe count 'p libc:malloc' "
               f"-- /bin/true` {started['count_true_s'] * 1000:.0f} ms")  # fmt: skip
+    out.print("unwind tables compiled (the stack walker's rows): "
+              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in unwinding.items()))  # fmt: skip
     shown = []
     for name in ("replay", "report", "chrome", "flame", "perfetto"):
         ours, theirs = reading[name], reading.get(f"uftrace_{name}")
@@ -667,6 +686,7 @@ def main() -> int:
         "drain": drains,
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
         "startup_s": started,
+        "unwind_tables_s": unwinding,
         "post_processing": reading,
         "memory_mb": peaks,
     }
