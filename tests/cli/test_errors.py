@@ -260,6 +260,7 @@ VALUES = [  # each refused in one line, before the program is touched
     (["count", "--by", "stack", "--max-frames", "128", "p add_word"], "'128' is not a number of frames (1 to 127)"),
     (["count", "--max-frames", "8", "p add_word"], "--max-frames is for --by stack"),
     (["trace", "--max-frames", "8", "p add_word"], "--max-frames is for --stack"),
+    (["stacks", "--value", "nope", "p add_word n=%si"], "VALUE_UNKNOWN: the value is not a fetch argument"),
 ]
 
 

@@ -29,7 +29,7 @@ FILTER_ERRORS: dict[str, str] = {
     "FILTER_TOO_DEEP": f"parentheses nested deeper than {MAX_DEPTH} levels",
     "FILTER_TOO_LONG": f"more than {MAX_COMPARISONS} comparisons in one filter",
     "VALUE_UNKNOWN": "the value is not a fetch argument of this probe, nor a fetch argument itself",
-    "VALUE_STRING": "cannot make a histogram of a string; give an integer type",
+    "VALUE_STRING": "a value is an integer, not a string: give an integer type",
 }
 
 _TOKEN = re.compile(

@@ -7,6 +7,7 @@ import argparse
 from collections import Counter
 from typing import TextIO
 
+from dynprobe.actions.filter import parse_value
 from dynprobe.cli.common import add_output_option, add_target_options, frames, report_error
 from dynprobe.cli.probes import (
     Shown,
@@ -102,13 +103,16 @@ def print_folded(shown: Shown, out: TextIO, *, sums: bool = False) -> None:
     for tally in shown.tallies:
         for stack, count in (tally.probe.stack_sums if sums else tally.probe.stacks).items():
             folded[";".join(f.function or f"{f.address:#x}" for f in reversed(stack.frames))] += count
-    write_report(out, [f"{path} {count}" for path, count in sorted(folded.items())])
+    # (a flame graph draws sizes: a sum of 0 or less has none)
+    write_report(out, [f"{path} {count}" for path, count in sorted(folded.items()) if count > 0])
 
 
 def run_stacks(args: argparse.Namespace, command: list[str]) -> int:
     """`dynprobe stacks`: `count --by stack` printing the stacks alone."""
     try:
         request = check_request(args)
+        for spec in request.specs if args.value is not None else ():
+            parse_value(args.value, spec.args)  # (before the program is touched)
     except DynprobeError as exc:
         return report_error(exc)
     report = print_folded if args.folded else print_stacks

@@ -261,7 +261,7 @@ class Probe:
     on_entry: Handler | None = None
     on_return: Handler | None = None
     data_size: int = 0
-    trap_missed: int = 0  # entries refused at a stop (maxactive reached, shadow stack full)
+    trap_missed: int = 0  # at a stop: return entries refused (maxactive reached, shadow stack full), stacks not kept
     stack_frames: int = 0  # counting by stack, walking at most this many frames (0: not by stack)
     trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
     trap_stack_sums: Counter[Stack] = field(default_factory=Counter)  # and their values summed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import mmap
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -112,14 +113,17 @@ class StackMaps:
         self._of: dict[TracedProcess, _Shared] = {}
         self._ended: list[_Shared] = []  # of processes gone: their counts are still read
         self._refused: dict[TracedProcess, OptimizeRefusal] = {}  # (tried once per process)
+        # (the tracing thread places, forks and forgets; the consumer names records' stacks)
+        self._lock = threading.RLock()
 
     def program(self, proc: TracedProcess, probe: Probe, program: Program) -> Program | OptimizeRefusal:
         """`program` counting by stack too, in `proc` (set up there on first use, through a
         stopped thread)."""
-        shared = self._of.get(proc) or self._refused.get(proc) or self._set_up(proc)
-        if isinstance(shared, OptimizeRefusal):
-            self._refused[proc] = shared
-            return shared
+        with self._lock:
+            shared = self._of.get(proc) or self._refused.get(proc) or self._set_up(proc)
+            if isinstance(shared, OptimizeRefusal):
+                self._refused[proc] = shared
+                return shared
         loc = probe.location
         at_entry = loc.function is not None and loc.function.addr == loc.vaddr
         sums = probe.action == ActionKind.COUNT and probe.value is not None
@@ -161,7 +165,7 @@ class StackMaps:
         """`proc` has a return trampoline now (maybe after its walker was made): the walker
         finds it in the directory."""
         shared = self._of.get(proc)
-        if shared is not None and proc.returns is not None:
+        if shared is not None and proc.returns is not None and proc.pid == shared.owner:  # (as modules_changed)
             words = np.frombuffer(shared.view, dtype=np.uint64, count=DIR_BYTES // 8)
             words[DIR_POINTS // 8] = proc.returns.trampoline.points
 
@@ -239,22 +243,25 @@ class StackMaps:
 
     # --- process life (core/engine.py's Mechanism) --------------------------------------------------
     def forked(self, parent: TracedProcess, child: TracedProcess, tid: int, *, vfork: bool) -> None:
-        shared = self._of.get(parent)
-        if shared is not None:  # (the same memory, mapped shared; the walker copied at its address)
-            self._of[child] = shared
-            shared.pids.add(child.pid)
+        with self._lock:
+            shared = self._of.get(parent)
+            if shared is not None:  # (the same memory, mapped shared; the walker copied at its address)
+                self._of[child] = shared
+                shared.pids.add(child.pid)
 
     def let_go(self, child: TracedProcess) -> None:
-        shared = self._of.pop(child, None)
-        if shared is not None:
-            shared.pids.discard(child.pid)
+        with self._lock:
+            shared = self._of.pop(child, None)
+            if shared is not None:
+                shared.pids.discard(child.pid)
 
     def forget_image(self, proc: TracedProcess) -> None:
-        self._refused.pop(proc, None)
-        shared = self._of.pop(proc, None)
-        if shared is not None:
-            shared.pids.discard(proc.pid)
-            self._ended.append(shared)
+        with self._lock:
+            self._refused.pop(proc, None)
+            shared = self._of.pop(proc, None)
+            if shared is not None:
+                shared.pids.discard(proc.pid)
+                self._end(shared)
 
     def execed(self, proc: TracedProcess, maps: list[Mapping]) -> None:
         pass
@@ -284,9 +291,10 @@ class StackMaps:
     def stack_at(self, pid: int, address: int) -> Stack | None:
         """The stack in the slot at `address` of the table of process `pid` (a record's: the
         target wrote it), if that is a ready slot."""
-        self._distinct()  # (the table of a process traced now, else of the last one gone with that pid)
-        live = [s for p, s in self._of.items() if p.pid == pid]
-        shared = next(iter(live), None) or next((s for s in reversed(self._ended) if pid in s.pids), None)
+        with self._lock:  # (the table of a process traced now, else of the last one gone with that pid)
+            self._distinct()
+            live = [s for p, s in self._of.items() if p.pid == pid]
+            shared = next(iter(live), None) or next((s for s in reversed(self._ended) if pid in s.pids), None)
         if shared is None:
             return None
         slot, rest = divmod(address - shared.region - _TABLE_AT, SLOT_SIZE)
@@ -296,10 +304,15 @@ class StackMaps:
 
     def _distinct(self) -> list[_Shared]:
         """Every table once, of processes traced or gone (those that ended move to `_ended`)."""
-        for proc in [p for p in self._of if p.status is not None]:
-            self._ended.append(self._of.pop(proc))  # (its pid kept: its last records may come)
-        self._refused = {p: r for p, r in self._refused.items() if p.status is None}
-        return list({id(s): s for s in [*self._of.values(), *self._ended]}.values())
+        with self._lock:
+            for proc in [p for p in self._of if p.status is not None]:
+                self._end(self._of.pop(proc))  # (its pid kept: its last records may come)
+            self._refused = {p: r for p, r in self._refused.items() if p.status is None}
+            return list({id(s): s for s in [*self._of.values(), *self._ended]}.values())
+
+    def _end(self, shared: _Shared) -> None:
+        if all(s is not shared for s in self._ended):  # (a fork child's and its parent's: once)
+            self._ended.append(shared)
 
     @staticmethod
     def _named(shared: _Shared, slot: int) -> Stack:

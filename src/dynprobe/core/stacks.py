@@ -35,7 +35,7 @@ class StackFrame:
 
     address: int
     module: str | None = None  # the file's path
-    symbol: str | None = None  # as the file names it (mangled)
+    symbol: str | None = None  # as the file names it (mangled); an inlined function's as DWARF names it
     offset: int = 0  # from the symbol's start
     named_at: int | None = None  # the link-time address it is named by (a return address: the call's)
     inlined: bool = False  # a function inlined there (DWARF's): no frame of its own on the stack

@@ -13,22 +13,22 @@ from __future__ import annotations
 import bisect
 import functools
 import io
+import threading
+from collections.abc import Iterator
 
-from elftools.common.exceptions import DWARFError, ELFError
-from elftools.construct.core import ConstructError
 from elftools.dwarf.die import DIE
 from elftools.dwarf.dwarfinfo import DWARFInfo
 from elftools.dwarf.ranges import BaseAddressEntry, RangeEntry
 from elftools.elf.elffile import ELFFile
 
 from dynprobe.debug import debug as _debug
-from dynprobe.errors import DynprobeError
 from dynprobe.output.files import read_regular
 from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import MAX_FILE_SIZE, load_elf
 
-_UNREADABLE = (ELFError, DWARFError, ConstructError, KeyError, ValueError, IndexError, AssertionError,
-               OverflowError, TypeError, AttributeError, ZeroDivisionError, OSError, DynprobeError)  # fmt: skip
+# (one lookup at a time: the tracing thread walks stacks at stops, the consumer names records'
+# stacks, and a file's DWARF is read through one stream)
+_LOCK = threading.Lock()
 
 
 _MAX_DEPTH = 64  # DIEs nested in a unit that a lookup goes into (a file's own may nest without end)
@@ -99,7 +99,7 @@ class _Lines:
         die: DIE | None = top
         depth = 0
         while die is not None and depth < _MAX_DEPTH:
-            inside = next((child for child in die.iter_children() if child.tag in _SCOPES
+            inside = next((child for child in _children(die) if child.tag in _SCOPES
                            and self._holds(child, vaddr, base, unit)), None)  # fmt: skip
             if inside is not None and inside.tag == "DW_TAG_inlined_subroutine":
                 attrs = inside.attributes
@@ -129,7 +129,19 @@ class _Lines:
         return False
 
 
-_SCOPES = ("DW_TAG_subprogram", "DW_TAG_inlined_subroutine", "DW_TAG_lexical_block")
+_SCOPES = ("DW_TAG_subprogram", "DW_TAG_inlined_subroutine", "DW_TAG_lexical_block", "DW_TAG_namespace")
+_MAX_CHILDREN = 1 << 16  # a DIE's children looked at
+
+
+def _children(die: DIE) -> Iterator[DIE]:
+    """A DIE's children, each further on in the unit than the one before and at most
+    _MAX_CHILDREN of them (a file's sibling links may go round)."""
+    last = die.offset
+    for count, child in enumerate(die.iter_children()):
+        if count >= _MAX_CHILDREN or child.offset <= last:
+            return
+        last = child.offset
+        yield child
 
 
 def _name(die: DIE) -> str:
@@ -149,7 +161,7 @@ def _name(die: DIE) -> str:
     return "?"
 
 
-@functools.lru_cache(maxsize=32)  # (a file's DWARF is held while it is used: not every file's forever)
+@functools.lru_cache(maxsize=128)  # (a file's DWARF is held while it is used: not every file's forever)
 def _lines_of(path: str) -> _Lines | None:
     try:
         image = load_elf(path)
@@ -159,8 +171,8 @@ def _lines_of(path: str) -> _Lines | None:
             elf = ELFFile(io.BytesIO(read_regular(candidate, MAX_FILE_SIZE)))
             if elf.has_dwarf_info() and elf.get_section_by_name(".debug_line") is not None:
                 return _Lines(elf.get_dwarf_info())
-    except _UNREADABLE as exc:
-        _debug(f"{path}: no line tables read: {exc}")
+    except Exception as exc:  # (a file is untrusted: whatever pyelftools raises is no line)
+        _debug(f"{path}: no line tables read: {exc!r}")
     return None
 
 
@@ -168,14 +180,15 @@ def _lines_of(path: str) -> _Lines | None:
 def source_line(path: str, vaddr: int) -> str | None:
     """`file:line` of the code at link-time address `vaddr` of the file at `path`, when it or
     its debug file has line tables."""
-    lines = _lines_of(path)
-    if lines is None:
-        return None
-    try:
-        found = lines.at(vaddr)
-    except _UNREADABLE as exc:
-        _debug(f"{path}: no line for {vaddr:#x}: {exc}")
-        return None
+    with _LOCK:
+        lines = _lines_of(path)
+        if lines is None:
+            return None
+        try:
+            found = lines.at(vaddr)
+        except Exception as exc:  # (see _lines_of; RecursionError too, from a DIE tree deep enough)
+            _debug(f"{path}: no line for {vaddr:#x}: {exc!r}")
+            return None
     return f"{found[0]}:{found[1]}" if found is not None else None
 
 
@@ -183,11 +196,12 @@ def source_line(path: str, vaddr: int) -> str | None:
 def inlined_at(path: str, vaddr: int) -> tuple[tuple[str, str | None], ...]:
     """The functions inlined at link-time address `vaddr` of the file at `path`, outermost
     first, each with the `file:line` it was called from (none without DWARF)."""
-    lines = _lines_of(path)
-    if lines is None:
-        return ()
-    try:
-        return tuple(lines.inlined(vaddr))
-    except _UNREADABLE as exc:
-        _debug(f"{path}: no inlined functions for {vaddr:#x}: {exc}")
-        return ()
+    with _LOCK:
+        lines = _lines_of(path)
+        if lines is None:
+            return ()
+        try:
+            return tuple(lines.inlined(vaddr))
+        except Exception as exc:  # (see _lines_of; dwz's references to another file included)
+            _debug(f"{path}: no inlined functions for {vaddr:#x}: {exc!r}")
+            return ()
