@@ -64,6 +64,7 @@ MODULES: dict[str, tuple[str, ...]] = {
             "test_callgraph.py",
         ),
     ),
+    "arch/x86_64/codegen/stacks.py": ("test_native_stacks.py",),
     "ringbuf/layout.py": (
         "test_layout.py",
         "test_consumer.py",

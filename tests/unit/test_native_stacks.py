@@ -5,6 +5,8 @@ must be, never a crash on memory it cannot read, and the same frames as the Pyth
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Iterator
 
 import iced_x86 as iced
@@ -35,7 +37,7 @@ from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, pack
 from dynprobe.core.stackmaps import block_bounds
 from dynprobe.ringbuf import layout as L
 
-from .native import NativeArea
+from .native import NativeArea, libc
 
 LAYOUT = L.AreaLayout(ring_bytes=1 << 12)
 MODULE = 0x7100_0000_0000  # where the fake module's code is said to be (never run)
@@ -231,6 +233,70 @@ def test_a_signal_frame(area: NativeArea) -> None:
     assert reference(scene, MODULE + 0x100, scene.at(100), 0) == (frames, cut)
 
 
+def test_the_interrupted_frame_goes_on_by_its_registers(area: NativeArea) -> None:
+    """After a signal frame, the interrupted function's rbp-based row uses the rbp and rsp the
+    ucontext held (a at 0x110, its caller c)."""
+    scene = Scene(area, ROWS)
+    scene.stack[100] = SIGNAL_AT
+    uc = 101 + 5
+    scene.stack[uc + 10], scene.stack[uc + 15], scene.stack[uc + 16] = scene.at(300), scene.at(290), MODULE + 0x110
+    scene.stack[300:302] = (0, MODULE + 0x310)  # at the interrupted rbp: the saved rbp, the return address
+    frames, cut, _ = scene.walk(MODULE + 0x100, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x100, SIGNAL_AT, MODULE + 0x110, MODULE + 0x310], False)
+    assert reference(scene, MODULE + 0x100, scene.at(100), 0) == (frames, cut)
+
+
+def test_a_return_address_at_a_rows_start_is_named_by_the_call(area: NativeArea) -> None:
+    """A call that is its function's last instruction returns to the next function's first:
+    the row of the address before it is the caller's (b's CFA rsp+32, not c's END)."""
+    scene = Scene(area, ROWS)
+    scene.stack[100] = MODULE + 0x300  # a's return address: c's first byte, b's call before it
+    scene.stack[101 + 3] = MODULE + 0x310
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100, MODULE + 0x300, MODULE + 0x310], False)
+
+
+def test_frames_in_a_second_module(area: NativeArea) -> None:
+    """Two entries in the directory: a frame in the second is found by its range, its rows
+    searched from its own base, its tag its entry's number + 1."""
+    scene = Scene(area, ROWS)
+    other = 0x7200_0000_0000
+    ips = np.array([0x10, 0x40], dtype=np.uint32)  # at other + 0x10: CFA rsp+16; + 0x40: the outermost
+    rows = np.array([pack(cfa(RSP, 16)), pack(Row(Kind.END, RSP, 0, BpRule.LOST, 0))], dtype=np.int64)
+    blocks = block_bounds(ips)
+    entry = (other, 0x1000, other, ips.ctypes.data, rows.ctypes.data, 2, blocks.ctypes.data, len(blocks))
+    directory = np.zeros(2 + 2 * DIR_ENTRY // 8, dtype=np.uint64)
+    directory[:10] = scene.directory[:10]
+    directory[0] = 2
+    directory[2 + DIR_ENTRY // 8 : 2 + DIR_ENTRY // 8 + 8] = entry
+    asm = Asm()
+    build_stack_walker(asm, directory=directory.ctypes.data, shadow=LAYOUT.shadow)
+    walker = area.place(lambda at: asm.encode(at)[0])
+    area.add_fixups(asm.encode(walker)[1])
+    scene.stack[100] = other + 0x20  # a (at its entry) called from the other module's function
+    scene.stack[101 + 1] = other + 0x50  # its CFA rsp+16: its return address, into the outermost
+    out = np.zeros(8, dtype=np.uint64)
+    count = area.call_at(area.place(lambda at: b"\xe8" + (walker - at - 5).to_bytes(4, "little", signed=True)
+                                    + bytes.fromhex("4889d0c3")),
+                         MODULE + 0x100, scene.at(100), 0, out.ctypes.data, 16, 5)  # fmt: skip
+    assert count == 3 and [int(w) & FRAME_ADDRESS for w in out[:3]] == [MODULE + 0x100, other + 0x20, other + 0x50]
+    assert [int(w) >> MODULE_SHIFT & 0x1FF for w in out[:3]] == [1, 2, 2]
+
+
+def test_the_table_is_a_power_of_two_slots() -> None:
+    for slots in (1, 3, 6):
+        with pytest.raises(AssertionError):
+            emit_stack_count(Asm(), walker=0, table=0, slots=slots, max_frames=1, probe_index=0, site=0, frame=0,
+                             missed=0, at_entry=False, add_value=False)  # fmt: skip
+
+
+def test_frame_pointers_need_an_aligned_rbp_above_rsp(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    scene.stack[110:112] = (0, MODULE + 0x310)
+    assert scene.walk(0x1234, scene.at(100), scene.at(110) + 4)[:2] == ([0x1234], True)  # (not 8-aligned)
+    assert scene.walk(0x1234, scene.at(120), scene.at(110))[:2] == ([0x1234], True)  # (below rsp)
+    assert scene.walk(0x1234, scene.at(100), scene.at(110))[:2] == ([0x1234, MODULE + 0x310], True)
+
+
 def test_a_plt_stub(area: NativeArea) -> None:
     """Before the stub's push (pc & 15 < 11) the return address is at rsp, after it above."""
     scene = Scene(area, ROWS)
@@ -337,12 +403,23 @@ def slots_of(table: np.ndarray, slots: int) -> list[tuple[int, int, list[int], b
     return sorted(out)
 
 
+def guarded_table(area: NativeArea, slots: int) -> np.ndarray:
+    """A table of `slots` slots that ends where a page that cannot be touched begins: a slot
+    past the last faults (and the hit is lost), it never lands in other memory."""
+    size = slots * SLOT_SIZE
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    area.pages.append(page := mmap.mmap(-1, (pages + 1) * mmap.PAGESIZE))
+    at = ctypes.addressof(ctypes.c_char.from_buffer(page))
+    assert libc.mprotect(ctypes.c_void_p(at + pages * mmap.PAGESIZE), mmap.PAGESIZE, 0) == 0
+    return np.frombuffer(page, dtype=np.uint64, count=size // 8, offset=pages * mmap.PAGESIZE - size)
+
+
 def test_hits_counted_by_stack(area: NativeArea) -> None:
     """Two stacks of probe 3, two of probe 4: a slot each, counted; a table too small for a
     fifth: the hit counted as missed, nothing overwritten."""
     scene = Scene(area, ROWS)
     slots = 4
-    table = np.zeros(slots * SLOT_SIZE // 8, dtype=np.uint64)
+    table = guarded_table(area, slots)
     three, four = counting(scene, area, table, slots, 3), counting(scene, area, table, slots, 4)
     sp = scene.at(100)
     scene.stack[100] = MODULE + 0x310  # a stack: entry of a, called from c
@@ -362,6 +439,11 @@ def test_hits_counted_by_stack(area: NativeArea) -> None:
     scene.stack[500] = 0  # a fifth stack: [a] alone
     area.call_at(four, scene.at(500), 0)
     assert area.counter(4, L.MISSED) == 1 and len(slots_of(table, slots)) == 4
+    assert area.word(L.STACK_SLOT) == 0  # (the missed hit's record: no stack)
+    area.call_at(four, sp, 0)
+    slot = area.word(L.STACK_SLOT)  # (a counted hit's: its slot's address, for its record)
+    assert (slot - table.ctypes.data) % SLOT_SIZE == 0 and 0 <= slot - table.ctypes.data < slots * SLOT_SIZE
+    assert int(table[(slot - table.ctypes.data + SLOT_PROBE) // 8]) == SLOT_READY | 4
 
 
 def test_a_value_summed_by_stack(area: NativeArea) -> None:
