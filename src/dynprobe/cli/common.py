@@ -58,16 +58,6 @@ def positive_count(text: str) -> int:
     return int(text)
 
 
-def frames(text: str) -> int:
-    """An argparse type: a number of frames, 1 to MAX_FRAMES (of the commands that walk stacks,
-    which load the engine anyway)."""
-    from dynprobe.core.stacks import MAX_FRAMES
-
-    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_FRAMES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of frames (1 to {MAX_FRAMES})")
-    return int(text)
-
-
 MIN_INTERVAL = 0.01  # seconds: a shorter one would keep the tracer printing while the program waits
 MAX_INTERVAL = 86_400.0
 

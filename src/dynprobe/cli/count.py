@@ -8,10 +8,11 @@ from collections import Counter
 from typing import TextIO
 
 from dynprobe.actions.filter import parse_value
-from dynprobe.cli.common import add_output_option, add_target_options, frames, report_error
+from dynprobe.cli.common import add_output_option, add_target_options, report_error
 from dynprobe.cli.probes import (
     Shown,
     add_aggregate_options,
+    add_max_frames_option,
     add_probe_options,
     check_request,
     run_aggregating,
@@ -46,8 +47,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--by", choices=["stack"],
                    help="also count each probe's hits by stack (walked in the target), printed at the end, "
                         "the most hit last")  # fmt: skip
-    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
-                   help=f"with --by stack: walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
+    add_max_frames_option(p, "--by stack")
     add_aggregate_options(p, "counts")
     add_target_options(p)
     p.set_defaults(run=run)
@@ -64,8 +64,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--value", metavar="VALUE",
                    help="sum VALUE (a fetch argument's name, or a fetch argument) by stack instead of counting "
                         "hits: bytes allocated by each stack, say")  # fmt: skip
-    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
-                   help=f"walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
+    add_max_frames_option(p)
     add_output_option(p, "the stacks")
     add_target_options(p)
     p.set_defaults(run=run_stacks, by="stack", interval=None, top=None, all=True)

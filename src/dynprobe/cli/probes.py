@@ -27,6 +27,7 @@ from dynprobe.cli.common import (
 )
 from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session, print_warning
+from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.errors import DynprobeError, OptimizeRefusal
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY, check_ring_bytes
@@ -46,6 +47,20 @@ def add_aggregate_options(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--top", type=positive_count, metavar="N", help="only the N probes hit most (funccount's -T)")
     p.add_argument("--all", action="store_true", help="also the probes with no hits (left out by default)")
     add_output_option(p, f"the {what}")
+
+
+def frames(text: str) -> int:
+    """An argparse type: a number of frames, 1 to MAX_FRAMES."""
+    if not text.strip().isdigit() or not 1 <= int(text) <= MAX_FRAMES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of frames (1 to {MAX_FRAMES})")
+    return int(text)
+
+
+def add_max_frames_option(p: argparse.ArgumentParser, with_option: str | None = None) -> None:
+    """--max-frames N: how many frames a stack is walked to (`with_option`: the option it is for)."""
+    when = f"with {with_option}: " if with_option else ""
+    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
+                   help=f"{when}walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
 
 
 def add_probe_options(p: argparse.ArgumentParser, filter_help: str = "only hits where EXPR holds") -> None:

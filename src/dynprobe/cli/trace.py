@@ -15,7 +15,6 @@ from dynprobe.cli.common import (
     add_output_option,
     add_target_options,
     close_output,
-    frames,
     open_output,
     open_session,
     output_name,
@@ -24,6 +23,7 @@ from dynprobe.cli.common import (
 )
 from dynprobe.cli.probes import (
     ProbeRequest,
+    add_max_frames_option,
     add_probe_options,
     add_ring_options,
     check_request,
@@ -72,8 +72,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--stack", action="store_true",
                    help="each event followed by its stack (walked in the target), ` => function+0xoff (module)` "
                         "a line, as ftrace prints user stacks")  # fmt: skip
-    p.add_argument("--max-frames", type=frames, default=MAX_FRAMES, metavar="N",
-                   help=f"with --stack: walk at most N frames (1-{MAX_FRAMES}, default {MAX_FRAMES})")  # fmt: skip
+    add_max_frames_option(p, "--stack")
     add_output_option(p, "the events")
     add_ring_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no summary on stderr")
