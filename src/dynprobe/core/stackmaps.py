@@ -4,7 +4,8 @@ Per process, in memory shared with it (a memfd, as the thread areas): the direct
 modules whose unwind rows the stack walker reads (codegen/stacks.py), each module's rows, and
 the table of stacks the probes count by; in its code cache, the walker. The directory follows
 the process's maps (libraries mapped and unmapped). A fork child shares all of it with its
-parent (the same memory: their counts add up); an exec leaves it behind. The counts are read
+parent (the same memory: their counts add up), and the directory keeps following the parent's
+maps; an exec leaves it behind. The counts are read
 back at any time, after the process has ended too (our mapping stays), as stacks named by the
 maps the process had (core/stacks.py).
 """
