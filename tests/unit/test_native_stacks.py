@@ -365,23 +365,36 @@ def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
 def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, probe_index: int, *,
              summing: bool = False) -> int:  # fmt: skip
     """A function u64 f(sp, bp, value) that counts a hit at MODULE+0x100 by its stack, rsp and
-    rbp the given ones (the scene's stack) while it runs (`summing`: adding `value` up too)."""
+    rbp the given ones (the scene's stack) while it runs (`summing`: adding `value` up too).
+    It returns what the count changed of what it must keep: rsp, rbp and r8-r11 (0: nothing)."""
     asm = Asm()
     build_stack_walker(asm, directory=scene.directory.ctypes.data, shadow=LAYOUT.shadow)
     walker = area.place(lambda at: asm.encode(at)[0])
     area.add_fixups(asm.encode(walker)[1])
     body = Asm()
-    for reg in (R.RBP, R.RBX):
+    kept = (R.R8, R.R9, R.R10, R.R11)
+    for reg in (R.RBP, R.RBX, R.R12, R.R13):
         body.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBX, R.RSP))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RDI))
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.R12, R.RDI))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RBP, R.RSI))
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.R13, R.RSI))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RDX))
+    for n, reg in enumerate(kept, 1):
+        body.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, reg, 0x1111 * n))
     emit_stack_count(body, walker=walker, table=table.ctypes.data, slots=slots, max_frames=16,
                      probe_index=probe_index, site=MODULE + 0x100, frame=0,
                      missed=LAYOUT.counter(probe_index, L.MISSED), at_entry=False, add_value=summing)  # fmt: skip
+    body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RSP))
+    body.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RAX, R.R12))
+    body.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RBP))
+    body.add(iced.Instruction.create_reg_reg(C.XOR_R64_RM64, R.RAX, R.R13))
+    for n, reg in enumerate(kept, 1):
+        body.add(iced.Instruction.create_reg_i32(C.XOR_RM64_IMM32, reg, 0x1111 * n))
+        body.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, reg))
     body.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RSP, R.RBX))
-    for reg in (R.RBX, R.RBP):
+    for reg in (R.R13, R.R12, R.RBX, R.RBP):
         body.add(iced.Instruction.create_reg(C.POP_R64, reg))
     body.add(iced.Instruction.create(C.RETNQ))
     at = area.place(lambda here: body.encode(here)[0])
@@ -426,9 +439,9 @@ def test_hits_counted_by_stack(area: NativeArea) -> None:
     scene.stack[200] = MODULE + 0x210  # another: a called from b (CFA rsp+32), from c
     scene.stack[201 + 3] = MODULE + 0x310
     for _ in range(3):
-        area.call_at(three, sp, 0)
-    area.call_at(three, scene.at(200), 0)
-    area.call_at(four, sp, 0)
+        assert area.call_at(three, sp, 0, 0) == 0  # (rsp, rbp and r8-r11 as they were)
+    assert area.call_at(three, scene.at(200), 0, 0) == 0
+    assert area.call_at(four, sp, 0, 0) == 0
     assert slots_of(table, slots) == [
         (3, 1, [MODULE + 0x100, MODULE + 0x210, MODULE + 0x310], False),
         (3, 3, [MODULE + 0x100, MODULE + 0x310], False),
@@ -453,8 +466,20 @@ def test_a_value_summed_by_stack(area: NativeArea) -> None:
     summing = counting(scene, area, table, slots, 7, summing=True)
     scene.stack[100] = MODULE + 0x310
     for value in (5, 10, (1 << 64) - 3):  # (-3 as a signed value: the sum wraps as it does in 64 bits)
-        area.call_at(summing, scene.at(100), 0, value)
+        assert area.call_at(summing, scene.at(100), 0, value) == 0
     [(probe, count, frames, cut)] = slots_of(table, slots)
     at = next(i for i in range(slots) if table[i * SLOT_SIZE // 8 + SLOT_PROBE // 8])
     assert (probe, count, frames, cut) == (7, 3, [MODULE + 0x100, MODULE + 0x310], False)
     assert int(table[at * SLOT_SIZE // 8 + SLOT_SUM // 8]) == 12
+
+
+def test_a_counted_stack_walks_from_the_threads_rbp(area: NativeArea) -> None:
+    """a (at its entry) called from a's body, whose CFA is rbp-based: the walker gets the
+    thread's rbp, and the stack stored is the one walked."""
+    scene = Scene(area, ROWS)
+    table = np.zeros(2 * SLOT_SIZE // 8, dtype=np.uint64)
+    count = counting(scene, area, table, 2, 9)
+    scene.stack[600] = MODULE + 0x110
+    scene.stack[610:612] = (0, MODULE + 0x310)
+    assert area.call_at(count, scene.at(600), scene.at(610), 0) == 0
+    assert slots_of(table, 2) == [(9, 1, [MODULE + 0x100, MODULE + 0x110, MODULE + 0x310], False)]
