@@ -511,7 +511,7 @@ def main() -> int:
                                    lambda r: r[0])  # fmt: skip
         add(name, calls, elapsed, **info, runs=REPEAT)
     # 16 frames through -O2 code without frame pointers: the same calls untraced, then counted by stack
-    deep = compile_c(HERE / "targets" / "stack16.c", BUILD / "stack16", "-O2", "-fomit-frame-pointer")
+    deep = compile_c(HERE / "targets" / "deep.c", BUILD / "deep-O2-nofp", "-O2", "-fomit-frame-pointer")
     deep_argv = [deep, "10", str(n_stack // 16)]
     add("untraced: 16-frame stacks (leaf at depth 10, -O2, no frame pointers)", n_stack // 16,
         median_run(lambda: run_seed(deep_argv), int))  # fmt: skip

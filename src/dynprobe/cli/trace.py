@@ -119,12 +119,12 @@ class EventPrinter(BatchHandler):
                 self.on_failure()
 
 
-def trace(session: Session, request: ProbeRequest, printer: EventPrinter, *, max_frames: int | None = None
+def trace(session: Session, request: ProbeRequest, printer: EventPrinter, *, stack: bool, max_frames: int
           ) -> list[Probe]:  # fmt: skip
-    """Place the probes; with `max_frames`, each event carries its stack."""
-    by, frames_at_most = ("stack", max_frames) if max_frames is not None else (None, MAX_FRAMES)
+    """Place the probes; with `stack`, each event carries its stack (at most `max_frames`)."""
+    by = "stack" if stack else None
     return place_all(session, request, lambda spec: session.probe(
-        spec, on_event=printer, filter=request.filter, by=by, max_frames=frames_at_most))  # fmt: skip
+        spec, on_event=printer, filter=request.filter, by=by, max_frames=max_frames))  # fmt: skip
 
 
 def run(args: argparse.Namespace, command: list[str]) -> int:
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             session.on_warning = print_warning
             printer.on_failure = session.request_stop
-            probes = trace(session, request, printer, max_frames=args.max_frames if args.stack else None)
+            probes = trace(session, request, printer, stack=args.stack, max_frames=args.max_frames)
             status = run_target(session, ready=lambda: say_placed(probes, args.pid))
             session.close()
             try:

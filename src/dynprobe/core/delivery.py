@@ -127,7 +127,8 @@ class Delivery:
             callers = [v if isinstance(v, int) else None for v in values.pop(0)]
         if probe.stack_frames:  # and the stack's slot the last of a by="stack" probe's
             slots = values.pop()
-            stacks = [self.engine.stack_at(batch.pid, v) if isinstance(v, int) else None for v in slots]
+            named = {v: self.engine.stack_at(batch.pid, v) for v in set(slots) if isinstance(v, int)}
+            stacks = [named.get(v) if isinstance(v, int) else None for v in slots]  # (a slot looked up once a batch)
         return EventColumns(
             probe, batch.pid, batch.tid, comm, probe.sites.get(batch.pid, 0), self.engine.symbolizer(batch.pid),
             batch.time_ns.tolist(), batch.cpu.tolist(), values, callers, batch.order.tolist(), stacks,

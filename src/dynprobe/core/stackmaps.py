@@ -13,6 +13,7 @@ maps the process had (core/stacks.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import mmap
 import threading
@@ -129,8 +130,7 @@ class StackMaps:
         at_entry = loc.function is not None and loc.function.addr == loc.vaddr
         sums = probe.action == ActionKind.COUNT and probe.value is not None
         count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames, at_entry, sums)
-        return Program(program.probe_index, program.kind, program.fields, program.value, program.hist_index,
-                       program.filter, program.entry, count)  # fmt: skip
+        return dataclasses.replace(program, stacks=count)
 
     def _set_up(self, proc: TracedProcess) -> _Shared | OptimizeRefusal:
         tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
