@@ -250,6 +250,58 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         for line, changes in lines.items()
         for change in changes
     },
+    **{
+        ("arch/x86_64/codegen/stacks.py", line, change): why
+        for why, lines in {
+            _TUNABLE: {
+                "BLOCK_SHIFT = 8": ("8 -> 9", "8 -> 7"),  # (core/stackmaps' bounds are made with the same)
+                "MAX_MODULES = 256": ("256 -> 257", "256 -> 255"),
+                "MAX_ROWS = 1 << 24": ("1 -> 2", "24 -> 25", "24 -> 23"),
+                "MAX_STACK_FRAMES = 127  # as bpftrace's ustack": ("127 -> 128", "127 -> 126"),
+                "TABLE_PROBES = 32  # slots looked at for a stack, from its hash's (open addressing)": (
+                    "32 -> 33", "32 -> 31",
+                ),
+                "HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # (Fibonacci hashing's: a table's slot is the hash's "
+                "top bits)": (
+                    "11400714819323198485 -> 11400714819323198486", "11400714819323198485 -> 11400714819323198484",
+                ),
+            },
+            _FLAG_BIT: {
+                "SLOT_READY = 1 << 32": ("1 -> 2", "32 -> 33"),
+                "CUT = 1 << 63": ("63 -> 62",),
+                "AT_ENTRY = 1 << 62  # in r8 with the frames: the first frame is a function's first instruction": (
+                    "1 -> 2", "62 -> 63", "62 -> 61",
+                ),
+            },
+            "the module's tag anywhere from bit 47 to 55: above user-space addresses, 9 bits within the word": {
+                "MODULE_SHIFT = 48  # (user-space addresses are below 2^47)": ("48 -> 49", "48 -> 47"),
+            },
+            "range(0, 63, 8) is the same eight offsets": {
+                "DIR_START, DIR_SIZE, DIR_BASE, DIR_IPS, DIR_ROWS, DIR_ROW_COUNT, DIR_BLOCKS, DIR_BLOCK_COUNT = "
+                "range(0, 64, 8)": ("64 -> 63",),
+            },
+            "iced encodes any scale but 1, 2 and 4 as 8": {
+                "asm.add(_mov(iced.MemoryOperand(R.RDI, R.R13, 8), R.RBX), fault=cut)": ("8 -> 9", "8 -> 7"),
+                "asm.add(_mov(R.RAX, iced.MemoryOperand(R.R15, R.RBX, 8, -8)), fault=cut)  # the row": (
+                    "8 -> 9", "8 -> 7",
+                ),
+            },
+            "rbx is the offset >> 32, which the branch before found 0": {
+                "asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EBX, R.EBX))  # rbx: low, rdx: high": (
+                    "delete `asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EB`",
+                ),
+            },
+            "the rbp offset of a row whose rbp is the same is never read": {
+                "asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, pack(Row(Kind.CFA, RSP, 8, "
+                "BpRule.SAME, 0))))": ("0 -> 1", "0 -> -1"),
+            },
+            "for 2 slots or more, slots & (slots - 2) is 0 for the powers of two alone": {
+                'assert slots >= 2 and not slots & (slots - 1), "a power of two, 2 or more"': ("1 -> 2",),
+            },
+        }.items()
+        for line, changes in lines.items()
+        for change in changes
+    },
 }  # fmt: skip
 
 _COMPARE_SWAPS: dict[type[ast.cmpop], type[ast.cmpop]] = {

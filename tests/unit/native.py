@@ -226,13 +226,13 @@ class NativeArea:
             libc.syscall(ARCH_PRCTL, ARCH_SET_GS, old_gs)
             libc.syscall(_RT_SIGACTION, signal.SIGSEGV, old_action, None, 8)
 
-    def call_interrupted(self, function: int, arg: int, within: tuple[int, int]) -> int:
+    def call_interrupted(self, function: int, arg: int, within: tuple[int, int], *, handler: int = 0) -> int:
         """Run u64 function(arg) one instruction at a time, and after each instruction run at an
         address in [within) call it again from a signal handler (so with the first call's work
-        half done): returns how many times the handler called it."""
+        half done), or u64 handler(n) if given: returns how many times the handler called it."""
         count = np.zeros(1, dtype=np.uint64)
-        handler = self.place(_step_handler(*within, count.ctypes.data, function))
-        action = (ctypes.c_uint64 * 4)(handler, SA_SIGINFO | SA_RESTORER, self.fault_handler_return, 0)
+        stepping = self.place(_step_handler(*within, count.ctypes.data, handler or function))
+        action = (ctypes.c_uint64 * 4)(stepping, SA_SIGINFO | SA_RESTORER, self.fault_handler_return, 0)
         old_action = (ctypes.c_uint64 * 4)()
         assert libc.syscall(_RT_SIGACTION, signal.SIGTRAP, action, old_action, 8) == 0
         try:

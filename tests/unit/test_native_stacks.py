@@ -6,6 +6,7 @@ must be, never a crash on memory it cannot read, and the same frames as the Pyth
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 from collections.abc import Iterator
 
@@ -16,7 +17,9 @@ import pytest
 from dynprobe.arch.x86_64.codegen.asm import Asm, C, R
 from dynprobe.arch.x86_64.codegen.stacks import (
     AT_ENTRY,
+    BLOCK_SHIFT,
     CUT,
+    DIR_BYTES,
     DIR_ENTRY,
     EXACT_FRAME,
     FRAME_ADDRESS,
@@ -30,10 +33,24 @@ from dynprobe.arch.x86_64.codegen.stacks import (
     SLOT_READY,
     SLOT_SIZE,
     SLOT_SUM,
+    TABLE_PROBES,
     build_stack_walker,
     emit_stack_count,
 )
-from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, pack, step
+from dynprobe.arch.x86_64.unwind import (
+    GREG_RBP,
+    GREG_RIP,
+    GREG_RSP,
+    RBP,
+    RSP,
+    UCONTEXT_GREGS,
+    BpRule,
+    Frame,
+    Kind,
+    Row,
+    pack,
+    step,
+)
 from dynprobe.core.stackmaps import block_bounds
 from dynprobe.ringbuf import layout as L
 
@@ -52,6 +69,7 @@ class Scene:
         self, area: NativeArea, rows: list[tuple[int, Row | None]], *, points: int | None = None, blocks: bool = True
     ) -> None:
         self.area = area
+        self.table = rows
         self.stack = np.zeros(1 << 12, dtype=np.uint64)  # 32 KiB
         self.base = self.stack.ctypes.data
         self.ips = np.array([at - MODULE for at, _ in rows], dtype=np.uint32)
@@ -135,7 +153,7 @@ def reference(scene: Scene, pc: int, sp: int, bp: int, max_frames: int = 32) -> 
 
     def row_at(addr: int) -> Row | None:
         i = int(np.searchsorted(scene.ips, addr - MODULE, side="right")) - 1
-        return None if i < 0 or not 0 <= addr - MODULE < 0x10000 else ROWS[i][1]
+        return None if i < 0 or not 0 <= addr - MODULE < 0x10000 else scene.table[i][1]
 
     frame: Frame | None = Frame(pc, sp, bp, exact=True)
     frames: list[int] = []
@@ -292,7 +310,8 @@ def test_the_table_is_a_power_of_two_slots() -> None:
 def test_frame_pointers_need_an_aligned_rbp_above_rsp(area: NativeArea) -> None:
     scene = Scene(area, ROWS)
     scene.stack[110:112] = (0, MODULE + 0x310)
-    assert scene.walk(0x1234, scene.at(100), scene.at(110) + 4)[:2] == ([0x1234], True)  # (not 8-aligned)
+    for misaligned in (1, 4):
+        assert scene.walk(0x1234, scene.at(100), scene.at(110) + misaligned)[:2] == ([0x1234], True)
     assert scene.walk(0x1234, scene.at(120), scene.at(110))[:2] == ([0x1234], True)  # (below rsp)
     assert scene.walk(0x1234, scene.at(100), scene.at(110))[:2] == ([0x1234, MODULE + 0x310], True)
 
@@ -300,9 +319,9 @@ def test_frame_pointers_need_an_aligned_rbp_above_rsp(area: NativeArea) -> None:
 def test_a_plt_stub(area: NativeArea) -> None:
     """Before the stub's push (pc & 15 < 11) the return address is at rsp, after it above."""
     scene = Scene(area, ROWS)
-    scene.stack[100:102] = (MODULE + 0x310, MODULE + 0x310)
+    scene.stack[100:102] = (MODULE + 0x310, 0x77)
     assert scene.walk(MODULE + 0x40A, scene.at(100), 0)[:2] == ([MODULE + 0x40A, MODULE + 0x310], False)
-    scene.stack[100] = 0x77
+    scene.stack[100:102] = (0x77, MODULE + 0x310)
     assert scene.walk(MODULE + 0x40B, scene.at(100), 0)[:2] == ([MODULE + 0x40B, MODULE + 0x310], False)
 
 
@@ -362,6 +381,207 @@ def test_no_frames_stored_without_a_buffer(area: NativeArea) -> None:
     assert not scene.out.any()
 
 
+def test_an_empty_directory_names_no_module(area: NativeArea) -> None:
+    """A count of 0: the entry after it is not looked at (the pc is in no module)."""
+    scene = Scene(area, ROWS)
+    scene.directory[0] = 0
+    scene.stack[100] = MODULE + 0x310
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+
+
+def test_the_last_of_the_most_modules_is_found(area: NativeArea) -> None:
+    """A directory of MAX_MODULES entries fills DIR_BYTES (placed before a page that cannot be
+    read): the last entry is looked at, its tag MAX_MODULES."""
+    scene = Scene(area, ROWS)
+    directory = guarded_words(area, DIR_BYTES)
+    directory[0] = MAX_MODULES
+    last = 2 + (MAX_MODULES - 1) * DIR_ENTRY // 8
+    directory[last : last + 8] = scene.directory[2:10]
+    asm = Asm()
+    build_stack_walker(asm, directory=directory.ctypes.data, shadow=LAYOUT.shadow)
+    walker = area.place(lambda at: asm.encode(at)[0])
+    area.add_fixups(asm.encode(walker)[1])
+    scene.stack[100] = MODULE + 0x310
+    out = np.zeros(4, dtype=np.uint64)
+    count = area.call_at(area.place(lambda at: b"\xe8" + (walker - at - 5).to_bytes(4, "little", signed=True)
+                                    + bytes.fromhex("4889d0c3")),
+                         MODULE + 0x100, scene.at(100), 0, out.ctypes.data, 16, 5)  # fmt: skip
+    assert count == 2 and [int(w) & FRAME_ADDRESS for w in out[:2]] == [MODULE + 0x100, MODULE + 0x310]
+    assert [int(w) >> MODULE_SHIFT & 0x1FF for w in out[:2]] == [MAX_MODULES, MAX_MODULES]
+
+
+@pytest.mark.parametrize("far", [1 << 31, 1 << 32])
+def test_table_addresses_are_32_bit_offsets_from_the_base(area: NativeArea, far: int) -> None:
+    """An address 2^31 or more past its table's base is found; 2^32 or more is past any table
+    (frame pointers then)."""
+    scene = Scene(area, ROWS, blocks=False)
+    scene.directory[4] = MODULE - far
+    scene.ips += np.uint32(far & 0xFFFF_FFFF)
+    scene.stack[100] = MODULE + 0x310
+    frames, cut, _ = scene.walk(MODULE + 0x100, scene.at(100), 0)
+    assert (frames, cut) == (([MODULE + 0x100, MODULE + 0x310], False) if far < 1 << 32 else ([MODULE + 0x100], True))
+
+
+def test_the_search_keeps_within_its_blocks_bounds(area: NativeArea) -> None:
+    """The rows searched for an address are those between its block's bounds. The target can
+    write them: whatever they say, the row is one of the table's, never read from outside it."""
+    scene = Scene(area, ROWS)
+    pc, sp, bp = MODULE + 0x210, scene.at(100), scene.at(110)
+    scene.stack[100], scene.stack[103] = 0x1000, 0x2000  # the return address if CFA rsp+8, if rsp+32
+    scene.stack[110:112] = (0, 0x3000)  # if CFA rbp+16
+    block = 0x210 >> BLOCK_SHIFT
+
+    def second_frame(low: int, high: int) -> int:
+        scene.blocks[block : block + 2] = (low, high)
+        return scene.walk(pc, sp, bp)[0][1]
+
+    assert second_frame(3, 4) == 0x2000  # the true bounds: b's row (CFA rsp+32)
+    assert second_frame(1, 2) == 0x3000  # a's second row (rbp-based)
+    assert second_frame(5, 6) == 0x1000  # the PLT stub's (before its push)
+    assert second_frame(0xFFFF_FFFF, 2) == 0x3000  # a low bound above the high one: the high one
+    assert second_frame(0, 0xFFFF_FFFF) == 0x2000  # a high bound past the table: the table's end
+
+
+def test_an_address_below_the_tables_first_has_no_row(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    padded = np.concatenate((np.array([pack(cfa(RSP, 8))], dtype=np.int64), scene.rows))
+    scene.directory[6] = padded.ctypes.data + 8  # (a row before the table's first: never to be read)
+    scene.stack[100] = 0x1000
+    scene.stack[110:112] = (0, 0x3000)
+    assert scene.walk(MODULE + 0x50, scene.at(100), scene.at(110))[:2] == ([MODULE + 0x50, 0x3000], True)
+
+
+# Rows of the rbp rules: A clobbers rbp, B saves it (at CFA-16), D keeps it (CFA rsp+32), C's CFA
+# is rbp-based, E the outermost, and a gap with no row at 0x500.
+BP_ROWS = [
+    (MODULE + 0x100, cfa(RSP, 16, BpRule.LOST)),
+    (MODULE + 0x200, cfa(RSP, 16, BpRule.SAVED, -16)),
+    (MODULE + 0x280, cfa(RSP, 32)),
+    (MODULE + 0x300, cfa(RBP, 16, BpRule.SAVED, -16)),
+    (MODULE + 0x400, Row(Kind.END, RSP, 0, BpRule.LOST, 0)),
+    (MODULE + 0x500, None),
+]
+
+
+def test_an_rbp_lost_then_saved_again(area: NativeArea) -> None:
+    """A (rbp lost) called from B, which saved the rbp it was called with: C, further up,
+    finds its CFA by that rbp."""
+    scene = Scene(area, BP_ROWS)
+    scene.stack[101] = MODULE + 0x210  # A's return address (CFA rsp+16)
+    scene.stack[102:104] = (scene.at(120), MODULE + 0x290)  # B's saved rbp (CFA-16), its return address
+    scene.stack[107] = MODULE + 0x310  # D's (CFA rsp+32)
+    scene.stack[120:122] = (0, MODULE + 0x410)  # at C's rbp
+    frames, cut, _ = scene.walk(MODULE + 0x110, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x110, MODULE + 0x210, MODULE + 0x290, MODULE + 0x310, MODULE + 0x410], False)
+    assert reference(scene, MODULE + 0x110, scene.at(100), 0) == (frames, cut)
+
+
+@pytest.mark.parametrize("caller", [MODULE + 0x310, MODULE + 0x510])
+def test_an_rbp_lost_cuts_a_walk_that_needs_it(area: NativeArea, caller: int) -> None:
+    """A (rbp lost) called from C (its CFA rbp-based) or from code with no row (frame
+    pointers): the rbp at hand is not the caller's, so the walk is cut there."""
+    scene = Scene(area, BP_ROWS)
+    scene.stack[101] = caller
+    scene.stack[120:122] = (0, MODULE + 0x410)  # (what the rbp at hand points at)
+    frames, cut, _ = scene.walk(MODULE + 0x110, scene.at(100), scene.at(120))
+    assert (frames, cut) == ([MODULE + 0x110, caller], True)
+    assert reference(scene, MODULE + 0x110, scene.at(100), scene.at(120)) == (frames, cut)
+
+
+def test_an_rbp_saved_at_any_offset(area: NativeArea) -> None:
+    """The saved rbp's offset from the CFA is followed whatever it is (2 here: LOST's number)."""
+    rows = [(MODULE + 0x200, cfa(RSP, 16, BpRule.SAVED, int(BpRule.LOST))), *BP_ROWS[2:]]
+    scene = Scene(area, rows)
+    scene.stack[101] = MODULE + 0x310  # B's return address, into C
+    saved = np.frombuffer(scene.at(120).to_bytes(8, "little"), np.uint8)
+    scene.stack.view(np.uint8)[8 * 102 + 2 : 8 * 102 + 10] = saved  # at B's CFA + 2
+    scene.stack[120:122] = (0, MODULE + 0x410)
+    frames, cut, _ = scene.walk(MODULE + 0x210, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x210, MODULE + 0x310, MODULE + 0x410], False)
+
+
+def test_after_frame_pointers_the_callers_rsp_is_above_the_saved_rbp(area: NativeArea) -> None:
+    """From the gap by rbp's chain into b, whose CFA is rsp-based: its rsp is rbp + 16."""
+    scene = Scene(area, ROWS)
+    scene.stack[110:112] = (0, MODULE + 0x210)
+    scene.stack[112 + 3] = MODULE + 0x310  # b's CFA: rsp + 32
+    frames, cut, _ = scene.walk(MODULE + 0x910, scene.at(100), scene.at(110))
+    assert (frames, cut) == ([MODULE + 0x910, MODULE + 0x210, MODULE + 0x310], True)
+    assert reference(scene, MODULE + 0x910, scene.at(100), scene.at(110)) == (frames, cut)
+
+
+def test_after_a_plt_stub_the_callers_rsp_is_its_cfa(area: NativeArea) -> None:
+    scene = Scene(area, ROWS)
+    scene.stack[100] = MODULE + 0x210  # the stub (before its push) called from b (CFA rsp+32)
+    scene.stack[104] = MODULE + 0x310
+    frames, cut, _ = scene.walk(MODULE + 0x400, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x400, MODULE + 0x210, MODULE + 0x310], False)
+    assert reference(scene, MODULE + 0x400, scene.at(100), 0) == (frames, cut)
+
+
+def test_a_plt_row_with_its_cfa_below_rsp_cuts_the_walk(area: NativeArea) -> None:
+    scene = Scene(area, [(MODULE + 0x300, Row(Kind.END, RSP, 0, BpRule.LOST, 0)),
+                         (MODULE + 0x400, Row(Kind.PLT, RSP, -64, BpRule.SAME, 11))])  # fmt: skip
+    scene.stack[91] = MODULE + 0x310  # (below rsp: never a return address)
+    assert scene.walk(MODULE + 0x400, scene.at(100), 0)[:2] == ([MODULE + 0x400], True)
+
+
+def ucontext(scene: Scene, at: int, *, rip: int, rsp: int, rbp: int) -> None:
+    """The interrupted registers of a signal frame whose ucontext is at stack word `at`."""
+    gregs = at + UCONTEXT_GREGS // 8
+    scene.stack[gregs + GREG_RIP], scene.stack[gregs + GREG_RSP], scene.stack[gregs + GREG_RBP] = rip, rsp, rbp
+
+
+def test_the_interrupted_frame_goes_on_by_its_rsp(area: NativeArea) -> None:
+    """After a signal frame, b (CFA rsp+32) interrupted: its CFA from the ucontext's rsp."""
+    scene = Scene(area, ROWS)
+    scene.stack[100] = SIGNAL_AT
+    ucontext(scene, 101, rip=MODULE + 0x210, rsp=scene.at(290), rbp=0)
+    scene.stack[293] = MODULE + 0x310
+    frames, cut, _ = scene.walk(MODULE + 0x100, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x100, SIGNAL_AT, MODULE + 0x210, MODULE + 0x310], False)
+    assert reference(scene, MODULE + 0x100, scene.at(100), 0) == (frames, cut)
+
+
+def test_a_signal_frame_gives_the_rbp_back(area: NativeArea) -> None:
+    """A handler that clobbered rbp: the interrupted frame's rbp is the ucontext's, so its
+    rbp-based CFA is found."""
+    rows = [(MODULE + 0x100, cfa(RSP, 8, BpRule.LOST)), *ROWS[1:]]
+    scene = Scene(area, rows)
+    scene.stack[100] = SIGNAL_AT
+    ucontext(scene, 101, rip=MODULE + 0x110, rsp=scene.at(290), rbp=scene.at(300))
+    scene.stack[300:302] = (0, MODULE + 0x310)
+    frames, cut, _ = scene.walk(MODULE + 0x100, scene.at(100), 0)
+    assert (frames, cut) == ([MODULE + 0x100, SIGNAL_AT, MODULE + 0x110, MODULE + 0x310], False)
+    assert reference(scene, MODULE + 0x100, scene.at(100), 0) == (frames, cut)
+
+
+def test_a_chain_of_shadow_entries_is_bounded(area: NativeArea) -> None:
+    """Entry points translated through a chain of SHADOW_CAPACITY - 1 shadow entries (the
+    highest entry point among them); one more, or a loop, cuts the walk."""
+    trampoline = area.trampoline
+    scene = Scene(area, ROWS, points=trampoline.points)
+    scene.stack[101 + 3] = 0
+
+    def ret_of(entry: int, address: int) -> None:
+        area.set_word(LAYOUT.shadow + entry * L.SHADOW_ENTRY + L.ENTRY_RET, address)
+
+    def through(entries: list[int]) -> tuple[list[int], bool]:
+        for entry, following in itertools.pairwise(entries):
+            ret_of(entry, trampoline.point(following))
+        ret_of(entries[-1], MODULE + 0x310)
+        scene.stack[100] = trampoline.point(entries[0])
+        return scene.walk(MODULE + 0x100, scene.at(100), 0)[:2]
+
+    highest = L.SHADOW_CAPACITY - 1
+    assert through(list(range(highest, 0, -1))) == ([MODULE + 0x100, MODULE + 0x310], False)
+    assert through(list(range(highest, -1, -1))) == ([MODULE + 0x100], True)
+    ret_of(1, trampoline.point(2))  # (a loop: 1 and 2 return to each other)
+    ret_of(2, trampoline.point(1))
+    scene.stack[100] = trampoline.point(1)
+    assert scene.walk(MODULE + 0x100, scene.at(100), 0)[:2] == ([MODULE + 0x100], True)
+
+
 def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, probe_index: int, *,
              summing: bool = False) -> int:  # fmt: skip
     """A function u64 f(sp, bp, value) that counts a hit at MODULE+0x100 by its stack, rsp and
@@ -411,15 +631,16 @@ def slots_of(table: np.ndarray, slots: int) -> list[tuple[int, int, list[int], b
         probe = int(words[at + SLOT_PROBE // 8])
         if probe & SLOT_READY:
             n = int(words[at + SLOT_FRAMES_CUT // 8])
+            stored = [int(x) for x in words[at + SLOT_FRAMES // 8 : at + SLOT_FRAMES // 8 + (n & ~CUT)]]
+            assert int(words[at]) == hashed(stored, seed=(probe & 0xFFFF_FFFF) + 1) | 1  # (the key)
             frames = [int(x) & FRAME_ADDRESS for x in words[at + SLOT_FRAMES // 8 : at + SLOT_FRAMES // 8 + (n & ~CUT)]]
             out.append((probe & 0xFFFF_FFFF, int(words[at + SLOT_COUNT // 8]), frames, bool(n & CUT)))
     return sorted(out)
 
 
-def guarded_table(area: NativeArea, slots: int) -> np.ndarray:
-    """A table of `slots` slots that ends where a page that cannot be touched begins: a slot
-    past the last faults (and the hit is lost), it never lands in other memory."""
-    size = slots * SLOT_SIZE
+def guarded_words(area: NativeArea, size: int) -> np.ndarray:
+    """`size` bytes of u64 words that end where a page that cannot be touched begins: a read
+    or write past them faults, it never lands in other memory."""
     pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
     area.pages.append(page := mmap.mmap(-1, (pages + 1) * mmap.PAGESIZE))
     at = ctypes.addressof(ctypes.c_char.from_buffer(page))
@@ -432,7 +653,7 @@ def test_hits_counted_by_stack(area: NativeArea) -> None:
     fifth: the hit counted as missed, nothing overwritten."""
     scene = Scene(area, ROWS)
     slots = 4
-    table = guarded_table(area, slots)
+    table = guarded_words(area, slots * SLOT_SIZE)  # (a slot past the last: a fault, the hit lost)
     three, four = counting(scene, area, table, slots, 3), counting(scene, area, table, slots, 4)
     sp = scene.at(100)
     scene.stack[100] = MODULE + 0x310  # a stack: entry of a, called from c
@@ -483,3 +704,95 @@ def test_a_counted_stack_walks_from_the_threads_rbp(area: NativeArea) -> None:
     scene.stack[610:612] = (0, MODULE + 0x310)
     assert area.call_at(count, scene.at(600), scene.at(610), 0) == 0
     assert slots_of(table, 2) == [(9, 1, [MODULE + 0x100, MODULE + 0x110, MODULE + 0x310], False)]
+
+
+def test_a_stack_looks_for_its_slot_from_the_one_its_hash_names(area: NativeArea) -> None:
+    """Its slot is the hash's top bits, or, when that one is another stack's, the first free
+    one of the TABLE_PROBES from there; past them the hit is missed."""
+    scene = Scene(area, ROWS)
+    slots = 64
+    table = np.zeros(slots * SLOT_SIZE // 8, dtype=np.uint64)
+    keys = table[:: SLOT_SIZE // 8]
+    count = counting(scene, area, table, slots, 2)
+    scene.stack[100] = MODULE + 0x310
+    area.call_at(count, scene.at(100), 0, 0)
+    [home] = np.flatnonzero(keys).tolist()
+    key = int(keys[home])
+    assert home == key >> 58 and key != 3
+    for free in (TABLE_PROBES - 1, TABLE_PROBES):
+        table[:] = 0
+        keys[:] = 3  # (another stack's key in every slot but one)
+        keys[(home + free) % slots] = 0
+        missed = area.counter(2, L.MISSED)
+        area.call_at(count, scene.at(100), 0, 0)
+        counted = free < TABLE_PROBES
+        assert (int(keys[(home + free) % slots]) == key, area.counter(2, L.MISSED) - missed) == (counted, 1 - counted)
+
+
+def test_a_counted_stack_is_cut_at_its_max_frames(area: NativeArea) -> None:
+    """16 frames (the count's max_frames) of a deeper stack, marked cut."""
+    scene = Scene(area, ROWS)
+    table = np.zeros(2 * SLOT_SIZE // 8, dtype=np.uint64)
+    count = counting(scene, area, table, 2, 1)
+    scene.stack[100] = MODULE + 0x910  # into the gap: then rbp's chain, 20 frames of it
+    for i in range(20):
+        scene.stack[110 + 2 * i : 112 + 2 * i] = (scene.at(112 + 2 * i), MODULE + 0x910)
+    assert area.call_at(count, scene.at(100), scene.at(110), 0) == 0
+    [(probe, hits, frames, cut)] = slots_of(table, 2)
+    assert (probe, hits, len(frames), cut) == (1, 1, 16, True)
+
+
+def test_the_shared_counts_are_atomic() -> None:
+    """Threads count in the same slots: the claim is a lock cmpxchg, the count a lock inc and
+    the sum a lock add (the missed count, in the thread's own area, needs none)."""
+    asm = Asm()
+    emit_stack_count(asm, walker=0x1000, table=0x2000, slots=4, max_frames=8, probe_index=1, site=0, frame=0,
+                     missed=0x40, at_entry=False, add_value=True)  # fmt: skip
+    code = asm.encode(0x10000)[0]
+    writes = [
+        (insn.code, insn.has_lock_prefix)
+        for insn in iced.Decoder(64, code, ip=0x10000)
+        if insn.code in (C.CMPXCHG_RM64_R64, C.INC_RM64, C.ADD_RM64_R64) and insn.op0_kind == iced.OpKind.MEMORY
+    ]
+    assert sorted(writes) == sorted([(C.CMPXCHG_RM64_R64, True), (C.INC_RM64, True), (C.ADD_RM64_R64, True),
+                                     (C.INC_RM64, False)])  # fmt: skip
+
+
+@pytest.mark.parametrize("by_this_stack", [True, False])
+def test_a_slot_claimed_by_another_thread_meanwhile(area: NativeArea, by_this_stack: bool) -> None:
+    """Between reading a free slot and claiming it, another thread claims it: for the same stack
+    (the hit is counted there, the other thread writes the frames), or for another (the next
+    slot is claimed)."""
+    scene = Scene(area, ROWS)
+    slots = 4
+    table = np.zeros(slots * SLOT_SIZE // 8, dtype=np.uint64)
+    keys = table[:: SLOT_SIZE // 8]
+    count = counting(scene, area, table, slots, 2)
+    sp = scene.at(3000)  # (the signal frames of the steps go below: 24 KiB of the scene's stack)
+    scene.stack[3000] = MODULE + 0x310
+    area.call_at(count, sp, 0, 0)
+    [home] = np.flatnonzero(keys).tolist()
+    key = int(keys[home])
+    table[:] = 0
+    claim = next(insn.ip for insn in iced.Decoder(64, ctypes.string_at(count, 4096), ip=count)
+                 if insn.code == C.CMPXCHG_RM64_R64)  # fmt: skip
+    other = key if by_this_stack else 3
+    writer = area.place(
+        bytes.fromhex("48b8") + other.to_bytes(8, "little")  # mov rax, other
+        + bytes.fromhex("48a3") + keys[home:].ctypes.data.to_bytes(8, "little")  # mov [the home slot's key], rax
+        + b"\xc3"
+    )  # fmt: skip
+    run = area.place(
+        bytes.fromhex("48bf") + sp.to_bytes(8, "little")  # mov rdi, sp
+        + bytes.fromhex("31f6" "31d2")  # xor esi, esi; xor edx, edx
+        + bytes.fromhex("48b8") + count.to_bytes(8, "little") + bytes.fromhex("ffe0")  # mov rax, count; jmp rax
+    )  # fmt: skip
+    assert area.call_interrupted(run, 0, within=(claim, claim + 1), handler=writer) >= 1
+    counts = table[SLOT_COUNT // 8 :: SLOT_SIZE // 8]
+    if by_this_stack:
+        assert (int(keys[home]), int(counts[home]), slots_of(table, slots)) == (key, 1, [])
+        assert area.word(L.STACK_SLOT) == keys[home:].ctypes.data
+    else:
+        following = (home + 1) % slots
+        assert (int(keys[home]), int(counts[home]), int(keys[following])) == (3, 0, key)
+        assert slots_of(table, slots) == [(2, 1, [MODULE + 0x100, MODULE + 0x310], False)]
