@@ -394,6 +394,50 @@ def test_native_writer_paused_by_a_snapshot_goes_on_overwriting(area: NativeArea
     assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
 
 
+def test_native_writer_sleeps_until_the_reader_wakes_it(area: NativeArea) -> None:
+    """Past its spin (none here) a writer waiting for room sleeps on TAIL, WAIT_SLEEPING set: the
+    reader takes a record and wakes it (as the consumer does, on its own mapping), and the
+    record is written into that room. Each sleep is an hour long: only the wake ends it."""
+    actions = _full_ring(area)
+    area.set_word(L.WAIT_TICKS, 1 << 62)
+    area.set_word(L.AREA_SELF, area.mem.ctypes.data)
+    area.set_word(L.SLEEP_TIMEOUT, 3600)
+
+    def reader() -> None:
+        while not area.word(L.WAIT_SLEEPING):
+            os.sched_yield()
+        area.set_word(L.TAIL, 1)
+        sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1)
+
+    waking = threading.Thread(target=reader)
+    waking.start()
+    area.call_at(actions, 777)
+    waking.join()
+    assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
+    assert area.word(L.WAIT_SLEEPING) == 0 and area.counter(4, L.LOST) == 0
+    assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
+
+
+def test_native_writer_that_waited_in_vain_waits_again_only_once_the_reader_came(area: NativeArea) -> None:
+    """A wait that ran out leaves WAIT_GAVE_UP: the next record that finds the ring full is lost
+    without waiting (the reader is stopped or gone: the program is not slowed down a whole wait
+    a record), until the reader moves TAIL; then a full ring is waited on again."""
+    actions = _full_ring(area)
+    area.set_word(L.WAIT_TICKS, 1 << 20)
+    area.set_word(L.WAIT_SPIN, 1 << 62)  # (never asleep)
+    area.call_at(actions, 1)
+    assert area.counter(4, L.LOST) == 1 and area.word(L.WAIT_GAVE_UP) == 1
+    area.set_word(L.WAIT_UNTIL, 0)
+    area.call_at(actions, 2)
+    assert area.counter(4, L.LOST) == 2 and area.word(L.WAIT_UNTIL) == 0  # (lost at once)
+    area.set_word(L.TAIL, 1)  # the reader took one; a record came in its room
+    for word in (L.HEAD, L.RESERVE):
+        area.set_word(word, LAYOUT.ring_slots + 1)
+    area.call_at(actions, 3)
+    assert area.counter(4, L.LOST) == 3 and area.word(L.WAIT_UNTIL) != 0 and area.word(L.WAIT_GAVE_UP) == 2
+    assert area.word(L.WAITS) == 0 and area.word(L.BUSY) == 0
+
+
 @pytest.mark.parametrize("how", ["lossy", "its time runs out", "the tracer leaves"])
 def test_native_record_that_waited_in_vain_is_lost(area: NativeArea, how: str) -> None:
     """No reader comes: the record is lost at once when waiting is off (it never even reads
@@ -599,12 +643,12 @@ def test_native_trap_actions_record_then_resume(area: NativeArea) -> None:
     stack as they were, and STAMP_BUSY clear. A filter that fails records nothing."""
     spec = parse_spec("p f a=%di b=%si")
     prog = Program(5, ActionKind.RECORD, record_fields(spec.args), filter=parse_filter("a != 3", spec.args))
-    resume_at = 512
+    resume_at = 1024
     sum_of_args = bytes.fromhex("488d0437c3")  # lea rax,[rdi+rsi]; ret
 
     def code_at(base: int) -> bytes:
         built = build_trap_actions([prog], LAYOUT, 0x401000, base)
-        assert not isinstance(built, OptimizeRefusal) and not built.fixups
+        assert not isinstance(built, OptimizeRefusal) and not built.fixups and len(built.code) <= resume_at
         area.words[L.STAMP_RESUME // 8] = base + resume_at
         area.words[L.STAMP_BUSY // 8] = 1
         return built.code.ljust(resume_at, b"\xcc") + sum_of_args
@@ -652,8 +696,8 @@ def _upcall_site(
     moved = relocate_region_map(region, at + detour.action_bytes)
     assert moved is not None
     area.patch(function, at)
-    area.set_word(L.UPCALL_SELF, area.mem.ctypes.data)
-    area.set_word(L.UPCALL_TIMEOUT + 8, 1_000_000)  # 1 ms waits
+    area.set_word(L.AREA_SELF, area.mem.ctypes.data)
+    area.set_word(L.SLEEP_TIMEOUT + 8, 1_000_000)  # 1 ms waits
     area.set_word(L.MAGIC, L.AREA_MAGIC)
     return function, moved[1]
 
@@ -767,7 +811,7 @@ def test_native_upcall_spins_for_its_answer_when_the_server_runs_elsewhere(area:
     doorbell[L.DOORBELL_SPIN // 8] = 1 << 40  # (minutes)
     doorbell[L.DOORBELL_CPU // 8] = (1 << 64) - 1  # (no CPU)
     function, resume = _upcall_site(area, doorbell.ctypes.data)
-    area.set_word(L.UPCALL_TIMEOUT, 5)  # (a thread that slept, never woken, would go on in 5 s)
+    area.set_word(L.SLEEP_TIMEOUT, 5)  # (a thread that slept, never woken, would go on in 5 s)
     slept: list[int] = []
 
     def asked() -> bool:  # (and, 50 ms on, still not asleep)
@@ -795,7 +839,7 @@ def test_native_upcall_on_the_servers_cpu_sleeps_at_once(area: NativeArea) -> No
     doorbell[L.DOORBELL_SPIN // 8] = 1 << 40
     doorbell[L.DOORBELL_CPU // 8] = cpu
     function, resume = _upcall_site(area, doorbell.ctypes.data)
-    area.set_word(L.UPCALL_TIMEOUT, 60)  # (asleep until woken)
+    area.set_word(L.SLEEP_TIMEOUT, 60)  # (asleep until woken)
     slept: list[int] = []
 
     def asked() -> bool:

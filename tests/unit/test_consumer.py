@@ -7,12 +7,14 @@ import io
 import itertools
 import mmap
 import os
+import threading
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import (
@@ -172,6 +174,41 @@ def test_consumer_delivers_and_counts() -> None:
     consumer.drain()  # folds the ended thread's counters; its area is clean and free again
     assert consumer.counters(1) == (3, 0, 0)
     assert areas.assign(12) == area and int(area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8]) == 0
+
+
+def in_futex_waitv(tid: int) -> bool:
+    """Whether thread `tid` of this process sleeps in futex_waitv (queued: woken only by a wake)."""
+    with open(f"/proc/self/task/{tid}/stat") as stat, open(f"/proc/self/task/{tid}/syscall") as syscall:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "S" and syscall.read().split()[0] == "449"
+
+
+def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
+    """A writer asleep on its TAIL (WAIT_SLEEPING set) is woken by the pass that took its records."""
+    consumer = Consumer(LAYOUT, lambda batches: None, lambda i: True, lambda error: None)
+    areas = make_areas()
+    consumer.add(areas)
+    area = areas.assign(10)
+    words = area.words
+    for v in range(LAYOUT.ring_slots):
+        write_record(areas, 10, 1, v)
+    words[L.WAIT_SLEEPING // 8] = 1
+    tail = words.ctypes.data + L.TAIL
+    asleep = threading.Thread(target=sc.futex_waitv, args=([(tail, 0)], 60.0))
+    asleep.start()
+    while not in_futex_waitv(asleep.native_id or 0):
+        os.sched_yield()
+    assert consumer.drain() == LAYOUT.ring_slots
+    asleep.join(30)  # (woken at once; a wake-up missed leaves it asleep a minute)
+    assert not asleep.is_alive() and int(words[L.TAIL // 8]) == LAYOUT.ring_slots
+
+
+def test_a_process_under_a_seccomp_filter_never_sleeps_waiting_for_room() -> None:
+    areas = make_areas()
+    areas.sleeps = False
+    area = areas.assign(10)
+    areas.set_wait(1 << 30, 1 << 10)
+    assert (int(area.words[L.WAIT_TICKS // 8]), int(area.words[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 30)
+    assert int(areas.assign(11).words[L.WAIT_SPIN // 8]) == 1 << 30
 
 
 def test_records_stamped_in_one_tick_keep_the_order_they_were_written_in() -> None:

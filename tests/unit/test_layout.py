@@ -46,11 +46,14 @@ def test_the_thread_area_header() -> None:
         "stamp targets": (L.STAMP_TARGETS, 8 * L.STAMP_TARGETS_MAX),
         "stamp discard": (L.STAMP_DISCARD, 8),
         "snapshot due": (L.SNAPSHOT_DUE, 8),
+        "wait spin": (L.WAIT_SPIN, 8),
+        "wait sleeping": (L.WAIT_SLEEPING, 8),
+        "wait gave up": (L.WAIT_GAVE_UP, 8),
         "upcall frame": (L.UPCALL_FRAME, 8 * len(REG_NAMES)),  # struct user_regs_struct
         "upcall state": (L.UPCALL_STATE, 8),
         "upcall busy": (L.UPCALL_BUSY, 8),
-        "upcall self": (L.UPCALL_SELF, 8),
-        "upcall timeout": (L.UPCALL_TIMEOUT, 16),  # struct timespec
+        "area self": (L.AREA_SELF, 8),
+        "sleep timeout": (L.SLEEP_TIMEOUT, 16),  # struct timespec
         "upcall region": (L.UPCALL_REGION, 8),
         "upcall site": (L.UPCALL_SITE, 8),
         "upcall cpu": (L.UPCALL_CPU, 8),

@@ -24,7 +24,8 @@ from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.ringbuf.consumer import Consumer, TscClock
 
 COMM_REFRESH = 0.5  # seconds a thread's name is taken as known
-DEFAULT_WAIT_FOR_ROOM = 1.0  # seconds (Session.wait_for_room): many times a full ring's drain
+DEFAULT_WAIT_FOR_ROOM = 10.0  # seconds (Session.wait_for_room): a reader that gets no CPU for that long
+WAIT_SPIN_NS = 50_000  # of a wait for room, spent spinning before the writer sleeps (futex: ~5-50 us to wake)
 MAX_WAIT_FOR_ROOM = 60.0
 _DEFAULT_LAYOUT = L.AreaLayout()  # the limits before a session fixes its layout
 FLIGHT_AND_THRESHOLD = (
@@ -118,7 +119,7 @@ class DataPath:
     def adopt(self, areas: ThreadAreas) -> None:
         """New thread areas, read by the consumer and set as the session's rings are."""
         self.ensure_consumer().add(areas)
-        areas.set_wait(self._wait_ticks())
+        areas.set_wait(*self._wait_ticks())
         areas.set_overwrite(self._flight_recorder)
 
     def release(self, proc: TracedProcess) -> None:
@@ -139,7 +140,7 @@ class DataPath:
         record waits (nobody will read it)."""
         if self.consumer is not None:
             self.consumer.drain()
-        areas.set_wait(0)
+        areas.set_wait(0, 0)
 
     # --- the consumer ---------------------------------------------------------------------------
     def ensure_consumer(self) -> Consumer:
@@ -229,12 +230,14 @@ class DataPath:
         ticks = self._wait_ticks()
         for proc in self.engine.processes:
             if proc.areas is not None:
-                proc.areas.set_wait(ticks)  # (a vfork child's are its parent's: set twice, the same)
+                proc.areas.set_wait(*ticks)  # (a vfork child's are its parent's: set twice, the same)
 
-    def _wait_ticks(self) -> int:
+    def _wait_ticks(self) -> tuple[int, int]:
+        """How long a writer waits for room, and spins before it sleeps, in time-stamp ticks."""
         if not self._wait_for_room:
-            return 0
-        return max(1, int(self._wait_for_room * 1e9 * (1 << 32) / self.clock.mult))
+            return 0, 0
+        wait = max(1, int(self._wait_for_room * 1e9 * (1 << 32) / self.clock.mult))
+        return wait, min(wait, int(WAIT_SPIN_NS * (1 << 32) / self.clock.mult))
 
     @property
     def flight_recorder(self) -> bool:

@@ -526,7 +526,9 @@ def new_thread_areas(proc: TracedProcess, engine: OptimizerEngine) -> ThreadArea
             reason = os.strerror(err)
             engine.warn(f"pid {owner.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({reason})")
 
-    return ThreadAreas(proc.pid, engine.layout, map_pool, commit)  # type: ignore[arg-type]
+    areas = ThreadAreas(proc.pid, engine.layout, map_pool, commit)  # type: ignore[arg-type]
+    areas.sleeps = not any(seccomp_mode(proc.pid, tid) for tid in list(proc.tracee.threads))
+    return areas
 
 
 __all__ = ["JMP_REL32_LEN", "Optimizer", "new_thread_areas"]

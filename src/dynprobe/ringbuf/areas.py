@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynprobe.ptrace.syscalls import futex_wake
 from dynprobe.ringbuf import layout as L
 
 POOL_AREAS = 8
@@ -75,6 +76,12 @@ class AreaRef:
         """The area as u64s, for a word or two (see Pool.cells)."""
         return self.pool.cells[self.index]
 
+    def wake_writer(self) -> None:
+        """The thread, if it sleeps waiting for room in its ring (layout.WAIT_SLEEPING), is woken:
+        the reader moved TAIL, or the tracer ended the waits."""
+        if self.cells[L.WAIT_SLEEPING // 8]:
+            futex_wake(self.words.ctypes.data + L.TAIL, 1)
+
 
 def _publish_held(area: AreaRef, layout: L.AreaLayout) -> None:
     words = area.pool.words[area.index]
@@ -108,6 +115,8 @@ class ThreadAreas:
         self.by_tid: dict[int, AreaRef] = {}
         self.retired: list[tuple[int, AreaRef]] = []  # (tid, area) of ended threads, to drain
         self.wait_ticks = 0  # how long a writer may wait for room in a full ring (layout.WAIT_TICKS)
+        self.spin_ticks = 0  # of which it spins before it sleeps (layout.WAIT_SPIN)
+        self.sleeps = True  # False: its writers never sleep (a seccomp filter may forbid the futex call)
         self.overwrite = False  # a flight recorder's rings: a full one gives up its oldest records
         self._free: list[AreaRef] = []
         self.lock = threading.Lock()  # the consumer recycles retired areas from its thread
@@ -128,21 +137,27 @@ class ThreadAreas:
             self._commit(tid, area.target_addr)
         words = area.pool.words[area.index]
         words[L.TID // 8] = tid
-        words[L.WAIT_TICKS // 8] = self.wait_ticks
+        words[L.WAIT_TICKS // 8], words[L.WAIT_SPIN // 8] = self.wait_ticks, self.spin_ticks
+        for word in (L.WAIT_SLEEPING, L.WAIT_GAVE_UP):  # (a thread killed asleep left them)
+            words[word // 8] = 0
         words[L.OVERWRITE // 8] = self.overwrite
-        words[L.UPCALL_SELF // 8] = area.target_addr  # (for its futex: core/upcalls.py)
+        words[L.AREA_SELF // 8] = area.target_addr  # (for its futex: core/upcalls.py)
         for word in (L.UPCALL_STATE, L.UPCALL_BUSY, L.UPCALL_SLEEPING):  # (a thread killed in an upcall left them)
             words[word // 8] = 0
-        words[L.UPCALL_TIMEOUT // 8 : L.UPCALL_TIMEOUT // 8 + 2] = divmod(L.UPCALL_WAIT_NS, 1_000_000_000)
+        words[L.SLEEP_TIMEOUT // 8 : L.SLEEP_TIMEOUT // 8 + 2] = divmod(L.SLEEP_NS, 1_000_000_000)
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
 
-    def set_wait(self, ticks: int) -> None:
-        """How long a writer may wait for room from now on, in every area (0: a wait going on
-        ends; the tracer sets it when it leaves: nobody would make room)."""
-        self.wait_ticks = ticks
+    def set_wait(self, ticks: int, spin_ticks: int) -> None:
+        """How long a writer may wait for room from now on, and spin before it sleeps, in every
+        area (`ticks` 0: a wait going on ends; the tracer sets it when it leaves: nobody would
+        make room)."""
+        self.wait_ticks, self.spin_ticks = ticks, spin_ticks if self.sleeps else ticks
         for _, area in self.live():
-            area.words[L.WAIT_TICKS // 8] = ticks
+            words = area.words
+            words[L.WAIT_TICKS // 8], words[L.WAIT_SPIN // 8] = ticks, self.spin_ticks
+            if not ticks:
+                area.wake_writer()
 
     def set_overwrite(self, overwrite: bool) -> None:
         """Whether a full ring gives up its oldest records (a flight recorder's), in every area."""

@@ -432,6 +432,12 @@ class Consumer:
             self.wait = min(MAX_WAIT, max(self.interval, share / (self.fullest / max(since, 1e-6))))
 
     def _drain_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
+        try:
+            return self._take_area(areas, tid, area)
+        finally:
+            area.wake_writer()  # (it waited for the room made, or for a snapshot's copy to end)
+
+    def _take_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
         lay = self.layout
         words = area.pool.words[area.index]
         try:

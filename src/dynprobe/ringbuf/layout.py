@@ -44,7 +44,11 @@ BUSY = 0x10
 RESERVE = 0x18  # the next record to write: HEAD, or past it while a tracer holds records back
 # A writer that finds its ring full waits up to WAIT_TICKS time-stamp ticks for the reader to
 # make room (0: the record is lost at once), until WAIT_UNTIL; WAITS counts the records that
-# waited and got room.
+# waited and got room. It spins for WAIT_SPIN ticks, then sleeps (a futex wait on TAIL's low
+# half, SLEEP_TIMEOUT at a time) with WAIT_SLEEPING set: the reader wakes it when it moves TAIL,
+# and the CPU it would have spun on is the reader's meanwhile. A wait that ran out leaves
+# WAIT_GAVE_UP at TAIL + 1: until the reader moves TAIL, a full ring loses records at once
+# (a reader that is stopped or gone does not slow the program down a whole wait a record).
 WAIT_TICKS = 0x20
 WAIT_UNTIL = 0x28
 WAITS = 0x30
@@ -63,6 +67,9 @@ READ = 0xD0
 # it paused its ring (OVERWRITE cleared) and asks the reader for a snapshot here; the reader
 # clears this, takes the snapshot and resumes the ring.
 SNAPSHOT_DUE = 0xD8
+WAIT_SPIN = 0xE0
+WAIT_SLEEPING = 0xE8
+WAIT_GAVE_UP = 0xF0
 # A thread resuming from a return probe's trap entry stamps the entries' time itself (the entry
 # stamp, codegen/returns.py's build_entry_stamp): the tracer's clock would count the resume (~5-15 us) as the
 # call's. BUSY while it does (a nested trap entry, in a signal handler, then takes the tracer's
@@ -80,14 +87,15 @@ STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 # waits for ANSWERED: then its registers are the frame's, and it goes
 # on at the frame's rip (the tracer put the relocated copy of the site's instruction there).
 # UPCALL_BUSY: in an upcall (a nested hit, from a signal handler, runs no handler: missed).
-# UPCALL_SELF: the area's own address, for the futex; UPCALL_TIMEOUT: how long each wait is
-# (a struct timespec), after which the thread looks whether the tracer is gone; UPCALL_REGION:
+# AREA_SELF: the area's own address, for the futex; SLEEP_TIMEOUT: how long each futex wait
+# (an upcall's, a full ring's) is at most (a struct timespec), after which the thread looks
+# whether the tracer is gone or its time ran out; UPCALL_REGION:
 # where the asking detour's copy of the site's instruction is.
 UPCALL_FRAME = 0x200
 UPCALL_STATE = 0x2E0
 UPCALL_BUSY = 0x2E8
-UPCALL_SELF = 0x2F8
-UPCALL_TIMEOUT = 0x300
+AREA_SELF = 0x2F8
+SLEEP_TIMEOUT = 0x300
 UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
 UPCALL_SITE = 0x318  # the site it asks for (its rip: where it is, the site or the next instruction)
 UPCALL_CPU = 0x320  # the CPU it asked on
@@ -99,7 +107,7 @@ UPCALL_ENTRIES_MAX = 4
 UPCALL_RSI = 0x350  # at a return: the function's rsi (the frame's is the shadow entry's offset)
 STACK_SLOT = 0x358  # the table slot of the stack the thread's hit just counted (0: none), for its record
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
-UPCALL_WAIT_NS = 20_000_000
+SLEEP_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the
 # tracer is looking for requests already); GONE, set when no tracer will answer (a detach, the
 # guardian), when a waiting thread goes on without its handlers; SPIN, how many time-stamp

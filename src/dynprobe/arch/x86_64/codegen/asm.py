@@ -25,6 +25,8 @@ C = iced.Code
 R = iced.Register
 RED_ZONE = 128
 L_MASK64 = (1 << 64) - 1
+SYS_FUTEX = 202
+FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared: the tracer waits and wakes on its own mapping of the same page
 
 # The full form saves these, so fetches of them read the saved copy. r11 keeps the flags (seto/lahf:
 # ~2 ns here, pushfq/popfq ~13 ns); only a probe that fetches %flags makes it push them instead.

@@ -9,7 +9,18 @@ from typing import TYPE_CHECKING
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import L_MASK64, RED_ZONE, Asm, C, R, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.asm import (
+    FUTEX_WAIT,
+    L_MASK64,
+    RED_ZONE,
+    SYS_FUTEX,
+    Asm,
+    C,
+    R,
+    gs_at,
+    mem_at,
+    read_tsc,
+)
 from dynprobe.ringbuf import layout as L
 
 if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
@@ -209,36 +220,81 @@ def _take_oldest(asm: Asm, slot: RegisterT, limit: int, room: int) -> None:
 def _wait_for_room(asm: Asm, slot: RegisterT, limit: int, room: int, lost: int, full: int) -> None:
     """The ring is full (`slot`: the record's sequence number; room once slot - TAIL < `limit`):
     wait for the reader to take records, up to gs:[WAIT_TICKS] ticks (0: not at all, which the
-    tracer also sets to end every wait when it leaves), then go to `room`, or to `lost` when
-    none came; back to `full` if the ring becomes a flight recorder's again (the reader pauses
-    one, clearing gs:[OVERWRITE], while it copies it). rax used, rdx kept."""
-    again, gave_up, waited, overwriting = asm.label(), asm.label(), asm.label(), asm.label()
+    tracer also sets to end every wait when it leaves), spinning for gs:[WAIT_SPIN] of them,
+    then asleep (layout.WAIT_SLEEPING); then go to `room`, or to `lost` when none came (and,
+    until TAIL moves, at once: WAIT_GAVE_UP); back to `full` if the ring becomes a flight
+    recorder's again (the reader pauses one, clearing gs:[OVERWRITE], while it copies it).
+    rax used, rdx kept."""
+    again, gave_up, waited, woken, overwriting = (asm.label() for _ in range(5))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.WAIT_TICKS), 0))
+    asm.jump(C.JE_REL32_64, lost)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TAIL)))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RAX))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, gs_at(L.WAIT_GAVE_UP)))
     asm.jump(C.JE_REL32_64, lost)
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))
     read_tsc(asm)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDX, R.RAX))
     asm.add(iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.RAX, gs_at(L.WAIT_TICKS)))
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.WAIT_UNTIL), R.RAX))
+    asm.add(iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.RDX, gs_at(L.WAIT_SPIN)))
+    asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))  # [rsp]: when the spinning ends
+
+    def has_room(then: int) -> None:
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
+        asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, gs_at(L.TAIL)))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
+        asm.jump(C.JB_REL32_64, then)
+
     asm.bind(again)
     asm.add(iced.Instruction.create(C.PAUSE))
-    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
-    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, gs_at(L.TAIL)))
-    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
-    asm.jump(C.JB_REL32_64, waited)
+    has_room(waited)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.OVERWRITE), 0))
     asm.jump(C.JNE_REL32_64, overwriting)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.WAIT_TICKS), 0))
     asm.jump(C.JE_REL32_64, gave_up)
     read_tsc(asm)
     asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, gs_at(L.WAIT_UNTIL)))
+    asm.jump(C.JAE_REL32_64, gave_up)
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, mem_at(R.RSP)))
     asm.jump(C.JB_REL32_64, again)
-    asm.bind(gave_up)
-    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
-    asm.jump(C.JMP_REL32_64, lost)
+    # Asleep: WAIT_SLEEPING, then TAIL once more with a full barrier between (the reader moves
+    # TAIL, then looks at WAIT_SLEEPING: a wake-up it misses costs one SLEEP_TIMEOUT at most),
+    # then a futex wait while TAIL's low half is what it was (the system call's registers kept)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.WAIT_SLEEPING), 1))
+    fence = iced.Instruction.create_mem_i32(C.OR_RM64_IMM8, mem_at(R.RSP), 0)
+    fence.has_lock_prefix = True
+    asm.add(fence)
+    has_room(woken)
+    kept = (R.RCX, R.RSI, R.RDI, R.R10, R.R11)
+    for reg in kept:
+        asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, gs_at(L.TAIL)))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDI, gs_at(L.AREA_SELF)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R10, mem_at(R.RDI, L.SLEEP_TIMEOUT)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, mem_at(R.RDI, L.TAIL)))
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, SYS_FUTEX))
+    asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ESI, FUTEX_WAIT))
+    asm.add(iced.Instruction.create(C.SYSCALL))
+    for reg in reversed(kept):
+        asm.add(iced.Instruction.create_reg(C.POP_R64, reg))
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.WAIT_SLEEPING), 0))
+    asm.jump(C.JMP_REL32_64, again)
+    asm.bind(woken)
+    asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.WAIT_SLEEPING), 0))
     asm.bind(waited)
     asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(L.WAITS)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, 8)))
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
     asm.jump(C.JMP_REL32_64, room)
+    asm.bind(gave_up)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TAIL)))
+    asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RAX))
+    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.WAIT_GAVE_UP), R.RAX))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, 8)))
+    asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
+    asm.jump(C.JMP_REL32_64, lost)
     asm.bind(overwriting)
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, 8)))
     asm.add(iced.Instruction.create_reg(C.POP_R64, R.RDX))
     asm.jump(C.JMP_REL32_64, full)

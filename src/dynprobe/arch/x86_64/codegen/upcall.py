@@ -40,7 +40,21 @@ from dataclasses import dataclass, field
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import REG, SAVED_AT, Asm, C, Detour, R, Trampoline, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.asm import (
+    FUTEX_WAIT,
+    FUTEX_WAKE,
+    REG,
+    SAVED_AT,
+    SYS_FUTEX,
+    Asm,
+    C,
+    Detour,
+    R,
+    Trampoline,
+    gs_at,
+    mem_at,
+    read_tsc,
+)
 from dynprobe.arch.x86_64.codegen.records import shadow_push
 from dynprobe.arch.x86_64.codegen.returns import stamp
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
@@ -49,8 +63,6 @@ from dynprobe.arch.x86_64.relocate import jump_to, relocate
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 
-SYS_FUTEX = 202
-FUTEX_WAIT, FUTEX_WAKE = 0, 1  # shared: the tracer waits on its own mapping of the same page
 _RED_ZONE = 128
 _CPUNODE_SELECTOR = 15 * 8 + 3  # GDT_ENTRY_CPUNODE, user privilege
 _FRAME = {name: L.UPCALL_FRAME + 8 * i for i, name in enumerate(REG_NAMES)}
@@ -211,8 +223,8 @@ def _upcall(
     asm.add(fence)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM32_IMM8, gs_at(L.UPCALL_STATE), L.UPCALL_ANSWERED))
     asm.jump(C.JE_REL32_64, answered)
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDI, gs_at(L.UPCALL_SELF)))
-    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R10, mem_at(R.RDI, L.UPCALL_TIMEOUT)))
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDI, gs_at(L.AREA_SELF)))
+    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R10, mem_at(R.RDI, L.SLEEP_TIMEOUT)))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, mem_at(R.RDI, L.UPCALL_STATE)))
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, SYS_FUTEX))
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ESI, FUTEX_WAIT))
