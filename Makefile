@@ -9,7 +9,7 @@ CC     ?= gcc
 
 EXAMPLES := examples/bin/wordcount examples/bin/app
 
-.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains stress-test stress-kill mutate coverage clean
+.PHONY: all venv demo test lint typecheck unit bench tracefs toolchains stress-test stress-kill mutate lossless coverage clean
 
 all: test
 
@@ -81,6 +81,10 @@ stress-kill: venv
 # Mutation testing of the pure core: each module's mutants against its unit tests (tests/mutation.py).
 mutate: venv
 	$(PY) -m tests.mutation
+
+# The bursts that once lost records at the defaults, 20 runs each beside a CPU hog per CPU.
+lossless: venv
+	$(PY) -m tests.lossless
 
 # The suite under coverage.py, every Python process it starts measured (pyproject.toml's
 # [tool.coverage]), then lines and branches per module; fails below 92% of branches.
