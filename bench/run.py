@@ -396,17 +396,20 @@ def cli_seed(seed: str, calls: int, command: list[str]) -> int:
 
 
 def unwind_tables() -> dict[str, float]:
-    """Seconds to compile the unwind rows of libc and of the system's python3 (each in a process
-    of its own, so nothing is cached): the stack walker's tables."""
+    """Seconds to compile the unwind rows of libc and of the system's python3, and to read them
+    from the cache by build-id (each in a process of its own): the stack walker's tables."""
     code = ("import sys, time; from dynprobe.symbols.elf import load_elf; image = load_elf(sys.argv[1]); "
             "t = time.perf_counter(); image.unwind_table; print(time.perf_counter() - t)")  # fmt: skip
     files = {"libc": "/lib/x86_64-linux-gnu/libc.so.6", "python3": os.path.realpath("/usr/bin/python3")}
     seconds = {}
-    for name, path in files.items():
-        if os.path.exists(path):
-            runs = [subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True)
-                    for _ in range(REPEAT)]  # fmt: skip
-            seconds[name] = sorted(float(run.stdout) for run in runs)[REPEAT // 2]
+    with tempfile.TemporaryDirectory() as cache:
+        for name, path in files.items():
+            if not os.path.exists(path):
+                continue
+            for how, env in ((name, {"DYNPROBE_CACHE": "0"}), (f"{name}_cached", {"XDG_CACHE_HOME": cache})):
+                runs = [subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True,
+                                       env={**os.environ, **env}) for _ in range(REPEAT + 1)][1:]  # fmt: skip
+                seconds[how] = sorted(float(run.stdout) for run in runs)[REPEAT // 2]
     return seconds
 
 
@@ -655,8 +658,9 @@ def main() -> int:
     out.print(f"a time stamp costs {rdtscp_ns:.1f} ns (rdtscp, with the CPU) or {rdtsc_ns:.1f} ns (rdtsc) here")
     out.print(f"start-up: `dynprobe --version` {started['version_s'] * 1000:.0f} ms, `dynprobe count 'p libc:malloc' "
               f"-- /bin/true` {started['count_true_s'] * 1000:.0f} ms")  # fmt: skip
-    out.print("unwind tables compiled (the stack walker's rows): "
-              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in unwinding.items()))  # fmt: skip
+    out.print("unwind tables (the stack walker's rows), compiled or read from the cache: "
+              + ", ".join(f"{name} {unwinding[name]:.3f} s or {unwinding[name + '_cached']:.3f} s"
+                          for name in unwinding if not name.endswith("_cached")))  # fmt: skip
     shown = []
     for name in ("replay", "report", "chrome", "flame", "perfetto"):
         ours, theirs = reading[name], reading.get(f"uftrace_{name}")

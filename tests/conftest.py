@@ -6,11 +6,17 @@ import hashlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]  # the command, as this Python runs it
+
+# The unwind tables' cache (symbols/unwind_cache.py) of this run alone, for every process it
+# starts: tables compiled by the code under test, never ones an earlier build left.
+_CACHE = tempfile.TemporaryDirectory(prefix="dynprobe-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE.name
 
 TARGETS = Path(__file__).parent / "targets"
 BUILD = Path(__file__).parent / ".build"

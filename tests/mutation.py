@@ -502,6 +502,7 @@ def _in_child(work: Callable[[], int], timeout: float) -> str:
             os.environ["PYTHONPATH"] = os.pathsep.join([str(_worker_copy), str(ROOT)])
             os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
             os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # (xdist and others: none is used)
+            os.environ["DYNPROBE_CACHE"] = "0"  # (unwind tables each mutant compiles, never another's)
             os._exit(work())
         finally:
             os._exit(99)

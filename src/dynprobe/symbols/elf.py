@@ -32,7 +32,7 @@ from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.output.files import FileTooLarge, NotRegularFile, read_regular
-from dynprobe.symbols import files
+from dynprobe.symbols import files, unwind_cache
 from dynprobe.symbols.demangle import names_of
 
 
@@ -433,7 +433,17 @@ class ElfImage:
     @functools.cached_property
     def unwind_table(self) -> UnwindTable:
         """The rows stacks are walked with (arch/x86_64/unwind.py), from the file's .eh_frame,
-        else a .debug_frame (its own, or its debug file's); empty when it has none."""
+        else a .debug_frame (its own, or its debug file's); empty when it has none. Kept on disk
+        by build-id (symbols/unwind_cache.py)."""
+        cached = unwind_cache.load(self.build_id)
+        if cached is not None:
+            return cached
+        table = self._compiled_unwind_table()
+        if len(table):  # (none: a debug file installed later may have one)
+            unwind_cache.store(self.build_id, table)
+        return table
+
+    def _compiled_unwind_table(self) -> UnwindTable:
         for path, elf in ((self.path, self._elf), (self.debug_file, None)):
             if path is None:
                 continue
