@@ -508,6 +508,8 @@ def main() -> int:
         ("optimized return: count (no time stamps)", n_ret, "r test", {"action": "count"}),
         ("optimized: count by stack (6 frames: test, calls, main, libc's two, _start)", n_stack, "test",
          {"action": "count", "by": "stack"}),
+        ("optimized: count by stack, 3 frames (max_frames=3: test, calls, main)", n_stack, "test",
+         {"action": "count", "by": "stack", "max_frames": 3}),
     ]  # fmt: skip
     for name, calls, spec, kw in optimized:
         elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw),  # noqa: B023
