@@ -46,7 +46,8 @@ typecheck: venv
 
 # A Go toolchain lets the return-probe tests check that Go programs are refused (hazard 1);
 # uftrace is the function tracer's reference (same call graphs, and the benchmark's comparison);
-# gdb is the stack walk's (the same frames as its backtraces).
+# gdb is the stack walk's (the same frames as its backtraces); bpftrace is the language's (the
+# same errors, and the benchmark's peer for stacks).
 toolchains:
 	@command -v go >/dev/null || (apt-get install -y -qq golang-go >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq golang-go >/dev/null 2>&1)) || \
@@ -57,15 +58,14 @@ toolchains:
 	@command -v gdb >/dev/null || (apt-get install -y -qq gdb >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq gdb >/dev/null 2>&1)) || \
 	  echo "note: no gdb; the comparison of stacks with its backtraces will be skipped"
+	@command -v bpftrace >/dev/null || (apt-get install -y -qq bpftrace >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq bpftrace >/dev/null 2>&1)) || \
+	  echo "note: no bpftrace; the comparisons with it will be skipped"
 
 test: venv tracefs toolchains lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
-# bpftrace is the benchmark's peer for stacks (apt's, where it can): its rows are skipped, said why, without it.
 bench: venv tracefs toolchains
-	@command -v bpftrace >/dev/null || (apt-get install -y -qq bpftrace >/dev/null 2>&1 || \
-	  (apt-get update -qq && apt-get install -y -qq bpftrace >/dev/null 2>&1)) || \
-	  echo "note: no bpftrace; its rows of the benchmark will be skipped"
 	$(PY) bench/run.py
 
 # The suite 20 times in a row, every other run on a loaded machine (tests/stress.sh RUNS).

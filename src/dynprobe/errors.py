@@ -58,6 +58,26 @@ class SymbolError(DynprobeError):
     """A file, symbol or address could not be resolved."""
 
 
+class ProgramError(DynprobeError):
+    """A program in bpftrace's language (`dynprobe run`) that cannot run: `str()` is where and
+    what, as bpftrace's first line says it (`stdin:1:24-27: ERROR: Unknown identifier: 'foo'`);
+    `render()` adds the line and the span underlined."""
+
+    def __init__(self, message: str, source: str, span: tuple[int, int], filename: str = "stdin") -> None:
+        self.message, self.source, self.span, self.filename = message, source, span, filename
+        start = max(0, min(span[0], len(source)))
+        line_start = source.rfind("\n", 0, start) + 1
+        line_end = source.find("\n", start)
+        self.line = source[line_start : line_end if line_end >= 0 else len(source)]
+        self.line_number = source.count("\n", 0, start) + 1
+        self.first = start - line_start + 1
+        self.last = self.first + max(1, min(span[1], line_start + len(self.line)) - start)
+        super().__init__(f"{filename}:{self.line_number}:{self.first}-{self.last}: ERROR: {message}")
+
+    def render(self) -> str:
+        return f"{self}\n{self.line}\n{' ' * (self.first - 1)}{'~' * (self.last - self.first)}"
+
+
 class ElfError(SymbolError):
     """A file is not an ELF object dynprobe can use (not ELF, not x86-64, corrupt)."""
 
