@@ -65,7 +65,6 @@ MODULES: dict[str, tuple[str, ...]] = {
         ),
     ),
     "arch/x86_64/codegen/stacks.py": ("test_native_stacks.py",),
-    "arch/x86_64/unwind.py": ("test_unwind.py", "test_native_stacks.py"),
     "ringbuf/layout.py": (
         "test_layout.py",
         "test_consumer.py",

@@ -477,9 +477,7 @@ def _describe(data: bytes, body: int, end: int, cie: _Cie, *, vaddr: int, debug_
              section_vaddr=section_vaddr)  # fmt: skip
     initial = state.copy()
     _execute(reader, state, cie, initial=initial, at=start, emit=emit, section_vaddr=section_vaddr)
-    if not rows or rows[0][0] != start:
-        rows.insert(0, (start, initial.packed(cie.signal)))
-    return start, start + size, rows
+    return start, start + size, rows  # (its first row is at `start`: the first emit is there)
 
 
 def _merge(described: list[tuple[int, int, list[tuple[int, int]]]], skipped: int) -> UnwindTable:
