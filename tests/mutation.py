@@ -303,6 +303,66 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         for line, changes in lines.items()
         for change in changes
     },
+    **{
+        ("arch/x86_64/unwind.py", line, change): why
+        for why, lines in {
+            "a kind's number: any distinct one in 3 bits does (the walker and the tables name them)": {
+                "NONE = 0  # nothing known (no rule dynprobe follows): frame pointers are tried": ("0 -> -1",),
+                "PLT = 4  # a PLT stub: CFA = rsp + offset, 8 more once (rip & 15) >= the threshold (the push)": (
+                    "4 -> 5",
+                ),
+            },
+            "a uleb's shift goes by 7: none lies between 63 and 64": {"if at >= end or shift > 63:": ("63 -> 64",)},
+            "a NUL found is past the CIE's first byte: never at index 0": {"if end < 0:": ("< -> <=", "0 -> 1")},
+            "a pointer only stepped over: its value is never used": {"return 0": ("0 -> 1", "0 -> -1")},
+            "the offset of a rule that has none: any value, the same in every comparison": {
+                "offset: int = 0": ("0 -> 1", "0 -> -1"),
+            },
+            _TUNABLE: {
+                "_MAX_STATES = 64  # remembered states (DW_CFA_remember_state) a description may stack": ("64 -> 63",),
+            },
+            "an expression shorter than the PLT's fails the shape check that follows": {
+                "if len(expression) < 2 or expression[0] != 0x77:  # DW_OP_breg7 (rsp)": (
+                    "< -> <=", "2 -> 3", "2 -> 1",
+                ),
+            },
+            "val_offset_sf's operand is not used: read as a uleb or a sleb, the same bytes are consumed": {
+                "offset = (reader.sleb() if op in (0x11, 0x15) else reader.uleb()) * data_align": (
+                    "21 -> 22", "21 -> 20",
+                ),
+            },
+            "a CFA expression that is not the PLT's: its register is neither rsp nor rbp, its offset unread": {
+                "state.cfa_reg = RSP if plt is not None else -1": ("1 -> 2", "1 -> 0", "drop -"),
+                "state.cfa_offset, state.cfa_plt = plt if plt is not None else (0, None)": ("0 -> 1", "0 -> -1"),
+            },
+            "no entry fits in fewer than 8 bytes: the bound decides only where the loop ends, past any entry": {
+                "while at + 4 <= len(data):": ("<= -> <", "+ -> -", "4 -> 5", "4 -> 3"),
+            },
+            "a 64-bit length cut off gives an end past the section, as the loop's end does": {
+                "if at + 12 > len(data):": ("> -> >=", "+ -> -", "12 -> 13", "12 -> 11"),
+                "break  # (a 64-bit length cut off: no entry)": ("delete `break`",),
+            },
+            "a length's eighth byte is 0 for any section below 2^56 bytes": {
+                'length, header = int.from_bytes(data[at + 4 : at + 12], "little"), 12': ("12 -> 11",),
+                "size = reader.take(8) if debug_frame else reader.pointer(cie.fde_encoding & 0x0F, vaddr)": ("8 -> 7",),
+            },
+            "a CIE read as it is met, or when an FDE names it: the same": {
+                "cies[at] = _read_cie(data, body, end)": ("delete `cies[at] = _read_cie(data, body, end)`",),
+                "cies[at] = None": ("delete `cies[at] = None`",),
+            },
+            "a row left equal to the one before it: the merge drops it anyway": {
+                "if len(rows) > 1 and rows[-2][1] == packed:": ("1 -> 2", "1 -> 0"),
+                "rows.pop()": ("delete `rows.pop()`",),
+                "elif not rows or rows[-1][1] != packed:": ("1 -> 0",),
+            },
+            "a description's rows begin at its start: sorted by them, by its start": {
+                "described.sort(key=lambda d: d[0])": ("0 -> -1",),
+            },
+            "no description starts below 0": {"last_end = -1": ("1 -> 2", "1 -> 0")},
+        }.items()
+        for line, changes in lines.items()
+        for change in changes
+    },
 }  # fmt: skip
 
 _COMPARE_SWAPS: dict[type[ast.cmpop], type[ast.cmpop]] = {

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Kind, Row, UnwindTable, compile_cfi
+from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, UnwindTable, compile_cfi, pack, step, unpack
 
 from .test_unwind import CIE_INITIAL, cfa, cie, entry, fde, table_of, uleb
 
@@ -66,6 +66,14 @@ INSTRUCTIONS = [
     ("the PLT expression at threshold 0", [*PLT[:8], 0x30, *PLT[9:]], Row(Kind.PLT, RSP, 8, BpRule.SAME, 0)),
     ("the PLT expression at threshold 31", [*PLT[:8], 0x4F, *PLT[9:]], Row(Kind.PLT, RSP, 8, BpRule.SAME, 31)),
     ("the PLT expression with a literal past 31", [*PLT[:8], 0x50, *PLT[9:]], None),
+    ("the PLT expression with a literal below 0", [*PLT[:8], 0x2F, *PLT[9:]], None),
+    ("a uleb ending at 0x7f", [0x0E, 0x7F], cfa(RSP, 127)),
+    ("a sleb of -1", [0x12, 0x07, *sleb(-1)], cfa(RSP, 8)),
+    ("a sleb of 63", [0x12, 0x07, *sleb(63)], cfa(RSP, -504)),
+    ("a sleb of 64 (two bytes)", [0x12, 0x07, *sleb(64)], cfa(RSP, -512)),
+    ("a sleb of -64", [0x12, 0x07, *sleb(-64)], cfa(RSP, 512)),
+    ("a sleb of -65 (two bytes)", [0x12, 0x07, *sleb(-65)], cfa(RSP, 520)),
+    ("a uleb of 2^63 (ten bytes)", [0x0E, *uleb(1 << 63)], None),
     ("the PLT expression at rsp+24", [*PLT[:3], 0x18, *PLT[4:]], Row(Kind.PLT, RSP, 24, BpRule.SAME, 11)),
     ("an expression on another register", [*PLT[:2], 0x76, *PLT[3:]], None),
     ("an expression one byte short", [0x0F, 10, *PLT[2:-1]], None),
@@ -124,6 +132,37 @@ def test_an_operand_past_the_description_skips_it(program: bytes) -> None:
     assert compile_cfi(section, 0x2000).skipped == 1
 
 
+def test_a_uleb_past_64_bits_skips_the_description() -> None:
+    section = cie(CIE_INITIAL)
+    section += fde(section, 0x2000, 0x1000, 0x10, bytes([0x0E, *uleb(1 << 63)]))
+    assert compile_cfi(section, 0x2000).skipped == 0  # (ten bytes: read, a CFA offset no row holds)
+    section = cie(CIE_INITIAL)
+    section += fde(section, 0x2000, 0x1000, 0x10, bytes([0x0E, *([0x80] * 10), 0x01]))
+    assert compile_cfi(section, 0x2000).skipped == 1  # (eleven)
+
+
+def test_set_loc_to_where_it_is() -> None:
+    section = cie(CIE_INITIAL)
+    section += fde(section, 0x2000, 0x1000, 0x20, set_loc_program(section, 0x2000, 0x1000))
+    table = compile_cfi(section, 0x2000)
+    assert (table.find(0x1000), table.skipped) == (cfa(RSP, 16), 0)
+
+
+def test_a_cie_without_a_cfa_rule_is_the_call_s() -> None:
+    """A CIE that says only where the return address is: the CFA is rsp+8, as at a call."""
+    assert table_of((0x1000, 0x10, b""), initial=bytes([0x90, 0x01]))[0] == (0x1000, cfa(RSP, 8))
+
+
+def test_rows_at_the_end_and_replaced() -> None:
+    """A rule from the description's end on adds no row; rules at one address, the last holds
+    (at its start too); a row that ends up equal to the one before it adds none."""
+    assert table_of((0x1000, 4, bytes([0x44, 0x0E, 0x10]))) == [(0x1000, cfa(RSP, 8)), (0x1004, None)]
+    assert table_of((0x1000, 4, bytes([0x40, 0x0E, 0x10]))) == [(0x1000, cfa(RSP, 16)), (0x1004, None)]
+    assert table_of((0x1000, 8, bytes([0x41, 0x0E, 0x10, 0x41, 0x0E, 0x18, 0x40, 0x0E, 0x20]))) == [
+        (0x1000, cfa(RSP, 8)), (0x1001, cfa(RSP, 16)), (0x1002, cfa(RSP, 32)), (0x1008, None),
+    ]  # fmt: skip
+
+
 def test_rules_past_the_description_end_add_no_row() -> None:
     assert table_of((0x1000, 4, bytes([0x48, 0x0E, 0x10]))) == [(0x1000, cfa(RSP, 8)), (0x1004, None)]
 
@@ -180,18 +219,43 @@ def test_each_pointer_encoding(encoding: int) -> None:
     assert (table.find(0x7000), table.find(0x7010), table.skipped) == (cfa(RSP, 16), None, 0)
 
 
-@pytest.mark.parametrize("encoding", [0x05, 0x0D, 0x30, 0x50])
+@pytest.mark.parametrize("encoding", [0x05, 0x0D, 0x23, 0x33, 0x43, 0x53])
 def test_an_encoding_no_linker_writes_is_refused(encoding: int) -> None:
+    """A form (0x05, 0x0D) or an application (text, data, function-relative, aligned) no linker
+    writes for x86-64: the FDE is skipped (read as absolute, it would have had a row)."""
     section = cie_of(data=bytes([encoding]))
-    section += entry(struct.pack("<I", len(section) + 4) + b"\0" * 24)
+    if encoding & 0x0F in (0x05, 0x0D):
+        section += entry(struct.pack("<I", len(section) + 4) + b"\0" * 24)
+    else:
+        section += fde_encoded(section, encoding & 0x0F)
     assert compile_cfi(section, 0x2000).skipped == 1
+
+
+def test_pc_relative_addresses_wrap_at_2_64() -> None:
+    """A section high in the address space, its FDE's pc-relative start past 2^64: it wraps."""
+    vaddr = (1 << 64) - 0x100
+    section = cie(CIE_INITIAL)
+    at = len(section)
+    field = vaddr + at + 8
+    section += entry(struct.pack("<Iii", at + 4, 0x500 + (1 << 64) - field, 0x10) + b"\0" + bytes([0x0E, 0x10]))
+    table = compile_cfi(section, vaddr)
+    assert (table.find(0x500), table.skipped) == (cfa(RSP, 16), 0)
+
+
+def test_fdes_as_high_as_addresses_go() -> None:
+    """An FDE past 2^63 is read (udata8); one that would end past 2^64 is skipped."""
+    section = cie_of(data=b"\x04")
+    section += fde_encoded(section, 0x04, start=(1 << 63) + 0x1000, size=0x10)
+    assert compile_cfi(section, 0x2000).find((1 << 63) + 0x1000) == cfa(RSP, 16)
 
 
 HEADERS = [
     ("version 3 (the return address register a uleb)", cie_of(version=3)),
     ("version 4 (address and segment sizes)", cie_of(version=4)),
     ("the eh augmentation (a pointer of old GCCs)", cie_of(augmentation=b"eh", eh=b"\0" * 8)),
-    ("a personality and an LSDA", cie_of(augmentation=b"zPLR", data=b"\x9b\0\0\0\0\x1b\x1b")),
+    ("a personality and an LSDA", cie_of(augmentation=b"zPLR", data=b"\x9b\0\0\0\0\x00\x1b")),
+    ("version 3, the return address register in two bytes",
+     entry(b"\0\0\0\0\x03zR\0\x01\x78\x90\x00\x01\x1b" + CIE_INITIAL)),
     ("an absolute personality", cie_of(augmentation=b"zPLR", data=b"\x00" + b"\0" * 8 + b"\x1b\x1b")),
     ("B and G", cie_of(augmentation=b"zRBG")),
 ]  # fmt: skip
@@ -216,6 +280,7 @@ REFUSED = [
     ("the return address in another register", cie_of(ra=15)),
     ("a code alignment of 0", cie_of(code_align=0)),
     ("augmentation data past the CIE", entry(b"\0\0\0\0\x01zR\0\x01\x78\x10\x7f")),
+    ("augmentation data one byte past the CIE", entry(b"\0\0\0\0\x01zR\0\x01\x78\x10\x02\x1b")),
     ("an augmentation string never ended", entry(b"\0\0\0\0\x01zR")),
     ("a uleb longer than 64 bits", entry(b"\0\0\0\0\x01zR\0" + b"\x80" * 10 + b"\x01\x78\x10\x01\x1b")),
 ]  # fmt: skip
@@ -227,6 +292,16 @@ def test_a_cie_that_cannot_be_read_skips_its_descriptions(header: bytes) -> None
     section += fde(section, 0x2000, 0x1000, 0x10, b"")
     table = compile_cfi(section, 0x2000)
     assert (table.find(0x1000), table.skipped) == (None, 1)
+
+
+def test_an_augmentation_without_z_that_is_not_eh() -> None:
+    """(Its FDE, absolute and without augmentation data, would read well.)"""
+    section = cie_of(augmentation=b"X")
+    section += fde_encoded(section, 0x00, augmentation=b"")
+    assert compile_cfi(section, 0x2000).skipped == 1
+    section = cie_of(augmentation=b"")
+    section += fde_encoded(section, 0x00, augmentation=b"")
+    assert compile_cfi(section, 0x2000).find(0x1000) == cfa(RSP, 16)
 
 
 def test_an_fde_that_cannot_be_read_is_skipped() -> None:
@@ -294,3 +369,62 @@ def test_debug_frame_cie_pointers_to_what_is_not_a_cie() -> None:
 def test_an_empty_section_is_an_empty_table() -> None:
     table = compile_cfi(cie(CIE_INITIAL), 0)
     assert isinstance(table, UnwindTable) and table.find(0x1000) is None and len(table) == 0
+
+
+def test_what_follows_the_terminator_or_runs_past_the_end_is_not_read() -> None:
+    section = cie(CIE_INITIAL)
+    section += fde(section, 0x2000, 0x1000, 0x10, b"")
+    section += b"\0\0\0\0"  # .eh_frame's terminator: what follows is not the section's
+    section += fde(section, 0x2000, 0x2000, 0x10, b"")
+    assert compile_cfi(section, 0x2000).find(0x2000) is None
+    section = cie(CIE_INITIAL)
+    last = fde(section, 0x2000, 0x1000, 0x10, bytes([0x0E, 0x10]))
+    section += struct.pack("<I", len(last) - 4 + 1) + last[4:]  # (its length: one byte past the section)
+    assert compile_cfi(section, 0x2000).find(0x1000) is None
+
+
+def test_augmentation_data_up_to_the_fde_end() -> None:
+    section = cie(CIE_INITIAL)
+    section += fde_encoded(section, 0x1B, augmentation=b"\x02\0\0", program=b"")
+    assert compile_cfi(section, 0x2000).find(0x1000) == cfa(RSP, 8)
+
+
+def test_descriptions_merged_in_address_order() -> None:
+    """One inside another: the one that starts first is kept; one at address 0 too; three in a
+    row leave no gap between them."""
+    section = cie(CIE_INITIAL)
+    section += fde(section, 0x2000, 0x1010, 0x10, bytes([0x0E, 0x18]))
+    section += fde(section, 0x2000, 0x1000, 0x30, bytes([0x0E, 0x10]))
+    section += fde(section, 0x2000, 0, 0x10, bytes([0x0E, 0x20]))
+    table = compile_cfi(section, 0x2000)
+    assert [table.find(a) for a in (0, 0x1000, 0x1018, 0x1030)] == [cfa(RSP, 32), cfa(RSP, 16), cfa(RSP, 16), None]
+    assert table.skipped == 1
+    rows = table_of((0x1000, 0x10, bytes([0x0E, 0x10])), (0x1010, 0x10, bytes([0x0E, 0x18])),
+                    (0x1020, 0x10, bytes([0x0E, 0x20])))  # fmt: skip
+    assert rows == [(0x1000, cfa(RSP, 16)), (0x1010, cfa(RSP, 24)), (0x1020, cfa(RSP, 32)), (0x1030, None)]
+
+
+def test_rows_pack_within_their_bounds() -> None:
+    for offset in (-(1 << 31), (1 << 31) - 1):
+        assert unpack(pack(cfa(RSP, offset))) == cfa(RSP, offset)
+    for bp_offset in (-(1 << 15), (1 << 15) - 1):
+        assert unpack(pack(cfa(RBP, 16, SAVED, bp_offset))) == cfa(RBP, 16, SAVED, bp_offset)
+    for row in (cfa(RSP, -(1 << 31) - 1), cfa(RSP, 1 << 31), cfa(RBP, 16, SAVED, 1 << 15),
+                cfa(RBP, 16, SAVED, -(1 << 15) - 1)):  # fmt: skip
+        with pytest.raises(ValueError):
+            pack(row)
+
+
+def test_a_frame_is_looked_up_at_its_call() -> None:
+    assert Frame(0x1005, 0, 0, exact=False).lookup == 0x1004 and Frame(0x1005, 0, 0, exact=True).lookup == 0x1005
+
+
+def test_frame_pointers_at_rsp_and_misaligned() -> None:
+    memory = {0x7000: 0x7100, 0x7008: 0x401000}
+
+    def read(addr: int) -> int:
+        return memory[addr]
+
+    assert step(Frame(0x400000, 0x7000, 0x7000, exact=True), None, read) == Frame(0x401000, 0x7010, 0x7100, exact=False)
+    for misaligned in (0x7004, 0x7001):
+        assert step(Frame(0x400000, 0x7000, misaligned, exact=True), None, read) is None

@@ -75,7 +75,7 @@ class UnwindTable:
 
     starts: array[int]  # 'Q'
     rows: array[int]  # 'q', packed (see pack)
-    skipped: int = 0  # frame descriptions that could not be read
+    skipped: int  # frame descriptions that could not be read
 
     def find(self, addr: int) -> Row | None:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -393,7 +393,7 @@ def compile_cfi(data: bytes, vaddr: int, *, debug_frame: bool = False) -> Unwind
         header = 4
         if length == 0xFFFFFFFF:
             if at + 12 > len(data):
-                break
+                break  # (a 64-bit length cut off: no entry)
             length, header = int.from_bytes(data[at + 4 : at + 12], "little"), 12
         if length == 0:
             if debug_frame:
