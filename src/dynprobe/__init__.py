@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         PermissionDenied,
         ProbeRefused,
         ProcessError,
+        ProgramError,
         Refusal,
         SeccompFiltered,
         SessionError,
@@ -47,7 +48,8 @@ _HOMES = {
     **dict.fromkeys(
         (
             "AlreadyTraced", "DynprobeError", "ElfError", "NoSuchProcess", "OptimizeRefusal", "ParseError",
-            "PermissionDenied", "ProbeRefused", "ProcessError", "Refusal", "SeccompFiltered", "SessionError",
+            "PermissionDenied", "ProbeRefused", "ProcessError", "ProgramError", "Refusal", "SeccompFiltered",
+            "SessionError",
             "SharedMemoryRefused", "SymbolError", "ThreadGone",
         ),
         "dynprobe.errors",
@@ -91,6 +93,7 @@ __all__ = [
     "ProbeMode",
     "ProbeRefused",
     "ProcessError",
+    "ProgramError",
     "Refusal",
     "Regs",
     "SeccompFiltered",
