@@ -348,6 +348,7 @@ def _full_ring(area: NativeArea) -> int:
     actions = area.place(detour.code[: detour.action_bytes] + b"\xc3")
     for word in (L.HEAD, L.RESERVE):
         area.set_word(word, LAYOUT.ring_slots)
+    area.set_word(L.WAIT_SPIN, 1 << 62)  # (a writer that waits spins: the tests of its sleep say otherwise)
     return actions
 
 
@@ -398,24 +399,46 @@ def test_native_writer_sleeps_until_the_reader_wakes_it(area: NativeArea) -> Non
     """Past its spin (none here) a writer waiting for room sleeps on TAIL, WAIT_SLEEPING set: the
     reader takes a record and wakes it (as the consumer does, on its own mapping), and the
     record is written into that room. Each sleep is an hour long: only the wake ends it."""
+    actions = _asleep_until(area, L.TAIL, 1)
+    area.call_at(actions, 777)
+    assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
+    assert area.word(L.WAIT_SLEEPING) == 0 and area.counter(4, L.LOST) == 0
+    assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
+
+
+def _asleep_until(area: NativeArea, offset: int, value: int) -> int:
+    """A full ring whose writer sleeps at once (each sleep an hour long: only a wake ends it),
+    and a thread that, once it sleeps, sets the area's word at `offset` to `value` and wakes
+    it (as the consumer does, on its own mapping): the writer's actions."""
     actions = _full_ring(area)
+    area.set_word(L.WAIT_SPIN, 0)
     area.set_word(L.WAIT_TICKS, 1 << 62)
     area.set_word(L.AREA_SELF, area.mem.ctypes.data)
     area.set_word(L.SLEEP_TIMEOUT, 3600)
 
-    def reader() -> None:
+    def waker() -> None:
         while not area.word(L.WAIT_SLEEPING):
             os.sched_yield()
-        area.set_word(L.TAIL, 1)
+        area.set_word(offset, value)
         sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1)
 
-    waking = threading.Thread(target=reader)
-    waking.start()
-    area.call_at(actions, 777)
-    waking.join()
-    assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
-    assert area.word(L.WAIT_SLEEPING) == 0 and area.counter(4, L.LOST) == 0
-    assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
+    threading.Thread(target=waker, daemon=True).start()
+    return actions
+
+
+def test_native_writer_asleep_goes_on_when_the_tracer_leaves(area: NativeArea) -> None:
+    """The tracer, leaving, ends the waits (WAIT_TICKS 0) and wakes the sleepers: lost, at once."""
+    area.call_at(_asleep_until(area, L.WAIT_TICKS, 0), 777)
+    assert area.word(L.HEAD) == LAYOUT.ring_slots and area.counter(4, L.LOST) == 1
+    assert area.word(L.WAIT_SLEEPING) == 0 and area.word(L.WAITS) == 0
+
+
+def test_native_writer_asleep_during_a_snapshot_overwrites_once_it_ends(area: NativeArea) -> None:
+    """A flight recorder's ring paused for a copy: its writer sleeps; the copy over (OVERWRITE
+    set again, a wake), it gives up the oldest record and writes its own."""
+    area.call_at(_asleep_until(area, L.OVERWRITE, 1), 777)
+    assert (area.word(L.HEAD), area.word(L.TAIL)) == (LAYOUT.ring_slots + 1, 1)
+    assert area.counter(4, L.LOST) == 0 and area.word(L.WAIT_SLEEPING) == 0
 
 
 def test_native_writer_that_waited_in_vain_waits_again_only_once_the_reader_came(area: NativeArea) -> None:

@@ -182,6 +182,7 @@ def in_futex_waitv(tid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] == "S" and syscall.read().split()[0] == "449"
 
 
+@pytest.mark.skipif(not sc.has_futex_waitv(), reason="futex_waitv (Linux 5.16+) is what the test sleeps in")
 def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
     """A writer asleep on its TAIL (WAIT_SLEEPING set) is woken by the pass that took its records."""
     consumer = Consumer(LAYOUT, lambda batches: None, lambda i: True, lambda error: None)
@@ -204,11 +205,14 @@ def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
 
 def test_a_process_under_a_seccomp_filter_never_sleeps_waiting_for_room() -> None:
     areas = make_areas()
-    areas.sleeps = False
     area = areas.assign(10)
     areas.set_wait(1 << 30, 1 << 10)
+    assert (int(area.words[L.WAIT_TICKS // 8]), int(area.words[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 10)
+    areas.never_sleep()  # (a thread found under a filter)
     assert (int(area.words[L.WAIT_TICKS // 8]), int(area.words[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 30)
     assert int(areas.assign(11).words[L.WAIT_SPIN // 8]) == 1 << 30
+    areas.set_wait(1 << 31, 1 << 10)
+    assert int(area.words[L.WAIT_SPIN // 8]) == 1 << 31
 
 
 def test_records_stamped_in_one_tick_keep_the_order_they_were_written_in() -> None:

@@ -18,7 +18,7 @@ from dynprobe.symbols import unwind_cache
 from dynprobe.symbols.elf import ElfImage
 from tests.conftest import build_target
 
-BUILD_ID = "0123456789abcdef0123456789abcdef01234567"
+KEY = unwind_cache.key_of(b"some CFI", 0x1000, debug_frame=False)
 ROWS = [
     Row(Kind.CFA, RSP, 8, BpRule.SAME, 0),
     Row(Kind.CFA, RSP, 16, BpRule.SAVED, -16),
@@ -42,27 +42,35 @@ def same(a: UnwindTable | None, b: UnwindTable) -> bool:
 
 
 def test_a_table_read_back_is_the_one_written(cache: Path) -> None:
-    assert unwind_cache.load(BUILD_ID) is None
-    unwind_cache.store(BUILD_ID, TABLE)
-    assert same(unwind_cache.load(BUILD_ID), TABLE)
-    assert (cache / BUILD_ID).stat().st_mode & 0o777 == 0o600 and cache.stat().st_mode & 0o777 == 0o700
-    assert os.listdir(cache) == [BUILD_ID]  # (the file written under another name first is gone)
+    assert unwind_cache.load(KEY) is None
+    unwind_cache.store(KEY, TABLE)
+    assert same(unwind_cache.load(KEY), TABLE)
+    assert (cache / KEY).stat().st_mode & 0o777 == 0o600 and cache.stat().st_mode & 0o777 == 0o700
+    assert os.listdir(cache) == [KEY]  # (the file written under another name first is gone)
 
 
-@pytest.mark.parametrize("build_id", [None, "", "../../etc/passwd", "0123", BUILD_ID.upper(), BUILD_ID + "/x"])
-def test_a_build_id_that_is_not_hex_is_never_a_file_name(cache: Path, build_id: str | None) -> None:
-    unwind_cache.store(build_id, TABLE)
-    assert unwind_cache.load(build_id) is None and not cache.exists()
+@pytest.mark.parametrize("key", ["", "../../etc/passwd", "0123", KEY.upper(), KEY + "/x", KEY[:-1]])
+def test_a_key_that_is_not_a_hash_is_never_a_file_name(cache: Path, key: str) -> None:
+    unwind_cache.store(key, TABLE)
+    assert unwind_cache.load(key) is None and not cache.exists()
+
+
+def test_the_key_is_the_section_s() -> None:
+    """Another file claiming the same build-id, with other CFI, is another name; the same
+    section at another address, or as .debug_frame, too."""
+    sections = ((b"a", 0, False), (b"b", 0, False), (b"a", 8, False), (b"a", 0, True))
+    keys = {unwind_cache.key_of(data, vaddr, debug_frame=debug) for data, vaddr, debug in sections}
+    assert len(keys) == 4 and unwind_cache.key_of(b"a", 0, debug_frame=False) in keys
 
 
 def test_a_directory_others_may_write_is_not_used(cache: Path) -> None:
     cache.parent.parent.chmod(0o777)  # (the XDG directory: anyone could swap what is below it)
-    unwind_cache.store(BUILD_ID, TABLE)
+    unwind_cache.store(KEY, TABLE)
     assert not cache.exists()
     cache.parent.parent.chmod(0o700)
-    unwind_cache.store(BUILD_ID, TABLE)
+    unwind_cache.store(KEY, TABLE)
     cache.chmod(0o777)
-    assert unwind_cache.load(BUILD_ID) is None
+    assert unwind_cache.load(KEY) is None
 
 
 def test_a_link_in_the_way_is_never_followed(cache: Path, tmp_path: Path) -> None:
@@ -70,34 +78,48 @@ def test_a_link_in_the_way_is_never_followed(cache: Path, tmp_path: Path) -> Non
     elsewhere.mkdir(mode=0o700)
     cache.parent.mkdir(mode=0o700)
     cache.symlink_to(elsewhere)  # the cache's directory: a link
-    unwind_cache.store(BUILD_ID, TABLE)
-    assert unwind_cache.load(BUILD_ID) is None and not os.listdir(elsewhere)
+    unwind_cache.store(KEY, TABLE)
+    assert unwind_cache.load(KEY) is None and not os.listdir(elsewhere)
     cache.unlink()
     cache.mkdir(mode=0o700)
     target = tmp_path / "target"
-    (cache / BUILD_ID).symlink_to(target)  # the file: a link
-    assert unwind_cache.load(BUILD_ID) is None
-    unwind_cache.store(BUILD_ID, TABLE)  # (written under its own name, then renamed over the link)
-    assert not target.exists() and same(unwind_cache.load(BUILD_ID), TABLE)
+    (cache / KEY).symlink_to(target)  # the file: a link
+    assert unwind_cache.load(KEY) is None
+    unwind_cache.store(KEY, TABLE)  # (written under its own name, then renamed over the link)
+    assert not target.exists() and same(unwind_cache.load(KEY), TABLE)
 
 
 def test_a_file_cut_short_or_scribbled_over_is_not_used(cache: Path) -> None:
-    unwind_cache.store(BUILD_ID, TABLE)
-    path = cache / BUILD_ID
+    unwind_cache.store(KEY, TABLE)
+    path = cache / KEY
     data = path.read_bytes()
+    rows = 24 + 8 * 3
+
+    def row_with(value: int) -> bytes:
+        return data[:rows] + value.to_bytes(8, "little", signed=True) + data[rows + 8 :]
+
     for bad in (data[:-1], data + b"\0", b"XXXXXXXX" + data[8:], data[:24] + data[32:40] + data[24:32] + data[40:],
-                (10**9).to_bytes(8, "little").join((data[:8], data[16:]))):  # fmt: skip
+                (10**9).to_bytes(8, "little").join((data[:8], data[16:])), data[:20],
+                row_with(5), row_with(3 << 4), row_with(1 << 6)):  # fmt: skip
         path.write_bytes(bad)
-        assert unwind_cache.load(BUILD_ID) is None, bad[:48]
+        assert unwind_cache.load(KEY) is None, bad[:48]
     path.write_bytes(data)
     path.chmod(0o622)
-    assert unwind_cache.load(BUILD_ID) is None
+    assert unwind_cache.load(KEY) is None
+
+
+def test_a_file_left_half_written_does_not_stop_the_next(cache: Path) -> None:
+    unwind_cache.store(KEY, TABLE)
+    (cache / KEY).unlink()
+    (cache / f".{KEY}.{os.getpid()}").write_bytes(b"half")  # (a run killed as it wrote)
+    unwind_cache.store(KEY, TABLE)
+    assert same(unwind_cache.load(KEY), TABLE)
 
 
 def test_off_when_asked(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYNPROBE_CACHE", "0")
-    unwind_cache.store(BUILD_ID, TABLE)
-    assert unwind_cache.load(BUILD_ID) is None and not cache.exists()
+    unwind_cache.store(KEY, TABLE)
+    assert unwind_cache.load(KEY) is None and not cache.exists()
 
 
 def test_an_image_reads_its_table_from_the_cache(cache: Path) -> None:
@@ -105,9 +127,10 @@ def test_an_image_reads_its_table_from_the_cache(cache: Path) -> None:
     cache (here, one put in its place: read, not compiled again)."""
     binary = build_target("counter", flags=("-O1", "-pthread"))
     first = ElfImage(binary)
-    assert first.build_id is not None and len(first.unwind_table)
-    assert same(unwind_cache.load(first.build_id), first.unwind_table)
-    unwind_cache.store(first.build_id, TABLE)
+    assert len(first.unwind_table)
+    [key] = os.listdir(cache)
+    assert same(unwind_cache.load(key), first.unwind_table)
+    unwind_cache.store(key, TABLE)
     assert same(ElfImage(binary).unwind_table, TABLE)
     shutil.rmtree(cache)
     assert same(ElfImage(binary).unwind_table, first.unwind_table)

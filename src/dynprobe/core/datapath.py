@@ -237,7 +237,9 @@ class DataPath:
         if not self._wait_for_room:
             return 0, 0
         wait = max(1, int(self._wait_for_room * 1e9 * (1 << 32) / self.clock.mult))
-        return wait, min(wait, int(WAIT_SPIN_NS * (1 << 32) / self.clock.mult))
+        if self._wait_for_room * 1e9 < 2 * L.SLEEP_NS:
+            return wait, wait  # (a wait shorter than two sleeps: spun whole, never overslept)
+        return wait, int(WAIT_SPIN_NS * (1 << 32) / self.clock.mult)
 
     @property
     def flight_recorder(self) -> bool:

@@ -432,6 +432,8 @@ class Optimizer:
             return
         except OSError as exc:
             raise ProcessError(f"cannot read the registers of thread {tid}: {exc.strerror}") from exc
+        if seccomp_mode(proc.pid, tid, unreadable=-1):  # (a filter may forbid a full ring's futex wait)
+            proc.areas.never_sleep()
         area = proc.areas.assign(tid)
         self.engine.comm_of(proc.pid, tid)  # remembered for its events
         # Read again: making a pool may have run remote syscalls on this very thread, and taken
@@ -526,9 +528,7 @@ def new_thread_areas(proc: TracedProcess, engine: OptimizerEngine) -> ThreadArea
             reason = os.strerror(err)
             engine.warn(f"pid {owner.pid}: cannot commit {size >> 10} KiB for thread {tid}'s ring ({reason})")
 
-    areas = ThreadAreas(proc.pid, engine.layout, map_pool, commit)  # type: ignore[arg-type]
-    areas.sleeps = not any(seccomp_mode(proc.pid, tid) for tid in list(proc.tracee.threads))
-    return areas
+    return ThreadAreas(proc.pid, engine.layout, map_pool, commit)  # type: ignore[arg-type]
 
 
 __all__ = ["JMP_REL32_LEN", "Optimizer", "new_thread_areas"]

@@ -9,13 +9,14 @@ import signal
 from dynprobe.errors import NoSuchProcess, PermissionDenied
 
 
-def seccomp_mode(pid: int, tid: int) -> int:
-    """The thread's seccomp mode (/proc/PID/task/TID/status): 0 none, 1 strict, 2 filter."""
+def seccomp_mode(pid: int, tid: int, unreadable: int = 0) -> int:
+    """The thread's seccomp mode (/proc/PID/task/TID/status): 0 none, 1 strict, 2 filter;
+    `unreadable` when the file cannot be read or says nothing."""
     try:
         with open(f"/proc/{pid}/task/{tid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("Seccomp:")), 0)
+            return next((int(line.split()[1]) for line in f if line.startswith("Seccomp:")), unreadable)
     except (OSError, ValueError):
-        return 0
+        return unreadable
 
 
 def _stat_field(path: str, field: int) -> int | None:

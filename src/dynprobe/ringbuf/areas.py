@@ -137,7 +137,7 @@ class ThreadAreas:
             self._commit(tid, area.target_addr)
         words = area.pool.words[area.index]
         words[L.TID // 8] = tid
-        words[L.WAIT_TICKS // 8], words[L.WAIT_SPIN // 8] = self.wait_ticks, self.spin_ticks
+        words[L.WAIT_SPIN // 8], words[L.WAIT_TICKS // 8] = self.spin_ticks, self.wait_ticks
         for word in (L.WAIT_SLEEPING, L.WAIT_GAVE_UP):  # (a thread killed asleep left them)
             words[word // 8] = 0
         words[L.OVERWRITE // 8] = self.overwrite
@@ -155,9 +155,19 @@ class ThreadAreas:
         self.wait_ticks, self.spin_ticks = ticks, spin_ticks if self.sleeps else ticks
         for _, area in self.live():
             words = area.words
-            words[L.WAIT_TICKS // 8], words[L.WAIT_SPIN // 8] = ticks, self.spin_ticks
+            # (the spin first: a writer that reads them between never sees a longer wait with
+            # the shorter spin of a process that must not sleep)
+            words[L.WAIT_SPIN // 8] = self.spin_ticks
+            words[L.WAIT_TICKS // 8] = ticks
             if not ticks:
                 area.wake_writer()
+
+    def never_sleep(self) -> None:
+        """From now on no writer sleeps (a thread of the process runs under a seccomp filter,
+        which may forbid the futex call): each spins its whole wait."""
+        if self.sleeps:
+            self.sleeps = False
+            self.set_wait(self.wait_ticks, self.wait_ticks)
 
     def set_overwrite(self, overwrite: bool) -> None:
         """Whether a full ring gives up its oldest records (a flight recorder's), in every area."""

@@ -434,16 +434,20 @@ class ElfImage:
     def unwind_table(self) -> UnwindTable:
         """The rows stacks are walked with (arch/x86_64/unwind.py), from the file's .eh_frame,
         else a .debug_frame (its own, or its debug file's); empty when it has none. Kept on disk
-        by build-id (symbols/unwind_cache.py)."""
-        cached = unwind_cache.load(self.build_id)
-        if cached is not None:
-            return cached
-        table = self._compiled_unwind_table()
-        if len(table):  # (none: a debug file installed later may have one)
-            unwind_cache.store(self.build_id, table)
+        (symbols/unwind_cache.py)."""
+        found = self._cfi_section()
+        if found is None:
+            return compile_cfi(b"", 0)
+        data, vaddr, debug_frame = found
+        key = unwind_cache.key_of(data, vaddr, debug_frame=debug_frame)
+        table = unwind_cache.load(key)
+        if table is None:
+            table = compile_cfi(data, vaddr, debug_frame=debug_frame)
+            unwind_cache.store(key, table)
         return table
 
-    def _compiled_unwind_table(self) -> UnwindTable:
+    def _cfi_section(self) -> tuple[bytes, int, bool] | None:
+        """(bytes, address, whether .debug_frame) of the section the unwind rows come from."""
         for path, elf in ((self.path, self._elf), (self.debug_file, None)):
             if path is None:
                 continue
@@ -455,10 +459,10 @@ class ElfImage:
                         section = elf.get_section_by_name(name)
                         # (not NOBITS: a debug file's copy; lld's .eh_frame is SHT_X86_64_UNWIND)
                         if section is not None and section["sh_type"] != "SHT_NOBITS" and section["sh_size"]:
-                            return compile_cfi(section.data(), section["sh_addr"], debug_frame=name == ".debug_frame")
+                            return section.data(), int(section["sh_addr"]), name == ".debug_frame"
             except (OSError, ElfError) as exc:
                 _debug(f"{path}: no unwind table read: {exc}")
-        return compile_cfi(b"", 0)
+        return None
 
     def eh_frame_ranges(self) -> list[tuple[int, int]]:
         """(start, end) of every function the unwind tables describe, sorted."""

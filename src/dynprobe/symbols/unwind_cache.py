@@ -1,5 +1,6 @@
-"""Unwind tables (arch/x86_64/unwind.py) kept on disk by build-id: a module's CFI is compiled
-once (python3's takes a quarter of a second), then read back in milliseconds by every later run.
+"""Unwind tables (arch/x86_64/unwind.py) kept on disk, named by a hash of the section they are
+compiled from: a module's CFI is compiled once (python3's takes a quarter of a second), then read
+back in a millisecond by every later run.
 
 The cache is $XDG_CACHE_HOME/dynprobe/unwind-FORMAT, else ~/.cache/... with the effective user's
 home from the password database (never $HOME: under sudo that may be another user's). dynprobe
@@ -7,17 +8,19 @@ often runs as root, so the way there is walked a directory at a time without fol
 and used only where each directory is the effective user's or root's and no one else may write
 it; what is missing below the home is made (0700). A file is written under a name of its own
 (O_EXCL | O_NOFOLLOW, 0600) and renamed into place; one read must be a regular file of the
-effective user's, bounded, and well formed, else it is ignored (and written again). The cache
-is best effort: any failure leaves a table compiled as if there were none. DYNPROBE_CACHE=0
-turns it off.
+effective user's, of the size its header says, with rows this FORMAT writes, else it is
+ignored (and written again). The cache is best effort: any failure leaves a table compiled as
+if there were none. DYNPROBE_CACHE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pwd
 import re
+import secrets
 import stat
 import struct
 from array import array
@@ -30,7 +33,7 @@ FORMAT = 1  # bump when unwind.pack's rows or compile_cfi's output change
 MAX_ROWS = 1 << 24  # as the stack walker reads (codegen/stacks.py)
 _HEADER = struct.Struct("<8sQQ")  # magic, rows, descriptions skipped
 _MAGIC = b"DPUNWIND"
-_BUILD_ID = re.compile(r"[0-9a-f]{16,128}")
+_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 def _base() -> str | None:
@@ -94,44 +97,57 @@ def _directory() -> int | None:
         return None
 
 
-def load(build_id: str | None) -> UnwindTable | None:
-    """The table cached for the module with `build_id`, if there is a good one."""
-    if build_id is None or not _BUILD_ID.fullmatch(build_id):
+def key_of(data: bytes, vaddr: int, *, debug_frame: bool) -> str:
+    """The name a table is kept under: a hash of the section it is compiled from (its bytes,
+    where it is, which kind) and of FORMAT. A file that only claims another's build-id cannot
+    put its rows in the other's place: the same name is the same section, the same rows."""
+    digest = hashlib.sha256(f"{FORMAT}:{vaddr}:{int(debug_frame)}:".encode())
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def load(key: str) -> UnwindTable | None:
+    """The table kept under `key` (`key_of`), if there is a good one."""
+    if not _KEY.fullmatch(key):
         return None
     directory = _directory()
     if directory is None:
         return None
-    most = _HEADER.size + 16 * MAX_ROWS
     try:
-        fd = os.open(build_id, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory)
+        fd = os.open(key, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory)
         with os.fdopen(fd, "rb") as f:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or not _HEADER.size <= info.st_size <= most:
+            if not stat.S_ISREG(info.st_mode) or not _trusted(fd, ours=True):
                 return None
-            if not _trusted(fd, ours=True):
+            header = f.read(_HEADER.size)
+            if len(header) != _HEADER.size:
                 return None
-            data = f.read(most + 1)
+            magic, rows, skipped = _HEADER.unpack(header)
+            if magic != _MAGIC or rows > MAX_ROWS or info.st_size != _HEADER.size + 16 * rows:
+                return None
+            body = f.read(16 * rows + 1)
     except OSError:
         return None
     finally:
         os.close(directory)
-    magic, rows, skipped = _HEADER.unpack_from(data)
-    if magic != _MAGIC or len(data) != _HEADER.size + 16 * rows:
+    if len(body) != 16 * rows:
         return None
-    starts = np.frombuffer(data, dtype="<u8", count=rows, offset=_HEADER.size)
-    if rows and (starts[1:] < starts[:-1]).any():  # (unsorted: not one we wrote)
-        return None
-    return UnwindTable(array("Q", starts.tobytes()), array("q", data[_HEADER.size + 8 * rows :]), skipped)
+    starts = np.frombuffer(body, dtype="<u8", count=rows)
+    packed = np.frombuffer(body, dtype="<i8", count=rows, offset=8 * rows)
+    kinds, bp_rules = packed & 7, (packed >> 4) & 3
+    if (starts[1:] < starts[:-1]).any() or (kinds > 4).any() or (bp_rules > 2).any() or (packed & 0xFFC0).any():
+        return None  # (not one this FORMAT wrote)
+    return UnwindTable(array("Q", body[: 8 * rows]), array("q", body[8 * rows :]), skipped)
 
 
-def store(build_id: str | None, table: UnwindTable) -> None:
-    """`table` cached for the module with `build_id` (nothing when it cannot be)."""
-    if build_id is None or not _BUILD_ID.fullmatch(build_id) or len(table) > MAX_ROWS:
+def store(key: str, table: UnwindTable) -> None:
+    """`table` kept under `key` (`key_of`; nothing when it cannot be)."""
+    if not _KEY.fullmatch(key) or len(table) > MAX_ROWS:
         return
     directory = _directory()
     if directory is None:
         return
-    temporary = f".{build_id}.{os.getpid()}"
+    temporary = f".{key}.{secrets.token_hex(8)}"
     try:
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=directory)  # fmt: skip
@@ -140,7 +156,7 @@ def store(build_id: str | None, table: UnwindTable) -> None:
                 f.write(_HEADER.pack(_MAGIC, len(table), table.skipped))
                 f.write(table.starts.tobytes())
                 f.write(table.rows.tobytes())
-            os.rename(temporary, build_id, src_dir_fd=directory, dst_dir_fd=directory)
+            os.rename(temporary, key, src_dir_fd=directory, dst_dir_fd=directory)
         except OSError:
             os.unlink(temporary, dir_fd=directory)
     except OSError:

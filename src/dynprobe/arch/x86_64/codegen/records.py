@@ -224,7 +224,8 @@ def _wait_for_room(asm: Asm, slot: RegisterT, limit: int, room: int, lost: int, 
     then asleep (layout.WAIT_SLEEPING); then go to `room`, or to `lost` when none came (and,
     until TAIL moves, at once: WAIT_GAVE_UP); back to `full` if the ring becomes a flight
     recorder's again (the reader pauses one, clearing gs:[OVERWRITE], while it copies it).
-    rax used, rdx kept."""
+    rax used, rdx kept (so `slot` is neither)."""
+    assert slot not in (R.RAX, R.RDX), "rax and rdx are the wait's"
     again, gave_up, waited, woken, overwriting = (asm.label() for _ in range(5))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.WAIT_TICKS), 0))
     asm.jump(C.JE_REL32_64, lost)
@@ -260,16 +261,21 @@ def _wait_for_room(asm: Asm, slot: RegisterT, limit: int, room: int, lost: int, 
     asm.jump(C.JB_REL32_64, again)
     # Asleep: WAIT_SLEEPING, then TAIL once more with a full barrier between (the reader moves
     # TAIL, then looks at WAIT_SLEEPING: a wake-up it misses costs one SLEEP_TIMEOUT at most),
-    # then a futex wait while TAIL's low half is what it was (the system call's registers kept)
+    # then a futex wait while TAIL's low half is the one that said there is no room (read once:
+    # a TAIL moved, and its wake sent, between two reads would be slept through); the system
+    # call's registers kept
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.WAIT_SLEEPING), 1))
     fence = iced.Instruction.create_mem_i32(C.OR_RM64_IMM8, mem_at(R.RSP), 0)
     fence.has_lock_prefix = True
     asm.add(fence)
-    has_room(woken)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDX, gs_at(L.TAIL)))
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
+    asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RAX, R.RDX))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
+    asm.jump(C.JB_REL32_64, woken)
     kept = (R.RCX, R.RSI, R.RDI, R.R10, R.R11)
     for reg in kept:
         asm.add(iced.Instruction.create_reg(C.PUSH_R64, reg))
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, gs_at(L.TAIL)))
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RDI, gs_at(L.AREA_SELF)))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.R10, mem_at(R.RDI, L.SLEEP_TIMEOUT)))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDI, mem_at(R.RDI, L.TAIL)))
