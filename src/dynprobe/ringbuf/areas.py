@@ -141,7 +141,7 @@ class ThreadAreas:
         for word in (L.WAIT_SLEEPING, L.WAIT_GAVE_UP):  # (a thread killed asleep left them)
             words[word // 8] = 0
         words[L.OVERWRITE // 8] = self.overwrite
-        words[L.AREA_SELF // 8] = area.target_addr  # (for its futex: core/upcalls.py)
+        words[L.AREA_SELF // 8] = area.target_addr  # (for its futex waits: an upcall's, a full ring's)
         for word in (L.UPCALL_STATE, L.UPCALL_BUSY, L.UPCALL_SLEEPING):  # (a thread killed in an upcall left them)
             words[word // 8] = 0
         words[L.SLEEP_TIMEOUT // 8 : L.SLEEP_TIMEOUT // 8 + 2] = divmod(L.SLEEP_NS, 1_000_000_000)

@@ -240,16 +240,12 @@ def _wait_for_room(asm: Asm, slot: RegisterT, limit: int, room: int, lost: int, 
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(L.WAIT_UNTIL), R.RAX))
     asm.add(iced.Instruction.create_reg_mem(C.ADD_R64_RM64, R.RDX, gs_at(L.WAIT_SPIN)))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RDX))  # [rsp]: when the spinning ends
-
-    def has_room(then: int) -> None:
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
-        asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, gs_at(L.TAIL)))
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
-        asm.jump(C.JB_REL32_64, then)
-
     asm.bind(again)
     asm.add(iced.Instruction.create(C.PAUSE))
-    has_room(waited)
+    asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, slot))
+    asm.add(iced.Instruction.create_reg_mem(C.SUB_R64_RM64, R.RAX, gs_at(L.TAIL)))
+    asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, limit))
+    asm.jump(C.JB_REL32_64, waited)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.OVERWRITE), 0))
     asm.jump(C.JNE_REL32_64, overwriting)
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.WAIT_TICKS), 0))
