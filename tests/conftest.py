@@ -6,17 +6,13 @@ import hashlib
 import os
 import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 DYNPROBE = [sys.executable, "-m", "dynprobe.cli.main"]  # the command, as this Python runs it
 
-# The unwind tables' cache (symbols/unwind_cache.py) of this run alone, for every process it
-# starts: tables compiled by the code under test, never ones an earlier build left.
-_CACHE = tempfile.TemporaryDirectory(prefix="dynprobe-test-cache-")
-os.environ["XDG_CACHE_HOME"] = _CACHE.name
 
 TARGETS = Path(__file__).parent / "targets"
 BUILD = Path(__file__).parent / ".build"
@@ -107,3 +103,12 @@ def _no_leaked_children() -> object:
         except OSError:
             pass
     assert not leftovers, f"test left processes running: {leftovers}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def unwind_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The unwind tables' cache (symbols/unwind_cache.py) of this run alone, for every process
+    it starts: tables compiled by the code under test, never ones an earlier build left (in
+    pytest's own temporary directory: it keeps the last few runs')."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
