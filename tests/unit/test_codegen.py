@@ -398,37 +398,49 @@ def test_native_writer_paused_by_a_snapshot_goes_on_overwriting(area: NativeArea
 def test_native_writer_sleeps_until_the_reader_wakes_it(area: NativeArea) -> None:
     """Past its spin (none here) a writer waiting for room sleeps on TAIL, WAIT_SLEEPING set: the
     reader takes a record and wakes it (as the consumer does, on its own mapping), and the
-    record is written into that room. Each sleep is an hour long: only the wake ends it."""
-    actions = _asleep_until(area, L.TAIL, 1)
-    area.call_at(actions, 777)
+    record is written into that room."""
+    _asleep_until(area, L.TAIL, 1)()
     assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
     assert area.word(L.WAIT_SLEEPING) == 0 and area.counter(4, L.LOST) == 0
     assert field(area.records(LAYOUT.ring_slots)[0], 16) == 777
 
 
-def _asleep_until(area: NativeArea, offset: int, value: int) -> int:
-    """A full ring whose writer sleeps at once (each sleep an hour long: only a wake ends it),
-    and a thread that, once it sleeps, sets the area's word at `offset` to `value` and wakes
-    it (as the consumer does, on its own mapping): the writer's actions."""
+def _asleep_until(area: NativeArea, offset: int, value: int) -> Callable[[], None]:
+    """A full ring whose writer sleeps at once, and a thread that, once it sleeps in the futex
+    call, sets the area's word at `offset` to `value` and wakes it (as the consumer does, on its
+    own mapping): a function that writes a record so, and checks the wake woke it (a wait on
+    another word, or none, would have slept its second out: the wake would have woken none)."""
     actions = _full_ring(area)
     area.set_word(L.WAIT_SPIN, 0)
     area.set_word(L.WAIT_TICKS, 1 << 62)
     area.set_word(L.AREA_SELF, area.mem.ctypes.data)
-    area.set_word(L.SLEEP_TIMEOUT, 3600)
+    area.set_word(L.SLEEP_TIMEOUT, 1)
+    writer = threading.get_native_id()
+    woken: list[int] = []
+
+    def asleep() -> bool:
+        with open(f"/proc/self/task/{writer}/stat") as stat, open(f"/proc/self/task/{writer}/syscall") as call:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "S" and call.read().split()[0] == "202"
 
     def waker() -> None:
-        while not area.word(L.WAIT_SLEEPING):
+        while not asleep():
             os.sched_yield()
         area.set_word(offset, value)
-        sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1)
+        woken.append(sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1))
 
-    threading.Thread(target=waker, daemon=True).start()
-    return actions
+    def write() -> None:
+        thread = threading.Thread(target=waker)
+        thread.start()
+        area.call_at(actions, 777)
+        thread.join()
+        assert woken == [1]
+
+    return write
 
 
 def test_native_writer_asleep_goes_on_when_the_tracer_leaves(area: NativeArea) -> None:
     """The tracer, leaving, ends the waits (WAIT_TICKS 0) and wakes the sleepers: lost, at once."""
-    area.call_at(_asleep_until(area, L.WAIT_TICKS, 0), 777)
+    _asleep_until(area, L.WAIT_TICKS, 0)()
     assert area.word(L.HEAD) == LAYOUT.ring_slots and area.counter(4, L.LOST) == 1
     assert area.word(L.WAIT_SLEEPING) == 0 and area.word(L.WAITS) == 0
 
@@ -436,7 +448,7 @@ def test_native_writer_asleep_goes_on_when_the_tracer_leaves(area: NativeArea) -
 def test_native_writer_asleep_during_a_snapshot_overwrites_once_it_ends(area: NativeArea) -> None:
     """A flight recorder's ring paused for a copy: its writer sleeps; the copy over (OVERWRITE
     set again, a wake), it gives up the oldest record and writes its own."""
-    area.call_at(_asleep_until(area, L.OVERWRITE, 1), 777)
+    _asleep_until(area, L.OVERWRITE, 1)()
     assert (area.word(L.HEAD), area.word(L.TAIL)) == (LAYOUT.ring_slots + 1, 1)
     assert area.counter(4, L.LOST) == 0 and area.word(L.WAIT_SLEEPING) == 0
 

@@ -180,9 +180,9 @@ class _Timespec(ctypes.Structure):
 _syscall_hot = _libc_with_gil.syscall
 
 
-def futex_wake(addr: int, count: int = 1) -> None:
-    """Wake up to `count` waiters on the shared futex at `addr` (our address of it)."""
-    _syscall_hot(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0)
+def futex_wake(addr: int, count: int = 1) -> int:
+    """Wake up to `count` waiters on the shared futex at `addr` (our address of it): how many."""
+    return int(_syscall_hot(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, count, None, None, 0))
 
 
 current_cpu = _libc_with_gil.sched_getcpu
