@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ def record(argv: list[str], scratch: Path) -> tuple[int, int]:
     data = scratch / "trace.data"
     subprocess.run([*DYNPROBE, "record", "-o", str(data), "--", *argv], capture_output=True, check=True)
     info = json.loads((data / "info.json").read_text())
-    subprocess.run(["rm", "-rf", str(data)], check=True)
+    shutil.rmtree(data)
     return 2 * int(info["calls"]), int(info["lost"]) + int(info["missed"])
 
 

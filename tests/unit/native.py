@@ -282,6 +282,13 @@ class NativeArea:
         return self.word(self.layout.shadow + entry * L.SHADOW_ENTRY + offset)
 
 
+def asleep_in(tid: int, syscall: int) -> bool:
+    """Whether thread `tid` of this process sleeps in system call number `syscall` (a futex
+    wait: queued, so only a wake, or its timeout, ends it)."""
+    with open(f"/proc/self/task/{tid}/stat") as stat, open(f"/proc/self/task/{tid}/syscall") as call:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "S" and call.read().split()[0] == str(syscall)
+
+
 def field(record: bytes, offset: int, size: int = 8) -> int:
     return int.from_bytes(record[offset : offset + size], "little")
 

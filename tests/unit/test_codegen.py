@@ -21,7 +21,7 @@ import pytest
 from dynprobe.actions.filter import parse_filter
 from dynprobe.actions.model import ActionKind, Program, record_fields
 from dynprobe.arch.x86_64.codegen import actions as codegen_actions
-from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID, Trampoline
+from dynprobe.arch.x86_64.codegen.asm import RSEQ_CPU_ID, SYS_FUTEX, Trampoline
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
 from dynprobe.arch.x86_64.codegen.detours import build_detour, build_trap_actions
 from dynprobe.arch.x86_64.codegen.returns import build_entry_stamp, build_return_code
@@ -33,7 +33,7 @@ from dynprobe.errors import OptimizeRefusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.parser import parse_spec
-from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, field, libc, one_cpu
+from tests.unit.native import ARCH_GET_FS, ARCH_PRCTL, NativeArea, asleep_in, field, libc, one_cpu
 
 FUNC = bytes.fromhex("554889e5897dfc8b45fc5dc3")  # push rbp; mov rbp,rsp; mov [rbp-4],edi; ...; ret
 AT = 0x50_0000  # within rel32 reach of the function at 0x401000
@@ -418,12 +418,8 @@ def _asleep_until(area: NativeArea, offset: int, value: int) -> Callable[[], Non
     writer = threading.get_native_id()
     woken: list[int] = []
 
-    def asleep() -> bool:
-        with open(f"/proc/self/task/{writer}/stat") as stat, open(f"/proc/self/task/{writer}/syscall") as call:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "S" and call.read().split()[0] == "202"
-
     def waker() -> None:
-        while not asleep():
+        while not asleep_in(writer, SYS_FUTEX):
             os.sched_yield()
         area.set_word(offset, value)
         woken.append(sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1))

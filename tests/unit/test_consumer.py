@@ -30,6 +30,8 @@ from dynprobe.ringbuf.consumer import (
     time_windows,
 )
 
+from .native import asleep_in
+
 LAYOUT = L.AreaLayout(max_probes=16, max_hists=2, ring_bytes=1 << 12, record_size=32)
 CLOCK = TscClock()
 
@@ -176,12 +178,6 @@ def test_consumer_delivers_and_counts() -> None:
     assert areas.assign(12) == area and int(area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8]) == 0
 
 
-def in_futex_waitv(tid: int) -> bool:
-    """Whether thread `tid` of this process sleeps in futex_waitv (queued: woken only by a wake)."""
-    with open(f"/proc/self/task/{tid}/stat") as stat, open(f"/proc/self/task/{tid}/syscall") as syscall:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "S" and syscall.read().split()[0] == "449"
-
-
 @pytest.mark.skipif(not sc.has_futex_waitv(), reason="futex_waitv (Linux 5.16+) is what the test sleeps in")
 def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
     """A writer asleep on its TAIL (WAIT_SLEEPING set) is woken by the pass that took its records."""
@@ -196,7 +192,7 @@ def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
     tail = words.ctypes.data + L.TAIL
     asleep = threading.Thread(target=sc.futex_waitv, args=([(tail, 0)], 60.0))
     asleep.start()
-    while not in_futex_waitv(asleep.native_id or 0):
+    while not asleep_in(asleep.native_id or 0, sc.SYS_FUTEX_WAITV):
         os.sched_yield()
     assert consumer.drain() == LAYOUT.ring_slots
     asleep.join(30)  # (woken at once; a wake-up missed leaves it asleep a minute)

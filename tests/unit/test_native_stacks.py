@@ -61,6 +61,23 @@ MODULE = 0x7100_0000_0000  # where the fake module's code is said to be (never r
 SIGNAL_AT = MODULE + 0x800
 
 
+def placed_walker(area: NativeArea, directory: int) -> int:
+    """The walker over the modules' directory at `directory`, placed (its fix-ups known)."""
+    asm = Asm()
+    build_stack_walker(asm, directory=directory, shadow=LAYOUT.shadow)
+    walker = area.place(lambda at: asm.encode(at)[0])
+    area.add_fixups(asm.encode(walker)[1])
+    return walker
+
+
+def calling(area: NativeArea, walker: int, tail: bytes) -> int:
+    """Code that calls the walker, then runs `tail`: ret (its hash), or mov rax, rdx; ret (its count)."""
+    return area.place(lambda at: b"\xe8" + (walker - at - 5).to_bytes(4, "little", signed=True) + tail)
+
+
+COUNT = bytes.fromhex("4889d0c3")  # mov rax, rdx; ret
+
+
 class Scene:
     """A fake module's table, a stack in this process's memory, and the walker placed to walk
     them; `walk(pc, sp, bp)` runs it: (frames, cut, hash)."""
@@ -79,16 +96,9 @@ class Scene:
         self.directory = np.zeros(2 + DIR_ENTRY // 8, dtype=np.uint64)
         self.directory[:10] = (1, points or 0, MODULE, 0x10000, MODULE, self.ips.ctypes.data, self.rows.ctypes.data,
                                len(rows), self.blocks.ctypes.data, len(self.blocks) if blocks else 0)  # fmt: skip
-        asm = Asm()
-        build_stack_walker(asm, directory=self.directory.ctypes.data, shadow=LAYOUT.shadow)
-        walker = area.place(lambda at: asm.encode(at)[0])
-        area.add_fixups(asm.encode(walker)[1])
+        walker = placed_walker(area, self.directory.ctypes.data)
         self.out = np.zeros(64, dtype=np.uint64)
-        call = bytes.fromhex("e8") + b"\0" * 4
-        self.hash_of = area.place(lambda at: call[:1] + (walker - at - 5).to_bytes(4, "little", signed=True) + b"\xc3")
-        self.count_of = area.place(
-            lambda at: call[:1] + (walker - at - 5).to_bytes(4, "little", signed=True) + bytes.fromhex("4889d0c3")
-        )  # call walker; mov rax, rdx; ret
+        self.hash_of, self.count_of = calling(area, walker, b"\xc3"), calling(area, walker, COUNT)
 
     def at(self, index: int) -> int:
         """The address of stack word `index`."""
@@ -286,16 +296,11 @@ def test_frames_in_a_second_module(area: NativeArea) -> None:
     directory[:10] = scene.directory[:10]
     directory[0] = 2
     directory[2 + DIR_ENTRY // 8 : 2 + DIR_ENTRY // 8 + 8] = entry
-    asm = Asm()
-    build_stack_walker(asm, directory=directory.ctypes.data, shadow=LAYOUT.shadow)
-    walker = area.place(lambda at: asm.encode(at)[0])
-    area.add_fixups(asm.encode(walker)[1])
+    walker = placed_walker(area, directory.ctypes.data)
     scene.stack[100] = other + 0x20  # a (at its entry) called from the other module's function
     scene.stack[101 + 1] = other + 0x50  # its CFA rsp+16: its return address, into the outermost
     out = np.zeros(8, dtype=np.uint64)
-    count = area.call_at(area.place(lambda at: b"\xe8" + (walker - at - 5).to_bytes(4, "little", signed=True)
-                                    + bytes.fromhex("4889d0c3")),
-                         MODULE + 0x100, scene.at(100), 0, out.ctypes.data, 16, 5)  # fmt: skip
+    count = area.call_at(calling(area, walker, COUNT), MODULE + 0x100, scene.at(100), 0, out.ctypes.data, 16, 5)
     assert count == 3 and [int(w) & FRAME_ADDRESS for w in out[:3]] == [MODULE + 0x100, other + 0x20, other + 0x50]
     assert [int(w) >> MODULE_SHIFT & 0x1FF for w in out[:3]] == [1, 2, 2]
 
@@ -397,15 +402,10 @@ def test_the_last_of_the_most_modules_is_found(area: NativeArea) -> None:
     directory[0] = MAX_MODULES
     last = 2 + (MAX_MODULES - 1) * DIR_ENTRY // 8
     directory[last : last + 8] = scene.directory[2:10]
-    asm = Asm()
-    build_stack_walker(asm, directory=directory.ctypes.data, shadow=LAYOUT.shadow)
-    walker = area.place(lambda at: asm.encode(at)[0])
-    area.add_fixups(asm.encode(walker)[1])
+    walker = placed_walker(area, directory.ctypes.data)
     scene.stack[100] = MODULE + 0x310
     out = np.zeros(4, dtype=np.uint64)
-    count = area.call_at(area.place(lambda at: b"\xe8" + (walker - at - 5).to_bytes(4, "little", signed=True)
-                                    + bytes.fromhex("4889d0c3")),
-                         MODULE + 0x100, scene.at(100), 0, out.ctypes.data, 16, 5)  # fmt: skip
+    count = area.call_at(calling(area, walker, COUNT), MODULE + 0x100, scene.at(100), 0, out.ctypes.data, 16, 5)
     assert count == 2 and [int(w) & FRAME_ADDRESS for w in out[:2]] == [MODULE + 0x100, MODULE + 0x310]
     assert [int(w) >> MODULE_SHIFT & 0x1FF for w in out[:2]] == [MAX_MODULES, MAX_MODULES]
 
@@ -587,10 +587,7 @@ def counting(scene: Scene, area: NativeArea, table: np.ndarray, slots: int, prob
     """A function u64 f(sp, bp, value) that counts a hit at MODULE+0x100 by its stack, rsp and
     rbp the given ones (the scene's stack) while it runs (`summing`: adding `value` up too).
     It returns what the count changed of what it must keep: rsp, rbp and r8-r11 (0: nothing)."""
-    asm = Asm()
-    build_stack_walker(asm, directory=scene.directory.ctypes.data, shadow=LAYOUT.shadow)
-    walker = area.place(lambda at: asm.encode(at)[0])
-    area.add_fixups(asm.encode(walker)[1])
+    walker = placed_walker(area, scene.directory.ctypes.data)
     body = Asm()
     kept = (R.R8, R.R9, R.R10, R.R11)
     for reg in (R.RBP, R.RBX, R.R12, R.R13):

@@ -45,6 +45,7 @@ _ATTACH = re.compile(
     r"|(?P<interval>interval):(?P<unit>s|ms):(?P<every>\d+)|(?P<special>BEGIN|END)(?![A-Za-z_0-9:])"
 )  # fmt: skip
 _PROBE_WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
+_CAST = re.compile(r"\(\s*([A-Za-z_0-9]+)\s*\*?\s*\)")  # `(uint32 *)`: a cast, if the word is a type
 _KINDS = {"u": "uprobe", "ur": "uretprobe", "uprobe": "uprobe", "uretprobe": "uretprobe"}
 _OTHER_KINDS = ("kprobe", "kretprobe", "tracepoint", "t", "usdt", "U", "profile", "hardware", "software",
                 "watchpoint", "kfunc", "kretfunc", "fentry", "fexit", "rawtracepoint", "iter")  # fmt: skip
@@ -319,7 +320,7 @@ class _Parser:
 
     def is_cast(self) -> bool:
         """At '(': whether a type follows (a cast), not an expression."""
-        match = re.compile(r"\(\s*([A-Za-z_0-9]+)\s*\*?\s*\)").match(self.source, self.token.start)
+        match = _CAST.match(self.source, self.token.start)
         return match is not None and match.group(1) in INTEGER_TYPES
 
     def steppable(self, target: S.Expr) -> S.Var | S.MapRef:
