@@ -593,51 +593,80 @@ def _run_tests(tests: Sequence[str], timeout: float) -> str:
     return _in_child(lambda: _pytest(tests), timeout)
 
 
-def _tests_by_line(module: str, timeout: float) -> dict[int, list[str]]:
-    """Which of the module's unit tests run each of its lines (node ids, relative to tests/unit;
-    "" for a line run when the module is imported), from a run of them under coverage; the
-    quickest first (a mutant's run stops at the first test that fails: most fail a quick one)."""
+@dataclass(frozen=True)
+class Baseline:
+    """A module's unit tests, unmutated, under coverage: which run each of its lines and how long
+    each took, which set a mutant's tests and their timeout."""
+
+    by_line: dict[int, list[str]]  # node ids relative to tests/unit, the quickest first; "" for import
+    durations: dict[str, float]  # node id -> seconds (slowed by coverage: an upper bound)
+    overhead: float  # seconds outside any test: start-up, collection
+
+    def timeout(self, tests: Sequence[str]) -> float:
+        """Long enough for `tests` (node ids, or whole files) to pass three times over: a mutant
+        that outlasts it hangs, which counts as killed."""
+        chosen = set(tests)
+        seconds = sum(s for n, s in self.durations.items() if n in chosen or n.split("::")[0] in chosen)
+        return 3 * (self.overhead + seconds) + 2
+
+
+def _baselines(modules: Sequence[str]) -> dict[str, Baseline]:
+    """The `Baseline` of each of `modules`, which share their unit tests, from one run of them
+    under coverage; quickest first, since a mutant's run stops at the first test that fails and
+    most fail a quick one."""
     assert _worker_copy is not None
-    target = str(_worker_copy / "dynprobe" / module)
+    targets = {m: str(_worker_copy / "dynprobe" / m) for m in modules}
+    names = ["dynprobe." + m.removesuffix(".py").replace("/", ".") for m in modules]
     out = Path(tempfile.mkstemp(dir=_worker_copy.parent, suffix=".json")[1])
 
     def work() -> int:
         import coverage
         import pytest
 
-        cov = coverage.Coverage(data_file=None, include=[target], config_file=False)
+        cov = coverage.Coverage(data_file=None, include=list(targets.values()), config_file=False)
         durations: dict[str, float] = {}
-
-        name = "dynprobe." + module.removesuffix(".py").replace("/", ".")
 
         class Contexts:
             @pytest.hookimpl(hookwrapper=True)
             def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
                 # A function whose results are cached runs in the first test that calls it
                 # only: every test that calls it must be seen to.
-                imported = sys.modules.get(name)
-                for value in vars(imported).values() if imported is not None else ():
-                    if callable(getattr(value, "cache_clear", None)):
-                        value.cache_clear()
+                for name in names:
+                    imported = sys.modules.get(name)
+                    for value in vars(imported).values() if imported is not None else ():
+                        if callable(getattr(value, "cache_clear", None)):
+                            value.cache_clear()
                 cov.switch_context(item.nodeid)
                 started = time.perf_counter()
                 yield
                 durations[item.nodeid] = time.perf_counter() - started
                 cov.switch_context("")
 
+        started = time.perf_counter()
         cov.start()
-        status = _pytest(MODULES[module], [Contexts()])
+        status = _pytest(MODULES[modules[0]], [Contexts()])
         cov.stop()
         unit = str(UNIT.relative_to(ROOT)) + "/"
-        found = cov.get_data().contexts_by_lineno(target)
-        quickest = {n: sorted(tests, key=lambda c: durations.get(c, 0.0)) for n, tests in found.items()}
-        out.write_text(json.dumps({n: [c.removeprefix(unit) for c in tests] for n, tests in quickest.items()}))
+        found = {}
+        for module, target in targets.items():
+            by_line = cov.get_data().contexts_by_lineno(target)
+            found[module] = {n: sorted(tests, key=lambda c: durations.get(c, 0.0)) for n, tests in by_line.items()}
+        report = {
+            "by_line": {m: {n: [c.removeprefix(unit) for c in t] for n, t in f.items()} for m, f in found.items()},
+            "durations": {n.removeprefix(unit): s for n, s in durations.items()},
+            "overhead": time.perf_counter() - started - sum(durations.values()),
+        }
+        out.write_text(json.dumps(report))
         return status
 
     try:
-        if _in_child(work, timeout) != "survived":
-            raise SystemExit(f"the unit tests of {module} fail without any mutant: fix them first")
-        return {int(n): tests for n, tests in json.loads(out.read_text()).items()}
+        if _in_child(work, timeout=1200) != "survived":
+            raise SystemExit(f"the unit tests of {', '.join(modules)} fail without any mutant: fix them first")
+        report = json.loads(out.read_text())
+        return {
+            m: Baseline({int(n): t for n, t in report["by_line"][m].items()}, report["durations"], report["overhead"])
+            for m in modules
+        }
     finally:
         out.unlink()
 
@@ -668,14 +697,6 @@ def _compile_tests(tests: Sequence[str]) -> None:
     files = sorted(str(UNIT / t) for t in set(tests))
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
     subprocess.run(command, env=env, cwd=ROOT, capture_output=True, check=False)
-
-
-def _baseline(module: str) -> tuple[float, dict[int, list[str]]]:
-    """Its tests, unmutated, must pass (under coverage: which tests run each line); how long
-    they take sets the mutants' timeout (a little long: coverage slows them)."""
-    started = time.monotonic()
-    by_line = _tests_by_line(module, timeout=1200)
-    return time.monotonic() - started, by_line
 
 
 def tests_for(mutant: Mutant, by_line: dict[int, list[str]]) -> Sequence[str]:
@@ -713,12 +734,14 @@ def main() -> int:
         tempfile.TemporaryDirectory(prefix="dynprobe-mutate-") as scratch,
         context.Pool(args.jobs, initializer=_start_worker, initargs=(scratch,)) as pool,
     ):
-        baselines = dict(zip(modules, pool.map(_baseline, modules), strict=True))
-        jobs = [
-            (m, i, 3 * baselines[m.module][0] + 10, tests_for(m, baselines[m.module][1]))
-            for found in everything.values()
-            for i, m in enumerate(found)
-        ]
+        groups = [[m for m in modules if MODULES[m] == tests] for tests in dict.fromkeys(MODULES[m] for m in modules)]
+        baselines = {m: b for found in pool.map(_baselines, groups) for m, b in found.items()}
+        jobs = []
+        for found in everything.values():
+            for i, mutant in enumerate(found):
+                baseline = baselines[mutant.module]
+                tests = tests_for(mutant, baseline.by_line)
+                jobs.append((mutant, i, baseline.timeout(tests), tests))
         outcomes = []
         with Progress(transient=True) as progress:
             task = progress.add_task("mutants", total=len(jobs))

@@ -408,30 +408,74 @@ def test_native_writer_sleeps_until_the_reader_wakes_it(area: NativeArea) -> Non
 def _asleep_until(area: NativeArea, offset: int, value: int) -> Callable[[], None]:
     """A full ring whose writer sleeps at once, and a thread that, once it sleeps in the futex
     call, sets the area's word at `offset` to `value` and wakes it (as the consumer does, on its
-    own mapping): a function that writes a record so, and checks the wake woke it (a wait on
-    another word, or none, would have slept its second out: the wake would have woken none)."""
+    own mapping): a function that writes a record so, and checks that the writer said it slept
+    and that the wake woke it (a wait on another word, or none, would have slept its second
+    out: the wake would have woken none)."""
     actions = _full_ring(area)
     area.set_word(L.WAIT_SPIN, 0)
     area.set_word(L.WAIT_TICKS, 1 << 62)
     area.set_word(L.AREA_SELF, area.mem.ctypes.data)
     area.set_word(L.SLEEP_TIMEOUT, 1)
     writer = threading.get_native_id()
-    woken: list[int] = []
+    seen: list[tuple[int, int]] = []  # (WAIT_SLEEPING while asleep, how many the wake woke)
 
     def waker() -> None:
         while not asleep_in(writer, SYS_FUTEX):
             os.sched_yield()
+        sleeping = area.word(L.WAIT_SLEEPING)
         area.set_word(offset, value)
-        woken.append(sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1))
+        seen.append((sleeping, sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1)))
 
     def write() -> None:
         thread = threading.Thread(target=waker)
         thread.start()
         area.call_at(actions, 777)
         thread.join()
-        assert woken == [1]
+        assert seen == [(1, 1)]
 
     return write
+
+
+def test_native_writer_finding_room_as_it_lies_down_does_not_sleep(area: NativeArea) -> None:
+    """The reader takes a record just as the writer, its spin over, says it sleeps: the writer's
+    last look at TAIL (after the fence that orders it behind WAIT_SLEEPING) sees the room, and
+    it writes the record without a futex call (which would sleep: no one would wake it)."""
+    actions = _full_ring(area)
+    area.set_word(L.WAIT_SPIN, 0)
+    area.set_word(L.WAIT_TICKS, 1 << 62)
+    area.set_word(L.AREA_SELF, area.mem.ctypes.data)
+    area.set_word(L.SLEEP_TIMEOUT, 3600)
+    code = ctypes.string_at(actions, 4096)
+    fence = next(
+        insn
+        for insn in iced.Decoder(64, code, ip=actions)
+        if insn.has_lock_prefix and insn.code == iced.Code.OR_RM64_IMM8
+    )
+    reader = area.place(
+        bytes.fromhex("b801000000")  # mov eax, 1
+        + bytes.fromhex("48a3") + (area.mem.ctypes.data + L.TAIL).to_bytes(8, "little")  # mov [TAIL], rax
+        + b"\xc3"
+    )  # fmt: skip
+    writer = threading.get_native_id()
+    slept: list[int] = []
+    done = threading.Event()
+
+    def watcher() -> None:  # (wakes a writer that sleeps, so that a broken one fails, not hangs)
+        while not done.is_set():
+            if asleep_in(writer, SYS_FUTEX):
+                slept.append(sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1))
+            os.sched_yield()
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    try:
+        assert area.call_interrupted(actions, 777, within=(fence.ip, fence.next_ip), handler=reader) == 1
+    finally:
+        done.set()
+        thread.join()
+    assert slept == [] and area.word(L.WAIT_SLEEPING) == 0
+    assert area.word(L.HEAD) == LAYOUT.ring_slots + 1 and area.word(L.WAITS) == 1
+    assert area.counter(4, L.LOST) == 0 and field(area.records(LAYOUT.ring_slots)[0], 16) == 777
 
 
 def test_native_writer_asleep_goes_on_when_the_tracer_leaves(area: NativeArea) -> None:
