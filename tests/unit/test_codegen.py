@@ -462,7 +462,7 @@ def test_native_writer_finding_room_as_it_lies_down_does_not_sleep(area: NativeA
 
     def watcher() -> None:  # (wakes a writer that sleeps, so that a broken one fails, not hangs)
         while not done.is_set():
-            if asleep_in(writer, SYS_FUTEX):
+            if area.word(L.WAIT_SLEEPING) and asleep_in(writer, SYS_FUTEX):  # (not the GIL's futex)
                 slept.append(sc.futex_wake(area.mem.ctypes.data + L.TAIL, 1))
             os.sched_yield()
 
