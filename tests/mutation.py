@@ -593,6 +593,11 @@ def _run_tests(tests: Sequence[str], timeout: float) -> str:
     return _in_child(lambda: _pytest(tests), timeout)
 
 
+class BrokenTests(Exception):
+    """A module's tests fail unmutated. (Not SystemExit: a pool's worker that raises that dies
+    without an answer, and the pool waits for it forever.)"""
+
+
 @dataclass(frozen=True)
 class Baseline:
     """A module's unit tests, unmutated, under coverage: which run each of its lines and how long
@@ -661,7 +666,7 @@ def _baselines(modules: Sequence[str]) -> dict[str, Baseline]:
 
     try:
         if _in_child(work, timeout=1200) != "survived":
-            raise SystemExit(f"the unit tests of {', '.join(modules)} fail without any mutant: fix them first")
+            raise BrokenTests(f"the unit tests of {', '.join(modules)} fail without any mutant: fix them first")
         report = json.loads(out.read_text())
         return {
             m: Baseline({int(n): t for n, t in report["by_line"][m].items()}, report["durations"], report["overhead"])
@@ -671,7 +676,8 @@ def _baselines(modules: Sequence[str]) -> dict[str, Baseline]:
         out.unlink()
 
 
-def _try(job: tuple[Mutant, int, float, Sequence[str]]) -> tuple[Mutant, str]:
+def _try(job: tuple[Mutant, int, float, Sequence[str]]) -> tuple[Mutant, str, float]:
+    """The mutant's outcome, and the seconds its tests took."""
     mutant, index, timeout, tests = job
     assert _worker_copy is not None
     source = mutated_source(mutant.module, index)
@@ -683,7 +689,9 @@ def _try(job: tuple[Mutant, int, float, Sequence[str]]) -> tuple[Mutant, str]:
         # Its compiled original must not be taken for it: a mutant of the same size written in
         # the same second would be. (Python checks a .pyc by the source's size and mtime.)
         os.utime(path, ns=(stamp + 10**12, stamp + 10**12))
-        return mutant, _run_tests(tests, timeout)
+        started = time.monotonic()
+        outcome = _run_tests(tests, timeout)
+        return mutant, outcome, time.monotonic() - started
     finally:
         path.write_text(original)
         os.utime(path, ns=(stamp, stamp))
@@ -735,7 +743,10 @@ def main() -> int:
         context.Pool(args.jobs, initializer=_start_worker, initargs=(scratch,)) as pool,
     ):
         groups = [[m for m in modules if MODULES[m] == tests] for tests in dict.fromkeys(MODULES[m] for m in modules)]
-        baselines = {m: b for found in pool.map(_baselines, groups) for m, b in found.items()}
+        try:
+            baselines = {m: b for found in pool.map(_baselines, groups) for m, b in found.items()}
+        except BrokenTests as broken:
+            raise SystemExit(str(broken)) from None
         jobs = []
         for found in everything.values():
             for i, mutant in enumerate(found):
@@ -751,13 +762,15 @@ def main() -> int:
     return _report(modules, outcomes, time.monotonic() - started, show_all=args.survivors)
 
 
-def _report(modules: list[str], outcomes: list[tuple[Mutant, str]], seconds: float, *, show_all: bool) -> int:
+def _report(modules: list[str], outcomes: list[tuple[Mutant, str, float]], seconds: float, *, show_all: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
     counts: dict[str, Counter[str]] = {m: Counter() for m in modules}
+    spent: Counter[str] = Counter()
     survivors: list[Mutant] = []
-    for mutant, outcome in outcomes:
+    for mutant, outcome, took in outcomes:
+        spent[mutant.module] += took
         key = (mutant.module, mutant.text, mutant.change)
         if outcome == "survived" and key in EQUIVALENT:
             outcome = "equivalent"
@@ -765,7 +778,7 @@ def _report(modules: list[str], outcomes: list[tuple[Mutant, str]], seconds: flo
         if outcome == "survived":
             survivors.append(mutant)
     table = Table(title=f"mutation testing: {len(outcomes)} mutants in {seconds:.0f} s")
-    for heading in ("module", "mutants", "killed", "timeout", "equivalent", "survived", "score"):
+    for heading in ("module", "mutants", "killed", "timeout", "equivalent", "survived", "score", "test s"):
         table.add_column(heading, justify="left" if heading == "module" else "right")
     below = []
     for module in modules:
@@ -776,7 +789,7 @@ def _report(modules: list[str], outcomes: list[tuple[Mutant, str]], seconds: flo
         if score < 0.9:
             below.append(module)
         table.add_row(module, str(total), str(c["killed"]), str(c["timeout"]), str(c["equivalent"]),
-                      str(c["survived"]), f"{score:.1%}")  # fmt: skip
+                      str(c["survived"]), f"{score:.1%}", f"{spent[module]:.0f}")  # fmt: skip
     console = Console(width=None if sys.stdout.isatty() else 160)  # (a file: no column cut short)
     console.print(table)
     for mutant in sorted(survivors, key=lambda m: (m.module, m.line)) if show_all or below else []:
