@@ -536,6 +536,10 @@ def _start_worker(scratch: str) -> None:
     global _worker_copy
     for heavy in ("iced_x86", "numpy", "elftools.elf.elffile", "rich.console", "hypothesis", "pytest"):
         importlib.import_module(heavy)
+    from _pytest.config import default_plugins  # (what each pytest.main imports otherwise)
+
+    for plugin in (*(f"_pytest.{name}" for name in default_plugins), "hypothesis.extra.pytestplugin"):
+        importlib.import_module(plugin)
 
     _worker_copy = Path(tempfile.mkdtemp(dir=scratch))
     shutil.copytree(PACKAGE, _worker_copy / "dynprobe", ignore=shutil.ignore_patterns("__pycache__"))
@@ -584,8 +588,12 @@ def _pytest(tests: Sequence[str], plugins: Sequence[object] = ()) -> int:
     import pytest
 
     # (one seed for hypothesis: a mutant meets the same examples in every run, so scores repeat)
+    # (a temporary directory of the worker's own: pytest's default would look through every run's
+    # numbered directories in /tmp at each run's end)
+    assert _worker_copy is not None
     args = ["-x", "-q", "-p", "no:cacheprovider", "-p", "hypothesis.extra.pytestplugin", "--hypothesis-seed", "0",
-            "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml")]  # fmt: skip
+            "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+            "--basetemp", str(_worker_copy / "tmp")]  # fmt: skip
     return int(pytest.main([*args, *(str(UNIT / t) for t in tests)], plugins=list(plugins)))
 
 
