@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dynprobe.ringbuf.layout import INT_FIELD, RECORD_HEADER, STRING_FIELD
 from dynprobe.spec.model import Arg, Comm, FetchArg, Latency, fetch_chain
+
+if TYPE_CHECKING:  # (a program in bpftrace's language imports its own modules: commands without one do not)
+    from dynprobe.lang.maps import LangBody
 
 MAX_FIELDS = 32  # one fault bit per field in the record header
 
@@ -113,6 +117,7 @@ class Program:
     filter: Filter | None = None
     entry: ReturnEntry | None = None  # a return probe: at the entry this, the rest at the return
     stacks: StackCount | None = None
+    lang: LangBody | None = None  # a bpftrace program's probe body (lang/), run after the count
 
     def fetch_args(self) -> list[FetchArg]:
         """Everything it reads: its fields, its histogram's value, its filter's arguments."""

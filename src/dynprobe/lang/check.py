@@ -61,6 +61,7 @@ class Checked:
     program: S.Program
     maps: dict[str, MapInfo] = field(default_factory=dict)
     types: dict[int, Type] = field(default_factory=dict)
+    lhist: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # an lhist map's min, max, step
 
     def type_of(self, expr: S.Expr) -> Type:
         return self.types[id(expr)]
@@ -129,6 +130,9 @@ class _Checker:
             if not isinstance(target, S.MapRef) or statement.op != "=":
                 raise self.error(f"{value.name}() should be directly assigned to a map", value.span)
             new = self.aggregation(value)
+            if value.name == "lhist":
+                low, high, step = (arg.value for arg in value.args[1:] if isinstance(arg, S.Int))
+                self.checked.lhist.setdefault(target.name, (low, high, step))
         else:
             new = self.expression(value)
             if statement.op != "=":

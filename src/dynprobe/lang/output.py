@@ -114,6 +114,8 @@ def format_map(name: str, kind: str, entries: Sequence[Entry], *, top: int = 0,
                lhist: tuple[int, int, int] = (0, 0, 1)) -> str:  # fmt: skip
     """The map's lines as bpftrace prints it (`top`: only that many of the last in its order, as
     `print(@m, N)`; `lhist`: an lhist's min, max and step)."""
+    if not entries:
+        return "\n"  # (a map given a value nowhere the program went: an empty line, as bpftrace's)
     ordered = _order(kind, entries)
     if top:
         ordered = ordered[-top:]

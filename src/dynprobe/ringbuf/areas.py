@@ -136,7 +136,8 @@ class ThreadAreas:
             area.pool.committed.add(area.index)
             self._commit(tid, area.target_addr)
         words = area.pool.words[area.index]
-        words[L.TID // 8] = tid
+        words[L.TID // 8], words[L.TGID // 8] = tid, self.pid
+        words[L.LANG_BUSY // 8] = 0  # (a thread killed in a program's body left it)
         words[L.WAIT_SPIN // 8], words[L.WAIT_TICKS // 8] = self.spin_ticks, self.wait_ticks
         for word in (L.WAIT_SLEEPING, L.WAIT_GAVE_UP):  # (a thread killed asleep left them)
             words[word // 8] = 0

@@ -106,6 +106,13 @@ UPCALL_ENTRIES = 0x330
 UPCALL_ENTRIES_MAX = 4
 UPCALL_RSI = 0x350  # at a return: the function's rsi (the frame's is the shadow entry's offset)
 STACK_SLOT = 0x358  # the table slot of the stack the thread's hit just counted (0: none), for its record
+# A bpftrace program's body (arch/x86_64/codegen/lang.py): nonzero while the thread runs one (a
+# signal handler's probes skip theirs), the process's id (`pid`), the operands waiting while
+# others are worked out, the scratch variables
+LANG_BUSY = 0x360
+TGID = 0x368
+LANG_TEMPS = 0x400
+LANG_VARS = 0x600
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 SLEEP_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the

@@ -275,6 +275,10 @@ class Emitter:
             self.histogram(prog)
         elif prog.kind == ActionKind.RECORD:
             self.record(prog)
+        if prog.lang is not None:
+            from dynprobe.arch.x86_64.codegen.lang import BodyCompiler  # (only programs in bpftrace's language)
+
+            BodyCompiler(self, prog.lang, layout.counter(prog.probe_index, L.MISSED)).emit()
         asm.bind(done)
 
     def return_entry(self, prog: Program, entry: ReturnEntry) -> None:

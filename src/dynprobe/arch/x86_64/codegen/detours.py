@@ -106,7 +106,10 @@ def build_detour(
     if hooks and (trampoline is None or not function_entry):
         return OptimizeRefusal.FETCH_UNSUPPORTED
     red_zone = HOOK_ROOM if hooks else 0 if function_entry else RED_ZONE
-    if all(p.kind == ActionKind.COUNT and p.filter is None and p.entry is None and p.stacks is None for p in programs):
+    if all(
+        p.kind == ActionKind.COUNT and p.filter is None and p.entry is None and p.stacks is None and p.lang is None
+        for p in programs
+    ):
         return _then_region(plan, _count_only(programs, layout, red_zone), {}, at)
     push_flags = any(fetches_flags(prog) for prog in programs if prog.entry is None)
     keep_flags = not push_flags and not hooks  # (hook_targets changes them: free at a function entry)

@@ -1,0 +1,535 @@
+"""A bpftrace program's probe body (lang/) as machine code, run in a detour's full form
+(codegen/actions.py's `Emitter`: the saved registers, fault fix-ups): its predicate, its
+statements, its maps updated in place in the program's region (lang/maps.py) with atomic
+instructions, and `printf`'s values written to the thread's ring as one record.
+
+A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
+right one is worked out (`LANG_TEMPS`, a word a level of nesting: the detour's stack holds the
+saved registers at fixed offsets), as do a map's keys while their hash is taken; scratch
+variables live there too (`LANG_VARS`). rax, rcx, rdx, rdi and r11 are used: the detour saved
+them. A read that faults gives 0, as bpftrace's reads of user memory do. A signal handler that
+hits a probe while the thread runs a body (its temporaries in use) skips the body, counted as
+missed. Arithmetic is bpftrace's (0.17): division, remainder and `>>` unsigned, a comparison
+signed when both sides are (a literal is); a division by zero gives 0, a remainder by zero the
+dividend, as BPF's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import iced_x86 as iced
+
+from dynprobe.arch.x86_64.codegen.asm import L_MASK64, Asm, C, R, Unsupported, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.cpu import has_rdpid
+from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.lang import syntax as S
+from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
+from dynprobe.ringbuf import layout as L
+
+if TYPE_CHECKING:  # (actions.py imports this module)
+    from iced_x86._iced_x86_py import Code as CodeT
+
+    from dynprobe.arch.x86_64.codegen.actions import Emitter
+
+TEMPS = 64  # words of LANG_TEMPS: how deep an expression may nest
+VARIABLES = 64
+_SIGNED_JCC = {"==": C.SETE_RM8, "!=": C.SETNE_RM8, "<": C.SETL_RM8, "<=": C.SETLE_RM8, ">": C.SETG_RM8,
+               ">=": C.SETGE_RM8}  # fmt: skip
+_UNSIGNED_JCC = {**_SIGNED_JCC, "<": C.SETB_RM8, "<=": C.SETBE_RM8, ">": C.SETA_RM8, ">=": C.SETAE_RM8}
+_ARITHMETIC = {"+": C.ADD_R64_RM64, "-": C.SUB_R64_RM64, "&": C.AND_R64_RM64, "|": C.OR_R64_RM64,
+               "^": C.XOR_R64_RM64}  # fmt: skip
+_CAST_SIGNED = {8: C.MOVSX_R64_RM8, 16: C.MOVSX_R64_RM16, 32: C.MOVSXD_R64_RM32}
+_LOW = {8: R.AL, 16: R.AX, 32: R.EAX}
+
+
+class BodyCompiler:
+    """Emits one `LangBody` through an `Emitter` (whose asm it appends to)."""
+
+    def __init__(self, emitter: Emitter, body: LangBody, missed: int) -> None:
+        self.emitter = emitter
+        self.asm: Asm = emitter.asm
+        self.body = body
+        self.missed = missed  # the thread-area offset of the probe's missed counter
+        self.printfs = iter(body.printf_records)
+        self.variables: dict[str, int] = {}  # a scratch variable's word in LANG_VARS
+
+    # --- the body ------------------------------------------------------------------------------
+    def emit(self) -> None:
+        asm = self.asm
+        done, skipped = asm.label(), asm.label()
+        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, gs_at(L.LANG_BUSY), 0))
+        asm.jump(C.JNE_REL32_64, skipped)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.LANG_BUSY), 1))
+        finished = asm.label()
+        if self.body.block.predicate is not None:
+            self.expression(self.body.block.predicate, 0)
+            asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+            asm.jump(C.JE_REL32_64, finished)
+        self.statements(self.body.block.body)
+        asm.bind(finished)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.LANG_BUSY), 0))
+        asm.jump(C.JMP_REL32_64, done)
+        asm.bind(skipped)
+        asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(self.missed)))
+        asm.bind(done)
+
+    def statements(self, statements: tuple[S.Statement, ...]) -> None:
+        for statement in statements:
+            self.statement(statement)
+
+    def statement(self, statement: S.Statement) -> None:
+        asm = self.asm
+        match statement:
+            case S.If(condition=condition, then=then, otherwise=otherwise):
+                other, after = asm.label(), asm.label()
+                self.expression(condition, 0)
+                asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+                asm.jump(C.JE_REL32_64, other)
+                self.statements(then)
+                asm.jump(C.JMP_REL32_64, after)
+                asm.bind(other)
+                self.statements(otherwise)
+                asm.bind(after)
+            case S.Assign(target=S.MapRef() as target, op="=", value=S.Call(name=name) as call) if name in _UPDATES:
+                self.aggregate(target, call)
+            case S.Assign(target=target, op=op, value=value):
+                self.assign(target, op, value)
+            case S.ExprStatement(expr=S.Call(name="printf", args=args)):
+                self.printf(args)
+            case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
+                self.delete(target)
+            case S.ExprStatement(expr=S.Call(name="exit")):
+                asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.exit_flag))
+                asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RAX), 1))
+            case S.ExprStatement(expr=S.Call()):
+                raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)  # (the checker refuses these first)
+            case S.ExprStatement(expr=expr):
+                self.expression(expr, 0)
+
+    # --- expressions ---------------------------------------------------------------------------
+    def expression(self, expr: S.Expr, depth: int) -> None:
+        """rax = the value of `expr`; temporaries from LANG_TEMPS word `depth` on."""
+        asm = self.asm
+        if depth >= TEMPS:
+            raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+        match expr:
+            case S.Int(value=value):
+                self.constant(value)
+            case S.Builtin(name=name):
+                self.builtin(name)
+            case S.Var(name=name):
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(self.variable(name))))
+            case S.MapRef():
+                self.map_read(expr, depth)
+            case S.Unary(op="*", operand=S.Cast(pointer=True, type_name=type_name, operand=operand)):
+                self.expression(operand, depth)
+                self.load(int(type_name.removeprefix("u").removeprefix("int")), not type_name.startswith("u"))
+            case S.Unary(op="*", operand=operand):
+                self.expression(operand, depth)
+                self.load(64, True)
+            case S.Unary(op=op, operand=operand):
+                self.expression(operand, depth)
+                if op == "-":
+                    asm.add(iced.Instruction.create_reg(C.NEG_RM64, R.RAX))
+                elif op == "~":
+                    asm.add(iced.Instruction.create_reg(C.NOT_RM64, R.RAX))
+                else:  # !
+                    asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+                    self.truth(C.SETE_RM8)
+            case S.Cast(pointer=True, operand=operand):
+                self.expression(operand, depth)
+            case S.Cast(type_name=type_name, operand=operand):
+                self.expression(operand, depth)
+                self.narrow(int(type_name.removeprefix("u").removeprefix("int")), not type_name.startswith("u"))
+            case S.Binary(op="&&" | "||" as op, left=left, right=right):
+                self.logical(op, left, right, depth)
+            case S.Binary(op=op, left=left, right=right):
+                self.expression(left, depth)
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(depth), R.RAX))
+                self.expression(right, depth + 1)
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RAX))
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, self.temp(depth)))
+                self.operate(op, signed=self.signed(left) and self.signed(right))
+            case S.Ternary(condition=condition, then=then, otherwise=otherwise):
+                other, after = asm.label(), asm.label()
+                self.expression(condition, depth)
+                asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+                asm.jump(C.JE_REL32_64, other)
+                self.expression(then, depth)
+                asm.jump(C.JMP_REL32_64, after)
+                asm.bind(other)
+                self.expression(otherwise, depth)
+                asm.bind(after)
+            case S.Step(op=op, target=target, prefix=prefix):
+                self.step(op, target, prefix=prefix, depth=depth)
+            case _:  # strings, stacks, str(), ustack: not in the target yet
+                raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+    def signed(self, expr: S.Expr) -> bool:
+        """Whether bpftrace takes `expr` as signed where signedness matters (a literal is)."""
+        return isinstance(expr, S.Int) or self.body.checked.type_of(expr).signed
+
+    def constant(self, value: int) -> None:
+        self.asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value & L_MASK64))
+
+    def temp(self, depth: int) -> iced.MemoryOperand:
+        return gs_at(L.LANG_TEMPS + 8 * depth)
+
+    def variable(self, name: str) -> int:
+        index = self.variables.setdefault(name, len(self.variables))
+        if index >= VARIABLES:
+            raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+        return L.LANG_VARS + 8 * index
+
+    def truth(self, setcc: CodeT) -> None:
+        """rax = 1 if the flags meet `setcc`'s condition, else 0 (after a test or a compare)."""
+        asm = self.asm
+        asm.add(iced.Instruction.create_reg(setcc, R.AL))
+        asm.add(iced.Instruction.create_reg_reg(C.MOVZX_R32_RM8, R.EAX, R.AL))
+
+    def narrow(self, bits: int, signed: bool) -> None:
+        asm = self.asm
+        if bits == 64:
+            return
+        if signed:
+            asm.add(iced.Instruction.create_reg_reg(_CAST_SIGNED[bits], R.RAX, _LOW[bits]))
+        elif bits == 32:
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.EAX, R.EAX))
+        else:
+            code = C.MOVZX_R32_RM8 if bits == 8 else C.MOVZX_R32_RM16
+            asm.add(iced.Instruction.create_reg_reg(code, R.EAX, _LOW[bits]))
+
+    def load(self, bits: int, signed: bool) -> None:
+        """rax = the `bits`-bit value at address rax (a fault: 0)."""
+        asm = self.asm
+        faulted, after = asm.label(), asm.label()
+        source = mem_at(R.RAX)
+        if bits == 64:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, source), faulted)
+        elif signed:
+            code = {8: C.MOVSX_R64_RM8, 16: C.MOVSX_R64_RM16, 32: C.MOVSXD_R64_RM32}[bits]
+            asm.add(iced.Instruction.create_reg_mem(code, R.RAX, source), faulted)
+        elif bits == 32:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EAX, source), faulted)
+        else:
+            code = C.MOVZX_R32_RM8 if bits == 8 else C.MOVZX_R32_RM16
+            asm.add(iced.Instruction.create_reg_mem(code, R.EAX, source), faulted)
+        asm.jump(C.JMP_REL32_64, after)
+        asm.bind(faulted)
+        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+        asm.bind(after)
+
+    def operate(self, op: str, *, signed: bool) -> None:
+        """rax = rax op rcx."""
+        asm = self.asm
+        if op in _ARITHMETIC:
+            asm.add(iced.Instruction.create_reg_reg(_ARITHMETIC[op], R.RAX, R.RCX))
+        elif op == "*":
+            asm.add(iced.Instruction.create_reg_reg(C.IMUL_R64_RM64, R.RAX, R.RCX))
+        elif op in ("/", "%"):
+            by_zero, after = asm.label(), asm.label()
+            asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
+            asm.jump(C.JE_REL32_64, by_zero)
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDX, R.EDX))
+            asm.add(iced.Instruction.create_reg(C.DIV_RM64, R.RCX))
+            if op == "%":
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RDX))
+            asm.jump(C.JMP_REL32_64, after)
+            asm.bind(by_zero)
+            if op == "/":
+                asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+            asm.bind(after)
+        elif op in ("<<", ">>"):
+            asm.add(iced.Instruction.create_reg_reg(C.SHL_RM64_CL if op == "<<" else C.SHR_RM64_CL, R.RAX, R.CL))
+        else:
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
+            self.truth((_SIGNED_JCC if signed else _UNSIGNED_JCC)[op])
+
+    def logical(self, op: str, left: S.Expr, right: S.Expr, depth: int) -> None:
+        asm = self.asm
+        decided, after = asm.label(), asm.label()
+        self.expression(left, depth)
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+        asm.jump(C.JE_REL32_64 if op == "&&" else C.JNE_REL32_64, decided)
+        self.expression(right, depth)
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+        asm.bind(decided)
+        asm.add(iced.Instruction.create_reg(C.SETNE_RM8, R.AL))
+        asm.add(iced.Instruction.create_reg_reg(C.MOVZX_R32_RM8, R.EAX, R.AL))
+        asm.bind(after)
+
+    def builtin(self, name: str) -> None:
+        asm, emitter = self.asm, self.emitter
+        if name.startswith("arg"):
+            emitter.load_reg(ARG_REGS[int(name[3:])])
+        elif name == "retval":
+            emitter.load_reg("rax")
+        elif name == "tid":
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TID)))
+        elif name == "pid":
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TGID)))
+        elif name in ("nsecs", "elapsed"):
+            clock = self.body.clock
+            read_tsc(asm)
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, clock.mult))
+            asm.add(iced.Instruction.create_reg(C.MUL_RM64, R.RCX))
+            asm.add(iced.Instruction.create_reg_reg_u32(C.SHRD_RM64_R64_IMM8, R.RAX, R.RDX, 32))
+            offset = clock.offset - (clock.start if name == "elapsed" else 0)
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, offset & L_MASK64))
+            asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RCX))
+        elif name == "cpu":
+            if has_rdpid():
+                emitter.cpu_number()
+            else:
+                asm.add(iced.Instruction.create(C.RDTSCP))
+            asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, 0xFFF))
+            asm.add(iced.Instruction.create_reg_reg(C.AND_R32_RM32, R.EAX, R.ECX))
+        else:  # comm, func, probe, ustack: strings and stacks, not in the target yet
+            raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+    # --- scratch variables and maps ------------------------------------------------------------
+    def assign(self, target: S.Var | S.MapRef, op: str, value: S.Expr) -> None:
+        asm = self.asm
+        self.expression(value, 0)
+        if isinstance(target, S.Var):
+            at = gs_at(self.variable(target.name))
+            if op != "=":
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RAX))
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, at))
+                self.operate(op[:-1], signed=self.signed(target))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, at, R.RAX))
+            return
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(0), R.RAX))
+        table = self.body.tables[target.name]
+        self.find_slot(target, table, 1, claim=True)
+        slot = mem_at(R.RDI, table.value_at)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, self.temp(0)))
+        if op in ("+=", "-="):
+            if op == "-=":
+                asm.add(iced.Instruction.create_reg(C.NEG_RM64, R.RCX))
+            add = iced.Instruction.create_mem_reg(C.ADD_RM64_R64, slot, R.RCX)
+            add.has_lock_prefix = True
+            asm.add(add)
+        else:  # (`*=` and the like read, then write: as racy as bpftrace's own)
+            if op != "=":
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, slot))
+                self.operate(op[:-1], signed=True)
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RAX))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, slot, R.RCX))
+        self.found(table)
+
+    def step(self, op: str, target: S.Var | S.MapRef, *, prefix: bool, depth: int) -> None:
+        """rax = the value before (`x++`) or after (`++x`) the step."""
+        asm = self.asm
+        delta = 1 if op == "++" else -1
+        if isinstance(target, S.Var):
+            at = gs_at(self.variable(target.name))
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, at))
+            asm.add(iced.Instruction.create_reg(C.INC_RM64 if delta > 0 else C.DEC_RM64, R.RAX))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, at, R.RAX))
+        else:
+            table = self.body.tables[target.name]
+            self.find_slot(target, table, depth, claim=True)
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, delta & L_MASK64))
+            xadd = iced.Instruction.create_mem_reg(C.XADD_RM64_R64, mem_at(R.RDI, table.value_at), R.RAX)
+            xadd.has_lock_prefix = True
+            asm.add(xadd)
+            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RAX, delta))  # (the new value)
+            self.found(table)
+        if not prefix:
+            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RAX, -delta))
+
+    def aggregate(self, target: S.MapRef, call: S.Call) -> None:
+        """`@m[keys] = count()` and the other aggregations: the entry's value words updated
+        atomically (min and max: compare and exchange until no other thread came between)."""
+        asm = self.asm
+        table = self.body.tables[target.name]
+        if call.args:
+            self.expression(call.args[0], 0)
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(0), R.RAX))
+        self.find_slot(target, table, 1, claim=True)
+        value = mem_at(R.RDI, table.value_at)
+        if call.args:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, self.temp(0)))
+        name = call.name
+        if name in ("count", "sum", "avg", "stats"):
+            if name == "count":
+                asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, 1))
+            elif name in ("avg", "stats"):
+                inc = iced.Instruction.create_mem(C.INC_RM64, value)
+                inc.has_lock_prefix = True
+                asm.add(inc)
+                value = mem_at(R.RDI, table.value_at + 8)
+            add = iced.Instruction.create_mem_reg(C.ADD_RM64_R64, value, R.RCX)
+            add.has_lock_prefix = True
+            asm.add(add)
+        elif name in ("min", "max"):
+            again, kept = asm.label(), asm.label()
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, value))
+            asm.bind(again)
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.RAX))
+            asm.jump(C.JGE_REL32_64 if name == "min" else C.JLE_REL32_64, kept)
+            exchange = iced.Instruction.create_mem_reg(C.CMPXCHG_RM64_R64, value, R.RCX)
+            exchange.has_lock_prefix = True
+            asm.add(exchange)  # (rax: what the word held, if another thread changed it)
+            asm.jump(C.JNE_REL32_64, again)
+            asm.bind(kept)
+        else:
+            self.bucket(name, table)
+            inc = iced.Instruction.create_mem(C.INC_RM64, iced.MemoryOperand(R.RDI, R.RAX, 8, displ=table.value_at))
+            inc.has_lock_prefix = True
+            asm.add(inc)
+        self.found(table)
+
+    def bucket(self, name: str, table: MapTable) -> None:
+        """rax = the word of the value in rcx in a hist (bucket + 1: negative, 0, 1, [2, 4)...) or
+        an lhist (below min, each step, max and above)."""
+        asm = self.asm
+        after = asm.label()
+        if name == "hist":
+            positive = asm.label()
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+            asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
+            asm.jump(C.JS_REL32_64, after)  # negative: 0
+            asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, 1))
+            asm.jump(C.JNE_REL32_64, positive)
+            asm.jump(C.JMP_REL32_64, after)  # zero: 1
+            asm.bind(positive)
+            asm.add(iced.Instruction.create_reg_reg(C.BSR_R64_RM64, R.RAX, R.RCX))
+            asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RAX, 2))
+        else:
+            low, high, step = table.lhist
+            below, above = asm.label(), asm.label()
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, low & L_MASK64))
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.RAX))
+            asm.jump(C.JL_REL32_64, below)
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, high & L_MASK64))
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.RAX))
+            asm.jump(C.JGE_REL32_64, above)
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RCX))
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, low & L_MASK64))
+            asm.add(iced.Instruction.create_reg_reg(C.SUB_R64_RM64, R.RAX, R.RCX))
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, step))
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDX, R.EDX))
+            asm.add(iced.Instruction.create_reg(C.DIV_RM64, R.RCX))
+            asm.add(iced.Instruction.create_reg(C.INC_RM64, R.RAX))
+            asm.jump(C.JMP_REL32_64, after)
+            asm.bind(below)
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+            asm.jump(C.JMP_REL32_64, after)
+            asm.bind(above)
+            asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, table.value_words - 1))
+        asm.bind(after)
+
+    def map_read(self, ref: S.MapRef, depth: int) -> None:
+        """rax = the entry's value (an avg's: its average), 0 if it has none."""
+        asm = self.asm
+        table = self.body.tables[ref.name]
+        absent, after = asm.label(), asm.label()
+        self.find_slot(ref, table, depth, claim=False, absent=absent)
+        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RDI, SLOT_READY), 0))
+        asm.jump(C.JE_REL32_64, absent)
+        if table.kind == "avg":
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, mem_at(R.RDI, table.value_at)))
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI, table.value_at + 8)))
+            asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
+            asm.jump(C.JE_REL32_64, absent)
+            asm.add(iced.Instruction.create(C.CQO))
+            asm.add(iced.Instruction.create_reg(C.IDIV_RM64, R.RCX))
+        else:
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI, table.value_at)))
+        asm.jump(C.JMP_REL32_64, after)
+        asm.bind(absent)
+        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
+        asm.bind(after)
+
+    def delete(self, ref: S.MapRef) -> None:
+        """The entry hidden (its ready word cleared) and its value words back to their start: the
+        next update of its keys starts it afresh."""
+        asm = self.asm
+        table = self.body.tables[ref.name]
+        absent = asm.label()
+        self.find_slot(ref, table, 0, claim=False, absent=absent)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RDI, SLOT_READY), 0))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, table.initial))
+        for word in range(table.value_words):
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, table.value_at + 8 * word), R.RAX))
+        asm.bind(absent)
+
+    def found(self, table: MapTable) -> None:
+        """After an update of the entry at rdi: it exists (again, after a delete)."""
+        self.asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RDI, SLOT_READY), 1))
+
+    def find_slot(self, ref: S.MapRef, table: MapTable, depth: int, *, claim: bool, absent: int | None = None) -> None:
+        """rdi = the slot of `ref`'s keys (worked out into temporaries from `depth` on): found by
+        its hash from the hash's home on, or (`claim`) a free one claimed and its keys written.
+        None within PROBES slots: to `absent`, or (`claim`) the update counted as dropped and
+        pointed at the table's sink, a slot past its last that nothing reads."""
+        asm = self.asm
+        for i, key in enumerate(ref.keys):
+            self.expression(key, depth + i)
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(depth + i), R.RAX))
+        # rdx = the hash (lang/maps.py's key_hash)
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, HASH_SEED))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, HASH_MULTIPLIER))
+        for i in range(len(ref.keys)):
+            asm.add(iced.Instruction.create_reg_mem(C.XOR_R64_RM64, R.RDX, self.temp(depth + i)))
+            asm.add(iced.Instruction.create_reg_reg(C.IMUL_R64_RM64, R.RDX, R.RCX))
+            asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RDX))
+            asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.RAX, 32))
+            asm.add(iced.Instruction.create_reg_reg(C.XOR_R64_RM64, R.RDX, R.RAX))
+        asm.add(iced.Instruction.create_reg_i32(C.OR_RM64_IMM8, R.RDX, 1))
+        # r11 = the slot's index (from the hash's home), rcx = slots left to look at
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.R11, R.RDX))
+        asm.add(iced.Instruction.create_reg_i32(C.SHR_RM64_IMM8, R.R11, 1))
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, min(PROBES, table.slots)))
+        again, found, next_slot, claimed, done = (asm.label() for _ in range(5))
+        asm.bind(again)
+        asm.add(iced.Instruction.create_reg_i32(C.AND_RM64_IMM32, R.R11, table.slots - 1))
+        asm.add(iced.Instruction.create_reg_reg_i32(C.IMUL_R64_RM64_IMM32, R.RDI, R.R11, table.slot_bytes))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.region + table.offset))
+        asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RDI, R.RAX))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI)))
+        asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RDX))
+        asm.jump(C.JE_REL32_64, found)
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
+        if claim:
+            asm.jump(C.JNE_REL32_64, next_slot)
+            exchange = iced.Instruction.create_mem_reg(C.CMPXCHG_RM64_R64, mem_at(R.RDI), R.RDX)
+            exchange.has_lock_prefix = True
+            asm.add(exchange)  # (rax 0: claimed if still free; else rax = the hash another thread put)
+            asm.jump(C.JE_REL32_64, claimed)
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RDX))
+            asm.jump(C.JE_REL32_64, found)
+        else:
+            assert absent is not None
+            asm.jump(C.JE_REL32_64, absent)
+        asm.bind(next_slot)
+        asm.add(iced.Instruction.create_reg(C.INC_RM64, R.R11))
+        asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.ECX))
+        asm.jump(C.JNE_REL32_64, again)
+        if claim:
+            counter = iced.Instruction.create_mem(C.INC_RM64, mem_at(R.RAX))
+            counter.has_lock_prefix = True
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.region + table.dropped_at))
+            asm.add(counter)
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, self.body.region + table.sink))
+            asm.jump(C.JMP_REL32_64, done)
+            asm.bind(claimed)
+            for i in range(len(ref.keys)):
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, self.temp(depth + i)))
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, 16 + 8 * i), R.RAX))
+        else:
+            assert absent is not None
+            asm.jump(C.JMP_REL32_64, absent)
+        asm.bind(found)
+        asm.bind(done)
+
+    # --- printf ----------------------------------------------------------------------------------
+    def printf(self, args: tuple[S.Expr, ...]) -> None:
+        raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+
+
+_UPDATES = ("count", "sum", "min", "max", "avg", "stats", "hist", "lhist")

@@ -1,0 +1,183 @@
+"""Where a bpftrace program's maps live (issue 21): one region of shared memory per program,
+mapped into the target and into the tracer, holding every map as an open-addressing table that
+the target's generated code updates in place with atomic instructions (so threads that hit at
+once lose no update and the tracer merges nothing) and the tracer reads to print.
+
+A slot is: the keys' hash (0: free; claimed with `cmpxchg`), a word that says the entry exists
+(set once its keys are written, cleared by `delete`), the keys, then the value words. Keys are
+told apart by their hash (63 bits of a mix of them, the lowest set: 0 is a free slot's), as
+BPF's stack map tells stacks apart: two distinct keys share an entry with odds of 2^-63 a
+pair. A full table (no free slot within `PROBES` of the hash's home) counts the update as
+dropped, in the region's header, and the output says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dynprobe.lang import output
+from dynprobe.lang import syntax as S
+from dynprobe.lang.check import Checked
+
+MASK64 = (1 << 64) - 1
+HASH_SEED = 0x2545F4914F6CDD1D
+HASH_MULTIPLIER = 0x9E3779B97F4A7C15
+PROBES = 32  # slots looked at from a key's home before an update is dropped
+DEFAULT_SLOTS = 4096  # entries a keyed map holds (a power of two)
+SLOT_HASH, SLOT_READY, SLOT_KEYS = 0, 8, 16
+HIST_WORDS = 66  # bucket -1 (negative), 0, then 1..64 (values in [2^(k-1), 2^k)), each one word up
+INT64_MAX, INT64_MIN = (1 << 63) - 1, 1 << 63  # (as the words hold them)
+
+
+def key_hash(keys: Sequence[int]) -> int:
+    """The hash generated code gives `keys` (64-bit words): never 0, a free slot's."""
+    value = HASH_SEED
+    for key in keys:
+        value = ((value ^ key) * HASH_MULTIPLIER) & MASK64
+        value ^= value >> 32
+    return value | 1
+
+
+@dataclass(frozen=True)
+class MapTable:
+    """One map's table: `slots` slots of `slot_bytes`, at `offset` in the region."""
+
+    name: str
+    kind: str  # int, count, sum, min, max, avg, stats, hist, lhist
+    keys: int  # key words
+    slots: int
+    offset: int
+    index: int  # its dropped updates' counter: the region's word `index` + 1
+    lhist: tuple[int, int, int] = (0, 0, 1)  # min, max, step
+
+    @property
+    def value_words(self) -> int:
+        if self.kind in ("avg", "stats"):
+            return 2  # count, total
+        if self.kind == "hist":
+            return HIST_WORDS
+        if self.kind == "lhist":
+            low, high, step = self.lhist
+            return (high - low) // step + 2  # below min, each step, at max and above
+        return 1
+
+    @property
+    def value_at(self) -> int:
+        """Where a slot's value begins."""
+        return SLOT_KEYS + 8 * self.keys
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.value_at + 8 * self.value_words
+
+    @property
+    def initial(self) -> int:
+        """What each value word holds before any update: min and max start at the far end."""
+        return {"min": INT64_MAX, "max": INT64_MIN}.get(self.kind, 0)
+
+    @property
+    def dropped_at(self) -> int:
+        return 8 * (1 + self.index)
+
+    @property
+    def sink(self) -> int:
+        """Where a dropped update goes: the slot past the last, which nothing reads."""
+        return self.offset + self.slots * self.slot_bytes
+
+    def home(self, hash_value: int) -> int:
+        return (hash_value >> 1) & (self.slots - 1)
+
+
+@dataclass(frozen=True)
+class Region:
+    """Every map of a program, laid out: a word set once a probe called exit(), the dropped
+    counters (one word a map), then the tables (each with its sink slot)."""
+
+    tables: dict[str, MapTable]
+    size: int
+
+    def initial_words(self) -> list[tuple[int, int, int]]:
+        """(offset, words, value) runs a fresh region must hold besides zeros."""
+        runs = []
+        for table in self.tables.values():
+            if table.initial:
+                for slot in range(table.slots):
+                    at = table.offset + slot * table.slot_bytes + table.value_at
+                    runs.append((at, table.value_words, table.initial))
+        return runs
+
+
+def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
+    """The region of `checked`'s maps: a map without keys has one slot, a keyed one `slots`."""
+    tables: dict[str, MapTable] = {}
+    offset = (8 * (1 + len(checked.maps)) + 63) & ~63
+    for index, (name, info) in enumerate(sorted(checked.maps.items())):
+        kind = info.value.kind if info.value is not None else "int"
+        keys = len(info.keys or ())
+        lhist = checked.lhist.get(name, (0, 0, 1))
+        table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist)
+        tables[name] = table
+        offset += ((table.slots + 1) * table.slot_bytes + 63) & ~63
+    return Region(tables, max(offset, 64))
+
+
+def entries(region: Region, memory: bytes | memoryview, table: MapTable) -> list[output.Entry]:
+    """The entries of `table` in a copy of the region (read while the target may still write:
+    an entry whose keys are not written yet is left out)."""
+    words = memoryview(memory)[table.offset : table.offset + table.slots * table.slot_bytes].cast("Q")
+    step = table.slot_bytes // 8
+    found: list[output.Entry] = []
+    for slot in range(table.slots):
+        base = slot * step
+        if not words[base] or not words[base + 1]:
+            continue
+        keys = tuple(_signed(words[base + 2 + i]) for i in range(table.keys))
+        values = words[base + table.value_at // 8 : base + step]
+        found.append((keys, _value(table, values)))
+    return found
+
+
+def dropped(memory: bytes | memoryview, table: MapTable) -> int:
+    return int(memoryview(memory)[table.dropped_at : table.dropped_at + 8].cast("Q")[0])
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 64) if word >> 63 else word
+
+
+def _value(table: MapTable, values: memoryview) -> output.Value:
+    if table.kind in ("avg", "stats"):
+        return int(values[0]), _signed(values[1])
+    if table.kind in ("hist", "lhist"):
+        return {bucket - 1: int(count) for bucket, count in enumerate(values) if count}
+    return _signed(values[0])
+
+
+@dataclass(frozen=True)
+class Clock:
+    """nsecs = ticks * mult >> 32, plus `offset` (the tracer's clock at ticks 0); elapsed:
+    nsecs less `start`."""
+
+    mult: int
+    offset: int
+    start: int
+
+
+@dataclass(frozen=True)
+class LangBody:
+    """One probe block of a checked program, placed: its maps' tables at `region` in the
+    target, its `printf`s' record numbers (a record's probe index: by the call's position in
+    the block, in order of appearance)."""
+
+    block: S.ProbeBlock
+    checked: Checked
+    region: int
+    tables: dict[str, MapTable]
+    clock: Clock
+    printf_records: tuple[int, ...] = ()
+
+    @property
+    def exit_flag(self) -> int:
+        """The region's first word: nonzero once a probe called exit()."""
+        return self.region

@@ -1,0 +1,303 @@
+"""bpftrace's language compiled into a detour (arch/x86_64/codegen/lang.py), run natively in
+this process: each probe body's maps, as the tracer reads them (lang/maps.py), against the
+values the same operations give in Python, with bpftrace's semantics."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import iced_x86 as iced
+import numpy as np
+import pytest
+
+from dynprobe.actions.model import ActionKind, Program
+from dynprobe.arch.x86_64.codegen.detours import build_detour
+from dynprobe.errors import OptimizeRefusal
+from dynprobe.lang import maps, output
+from dynprobe.lang.check import check_program
+from dynprobe.lang.maps import Clock, LangBody, Region, key_hash, lay_out
+from dynprobe.lang.parser import parse_program
+from dynprobe.ringbuf import layout as L
+from tests.unit.native import NativeArea
+from tests.unit.test_codegen import LAYOUT, plan
+
+MASK = (1 << 64) - 1
+NS_AS_TICKS = Clock(1 << 32, 0, 0)
+
+
+class Compiled:
+    """A one-probe program's body placed in a detour's actions, with its region of maps."""
+
+    def __init__(self, area: NativeArea, source: str, *, slots: int = 64, clock: Clock = NS_AS_TICKS) -> None:
+        program = parse_program(source)
+        checked = check_program(program, source)
+        self.region: Region = lay_out(checked, slots=slots)
+        self.memory = np.zeros(self.region.size // 8, dtype=np.uint64)
+        for at, words, value in self.region.initial_words():
+            self.memory[at // 8 : at // 8 + words] = value
+        self.area = area
+        body = LangBody(program.probes[0], checked, self.memory.ctypes.data, self.region.tables, clock)
+        self.program = Program(0, ActionKind.COUNT, lang=body)
+
+        def actions(base: int) -> bytes:
+            detour = build_detour(plan(), [self.program], LAYOUT, base, function_entry=True)
+            assert not isinstance(detour, OptimizeRefusal), detour
+            area.add_fixups(detour.fixups)
+            return detour.code[: detour.action_bytes] + b"\xc3"
+
+        self.actions = area.place(actions)
+
+    def __call__(self, *args: int) -> None:
+        self.area.call_at(self.actions, *(a & MASK for a in args))
+
+    def entries(self, name: str) -> dict[tuple[int, ...], object]:
+        table = self.region.tables[name]
+        return dict(maps.entries(self.region, self.memory.tobytes(), table))
+
+    def value(self, name: str) -> object:
+        return self.entries(name).get((), None)
+
+    def dropped(self, name: str) -> int:
+        return maps.dropped(self.memory.tobytes(), self.region.tables[name])
+
+
+@pytest.fixture
+def area() -> Iterator[NativeArea]:
+    made = NativeArea(LAYOUT)
+    yield made
+    made.close()
+
+
+def test_counts_and_sums_by_key(area: NativeArea) -> None:
+    code = Compiled(area, "uprobe:/bin/x:f { @c[arg0] = count(); @s[arg0 % 3, arg1] = sum(arg1); @n = count(); }")
+    calls = [(1, 10), (2, 20), (1, 30), (5, -4), (4, 10), (1, 10)]
+    for a, b in calls:
+        code(a, b)
+    assert code.entries("c") == {(1,): 3, (2,): 1, (5,): 1, (4,): 1}
+    sums: dict[tuple[int, ...], int] = {}
+    for a, b in calls:
+        sums[(a % 3, b)] = sums.get((a % 3, b), 0) + b
+    assert code.entries("s") == sums
+    assert code.value("n") == len(calls)
+    assert area.counter(0, L.HITS) == len(calls) and area.counter(0, L.MISSED) == 0
+
+
+def test_min_max_avg_stats(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { @lo = min(arg0); @hi = max(arg0); @a[arg1] = avg(arg0); @st = stats(arg0); }")
+    values = [5, -7, 12, 0, 3]
+    for v in values:
+        code(v, 1)
+    assert (code.value("lo"), code.value("hi")) == (-7, 12)
+    assert code.entries("a") == {(1,): (5, sum(values))}
+    assert code.value("st") == (5, sum(values))
+
+
+def test_hist_and_lhist_buckets(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { @h = hist(arg0); @l = lhist(arg0, 0, 100, 10); }")
+    values = [-3, 0, 1, 2, 3, 4, 1000, (1 << 63) - 1, 99, 100, 250, 15]
+    for v in values:
+        code(v)
+    hist: dict[int, int] = {}
+    lhist: dict[int, int] = {}
+    for v in values:
+        bucket = -1 if v < 0 else v.bit_length()
+        hist[bucket] = hist.get(bucket, 0) + 1
+        step = -1 if v < 0 else min(v, 100) // 10
+        lhist[step] = lhist.get(step, 0) + 1
+    assert code.value("h") == hist
+    assert code.value("l") == lhist
+
+
+@pytest.mark.parametrize(
+    ("expr", "args", "expected"),
+    [
+        ("arg0 + arg1 * 3", (4, 5), 19),
+        ("arg0 - arg1", (4, 5), -1),
+        ("arg0 / arg1", (-7, 2), ((-7 & MASK) // 2)),  # unsigned, as bpftrace divides
+        ("arg0 % arg1", (-7, 2), 1),
+        ("arg0 / arg1", (7, 0), 0),  # by zero: 0, as BPF
+        ("arg0 % arg1", (7, 0), 7),
+        ("arg0 >> 1", (-7, 0), (-7 & MASK) >> 1),  # logical, signed or not
+        ("(uint64)arg0 >> 60", (-1, 0), 15),
+        ("arg0 << arg1", (3, 4), 48),
+        ("arg0 & 12 | arg1 ^ 1", (13, 6), (13 & 12) | (6 ^ 1)),
+        ("arg0 > 5", (-1, 0), 0),  # both signed (a literal is)
+        ("(uint64)arg0 > (uint64)5", (-1, 0), 1),
+        ("arg0 > (uint64)5", (-1, 0), 1),  # one unsigned: unsigned, as bpftrace compares
+        ("arg0 <= arg1", (3, 3), 1),
+        ("arg0 == 3 && arg1 != 3", (3, 4), 1),
+        ("arg0 == 3 && arg1 != 3", (3, 3), 0),
+        ("arg0 || arg1", (0, 0), 0),
+        ("arg0 || arg1", (0, 9), 1),
+        ("!arg0", (0, 0), 1),
+        ("!arg0", (5, 0), 0),
+        ("-arg0", (5, 0), -5),
+        ("~arg0", (5, 0), ~5),
+        ("arg0 ? arg1 : 7", (1, 9), 9),
+        ("arg0 ? arg1 : 7", (0, 9), 7),
+        ("(int8)arg0", (0x1FF, 0), -1),
+        ("(uint8)arg0", (0x1FF, 0), 0xFF),
+        ("(int32)arg0", (0x80000000, 0), -(1 << 31)),
+        ("(uint16)arg0", (-1, 0), 0xFFFF),
+    ],
+)  # fmt: skip
+def test_arithmetic_as_bpftrace_does_it(area: NativeArea, expr: str, args: tuple[int, int], expected: int) -> None:
+    code = Compiled(area, f"u:/bin/x:f {{ @r = {expr}; }}")
+    code(*args)
+    assert code.value("r") == expected
+
+
+def test_scratch_variables_conditions_and_steps(area: NativeArea) -> None:
+    code = Compiled(
+        area,
+        "u:/bin/x:f /arg0 != 99/ { $x = arg0 * 2; $x += 1; if ($x > 10) { @big++; @last = $x; } else { @small += $x; }"
+        " @steps[arg0] = @steps[arg0] + 1; ++@pre; @post = @pre++; $y = 3; $y <<= 2; @y = $y; }",
+    )  # fmt: skip
+    for a in (1, 7, 2, 99, 9):
+        code(a)
+    # x: 3, 15, 5, 19 (99 filtered out)
+    assert code.value("big") == 2 and code.value("last") == 19 and code.value("small") == 8
+    assert code.entries("steps") == {(1,): 1, (7,): 1, (2,): 1, (9,): 1}
+    assert code.value("pre") == 8 and code.value("post") == 7 and code.value("y") == 12
+    assert area.counter(0, L.HITS) == 5
+
+
+def test_reads_of_memory_and_a_fault_gives_zero(area: NativeArea) -> None:
+    words = (ctypes.c_uint32 * 2)(0xFFFFFFFE, 7)
+    code = Compiled(area, "u:/bin/x:f { @u = *(uint32 *)arg0; @s = *(int32 *)arg0; @w = *(uint32 *)(arg0 + 4);"
+                          " @q = *arg1; }")  # fmt: skip
+    code(ctypes.addressof(words), area.guarded(b"") + 16)
+    assert (code.value("u"), code.value("s"), code.value("w"), code.value("q")) == (0xFFFFFFFE, -2, 7, 0)
+
+
+def test_delete_and_exit(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { @c[arg0] = count(); @m[arg0] = min(arg1); if (arg1 == 0) { delete(@c[arg0]);"
+                          " delete(@m[arg0]); } if (arg1 == 42) { exit(); } }")  # fmt: skip
+    code(1, 5)
+    code(2, 6)
+    code(1, 0)
+    assert code.entries("c") == {(2,): 1} and code.entries("m") == {(2,): 6}
+    code(1, 9)  # afresh after the delete
+    assert code.entries("c") == {(1,): 1, (2,): 1} and code.entries("m") == {(1,): 9, (2,): 6}
+    assert code.memory[0] == 0
+    code(3, 42)
+    assert code.memory[0] == 1
+
+
+def test_a_full_map_drops_and_counts_updates(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { @c[arg0] = count(); @n = count(); }", slots=4)
+    for key in range(10):
+        code(key)
+    code(0)
+    assert sum(code.entries("c").values()) + code.dropped("c") == 11  # type: ignore[arg-type]
+    assert len(code.entries("c")) == 4 and code.dropped("c") == 6 and code.value("n") == 11
+
+
+def test_keys_are_found_by_their_hash() -> None:
+    """The tracer and the generated code agree on each key's hash (never 0: a free slot's)."""
+    assert key_hash(()) & 1 and key_hash((0,)) & 1
+    assert len({key_hash((k,)) for k in range(10_000)}) == 10_000
+    assert key_hash((1, 2)) != key_hash((2, 1))
+
+
+def test_a_signal_handler_hitting_a_probe_in_a_body_skips_it(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { @n = count(); }")
+    area.set_word(L.LANG_BUSY, 1)
+    code(0)
+    area.set_word(L.LANG_BUSY, 0)
+    code(0)
+    assert code.value("n") == 1 and area.counter(0, L.MISSED) == 1 and area.counter(0, L.HITS) == 2
+
+
+def test_threads_updating_at_once_lose_nothing(area: NativeArea) -> None:
+    """Two threads (each with its area, as in a target) counting, summing and taking the max into
+    the same entries many times over: every update is there."""
+    source = "u:/bin/x:f { @c[arg0 & 3] = count(); @s = sum(arg0); @m = max(arg0); @h = hist(arg0); }"
+    code = Compiled(area, source)
+    other = NativeArea(LAYOUT)
+    try:
+        body = code.program
+        detour = build_detour(plan(), [body], LAYOUT, other.base + other.used, function_entry=True)
+        assert not isinstance(detour, OptimizeRefusal)
+        elsewhere = other.place(detour.code[: detour.action_bytes] + b"\xc3")
+        calls = 1_000_000
+
+        def loop(on: NativeArea, actions: int) -> int:  # u64 f(n, arg): call actions(arg) n times
+            return on.place(
+                bytes.fromhex("53" "4154" "4889fb" "4989f4")  # push rbx; push r12; mov rbx, rdi; mov r12, rsi
+                + bytes.fromhex("4c89e7" "48b8") + actions.to_bytes(8, "little")  # again: mov rdi, r12; mov rax, ..
+                + bytes.fromhex("ffd0" "48ffcb" "75ec")  # call rax; dec rbx; jnz again
+                + bytes.fromhex("415c" "5b" "c3")  # pop r12; pop rbx; ret
+            )  # fmt: skip
+
+        mine, theirs = loop(area, code.actions), loop(other, elsewhere)
+        together = threading.Barrier(2)
+
+        def run(on: NativeArea, at: int, arg: int) -> None:
+            together.wait()
+            on.call_at(at, calls, arg)
+
+        thread = threading.Thread(target=run, args=(other, theirs, 6))
+        thread.start()
+        run(area, mine, 5)
+        thread.join()
+    finally:
+        other.close()
+    assert code.entries("c") == {(1,): calls, (2,): calls}
+    assert code.value("s") == 11 * calls and code.value("m") == 6
+    assert code.value("h") == {3: 2 * calls}
+
+
+def test_every_update_of_a_map_word_is_atomic(area: NativeArea) -> None:
+    """Read-modify-writes of a slot (rdi) or of a dropped counter carry a lock prefix: no update
+    is lost to another thread's between its read and its write (the test above may not see two
+    threads meet on a busy machine: this one sees the instructions)."""
+    body = ("@c[arg0] = count(); @s = sum(arg0); @a = avg(arg0); @lo = min(arg0); @hi = max(arg0); @h = hist(arg0);"
+            " @l = lhist(arg0, 0, 10, 1); @n++; @v += 2;")  # fmt: skip
+    code = Compiled(area, f"u:/bin/x:f {{ {body} }}")
+    detour = build_detour(plan(), [code.program], LAYOUT, 0x10000, function_entry=True)
+    assert not isinstance(detour, OptimizeRefusal)
+    updating = (iced.Mnemonic.ADD, iced.Mnemonic.INC, iced.Mnemonic.XADD, iced.Mnemonic.CMPXCHG)
+    writes = [
+        insn
+        for insn in iced.Decoder(64, detour.code[: detour.action_bytes], ip=0x10000)
+        if insn.op_count and insn.op0_kind == iced.OpKind.MEMORY and insn.mnemonic in updating
+        and insn.memory_base in (iced.Register.RDI, iced.Register.RAX)
+    ]  # fmt: skip
+    assert len(writes) >= 12 and all(insn.has_lock_prefix for insn in writes)
+
+
+ORACLE = [
+    "$a = -7; $b = 2; @div = $a / $b; @mod = $a % $b; @sar = $a >> 1; @shl = $b << 3; @neg = -$a; @not = ~$b;"
+    " @lnot = !$a;",
+    "$a = -1; $z = (uint64)5; @gt = $a > $z; @gts = $a > 5; @c8 = (int8)300; @u8 = (uint8)$a;"
+    " @c32 = (int32)0x80000000;",
+    "$i = 3; @h = hist($i); @h = hist(0); @h = hist(-5); @h = hist(1 << 20); @l = lhist(15, 0, 100, 10);"
+    " @l = lhist(200, 0, 100, 10); @l = lhist(-1, 0, 100, 10);",
+    "@s = stats(10); @s = stats(-4); @a = avg(7); @a = avg(8); @m = min(-3); @m = min(4); @x = max(9); @x = max(-9);",
+    "@k[1, 2] = count(); @k[1, 2] = count(); @k[3, 4] = count(); @u[5] = sum(5); @u[5] = sum(-8); @u[6] = sum(1);",
+    "$x = 10; $x *= 3; $x -= 4; @x = $x; @t = $x > 20 ? 1 : 2; @y++; @y++; @z[7] = 1; @z[7] += 5; @w = @z[7] * 2;",
+    "@q = 1 && 0; @r = 0 || 5; @e = (3 == 3) + (3 != 3); if (@r) { @then = 1; } else { @else = 1; }",
+]
+
+
+@pytest.mark.skipif(shutil.which("bpftrace") is None, reason="bpftrace is not installed (make toolchains installs it)")
+@pytest.mark.parametrize("statements", ORACLE, ids=[s[:40] for s in ORACLE])
+def test_maps_are_bpftraces(area: NativeArea, statements: str) -> None:
+    """The same statements run by bpftrace (in BEGIN) and compiled here (a uprobe's body, one
+    hit): the maps print the same."""
+    run = subprocess.run(["bpftrace", "-e", f"BEGIN {{ {statements} exit(); }}"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    if run.returncode != 0:
+        pytest.skip(f"bpftrace cannot run a BEGIN probe here: {run.stderr.strip().splitlines()[-1:]}")
+    code = Compiled(area, f"u:/bin/x:f {{ {statements} }}")
+    code()
+    ours = "".join(
+        output.format_map(name, table.kind, list(code.entries(name).items()), lhist=table.lhist)  # type: ignore[arg-type]
+        for name, table in sorted(code.region.tables.items())
+    )
+    assert "Attaching 1 probe...\n\n\n" + ours == run.stdout
