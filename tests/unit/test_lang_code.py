@@ -56,7 +56,7 @@ class Compiled:
 
     def entries(self, name: str) -> dict[tuple[int, ...], object]:
         table = self.region.tables[name]
-        return dict(maps.entries(self.region, self.memory.tobytes(), table))
+        return dict(maps.entries(self.memory.tobytes(), table))
 
     def value(self, name: str) -> object:
         return self.entries(name).get((), None)

@@ -15,7 +15,7 @@ from dynprobe import __version__
 # asked for is imported: `list` and `--version` never load the tracing engine.
 COMMANDS = {
     "trace": "trace", "count": "count", "stacks": "count", "hist": "hist", "latency": "latency", "list": "list",
-    "record": "record", "live": "record",
+    "record": "record", "live": "record", "run": "run",
     **dict.fromkeys(("replay", "report", "graph", "dump"), "reading"),
 }  # fmt: skip
 

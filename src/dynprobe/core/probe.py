@@ -10,10 +10,11 @@ import enum
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dynprobe.actions.model import ActionKind, Field, Filter, Program, record_fields
 from dynprobe.arch.x86_64 import SLOT_SIZE, Emulator, Instruction, Regs, ResumeKind, ResumePlan
+from dynprobe.arch.x86_64.codegen.asm import Unsupported
 from dynprobe.arch.x86_64.regs import canonical_name
 from dynprobe.core.slots import PlacedCode
 from dynprobe.core.stacks import MAX_FRAMES, Stack
@@ -24,6 +25,10 @@ from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, jso
 from dynprobe.spec.model import ArgType, Caller, FetchArg, StackSlot
 from dynprobe.spec.parser import integer_type
 from dynprobe.symbols.resolve import Location
+
+if TYPE_CHECKING:
+    from dynprobe.core.traced import TracedProcess
+    from dynprobe.lang.maps import LangBody
 
 
 class ProbeOwner(Protocol):
@@ -265,6 +270,9 @@ class Probe:
     stack_frames: int = 0  # counting by stack, walking at most this many frames (0: not by stack)
     trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
     trap_stack_sums: Counter[Stack] = field(default_factory=Counter)  # and their values summed
+    # A bpftrace program's probe (core/programs.py): the body its detour runs after the count,
+    # with the maps of the process it runs in
+    lang: Callable[[TracedProcess], LangBody | OptimizeRefusal] | None = None
 
     def __post_init__(self) -> None:
         stacks = (STACK_ARG,) if self.stack_frames and self.action == ActionKind.RECORD else ()
@@ -274,10 +282,19 @@ class Probe:
     def python_handlers(self) -> bool:
         return self.pre is not None or self.post is not None or self.on_entry is not None or self.on_return is not None
 
-    def program(self) -> Program:
+    def program(self, proc: TracedProcess | None = None) -> Program:
+        """What it runs in the target; with its bpftrace body if `proc` is given (at a return
+        probe's return, not at its entry)."""
+        body: LangBody | None = None
+        if self.lang is not None and proc is not None:
+            placed = self.lang(proc)
+            if isinstance(placed, OptimizeRefusal):
+                raise Unsupported(placed)
+            body = placed
         return Program(
-            self.index, self.action or ActionKind.COUNT, self.fields, self.value, self.hist_index, self.filter
-        )
+            self.index, self.action or ActionKind.COUNT, self.fields, self.value, self.hist_index, self.filter,
+            lang=body,
+        )  # fmt: skip
 
     @property
     def hits(self) -> int:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, TracebackType
-from typing import Any, BinaryIO, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, ParamSpec, Protocol, TypeVar
 
 from dynprobe.actions.filter import parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, filter_args
@@ -32,7 +32,7 @@ from dynprobe.core.runtime import Runtime
 from dynprobe.core.sites import check_location, default_event_name, identifier
 from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.core.traced import TracedProcess
-from dynprobe.errors import ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
+from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ptrace.process import Tracee
 from dynprobe.ptrace.process import attach as ptrace_attach
@@ -53,6 +53,10 @@ from dynprobe.symbols.resolve import (
     resolve,
     resolve_address,
 )
+
+if TYPE_CHECKING:
+    from dynprobe.core.programs import PlacedProgram
+    from dynprobe.lang.maps import LangBody
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -256,6 +260,7 @@ class Session:
         data_size: int = 0,
         by: str | None = None,
         max_frames: int = MAX_FRAMES,
+        lang: Callable[[TracedProcess], LangBody | OptimizeRefusal] | None = None,
     ) -> Probe:
         """Place a probe (a return probe for an 'r' spec; see `retprobe`). `spec_or_address` is a
         probe spec ('p:grp/ev libc:malloc size=%di'), a bare location ('main', 'main+4',
@@ -268,7 +273,8 @@ class Session:
         ('a == 5 and b > 0' over its fetch arguments). With `by="stack"` a count also counts
         each hit by its stack (`probe.stacks`), walked in the target, at most `max_frames`
         frames (with a `value`, it is summed by stack too: `probe.stack_sums`); the records of a
-        probe placed so (`on_event`, action="record") carry their stack (`ProbeEvent.stack`)."""
+        probe placed so (`on_event`, action="record") carry their stack (`ProbeEvent.stack`). `lang`
+        is `program()`'s: the body of a bpftrace program's probe."""
         main = self._main_process("no probe can be placed")
         stack_frames = self._stack_frames(by, max_frames)
         maps = self._runtime.maps_of(main.pid)
@@ -317,7 +323,7 @@ class Session:
             self._runtime, location, spec.group or "uprobes", spec.event or default_event_name(location, is_return),
             spec.args, pre, post, enabled, kind, parsed_filter, hist_value, on_event,
             index=data.next_index(), hist_index=data.hists, is_return=is_return, maxactive=active,
-            on_entry=on_entry, on_return=on_return, data_size=data_size, stack_frames=stack_frames,
+            on_entry=on_entry, on_return=on_return, data_size=data_size, stack_frames=stack_frames, lang=lang,
         )  # fmt: skip
         if is_return and kind is not None:
             self._check_data_size(probe)
@@ -342,6 +348,18 @@ class Session:
         if not 1 <= max_frames <= MAX_FRAMES:
             raise SessionError(f"max_frames {max_frames} is out of range (1..{MAX_FRAMES})")
         return max_frames
+
+    def program(self, source: str, filename: str = "stdin") -> PlacedProgram:
+        """A program in bpftrace's language (`dynprobe run`'s): its uprobe and uretprobe bodies
+        compiled into the target, its maps in memory shared with it (`PlacedProgram.entries`,
+        `format_maps`); BEGIN, END and interval bodies are the caller's to run
+        (`run_blocks`, `intervals`). Raises `ProgramError` as bpftrace reports errors."""
+        from dynprobe.core.programs import PlacedProgram  # (its language's modules: only for programs)
+
+        self._main_process("no program can be placed")
+        placed = PlacedProgram(self, source, filename)
+        placed.place()
+        return placed
 
     def expand(self, spec: str | ProbeSpec) -> list[ProbeSpec]:
         """A spec whose location is a shell-style pattern ('p libc:str*', 'r app:parse_*

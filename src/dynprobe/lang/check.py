@@ -2,7 +2,7 @@
 and variables, and every error bpftrace reports before it runs anything, worded as bpftrace
 words it (`count() requires no arguments (1 provided)`), at the span it points at.
 
-Types are bpftrace's: integers (int64 unless cast; literals unsigned), strings of a size
+Types are bpftrace's: integers (int64 unless cast), strings of a size
 (`string[N]`), a stack, and the values only a map holds, from an aggregating call assigned to it
 (`count`, `sum`, `min`, `max`, `avg`, `stats`, `hist`, `lhist`). A map's keys and value, and a
 scratch variable's value, keep the kind their first use gives them.
@@ -31,6 +31,11 @@ class Type:
         if self.kind == "string":
             return f"string[{self.size}]"
         return self.kind
+
+    @property
+    def kind_name(self) -> str:
+        """As bpftrace names a value's kind where the size does not matter: integer, string."""
+        return {"int": "integer"}.get(self.kind, self.kind)
 
     def same_kind(self, other: Type) -> bool:
         return self.kind == other.kind
@@ -160,7 +165,8 @@ class _Checker:
         self.checked.types[id(target)] = info.value
 
     def map_keys(self, ref: S.MapRef) -> MapInfo:
-        keys = tuple(self.expression(k) for k in ref.keys)  # (integers, strings, stacks: nothing else has a type)
+        # (integers, strings, stacks: nothing else has a type; a literal key is an unsigned one)
+        keys = tuple(UINT64 if isinstance(k, S.Int) and self.expression(k) else self.expression(k) for k in ref.keys)
         info = self.checked.maps.setdefault(ref.name, MapInfo())
         if info.keys is None:
             info.keys = keys
@@ -193,7 +199,8 @@ class _Checker:
         elif name == "time":
             self.between(call, 0, 1)
             if args and not isinstance(args[0], S.Str):
-                raise self.error(f"time() expects a string literal ({self.expression(args[0])} provided)", call.span)
+                raise self.error(f"time() expects a string literal ({self.expression(args[0]).kind_name} provided)",
+                                 call.span)  # fmt: skip
         elif name == "exit":
             self.arity(call, 0)
         elif name == "print":
@@ -227,7 +234,8 @@ class _Checker:
             raise self.error("printf() requires at least one argument (0 provided)", call.span)
         fmt = call.args[0]
         if not isinstance(fmt, S.Str):
-            raise self.error(f"printf() expects a string literal ({self.expression(fmt)} provided)", call.span)
+            raise self.error(f"printf() expects a string literal ({self.expression(fmt).kind_name} provided)",
+                             call.span)  # fmt: skip
         wanted = [m.group(1) for m in _FORMAT.finditer(fmt.value) if m.group(1)]
         given = call.args[1:]
         if len(given) != len(wanted):
@@ -238,8 +246,9 @@ class _Checker:
             kind = self.expression(arg)
             expected = "string" if conversion == "s" else "int"
             if kind.kind != expected and not (conversion == "s" and kind.kind == "stack"):
-                raise self.error(f"printf: %{conversion} specifier expects a value of type {expected} ({kind} "
-                                 "supplied)", arg.span)  # fmt: skip
+                raise self.error(f"printf: %{conversion} specifier expects a value of type "
+                                 f"{'integer' if expected == 'int' else expected} ({kind.kind_name} supplied)",
+                                 arg.span)  # fmt: skip
 
     # --- expressions ----------------------------------------------------------------------------
     def integer(self, expr: S.Expr, where: str) -> Type:
@@ -256,7 +265,7 @@ class _Checker:
     def _expression(self, expr: S.Expr) -> Type:
         match expr:
             case S.Int():
-                return UINT64
+                return INT64
             case S.Str(value=value):
                 return Type("string", size=len(value.encode()) + 1)
             case S.Builtin(name=name):
@@ -272,7 +281,7 @@ class _Checker:
                 if info.value is not None and info.value.kind not in ("int", "string", "stack", "count", "sum",
                                                                       "min", "max", "avg"):  # fmt: skip
                     raise self.error(f"@{name} holds a {info.value}: it can only be printed", expr.span)
-                return INT64 if info.value is None or info.value.kind in AGGREGATIONS else info.value
+                return INT64 if info.value is None else info.value  # (an aggregation's: only printed)
             case S.Call():
                 return self.call(expr)
             case S.Unary(op=op, operand=operand):
@@ -284,7 +293,8 @@ class _Checker:
                 self.integer(condition, "'?'")
                 first, second = self.expression(then), self.expression(otherwise)
                 if not first.same_kind(second):
-                    raise self.error(f"Ternary operator must return the same type: have '{first}' and '{second}'",
+                    raise self.error(f"Ternary operator must return the same type: have '{first.kind_name}' and "
+                                     f"'{second.kind_name}'",
                                      expr.span)  # fmt: skip
                 return first
             case S.Cast(type_name=type_name, pointer=pointer, operand=operand):

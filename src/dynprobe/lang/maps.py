@@ -13,6 +13,7 @@ dropped, in the region's header, and the output says so.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,7 +123,7 @@ def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
     return Region(tables, max(offset, 64))
 
 
-def entries(region: Region, memory: bytes | memoryview, table: MapTable) -> list[output.Entry]:
+def entries(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> list[output.Entry]:
     """The entries of `table` in a copy of the region (read while the target may still write:
     an entry whose keys are not written yet is left out)."""
     words = memoryview(memory)[table.offset : table.offset + table.slots * table.slot_bytes].cast("Q")
@@ -138,7 +139,7 @@ def entries(region: Region, memory: bytes | memoryview, table: MapTable) -> list
     return found
 
 
-def dropped(memory: bytes | memoryview, table: MapTable) -> int:
+def dropped(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> int:
     return int(memoryview(memory)[table.dropped_at : table.dropped_at + 8].cast("Q")[0])
 
 

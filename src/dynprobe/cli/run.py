@@ -1,0 +1,129 @@
+"""`dynprobe run`: a program in bpftrace's language against one process (and its children with
+--follow-fork): its uprobe and uretprobe bodies compiled into the target, BEGIN, END and
+interval bodies run here, and at the end every map printed as bpftrace prints it."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import time
+from typing import TextIO
+
+from dynprobe.cli.common import (
+    UsageError,
+    add_output_option,
+    add_target_options,
+    close_output,
+    exit_code,
+    open_output,
+    open_session,
+    run_target,
+)
+from dynprobe.errors import DynprobeError, ProgramError
+from dynprobe.lang.check import check_program
+from dynprobe.lang.parser import parse_program
+from dynprobe.lang.target import check_runnable
+
+EXAMPLES = """\
+examples:
+  dynprobe run -e 'uprobe:libc:malloc { @bytes[tid] = sum(arg0); @sizes = hist(arg0); }' -- ./app
+  dynprobe run -e 'uprobe:libc:read /arg2 > 4096/ { @big = count(); }' -p 1234
+  dynprobe run -e 'uprobe:./app:parse { @start[tid] = nsecs; }
+      uretprobe:./app:parse /@start[tid]/ { @ns = hist(nsecs - @start[tid]); delete(@start[tid]); }' -c ./app
+  dynprobe run script.bt -- ./app
+"""
+_POLL = 0.1  # seconds between looks at whether a probe called exit()
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "run", help="run a program in bpftrace's language",
+        description="Run a program in bpftrace's language (its uprobes, uretprobes, maps, BEGIN, END and "
+                    "intervals) against a process: probe bodies are compiled into the target, no stop per hit. "
+                    "Maps are printed at the end as bpftrace prints them.",
+        epilog=EXAMPLES,
+    )  # fmt: skip
+    p.add_argument("script", nargs="?", metavar="FILE", help="the program, in a file")
+    p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program, given here")
+    p.add_argument("-c", dest="command", metavar="CMD", help="run CMD (split as a shell would) and trace it")
+    add_output_option(p, "what the program prints")
+    add_target_options(p)
+    p.set_defaults(run=run)
+
+
+def _source(args: argparse.Namespace) -> tuple[str, str]:
+    """The program's text and the name its errors give it."""
+    if (args.program is None) == (args.script is None):
+        raise UsageError("give the program: -e 'PROGRAM' or a FILE")
+    if args.program is not None:
+        return args.program, "stdin"
+    try:
+        with open(args.script, encoding="utf-8") as file:
+            return file.read(1 << 20), args.script
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {args.script}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    try:
+        source, filename = _source(args)
+        if args.command is not None:
+            if command:
+                raise UsageError("give either -c CMD or -- COMMAND, not both")
+            command = shlex.split(args.command)
+    except (DynprobeError, ValueError) as exc:
+        print(f"dynprobe: {exc}", file=sys.stderr)
+        return 2
+    try:  # (before any process is started or stopped)
+        check_runnable(check_program(parse_program(source, filename), source, filename), source, filename)
+    except ProgramError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+
+    def work() -> int:
+        out = open_output(args.output)
+        with open_session(args, command) as session:
+            program = session.program(source, filename)
+            program.write = lambda text: _write(out, text)
+            count = len(program.probes) + sum(
+                1 for b in program.checked.program.probes for p in b.attach_points if p.kind != "uprobe"
+                and p.kind != "uretprobe"
+            )  # fmt: skip
+            _write(out, f"Attaching {count} probe{'s' if count != 1 else ''}...\n")
+            program.run_blocks("BEGIN")
+            intervals = program.intervals()
+            due = [time.monotonic() + seconds for seconds, _ in intervals]
+
+            def tick() -> None:
+                now = time.monotonic()
+                for i, (seconds, block) in enumerate(intervals):
+                    if now >= due[i]:
+                        due[i] += seconds
+                        if block.run():
+                            program.exited = True
+                if program.called_exit():
+                    signal.raise_signal(signal.SIGTERM)  # (run_target's way out: detach, end the command)
+
+            status = None
+            if not program.exited:
+                period = min([_POLL, *(seconds for seconds, _ in intervals)])
+                status = run_target(session, period, tick, ready=lambda: None)
+            program.run_blocks("END")
+            session.close()
+            _write(out, "\n\n" + program.format_maps())
+            for name, dropped in program.dropped().items():
+                print(f"dynprobe: @{name} was full: {dropped} updates dropped (it holds 4096 entries)",
+                      file=sys.stderr)  # fmt: skip
+            close_output(out)
+        if args.pid is not None or program.called_exit():
+            return 0
+        return status if status is not None else 130
+
+    return exit_code(work, args.output)
+
+
+def _write(out: TextIO, text: str) -> None:
+    out.write(text)
+    out.flush()

@@ -1,0 +1,199 @@
+"""A bpftrace program placed in a session (`session.program()`, `dynprobe run`, issue 21).
+
+Parsed, checked and split between the target and the tracer (lang/), its maps laid out
+(lang/maps.py): each uprobe and uretprobe attach point becomes a probe that counts its hits and
+whose detour (or return code) then runs the block's body (arch/x86_64/codegen/lang.py) over the
+maps' region of the process it runs in. A region is memory shared with the process (a memfd, as
+the thread areas), mapped there when the first probe is placed in it; a fork child shares its
+parent's (the same memory: their updates add up). The maps are read whenever the tracer prints
+them, merged across the regions of every process the program ran in, after they ended too (our
+mappings stay): by BEGIN, END and interval bodies, which run in the tracer (`TracerBlock`), and
+at the end, every map, as bpftrace prints them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from dynprobe.core.probe import Probe
+from dynprobe.core.traced import TracedProcess
+from dynprobe.debug import debug as _debug
+from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
+from dynprobe.lang import maps, output
+from dynprobe.lang import syntax as S
+from dynprobe.lang.check import check_program
+from dynprobe.lang.maps import Clock, LangBody, MapTable
+from dynprobe.lang.parser import parse_program
+from dynprobe.lang.target import TracerBlock, check_runnable
+
+if TYPE_CHECKING:
+    from dynprobe.core.session import Session
+
+_RUN_IN_TARGET = ("uprobe", "uretprobe")
+
+
+@dataclass
+class _Region:
+    address: int  # in the target
+    view: mmap.mmap
+
+    @property
+    def words(self) -> np.ndarray:
+        return np.frombuffer(self.view, dtype=np.uint64)
+
+
+class PlacedProgram:
+    """A program's probes in a session, and its maps (see the module's docstring)."""
+
+    def __init__(self, session: Session, source: str, filename: str = "stdin") -> None:
+        program = parse_program(source, filename)
+        self.checked = check_program(program, source, filename)
+        check_runnable(self.checked, source, filename)
+        self.region = maps.lay_out(self.checked)
+        self.session = session
+        self.probes: list[Probe] = []
+        self._regions: dict[int, _Region | OptimizeRefusal] = {}  # by pid
+        self._all: list[_Region] = []
+        self.exited = False  # a body called exit()
+        self.printed: list[str] = []  # what BEGIN, END and interval bodies printed, not written yet
+        self.write: Callable[[str], None] = self.printed.append
+        runtime = session._runtime
+        mult = runtime.tsc_mult()
+        ticks = runtime.read_tsc()
+        offset = runtime.tsc_to_ns(ticks) - (ticks * mult >> 32)
+        self.clock = Clock(mult, offset, time.monotonic_ns())
+
+    # --- placing ---------------------------------------------------------------------------------
+    def place(self) -> None:
+        """A probe for each uprobe and uretprobe attach point (each function a pattern names)."""
+        for block in self.checked.program.probes:
+            for point in block.attach_points:
+                if point.kind not in _RUN_IN_TARGET:
+                    continue
+                kind = "r" if point.kind == "uretprobe" else "p"
+                where = f"{point.target}:{point.function}" + (f"+{point.offset}" if point.offset else "")
+                for spec in self.session.expand(f"{kind} {where}"):
+                    body = self._body(block)
+                    self.probes.append(self.session.probe(spec, action="count", lang=body))
+
+    def _body(self, block: S.ProbeBlock) -> Callable[[TracedProcess], LangBody | OptimizeRefusal]:
+        def placed(proc: TracedProcess) -> LangBody | OptimizeRefusal:
+            region = self._region_of(proc)
+            if isinstance(region, OptimizeRefusal):
+                return region
+            return LangBody(block, self.checked, region.address, self.region.tables, self.clock)
+
+        return placed
+
+    def _region_of(self, proc: TracedProcess) -> _Region | OptimizeRefusal:
+        found = self._regions.get(proc.pid)
+        if found is not None:
+            return found
+        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+        stub = proc.slots.stub()
+        if tid is None or stub is None:
+            return OptimizeRefusal.SHARED_MEMORY
+        try:
+            address, view = proc.tracee.map_shared(tid, stub, max(self.region.size, mmap.PAGESIZE))
+        except (SharedMemoryRefused, ProcessError, OSError) as exc:
+            _debug(f"pid {proc.pid}: no region for the program's maps: {exc}")
+            self._regions[proc.pid] = OptimizeRefusal.SHARED_MEMORY
+            return OptimizeRefusal.SHARED_MEMORY
+        region = _Region(address, view)
+        words = region.words
+        for at, count, value in self.region.initial_words():
+            words[at // 8 : at // 8 + count] = value
+        self._regions[proc.pid] = region
+        self._all.append(region)
+        return region
+
+    # --- the maps --------------------------------------------------------------------------------
+    def entries(self, name: str) -> list[output.Entry]:
+        """The map's entries, merged across the processes the program ran in."""
+        table = self.region.tables[name]
+        merged: dict[tuple[output.Key, ...], output.Value] = {}
+        for region in self._all:
+            for keys, value in maps.entries(region.view, table):
+                merged[keys] = _merge(table, merged[keys], value) if keys in merged else value
+        return list(merged.items())
+
+    def dropped(self) -> dict[str, int]:
+        """Updates each map could not take (its table full), if any."""
+        counts = {name: sum(maps.dropped(r.view, t) for r in self._all) for name, t in self.region.tables.items()}
+        return {name: count for name, count in counts.items() if count}
+
+    def called_exit(self) -> bool:
+        return self.exited or any(int(r.words[0]) for r in self._all)
+
+    def format_map(self, name: str, top: int = 0) -> str:
+        table = self.region.tables[name]
+        return output.format_map(name, table.kind, self.entries(name), top=top, lhist=table.lhist)
+
+    def format_maps(self) -> str:
+        """Every map, by name, as bpftrace prints them at its end."""
+        return "".join(self.format_map(name) for name in sorted(self.region.tables))
+
+    def clear(self, name: str, keep_keys: bool) -> None:
+        """`clear(@m)` (entries gone) or `zero(@m)` (values back to their start)."""
+        table = self.region.tables[name]
+        for region in self._all:
+            words = region.words
+            step = table.slot_bytes // 8
+            for slot in range(table.slots):
+                base = (table.offset // 8) + slot * step
+                if not keep_keys:
+                    words[base + 1] = 0
+                words[base + table.value_at // 8 : base + step] = table.initial
+
+    def value(self, ref: S.MapRef) -> int:
+        keys = tuple(k.value for k in ref.keys if isinstance(k, S.Int))
+        found = dict(self.entries(ref.name)).get(keys, 0)
+        if isinstance(found, tuple):
+            count, total = found
+            return total // count if count else 0
+        return found if isinstance(found, int) else 0
+
+    # --- the tracer's blocks ---------------------------------------------------------------------
+    def _tracer_block(self, block: S.ProbeBlock) -> TracerBlock:
+        return TracerBlock(block, value=self.value, print_map=self.format_map, clear=self.clear,
+                           write=lambda text: self.write(text))  # fmt: skip
+
+    def intervals(self) -> list[tuple[float, TracerBlock]]:
+        """Each interval block with its period in seconds."""
+        return [
+            (point.offset / 1000 if point.target == "ms" else float(point.offset), self._tracer_block(block))
+            for block in self.checked.program.probes
+            for point in block.attach_points
+            if point.kind == "interval"
+        ]
+
+    def run_blocks(self, kind: str) -> None:
+        """The BEGIN or END blocks, in order."""
+        for block in self.checked.program.probes:
+            if any(p.kind == kind for p in block.attach_points) and self._tracer_block(block).run():
+                self.exited = True
+
+    def close(self) -> None:
+        for region in self._all:
+            with contextlib.suppress(BufferError):
+                region.view.close()
+
+
+def _merge(table: MapTable, first: output.Value, second: output.Value) -> output.Value:
+    if isinstance(first, dict) and isinstance(second, dict):
+        return {b: first.get(b, 0) + second.get(b, 0) for b in first.keys() | second.keys()}
+    if isinstance(first, tuple) and isinstance(second, tuple):
+        return first[0] + second[0], first[1] + second[1]
+    assert isinstance(first, int) and isinstance(second, int)
+    if table.kind in ("count", "sum"):
+        return first + second
+    if table.kind == "min":
+        return min(first, second)
+    return max(first, second) if table.kind == "max" else second

@@ -1,0 +1,223 @@
+"""What of a checked bpftrace program runs where (issue 21): uprobe and uretprobe bodies run in
+the target, compiled (arch/x86_64/codegen/lang.py), so they may hold only what that code does;
+BEGIN, END and interval bodies run in the tracer, so they may only print, clear, zero and
+exit. Anything else is refused here, before anything is placed, at its span, in bpftrace's
+form: never a probe that silently stays a slow trap.
+
+The tracer's side is here too: those bodies run over the maps as they are when they run
+(`TracerBlock`), and `printf` formats as bpftrace's does (C's conversions).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterator
+
+from dynprobe.errors import ProgramError
+from dynprobe.lang import syntax as S
+from dynprobe.lang.check import Checked
+
+MAX_DEPTH = 48  # operands an expression may keep waiting (codegen/lang.py's TEMPS, keys beside them)
+MAX_VARIABLES = 64
+_IN_TARGET_CALLS = ("delete", "exit")
+_TRACER_CALLS = ("printf", "print", "clear", "zero", "exit", "time")
+_NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers and maps of integers)"
+
+
+def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> None:
+    """Raise `ProgramError` for the first thing of `checked` that cannot run where it would."""
+    for probe in checked.program.probes:
+        in_target = any(p.kind in ("uprobe", "uretprobe") for p in probe.attach_points)
+        if in_target and any(p.kind not in ("uprobe", "uretprobe") for p in probe.attach_points):
+            raise ProgramError("a probe block is either uprobes and uretprobes, or BEGIN, END or an interval",
+                               source, probe.span, filename)  # fmt: skip
+        if in_target:
+            _TargetCheck(checked, source, filename).block(probe)
+        else:
+            if probe.predicate is not None:
+                raise ProgramError("a predicate is for uprobes (dynprobe runs BEGIN, END and intervals in the tracer)",
+                                   source, probe.predicate.span, filename)  # fmt: skip
+            _tracer_statements(probe.body, source, filename)
+
+
+def _tracer_statements(statements: tuple[S.Statement, ...], source: str, filename: str) -> None:
+    for statement in statements:
+        call = statement.expr if isinstance(statement, S.ExprStatement) else None
+        if not isinstance(call, S.Call) or call.name not in _TRACER_CALLS:
+            raise ProgramError("BEGIN, END and interval probes only print, clear, zero and exit here (dynprobe runs "
+                               "them in the tracer)", source, statement.span, filename)  # fmt: skip
+        for arg in call.args[1:] if call.name == "printf" else ():
+            if not _constant(arg):
+                raise ProgramError("printf() in BEGIN, END and interval probes prints integers, strings and maps' "
+                                   "values", source, arg.span, filename)  # fmt: skip
+
+
+def _constant(expr: S.Expr) -> bool:
+    if isinstance(expr, S.MapRef):
+        return all(isinstance(k, S.Int) for k in expr.keys)
+    return isinstance(expr, S.Int | S.Str) or (isinstance(expr, S.Unary) and expr.op == "-" and _constant(expr.operand))
+
+
+class _TargetCheck:
+    def __init__(self, checked: Checked, source: str, filename: str) -> None:
+        self.checked, self.source, self.filename = checked, source, filename
+        self.variables: set[str] = set()
+
+    def refuse(self, what: str, span: S.Span) -> ProgramError:
+        return ProgramError(_NOT_YET.format(what=what), self.source, span, self.filename)
+
+    def block(self, probe: S.ProbeBlock) -> None:
+        if probe.predicate is not None:
+            self.expression(probe.predicate, 0)
+        self.statements(probe.body)
+
+    def statements(self, statements: tuple[S.Statement, ...]) -> None:
+        for statement in statements:
+            match statement:
+                case S.If(condition=condition, then=then, otherwise=otherwise):
+                    self.expression(condition, 0)
+                    self.statements(then)
+                    self.statements(otherwise)
+                case S.Assign(target=target, value=value):
+                    self.target(target)
+                    if isinstance(value, S.Call) and value.name in ("count", "sum", "min", "max", "avg", "stats",
+                                                                    "hist", "lhist"):  # fmt: skip
+                        for arg in value.args[:1]:
+                            self.expression(arg, 1)
+                    else:
+                        self.expression(value, 1)
+                case S.ExprStatement(expr=S.Call(name=name) as call) if name in _TRACER_CALLS + _IN_TARGET_CALLS:
+                    if name not in _IN_TARGET_CALLS:
+                        raise self.refuse(f"{name}()", call.span)
+                    for arg in call.args:
+                        if isinstance(arg, S.MapRef):
+                            self.map_keys(arg, 0)
+                case S.ExprStatement(expr=expr):
+                    self.expression(expr, 0)
+
+    def target(self, target: S.Var | S.MapRef) -> None:
+        if isinstance(target, S.Var):
+            self.variable(target)
+        else:
+            self.map_keys(target, 1)
+
+    def variable(self, var: S.Var) -> None:
+        self.variables.add(var.name)
+        if len(self.variables) > MAX_VARIABLES:
+            raise self.refuse(f"a probe with more than {MAX_VARIABLES} scratch variables", var.span)
+
+    def map_keys(self, ref: S.MapRef, depth: int) -> None:
+        info = self.checked.maps.get(ref.name)
+        if info is not None and info.value is not None and info.value.kind in ("string", "stack"):
+            raise self.refuse(f"a map of {info.value.kind}s (@{ref.name})", ref.span)
+        for i, key in enumerate(ref.keys):
+            if self.checked.type_of(key).kind != "int":
+                raise self.refuse("a map key that is not an integer", key.span)
+            self.expression(key, depth + i)
+
+    def expression(self, expr: S.Expr, depth: int) -> None:
+        if depth >= MAX_DEPTH:
+            raise self.refuse("an expression nested this deep", expr.span)
+        kind = self.checked.type_of(expr).kind
+        if kind not in ("int", "count", "sum", "min", "max", "avg"):
+            raise self.refuse(f"a {kind} value", expr.span)
+        match expr:
+            case S.Builtin(name=name) if name in ("comm", "func", "probe", "ustack"):
+                raise self.refuse(name, expr.span)
+            case S.Call(name=name):
+                raise self.refuse(f"{name}()", expr.span)
+            case S.Var():
+                self.variable(expr)
+            case S.MapRef():
+                self.map_keys(expr, depth)
+            case S.Unary(operand=operand) | S.Cast(operand=operand):
+                self.expression(operand, depth)
+            case S.Binary(left=left, right=right):
+                self.expression(left, depth)
+                self.expression(right, depth + 1)
+            case S.Ternary(condition=condition, then=then, otherwise=otherwise):
+                for part in (condition, then, otherwise):
+                    self.expression(part, depth)
+            case S.Step(target=target):
+                self.target(target)
+
+
+# --- the tracer's side ----------------------------------------------------------------------------
+_CONVERSION = re.compile(r"%(%|[-+ #0]*\d*(?:\.\d+)?)(hh|h|ll|l|z|j)?([diouxXcsp])?")
+
+
+def c_format(fmt: str, values: list[int | str]) -> str:
+    """`fmt` with `values` put in as C's printf (and bpftrace's) puts them: %d %u %x %s %c..."""
+    given = iter(values)
+
+    def one(match: re.Match[str]) -> str:
+        flags, conversion = match.group(1), match.group(3)
+        if flags == "%":
+            return "%"
+        if conversion is None:
+            return match.group(0)
+        value = next(given)
+        if conversion in "di":
+            value = int(value)
+            value = value - (1 << 64) if value >= 1 << 63 else value
+            return f"%{flags}d" % value
+        if conversion in "ouxX":
+            return f"%{flags}{conversion}" % (int(value) & ((1 << 64) - 1))
+        if conversion == "p":
+            return f"0x{int(value) & ((1 << 64) - 1):x}"
+        if conversion == "c":
+            return f"%{flags}c" % chr(int(value) & 0xFF)
+        return f"%{flags}s" % value
+
+    return _CONVERSION.sub(one, fmt)
+
+
+class TracerBlock:
+    """A BEGIN, END or interval body, run in the tracer: `run()` writes what it prints through
+    `write`, over maps read by `entries(name)` and changed by `clear(name, keep_keys)`; it
+    returns True if it called exit()."""
+
+    def __init__(self, block: S.ProbeBlock, *, value: Callable[[S.MapRef], int], print_map: Callable[[str, int], str],
+                 clear: Callable[[str, bool], None], write: Callable[[str], None]) -> None:  # fmt: skip
+        self.block = block
+        self.value, self.print_map, self.clear, self.write = value, print_map, clear, write
+
+    def run(self) -> bool:
+        exited = False
+        for statement in self.block.body:
+            assert isinstance(statement, S.ExprStatement) and isinstance(statement.expr, S.Call)
+            call = statement.expr
+            match call.name:
+                case "printf":
+                    assert isinstance(call.args[0], S.Str)
+                    self.write(c_format(call.args[0].value, list(self._values(call.args[1:]))))
+                case "print":
+                    assert isinstance(call.args[0], S.MapRef)
+                    top = call.args[1].value if len(call.args) > 1 and isinstance(call.args[1], S.Int) else 0
+                    self.write(self.print_map(call.args[0].name, top))
+                case "clear" | "zero":
+                    assert isinstance(call.args[0], S.MapRef)
+                    self.clear(call.args[0].name, call.name == "zero")
+                case "time":
+                    fmt = call.args[0].value if call.args and isinstance(call.args[0], S.Str) else "%H:%M:%S\n"
+                    self.write(time.strftime(fmt))
+                case _:  # exit
+                    exited = True
+        return exited
+
+    def _values(self, args: tuple[S.Expr, ...]) -> Iterator[int | str]:
+        for arg in args:
+            yield self._value(arg)
+
+    def _value(self, expr: S.Expr) -> int | str:
+        match expr:
+            case S.Int(value=value):
+                return value
+            case S.Str(value=value):
+                return value
+            case S.Unary(op="-", operand=operand):
+                return -int(self._value(operand))
+            case S.MapRef():
+                return self.value(expr)
+        raise AssertionError(expr)

@@ -1,0 +1,87 @@
+"""`dynprobe run`: programs in bpftrace's language against real processes, their maps exact
+(and, where bpftrace runs, the same as bpftrace's own)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli import dp
+from tests.conftest import build_target
+
+
+@pytest.fixture(scope="module")
+def counter() -> str:
+    return build_target("counter", flags=("-O1", "-pthread"))
+
+
+def maps_of(stderr: str) -> str:
+    """What follows the two empty lines that come before the maps at the end."""
+    return stderr.split("\n\n\n", 1)[1] if "\n\n\n" in stderr else ""
+
+
+def test_counts_sums_and_keys_in_the_target(counter: str) -> None:
+    program = (f"uprobe:{counter}:work {{ @c = count(); @s = sum(arg0); @by[arg0 % 3] = count(); @t[tid] = count();"
+               f" @lo = min(arg0); @hi = max(arg0); }}")  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, "1000", "2")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"total={2 * (999_000 + 1000)}\n"  # (nothing of ours in the program's output)
+    assert run.stderr.startswith("Attaching 1 probe...\n")
+    lines = maps_of(run.stderr).splitlines()
+    assert "@c: 2000" in lines and "@s: 999000" in lines and "@lo: 0" in lines and "@hi: 999" in lines
+    by_key = [line for line in lines if line.startswith("@by[")]  # (by value: 1 and 2 tie, in either order)
+    assert by_key[-1] == "@by[0]: 668" and sorted(by_key[:2]) == ["@by[1]: 666", "@by[2]: 666"]
+    threads = [line for line in lines if line.startswith("@t[")]
+    assert len(threads) == 2 and all(line.endswith(": 1000") for line in threads)
+
+
+def test_return_probes_predicates_and_scratch_variables(counter: str) -> None:
+    program = (f"uprobe:{counter}:work /arg0 >= 10/ {{ $x = arg0 * 2; @start[tid] = $x; }}"
+               f" uretprobe:{counter}:work /@start[tid]/ {{ @same = count(); @off[retval - @start[tid]] = count();"
+               f" delete(@start[tid]); @ret = max(retval); }}")  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, "100", "1")
+    assert run.returncode == 0, run.stderr
+    lines = maps_of(run.stderr).splitlines()
+    # work(i) = 2i + 1 (seed 1): each return is its entry's 2i, plus 1
+    assert "@same: 90" in lines and "@off[1]: 90" in lines and "@ret: 199" in lines
+
+
+def test_begin_end_intervals_and_exit(counter: str) -> None:
+    program = (f'BEGIN {{ printf("hello %s %d\\n", "there", -3); }} uprobe:{counter}:work /arg0 == 5000/ '
+               f'{{ @at = arg0; exit(); }} END {{ printf("bye %d\\n", @at); }}')  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, "100000000", "1", timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.startswith("Attaching 3 probes...\nhello there -3\nbye 5000\n")
+    assert maps_of(run.stderr) == "@at: 5000\n"
+    assert "total=" not in run.stdout  # (ended by the exit(): 10^8 calls were not made)
+
+
+def test_a_program_that_cannot_run_is_refused_before_any_process_starts(tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    run = dp("run", "-e", 'uprobe:libc:malloc { printf("%d\\n", arg0); }', "--", "touch", str(started))
+    assert run.returncode == 1 and run.stdout == "" and not started.exists()
+    assert run.stderr.splitlines() == [
+        "stdin:1:22-42: ERROR: printf() is not run in the target yet (dynprobe compiles probe bodies: integers and "
+        "maps of integers)",
+        'uprobe:libc:malloc { printf("%d\\n", arg0); }',
+        " " * 21 + "~" * 20,
+    ]
+    bad = dp("run", "-e", "uprobe:libc:malloc { @x = count(; }", "--", "/bin/true")
+    assert bad.returncode == 1 and "ERROR: syntax error" in bad.stderr
+
+
+@pytest.mark.skipif(shutil.which("bpftrace") is None, reason="bpftrace is not installed (make toolchains installs it)")
+def test_the_same_maps_as_bpftrace(counter: str) -> None:
+    body = "@c = count(); @by[arg0 / 100] = sum(arg0); @h = hist(arg0); @l = lhist(arg0, 0, 1000, 250); @a = avg(arg0);"
+    theirs = subprocess.run(["bpftrace", "-e", f"uprobe:{counter}:work /pid == cpid/ {{ {body} }}", "-c",
+                             f"{counter} 1000 1"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    if theirs.returncode != 0 or "@c:" not in theirs.stdout:
+        pytest.skip(f"bpftrace cannot run a uprobe here: {theirs.stderr.strip().splitlines()[-1:]}")
+    ours = dp("run", "-e", f"uprobe:{counter}:work {{ {body} }}", "--", counter, "1000", "1")
+    assert ours.returncode == 0, ours.stderr
+    expected = re.sub(r"^total=.*\n", "", theirs.stdout.split("\n\n\n", 1)[1], flags=re.M)
+    assert maps_of(ours.stderr) == expected
