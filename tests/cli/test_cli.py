@@ -92,8 +92,8 @@ def help_examples() -> list[tuple[str, str]]:
     """(command, example) for each line of each command's help that shows a dynprobe command,
     without its comment (after two spaces)."""
     commands = re.findall(r"^    ([a-z]+) ", dp("--help").stdout, re.M)
-    assert commands == ["trace", "count", "stacks", "hist", "latency", "list", "record", "live", "replay", "report",
-                        "graph", "dump"]  # fmt: skip
+    assert commands == ["trace", "count", "stacks", "hist", "latency", "list", "record", "live", "run", "replay",
+                        "report", "graph", "dump"]  # fmt: skip
     found = []
     for command in commands:
         shown = dp(command, "--help")
@@ -124,6 +124,12 @@ def test_every_help_example_is_a_valid_command() -> None:
             args = build_parser().parse_args(own)
         except SystemExit:
             pytest.fail(f"not a valid command: {example}")
+        if command == "run" and args.program is not None:
+            from dynprobe.lang.check import check_program
+            from dynprobe.lang.parser import parse_program
+            from dynprobe.lang.target import check_runnable
+
+            check_runnable(check_program(parse_program(args.program), args.program), args.program)
         if getattr(args, "specs", None):
             request = check_request(args)
             if command == "hist":

@@ -30,9 +30,9 @@ EXAMPLES = """\
 examples:
   dynprobe run -e 'uprobe:libc:malloc { @bytes[tid] = sum(arg0); @sizes = hist(arg0); }' -- ./app
   dynprobe run -e 'uprobe:libc:read /arg2 > 4096/ { @big = count(); }' -p 1234
-  dynprobe run -e 'uprobe:./app:parse { @start[tid] = nsecs; }
-      uretprobe:./app:parse /@start[tid]/ { @ns = hist(nsecs - @start[tid]); delete(@start[tid]); }' -c ./app
-  dynprobe run script.bt -- ./app
+  dynprobe run latency.bt -c ./app     (latency.bt: uprobe:./app:parse { @start[tid] = nsecs; }
+                                         uretprobe:./app:parse /@start[tid]/ {
+                                           @ns = hist(nsecs - @start[tid]); delete(@start[tid]); })
 """
 _POLL = 0.1  # seconds between looks at whether a probe called exit()
 
