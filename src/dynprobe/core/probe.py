@@ -27,7 +27,6 @@ from dynprobe.spec.parser import integer_type
 from dynprobe.symbols.resolve import Location
 
 if TYPE_CHECKING:
-    from dynprobe.core.traced import TracedProcess
     from dynprobe.lang.maps import LangBody
 
 
@@ -271,8 +270,8 @@ class Probe:
     trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
     trap_stack_sums: Counter[Stack] = field(default_factory=Counter)  # and their values summed
     # A bpftrace program's probe (core/programs.py): the body its detour runs after the count,
-    # with the maps of the process it runs in
-    lang: Callable[[TracedProcess], LangBody | OptimizeRefusal] | None = None
+    # with the maps of the process (by pid) it runs in
+    lang: Callable[[int], LangBody | OptimizeRefusal] | None = None
 
     def __post_init__(self) -> None:
         stacks = (STACK_ARG,) if self.stack_frames and self.action == ActionKind.RECORD else ()
@@ -282,12 +281,12 @@ class Probe:
     def python_handlers(self) -> bool:
         return self.pre is not None or self.post is not None or self.on_entry is not None or self.on_return is not None
 
-    def program(self, proc: TracedProcess | None = None) -> Program:
-        """What it runs in the target; with its bpftrace body if `proc` is given (at a return
-        probe's return, not at its entry)."""
+    def program(self, pid: int | None = None) -> Program:
+        """What it runs in the target; with its bpftrace body in process `pid` if given (at a
+        return probe's return, not at its entry)."""
         body: LangBody | None = None
-        if self.lang is not None and proc is not None:
-            placed = self.lang(proc)
+        if self.lang is not None and pid is not None:
+            placed = self.lang(pid)
             if isinstance(placed, OptimizeRefusal):
                 raise Unsupported(placed)
             body = placed

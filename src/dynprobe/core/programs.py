@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,9 +30,7 @@ from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, MapTable
 from dynprobe.lang.parser import parse_program
 from dynprobe.lang.target import TracerBlock, check_runnable
-
-if TYPE_CHECKING:
-    from dynprobe.core.session import Session
+from dynprobe.spec.model import ProbeSpec
 
 _RUN_IN_TARGET = ("uprobe", "uretprobe")
 
@@ -52,39 +48,39 @@ class _Region:
 class PlacedProgram:
     """A program's probes in a session, and its maps (see the module's docstring)."""
 
-    def __init__(self, session: Session, source: str, filename: str = "stdin") -> None:
+    def __init__(self, source: str, filename: str, *, clock: Clock,
+                 process: Callable[[int], TracedProcess | None]) -> None:  # fmt: skip
         program = parse_program(source, filename)
         self.checked = check_program(program, source, filename)
         check_runnable(self.checked, source, filename)
         self.region = maps.lay_out(self.checked)
-        self.session = session
+        self.clock = clock
+        self.process = process  # the traced process of a pid
         self.probes: list[Probe] = []
         self._regions: dict[int, _Region | OptimizeRefusal] = {}  # by pid
         self._all: list[_Region] = []
         self.exited = False  # a body called exit()
         self.printed: list[str] = []  # what BEGIN, END and interval bodies printed, not written yet
         self.write: Callable[[str], None] = self.printed.append
-        runtime = session._runtime
-        mult = runtime.tsc_mult()
-        ticks = runtime.read_tsc()
-        offset = runtime.tsc_to_ns(ticks) - (ticks * mult >> 32)
-        self.clock = Clock(mult, offset, time.monotonic_ns())
 
     # --- placing ---------------------------------------------------------------------------------
-    def place(self) -> None:
-        """A probe for each uprobe and uretprobe attach point (each function a pattern names)."""
+    def place(self, expand: Callable[[str], list[ProbeSpec]], probe: Callable[..., Probe]) -> None:
+        """A probe for each uprobe and uretprobe attach point (each function a pattern names):
+        `expand` and `probe` are the session's."""
         for block in self.checked.program.probes:
             for point in block.attach_points:
                 if point.kind not in _RUN_IN_TARGET:
                     continue
                 kind = "r" if point.kind == "uretprobe" else "p"
                 where = f"{point.target}:{point.function}" + (f"+{point.offset}" if point.offset else "")
-                for spec in self.session.expand(f"{kind} {where}"):
-                    body = self._body(block)
-                    self.probes.append(self.session.probe(spec, action="count", lang=body))
+                for spec in expand(f"{kind} {where}"):
+                    self.probes.append(probe(spec, lang=self._body(block)))
 
-    def _body(self, block: S.ProbeBlock) -> Callable[[TracedProcess], LangBody | OptimizeRefusal]:
-        def placed(proc: TracedProcess) -> LangBody | OptimizeRefusal:
+    def _body(self, block: S.ProbeBlock) -> Callable[[int], LangBody | OptimizeRefusal]:
+        def placed(pid: int) -> LangBody | OptimizeRefusal:
+            proc = self.process(pid)
+            if proc is None:
+                return OptimizeRefusal.SHARED_MEMORY
             region = self._region_of(proc)
             if isinstance(region, OptimizeRefusal):
                 return region

@@ -236,7 +236,7 @@ class ReturnProbes:
         mult, resolver, rseq = engine.tsc_mult(), engine.symbol_resolver_for(probe, proc), proc.rseq_offset_at
         allocate = functools.partial(engine.allocate_slot, proc)
         placed = place_code(allocate, proc, returns.trampoline.table, lambda at: build_return_code(
-            probe.program(proc), engine.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
+            probe.program(proc.pid), engine.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             _debug(f"{probe.name}: return part at a stop ({placed})")
             return returns.stub

@@ -182,8 +182,8 @@ class Runtime:
         if probe.is_return:
             return self.returns.entry_program(proc, probe, site.addr)
         if not probe.stack_frames:
-            return probe.program(proc)
-        program = self.stackmaps.program(proc, probe, probe.program(proc))
+            return probe.program(proc.pid)
+        program = self.stackmaps.program(proc, probe, probe.program(proc.pid))
         if isinstance(program, OptimizeRefusal):
             raise Unsupported(program)
         return program

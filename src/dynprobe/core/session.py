@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, BinaryIO, ParamSpec, Protocol, TypeVar
@@ -260,7 +261,7 @@ class Session:
         data_size: int = 0,
         by: str | None = None,
         max_frames: int = MAX_FRAMES,
-        lang: Callable[[TracedProcess], LangBody | OptimizeRefusal] | None = None,
+        lang: Callable[[int], LangBody | OptimizeRefusal] | None = None,
     ) -> Probe:
         """Place a probe (a return probe for an 'r' spec; see `retprobe`). `spec_or_address` is a
         probe spec ('p:grp/ev libc:malloc size=%di'), a bare location ('main', 'main+4',
@@ -355,10 +356,18 @@ class Session:
         `format_maps`); BEGIN, END and interval bodies are the caller's to run
         (`run_blocks`, `intervals`). Raises `ProgramError` as bpftrace reports errors."""
         from dynprobe.core.programs import PlacedProgram  # (its language's modules: only for programs)
+        from dynprobe.lang.maps import Clock
 
         self._main_process("no program can be placed")
-        placed = PlacedProgram(self, source, filename)
-        placed.place()
+        runtime = self._runtime
+        mult, ticks = runtime.tsc_mult(), runtime.read_tsc()
+        clock = Clock(mult, runtime.tsc_to_ns(ticks) - (ticks * mult >> 32), time.monotonic_ns())
+
+        def process(pid: int) -> TracedProcess | None:
+            return next((p for p in runtime.processes if p.pid == pid), None)
+
+        placed = PlacedProgram(source, filename, clock=clock, process=process)
+        placed.place(self.expand, functools.partial(self.probe, action="count"))
         return placed
 
     def expand(self, spec: str | ProbeSpec) -> list[ProbeSpec]:

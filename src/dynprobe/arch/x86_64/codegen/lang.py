@@ -16,7 +16,7 @@ dividend, as BPF's.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import iced_x86 as iced
 
@@ -28,10 +28,8 @@ from dynprobe.lang import syntax as S
 from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
 from dynprobe.ringbuf import layout as L
 
-if TYPE_CHECKING:  # (actions.py imports this module)
+if TYPE_CHECKING:
     from iced_x86._iced_x86_py import Code as CodeT
-
-    from dynprobe.arch.x86_64.codegen.actions import Emitter
 
 TEMPS = 64  # words of LANG_TEMPS: how deep an expression may nest
 VARIABLES = 64
@@ -44,10 +42,20 @@ _CAST_SIGNED = {8: C.MOVSX_R64_RM8, 16: C.MOVSX_R64_RM16, 32: C.MOVSXD_R64_RM32}
 _LOW = {8: R.AL, 16: R.AX, 32: R.EAX}
 
 
+class Emitting(Protocol):
+    """What a body needs of the detour's code generator (codegen/actions.py's `Emitter`)."""
+
+    asm: Asm
+
+    def load_reg(self, name: str) -> None: ...  # rax = the register at the site (its saved copy)
+
+    def cpu_number(self) -> None: ...  # ecx = the thread's CPU
+
+
 class BodyCompiler:
     """Emits one `LangBody` through an `Emitter` (whose asm it appends to)."""
 
-    def __init__(self, emitter: Emitter, body: LangBody, missed: int) -> None:
+    def __init__(self, emitter: Emitting, body: LangBody, missed: int) -> None:
         self.emitter = emitter
         self.asm: Asm = emitter.asm
         self.body = body
