@@ -21,7 +21,7 @@ from dynprobe.core.probe import Hit, Probe, ProbeMode
 from dynprobe.core.stacks import Stack
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import mapping_at, read_maps
-from tests.conftest import build_target
+from tests.conftest import DYNPROBE, build_target
 
 GDB = shutil.which("gdb")
 GDB_SCRIPT = Path(__file__).with_name("gdb_stacks.py")
@@ -127,11 +127,15 @@ def test_max_frames_cuts_the_stack() -> None:
     def on_leaf(hit: Hit) -> None:
         stack = hit.stack(max_frames=3)
         seen.append((len(stack), stack.cut))
-        with pytest.raises(ValueError, match="out of range"):
-            hit.stack(max_frames=0)
+        for wrong in (0, 128, "3"):
+            with pytest.raises(dynprobe.SessionError, match="is not a number of frames"):
+                hit.stack(max_frames=wrong)  # type: ignore[arg-type]
 
     with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
         session.probe(f"{path}:leaf", pre=on_leaf)
+        for wrong in (0, "abc"):
+            with pytest.raises(dynprobe.SessionError, match="is not a number of frames"):
+                session.probe(f"{path}:leaf", by="stack", max_frames=wrong)  # type: ignore[arg-type]
         assert session.run(timeout=60) == 0
     assert seen == [(3, True)] * 4
 
@@ -204,7 +208,8 @@ def test_max_frames_and_what_cannot_count_by_stack() -> None:
     path = program("O0")
     with dynprobe.spawn([path], stdout=subprocess.DEVNULL) as session:
         probe = session.probe(f"{path}:leaf", by="stack", max_frames=2)
-        for kwargs, says in (({"by": "caller"}, "by='caller'"), ({"by": "stack", "max_frames": 128}, "out of range"),
+        for kwargs, says in (({"by": "caller"}, "by='caller'"),
+                             ({"by": "stack", "max_frames": 128}, "not a number of frames"),
                              ({"by": "stack", "action": "hist", "value": "$arg1"}, "not hist"),
                              ({"by": "stack", "pre": print}, "not Python handlers")):  # fmt: skip
             with pytest.raises(dynprobe.SessionError, match=says):
@@ -254,7 +259,7 @@ def test_a_module_without_unwind_tables_is_walked_by_frame_pointers(mode: str, t
         probe = session.probe(f"{path}:leaf", by="stack")
         assert session.run(timeout=60) == 0
         warnings = [w for w in session.warnings if "unwind" in w]
-    assert warnings == [f"{path} has no unwind table: stacks through its code follow frame pointers, and may be cut"]
+    assert warnings == [f"{path} has no unwind table dynprobe can read: stacks through its code follow frame pointers, and may be cut"]
     deep = next(s for s in probe.stacks if s[1].function == "deep")
     assert [f.function for f in deep][:15] == ["leaf", *["deep"] * 13, "main"] and deep.cut
     if mode == "trap":  # hit.stack() (the tracer's walk) at the same entry: the caller is there too
@@ -320,3 +325,20 @@ def test_a_value_summed_by_stack(mode: str) -> None:
     sums = {stack[1].function: total for stack, total in probe.stack_sums.items()}
     assert sums == {"compare": 1, "worker": 2, "__restore_rt": 3, "deep": 4}
     assert sorted(probe.stacks.values()) == [1, 1, 1, 1]
+
+
+def test_folded_stacks_say_what_a_full_table_left_out(tmp_path: Path) -> None:
+    """`stacks --folded`: the folded lines hold the stacks the table kept; the hits it could not
+    keep are said on the standard error (not among the lines: flamegraph.pl would draw them)."""
+    path = build_target("paths", flags=("-O1",))
+    out = tmp_path / "leaf.folded"
+    run = subprocess.run([*DYNPROBE, "stacks", "--folded", "-o", str(out), f"p {path}:leaf", "--", path, "13"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    kept = sum(int(line.rsplit(" ", 1)[1]) for line in out.read_text().splitlines())
+    [note] = [line for line in run.stderr.splitlines() if "not in the folded stacks" in line]
+    missed = int(note.split()[1])
+    assert kept + missed == 8192 and 0 < missed < 8192
+    assert (
+        note == f"dynprobe: {missed} hits of uprobes/p_leaf are not in the folded stacks: the table of stacks was full"
+    )

@@ -4,6 +4,7 @@ printed every -i seconds and at the end."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from typing import TextIO
 
@@ -53,8 +54,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(run=run)
     p = sub.add_parser(
         "stacks", help="count probe hits by stack (folded for flame graphs)",
-        description="Count each probe's hits by stack, walked in the target (unwind tables, not frame "
-                    "pointers), and print them at the end: as bpftrace prints @[ustack] = count(), or folded.",
+        description="Count each probe's hits by stack, walked in the target (with the modules' unwind tables; "
+                    "frame pointers through code that has none, where a stack may be cut: a last line '...'), "
+                    "and print them at the end: as bpftrace prints @[ustack] = count(), or folded. Stacks are of "
+                    "'p' probes.",
         epilog=STACKS_EXAMPLES,
     )  # fmt: skip
     add_probe_options(p, filter_help="count only hits where EXPR holds")
@@ -104,6 +107,10 @@ def print_folded(shown: Shown, out: TextIO, *, sums: bool = False) -> None:
             folded[";".join(f.function or f"{f.address:#x}" for f in reversed(stack.frames))] += count
     # (a flame graph draws sizes: a sum of 0 or less has none)
     write_report(out, [f"{path} {count}" for path, count in sorted(folded.items()) if count > 0])
+    for tally in shown.tallies:  # (not in the folded lines: flamegraph.pl would take it for a stack)
+        if tally.missed:
+            print(f"dynprobe: {tally.missed} hits of {tally.probe.name} are not in the folded stacks: the table of "
+                  "stacks was full", file=sys.stderr)  # fmt: skip
 
 
 def run_stacks(args: argparse.Namespace, command: list[str]) -> int:

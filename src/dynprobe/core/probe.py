@@ -18,7 +18,7 @@ from dynprobe.arch.x86_64.codegen.asm import Unsupported
 from dynprobe.arch.x86_64.regs import canonical_name
 from dynprobe.core.slots import PlacedCode
 from dynprobe.core.stacks import MAX_FRAMES, Stack
-from dynprobe.errors import OptimizeRefusal
+from dynprobe.errors import OptimizeRefusal, SessionError
 from dynprobe.output.hist import Histogram, zero_label
 from dynprobe.ringbuf.layout import HIST_BUCKETS
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
@@ -211,8 +211,8 @@ class Hit:
         """The thread's call stack now, innermost first (`str()` prints it a frame a line, as
         `function+0xoff (module)`): walked with each module's unwind tables, frame pointers
         where there are none; return addresses dynprobe replaced appear as the real callers."""
-        if not 1 <= max_frames <= MAX_FRAMES:
-            raise ValueError(f"max_frames {max_frames} is out of range (1..{MAX_FRAMES})")
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or not 1 <= max_frames <= MAX_FRAMES:
+            raise SessionError(f"max_frames {max_frames!r} is not a number of frames (1..{MAX_FRAMES})")
         return self.probe.owner.stack_of(self, max_frames)
 
 

@@ -346,8 +346,8 @@ class Session:
             return 0
         if by != "stack":
             raise SessionError(f"by={by!r}: hits are counted by 'stack' only")
-        if not 1 <= max_frames <= MAX_FRAMES:
-            raise SessionError(f"max_frames {max_frames} is out of range (1..{MAX_FRAMES})")
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or not 1 <= max_frames <= MAX_FRAMES:
+            raise SessionError(f"max_frames {max_frames!r} is not a number of frames (1..{MAX_FRAMES})")
         return max_frames
 
     def program(self, source: str, filename: str = "stdin") -> PlacedProgram:

@@ -215,6 +215,7 @@ class StackMaps:
             return None
         if not len(table) or table.skipped:
             what = f"{table.skipped} unwind descriptions dynprobe cannot read" if len(table) else "no unwind table"
+            what += "" if len(table) else " dynprobe can read"
             self.engine.warn(f"{path} has {what}: stacks through its code follow frame pointers, and may be cut")
         if not len(table) or len(table) > MAX_ROWS:
             shared.modules[path] = None
