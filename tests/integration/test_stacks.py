@@ -259,8 +259,9 @@ def test_a_module_without_unwind_tables_is_walked_by_frame_pointers(mode: str, t
         probe = session.probe(f"{path}:leaf", by="stack")
         assert session.run(timeout=60) == 0
         warnings = [w for w in session.warnings if "unwind" in w]
-    assert warnings == [f"{path} has no unwind table dynprobe can read: stacks through its code follow frame "
-                        "pointers, and may be cut"]
+    assert warnings == [
+        f"{path} has no unwind table dynprobe can read: stacks through its code follow frame pointers, and may be cut"
+    ]
     deep = next(s for s in probe.stacks if s[1].function == "deep")
     assert [f.function for f in deep][:15] == ["leaf", *["deep"] * 13, "main"] and deep.cut
     if mode == "trap":  # hit.stack() (the tracer's walk) at the same entry: the caller is there too
