@@ -13,7 +13,6 @@ at the end, every map, as bpftrace prints them.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,11 +174,6 @@ class PlacedProgram:
         for block in self.checked.program.probes:
             if any(p.kind == kind for p in block.attach_points) and self._tracer_block(block).run():
                 self.exited = True
-
-    def close(self) -> None:
-        for region in self._all:
-            with contextlib.suppress(BufferError):
-                region.view.close()
 
 
 def _merge(table: MapTable, first: output.Value, second: output.Value) -> output.Value:

@@ -168,15 +168,13 @@ class Clock:
 @dataclass(frozen=True)
 class LangBody:
     """One probe block of a checked program, placed: its maps' tables at `region` in the
-    target, its `printf`s' record numbers (a record's probe index: by the call's position in
-    the block, in order of appearance)."""
+    target."""
 
     block: S.ProbeBlock
     checked: Checked
     region: int
     tables: dict[str, MapTable]
     clock: Clock
-    printf_records: tuple[int, ...] = ()
 
     @property
     def exit_flag(self) -> int:

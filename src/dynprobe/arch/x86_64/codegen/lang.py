@@ -1,7 +1,8 @@
 """A bpftrace program's probe body (lang/) as machine code, run in a detour's full form
 (codegen/actions.py's `Emitter`: the saved registers, fault fix-ups): its predicate, its
 statements, its maps updated in place in the program's region (lang/maps.py) with atomic
-instructions, and `printf`'s values written to the thread's ring as one record.
+instructions. (lang/target.py refuses beforehand what is not compiled here: strings, stacks,
+printf in a probe body.)
 
 A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
 right one is worked out (`LANG_TEMPS`, a word a level of nesting: the detour's stack holds the
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
 
 TEMPS = 64  # words of LANG_TEMPS: how deep an expression may nest
 VARIABLES = 64
-_SIGNED_JCC = {"==": C.SETE_RM8, "!=": C.SETNE_RM8, "<": C.SETL_RM8, "<=": C.SETLE_RM8, ">": C.SETG_RM8,
+_SIGNED_SETCC = {"==": C.SETE_RM8, "!=": C.SETNE_RM8, "<": C.SETL_RM8, "<=": C.SETLE_RM8, ">": C.SETG_RM8,
                ">=": C.SETGE_RM8}  # fmt: skip
-_UNSIGNED_JCC = {**_SIGNED_JCC, "<": C.SETB_RM8, "<=": C.SETBE_RM8, ">": C.SETA_RM8, ">=": C.SETAE_RM8}
+_UNSIGNED_SETCC = {**_SIGNED_SETCC, "<": C.SETB_RM8, "<=": C.SETBE_RM8, ">": C.SETA_RM8, ">=": C.SETAE_RM8}
 _ARITHMETIC = {"+": C.ADD_R64_RM64, "-": C.SUB_R64_RM64, "&": C.AND_R64_RM64, "|": C.OR_R64_RM64,
                "^": C.XOR_R64_RM64}  # fmt: skip
 _CAST_SIGNED = {8: C.MOVSX_R64_RM8, 16: C.MOVSX_R64_RM16, 32: C.MOVSXD_R64_RM32}
@@ -60,7 +61,6 @@ class BodyCompiler:
         self.asm: Asm = emitter.asm
         self.body = body
         self.missed = missed  # the thread-area offset of the probe's missed counter
-        self.printfs = iter(body.printf_records)
         self.variables: dict[str, int] = {}  # a scratch variable's word in LANG_VARS
 
     # --- the body ------------------------------------------------------------------------------
@@ -104,8 +104,6 @@ class BodyCompiler:
                 self.aggregate(target, call)
             case S.Assign(target=target, op=op, value=value):
                 self.assign(target, op, value)
-            case S.ExprStatement(expr=S.Call(name="printf", args=args)):
-                self.printf(args)
             case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
                 self.delete(target)
             case S.ExprStatement(expr=S.Call(name="exit")):
@@ -253,7 +251,7 @@ class BodyCompiler:
             asm.add(iced.Instruction.create_reg_reg(C.SHL_RM64_CL if op == "<<" else C.SHR_RM64_CL, R.RAX, R.CL))
         else:
             asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RAX, R.RCX))
-            self.truth((_SIGNED_JCC if signed else _UNSIGNED_JCC)[op])
+            self.truth((_SIGNED_SETCC if signed else _UNSIGNED_SETCC)[op])
 
     def logical(self, op: str, left: S.Expr, right: S.Expr, depth: int) -> None:
         asm = self.asm
@@ -534,10 +532,6 @@ class BodyCompiler:
             asm.jump(C.JMP_REL32_64, absent)
         asm.bind(found)
         asm.bind(done)
-
-    # --- printf ----------------------------------------------------------------------------------
-    def printf(self, args: tuple[S.Expr, ...]) -> None:
-        raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
 
 
 _UPDATES = ("count", "sum", "min", "max", "avg", "stats", "hist", "lhist")
