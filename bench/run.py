@@ -557,6 +557,11 @@ def main() -> int:
     for name, command in clis.items():
         elapsed = median_run(lambda: cli_seed(seed, n_trap, command), int)  # noqa: B023
         add(f"trap, `dynprobe {name}` (CLI)", n_trap, elapsed, runs=REPEAT)
+    # A bpftrace program compiled into the target (`dynprobe run`), and bpftrace's own below
+    program = "@c[arg0 & 7] = count(); @s = sum(arg0);"
+    run_command = ["run", "-e", f"uprobe:{seed}:test {{ {program} }}"]
+    elapsed = median_run(lambda: cli_seed(seed, n_kernel, run_command), int)
+    add(f"`dynprobe run` {program}", n_kernel, elapsed, runs=REPEAT)
     problem = tracefs_problem()
     if problem is None:
         try:
@@ -573,6 +578,7 @@ def main() -> int:
         "bpftrace: uprobe count()": (seed, "test", "@ = count();"),
         "bpftrace: uprobe @[ustack] = count()": (seed, "test", "@[ustack] = count();"),
         "bpftrace: @[ustack] = count(), 16-frame stacks": (deep, "leaf", "@[ustack] = count();"),
+        f"bpftrace: {program}": (seed, "test", program),
     }
     for name, (binary, function, action) in bpftrace_rows.items():
         calls = n_kernel if binary == seed else n_stack // 16
