@@ -33,10 +33,10 @@ def test_every_error_is_importable_from_dynprobe() -> None:
 SESSION_API = {
     "batch", "clock", "close", "detach", "drain", "exit_status", "expand", "flight_recorder", "follow_fork",
     "function_tracer", "interrupt_wait", "layout", "optimize", "optimize_now", "output_failure", "pid", "pin_tracer",
-    "probe", "probes", "probes_from", "process", "processes", "record_size", "records_discarded", "records_drained",
-    "records_overwritten", "records_waited", "request_snapshot", "request_stop", "retprobe", "ring_bytes", "run",
-    "slot_bytes", "slot_bytes_in_use", "snapshots_asked", "stats", "stop", "thread_names", "traced_functions",
-    "upcalls", "wait_for_room", "write_raw",
+    "probe", "probes", "probes_from", "process", "processes", "program", "record_size", "records_discarded",
+    "records_drained", "records_overwritten", "records_waited", "request_snapshot", "request_stop", "retprobe",
+    "ring_bytes", "run", "slot_bytes", "slot_bytes_in_use", "snapshots_asked", "stats", "stop", "thread_names",
+    "traced_functions", "upcalls", "wait_for_room", "write_raw",
 }  # fmt: skip
 
 
