@@ -1,0 +1,71 @@
+"""What of a bpftrace program runs where (lang/target.py): each refusal at its span, before
+anything is placed; and the tracer's printf, as C's."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynprobe.errors import ProgramError
+from dynprobe.lang.check import check_program
+from dynprobe.lang.parser import parse_program
+from dynprobe.lang.target import c_format, check_runnable
+
+
+def runnable(source: str) -> None:
+    check_runnable(check_program(parse_program(source), source), source)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "uprobe:libc:malloc /arg0 > 16 && tid != 0/ { $x = arg0; @s[tid, cpu] = sum($x); @h = hist(arg0);"
+        " @l = lhist(arg0, 0, 100, 10); @n++; @m[arg0] = max(nsecs); if (@n > 3) { delete(@m[arg0]); } exit(); }",
+        "uretprobe:libc:malloc { @r = retval; @t = elapsed; @v = *(uint32 *)retval; @c = retval ? 1 : 2; }",
+        'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
+        "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
+    ],
+)  # fmt: skip
+def test_what_runs(source: str) -> None:
+    runnable(source)
+
+
+@pytest.mark.parametrize(
+    ("source", "says", "at"),
+    [
+        ('uprobe:libc:malloc { printf("%d\\n", arg0); }', "printf() is not run in the target yet", "printf"),
+        ("uprobe:libc:malloc { @[comm] = count(); }", "a map key that is not an integer", "comm"),
+        ("uprobe:libc:malloc { @c = comm; }", "a map of strings (@c)", "@c"),
+        ("uprobe:libc:malloc { @s[ustack] = count(); }", "a map key that is not an integer", "ustack"),
+        ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
+        ("uprobe:libc:malloc { @x = 1; clear(@x); }", "clear() is not run in the target yet", "clear"),
+        ("uprobe:libc:malloc { @x = 1; print(@x); }", "print() is not run in the target yet", "print"),
+        ("uprobe:libc:malloc, BEGIN { @x = 1; }", "a probe block is either uprobes and uretprobes", "uprobe"),
+        ("BEGIN /1/ { exit(); }", "a predicate is for uprobes", "1"),
+        ("BEGIN { @x = 1; }", "BEGIN, END and interval probes only print", "@x = 1"),
+        ('END { printf("%d\\n", nsecs); }', "printf() in BEGIN, END and interval probes prints integers", "nsecs"),
+        ("uprobe:libc:malloc { " + "".join(f"$v{i} = {i}; " for i in range(65)) + "}",
+         "more than 64 scratch variables", "$v64"),
+        ("uprobe:libc:malloc { @x = " + "(1 + " * 48 + "1" + ")" * 48 + "; }", "an expression nested this deep",
+         "1"),
+    ],
+)  # fmt: skip
+def test_what_cannot_run_is_refused_at_its_span(source: str, says: str, at: str) -> None:
+    with pytest.raises(ProgramError) as caught:
+        runnable(source)
+    assert says in caught.value.message, caught.value.message
+    start, end = caught.value.span
+    assert source[start:end].startswith(at), source[start:end]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "values", "expected"),
+    [
+        ("%d %i|%5d|%-4d|", [-1, (1 << 64) - 1, 42, 7], "-1 -1|   42|7   |"),
+        ("%u %x %X %o", [-1, 255, 255, 8], f"{(1 << 64) - 1} ff FF 10"),
+        ("%ld %llu %lx %hhd", [5, 6, 7, 8], "5 6 7 8"),
+        ("%s|%10s|%c|%p|100%%", ["ab", "cd", 65, 4096], "ab|        cd|A|0x1000|100%"),
+        ("no conversions\\n", [], "no conversions\\n"),
+    ],
+)  # fmt: skip
+def test_printf_formats_as_c_does(fmt: str, values: list[int | str], expected: str) -> None:
+    assert c_format(fmt, values) == expected
