@@ -5,6 +5,7 @@ values the same operations give in Python, with bpftrace's semantics."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 import threading
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from dynprobe.actions.model import ActionKind, Program
+from dynprobe.arch.x86_64.codegen.clock import read_tsc_code
 from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import maps, output
@@ -301,3 +303,107 @@ def test_maps_are_bpftraces(area: NativeArea, statements: str) -> None:
         for name, table in sorted(code.region.tables.items())
     )
     assert "Attaching 1 probe...\n\n\n" + ours == run.stdout
+
+
+def test_builtins_tid_pid_cpu_and_the_clock(area: NativeArea) -> None:
+    """tid and pid from the thread area, cpu the thread's, nsecs the time-stamp counter as the
+    clock turns it into ns (here ns = ticks, plus the offset), elapsed since the clock's start."""
+    area.set_word(L.TID, 4321)
+    area.set_word(L.TGID, 99)
+    clock = Clock(1 << 32, 5, 1000)
+    code = Compiled(area, "u:/bin/x:f { @t = tid; @p = pid; @c = cpu; @n = nsecs; @e = elapsed; }", clock=clock)
+    before = area.call(read_tsc_code())
+    code()
+    after = area.call(read_tsc_code())
+    assert (code.value("t"), code.value("p")) == (4321, 99)
+    assert 0 <= code.value("c") < (os.cpu_count() or 1)  # type: ignore[operator]
+    now, since = code.value("n"), code.value("e")
+    assert isinstance(now, int) and isinstance(since, int)
+    assert before <= now - 5 <= after and before <= since + 1000 - 5 <= after and since + 1000 >= now
+
+
+def test_retval_is_the_returned_rax(area: NativeArea) -> None:
+    code = Compiled(area, "ur:/bin/x:f { @r = retval; @neg = retval < 0; }")
+    returning = area.place(  # rax = -77, then the body
+        bytes.fromhex("48c7c0b3ffffff")  # mov rax, -77
+        + bytes.fromhex("49bb") + code.actions.to_bytes(8, "little") + bytes.fromhex("41ffe3")  # mov r11, ..; jmp r11
+    )  # fmt: skip
+    area.call_at(returning)
+    assert (code.value("r"), code.value("neg")) == (-77, 1)
+
+
+def test_steps_and_compound_assignments(area: NativeArea) -> None:
+    code = Compiled(
+        area,
+        "u:/bin/x:f { $x = arg0; $x++; $y = $x--; $z = ++$x; $w = --$x; @x = $x; @y = $y; @z = $z; @w = $w;"
+        " @m = arg0; @m -= 3; @k = arg0; @k *= 3; @k %= 4; @q = arg0; @q /= 2; @u = 5; @u--; @v = 5; @old = @v--;"
+        " @new = --@v; @s[1] = 7; @s[1] -= 10; $d = 20; $d -= arg0; $d *= 2; @d = $d; }",
+    )  # fmt: skip
+    code(9)
+    # x: 9, 10, (y 10) 9, (z 10) 10, (w 9) 9
+    assert [code.value(n) for n in "xyzw"] == [9, 10, 10, 9]
+    assert (code.value("m"), code.value("k"), code.value("q")) == (6, 27 % 4, 4)
+    assert (code.value("u"), code.value("old"), code.value("new"), code.value("v")) == (4, 5, 3, 3)
+    assert code.entries("s") == {(1,): -3} and code.value("d") == 22
+
+
+def test_keys_have_the_tracers_hash_and_slot(area: NativeArea) -> None:
+    """An entry sits in the slot its keys' hash names (the tracer finds it there), the hash in
+    its first word, the keys after it in order."""
+    code = Compiled(area, "u:/bin/x:f { @c[arg0, arg1] = count(); }", slots=64)
+    code(3, 70000)
+    table = code.region.tables["c"]
+    home = table.home(key_hash((3, 70000)))
+    at = (table.offset + home * table.slot_bytes) // 8
+    assert code.memory[at : at + 5].tolist() == [key_hash((3, 70000)), 1, 3, 70000, 1]
+
+
+def test_keys_that_share_a_home_slot_each_keep_their_entry(area: NativeArea) -> None:
+    """Keys whose hashes name the same slot take the next ones; each is read back as its own,
+    and a key looked up that is in none of the slots looked at reads 0."""
+    table_slots = 4
+    code = Compiled(area, "u:/bin/x:f { @v[arg0] = arg1; @r[arg0] = @v[arg0 + arg2]; }", slots=table_slots)
+    home = code.region.tables["v"].home
+    keys = [k for k in range(1000) if home(key_hash((k,))) == home(key_hash((0,)))][:3]
+    for i, key in enumerate(keys):
+        code(key, 100 + i, 0)
+    code(keys[0], 100, 5000)  # (@v[keys[0] + 5000]: none)
+    assert code.entries("v") == {(k,): 100 + i for i, k in enumerate(keys)}
+    assert code.entries("r") == {(keys[0],): 0, **{(k,): 100 + i for i, k in enumerate(keys) if i}}
+
+
+def test_delete_starts_every_value_word_afresh(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { if (arg1) { delete(@a[arg0]); delete(@h[arg0]); } else { @a[arg0] = avg(arg2);"
+                          " @h[arg0] = hist(arg2); } }")  # fmt: skip
+    code(1, 0, 10)
+    code(1, 0, 1000)
+    code(1, 1, 0)
+    code(1, 0, 4)
+    assert code.entries("a") == {(1,): (1, 4)} and code.entries("h") == {(1,): {3: 1}}
+
+
+def test_lhist_from_a_minimum_above_zero(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f { @l = lhist(arg0, 10, 50, 10); }")
+    for v in (5, 10, 15, 49, 50, 200):
+        code(v)
+    assert code.value("l") == {-1: 1, 0: 2, 3: 1, 4: 2}
+
+
+@pytest.mark.parametrize(
+    ("read", "expected"),
+    [("*(uint8 *)arg0", 0xF0), ("*(int8 *)arg0", -16), ("*(uint16 *)arg0", 0xFEF0), ("*(int16 *)arg0", -272),
+     ("*(uint32 *)arg0", 0xFDFCFEF0), ("*(int32 *)arg0", 0xFDFCFEF0 - (1 << 32)), ("*arg0", 0x7FFEFDFCFDFCFEF0),
+     ("(int16)arg1", -2), ("(uint32)arg1", 0xFFFFFFFE), ("(int32)(arg1 >> 32)", -1)],
+)  # fmt: skip
+def test_reads_and_casts_of_every_width(area: NativeArea, read: str, expected: int) -> None:
+    word = ctypes.c_uint64(0x7FFEFDFCFDFCFEF0)
+    code = Compiled(area, f"u:/bin/x:f {{ @r = {read}; }}")
+    code(ctypes.addressof(word), -2)
+    assert code.value("r") == expected
+
+
+def test_the_body_holds_the_thread_busy_while_it_runs(area: NativeArea) -> None:
+    """While a body runs, LANG_BUSY is 1 (a signal handler's probe would skip its body); after, 0."""
+    code = Compiled(area, "u:/bin/x:f { @busy = *(uint64 *)arg0; }")
+    code(area.mem.ctypes.data + L.LANG_BUSY)
+    assert code.value("busy") == 1 and area.word(L.LANG_BUSY) == 0

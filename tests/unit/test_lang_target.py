@@ -43,6 +43,7 @@ def test_what_runs(source: str) -> None:
         ("BEGIN /1/ { exit(); }", "a predicate is for uprobes", "1"),
         ("BEGIN { @x = 1; }", "BEGIN, END and interval probes only print", "@x = 1"),
         ('END { printf("%d\\n", nsecs); }', "printf() in BEGIN, END and interval probes prints integers", "nsecs"),
+        ("uprobe:libc:malloc { @m[" + ", ".join(["1"] * 17) + "] = 1; }", "a map with more than 16 keys", "@m"),
         ("uprobe:libc:malloc { " + "".join(f"$v{i} = {i}; " for i in range(65)) + "}",
          "more than 64 scratch variables", "$v64"),
         ("uprobe:libc:malloc { @x = " + "(1 + " * 48 + "1" + ")" * 48 + "; }", "an expression nested this deep",

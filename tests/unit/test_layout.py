@@ -60,6 +60,11 @@ def test_the_thread_area_header() -> None:
         "upcall sleeping": (L.UPCALL_SLEEPING, 8),
         "upcall entries": (L.UPCALL_ENTRIES, 8 * L.UPCALL_ENTRIES_MAX),
         "upcall rsi": (L.UPCALL_RSI, 8),
+        "stack slot": (L.STACK_SLOT, 8),
+        "lang busy": (L.LANG_BUSY, 8),
+        "tgid": (L.TGID, 8),
+        "lang temps": (L.LANG_TEMPS, 8 * L.LANG_TEMPS_WORDS),
+        "lang vars": (L.LANG_VARS, 8 * L.LANG_VARS_WORDS),
     }
     check_fields(fields, L.HEADER_BYTES)
     assert L.HEAD % CACHE_LINE == 0 and L.TAIL % CACHE_LINE == 0

@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterator
 from dynprobe.errors import ProgramError
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import Checked
+from dynprobe.ringbuf import layout as L
 
-MAX_DEPTH = 48  # operands an expression may keep waiting (codegen/lang.py's TEMPS, keys beside them)
-MAX_VARIABLES = 64
+MAX_KEYS = 16
+MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waiting (a map's keys beside them)
+MAX_VARIABLES = L.LANG_VARS_WORDS
 _IN_TARGET_CALLS = ("delete", "exit")
 _TRACER_CALLS = ("printf", "print", "clear", "zero", "exit", "time")
 _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers and maps of integers)"
@@ -111,6 +113,8 @@ class _TargetCheck:
         info = self.checked.maps.get(ref.name)
         if info is not None and info.value is not None and info.value.kind in ("string", "stack"):
             raise self.refuse(f"a map of {info.value.kind}s (@{ref.name})", ref.span)
+        if len(ref.keys) > MAX_KEYS:
+            raise self.refuse(f"a map with more than {MAX_KEYS} keys", ref.span)
         for i, key in enumerate(ref.keys):
             if self.checked.type_of(key).kind != "int":
                 raise self.refuse("a map key that is not an integer", key.span)

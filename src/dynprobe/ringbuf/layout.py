@@ -112,7 +112,9 @@ STACK_SLOT = 0x358  # the table slot of the stack the thread's hit just counted 
 LANG_BUSY = 0x360
 TGID = 0x368
 LANG_TEMPS = 0x400
+LANG_TEMPS_WORDS = 64  # (so an expression nests 64 deep at most, a map's keys with it)
 LANG_VARS = 0x600
+LANG_VARS_WORDS = 64
 UPCALL_IDLE, UPCALL_REQUEST, UPCALL_ANSWERED = 0, 1, 2
 SLEEP_NS = 20_000_000
 # A process's doorbell page: RING, a futex every request bumps (and wakes, unless AWAKE: the

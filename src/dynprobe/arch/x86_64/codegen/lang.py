@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import L_MASK64, Asm, C, R, Unsupported, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.asm import L_MASK64, Asm, C, R, gs_at, mem_at, read_tsc
 from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.regs import ARG_REGS
-from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import syntax as S
 from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
 from dynprobe.ringbuf import layout as L
@@ -32,8 +31,6 @@ from dynprobe.ringbuf import layout as L
 if TYPE_CHECKING:
     from iced_x86._iced_x86_py import Code as CodeT
 
-TEMPS = 64  # words of LANG_TEMPS: how deep an expression may nest
-VARIABLES = 64
 _SIGNED_SETCC = {"==": C.SETE_RM8, "!=": C.SETNE_RM8, "<": C.SETL_RM8, "<=": C.SETLE_RM8, ">": C.SETG_RM8,
                ">=": C.SETGE_RM8}  # fmt: skip
 _UNSIGNED_SETCC = {**_SIGNED_SETCC, "<": C.SETB_RM8, "<=": C.SETBE_RM8, ">": C.SETA_RM8, ">=": C.SETAE_RM8}
@@ -109,17 +106,15 @@ class BodyCompiler:
             case S.ExprStatement(expr=S.Call(name="exit")):
                 asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.exit_flag))
                 asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RAX), 1))
-            case S.ExprStatement(expr=S.Call()):
-                raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)  # (the checker refuses these first)
-            case S.ExprStatement(expr=expr):
+            case S.ExprStatement(expr=expr) if not isinstance(expr, S.Call):
                 self.expression(expr, 0)
+            case _:  # (lang/target.py refuses every other statement in a probe body)
+                raise AssertionError(statement)
 
     # --- expressions ---------------------------------------------------------------------------
     def expression(self, expr: S.Expr, depth: int) -> None:
         """rax = the value of `expr`; temporaries from LANG_TEMPS word `depth` on."""
         asm = self.asm
-        if depth >= TEMPS:
-            raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
         match expr:
             case S.Int(value=value):
                 self.constant(value)
@@ -170,8 +165,8 @@ class BodyCompiler:
                 asm.bind(after)
             case S.Step(op=op, target=target, prefix=prefix):
                 self.step(op, target, prefix=prefix, depth=depth)
-            case _:  # strings, stacks, str(), ustack: not in the target yet
-                raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+            case _:  # (strings, stacks, str(), ustack: lang/target.py refuses them)
+                raise AssertionError(expr)
 
     def signed(self, expr: S.Expr) -> bool:
         """Whether bpftrace takes `expr` as signed where signedness matters (a literal is)."""
@@ -184,10 +179,7 @@ class BodyCompiler:
         return gs_at(L.LANG_TEMPS + 8 * depth)
 
     def variable(self, name: str) -> int:
-        index = self.variables.setdefault(name, len(self.variables))
-        if index >= VARIABLES:
-            raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
-        return L.LANG_VARS + 8 * index
+        return L.LANG_VARS + 8 * self.variables.setdefault(name, len(self.variables))
 
     def truth(self, setcc: CodeT) -> None:
         """rax = 1 if the flags meet `setcc`'s condition, else 0 (after a test or a compare)."""
@@ -292,8 +284,8 @@ class BodyCompiler:
                 asm.add(iced.Instruction.create(C.RDTSCP))
             asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, 0xFFF))
             asm.add(iced.Instruction.create_reg_reg(C.AND_R32_RM32, R.EAX, R.ECX))
-        else:  # comm, func, probe, ustack: strings and stacks, not in the target yet
-            raise Unsupported(OptimizeRefusal.FETCH_UNSUPPORTED)
+        else:  # (comm, func, probe, ustack: lang/target.py refuses them)
+            raise AssertionError(name)
 
     # --- scratch variables and maps ------------------------------------------------------------
     def assign(self, target: S.Var | S.MapRef, op: str, value: S.Expr) -> None:
@@ -430,22 +422,14 @@ class BodyCompiler:
         asm.bind(after)
 
     def map_read(self, ref: S.MapRef, depth: int) -> None:
-        """rax = the entry's value (an avg's: its average), 0 if it has none."""
+        """rax = the entry's value (an integer's: an aggregation's is only printed), 0 if it has none."""
         asm = self.asm
         table = self.body.tables[ref.name]
         absent, after = asm.label(), asm.label()
         self.find_slot(ref, table, depth, claim=False, absent=absent)
         asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RDI, SLOT_READY), 0))
         asm.jump(C.JE_REL32_64, absent)
-        if table.kind == "avg":
-            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RCX, mem_at(R.RDI, table.value_at)))
-            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI, table.value_at + 8)))
-            asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RCX, R.RCX))
-            asm.jump(C.JE_REL32_64, absent)
-            asm.add(iced.Instruction.create(C.CQO))
-            asm.add(iced.Instruction.create_reg(C.IDIV_RM64, R.RCX))
-        else:
-            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI, table.value_at)))
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI, table.value_at)))
         asm.jump(C.JMP_REL32_64, after)
         asm.bind(absent)
         asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
