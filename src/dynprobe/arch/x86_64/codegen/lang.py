@@ -247,7 +247,7 @@ class BodyCompiler:
 
     def logical(self, op: str, left: S.Expr, right: S.Expr, depth: int) -> None:
         asm = self.asm
-        decided, after = asm.label(), asm.label()
+        decided = asm.label()
         self.expression(left, depth)
         asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RAX, R.RAX))
         asm.jump(C.JE_REL32_64 if op == "&&" else C.JNE_REL32_64, decided)
@@ -256,7 +256,6 @@ class BodyCompiler:
         asm.bind(decided)
         asm.add(iced.Instruction.create_reg(C.SETNE_RM8, R.AL))
         asm.add(iced.Instruction.create_reg_reg(C.MOVZX_R32_RM8, R.EAX, R.AL))
-        asm.bind(after)
 
     def builtin(self, name: str) -> None:
         asm, emitter = self.asm, self.emitter
@@ -274,7 +273,7 @@ class BodyCompiler:
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, clock.mult))
             asm.add(iced.Instruction.create_reg(C.MUL_RM64, R.RCX))
             asm.add(iced.Instruction.create_reg_reg_u32(C.SHRD_RM64_R64_IMM8, R.RAX, R.RDX, 32))
-            offset = clock.offset - (clock.start if name == "elapsed" else 0)
+            offset = clock.offset - clock.start if name == "elapsed" else clock.offset
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, offset & L_MASK64))
             asm.add(iced.Instruction.create_reg_reg(C.ADD_R64_RM64, R.RAX, R.RCX))
         elif name == "cpu":
@@ -325,7 +324,7 @@ class BodyCompiler:
         if isinstance(target, S.Var):
             at = gs_at(self.variable(target.name))
             asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, at))
-            asm.add(iced.Instruction.create_reg(C.INC_RM64 if delta > 0 else C.DEC_RM64, R.RAX))
+            asm.add(iced.Instruction.create_reg(C.INC_RM64 if op == "++" else C.DEC_RM64, R.RAX))
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, at, R.RAX))
         else:
             table = self.body.tables[target.name]
@@ -426,9 +425,8 @@ class BodyCompiler:
         asm = self.asm
         table = self.body.tables[ref.name]
         absent, after = asm.label(), asm.label()
+        # (a deleted entry's value is back at 0, as is one whose keys are being written)
         self.find_slot(ref, table, depth, claim=False, absent=absent)
-        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RDI, SLOT_READY), 0))
-        asm.jump(C.JE_REL32_64, absent)
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, mem_at(R.RDI, table.value_at)))
         asm.jump(C.JMP_REL32_64, after)
         asm.bind(absent)
