@@ -153,6 +153,45 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("arch/x86_64/optimize.py", "if site + JMP_REL32_LEN > func_end:", "+ -> -"): (
         "the region's walk refuses the same sites as TOO_SHORT: no instruction starts past the function's end"
     ),
+    **{
+        ("arch/x86_64/codegen/lang.py", line, change): (
+            "where a body's temporaries begin: any free words of the thread area serve (the words below LANG_TEMPS "
+            "are free, and lang/target.py keeps the nesting 16 words short of the end)"
+        )
+        for line, changes in {
+            "self.expression(self.body.block.predicate, 0)": ("0 -> 1", "0 -> -1"),
+            "self.expression(condition, 0)": ("0 -> 1", "0 -> -1"),
+            "self.expression(expr, 0)": ("0 -> 1", "0 -> -1"),
+            "self.expression(value, 0)": ("0 -> 1", "0 -> -1"),
+            "self.expression(call.args[0], 0)": ("0 -> 1", "0 -> -1"),
+            "self.find_slot(target, table, 1, claim=True)": ("1 -> 2",),
+            "self.find_slot(ref, table, 0, claim=False, absent=absent)": ("0 -> 1", "0 -> -1"),
+        }.items()
+        for change in changes
+    },
+    **{
+        ("arch/x86_64/codegen/lang.py", line, "8 -> 9"): "9-byte strides: the words still do not overlap (x86 "
+        "loads and stores unaligned words the same)"
+        for line in (
+            "return gs_at(L.LANG_TEMPS + 8 * depth)",
+            "return L.LANG_VARS + 8 * self.variables.setdefault(name, len(self.variables))",
+        )
+    },
+    **{
+        ("arch/x86_64/codegen/lang.py", f"raise AssertionError({what})", "delete `raise AssertionError"
+         f"({what})`"): "unreachable: lang/target.py refuses these programs before any code is made"
+        for what in ("statement", "expr", "name")
+    },
+    ("arch/x86_64/codegen/lang.py", "self.load(64, True)", "True -> False"): "a 64-bit load has no sign to extend",
+    **{
+        ("arch/x86_64/codegen/lang.py", "self.operate(op[:-1], signed=True)", change): (
+            "only comparisons look at `signed`, and no compound assignment is one"
+        )
+        for change in ("True -> False",)
+    },
+    ("arch/x86_64/codegen/lang.py", "asm.jump(C.JE_REL32_64, absent)", "delete `asm.jump(C.JE_REL32_64, absent)`"): (
+        "a free slot ends a lookup early; without it the lookup ends with the same answer past PROBES slots"
+    ),
     ("ringbuf/layout.py", "return (n + PAGE - 1) & ~(PAGE - 1)", "1 -> 2"): (
         "rounds every size the layout passes (multiples of 16) to the same page"
     ),

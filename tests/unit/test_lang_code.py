@@ -76,14 +76,16 @@ def area() -> Iterator[NativeArea]:
 
 
 def test_counts_and_sums_by_key(area: NativeArea) -> None:
-    code = Compiled(area, "uprobe:/bin/x:f { @c[arg0] = count(); @s[arg0 % 3, arg1] = sum(arg1 * 2); @n = count(); }")
+    code = Compiled(
+        area, "uprobe:/bin/x:f { @c[arg0] = count(); @s[arg0 % 3, arg1 + 1] = sum(arg1 * 2); @n = count(); }"
+    )
     calls = [(1, 10), (2, 20), (1, 30), (5, -4), (4, 10), (1, 10)]
     for a, b in calls:
         code(a, b)
     assert code.entries("c") == {(1,): 3, (2,): 1, (5,): 1, (4,): 1}
     sums: dict[tuple[int, ...], int] = {}
     for a, b in calls:
-        sums[(a % 3, b)] = sums.get((a % 3, b), 0) + 2 * b
+        sums[(a % 3, b + 1)] = sums.get((a % 3, b + 1), 0) + 2 * b
     assert code.entries("s") == sums
     assert code.value("n") == len(calls)
     assert area.counter(0, L.HITS) == len(calls) and area.counter(0, L.MISSED) == 0
@@ -157,6 +159,13 @@ def test_arithmetic_as_bpftrace_does_it(area: NativeArea, expr: str, args: tuple
     assert code.value("r") == expected
 
 
+def test_a_predicate_that_is_a_plain_value(area: NativeArea) -> None:
+    code = Compiled(area, "u:/bin/x:f /arg1/ { @n = count(); }")
+    for a, b in ((1, 0), (0, 2), (5, 0), (0, 0x100)):
+        code(a, b)
+    assert code.value("n") == 2
+
+
 def test_scratch_variables_conditions_and_steps(area: NativeArea) -> None:
     code = Compiled(
         area,
@@ -201,6 +210,9 @@ def test_a_full_map_drops_and_counts_updates(area: NativeArea) -> None:
     code(0)
     assert sum(code.entries("c").values()) + code.dropped("c") == 11  # type: ignore[arg-type]
     assert len(code.entries("c")) == 4 and code.dropped("c") == 6 and code.value("n") == 11
+    table = code.region.tables["c"]  # (the dropped updates went to the sink: its count, no keys)
+    sink = table.sink // 8
+    assert code.memory[sink : sink + table.slot_bytes // 8].tolist() == [0, 1, 0, 6]
 
 
 def test_keys_are_found_by_their_hash() -> None:
@@ -341,7 +353,8 @@ def test_steps_and_compound_assignments(area: NativeArea) -> None:
         area,
         "u:/bin/x:f { $x = arg0; $x++; $y = $x--; $z = ++$x; $w = --$x; @x = $x; @y = $y; @z = $z; @w = $w;"
         " @m = arg0; @m -= 3; @k = arg0; @k *= 3; @k %= 4; @q = arg0; @q /= 2; @u = 5; @u--; @v = 5; @old = @v--;"
-        " @new = --@v; @s[1] = 7; @s[1] -= 10; $d = 20; $d -= arg0; $d *= 2; @d = $d; }",
+        " @new = --@v; @s[1] = 7; @s[1] -= 10; $d = 20; $d -= arg0; $d *= 2; @d = $d; @sh = 3; @sh <<= 2;"
+        " @p = (uint8 *)arg0; }",
     )  # fmt: skip
     code(9)
     # x: 9, 10, (y 10) 9, (z 10) 10, (w 9) 9
@@ -349,6 +362,7 @@ def test_steps_and_compound_assignments(area: NativeArea) -> None:
     assert (code.value("m"), code.value("k"), code.value("q")) == (6, 27 % 4, 4)
     assert (code.value("u"), code.value("old"), code.value("new"), code.value("v")) == (4, 5, 3, 3)
     assert code.entries("s") == {(1,): -3} and code.value("d") == 22
+    assert (code.value("sh"), code.value("p")) == (12, 9)
 
 
 def claimed(code: Compiled, name: str) -> int:
