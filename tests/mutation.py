@@ -96,6 +96,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
             "max_probes: int = 16384  # the record's probe index is a u16": ("16384 -> 16385", "16384 -> 16383"),
             "max_hists: int = 512": ("512 -> 513", "512 -> 511"),
             "RESCUE_CAPACITY = 1 << 15  # entries per half": ("1 -> 2", "15 -> 16", "15 -> 14"),
+            "LANG_TEMPS_WORDS = 64  # (so an expression nests 64 deep at most, a map's keys with it)": ("64 -> 63",),
+            "LANG_VARS_WORDS = 64": ("64 -> 65", "64 -> 63"),
         }.items()
         for change in changes
     },
