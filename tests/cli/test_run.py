@@ -85,3 +85,17 @@ def test_the_same_maps_as_bpftrace(counter: str) -> None:
     assert ours.returncode == 0, ours.stderr
     expected = re.sub(r"^total=.*\n", "", theirs.stdout.split("\n\n\n", 1)[1], flags=re.M)
     assert maps_of(ours.stderr) == expected
+
+
+def test_attached_to_a_running_process_it_ends_at_exit_and_leaves_the_process_running(counter: str) -> None:
+    with subprocess.Popen([counter, str(10**13), "1"], stdout=subprocess.DEVNULL) as target:
+        try:
+            run = dp("run", "-e", f"uprobe:{counter}:work /arg0 % 1000 == 7/ {{ @n++; @last = arg0 % 1000;"
+                                  " if (@n == 3) { exit(); } }", "-p", str(target.pid), timeout=120)  # fmt: skip
+            assert run.returncode == 0, run.stderr
+            # (the tracer sees exit() within a poll, 0.1 s: hits meanwhile still count)
+            last, count = maps_of(run.stderr).splitlines()
+            assert last == "@last: 7" and count.startswith("@n: ") and int(count[4:]) >= 3
+            assert target.poll() is None  # (detached: it runs on)
+        finally:
+            target.kill()
