@@ -40,8 +40,7 @@ class Compiled:
         checked = check_program(program, source)
         self.region: Region = lay_out(checked, slots=slots)
         self.memory = np.zeros(self.region.size // 8, dtype=np.uint64)
-        for at, words, value in self.region.initial_words():
-            self.memory[at // 8 : at // 8 + words] = value
+        self.region.initialize(self.memory)
         self.area = area
         body = LangBody(program.probes[0], checked, self.memory.ctypes.data, self.region.tables, clock)
         self.program = Program(0, ActionKind.COUNT, lang=body)
@@ -473,3 +472,15 @@ def test_cpu_is_the_threads(area: NativeArea, rdpid: bool, monkeypatch: pytest.M
     finally:
         os.sched_setaffinity(0, old)
     assert code.value("c") == cpu
+
+
+def test_clear_hides_the_entries_and_zero_restarts_the_values(area: NativeArea) -> None:
+    """What `clear(@m)` and `zero(@m)` in the tracer do to a region: min starts over at its far end."""
+    code = Compiled(area, "u:/bin/x:f { @c[arg0] = count(); @m[arg0] = min(arg1); }")
+    code(1, 5)
+    code(2, 7)
+    code.region.tables["c"].clear(code.memory, keep_keys=True)
+    code.region.tables["m"].clear(code.memory, keep_keys=False)
+    assert code.entries("c") == {(1,): 0, (2,): 0} and code.entries("m") == {}
+    code(1, 9)
+    assert code.entries("c") == {(1,): 1, (2,): 0} and code.entries("m") == {(1,): 9}

@@ -87,10 +87,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         with open_session(args, command) as session:
             program = session.program(source, filename)
             program.write = lambda text: _write(out, text)
-            count = len(program.probes) + sum(
-                1 for b in program.checked.program.probes for p in b.attach_points if p.kind != "uprobe"
-                and p.kind != "uretprobe"
-            )  # fmt: skip
+            in_tracer = [p for b in program.checked.program.probes for p in b.attach_points
+                         if p.kind not in ("uprobe", "uretprobe")]  # fmt: skip
+            count = len(program.probes) + len(in_tracer)
             _write(out, f"Attaching {count} probe{'s' if count != 1 else ''}...\n")
             program.run_blocks("BEGIN")
             intervals = program.intervals()

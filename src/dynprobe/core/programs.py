@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynprobe.core.probe import Probe
+from dynprobe.core.slots import map_shared_memory
 from dynprobe.core.traced import TracedProcess
-from dynprobe.debug import debug as _debug
-from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
+from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import maps, output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
@@ -91,20 +91,13 @@ class PlacedProgram:
         found = self._regions.get(proc.pid)
         if found is not None:
             return found
-        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
-        stub = proc.slots.stub()
-        if tid is None or stub is None:
-            return OptimizeRefusal.SHARED_MEMORY
-        try:
-            address, view = proc.tracee.map_shared(tid, stub, max(self.region.size, mmap.PAGESIZE))
-        except (SharedMemoryRefused, ProcessError, OSError) as exc:
-            _debug(f"pid {proc.pid}: no region for the program's maps: {exc}")
-            self._regions[proc.pid] = OptimizeRefusal.SHARED_MEMORY
-            return OptimizeRefusal.SHARED_MEMORY
-        region = _Region(address, view)
+        mapped = map_shared_memory(proc, max(self.region.size, mmap.PAGESIZE), "the program's maps")
+        if isinstance(mapped, OptimizeRefusal):
+            self._regions[proc.pid] = mapped  # (not tried again, as the stack table is not)
+            return mapped
+        region = _Region(*mapped[2:])
         words = region.words
-        for at, count, value in self.region.initial_words():
-            words[at // 8 : at // 8 + count] = value
+        self.region.initialize(words)
         self._regions[proc.pid] = region
         self._all.append(region)
         return region
@@ -137,22 +130,12 @@ class PlacedProgram:
 
     def clear(self, name: str, keep_keys: bool) -> None:
         """`clear(@m)` (entries gone) or `zero(@m)` (values back to their start)."""
-        table = self.region.tables[name]
         for region in self._all:
-            words = region.words
-            step = table.slot_bytes // 8
-            for slot in range(table.slots):
-                base = (table.offset // 8) + slot * step
-                if not keep_keys:
-                    words[base + 1] = 0
-                words[base + table.value_at // 8 : base + step] = table.initial
+            self.region.tables[name].clear(region.words, keep_keys=keep_keys)
 
     def value(self, ref: S.MapRef) -> int:
-        keys = tuple(k.value for k in ref.keys if isinstance(k, S.Int))
-        found = dict(self.entries(ref.name)).get(keys, 0)
-        if isinstance(found, tuple):
-            count, total = found
-            return total // count if count else 0
+        """An integer map's value for literal keys (0: none), for a tracer-side printf."""
+        found = dict(self.entries(ref.name)).get(tuple(k.value for k in ref.keys if isinstance(k, S.Int)), 0)
         return found if isinstance(found, int) else 0
 
     # --- the tracer's blocks ---------------------------------------------------------------------

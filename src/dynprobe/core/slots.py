@@ -9,13 +9,15 @@ of each page are kept for the `syscall; jmp $` stub remote syscalls run.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import SLOT_SIZE
 from dynprobe.arch.x86_64.codegen.asm import Detour
-from dynprobe.errors import OptimizeRefusal
+from dynprobe.debug import debug as _debug
+from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
 from dynprobe.ptrace.process import Tracee
 
 PAGE = 4096
@@ -163,3 +165,19 @@ def place_code(
     proc.slots.shrink(start, room, len(code))
     proc.tracee.write(start, code)
     return start, built
+
+
+def map_shared_memory(proc: CodeSpace, size: int, what: str) -> tuple[int, int, int, mmap.mmap] | OptimizeRefusal:
+    """Memory shared with `proc` (a memfd it creates and maps, by remote system calls through one
+    of its stopped threads and its slots' stub) for `what`: (that thread, the stub, the address
+    in the process, our view)."""
+    tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
+    stub = proc.slots.stub()
+    if tid is None or stub is None:
+        return OptimizeRefusal.SHARED_MEMORY
+    try:
+        address, view = proc.tracee.map_shared(tid, stub, size)
+    except (SharedMemoryRefused, ProcessError, OSError) as exc:
+        _debug(f"pid {proc.tracee.pid}: no memory shared for {what}: {exc}")
+        return OptimizeRefusal.SHARED_MEMORY
+    return tid, stub, address, view

@@ -51,7 +51,7 @@ from dynprobe.arch.x86_64.codegen.stacks import (
 )
 from dynprobe.core.engine import Engine
 from dynprobe.core.probe import Probe
-from dynprobe.core.slots import place_code
+from dynprobe.core.slots import map_shared_memory, place_code
 from dynprobe.core.stacks import Stack, named
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
@@ -133,15 +133,10 @@ class StackMaps:
         return dataclasses.replace(program, stacks=count)
 
     def _set_up(self, proc: TracedProcess) -> _Shared | OptimizeRefusal:
-        tid = next((t for t, s in proc.tracee.threads.items() if s.stopped), None)
-        stub = proc.slots.stub()
-        if tid is None or stub is None:
-            return OptimizeRefusal.SHARED_MEMORY
-        try:
-            region, view = proc.tracee.map_shared(tid, stub, _REGION)
-        except (SharedMemoryRefused, ProcessError, OSError) as exc:
-            _debug(f"pid {proc.pid}: no table of stacks: {exc}")
-            return OptimizeRefusal.SHARED_MEMORY
+        mapped = map_shared_memory(proc, _REGION, "the table of stacks")
+        if isinstance(mapped, OptimizeRefusal):
+            return mapped
+        tid, stub, region, view = mapped
 
         def build(at: int) -> Detour:
             asm = Asm()

@@ -17,6 +17,8 @@ import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import Checked
@@ -86,6 +88,19 @@ class MapTable:
         """Where a dropped update goes: the slot past the last, which nothing reads."""
         return self.offset + self.slots * self.slot_bytes
 
+    def rows(self, words: np.ndarray) -> np.ndarray:
+        """The table's slots in the region's 64-bit `words`, a row each (the sink not among them)."""
+        start, step = self.offset // 8, self.slot_bytes // 8
+        return words[start : start + self.slots * step].reshape(self.slots, step)
+
+    def clear(self, words: np.ndarray, *, keep_keys: bool) -> None:
+        """Every entry's values back to their start (`zero(@m)`), and unless `keep_keys` the
+        entries hidden (`clear(@m)`; their slots stay their keys')."""
+        rows = self.rows(words)
+        if not keep_keys:
+            rows[:, SLOT_READY // 8] = 0
+        rows[:, self.value_at // 8 :] = self.initial
+
     def home(self, hash_value: int) -> int:
         return (hash_value >> 1) & (self.slots - 1)
 
@@ -98,15 +113,10 @@ class Region:
     tables: dict[str, MapTable]
     size: int
 
-    def initial_words(self) -> list[tuple[int, int, int]]:
-        """(offset, words, value) runs a fresh region must hold besides zeros."""
-        runs = []
+    def initialize(self, words: np.ndarray) -> None:
+        """A fresh region (`words`, its 64-bit words, zeros) given what min and max start at."""
         for table in self.tables.values():
-            if table.initial:
-                for slot in range(table.slots):
-                    at = table.offset + slot * table.slot_bytes + table.value_at
-                    runs.append((at, table.value_words, table.initial))
-        return runs
+            table.clear(words, keep_keys=True)
 
 
 def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
