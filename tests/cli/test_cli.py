@@ -455,6 +455,21 @@ def test_trace_with_stacks(wordcount: str) -> None:
     assert event["stack"][0].startswith(f"hash ({name}) at ") and len(event["stack"]) == 2 and event["stack_cut"]
 
 
+@pytest.mark.parametrize("command", [["stacks"], ["count", "--by", "stack"], ["trace", "--stack"]])
+def test_a_return_probes_stack_begins_where_it_returned_to(command: list[str], wordcount: str,
+                                                           tmp_path: Path) -> None:  # fmt: skip
+    """As bpftrace's uretprobe ustack: its first frame is the caller, at the return address
+    (here in a function inlined into main)."""
+    out = tmp_path / "out"
+    r = dp(*command, "r add_word", "-o", str(out), "--", wordcount, "a")
+    assert r.returncode == 0, r.stderr
+    frames = [line.strip().removeprefix("=> ") for line in out.read_text().splitlines()
+              if line.startswith((" => ", " " * 8))]  # fmt: skip
+    name = os.path.basename(wordcount)
+    assert frames[0] == f"count_text [inlined] ({name}) at wordcount.c:29" and frames[1].startswith("main+0x"), frames
+    assert frames[-1].startswith("_start+") and not any("add_word" in f for f in frames)
+
+
 def test_hist_of_a_fetched_value(wordcount: str) -> None:
     r = dp("hist", "-o", "-", "p add_word len=%si:s32", "--value", "len", "--", wordcount, "a bb ccc dddd")
     assert r.returncode == 0, r.stderr

@@ -108,15 +108,6 @@ def test_a_count_that_is_not_one(wordcount: str, top: str) -> None:
     assert r.returncode == 2 and f"argument --top: {top!r} is not a count (1 or more)" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("command", [["stacks"], ["count", "--by", "stack"], ["trace", "--stack"]])
-def test_a_return_probe_with_stacks_is_refused_before_anything_starts(command: list[str], wordcount: str,
-                                                                     tmp_path: Path) -> None:  # fmt: skip
-    out = tmp_path / "out"
-    r = dp(*command, "r add_word", "-o", str(out), "--", wordcount, "a")
-    assert r.returncode == 2 and not out.exists()
-    one_error_line(r, "a return probe ('r add_word') does not take stacks yet: stacks are of 'p' probes")
-
-
 @pytest.mark.parametrize("command", ["trace", "record", "dump"])
 def test_an_output_that_cannot_be_created(command: str, wordcount: str, trace_dir: str) -> None:
     args = {

@@ -429,6 +429,25 @@ def test_a_record_larger_than_the_fixed_record_size_stays_a_trap_and_loses_nothi
     assert [e.values for e in events] == [{"a": i, "b": i, "c": i, "d": i} for i in range(100)]
 
 
+def test_a_return_record_larger_than_the_fixed_record_size_is_made_at_a_stop() -> None:
+    """The same for a return probe: its return part (whose entry takes a jump) runs at the
+    trap stub, every record with its values (once, its return code wrote records past their
+    slots: values from the next record's bytes)."""
+    counter = build_target("counter", flags=("-O1", "-pthread"))
+    events: list[ProbeEvent] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        session.record_size = 32
+        assert session.layout.record_size == 32
+        return [session.probe("r work a=$arg1 b=$arg1 c=$arg1 ret=$retval", on_event=events.append)]
+
+    status, out, [big] = traced([counter, "100"], setup, optimize=True)
+    assert (status, out) == (0, run_plain([counter, "100"]).stdout)
+    assert big.hits == 100 and [e.values for e in events] == [
+        {"a": i, "b": i, "c": i, "ret": 2 * i + 1} for i in range(100)
+    ]
+
+
 def test_asking_the_clock_first_leaves_the_record_size_to_the_probes() -> None:
     """The clock is the session's, not the consumer's: reading it (or setting how long a full
     ring is waited on) before any probe fixes nothing, and a record of 4 values is optimized."""

@@ -10,6 +10,7 @@ import pytest
 
 from dynprobe.arch.x86_64.optimize import plt_slot
 from dynprobe.symbols.elf import ElfImage
+from dynprobe.symbols.lines import source_line
 from dynprobe.symbols.resolve import resolve_symbol
 from tests.conftest import build_target
 
@@ -39,6 +40,28 @@ def test_a_stripped_file_takes_its_symbols_from_its_debug_file(tmp_path: Path) -
     assert stripped.functions == original.functions and stripped.by_name["add_word"].size > 0
     debug.unlink()  # without it: only what the stripped file itself names
     assert ElfImage(str(binary)).debug_file is None and "add_word" not in ElfImage(str(binary)).by_name
+
+
+def test_a_file_keeping_its_symbols_takes_lines_and_cfi_from_its_debug_file(tmp_path: Path) -> None:
+    """strip --strip-debug keeps .symtab: the debug file (found as gdb finds it, whatever the
+    file keeps) gives the lines and the .debug_frame of code built without unwind tables; the
+    symbols are the file's own."""
+    built = build_target("wordcount_debug_frame", "../../examples/wordcount.c",
+                         flags=("-O2", "-fno-asynchronous-unwind-tables", "-fno-unwind-tables"))  # fmt: skip
+    binary, debug = tmp_path / "wordcount", tmp_path / "wordcount.debug"
+    shutil.copy(built, binary)
+    subprocess.run(["objcopy", "--only-keep-debug", str(binary), str(debug)], check=True)
+    subprocess.run(["strip", "--strip-debug", str(binary)], check=True)
+    subprocess.run(["objcopy", f"--add-gnu-debuglink={debug}", str(binary)], cwd=tmp_path, check=True)
+    stripped, original = ElfImage(str(binary)), ElfImage(built)
+    add_word = stripped.by_name["add_word"].addr
+    assert stripped.has_symtab and stripped.debug_file == str(debug)
+    assert source_line(str(binary), add_word) == source_line(built, add_word) == "wordcount.c:16"
+    assert stripped.functions == original.functions
+    row = stripped.unwind_table.find(add_word)
+    assert row is not None and row == original.unwind_table.find(add_word)
+    debug.unlink()
+    assert ElfImage(str(binary)).unwind_table.find(add_word) is None
 
 
 def test_a_name_a_library_exports_is_found_without_reading_its_debug_file(tmp_path: Path) -> None:

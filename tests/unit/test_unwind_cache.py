@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from dynprobe.arch.x86_64.unwind import RSP, BpRule, Kind, Row, UnwindTable, pack
+from dynprobe.arch.x86_64.unwind import RSP, BpRule, CfiSection, Kind, Row, UnwindTable, pack
 from dynprobe.symbols import unwind_cache
 from dynprobe.symbols.elf import ElfImage
 from tests.conftest import build_target
 
-KEY = unwind_cache.key_of(b"some CFI", 0x1000, debug_frame=False)
+KEY = unwind_cache.key_of([CfiSection(b"some CFI", 0x1000)])
 ROWS = [
     Row(Kind.CFA, RSP, 8, BpRule.SAME, 0),
     Row(Kind.CFA, RSP, 16, BpRule.SAVED, -16),
@@ -55,12 +55,15 @@ def test_a_key_that_is_not_a_hash_is_never_a_file_name(cache: Path, key: str) ->
     assert unwind_cache.load(key) is None and not cache.exists()
 
 
-def test_the_key_is_the_section_s() -> None:
+def test_the_key_is_the_sections() -> None:
     """Another file claiming the same build-id, with other CFI, is another name; the same
-    section at another address, or as .debug_frame, too."""
-    sections = ((b"a", 0, False), (b"b", 0, False), (b"a", 8, False), (b"a", 0, True))
-    keys = {unwind_cache.key_of(data, vaddr, debug_frame=debug) for data, vaddr, debug in sections}
-    assert len(keys) == 4 and unwind_cache.key_of(b"a", 0, debug_frame=False) in keys
+    section at another address, or as .debug_frame, or with a second section, too; bytes moved
+    from one section to the next make another name."""
+    a, b = CfiSection(b"a", 0), CfiSection(b"b", 0)
+    moved = [CfiSection(b"ab", 0), CfiSection(b"", 0)]
+    choices = ([a], [b], [CfiSection(b"a", 8)], [CfiSection(b"a", 0, True)], [a, b], moved)
+    keys = {unwind_cache.key_of(sections) for sections in choices}
+    assert len(keys) == len(choices) and unwind_cache.key_of([CfiSection(b"a", 0)]) in keys
 
 
 def test_a_directory_others_may_write_is_not_used(cache: Path) -> None:

@@ -9,7 +9,21 @@ import struct
 
 import pytest
 
-from dynprobe.arch.x86_64.unwind import RBP, RSP, BpRule, Frame, Kind, Row, UnwindTable, compile_cfi, pack, step, unpack
+from dynprobe.arch.x86_64.unwind import (
+    RBP,
+    RSP,
+    BpRule,
+    CfiSection,
+    Frame,
+    Kind,
+    Row,
+    UnwindTable,
+    compile_cfi,
+    compile_sections,
+    pack,
+    step,
+    unpack,
+)
 
 from .test_unwind import CIE_INITIAL, cfa, cie, entry, fde, table_of, uleb
 
@@ -364,6 +378,25 @@ def test_debug_frame_cie_pointers_to_what_is_not_a_cie() -> None:
     section += debug_cie(wide=True) + bytes([0xFF, 0xFF, 0xFF, 0xFF, 0x01])
     table = compile_cfi(section, 0, debug_frame=True)
     assert (table.find(0x1000), table.find(0x2000), table.skipped) == (cfa(RSP, 16), None, 1)
+
+
+def test_a_debug_frame_adds_what_the_eh_frame_does_not_describe() -> None:
+    """Sections in order: a later one's description of addresses an earlier one describes
+    (wholly, or in part, even where the earlier ones overlap each other) is left out, not
+    counted as skipped; the rest of it adds rows."""
+    eh = cie(CIE_INITIAL)
+    eh += fde(eh, 0x2000, 0x1000, 0x20, bytes([0x0E, 0x10]))
+    eh += fde(eh, 0x2000, 0x1010, 0x20, bytes([0x0E, 0x30]))  # (overlaps the one before: skipped)
+    debug = debug_cie()
+    described = ((0x1000, 0x10, 0x18), (0x1018, 0x10, 0x18), (0x1040, 0x10, 0x20), (0x1020, 0x8, 0x28),
+                 (0x1030, 0x8, 0x28))  # fmt: skip
+    for start, size, offset in described:
+        debug += entry(struct.pack("<IQQ", 0, start, size) + bytes([0x0E, offset]))
+    table = compile_sections([CfiSection(eh, 0x2000), CfiSection(debug, 0, debug_frame=True)])
+    assert table.skipped == 1
+    found = [table.find(a) for a in (0x1000, 0x101F, 0x1020, 0x1030, 0x1037, 0x1038, 0x1040, 0x1050)]
+    assert found == [cfa(RSP, 16), cfa(RSP, 16), None, cfa(RSP, 40), cfa(RSP, 40), None, cfa(RSP, 32), None]
+    assert compile_sections([]).find(0x1000) is None
 
 
 def test_an_empty_section_is_an_empty_table() -> None:

@@ -56,8 +56,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "stacks", help="count probe hits by stack (folded for flame graphs)",
         description="Count each probe's hits by stack, walked in the target (with the modules' unwind tables; "
                     "frame pointers through code that has none, where a stack may be cut: a last line '...'), "
-                    "and print them at the end: as bpftrace prints @[ustack] = count(), or folded. Stacks are of "
-                    "'p' probes.",
+                    "and print them at the end: as bpftrace prints @[ustack] = count(), or folded. A return "
+                    "probe's stack is where the return went back to (as bpftrace's uretprobe ustack).",
         epilog=STACKS_EXAMPLES,
     )  # fmt: skip
     add_probe_options(p, filter_help="count only hits where EXPR holds")

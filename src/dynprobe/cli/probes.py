@@ -150,11 +150,6 @@ def check_request(args: argparse.Namespace) -> ProbeRequest:
         specs = [parse_probe(s) for s in list(args.specs) + read_spec_files(args.file)]
     if not specs:
         raise UsageError("no probe given: add a SPEC or -f SPECFILE")
-    stacks = getattr(args, "by", None) == "stack" or getattr(args, "stack", False)
-    returns = [spec.location for spec in specs if spec.kind == "r"]
-    if stacks and returns:
-        raise UsageError(f"a return probe ('r {returns[0]}') does not take stacks yet: stacks are of 'p' probes "
-                         "(probe the function's entry for who called it)")  # fmt: skip
     if args.filter is not None:
         for spec in specs:
             parse_filter(args.filter, spec.args)

@@ -82,6 +82,8 @@ class ReturnsEngine(Engine, Protocol):
         *, rescue_wait: bool = False,
     ) -> None: ...  # fmt: skip
     def arm_site(self, proc: TracedProcess, site: Site) -> None: ...
+    def return_program(self, proc: TracedProcess, probe: Probe) -> Program | OptimizeRefusal: ...
+    def action_refusal(self, probe: Probe) -> OptimizeRefusal | None: ...
     def fetch_context(self, proc: TracedProcess, tid: int, regs: Regs, probe: Probe) -> FetchContext: ...
     def give_area(self, proc: TracedProcess, tid: int) -> None: ...
     def probe_by_index(self, index: int) -> Probe | None: ...
@@ -235,8 +237,12 @@ class ReturnProbes:
         engine = self.engine
         mult, resolver, rseq = engine.tsc_mult(), engine.symbol_resolver_for(probe, proc), proc.rseq_offset_at
         allocate = functools.partial(engine.allocate_slot, proc)
-        placed = place_code(allocate, proc, returns.trampoline.table, lambda at: build_return_code(
-            probe.program(proc.pid), engine.layout, at, returns.trampoline, mult, resolver, rseq))  # fmt: skip
+        refused = engine.action_refusal(probe)  # (a record larger than the rings' fixed one)
+        program = refused or engine.return_program(proc, probe)
+        placed = program if isinstance(program, OptimizeRefusal) else place_code(
+            allocate, proc, returns.trampoline.table,
+            lambda at: build_return_code(program, engine.layout, at, returns.trampoline, mult, resolver, rseq),
+        )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             _debug(f"{probe.name}: return part at a stop ({placed})")
             return returns.stub

@@ -188,6 +188,11 @@ class Runtime:
             raise Unsupported(program)
         return program
 
+    def return_program(self, proc: TracedProcess, probe: Probe) -> Program | OptimizeRefusal:
+        """What a return probe's return code runs in `proc`."""
+        program = probe.program(proc.pid)
+        return self.stackmaps.program(proc, probe, program, at_return=True) if probe.stack_frames else program
+
     def act_in_tracer(
         self, probe: Probe, proc: TracedProcess, tid: int, address: int, context: FetchContext,
         caller: int | None = None,

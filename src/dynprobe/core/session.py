@@ -303,10 +303,10 @@ class Session:
         self._check_fetch_symbols(spec.args, location)
         python = any(h is not None for h in (pre, post, on_entry, on_return))
         kind = self._action_kind(action, python, on_event)
-        if stack_frames and (kind not in (ActionKind.COUNT, ActionKind.RECORD) or is_return):
-            other = "a return probe" if is_return else kind.value if kind else "Python handlers"
+        if stack_frames and kind not in (ActionKind.COUNT, ActionKind.RECORD):
+            other = kind.value if kind else "Python handlers"
             raise SessionError(f"by='stack' counts or records a probe's hits with their stacks: a count or a "
-                               f"record ('p'), not {other}")  # fmt: skip
+                               f"record, not {other}")  # fmt: skip
         parsed_filter = parse_filter(filter, spec.args) if filter is not None else None
         hist_value = None
         if kind == ActionKind.HIST:

@@ -118,16 +118,18 @@ class StackMaps:
         # (the tracing thread places, forks and forgets; the consumer names records' stacks)
         self._lock = threading.RLock()
 
-    def program(self, proc: TracedProcess, probe: Probe, program: Program) -> Program | OptimizeRefusal:
+    def program(self, proc: TracedProcess, probe: Probe, program: Program, *, at_return: bool = False
+                ) -> Program | OptimizeRefusal:  # fmt: skip
         """`program` counting by stack too, in `proc` (set up there on first use, through a
-        stopped thread)."""
+        stopped thread); `at_return`: a return probe's return code, walking from where the
+        return went back to."""
         with self._lock:
             shared = self._of.get(proc) or self._refused.get(proc) or self._set_up(proc)
             if isinstance(shared, OptimizeRefusal):
                 self._refused[proc] = shared
                 return shared
         loc = probe.location
-        at_entry = loc.function is not None and loc.function.addr == loc.vaddr
+        at_entry = not at_return and loc.function is not None and loc.function.addr == loc.vaddr
         sums = probe.action == ActionKind.COUNT and probe.value is not None
         count = StackCount(shared.walker, shared.region + _TABLE_AT, STACK_SLOTS, probe.stack_frames, at_entry, sums)
         return dataclasses.replace(program, stacks=count)

@@ -27,7 +27,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.gnuversions import GNUVerDefSection
 from elftools.elf.sections import Section, SymbolTableSection
 
-from dynprobe.arch.x86_64.unwind import UnwindTable, compile_cfi
+from dynprobe.arch.x86_64.unwind import CfiSection, UnwindTable, compile_sections
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, SymbolError
 from dynprobe.gcpause import gc_paused
@@ -156,6 +156,7 @@ class ElfImage:
             self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
             self.needed, self.rpath, self.runpath, self.soname = self._dynamic(elf)
             self._own_symbol_tables = self._symbols(elf)
+            self.has_symtab = elf.get_section_by_name(".symtab") is not None
             self._eh_ranges: list[tuple[int, int]] | None = None
             self._branch_targets: BranchTargets | None = None
             self._by_demangled: dict[str, dict[int, Function]] | None = None
@@ -165,10 +166,10 @@ class ElfImage:
 
     @functools.cached_property
     def debug_file(self) -> str | None:
-        """The separate debug file of a file without .symtab (see `_debug_file`), or None."""
+        """The file's separate debug file (see `_debug_file`), or None."""
         try:
             with _parsing(self.path):
-                return None if self._elf.get_section_by_name(".symtab") else self._debug_file(self._elf)
+                return self._debug_file(self._elf)
         except ElfError as exc:
             _debug(f"{self.path}: no debug file looked for: {exc}")
             return None
@@ -176,7 +177,7 @@ class ElfImage:
     @functools.cached_property
     def _symbol_tables(self) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
         functions, objects, ifuncs, defaults = self._own_symbol_tables
-        if self.debug_file is not None:
+        if not self.has_symtab and self.debug_file is not None:  # (else it names what .symtab does)
             objects, ifuncs = dict(objects), dict(ifuncs)
             functions = self._add_debug_symbols(self.debug_file, functions, objects, ifuncs)
         return functions, objects, ifuncs, defaults
@@ -239,7 +240,7 @@ class ElfImage:
         return [f.addr for f in self.functions]
 
     def _debug_file(self, elf: ELFFile) -> str | None:
-        """The separate debug file of a stripped file, where gdb looks for it: by build-id under
+        """The separate debug file of a file, where gdb looks for it: by build-id under
         /usr/lib/debug (Debian's -dbg and -dbgsym packages), then by its .gnu_debuglink name next
         to it, in .debug/ there, and under /usr/lib/debug. One with another build-id is not it."""
         candidates = []
@@ -433,21 +434,22 @@ class ElfImage:
     @functools.cached_property
     def unwind_table(self) -> UnwindTable:
         """The rows stacks are walked with (arch/x86_64/unwind.py), from the file's .eh_frame,
-        else a .debug_frame (its own, or its debug file's); empty when it has none. Kept on disk
-        (symbols/unwind_cache.py)."""
-        found = self._cfi_section()
-        if found is None:
-            return compile_cfi(b"", 0)
-        data, vaddr, debug_frame = found
-        key = unwind_cache.key_of(data, vaddr, debug_frame=debug_frame)
+        then a .debug_frame (its own, or its debug file's) for code built without unwind tables;
+        empty when it has neither. Kept on disk (symbols/unwind_cache.py)."""
+        sections = self._cfi_sections()
+        if not sections:
+            return compile_sections([])
+        key = unwind_cache.key_of(sections)
         table = unwind_cache.load(key)
         if table is None:
-            table = compile_cfi(data, vaddr, debug_frame=debug_frame)
+            table = compile_sections(sections)
             unwind_cache.store(key, table)
         return table
 
-    def _cfi_section(self) -> tuple[bytes, int, bool] | None:
-        """(bytes, address, whether .debug_frame) of the section the unwind rows come from."""
+    def _cfi_sections(self) -> list[CfiSection]:
+        """The .eh_frame and .debug_frame the unwind rows come from (each from the file, else
+        from its debug file)."""
+        found: dict[str, CfiSection] = {}
         for path, elf in ((self.path, self._elf), (self.debug_file, None)):
             if path is None:
                 continue
@@ -458,11 +460,12 @@ class ElfImage:
                     for name in (".eh_frame", ".debug_frame"):
                         section = elf.get_section_by_name(name)
                         # (not NOBITS: a debug file's copy; lld's .eh_frame is SHT_X86_64_UNWIND)
-                        if section is not None and section["sh_type"] != "SHT_NOBITS" and section["sh_size"]:
-                            return section.data(), int(section["sh_addr"]), name == ".debug_frame"
+                        if name not in found and section is not None and section["sh_type"] != "SHT_NOBITS" \
+                                and section["sh_size"]:  # fmt: skip
+                            found[name] = CfiSection(section.data(), int(section["sh_addr"]), name == ".debug_frame")
             except (OSError, ElfError) as exc:
                 _debug(f"{path}: no unwind table read: {exc}")
-        return None
+        return list(found.values())
 
     def eh_frame_ranges(self) -> list[tuple[int, int]]:
         """(start, end) of every function the unwind tables describe, sorted."""

@@ -27,9 +27,9 @@ from array import array
 
 import numpy as np
 
-from dynprobe.arch.x86_64.unwind import UnwindTable
+from dynprobe.arch.x86_64.unwind import CfiSection, UnwindTable
 
-FORMAT = 1  # bump when unwind.pack's rows or compile_cfi's output change
+FORMAT = 2  # bump when unwind.pack's rows or compile_sections' output change
 MAX_ROWS = 1 << 24  # as the stack walker reads (codegen/stacks.py)
 _HEADER = struct.Struct("<8sQQ")  # magic, rows, descriptions skipped
 _MAGIC = b"DPUNWIND"
@@ -97,12 +97,14 @@ def _directory() -> int | None:
         return None
 
 
-def key_of(data: bytes, vaddr: int, *, debug_frame: bool) -> str:
-    """The name a table is kept under: a hash of the section it is compiled from (its bytes,
-    where it is, which kind) and of FORMAT. A file that only claims another's build-id cannot
-    put its rows in the other's place: the same name is the same section, the same rows."""
-    digest = hashlib.sha256(f"{FORMAT}:{vaddr}:{int(debug_frame)}:".encode())
-    digest.update(data)
+def key_of(sections: list[CfiSection]) -> str:
+    """The name a table is kept under: a hash of the sections it is compiled from (their bytes,
+    where they are, which kind) and of FORMAT. A file that only claims another's build-id cannot
+    put its rows in the other's place: the same name is the same sections, the same rows."""
+    digest = hashlib.sha256(f"{FORMAT}:{len(sections)}:".encode())
+    for section in sections:
+        digest.update(f"{section.vaddr}:{int(section.debug_frame)}:{len(section.data)}:".encode())
+        digest.update(section.data)
     return digest.hexdigest()
 
 

@@ -381,9 +381,54 @@ def _read_cie(data: bytes, start: int, end: int) -> _Cie:
     return _Cie(code_align, data_align, ra_register, fde_encoding, has_data, signal, (reader.at, end))
 
 
+class CfiSection(NamedTuple):
+    """A section rows are compiled from: its bytes, its link-time address, which kind."""
+
+    data: bytes
+    vaddr: int
+    debug_frame: bool = False  # .debug_frame: absolute pointers, CIE pointers section offsets
+
+
 def compile_cfi(data: bytes, vaddr: int, *, debug_frame: bool = False) -> UnwindTable:
     """The rows of a .eh_frame section's bytes (at link-time address `vaddr`), or of a
-    .debug_frame's (its pointers are absolute, its CIE pointers section offsets)."""
+    .debug_frame's."""
+    return compile_sections([CfiSection(data, vaddr, debug_frame)])
+
+
+def compile_sections(sections: list[CfiSection]) -> UnwindTable:
+    """One table of several sections' rows (a file's .eh_frame, then the .debug_frame of code
+    built without unwind tables): a description of addresses an earlier section describes is
+    left out (the same function told twice), not counted as skipped."""
+    described: list[tuple[int, int, list[tuple[int, int]]]] = []
+    skipped = 0
+    for section in sections:
+        earlier = _union([(start, end) for start, end, _ in described])
+        found, unread = _descriptions(section)
+        skipped += unread
+        described += [d for d in found if not _overlaps(earlier, d[0], d[1])]
+    return _merge(described, skipped)
+
+
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The addresses `ranges` cover, as sorted ranges that do not meet."""
+    union: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if union and start <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], end))
+        else:
+            union.append((start, end))
+    return union
+
+
+def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) meets one of `ranges` (a `_union`)."""
+    i = bisect.bisect_right(ranges, (start, 1 << 64))
+    return (i > 0 and ranges[i - 1][1] > start) or (i < len(ranges) and ranges[i][0] < end)
+
+
+def _descriptions(section: CfiSection) -> tuple[list[tuple[int, int, list[tuple[int, int]]]], int]:
+    """(start, end, rows) of each frame description of a section, and how many could not be read."""
+    data, vaddr, debug_frame = section
     described: list[tuple[int, int, list[tuple[int, int]]]] = []  # (start, end, rows) per description
     cies: dict[int, _Cie | None] = {}
     skipped = 0
@@ -427,7 +472,7 @@ def compile_cfi(data: bytes, vaddr: int, *, debug_frame: bool = False) -> Unwind
             except _Malformed:
                 skipped += 1
         at = end
-    return _merge(described, skipped)
+    return described, skipped
 
 
 def _cie_at(data: bytes, at: int, *, debug_frame: bool) -> _Cie:

@@ -265,12 +265,22 @@ class Emitter:
                 asm.bind(faulted)
                 asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EAX, R.EAX))
                 asm.bind(valued)
+            at_return = self.returning is not None and self.returning.at_return
+            if at_return:  # the walk starts where the return went back to
+                value = R.RCX
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, value, R.RAX))
+                self.caller()
+                asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
+                asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, value))
             emit_stack_count(
                 asm, walker=prog.stacks.walker, table=prog.stacks.table, slots=prog.stacks.slots,
-                max_frames=prog.stacks.max_frames, probe_index=prog.probe_index, site=self.site, frame=self.frame,
+                max_frames=prog.stacks.max_frames, probe_index=prog.probe_index,
+                site=None if at_return else self.site, frame=self.frame + (8 if at_return else 0),
                 missed=layout.counter(prog.probe_index, L.MISSED), at_entry=prog.stacks.at_entry,
                 add_value=prog.stacks.sums,
             )  # fmt: skip
+            if at_return:
+                asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, 8)))
         if prog.kind == ActionKind.HIST:
             self.histogram(prog)
         elif prog.kind == ActionKind.RECORD:

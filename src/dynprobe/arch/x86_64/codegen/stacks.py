@@ -341,9 +341,10 @@ def build_stack_walker(asm: Asm, *, directory: int, shadow: int) -> None:
 
 
 def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frames: int, probe_index: int,
-                     site: int, frame: int, missed: int, at_entry: bool, add_value: bool) -> None:  # fmt: skip
+                     site: int | None, frame: int, missed: int, at_entry: bool, add_value: bool) -> None:  # fmt: skip
     """In a detour's actions (rsp + `frame`: the thread's rsp at `site`, a function's first
-    instruction if `at_entry`; rbp the thread's; rax,
+    instruction if `at_entry`; `site` None: at [rsp], pushed by the caller, as return code
+    has it: where the return went back to); rbp the thread's; rax,
     rcx, rdx, rsi, rdi free, r8-r11 kept): add the hit to its stack's slot in the table at
     `table` (`slots` of them, a power of two), claiming one for a stack new to the probe (the
     walker then runs again to store its frames), or, when none is free where it looks, to the
@@ -362,7 +363,10 @@ def emit_stack_count(asm: Asm, *, walker: int, table: int, slots: int, max_frame
     def walk(store: bool) -> None:
         """rax, rdx: the walker's hash and frames (rsi, stored: the slot, kept on the stack)."""
         pushed = 8 * len(kept) + (8 if store else 0) + (8 if add_value else 0)
-        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, site))
+        if site is None:
+            asm.add(_mov(R.RDI, mem_at(R.RSP, pushed)))
+        else:
+            asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, site))
         asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSI, mem_at(R.RSP, frame + pushed)))
         asm.add(_mov(R.RDX, R.RBP))
         if store:
