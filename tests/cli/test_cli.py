@@ -407,6 +407,12 @@ def test_count_by_stack(wordcount: str) -> None:
     frames = lines[4 : lines.index("]: 3")]
     assert frames[0].startswith(f"        hash ({name}) at wordcount.c:") and frames[-1].startswith("        _start+")
     assert any(f.startswith("        main+") for f in frames) and lines[-1] == "]: 3"
+    four = build_target("stacks_O2-nofp", "stacks.c", flags=("-O2", "-fomit-frame-pointer", "-pthread"))
+    r = dp("count", "-o", "-", "--by", "stack", "--top-stacks", "1", "p leaf", "--", four)
+    lines = r.stdout.splitlines()
+    assert lines[:4] == ["hits:", "  uprobes/p_leaf            4", "", "  (3 more stacks of uprobes/p_leaf, 3 hits, "
+                         "not shown: --top-stacks 1)"]  # fmt: skip
+    assert lines[4] == "uprobes/p_leaf[" and lines[-1] == "]: 1" and lines.count("uprobes/p_leaf[") == 1
     r = dp("count", "-o", "-", "--by", "stack", "--max-frames", "2", "p hash", "--", wordcount, "a")
     stack = r.stdout.splitlines()
     stack = stack[stack.index("hits:") + 4 :]
@@ -437,6 +443,10 @@ def test_stacks_folded() -> None:
         "4",
     ]
     assert next(line for line in r.stdout.splitlines() if ";worker;" in line).endswith(";leaf 2")
+    r = dp("stacks", "--top-stacks", "3", "--value", "why", "-o", "-", "p leaf why=%di:s32", "--", path)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[0] == "  (1 more stacks of uprobes/p_leaf, summing 1, not shown: --top-stacks 3)"
+    assert [line for line in lines if line.startswith("]: ")] == ["]: 2", "]: 3", "]: 4"]
 
 
 def test_trace_with_stacks(wordcount: str) -> None:
@@ -463,8 +473,8 @@ def test_a_return_probes_stack_begins_where_it_returned_to(command: list[str], w
     out = tmp_path / "out"
     r = dp(*command, "r add_word", "-o", str(out), "--", wordcount, "a")
     assert r.returncode == 0, r.stderr
-    frames = [line.strip().removeprefix("=> ") for line in out.read_text().splitlines()
-              if line.startswith((" => ", " " * 8))]  # fmt: skip
+    frame_lines = " => " if command == ["trace", "--stack"] else " " * 8  # (trace's event lines may start so)
+    frames = [line.strip().removeprefix("=> ") for line in out.read_text().splitlines() if line.startswith(frame_lines)]
     name = os.path.basename(wordcount)
     assert frames[0] == f"count_text [inlined] ({name}) at wordcount.c:29" and frames[1].startswith("main+0x"), frames
     assert frames[-1].startswith("_start+") and not any("add_word" in f for f in frames)

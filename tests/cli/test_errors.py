@@ -259,6 +259,11 @@ VALUES = [  # each refused in one line, before the program is touched
     (["latency", "p add_word"], "give a function, not a probe spec: 'p add_word'"),
     (["count", "--by", "stack", "--max-frames", "128", "p add_word"], "'128' is not a number of frames (1 to 127)"),
     (["count", "--max-frames", "8", "p add_word"], "--max-frames is for --by stack"),
+    (["count", "--top-stacks", "8", "p add_word"], "--top-stacks is for --by stack"),
+    (
+        ["stacks", "--folded", "--top-stacks", "8", "p add_word"],
+        "--top-stacks is for stacks printed whole, not --folded",
+    ),
     (["trace", "--max-frames", "8", "p add_word"], "--max-frames is for --stack"),
     (["stacks", "--value", "nope", "p add_word n=%si"], "VALUE_UNKNOWN: the value is not a fetch argument"),
 ]

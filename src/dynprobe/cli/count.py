@@ -9,7 +9,7 @@ from collections import Counter
 from typing import TextIO
 
 from dynprobe.actions.filter import parse_value
-from dynprobe.cli.common import add_output_option, add_target_options, report_error
+from dynprobe.cli.common import add_output_option, add_target_options, positive_count, report_error
 from dynprobe.cli.probes import (
     Shown,
     add_aggregate_options,
@@ -49,6 +49,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="also count each probe's hits by stack (walked in the target), printed at the end, "
                         "the most hit last")  # fmt: skip
     add_max_frames_option(p, "--by stack")
+    add_top_stacks_option(p, "--by stack")
     add_aggregate_options(p, "counts")
     add_target_options(p)
     p.set_defaults(run=run)
@@ -68,9 +69,16 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="sum VALUE (a fetch argument's name, or a fetch argument) by stack instead of counting "
                         "hits: bytes allocated by each stack, say")  # fmt: skip
     add_max_frames_option(p)
+    add_top_stacks_option(p)
     add_output_option(p, "the stacks")
     add_target_options(p)
     p.set_defaults(run=run_stacks, by="stack", interval=None, top=None, all=True)
+
+
+def add_top_stacks_option(p: argparse.ArgumentParser, with_option: str | None = None) -> None:
+    when = f"with {with_option}: " if with_option else ""
+    p.add_argument("--top-stacks", type=positive_count, metavar="N",
+                   help=f"{when}print only each probe's N most hit stacks (as bpftrace's print(@, N))")  # fmt: skip
 
 
 def print_counts(shown: Shown, out: TextIO) -> None:
@@ -83,13 +91,22 @@ def print_counts(shown: Shown, out: TextIO) -> None:
     write_report(out, lines)
 
 
-def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False, sums: bool = False) -> None:
+def print_stacks(shown: Shown, out: TextIO, *, after_counts: bool = False, sums: bool = False,
+                 top: int | None = None) -> None:  # fmt: skip
     """Each probe's stacks as bpftrace prints `@[ustack] = count()`: a frame a line, the count
-    (`sums`: the value's sum) after, the most last (a blank line first, `after_counts`)."""
+    (`sums`: the value's sum) after, the most last (a blank line first, `after_counts`); only the
+    `top` most of each probe, if given, after a line saying what is left out."""
     lines: list[str] = []
     for tally in shown.tallies:
         counts = tally.probe.stack_sums if sums else tally.probe.stacks
-        for stack, count in sorted(counts.items(), key=lambda item: item[1]):
+        ordered = sorted(counts.items(), key=lambda item: item[1])
+        if top is not None and len(ordered) > top:
+            left = ordered[:-top]
+            total = sum(c for _, c in left)
+            what = f"summing {total}" if sums else f"{total} hits"
+            lines.append(f"  ({len(left)} more stacks of {tally.probe.name}, {what}, not shown: --top-stacks {top})")
+            ordered = ordered[-top:]
+        for stack, count in ordered:
             lines += [f"{tally.probe.name}[", *(f"        {line}" for line in str(stack).splitlines()), f"]: {count}"]
         if tally.missed:
             lines.append(f"  ({tally.missed} hits of {tally.probe.name} not counted by stack: its table was full)")
@@ -121,12 +138,20 @@ def run_stacks(args: argparse.Namespace, command: list[str]) -> int:
             parse_value(args.value, spec.args)  # (before the program is touched)
     except DynprobeError as exc:
         return report_error(exc)
-    report = print_folded if args.folded else print_stacks
+    if args.folded and args.top_stacks is not None:
+        return report_error(DynprobeError("--top-stacks is for stacks printed whole, not --folded"))
+
+    def report(shown: Shown, out: TextIO) -> None:
+        if args.folded:
+            print_folded(shown, out, sums=args.value is not None)
+        else:
+            print_stacks(shown, out, sums=args.value is not None, top=args.top_stacks)
+
     return run_aggregating(
         args, command, request,
         lambda session, spec: session.probe(spec, action="count", filter=request.filter, by="stack",
                                             max_frames=args.max_frames, value=args.value),
-        lambda shown, out: report(shown, out, sums=args.value is not None),
+        report,
     )  # fmt: skip
 
 
@@ -135,13 +160,14 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         request = check_request(args)
     except DynprobeError as exc:
         return report_error(exc)
-    if args.max_frames != MAX_FRAMES and args.by is None:
-        return report_error(DynprobeError("--max-frames is for --by stack"))
+    if args.by is None and (args.max_frames != MAX_FRAMES or args.top_stacks is not None):
+        option = "--max-frames" if args.max_frames != MAX_FRAMES else "--top-stacks"
+        return report_error(DynprobeError(f"{option} is for --by stack"))
 
     def report(shown: Shown, out: TextIO) -> None:
         print_counts(shown, out)
         if args.by == "stack" and shown.title in (None, "total:"):
-            print_stacks(shown, out, after_counts=True)
+            print_stacks(shown, out, after_counts=True, top=args.top_stacks)
 
     return run_aggregating(
         args, command, request,
