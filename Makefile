@@ -90,7 +90,7 @@ lossless: venv
 # [tool.coverage]), then lines and branches per module; fails below 92% of branches.
 coverage: venv tracefs toolchains
 	rm -rf build/coverage && mkdir -p build/coverage
-	$(VENV)/bin/coverage run -m pytest -q -p no:cacheprovider
+	$(VENV)/bin/coverage run -m pytest -q -p no:cacheprovider -n 2
 	$(VENV)/bin/coverage combine -q
 	$(PY) -m tests.coverage_check
 

@@ -99,3 +99,60 @@ def test_attached_to_a_running_process_it_ends_at_exit_and_leaves_the_process_ru
             assert target.poll() is None  # (detached: it runs on)
         finally:
             target.kill()
+
+
+def test_a_script_file_run_with_c_its_full_map_said_and_end_zeroing(counter: str, tmp_path: Path) -> None:
+    """`dynprobe run FILE -c CMD`: a map of more keys than it holds (4096 at most: fewer when a
+    key finds no free slot near its hash) keeps those it took and says how many updates it
+    dropped; END runs before the maps are printed."""
+    script = tmp_path / "keys.bt"
+    script.write_text(f"uprobe:{counter}:work {{ @keys[arg0] = count(); @n = count(); }}\nEND {{ zero(@n); }}\n")
+    run = dp("run", str(script), "-c", f"{counter} 5000 1")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"total={5000 * 4999 + 5000}\n"
+    lines = maps_of(run.stderr).splitlines()
+    kept = len([line for line in lines if line.startswith("@keys[")])
+    assert 4000 < kept <= 4096 and "@n: 0" in lines
+    assert (
+        lines[-1]
+        == f"dynprobe: @keys was full: {5000 - kept} updates dropped (it took {kept} keys; a map holds 4096 at most)"
+    )
+
+
+def test_intervals_and_an_exit_before_anything_runs(counter: str) -> None:
+    """An interval body runs in the tracer every period (its exit() ends the run at the first);
+    a BEGIN that exits ends it before the target runs a call."""
+    run = dp("run", "-e", 'interval:ms:50 { printf("tick\\n"); exit(); }', "-c", f"{counter} {10**13} 1",
+             timeout=120)  # fmt: skip
+    assert (run.returncode, run.stderr) == (0, "Attaching 1 probe...\ntick\n\n\n"), run.stderr
+    run = dp("run", "-e", f'BEGIN {{ printf("only\\n"); exit(); }} uprobe:{counter}:work {{ @n = count(); }}',
+             "--", counter, str(10**13), "1", timeout=120)  # fmt: skip
+    assert (run.returncode, run.stderr) == (0, "Attaching 2 probes...\nonly\n\n\n\n"), run.stderr  # (@n: empty)
+
+
+def test_the_maps_of_an_execd_child_merge_with_its_parents() -> None:
+    """--follow-fork: a vfork child that execs runs in a region of its own (a fork child shares
+    its parent's); the maps printed merge them: counts and sums add, min and max hold, the
+    histograms add bucket by bucket, averages are over every value."""
+    forks = build_target("forks", flags=("-O1", "-pthread"))
+    body = "@c = count(); @s = sum(arg0); @lo = min(arg0); @hi = max(arg0); @a = avg(arg0); @h = hist(arg0);"
+    run = dp("run", "--follow-fork", "-e", f"uprobe:{forks}:probed {{ {body} }}", "--", forks, "vfork")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["leaf=6", "child=0"]
+    maps = maps_of(run.stderr)
+    # the parent: probed(0), probed(100); the child's new image: probed(0), then 0, 1, 2
+    for line in ("@a: 17", "@c: 6", "@hi: 100", "@lo: 0", "@s: 103"):
+        assert f"\n{line}\n" in f"\n{maps}", maps
+    assert re.findall(r"^\[.*?[\])]\s+(\d+) \|", maps, flags=re.M) == ["3", "1", "1", "0", "0", "0", "0", "1"]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    ([], "dynprobe: give the program: -e 'PROGRAM' or a FILE"),
+    (["-e", "BEGIN { exit(); }", "no-such.bt"], "dynprobe: give the program: -e 'PROGRAM' or a FILE"),
+    (["/no/such/file.bt"], "dynprobe: cannot read /no/such/file.bt: No such file or directory"),
+    (["-e", "BEGIN { exit(); }", "-c", "/bin/true", "--", "/bin/true"],
+     "dynprobe: give either -c CMD or -- COMMAND, not both"),
+])  # fmt: skip
+def test_what_run_is_given_wrong(args: list[str], says: str) -> None:
+    run = dp("run", *args)
+    assert (run.returncode, run.stderr, run.stdout) == (2, says + "\n", "")

@@ -104,3 +104,11 @@ def test_the_same_as_bpftrace(statements: str, maps: list[tuple[str, str, list[E
     if run.returncode != 0:
         pytest.skip(f"bpftrace cannot run a BEGIN probe here: {run.stderr.strip().splitlines()[-1:]}")
     assert run.stdout == "Attaching 1 probe...\n\n\n" + printed(maps)
+
+
+def test_zeroed_maps_as_bpftrace_prints_them() -> None:
+    """After zero(): histograms with no count print their heading alone, averages and stats of
+    no value 0 (bpftrace 0.17's output of `zero()` on each, checked by hand)."""
+    maps = [("a", "avg", [((), (0, 0))], (0, 0, 1)), ("h", "hist", [((), {3: 0})], (0, 0, 1)),
+            ("l", "lhist", [((), {1: 0})], (0, 10, 2)), ("s", "stats", [((), (0, 0))], (0, 0, 1))]  # fmt: skip
+    assert printed(maps) == "@a: 0\n\n@h: \n\n@l: \n\n@s: count 0, average 0, total 0\n\n"

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.errors import ProgramError
+from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import c_format, check_runnable
+from dynprobe.lang.target import TracerBlock, c_format, check_runnable
 
 
 def runnable(source: str) -> None:
@@ -66,7 +67,30 @@ def test_what_cannot_run_is_refused_at_its_span(source: str, says: str, at: str)
         ("%ld %llu %lx %hhd", [5, 6, 7, 8], "5 6 7 8"),
         ("%s|%10s|%c|%p|100%%", ["ab", "cd", 65, 4096], "ab|        cd|A|0x1000|100%"),
         ("no conversions\\n", [], "no conversions\\n"),
+        ("%q %5|%d", [3], "%q %5|3"),  # (what is no conversion stays as it is)
     ],
 )  # fmt: skip
 def test_printf_formats_as_c_does(fmt: str, values: list[int | str], expected: str) -> None:
     assert c_format(fmt, values) == expected
+
+
+def test_a_tracer_block_prints_clears_zeroes_and_exits() -> None:
+    """Its statements in order, each through the callback it names; exit() is said by run()."""
+    source = ('END { printf("%d %d %s\\n", @c[1], -@c[2], "x"); print(@c); print(@c, 2); clear(@c); zero(@d);'
+              ' time("at\\n"); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }')  # fmt: skip
+    checked = check_program(parse_program(source), source)
+    check_runnable(checked, source)
+    done: list[object] = []
+
+    def value(ref: S.MapRef) -> int:
+        key = ref.keys[0]
+        assert ref.name == "c" and isinstance(key, S.Int)
+        return {1: 5, 2: 7}[key.value]
+
+    block = TracerBlock(checked.program.probes[0], value=value, print_map=lambda name, top: f"<{name} {top}>",
+                        clear=lambda name, keep: done.append((name, keep)), write=done.append)  # fmt: skip
+    assert block.run() is True
+    assert done == ["5 -7 x\n", "<c 0>", "<c 2>", ("c", False), ("d", True), "at\n"]
+    quiet = check_program(parse_program("END { zero(@d); } uprobe:libc:free { @d = sum(arg0); }"), "")
+    assert TracerBlock(quiet.program.probes[0], value=value, print_map=lambda name, top: "",
+                       clear=lambda name, keep: None, write=done.append).run() is False  # fmt: skip

@@ -23,6 +23,7 @@ from dynprobe.cli.common import (
 )
 from dynprobe.errors import DynprobeError, ProgramError
 from dynprobe.lang.check import check_program
+from dynprobe.lang.maps import DEFAULT_SLOTS
 from dynprobe.lang.parser import parse_program
 from dynprobe.lang.target import check_runnable
 
@@ -113,8 +114,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             session.close()
             _write(out, "\n\n" + program.format_maps())
             for name, dropped in program.dropped().items():
-                print(f"dynprobe: @{name} was full: {dropped} updates dropped (it holds 4096 entries)",
-                      file=sys.stderr)  # fmt: skip
+                print(f"dynprobe: @{name} was full: {dropped} updates dropped (it took {len(program.entries(name))} "
+                      f"keys; a map holds {DEFAULT_SLOTS} at most)", file=sys.stderr)  # fmt: skip
             close_output(out)
         if args.pid is not None or program.called_exit():
             return 0

@@ -126,11 +126,7 @@ class _TargetCheck:
         kind = self.checked.type_of(expr).kind
         if kind not in ("int", "count", "sum", "min", "max", "avg"):
             raise self.refuse(f"a {kind} value", expr.span)
-        match expr:
-            case S.Builtin(name=name) if name in ("comm", "func", "probe", "ustack"):
-                raise self.refuse(name, expr.span)
-            case S.Call(name=name):
-                raise self.refuse(f"{name}()", expr.span)
+        match expr:  # (comm, func, probe, ustack and calls are refused above: no integer kind)
             case S.Var():
                 self.variable(expr)
             case S.MapRef():
@@ -179,8 +175,9 @@ def c_format(fmt: str, values: list[int | str]) -> str:
 
 class TracerBlock:
     """A BEGIN, END or interval body, run in the tracer: `run()` writes what it prints through
-    `write`, over maps read by `entries(name)` and changed by `clear(name, keep_keys)`; it
-    returns True if it called exit()."""
+    `write`, a map's value for literal keys read by `value(ref)`, a whole map formatted by
+    `print_map(name, top)`, maps changed by `clear(name, keep_keys)`; it returns True if it
+    called exit()."""
 
     def __init__(self, block: S.ProbeBlock, *, value: Callable[[S.MapRef], int], print_map: Callable[[str, int], str],
                  clear: Callable[[str, bool], None], write: Callable[[str], None]) -> None:  # fmt: skip
