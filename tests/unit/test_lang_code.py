@@ -24,8 +24,9 @@ from dynprobe.lang import maps, output
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, Region, key_hash, lay_out
 from dynprobe.lang.parser import parse_program
+from dynprobe.lang.target import PRINTF_NUMBER, printf_records
 from dynprobe.ringbuf import layout as L
-from tests.unit.native import NativeArea
+from tests.unit.native import NativeArea, field
 from tests.unit.test_codegen import LAYOUT, plan
 
 MASK = (1 << 64) - 1
@@ -42,7 +43,8 @@ class Compiled:
         self.memory = np.zeros(self.region.size // 8, dtype=np.uint64)
         self.region.initialize(self.memory)
         self.area = area
-        body = LangBody(program.probes[0], checked, self.memory.ctypes.data, self.region.tables, clock)
+        body = LangBody(program.probes[0], checked, self.memory.ctypes.data, self.region.tables, clock,
+                        printf_records(checked))  # fmt: skip
         self.program = Program(0, ActionKind.COUNT, lang=body)
 
         def actions(base: int) -> bytes:
@@ -484,3 +486,39 @@ def test_clear_hides_the_entries_and_zero_restarts_the_values(area: NativeArea) 
     assert code.entries("c") == {(1,): 0, (2,): 0} and code.entries("m") == {}
     code(1, 9)
     assert code.entries("c") == {(1,): 1, (2,): 0} and code.entries("m") == {(1,): 9}
+
+
+def test_printf_writes_a_record_of_its_values(area: NativeArea) -> None:
+    """Each printf() a record: its number, each integer (worked out as anywhere), each str()
+    copied (a length, a flag, the bytes: at most its length; unreadable: none), comm nothing
+    (the tracer's)."""
+    text = ctypes.create_string_buffer(b"hello, world")
+    code = Compiled(area, 'u:/bin/x:f { printf("%d %s %s\\n", arg0 * 2, str(arg1), comm); '
+                          'if (arg0 > 2) { printf("[%s] %u\\n", str(arg1, 5), -arg0); } }')  # fmt: skip
+    for n in (1, 3):
+        code(n, ctypes.addressof(text))
+    code(4, 0)
+    records = area.records()
+    assert [field(r, L.RECORD_PROBE, 2) for r in records] == [0] * 5
+    payload = [r[L.RECORD_HEADER :] for r in records]
+    assert [field(p, 0) for p in payload] == [0, 0, 1, 0, 1]
+    first = [p for p in payload if field(p, 0) == 0]
+    assert [field(p, PRINTF_NUMBER) for p in first] == [2, 6, 8]
+    strings = [(field(p, 16, 2), field(p, 18, 2), p[20 : 20 + field(p, 16, 2)]) for p in first]
+    assert strings == [(12, 0, b"hello, world"), (12, 0, b"hello, world"), (0, 0, b"")]
+    second = [p for p in payload if field(p, 0) == 1]
+    assert [(field(p, 8, 2), field(p, 10, 2), p[12 : 12 + field(p, 8, 2)]) for p in second] == [
+        (5, 1, b"hello"),
+        (0, 0, b""),
+    ]
+    assert [field(p, 8 + L.STRING_FIELD) for p in second] == [(-3) & MASK, (-4) & MASK]
+    assert area.counter(0, L.HITS) == 3 and area.counter(0, L.MISSED) == 0
+
+
+def test_a_printf_larger_than_the_record_size_is_refused() -> None:
+    source = 'u:/bin/x:f { printf("%s %s\\n", str(arg0), str(arg1)); }'
+    checked = check_program(parse_program(source), source)
+    region = lay_out(checked)
+    body = LangBody(checked.program.probes[0], checked, 0x10000, region.tables, NS_AS_TICKS, printf_records(checked))
+    detour = build_detour(plan(), [Program(0, ActionKind.COUNT, lang=body)], LAYOUT, 0x400000, function_entry=True)
+    assert detour == OptimizeRefusal.RECORD_TOO_LARGE

@@ -9,7 +9,8 @@ from dynprobe.errors import ProgramError
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import TracerBlock, c_format, check_runnable
+from dynprobe.lang.target import PrintfArg, TracerBlock, c_format, check_runnable, printf_records
+from dynprobe.ringbuf import layout as L
 
 
 def runnable(source: str) -> None:
@@ -22,6 +23,7 @@ def runnable(source: str) -> None:
         "uprobe:libc:malloc /arg0 > 16 && tid != 0/ { $x = arg0; @s[tid, cpu] = sum($x); @h = hist(arg0);"
         " @l = lhist(arg0, 0, 100, 10); @n++; @m[arg0] = max(nsecs); if (@n > 3) { delete(@m[arg0]); } exit(); }",
         "uretprobe:libc:malloc { @r = retval; @t = elapsed; @v = *(uint32 *)retval; @c = retval ? 1 : 2; }",
+        'uprobe:libc:strlen { printf("%d %s %s\\n", arg0 + 1, comm, str(arg0, 4)); if (arg0) { printf("x\\n"); } }',
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
     ],
@@ -33,7 +35,10 @@ def test_what_runs(source: str) -> None:
 @pytest.mark.parametrize(
     ("source", "says", "at"),
     [
-        ('uprobe:libc:malloc { printf("%d\\n", arg0); }', "printf() is not run in the target yet", "printf"),
+        ('uprobe:libc:malloc { printf("%s\\n", ustack); }', "a stack value", "ustack"),
+        ('uprobe:libc:malloc { printf("%s\\n", func); }', "a string value", "func"),
+        ('uprobe:libc:malloc { printf("' + "%s" * 60 + '", ' + ", ".join(["str(arg0)"] * 60) + "); }",
+         "a printf() of 4088 bytes of values (a record holds 4080)", "printf"),
         ("uprobe:libc:malloc { @[comm] = count(); }", "a map key that is not an integer", "comm"),
         ("uprobe:libc:malloc { @c = comm; }", "a map of strings (@c)", "@c"),
         ("uprobe:libc:malloc { @s[ustack] = count(); }", "a map key that is not an integer", "ustack"),
@@ -94,3 +99,22 @@ def test_a_tracer_block_prints_clears_zeroes_and_exits() -> None:
     quiet = check_program(parse_program("END { zero(@d); } uprobe:libc:free { @d = sum(arg0); }"), "")
     assert TracerBlock(quiet.program.probes[0], value=value, print_map=lambda name, top: "",
                        clear=lambda name, keep: None, write=done.append).run() is False  # fmt: skip
+
+
+def test_printf_records_are_laid_out_and_numbered_in_order() -> None:
+    """A record: the printf's number, then 8 bytes an integer, a string field a str() (its
+    length the most it copies: 63 bytes, or what str()'s literal says), nothing for comm; the
+    same call twice is one record; BEGIN's printf() is the tracer's, not a record."""
+    source = (
+        'BEGIN { printf("b\\n"); } uprobe:libc:strlen { printf("%s %d %s\\n", comm, arg0, str(arg0)); '
+        'if (arg0) { printf("%s\\n", str(arg0, 4)); printf("x\\n"); } } uretprobe:libc:strlen { printf("x\\n"); }'
+    )
+    checked = check_program(parse_program(source), source)
+    records = sorted(printf_records(checked).values(), key=lambda r: r.number)
+    assert [(r.number, r.fmt, r.size) for r in records] == [
+        (0, "%s %d %s\n", 8 + 8 + L.STRING_FIELD),
+        (1, "%s\n", 8 + L.STRING_FIELD),
+        (2, "x\n", 8),
+    ]
+    assert records[0].args == (PrintfArg("comm", 8), PrintfArg("int", 8), PrintfArg("str", 16, 63))
+    assert records[1].args == (PrintfArg("str", 8, 4),)

@@ -31,6 +31,7 @@ EXAMPLES = """\
 examples:
   dynprobe run -e 'uprobe:libc:malloc { @bytes[tid] = sum(arg0); @sizes = hist(arg0); }' -- ./app
   dynprobe run -e 'uprobe:libc:read /arg2 > 4096/ { @big = count(); }' -p 1234
+  dynprobe run -e 'uprobe:libc:open { printf("%s opens %s\\n", comm, str(arg0)); }' -- ./app
   dynprobe run latency.bt -c ./app     (latency.bt: uprobe:./app:parse { @start[tid] = nsecs; }
                                          uretprobe:./app:parse /@start[tid]/ {
                                            @ns = hist(nsecs - @start[tid]); delete(@start[tid]); })
@@ -42,8 +43,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p = sub.add_parser(
         "run", help="run a program in bpftrace's language",
         description="Run a program in bpftrace's language (its uprobes, uretprobes, maps, BEGIN, END and "
-                    "intervals) against a process: probe bodies are compiled into the target, no stop per hit. "
-                    "Maps are printed at the end as bpftrace prints them.",
+                    "intervals) against a process: probe bodies are compiled into the target, no stop per hit; "
+                    "what their printf()s print goes through the rings. Maps are printed at the end as bpftrace "
+                    "prints them.",
         epilog=EXAMPLES,
     )  # fmt: skip
     p.add_argument("script", nargs="?", metavar="FILE", help="the program, in a file")
@@ -110,12 +112,18 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             if not program.exited:
                 period = min([_POLL, *(seconds for seconds, _ in intervals)])
                 status = run_target(session, period, tick, ready=lambda: None)
+            session.drain()  # (what the probes printed comes before what END prints)
             program.run_blocks("END")
             session.close()
             _write(out, "\n\n" + program.format_maps())
             for name, dropped in program.dropped().items():
                 print(f"dynprobe: @{name} was full: {dropped} updates dropped (it took {len(program.entries(name))} "
                       f"keys; a map holds {DEFAULT_SLOTS} at most)", file=sys.stderr)  # fmt: skip
+            for probe in program.probes:
+                if probe.nmissed or probe.lost:
+                    print(f"dynprobe: {probe.name}: {probe.nmissed} hits did not run the body (a signal handler's "
+                          f"hit inside it, or a site left a trap), {probe.lost} printf() records lost (a full ring)",
+                          file=sys.stderr)  # fmt: skip
             close_output(out)
         if args.pid is not None or program.called_exit():
             return 0

@@ -90,7 +90,7 @@ class DataPath:
             problem = L.check_ring_bytes(self.ring_bytes)
             if problem is not None:
                 raise SessionError(problem)
-            need = max((payload_size(p.fields) for p in self.engine.probes if p.action == ActionKind.RECORD), default=0)
+            need = max((_record_bytes(p) for p in self.engine.probes), default=0)
             size = self.record_size or L.record_size_for(need)
             if size & (size - 1) or not L.RECORD_HEADER <= size <= min(L.MAX_RECORD_SIZE, self.ring_bytes):
                 raise SessionError(f"record size {size} is not a power of two from 16 to {L.MAX_RECORD_SIZE}")
@@ -103,17 +103,13 @@ class DataPath:
         limits = self._layout or _DEFAULT_LAYOUT
         if probe.index >= limits.max_probes or probe.hist_index >= limits.max_hists:
             return OptimizeRefusal.TOO_MANY_PROBES
-        if (
-            probe.action == ActionKind.RECORD
-            and self._layout is not None
-            and L.RECORD_HEADER + payload_size(probe.fields) > self._layout.record_size
-        ):
+        if self._layout is not None and L.RECORD_HEADER + _record_bytes(probe) > self._layout.record_size:
             return OptimizeRefusal.RECORD_TOO_LARGE
         return None
 
     def records(self) -> bool:
         """Whether anything of the session writes records (into the threads' rings)."""
-        return bool(self.engine.tracing.tracers) or any(p.action is ActionKind.RECORD for p in self.engine.probes)
+        return bool(self.engine.tracing.tracers) or any(_record_bytes(p) for p in self.engine.probes)
 
     # --- areas ----------------------------------------------------------------------------------
     def adopt(self, areas: ThreadAreas) -> None:
@@ -288,3 +284,10 @@ class DataPath:
 
     def thread_names(self) -> dict[int, str]:
         return {tid: name for (_, tid), (name, _) in self._comms.items()}
+
+
+def _record_bytes(probe: Probe) -> int:
+    """The payload of the largest record the probe writes (0: it writes none)."""
+    if probe.lang is not None:
+        return probe.lang.record_bytes
+    return payload_size(probe.fields) if probe.action == ActionKind.RECORD else 0

@@ -70,8 +70,9 @@ class Delivery:
 
     def _deliver_window(self, batches: list[RecordBatch], events: list[ProbeEvent]) -> None:
         """A BatchHandler gets the window's events at once, as columns, other handlers one event
-        object at a time."""
+        object at a time; a bpftrace program its probes' records, as they are."""
         columns: dict[BatchHandler, list[EventColumns]] = {}
+        programs: dict[Callable[[list[RecordBatch]], None], list[RecordBatch]] = {}
         for event in events:
             if isinstance(event.probe.on_event, BatchHandler):
                 columns.setdefault(event.probe.on_event, []).append(EventColumns.of(event))
@@ -82,6 +83,9 @@ class Delivery:
                 self.engine.tracing.deliver(tracer, batch)
                 continue
             probe = self.engine.probe_by_index(batch.probe_index)
+            if probe is not None and probe.lang is not None:
+                programs.setdefault(probe.lang.on_records, []).append(batch)
+                continue
             if probe is None or probe.on_event is None:
                 continue
             decoded = self._columns_of(probe, batch)
@@ -91,6 +95,8 @@ class Delivery:
                 events.extend(decoded.events())
         for handler, taken in columns.items():
             self._call_handler(taken[0].probe, lambda: handler.on_batches(taken))  # noqa: B023
+        for on_records, records in programs.items():
+            on_records(records)
         events.sort(key=lambda e: (e.time_ns, e.order))
         for event in events:
             on_event = event.probe.on_event

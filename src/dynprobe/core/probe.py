@@ -28,6 +28,18 @@ from dynprobe.symbols.resolve import Location
 
 if TYPE_CHECKING:
     from dynprobe.lang.maps import LangBody
+    from dynprobe.ringbuf.consumer import RecordBatch
+
+
+class ProgramBody(Protocol):
+    """A bpftrace program's probe body (core/programs.py): what its detour runs in the process
+    `pid` (`placed`), the payload bytes of its largest record (its printf()s'; 0: it writes
+    none), and what takes its records (a window of time's, all of the program's probes' at once)."""
+
+    @property
+    def record_bytes(self) -> int: ...
+    def placed(self, pid: int) -> LangBody | OptimizeRefusal: ...
+    def on_records(self, batches: list[RecordBatch]) -> None: ...
 
 
 class ProbeOwner(Protocol):
@@ -269,9 +281,8 @@ class Probe:
     stack_frames: int = 0  # counting by stack, walking at most this many frames (0: not by stack)
     trap_stacks: Counter[Stack] = field(default_factory=Counter)  # hits by stack counted at a stop
     trap_stack_sums: Counter[Stack] = field(default_factory=Counter)  # and their values summed
-    # A bpftrace program's probe (core/programs.py): the body its detour runs after the count,
-    # with the maps of the process (by pid) it runs in
-    lang: Callable[[int], LangBody | OptimizeRefusal] | None = None
+    # A bpftrace program's probe (core/programs.py): the body its detour runs after the count
+    lang: ProgramBody | None = None
 
     def __post_init__(self) -> None:
         stacks = (STACK_ARG,) if self.stack_frames and self.action == ActionKind.RECORD else ()
@@ -286,7 +297,7 @@ class Probe:
         return probe's return, not at its entry)."""
         body: LangBody | None = None
         if self.lang is not None and pid is not None:
-            placed = self.lang(pid)
+            placed = self.lang.placed(pid)
             if isinstance(placed, OptimizeRefusal):
                 raise Unsupported(placed)
             body = placed

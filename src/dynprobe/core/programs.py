@@ -8,13 +8,15 @@ the thread areas), mapped there when the first probe is placed in it; a fork chi
 parent's (the same memory: their updates add up). The maps are read whenever the tracer prints
 them, merged across the regions of every process the program ran in, after they ended too (our
 mappings stay): by BEGIN, END and interval bodies, which run in the tracer (`TracerBlock`), and
-at the end, every map, as bpftrace prints them.
+at the end, every map, as bpftrace prints them. A body's printf() writes a record into the
+thread's ring; the consumer hands each window of time's records here (`on_records`), which
+prints them in the order they were written.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +30,9 @@ from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, MapTable
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import TracerBlock, check_runnable
+from dynprobe.lang.target import PrintfRecord, TracerBlock, c_format, check_runnable, printf_records
+from dynprobe.ringbuf import layout as L
+from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.spec.model import ProbeSpec
 
 _RUN_IN_TARGET = ("uprobe", "uretprobe")
@@ -47,14 +51,18 @@ class _Region:
 class PlacedProgram:
     """A program's probes in a session, and its maps (see the module's docstring)."""
 
-    def __init__(self, source: str, filename: str, *, clock: Clock,
-                 process: Callable[[int], TracedProcess | None]) -> None:  # fmt: skip
+    def __init__(self, source: str, filename: str, *, clock: Clock, process: Callable[[int], TracedProcess | None],
+                 comm: Callable[[int, int], str]) -> None:  # fmt: skip
         program = parse_program(source, filename)
         self.checked = check_program(program, source, filename)
         check_runnable(self.checked, source, filename)
         self.region = maps.lay_out(self.checked)
+        self.printfs = printf_records(self.checked)
+        self._printf_by_number = {record.number: record for record in self.printfs.values()}
+        self.record_bytes = max((record.size for record in self.printfs.values()), default=0)
         self.clock = clock
         self.process = process  # the traced process of a pid
+        self.comm = comm  # a thread's name (pid, tid)
         self.probes: list[Probe] = []
         self._regions: dict[int, _Region | OptimizeRefusal] = {}  # by pid
         self._all: list[_Region] = []
@@ -73,19 +81,17 @@ class PlacedProgram:
                 kind = "r" if point.kind == "uretprobe" else "p"
                 where = f"{point.target}:{point.function}" + (f"+{point.offset}" if point.offset else "")
                 for spec in expand(f"{kind} {where}"):
-                    self.probes.append(probe(spec, lang=self._body(block)))
+                    self.probes.append(probe(spec, lang=_Body(self, block)))
 
-    def _body(self, block: S.ProbeBlock) -> Callable[[int], LangBody | OptimizeRefusal]:
-        def placed(pid: int) -> LangBody | OptimizeRefusal:
-            proc = self.process(pid)
-            if proc is None:
-                return OptimizeRefusal.SHARED_MEMORY
-            region = self._region_of(proc)
-            if isinstance(region, OptimizeRefusal):
-                return region
-            return LangBody(block, self.checked, region.address, self.region.tables, self.clock)
-
-        return placed
+    def placed(self, block: S.ProbeBlock, pid: int) -> LangBody | OptimizeRefusal:
+        """The block's body in process `pid`, over its region of the maps (mapped on first use)."""
+        proc = self.process(pid)
+        if proc is None:
+            return OptimizeRefusal.SHARED_MEMORY
+        region = self._region_of(proc)
+        if isinstance(region, OptimizeRefusal):
+            return region
+        return LangBody(block, self.checked, region.address, self.region.tables, self.clock, self.printfs)
 
     def _region_of(self, proc: TracedProcess) -> _Region | OptimizeRefusal:
         found = self._regions.get(proc.pid)
@@ -101,6 +107,36 @@ class PlacedProgram:
         self._regions[proc.pid] = region
         self._all.append(region)
         return region
+
+    # --- printf() records --------------------------------------------------------------------------
+    def on_records(self, batches: list[RecordBatch]) -> None:
+        """What the records of a window of time print, in the order they were written (a record
+        no printf() of the program wrote, which only the target could have made, is skipped)."""
+        lines: list[tuple[int, int, str]] = []
+        for batch in batches:
+            payload = batch.raw[:, L.RECORD_HEADER :]
+            numbers = payload[:, :8].copy().view(np.uint64)[:, 0].tolist()
+            for row, number, stamp, order in zip(payload, numbers, batch.time_ns.tolist(), batch.order.tolist(),
+                                                 strict=True):  # fmt: skip
+                record = self._printf_by_number.get(number)
+                if record is None or record.size > len(row):
+                    continue
+                values = list(self._values(record, row.tobytes(), batch.pid, batch.tid))
+                lines.append((stamp, order, c_format(record.fmt, values)))
+        lines.sort(key=lambda line: line[:2])
+        for *_, text in lines:
+            self.write(text)
+
+    def _values(self, record: PrintfRecord, row: bytes, pid: int, tid: int) -> Iterator[int | str]:
+        for arg in record.args:
+            at = arg.offset
+            if arg.kind == "comm":
+                yield self.comm(pid, tid)
+            elif arg.kind == "str":
+                length = min(int.from_bytes(row[at : at + 2], "little"), arg.chars)
+                yield row[at + 4 : at + 4 + length].decode("utf-8", "replace")
+            else:
+                yield int.from_bytes(row[at : at + 8], "little", signed=True)
 
     # --- the maps --------------------------------------------------------------------------------
     def entries(self, name: str) -> list[output.Entry]:
@@ -170,3 +206,18 @@ def _merge(table: MapTable, first: output.Value, second: output.Value) -> output
     if table.kind == "min":
         return min(first, second)
     return max(first, second) if table.kind == "max" else second
+
+
+class _Body:
+    """One block's body, as its probes carry it (core/probe.py's `ProgramBody`)."""
+
+    def __init__(self, program: PlacedProgram, block: S.ProbeBlock) -> None:
+        self.program, self.block = program, block
+        self.on_records = program.on_records  # (one for every block: a window's records are sorted together)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.program.record_bytes
+
+    def placed(self, pid: int) -> LangBody | OptimizeRefusal:
+        return self.program.placed(self.block, pid)

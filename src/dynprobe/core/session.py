@@ -26,14 +26,14 @@ from dynprobe.actions.filter import parse_filter, parse_value
 from dynprobe.actions.model import ActionKind, filter_args
 from dynprobe.core.datapath import FLIGHT_AND_THRESHOLD, SNAPSHOT_WITHOUT_FLIGHT
 from dynprobe.core.ftrace import FunctionTracer, Selection, TracedFunction, TracerEvent
-from dynprobe.core.probe import EventHandler, Handler, Probe
+from dynprobe.core.probe import EventHandler, Handler, Probe, ProgramBody
 from dynprobe.core.processes import signals_held
 from dynprobe.core.returns import RETURNS_TWICE, default_maxactive
 from dynprobe.core.runtime import Runtime
 from dynprobe.core.sites import check_location, default_event_name, identifier
 from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.core.traced import TracedProcess
-from dynprobe.errors import OptimizeRefusal, ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
+from dynprobe.errors import ProbeRefused, ProcessError, Refusal, SessionError, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.ptrace.process import Tracee
 from dynprobe.ptrace.process import attach as ptrace_attach
@@ -57,7 +57,6 @@ from dynprobe.symbols.resolve import (
 
 if TYPE_CHECKING:
     from dynprobe.core.programs import PlacedProgram
-    from dynprobe.lang.maps import LangBody
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -261,7 +260,7 @@ class Session:
         data_size: int = 0,
         by: str | None = None,
         max_frames: int = MAX_FRAMES,
-        lang: Callable[[int], LangBody | OptimizeRefusal] | None = None,
+        lang: ProgramBody | None = None,
     ) -> Probe:
         """Place a probe (a return probe for an 'r' spec; see `retprobe`). `spec_or_address` is a
         probe spec ('p:grp/ev libc:malloc size=%di'), a bare location ('main', 'main+4',
@@ -366,7 +365,7 @@ class Session:
         def process(pid: int) -> TracedProcess | None:
             return next((p for p in runtime.processes if p.pid == pid), None)
 
-        placed = PlacedProgram(source, filename, clock=clock, process=process)
+        placed = PlacedProgram(source, filename, clock=clock, process=process, comm=runtime.comm_of)
         placed.place(self.expand, functools.partial(self.probe, action="count"))
         return placed
 

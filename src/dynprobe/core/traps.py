@@ -143,7 +143,7 @@ class Traps:
                 self.engine.returns.on_entry(proc, tid, site, probe, regs, context, stamps)
                 continue
             if probe.action is not None:
-                if probe.action is _COUNT and probe.filter is None and not probe.stack_frames:
+                if probe.action is _COUNT and probe.filter is None and not probe.stack_frames and probe.lang is None:
                     probe.trap_hits += 1  # nothing to fetch: no context to build
                     continue
                 actions.append(probe)
@@ -294,7 +294,12 @@ class Traps:
         caller: int | None = None,
     ) -> None:
         """What the probe's detour (or return code) does, done at the stop (the probe is not
-        optimized yet, or cannot be): the same filter, counters, histogram and record."""
+        optimized yet, or cannot be): the same filter, counters, histogram and record. A
+        bpftrace body runs in the target only: its hit is counted missed."""
+        if probe.lang is not None:
+            probe.trap_hits += 1
+            probe.trap_missed += 1
+            return
         if probe.filter is not None:
             values: dict[str, int | None] = {}
             for arg in filter_args(probe.filter):

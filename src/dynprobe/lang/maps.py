@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import Checked
+from dynprobe.lang.target import PrintfRecord
 
 MASK64 = (1 << 64) - 1
 HASH_SEED = 0x2545F4914F6CDD1D
@@ -178,13 +179,14 @@ class Clock:
 @dataclass(frozen=True)
 class LangBody:
     """One probe block of a checked program, placed: its maps' tables at `region` in the
-    target."""
+    target, the records of the program's printf() calls."""
 
     block: S.ProbeBlock
     checked: Checked
     region: int
     tables: dict[str, MapTable]
     clock: Clock
+    printfs: dict[S.Call, PrintfRecord] = field(default_factory=dict)
 
     @property
     def exit_flag(self) -> int:

@@ -4,7 +4,9 @@ BEGIN, END and interval bodies run in the tracer, so they may only print, clear,
 exit. Anything else is refused here, before anything is placed, at its span, in bpftrace's
 form: never a probe that silently stays a slow trap.
 
-The tracer's side is here too: those bodies run over the maps as they are when they run
+A probe body's printf() writes a record into the thread's ring (`PrintfRecord`: its values,
+strings copied, comm left to the tracer) that the tracer formats. The tracer's side is here
+too: BEGIN, END and interval bodies run over the maps as they are when they run
 (`TracerBlock`), and `printf` formats as bpftrace's does (C's conversions).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from dynprobe.errors import ProgramError
 from dynprobe.lang import syntax as S
@@ -22,7 +25,8 @@ from dynprobe.ringbuf import layout as L
 MAX_KEYS = 16
 MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waiting (a map's keys beside them)
 MAX_VARIABLES = L.LANG_VARS_WORDS
-_IN_TARGET_CALLS = ("delete", "exit")
+_IN_TARGET_CALLS = ("delete", "exit", "printf")
+PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
 _TRACER_CALLS = ("printf", "print", "clear", "zero", "exit", "time")
 _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers and maps of integers)"
 
@@ -41,6 +45,68 @@ def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> No
                 raise ProgramError("a predicate is for uprobes (dynprobe runs BEGIN, END and intervals in the tracer)",
                                    source, probe.predicate.span, filename)  # fmt: skip
             _tracer_statements(probe.body, source, filename)
+
+
+@dataclass(frozen=True)
+class PrintfArg:
+    kind: str  # "int", "str" (copied: at most `chars` bytes) or "comm" (none: the tracer's)
+    offset: int  # in the record's payload
+    chars: int = 0
+
+
+@dataclass(frozen=True)
+class PrintfRecord:
+    """How a probe body's printf() goes through the ring: the record's payload is its number
+    (a u64), then each argument's value (8 bytes), string (a record's string field) or nothing
+    (comm)."""
+
+    number: int
+    fmt: str
+    args: tuple[PrintfArg, ...]
+
+    @property
+    def size(self) -> int:
+        last = self.args[-1] if self.args else None
+        return PRINTF_NUMBER if last is None else last.offset + _ARG_BYTES[last.kind]
+
+
+_ARG_BYTES = {"int": L.INT_FIELD, "str": L.STRING_FIELD, "comm": 0}
+
+
+def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
+    """The printf() calls of the program's uprobe and uretprobe bodies (one record layout for
+    calls that are the same), numbered in the order they appear."""
+    found: dict[S.Call, PrintfRecord] = {}
+
+    def walk(statements: tuple[S.Statement, ...]) -> None:
+        for statement in statements:
+            if isinstance(statement, S.If):
+                walk(statement.then)
+                walk(statement.otherwise)
+            elif isinstance(statement, S.ExprStatement) and isinstance(statement.expr, S.Call):
+                call = statement.expr
+                if call.name == "printf" and call not in found:
+                    found[call] = _record(len(found), call, checked)
+
+    for probe in checked.program.probes:
+        if any(p.kind in ("uprobe", "uretprobe") for p in probe.attach_points):
+            walk(probe.body)
+    return found
+
+
+def _record(number: int, call: S.Call, checked: Checked) -> PrintfRecord:
+    fmt = call.args[0]
+    assert isinstance(fmt, S.Str)
+    args, offset = [], PRINTF_NUMBER
+    for arg in call.args[1:]:
+        if isinstance(arg, S.Builtin) and arg.name == "comm":
+            args.append(PrintfArg("comm", offset))
+        elif isinstance(arg, S.Call) and arg.name == "str":
+            args.append(PrintfArg("str", offset, checked.type_of(arg).size - 1))
+        else:
+            args.append(PrintfArg("int", offset))
+        offset += _ARG_BYTES[args[-1].kind]
+    return PrintfRecord(number, fmt.value, tuple(args))
 
 
 def _tracer_statements(statements: tuple[S.Statement, ...], source: str, filename: str) -> None:
@@ -89,6 +155,8 @@ class _TargetCheck:
                             self.expression(arg, 1)
                     else:
                         self.expression(value, 1)
+                case S.ExprStatement(expr=S.Call(name="printf") as call):
+                    self.printf(call)
                 case S.ExprStatement(expr=S.Call(name=name) as call) if name in _TRACER_CALLS + _IN_TARGET_CALLS:
                     if name not in _IN_TARGET_CALLS:
                         raise self.refuse(f"{name}()", call.span)
@@ -97,6 +165,21 @@ class _TargetCheck:
                             self.map_keys(arg, 0)
                 case S.ExprStatement(expr=expr):
                     self.expression(expr, 0)
+
+    def printf(self, call: S.Call) -> None:
+        """Integers, comm and str() (its address and length integers) go into its record."""
+        for arg in call.args[1:]:
+            if isinstance(arg, S.Builtin) and arg.name == "comm":
+                continue
+            if isinstance(arg, S.Call) and arg.name == "str":
+                for part in arg.args:
+                    self.expression(part, 0)
+            else:
+                self.expression(arg, 0)
+        size = _record(0, call, self.checked).size
+        if L.RECORD_HEADER + size > L.MAX_RECORD_SIZE:
+            raise self.refuse(f"a printf() of {size} bytes of values (a record holds "
+                              f"{L.MAX_RECORD_SIZE - L.RECORD_HEADER})", call.span)  # fmt: skip
 
     def target(self, target: S.Var | S.MapRef) -> None:
         if isinstance(target, S.Var):

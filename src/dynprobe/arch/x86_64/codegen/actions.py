@@ -288,7 +288,7 @@ class Emitter:
         if prog.lang is not None:
             from dynprobe.arch.x86_64.codegen.lang import BodyCompiler  # (only programs in bpftrace's language)
 
-            BodyCompiler(self, prog.lang, layout.counter(prog.probe_index, L.MISSED)).emit()
+            BodyCompiler(self, prog.lang, prog.probe_index).emit()
         asm.bind(done)
 
     def return_entry(self, prog: Program, entry: ReturnEntry) -> None:
@@ -328,24 +328,29 @@ class Emitter:
         asm.bind(store)
         asm.add(iced.Instruction.create_mem(C.INC_RM64, gs_at(self.layout.hist(prog.hist_index), index=R.RAX, scale=8)))
 
+    def record_header(self, probe_index: int) -> None:
+        """The header of the record at rsi: the time-stamp counter, the probe, no faults yet,
+        the CPU (rax, rcx, rdx used)."""
+        asm, ring = self.asm, self.layout.ring
+        if has_rdpid():
+            asm.add(iced.Instruction.create(C.RDTSC))
+            self.cpu_number()
+        else:
+            asm.add(iced.Instruction.create(C.RDTSCP))
+            asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, TSC_AUX_CPU))
+        asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
+        asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(ring + L.RECORD_TSC, R.RSI), R.RAX))
+        # The header's first 8 bytes: the probe, faults none yet (one store), then the CPU
+        header = gs_at(ring + L.RECORD_PROBE, R.RSI)
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, header, probe_index))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, gs_at(ring + L.RECORD_CPU, R.RSI), R.CX))
+
     def record(self, prog: Program) -> None:
         asm, ring = self.asm, self.layout.ring
 
         def write() -> None:
-            # The time-stamp counter, and in ecx the CPU
-            if has_rdpid():
-                asm.add(iced.Instruction.create(C.RDTSC))
-                self.cpu_number()
-            else:
-                asm.add(iced.Instruction.create(C.RDTSCP))
-                asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, TSC_AUX_CPU))
-            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RDX, 32))
-            asm.add(iced.Instruction.create_reg_reg(C.OR_R64_RM64, R.RAX, R.RDX))
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(ring + L.RECORD_TSC, R.RSI), R.RAX))
-            # The header's first 8 bytes: the probe, faults none yet (one store), then the CPU
-            header = gs_at(ring + L.RECORD_PROBE, R.RSI)
-            asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, header, prog.probe_index))
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM16_R16, gs_at(ring + L.RECORD_CPU, R.RSI), R.CX))
+            self.record_header(prog.probe_index)
             self.in_record = True
             for bit, fld in enumerate(prog.fields):
                 if not fld.in_record:
@@ -394,15 +399,20 @@ class Emitter:
             asm.add(iced.Instruction.create_reg_i32(C.AND_RM32_IMM32, R.ECX, TSC_AUX_CPU))
 
     def string(self, arg: FetchArg, at: int, bit: int, faulted: int) -> None:
-        """Copy a NUL-terminated string of at most STRING_CAPACITY bytes into the record at `at`
-        (rsi = the record's offset in the ring): u16 length, u16 flags, the bytes."""
+        """Copy the string a fetch names into the record at `at` (see `copy_string`)."""
+        self.address(arg.fetch, faulted)
+        self.copy_string(at, bit, faulted)
+
+    def copy_string(self, at: int, bit: int, faulted: int, *, limit: int = L.STRING_CAPACITY) -> None:
+        """Copy the NUL-terminated string at rax, at most `limit` bytes, into the record at
+        `at` (rsi = the record's offset in the ring): u16 length, u16 flags, the bytes; none
+        readable: fault `bit` set (rax, rdx, rdi used)."""
         asm = self.asm
         loop, truncated, ended = asm.label(), asm.label(), asm.label()
         after = asm.label()
-        self.address(arg.fetch, faulted)
         asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDI, R.EDI))
         asm.bind(loop)
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, L.STRING_CAPACITY))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, limit))
         asm.jump(C.JAE_REL32_64, truncated)
         partial = asm.label()
         asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EDX, mem_at(R.RAX, 0, R.RDI)), partial)

@@ -1,8 +1,9 @@
 """A bpftrace program's probe body (lang/) as machine code, run in a detour's full form
 (codegen/actions.py's `Emitter`: the saved registers, fault fix-ups): its predicate, its
 statements, its maps updated in place in the program's region (lang/maps.py) with atomic
-instructions. (lang/target.py refuses beforehand what is not compiled here: strings, stacks,
-printf in a probe body.)
+instructions, its printf() calls as records in the thread's ring (lang/target.py's
+`PrintfRecord`). (lang/target.py refuses beforehand what is not compiled here: strings and
+stacks but in printf().)
 
 A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
 right one is worked out (`LANG_TEMPS`, a word a level of nesting: the detour's stack holds the
@@ -21,9 +22,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.codegen.asm import L_MASK64, Asm, C, R, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.asm import L_MASK64, Asm, C, R, Unsupported, gs_at, mem_at, read_tsc
+from dynprobe.arch.x86_64.codegen.records import ring_record
 from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import syntax as S
 from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
 from dynprobe.ringbuf import layout as L
@@ -44,20 +47,26 @@ class Emitting(Protocol):
     """What a body needs of the detour's code generator (codegen/actions.py's `Emitter`)."""
 
     asm: Asm
+    layout: L.AreaLayout
 
     def load_reg(self, name: str) -> None: ...  # rax = the register at the site (its saved copy)
 
     def cpu_number(self) -> None: ...  # ecx = the thread's CPU
 
+    def record_header(self, probe_index: int) -> None: ...  # the header of the record at rsi
+
+    def copy_string(self, at: int, bit: int, faulted: int, *, limit: int) -> None: ...  # rax's, into it
+
 
 class BodyCompiler:
     """Emits one `LangBody` through an `Emitter` (whose asm it appends to)."""
 
-    def __init__(self, emitter: Emitting, body: LangBody, missed: int) -> None:
+    def __init__(self, emitter: Emitting, body: LangBody, probe_index: int) -> None:
         self.emitter = emitter
         self.asm: Asm = emitter.asm
         self.body = body
-        self.missed = missed  # the thread-area offset of the probe's missed counter
+        self.probe_index = probe_index
+        self.missed = emitter.layout.counter(probe_index, L.MISSED)
         self.variables: dict[str, int] = {}  # a scratch variable's word in LANG_VARS
 
     # --- the body ------------------------------------------------------------------------------
@@ -103,6 +112,8 @@ class BodyCompiler:
                 self.assign(target, op, value)
             case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
                 self.delete(target)
+            case S.ExprStatement(expr=S.Call(name="printf") as call):
+                self.printf(call)
             case S.ExprStatement(expr=S.Call(name="exit")):
                 asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.exit_flag))
                 asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RAX), 1))
@@ -110,6 +121,30 @@ class BodyCompiler:
                 self.expression(expr, 0)
             case _:  # (lang/target.py refuses every other statement in a probe body)
                 raise AssertionError(statement)
+
+    def printf(self, call: S.Call) -> None:
+        """A record of the printf's values in the thread's ring (a full ring: waited on, or
+        counted lost, as any record)."""
+        asm, layout = self.asm, self.emitter.layout
+        record = self.body.printfs[call]
+        if L.RECORD_HEADER + record.size > layout.record_size:  # (the rings' record size was fixed before)
+            raise Unsupported(OptimizeRefusal.RECORD_TOO_LARGE)
+
+        def write() -> None:
+            self.emitter.record_header(self.probe_index)
+            payload = layout.ring + L.RECORD_HEADER
+            asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(payload, R.RSI), record.number))
+            for bit, (arg, expr) in enumerate(zip(record.args, call.args[1:], strict=True)):
+                at = payload + arg.offset
+                if arg.kind == "int":
+                    self.expression(expr, 0)
+                    asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(at, R.RSI), R.RAX))
+                elif arg.kind == "str":
+                    assert isinstance(expr, S.Call)
+                    self.expression(expr.args[0], 0)
+                    self.emitter.copy_string(at, bit, asm.label(), limit=arg.chars)
+
+        ring_record(asm, layout, self.probe_index, R.RSI, write)
 
     # --- expressions ---------------------------------------------------------------------------
     def expression(self, expr: S.Expr, depth: int) -> None:
