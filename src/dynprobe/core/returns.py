@@ -108,6 +108,11 @@ BACKTRACE_ENTRY = "_Unwind_Backtrace"
 CATCH_ENTRY = "__cxa_begin_catch"
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
+# an entry's words (see ringbuf/layout.py), as indices into the list of them
+_SLOT, _RET, _PROBE = L.ENTRY_SLOT // 8, L.ENTRY_RET // 8, L.ENTRY_PROBE // 8
+_TSC, _RETURN_TSC, _DATA = L.ENTRY_TSC // 8, L.ENTRY_RETURN_TSC // 8, L.ENTRY_DATA // 8
+_POINTS_BYTES = L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
+_UPCALL_ENTRIES, _UPCALL_RSI = L.UPCALL_ENTRIES // 8, L.UPCALL_RSI // 8
 _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 _UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
@@ -140,6 +145,7 @@ def shadow_stack_enabled(pid: int) -> bool:
 class ReturnProbes:
     def __init__(self, engine: ReturnsEngine) -> None:
         self.engine = engine
+        self._shadow: int | None = None  # the shadow stack's first word in a thread area (the layout's, once fixed)
 
     # --- policy -------------------------------------------------------------------------------------
     @staticmethod
@@ -386,13 +392,12 @@ class ReturnProbes:
     def _taken_at_upcall(self, cells: memoryview, index: int, slot: int) -> int | None:
         """The entry the upcall detour took for probe `index` at return-address `slot` (an
         offset in UPCALL_ENTRIES, checked: the thread area is the target's to write)."""
-        for i in range(L.UPCALL_ENTRIES_MAX):
-            offset = cells[L.UPCALL_ENTRIES // 8 + i]
+        for offset in cells[_UPCALL_ENTRIES : _UPCALL_ENTRIES + L.UPCALL_ENTRIES_MAX].tolist():
             k, rest = divmod(offset, L.SHADOW_ENTRY)
             if rest or k >= L.SHADOW_CAPACITY:
                 continue  # (-1: missed)
             at = self._at(k)
-            if cells[at + L.ENTRY_SLOT // 8] == slot and cells[at + L.ENTRY_PROBE // 8] & 0xFFFF_FFFF == index:
+            if cells[at + _SLOT] == slot and cells[at + _PROBE] & 0xFFFF_FFFF == index:
                 return k
         return None
 
@@ -447,25 +452,24 @@ class ReturnProbes:
             return
         k = offset // L.SHADOW_ENTRY
         at = self._at(k)
-        index = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
-        probe = self.engine.probe_by_index(index)
+        entry = words[at : at + _WORDS_PER_ENTRY].tolist()  # (read once, before the entry goes)
+        probe = self.engine.probe_by_index(entry[_PROBE] & 0xFFFF_FFFF)
         if probe is None:
             return
-        if int(words[at + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_VETOED:
+        if entry[_PROBE] >> 32 & L.ENTRY_VETOED:
             returns.instances.pop((tid, k), None)
             return  # (its entry handler vetoed it: nothing runs, nothing is counted)
-        _, caller = through_entry_points(
-            int(words[at + L.ENTRY_RET // 8]), returns.trampoline.points,
-            lambda k: int(words[self._at(k) + L.ENTRY_RET // 8]),
-        )  # fmt: skip
+        caller, points = entry[_RET], returns.trampoline.points
+        if 0 <= caller - points < _POINTS_BYTES:  # (other return probes of the call hooked it before)
+            _, caller = through_entry_points(caller, points, lambda k: int(words[self._at(k) + _RET]))
         # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
-        ticks = max(0, int(words[at + L.ENTRY_RETURN_TSC // 8]) - int(words[at + L.ENTRY_TSC // 8]))
-        data = [int(words[at + L.ENTRY_DATA // 8 + i]) for i in range(len(ARG_REGS))]  # (before the entry goes)
+        ticks = max(0, entry[_RETURN_TSC] - entry[_TSC])
+        data = entry[_DATA : _DATA + len(ARG_REGS)]
         base = int(regs.rsp)
         tracee = proc.tracee
         view = Regs.from_buffer_copy(regs)
         if cells is not None:
-            view.rsi = cells[L.UPCALL_RSI // 8]
+            view.rsi = cells[_UPCALL_RSI]
         else:
             saved = tracee.read(base, 8 * len(SAVED_AT))
             for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
@@ -488,11 +492,12 @@ class ReturnProbes:
             probe.trap_hits += 1
             hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
                       instance.data if instance else None, caller)  # fmt: skip
-            rax, rdx = int(view.rax), int(view.rdx)
-            call_handler(probe.on_return, hit, self.engine.handler_failed, anything=cells is not None)
             if cells is not None:
+                call_handler(probe.on_return, hit, self.engine.handler_failed, anything=True)
                 regs.rax, regs.rdx = view.rax, view.rdx
                 return
+            rax, rdx = int(view.rax), int(view.rdx)
+            call_handler(probe.on_return, hit, self.engine.handler_failed)
             if int(view.rax) != rax:
                 tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
             if int(view.rdx) != rdx:
@@ -549,7 +554,10 @@ class ReturnProbes:
                 self._free(proc, tid, words, k)
 
     def _at(self, k: int) -> int:
-        return self.engine.layout.shadow // 8 + k * _WORDS_PER_ENTRY
+        """The first word of shadow entry `k` in a thread area."""
+        if self._shadow is None:
+            self._shadow = self.engine.layout.shadow // 8
+        return self._shadow + k * _WORDS_PER_ENTRY
 
     def _swap(
         self, proc: TracedProcess, words: np.ndarray, entries: list[tuple[int, int, int]], restore: bool

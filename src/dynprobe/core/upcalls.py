@@ -67,6 +67,8 @@ MOVE_EVERY = 0.01  # seconds between two moves of the server away from a thread 
 MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at once
 _STATE = L.UPCALL_STATE // 8
 _RING = L.DOORBELL_RING // 8
+_REGION, _SITE, _CPU, _SLEEPING = (at // 8 for at in (L.UPCALL_REGION, L.UPCALL_SITE, L.UPCALL_CPU, L.UPCALL_SLEEPING))
+_REQUEST, _FRAME_BYTES = L.UPCALL_REQUEST, ctypes.sizeof(Regs)
 
 
 class UpcallsEngine(Protocol):
@@ -335,7 +337,7 @@ class Upcalls:
                         askers = list(self._areas())
                         continue
                     for asker in askers:
-                        if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST and self._serving.is_set():
+                        if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST and self._serving.is_set():
                             self._answer(asker)
                 except ValueError:  # (a process ended meanwhile: its areas' memory is let go under us)
                     seen = ()
@@ -443,11 +445,11 @@ class Upcalls:
         hit), set where it goes on, and answer it: whatever happens, it is answered. The
         handlers of a process we do not follow (a vfork child) do not run."""
         cells, proc = asker.cells, asker.proc
-        if cells[_STATE] & 0xFFFFFFFF != L.UPCALL_REQUEST:
+        if cells[_STATE] & 0xFFFFFFFF != _REQUEST:
             return  # (answered meanwhile)
         view, at = asker.view, asker.frame
         regs = Regs.from_buffer_copy(view, at)
-        region, site_addr = cells[L.UPCALL_REGION // 8], cells[L.UPCALL_SITE // 8]
+        region, site_addr = cells[_REGION], cells[_SITE]
         asked_at = regs.rip  # the site (before its instruction) or the next one (after)
         site = proc.sites.get(site_addr) if proc is not None else None
         returned = proc is not None and proc.returns is not None and site_addr == proc.returns.upcall_stub
@@ -468,13 +470,13 @@ class Upcalls:
                 if resume is None or resume.get(site_addr) != region:
                     resume = {site_addr: region}  # (a detour made before the site's last one)
                 regs.rip = resume.get(target, target)
-            view[at : at + ctypes.sizeof(Regs)] = regs
+            view[at : at + _FRAME_BYTES] = regs
             cells[_STATE] = L.UPCALL_ANSWERED
             with self._fence:  # (see the detour's SLEEPING)
                 pass
-            if cells[L.UPCALL_SLEEPING // 8]:
+            if cells[_SLEEPING]:
                 sc.futex_wake(asker.state)
-            if self._spin and cells[L.UPCALL_CPU // 8] == self._cpu:
+            if self._spin and cells[_CPU] == self._cpu:
                 self._make_room(self._cpu)
 
     def _address(self, area: AreaRef) -> int:
