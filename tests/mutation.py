@@ -152,9 +152,6 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("spec/parser.py", 'kind = head.split(":", 1)[0]', "1 -> 2"): (
         "the first piece of a split is the same whatever the most splits"
     ),
-    ("arch/x86_64/optimize.py", "if site + JMP_REL32_LEN > func_end:", "+ -> -"): (
-        "the region's walk refuses the same sites as TOO_SHORT: no instruction starts past the function's end"
-    ),
     **{
         ("arch/x86_64/codegen/lang.py", line, change): (
             "where a body's temporaries begin: any free words of the thread area serve (the words below LANG_TEMPS "

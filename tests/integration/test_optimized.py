@@ -146,6 +146,25 @@ def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
     assert {name: probes[name].hits for name in expected} == expected
 
 
+@pytest.mark.parametrize("flags", [("-O1", "-fjump-tables"), ("-O2", "-fno-pie", "-no-pie")])
+def test_a_switch_table_and_a_tiny_function_take_a_jump(flags: tuple[str, ...]) -> None:
+    """dispatch() jumps through a switch table (relative offsets in a PIE, addresses without):
+    read, no case in its first bytes; zero() is 3 bytes, its jump covering the padding after
+    it. Both optimized, the counts exact, the program's output its own; count_down() loops back
+    into its first bytes and stays a trap."""
+    switchy = build_target(f"switchy{'-nopie' if '-no-pie' in flags else ''}", "switchy.c", flags=flags)
+    rounds = 3000
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        return [session.probe(name) for name in ("dispatch", "zero", "count_down")]
+
+    status, out, (dispatch, zero, count_down) = traced([switchy, str(rounds)], setup, optimize=True)
+    assert (status, out) == (0, run_plain([switchy, str(rounds)]).stdout)
+    assert dispatch.mode == zero.mode == OPTIMIZED, (dispatch.trap_reason, zero.trap_reason)  # type: ignore[attr-defined]
+    assert count_down.trap_reason == OptimizeRefusal.JUMP_INTO_REGION  # type: ignore[attr-defined]
+    assert (dispatch.hits, zero.hits, count_down.hits) == (rounds + 1, rounds, 1)  # type: ignore[attr-defined]
+
+
 def test_a_five_byte_leaf_ending_in_ret_is_optimized_for_every_mechanism(opt: str) -> None:
     """add_one is `lea rax,[rdi+1]; ret`, the 5 bytes a jump replaces: its `ret` runs from the
     detour. An entry probe and a return probe ($retval from the trampoline), then the function

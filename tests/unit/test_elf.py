@@ -231,6 +231,7 @@ def test_an_xbegin_s_abort_target_is_a_branch_target() -> None:
 
     code = bytes.fromhex("90" * 16 + "c7f8" + (0x20).to_bytes(4, "little", signed=True).hex() + "c3" * 64)
     image = SimpleNamespace(segments=[SimpleNamespace(executable=True, vaddr=0x1000, filesz=len(code), offset=0)],
-                            data=code, own_functions=[], eh_frame_ranges=lambda: [], path="x")  # fmt: skip
+                            data=code, own_functions=[], eh_frame_ranges=lambda: [], path="x", is_pie=True,
+                            _relocations=lambda: iter(()))  # fmt: skip
     targets = BranchTargets(image)  # type: ignore[arg-type]
     assert 0x1000 + 16 + 6 + 0x20 in targets and 0x1000 + 16 + 6 + 0x21 not in targets

@@ -52,7 +52,7 @@ TABLE: dict[str, tuple[str, int, tuple[int, ...], OptimizeRefusal | int]] = {
 @pytest.mark.parametrize(("name", "case"), TABLE.items(), ids=list(TABLE))
 def test_can_optimize(name: str, case: tuple[str, int, tuple[int, ...], OptimizeRefusal | int]) -> None:
     code, site, others, expected = case
-    result = can_optimize(bytes.fromhex(code), F, F + site, frozenset(F + o for o in others))
+    result = can_optimize(bytes.fromhex(code), F, F + site, other_probes=frozenset(F + o for o in others))
     if isinstance(expected, OptimizeRefusal):
         assert result == expected
     else:

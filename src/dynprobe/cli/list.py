@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 from dynprobe.arch.x86_64 import ResumeKind, decode_one, plan_resume
-from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize
+from dynprobe.arch.x86_64.optimize import OptimizePlan
 from dynprobe.cli.common import UsageError, add_demangle_option, report_error
 from dynprobe.errors import DynprobeError, Refusal
 from dynprobe.spec.model import split_location
@@ -45,7 +45,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def jump_verdict(image: ElfImage, addr: int, size: int) -> str:
     """Whether the entry could take a 5-byte jump (optimized probe), or why not."""
-    plan = can_optimize(image.code(addr, size), addr, addr, module_targets=image.branch_targets())
+    plan = image.jump_plan(addr, size, addr)
     return "yes" if isinstance(plan, OptimizePlan) else plan.name
 
 

@@ -39,7 +39,6 @@ from dynprobe.arch.x86_64.codegen.ftrace import (
     build_tracer_site,
     call_to,
 )
-from dynprobe.arch.x86_64.optimize import can_optimize
 from dynprobe.core.engine import Engine
 from dynprobe.core.returns import RETURNS_TWICE
 from dynprobe.core.slots import PlacedCode
@@ -429,21 +428,21 @@ class Tracing:
         addr = address_of_offset(maps, file_key(func.path), func.path, offset) if offset is not None else None
         if addr is None:
             return "NOT_MAPPED"
-        code = image.code(func.vaddr, func.size)
+        code = image.code(func.vaddr, func.size) + image.padding_after(func.vaddr + func.size)
         # After an endbr64 when there is one: a call through a pointer must still land on it (IBT).
         skip = len(ENDBR64) if code.startswith(ENDBR64) else 0
         bias = addr - func.vaddr
-        plan = can_optimize(code, addr, addr + skip, frozenset(), image.branch_targets(), bias)
+        plan = image.jump_plan(func.vaddr, func.size, addr + skip, bias=bias)
         if isinstance(plan, OptimizeRefusal) and skip:
             skip = 0
-            plan = can_optimize(code, addr, addr, frozenset(), image.branch_targets(), bias)
+            plan = image.jump_plan(func.vaddr, func.size, addr, bias=bias)
         if isinstance(plan, OptimizeRefusal):
             return plan.name
         addr += skip
-        if any(addr <= a < addr + plan.length for a in proc.sites):
+        if any(addr <= a < addr + plan.overwritten for a in proc.sites):
             return "PROBED"  # a probe's int3 or jump is there
-        original = code[skip : skip + plan.length]
-        if proc.tracee.read(addr, plan.length) != original:
+        original = code[skip : skip + plan.overwritten]
+        if proc.tracee.read(addr, plan.overwritten) != original:
             return "BYTES_MISMATCH"
         if any(addr < rip < addr + plan.length for rip in rips):
             return "BUSY"  # a thread is inside the patched bytes now

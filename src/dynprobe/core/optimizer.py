@@ -22,7 +22,7 @@ from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour, Unsupported
 from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, UpcallReturns, build_upcall
-from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan, can_optimize
+from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan
 from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code
 from dynprobe.core.traced import TracedProcess
@@ -220,13 +220,13 @@ class Optimizer:
         if func is None or not func.size:
             return OptimizeRefusal.FUNCTION_UNKNOWN
         bias = site.addr - loc.vaddr
-        code = image.code(func.addr, func.size)
-        plan = can_optimize(code, func.addr + bias, site.addr, proc.sites, image.branch_targets(), bias)
+        plan = image.jump_plan(func.addr, func.size, site.addr, bias=bias, other_probes=proc.sites)
         if isinstance(plan, OptimizeRefusal):
             return plan
         start = loc.vaddr - func.addr
-        original = code[start : start + plan.length]
-        if proc.tracee.read(site.addr + 1, plan.length - 1) != original[1:]:
+        code = image.code(func.addr, func.size) + image.padding_after(func.end)
+        original = code[start : start + plan.overwritten]
+        if proc.tracee.read(site.addr + 1, plan.overwritten - 1) != original[1:]:
             return OptimizeRefusal.UNDECODABLE  # the target changed its own code there
         return plan, original
 

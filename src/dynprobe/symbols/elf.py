@@ -16,8 +16,9 @@ import io
 import itertools
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from elftools.common.exceptions import DWARFError, ELFError
@@ -29,11 +30,14 @@ from elftools.elf.sections import Section, SymbolTableSection
 
 from dynprobe.arch.x86_64.unwind import CfiSection, UnwindTable, compile_sections
 from dynprobe.debug import debug as _debug
-from dynprobe.errors import ElfError, SymbolError
+from dynprobe.errors import ElfError, OptimizeRefusal, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.output.files import FileTooLarge, NotRegularFile, read_regular
 from dynprobe.symbols import files, unwind_cache
 from dynprobe.symbols.demangle import names_of
+
+if TYPE_CHECKING:
+    from dynprobe.arch.x86_64.optimize import OptimizePlan
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ _STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
 _VER_FLG_BASE = 1  # a version definition that names the file itself, not a version
 _RELA = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
 _R_X86_64_IRELATIVE = 37
+_ADDRESS_RELOCATIONS = (8, _R_X86_64_IRELATIVE)  # R_X86_64_RELATIVE: the addend is an address in the file
 _SYMBOL_RELOCATIONS = (1, 6, 7)  # R_X86_64_64, GLOB_DAT, JUMP_SLOT
 _PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
@@ -407,6 +412,38 @@ class ElfImage:
             return b""
         return self.data[off : off + size]
 
+    def read(self, vaddr: int, size: int) -> bytes | None:
+        """The file's `size` bytes at link-time address `vaddr`, if one segment holds them all."""
+        for seg in self.segments:
+            if seg.vaddr <= vaddr and vaddr + size <= seg.vaddr + seg.filesz:
+                data = self.data[seg.offset + vaddr - seg.vaddr : seg.offset + vaddr - seg.vaddr + size]
+                return data if len(data) == size else None
+        return None
+
+    def padding_after(self, end: int) -> bytes:
+        """The bytes from `end` (a function's end) to the next 16-byte boundary, cut where a
+        function starts: what a tiny function's jump may cover (optimize.py checks they are
+        padding)."""
+        stop = (end + 15) & ~15
+        i = bisect.bisect_left(self._starts, end)
+        if i < len(self._starts):
+            stop = min(stop, self._starts[i])
+        return self.code(end, stop - end) if stop > end and self.is_executable(end) else b""
+
+    def jump_plan(self, addr: int, size: int, site: int, *, bias: int = 0,
+                  other_probes: Container[int] = frozenset()) -> OptimizePlan | OptimizeRefusal:  # fmt: skip
+        """Whether `site` (where it runs, `bias` above its link-time address) of the function at
+        link-time `addr` (`size` bytes) can take a jump: arch/x86_64/optimize.py's rules over this
+        file's bytes (its switch tables, the padding after the function) and where its code may
+        land. The jump replaces `plan.overwritten` bytes: `self.code(addr, size) +
+        self.padding_after(addr + size)` from the site on."""
+        from dynprobe.arch.x86_64.optimize import can_optimize
+
+        return can_optimize(
+            self.code(addr, size), addr + bias, site, other_probes=other_probes, module_targets=self.branch_targets(),
+            bias=bias, read=lambda at, count: self.read(at - bias, count), padding=self.padding_after(addr + size),
+        )  # fmt: skip
+
     # --- functions ----------------------------------------------------------------------------
     def function_at(self, vaddr: int) -> Function | None:
         """The function (symbol with a size, else an unwind-table range) containing `vaddr`."""
@@ -625,8 +662,13 @@ class ElfImage:
 
 
 class BranchTargets:
-    """The link-time addresses the direct branches of a file land on, as a container, without
-    decoding the whole file at every run. A branch with a 32-bit displacement (call, jmp, jcc)
+    """The link-time addresses a file's code may land on, as a container: where its direct
+    branches land, and the code addresses it takes (an indirect jump's targets: the addends of
+    its RELATIVE and IRELATIVE relocations, the targets of its RIP-relative `lea`s, numpy taking
+    any byte that could start one as one; a file that is not position-independent holds absolute
+    addresses with no relocation: an address is taken there when its bytes appear anywhere in
+    the file). The branches are found without decoding the whole file at every run. A branch
+    with a 32-bit displacement (call, jmp, jcc)
     may come from anywhere: numpy takes every byte of executable code that could start one as
     one, a superset of the real ones; when one lands on an address asked about, the function it
     is in (a symbol's or an unwind-table range) is decoded to see whether it is a branch (one in
@@ -648,6 +690,7 @@ class BranchTargets:
         # branches everywhere (real code: one byte in 30), make every address a target (probes
         # stay traps) rather than take memory without bound.
         found: list[tuple[np.ndarray, np.ndarray]] = []
+        leas: list[np.ndarray] = [np.zeros(0, np.int64)]
         places = scanned = 0
         self.everything = False
         for seg in image.segments:
@@ -656,8 +699,9 @@ class BranchTargets:
             size = max(0, min(seg.filesz, len(image.data) - seg.offset))
             scanned += size
             for at in range(0, size, self._SCAN):  # (overlapping by a branch's length)
-                code = image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 5)]
+                code = image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 6)]
                 found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
+                leas.append(_rip_leas(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
                 places += len(found[-1][0])
                 if places > scanned // 8 + self._ANY_FILE or scanned > 4 * len(image.data):
                     self.everything, found = True, []
@@ -666,6 +710,11 @@ class BranchTargets:
         targets = np.concatenate([np.zeros(0, np.int64), *(to for _, to in found)])
         order = np.argsort(targets, kind="stable")
         self.sources, self.targets = sources[order], targets[order]  # by target
+        with _parsing(image.path):
+            addends = [rows["addend"][np.isin(rows["info"] & 0xFFFF_FFFF, _ADDRESS_RELOCATIONS)]
+                       for rows, _ in image._relocations()]  # fmt: skip
+        absolute = [] if image.is_pie or self.everything else self._absolute_addresses()
+        self.taken = np.unique(np.concatenate([*leas, *(a.astype(np.int64) for a in addends), *absolute]))
         # (The file's own symbols: a function only its debug file names has an unwind-table
         # range as a rule, and a candidate in no range counts as a branch, so a probe may stay a
         # trap, never go wrong: not worth reading the debug file, ~30 ms for libc's.)
@@ -684,6 +733,31 @@ class BranchTargets:
             return True
         if not isinstance(addr, int):
             return False
+        return self.is_taken(addr) or self._branched_to(addr)
+
+    def is_taken(self, addr: int) -> bool:
+        """Whether the file takes the address `addr` (an indirect jump may land there)."""
+        at = int(np.searchsorted(self.taken, addr))
+        return at < len(self.taken) and int(self.taken[at]) == addr
+
+    def _absolute_addresses(self) -> list[np.ndarray]:
+        """Of a file that is not position-independent: every 4 bytes of it, at any offset, that
+        read as an address of its code (an absolute address held in code or data: its low half)."""
+        found = []
+        code = [(seg.vaddr, seg.vaddr + seg.filesz) for seg in self.image.segments if seg.executable]
+        data = np.frombuffer(self.image.data, dtype=np.uint8)
+        for at in range(0, len(data), self._SCAN):
+            chunk = data[at : at + self._SCAN + 3].astype(np.int64)
+            if len(chunk) < 4:
+                break
+            words = chunk[:-3] | chunk[1:-2] << 8 | chunk[2:-1] << 16 | chunk[3:] << 24
+            inside = np.zeros(len(words), dtype=bool)
+            for low, high in code:
+                inside |= (words >= low) & (words < high)
+            found.append(np.unique(words[inside]))
+        return found
+
+    def _branched_to(self, addr: int) -> bool:
         self._lookups += 1
         if self._all is None and self._lookups > max(self.LOOKUPS, len(self.ranges) // self.FUNCTIONS_PER_LOOKUP):
             self._all = self._every_target()
@@ -753,6 +827,28 @@ def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarra
         sources.append(vaddr + at)
         targets.append(vaddr + at + length + displacement)
     return np.concatenate(sources), np.concatenate(targets)
+
+
+def _rip_leas(code: np.ndarray, vaddr: int) -> np.ndarray:
+    """Where a `lea reg, [rip+disp32]` starting at any byte of `code` (at `vaddr`) points."""
+    n = len(code)
+    out = [np.zeros(0, np.int64)]
+    for rex in (True, False):
+        length = 7 if rex else 6
+        if n < length:
+            continue
+        first = code[: n - length + 1]
+        if rex:  # (REX.W, any of R, X, B: 48-4F), 8D, a ModRM of [rip+disp32]
+            at = np.flatnonzero(((first & 0xF8) == 0x48) & (code[1 : n - length + 2] == 0x8D)
+                                & ((code[2 : n - length + 3] & 0xC7) == 0x05))  # fmt: skip
+        else:
+            at = np.flatnonzero((first == 0x8D) & ((code[1 : n - length + 2] & 0xC7) == 0x05))
+        displacement = np.zeros(len(at), dtype=np.int64)
+        for byte in range(4):
+            displacement |= code[at + length - 4 + byte].astype(np.int64) << (8 * byte)
+        displacement -= (displacement >= 1 << 31) * (1 << 32)
+        out.append(vaddr + at + length + displacement)
+    return np.concatenate(out)
 
 
 _CACHE: dict[tuple[str, int, int, int, int], ElfImage] = {}

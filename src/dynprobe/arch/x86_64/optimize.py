@@ -1,13 +1,19 @@
 """Jump optimization (optprobes): may a site's first 5 bytes become a `jmp rel32` to a detour?
 
-The rules are the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for user space:
-the 5 bytes replace whole instructions (the "region"), all of which must run correctly from the
-detour; no jump anywhere in the function may land inside the region (it would land in the middle
-of our jmp); the function must not jump indirectly (a jump table could hold such a target),
-except through one pointer (`jmp [rip+x]`: a PLT stub, a tail call), which may end the region; a
-`ret` can only end the region (a 5-byte leaf function: `lea eax,[rdi+rdi+1]; ret`); a call can
-only end it too, and is relocated as "push the original return address; jmp" (an indirect one as
-a `jmp` through the same operand), so no return address ever points into a detour.
+The rules start from the kernel's (arch/x86/kernel/kprobes/opt.c, can_optimize()), for user
+space: the 5 bytes replace whole instructions (the "region"), all of which must run correctly
+from the detour; no jump anywhere in the module may land inside the region (it would land in
+the middle of our jmp). The kernel refuses a function with any indirect jump; dynprobe reads the
+whole module, so (given a reader of its bytes) it decodes a function's switch tables
+(arch/x86_64/jumptables.py) and refuses only when a target lands in the region or a table
+cannot be bounded; any other indirect jump (a tail call through a pointer) lands only where the
+module takes an address, which the caller counts among `module_targets`. A `jmp [rip+x]` (a PLT
+stub, a tail call) may end the region; a `ret` can only end the region (a 5-byte leaf function:
+`lea eax,[rdi+rdi+1]; ret`); a call can only end it too, and is relocated as "push the original
+return address; jmp" (an indirect one as a `jmp` through the same operand), so no return address
+ever points into a detour. A function shorter than the jump (`ret`, `xor eax,eax; ret`) may take
+it when the bytes after it, up to the next 16-byte boundary, are alignment padding nothing runs
+or jumps to (the caller gives them): the jump covers them.
 
 Pure: function bytes + addresses in, a plan or a reason out.
 """
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.jumptables import Landing, Reader, landing
 from dynprobe.arch.x86_64.relocate import call_as_jump, jump_to, relocate
 from dynprobe.errors import OptimizeRefusal
 
@@ -49,6 +56,11 @@ class OptimizePlan:
     @functools.cached_property
     def length(self) -> int:
         return sum(insn.len for insn in self.region)
+
+    @property
+    def overwritten(self) -> int:
+        """The bytes the jump takes: the region's, and a tiny function's padding after it."""
+        return max(self.length, JMP_REL32_LEN)
 
     @property
     def resume_at(self) -> int:
@@ -93,20 +105,25 @@ def can_optimize(
     code: bytes,
     func_start: int,
     site: int,
+    *,
     other_probes: Container[int] = frozenset(),
     module_targets: Container[int] = frozenset(),
     bias: int = 0,
+    read: Reader | None = None,
+    padding: bytes = b"",
 ) -> OptimizePlan | OptimizeRefusal:
     """Whether the site at `site`, in the function whose whole code is `code` (at `func_start`),
     can take a 5-byte jump; the plan's instructions are decoded at those addresses (where the
     code runs, to be relocated from there). `other_probes`: other probes' addresses.
-    `module_targets`: branch targets of the module's other functions (glibc's mempcpy jumps to
-    a label inside memmove), as link-time addresses, `bias` below where they run."""
+    `module_targets`: where the module's other code may land, as link-time addresses (`bias`
+    below where they run): its direct branches' targets (glibc's mempcpy jumps to a label inside
+    memmove) and the addresses it takes. `read(addr, size)`: the module's bytes at a run-time
+    address (its switch tables; None: every indirect jump but a `jmp [rip+x]` is refused).
+    `padding`: the bytes after the function up to the next 16-byte boundary, where no symbol
+    starts."""
     if not code:
         return OptimizeRefusal.FUNCTION_UNKNOWN
     func_end = func_start + len(code)
-    if site + JMP_REL32_LEN > func_end:
-        return OptimizeRefusal.TOO_SHORT
     insns = list(iter_instructions(code, func_start))
     if not insns or int(insns[-1].next_ip) < func_end:
         return OptimizeRefusal.UNDECODABLE  # data or bytes the decoder rejects inside the function
@@ -115,14 +132,24 @@ def can_optimize(
         return OptimizeRefusal.UNDECODABLE
     region: list[iced.Instruction] = []
     addr = site
-    while addr < site + JMP_REL32_LEN:  # (the instructions cover the function: each next one starts there)
+    while addr < min(
+        site + JMP_REL32_LEN, func_end
+    ):  # (the instructions cover the function: each next one starts there)
         insn = starts[addr]
         region.append(insn)
         addr += insn.len
     region_end = addr
-    for insn in insns:
+    if region_end < site + JMP_REL32_LEN:  # a tiny function: the jump would cover its padding too
+        if not _covers_padding(region[-1], padding, site + JMP_REL32_LEN - func_end):
+            return OptimizeRefusal.TOO_SHORT
+        region_end = site + JMP_REL32_LEN
+    for i, insn in enumerate(insns):
         if (insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect) and not is_pointer_jump(insn):
-            return OptimizeRefusal.INDIRECT_JUMP
+            lands = Landing.UNBOUNDED if read is None else landing(insns, i, read)
+            if lands is Landing.UNBOUNDED:
+                return OptimizeRefusal.INDIRECT_JUMP
+            if isinstance(lands, frozenset) and any(site < target < region_end for target in lands):
+                return OptimizeRefusal.JUMP_INTO_REGION
         target = _branch_target(insn)
         if target is not None and site < target < region_end:
             return OptimizeRefusal.JUMP_INTO_REGION
@@ -142,6 +169,22 @@ def can_optimize(
     # A direct call (5 bytes or more) always ends the region, which stops at the first instruction
     # boundary at or past site+5; an indirect one (`call [rip+mcount@GOT]` of -pg code) must end it.
     return OptimizePlan(site, tuple(region))
+
+
+def _covers_padding(last: iced.Instruction, padding: bytes, needed: int) -> bool:
+    """Whether a jump may run `needed` bytes past a function whose last instruction is `last`
+    into `padding`: the function never runs into it (it ends in a `ret` or a jump) and those
+    bytes are alignment padding (nops and int3s, whole)."""
+    if last.flow_control not in (_FC.RETURN, _FC.UNCONDITIONAL_BRANCH, _FC.INDIRECT_BRANCH) or len(padding) < needed:
+        return False
+    covered = 0
+    for insn in iter_instructions(padding, 0):
+        if covered >= needed:
+            break
+        if insn.mnemonic not in (_M.NOP, _M.INT3):
+            return False
+        covered += insn.len
+    return covered >= needed
 
 
 def relocate_region(plan: OptimizePlan, at: int) -> bytes | None:
