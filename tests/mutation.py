@@ -49,7 +49,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     "actions/filter.py": ("test_filter.py", "test_codegen.py"),
     "actions/model.py": ("test_filter.py", "test_codegen.py", "test_native_returns.py"),
     "arch/x86_64/relocate.py": ("test_arch_tables.py", "test_optimize_tables.py", "test_relocation_edges.py"),
-    "arch/x86_64/optimize.py": ("test_optimize_tables.py", "test_relocation_edges.py", "test_codegen.py"),
+    "arch/x86_64/optimize.py": (
+        "test_optimize_tables.py",
+        "test_jumptables.py",
+        "test_relocation_edges.py",
+        "test_codegen.py",
+    ),
+    "arch/x86_64/jumptables.py": ("test_jumptables.py",),
     "arch/x86_64/emulate.py": ("test_emulate.py", "test_arch_tables.py", "test_properties.py"),
     **dict.fromkeys(
         (
@@ -142,6 +148,24 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         )
     },
     ("spec/parser.py", "reg = canonical_name(body[1:])", "1 -> 0"): "canonical_name takes a leading '%' off itself",
+    ("arch/x86_64/jumptables.py", "elif insn.mnemonic == iced.Mnemonic.ADD and kinds == (iced.OpKind.REGISTER, "
+     "iced.OpKind.REGISTER):", "and -> or"): (
+        "an add of anything else, or another instruction of two registers, finds no table: UNBOUNDED either way"
+    ),
+    **{
+        ("arch/x86_64/jumptables.py", "while prev >= 0 and self.insns[prev].mnemonic in (iced.Mnemonic.NOP, "
+         "iced.Mnemonic.INT3):", change): (
+            "nops from the entry on run into what follows them whether or not the first is looked at (and a "
+            "negative index reads the function's end, padding or a jump: it stops there)"
+        )
+        for change in (">= -> >", "0 -> 1", "0 -> -1")
+    },
+    **{
+        ("arch/x86_64/jumptables.py", "table = (table + movsxd.memory_displacement) & ((1 << 64) - 1)", change): (
+            "a table's address is below 2^47 and even: a 63-bit mask, or one without bit 0, keeps it"
+        )
+        for change in ("1 -> 2", "64 -> 63")
+    },
     ("spec/parser.py", "if m.group(2):", "2 -> 3"): "the sign (group 2) and the offset (group 3) come together",
     ("spec/parser.py", 'if eq >= 0 and (word.find("(") < 0 or eq < word.find("(")):', "< -> <="): (
         "'=' and '(' are never at the same index"

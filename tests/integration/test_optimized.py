@@ -146,7 +146,9 @@ def test_which_mode_each_probe_ends_in(opt: str, placed: str) -> None:
     assert {name: probes[name].hits for name in expected} == expected
 
 
-@pytest.mark.parametrize("flags", [("-O1", "-fjump-tables"), ("-O2", "-fno-pie", "-no-pie")])
+@pytest.mark.parametrize(
+    "flags", [("-O1", "-fjump-tables"), ("-O2", "-fno-pie", "-no-pie", "-fno-tree-switch-conversion")]
+)
 def test_a_switch_table_and_a_tiny_function_take_a_jump(flags: tuple[str, ...]) -> None:
     """dispatch() jumps through a switch table (relative offsets in a PIE, addresses without):
     read, no case in its first bytes; zero() is 3 bytes, its jump covering the padding after

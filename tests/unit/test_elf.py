@@ -6,8 +6,11 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.jumptables import landing
 from dynprobe.arch.x86_64.optimize import plt_slot
 from dynprobe.symbols.elf import ElfImage
 from dynprobe.symbols.lines import source_line
@@ -235,3 +238,61 @@ def test_an_xbegin_s_abort_target_is_a_branch_target() -> None:
                             _relocations=lambda: iter(()))  # fmt: skip
     targets = BranchTargets(image)  # type: ignore[arg-type]
     assert 0x1000 + 16 + 6 + 0x20 in targets and 0x1000 + 16 + 6 + 0x21 not in targets
+
+
+def test_where_code_may_take_an_address_as_numpy_finds_it() -> None:
+    """`lea r, [rip+d]` with and without REX.W; the imm32 of `mov r32, imm32`, `push imm32` and
+    `mov r/m, imm32` after each ModRM, SIB and displacement form."""
+    from dynprobe.symbols.elf import _immediates, _rip_leas
+
+    leas = bytes.fromhex("488d0510000000" + "4c8d3d20000000" + "8d0d30000000")  # lea rax; lea r15; lea ecx
+    found = set(_rip_leas(np.frombuffer(leas, dtype=np.uint8), 0x1000).tolist())
+    assert {0x1000 + 7 + 0x10, 0x1007 + 7 + 0x20, 0x100E + 6 + 0x30} <= found
+    forms = {  # encoding (the imm32 is 11223344) -> where the imm32 starts
+        "b844332211": 1, "41bf44332211": 2, "6844332211": 1, "48c7c044332211": 3, "c7042444332211": 3,
+        "c744240844332211": 4, "48c78424000100004433221144": 8, "c7050000000044332211": 6,
+    }  # fmt: skip
+    for encoding, start in forms.items():
+        code = np.frombuffer(bytes.fromhex(encoding) + b"\xcc" * 8, dtype=np.uint8)
+        assert start in _immediates(code).tolist(), encoding
+
+
+def test_the_addresses_a_file_takes(tmp_path: Path) -> None:
+    """A shared library's computed gotos: their labels are in RELATIVE relocations, taken; a
+    non-PIE program's switch table of addresses: each case taken; an address inside an
+    instruction that nothing names is not."""
+    source = tmp_path / "goto.c"
+    source.write_text("int hop(int x) { static void *at[] = {&&a, &&b}; goto *at[x & 1];"
+                      " a: return 1; b: return 2; }\n")  # fmt: skip
+    library = tmp_path / "libgoto.so"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    image = ElfImage(str(library))
+    relative = [r["r_addend"] for s in image._elf.iter_sections("SHT_RELA") for r in s.iter_relocations()
+                if r["r_info_type"] == 8]  # fmt: skip
+    hop = image.by_name["hop"]
+    labels = [a for a in relative if hop.addr < a < hop.end]
+    assert len(labels) == 2 and all(image.branch_targets().is_taken(a) for a in labels)
+    assert not any(image.branch_targets().is_taken(a) for a in range(hop.addr + 1, hop.addr + 4))
+    switchy = build_target(
+        "switchy-nopie", "switchy.c", flags=("-O2", "-fno-pie", "-no-pie", "-fno-tree-switch-conversion")
+    )
+    program = ElfImage(switchy)
+    dispatch = program.by_name["dispatch"]
+    insns = list(iter_instructions(program.code(dispatch.addr, dispatch.size), dispatch.addr))
+    jump = next(i for i, insn in enumerate(insns) if insn.is_jmp_near_indirect)
+    cases = landing(insns, jump, program.read)
+    assert isinstance(cases, frozenset) and len(cases) >= 7
+    assert all(program.branch_targets().is_taken(case) for case in cases)
+
+
+def test_reading_a_file_and_the_padding_after_a_function() -> None:
+    switchy = build_target(
+        "switchy-nopie", "switchy.c", flags=("-O2", "-fno-pie", "-no-pie", "-fno-tree-switch-conversion")
+    )
+    image = ElfImage(switchy)
+    zero = image.by_name["zero"]
+    assert zero.size == 3 and image.read(zero.addr, 3) == bytes.fromhex("31c0c3")
+    padding = image.padding_after(zero.end)
+    assert len(padding) == 16 - 3 and image.read(zero.end, len(padding)) == padding
+    assert image.padding_after(image.by_name["one"].addr) == b""  # (a function starts there)
+    assert image.read(zero.addr, 1 << 40) is None and image.read(1 << 50, 4) is None

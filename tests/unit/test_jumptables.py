@@ -220,3 +220,130 @@ def test_a_tiny_function_s_padding_reached_by_a_branch_is_refused() -> None:
         OptimizeRefusal.JUMP_INTO_REGION
     )
     assert can_optimize(b"\xc3", F, F, padding=NOPS, other_probes=frozenset({F + 2})) == OptimizeRefusal.REGION_OVERLAP
+
+
+def landed(*code: iced.Instruction, memory: dict[int, bytes] | None = None) -> frozenset[int] | Landing:
+    insns = decoded(encode(*code))
+    return landing(insns, len(insns) - 1, reader(memory or {}))
+
+
+def test_a_table_of_4096_entries_is_read_and_a_larger_one_is_not() -> None:
+    targets = [0x1100 + i for i in range(4097)]
+    memory = {TABLE: offsets(*targets)}
+    most = landed(reg_imm(C.CMP_RM32_IMM32, R.EDI, 4095), branch(C.JA_REL32_64, 0x1200), *GCC_DISPATCH, memory=memory)
+    assert most == frozenset(targets[:4096])
+    more = landed(reg_imm(C.CMP_RM32_IMM32, R.EDI, 4096), branch(C.JA_REL32_64, 0x1200), *GCC_DISPATCH, memory=memory)
+    assert more is Landing.UNBOUNDED
+
+
+@pytest.mark.parametrize(
+    ("fillers", "expected"),
+    [(63, Landing.THROUGH_POINTER), (64, Landing.UNBOUNDED)],  # (LOOK_BACK: 64)
+)
+def test_how_far_back_a_jump_s_register_is_looked_for(fillers: int, expected: Landing) -> None:
+    code = [reg_mem(C.MOV_R64_RM64, R.RAX, Memory(R.RDI, displ=8)), *[reg_imm(C.ADD_RM32_IMM8, R.ECX, 1)] * fillers]
+    assert landed(*code, one_reg(C.JMP_RM64, R.RAX)) is expected
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        (reg_mem(C.MOV_R64_RM64, R.RAX, Memory(R.RDI)), reg_imm(C.ADD_RM64_IMM8, R.RAX, 8)),  # (an add of a number)
+        (reg_mem(C.LEA_R64_M, R.RAX, Memory(R.RDI, displ=8)),),  # (a lea of no label)
+        (reg_mem(C.LEA_R64_M, R.RDX, Memory(R.RIP, displ=TABLE)), reg_mem(C.MOVSXD_R64_RM32, R.RAX, Memory(R.RDX)),
+         reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX)),  # (offsets read with no index)
+        (*CMP5_JA, reg_mem(C.MOVSXD_R64_RM32, R.RAX, Memory(R.RDX, R.RDI, 4)),
+         reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX)),  # (a table whose address is not found)
+        (*CMP5_JA, reg_mem(C.LEA_R64_M, R.RDX, Memory(R.RIP, displ=TABLE)),
+         reg_mem(C.MOVSXD_R64_RM32, R.RAX, Memory(R.RDX, R.RDI, 4)), reg_reg(C.MOV_R64_RM64, R.RDX, R.RSI),
+         reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX)),  # (offsets added to what is not a label)
+        (*CMP5_JA, reg_mem(C.LEA_R64_M, R.RDX, Memory(R.RIP, displ=TABLE)), reg_reg(C.MOV_R64_RM64, R.RAX, R.RDI),
+         reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX)),  # (an add of no table's offset)
+    ],
+)  # fmt: skip
+def test_what_nothing_says_where_it_lands(code: tuple[iced.Instruction, ...]) -> None:
+    assert landed(*code, one_reg(C.JMP_RM64, R.RAX), memory={TABLE: offsets(*CASES)}) is Landing.UNBOUNDED
+
+
+def test_a_call_changes_only_what_a_callee_may() -> None:
+    label = reg_mem(C.LEA_R64_M, R.RBX, Memory(R.RIP, displ=LABEL))
+    assert landed(label, branch(C.CALL_REL32_64, 0x2000), one_reg(C.JMP_RM64, R.RBX)) == frozenset({LABEL})
+    assert landed(reg_mem(C.LEA_R64_M, R.RAX, Memory(R.RIP, displ=LABEL)), branch(C.CALL_REL32_64, 0x2000),
+                  one_reg(C.JMP_RM64, R.RAX)) is Landing.THROUGH_POINTER  # fmt: skip
+    assert (
+        landed(one_mem(C.JMP_RM64, Memory(R.NONE, displ=0x3000))) is Landing.THROUGH_POINTER
+    )  # (a pointer at an address)
+
+
+def test_nops_before_a_jump_from_the_entry_or_after_a_ret() -> None:
+    """Nops at the entry run into the jump (the register is the caller's); after a `ret` and
+    its padding, code no branch reaches says nothing."""
+    nop = bytes.fromhex("90")
+    at_entry = decoded(nop * 2 + bytes.fromhex("ffe0"))
+    assert landing(at_entry, 2, reader({})) is Landing.THROUGH_POINTER
+    after_ret = decoded(bytes.fromhex("488b4708" + "c3" + "cc" + "90" + "ffe0"))
+    assert landing(after_ret, len(after_ret) - 1, reader({})) is Landing.UNBOUNDED
+
+
+def test_a_negative_displacement_from_the_table_s_register() -> None:
+    code = (*CMP5_JA, reg_mem(C.LEA_R64_M, R.RDX, Memory(R.RIP, displ=TABLE + 8)),
+            reg_mem(C.MOVSXD_R64_RM32, R.RAX, Memory(R.RDX, R.RDI, 4, displ=-8)),
+            reg_reg(C.ADD_R64_RM64, R.RAX, R.RDX))  # fmt: skip
+    assert landed(*code, one_reg(C.JMP_RM64, R.RAX), memory={TABLE: offsets(*CASES, origin=TABLE + 8)}) == frozenset(
+        CASES
+    )
+
+
+@pytest.mark.parametrize(
+    ("bound", "entries"),
+    [
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 0), branch(C.JA_REL32_64, 0x1200)), 1),
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 0), branch(C.JAE_REL32_64, 0x1200)), None),  # (none selectable)
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 5), branch(C.JB_REL32_64, 0x1200)), 5),
+        ((reg_imm(C.CMP_RM32_IMM32, R.ESI, 300), branch(C.JA_REL32_64, 0x1200),
+          reg_reg(C.MOVZX_R32_RM8, R.EDI, R.SIL)), 256),  # (a byte's 256 below the compare's 301)
+        ((reg_reg(C.BSF_R32_RM32, R.EDI, R.ECX),), 33),
+        # what the compare bounds is not the index
+        ((mem_imm(C.CMP_RM32_IMM8, Memory(R.RBX, displ=16), 2), branch(C.JA_REL32_64, 0x1200),
+          reg_mem(C.MOV_R32_RM32, R.EDI, Memory(R.RBX, displ=8))), None),
+        ((mem_imm(C.CMP_RM32_IMM8, Memory(R.RBX, displ=8), 2), branch(C.JA_REL32_64, 0x1200),
+          reg_imm(C.ADD_RM64_IMM8, R.RBX, 8), reg_mem(C.MOV_R32_RM32, R.EDI, Memory(R.RBX, displ=8))), None),
+        ((reg_reg(C.MOV_R32_RM32, R.EDI, R.ESI), reg_imm(C.ADD_RM32_IMM8, R.ESI, 5),
+          reg_imm(C.CMP_RM32_IMM8, R.ESI, 3), branch(C.JA_REL32_64, 0x1200)), None),
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 2), branch(C.JA_REL32_64, 0x1200),
+          reg_mem(C.MOV_R32_RM32, R.EDI, Memory(R.RBX, displ=8))), None),
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 2), branch(C.JA_REL32_64, 0x1200), reg_reg(C.MOV_R32_RM32, R.EDI, R.ESI)),
+         None),
+        ((reg_imm(C.CMP_RM32_IMM8, R.ESI, 3), branch(C.JA_REL32_64, 0x1200), reg_reg(C.ADD_R32_RM32, R.EDI, R.ESI)),
+         None),
+        ((mem_imm(C.CMP_RM32_IMM8, Memory(R.RBX, R.RCX, 4), 2), branch(C.JA_REL32_64, 0x1200),
+          reg_imm(C.ADD_RM64_IMM8, R.RCX, 1), reg_mem(C.MOV_R32_RM32, R.EDI, Memory(R.RBX, R.RCX, 4))), None),
+        ((mem_imm(C.CMP_RM32_IMM8, Memory(R.RBX, R.RCX, 4), 2), branch(C.JA_REL32_64, 0x1200),
+          reg_mem(C.MOV_R32_RM32, R.EDI, Memory(R.RBX, R.RCX, 4))), 3),
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 5), branch(C.JG_REL32_64, 0x1200)), None),  # (signed: not a bound)
+        ((reg_imm(C.CMP_RM32_IMM8, R.EDI, 5),), None),  # (no jump after the compare)
+    ],
+)  # fmt: skip
+def test_what_bounds_a_table_and_what_does_not(bound: tuple[iced.Instruction, ...], entries: int | None) -> None:
+    targets = [0x1100 + i for i in range(400)]
+    found = landed(*bound, *GCC_DISPATCH, memory={TABLE: offsets(*targets)})
+    assert found == (Landing.UNBOUNDED if entries is None else frozenset(targets[:entries]))
+
+
+def test_cases_at_the_site_or_past_the_region_are_fine() -> None:
+    code = encode(*PROLOGUE, *CMP5_JA, *GCC_DISPATCH)
+    plan = can_optimize(code, F, F, read=reader({TABLE: offsets(F, F + 7, *CASES[2:])}))  # (push, mov, cmp: 7)
+    assert isinstance(plan, OptimizePlan) and plan.resume_at == F + 7
+
+
+@pytest.mark.parametrize(
+    ("padding", "expected"),
+    [
+        (b"\x90" * 4, 1),  # exactly the bytes the jump needs
+        (b"\x90" * 4 + b"\x55", 1),  # then code: the jump stops before it
+        (b"\x90" * 3 + b"\x55", OptimizeRefusal.TOO_SHORT),
+    ],
+)
+def test_padding_exactly_long_enough(padding: bytes, expected: OptimizeRefusal | int) -> None:
+    plan = can_optimize(b"\xc3", F, F, padding=padding, read=reader({}))
+    assert plan == expected if isinstance(expected, OptimizeRefusal) else isinstance(plan, OptimizePlan)

@@ -741,20 +741,27 @@ class BranchTargets:
         return at < len(self.taken) and int(self.taken[at]) == addr
 
     def _absolute_addresses(self) -> list[np.ndarray]:
-        """Of a file that is not position-independent: every 4 bytes of it, at any offset, that
-        read as an address of its code (an absolute address held in code or data: its low half)."""
+        """Of a file that is not position-independent, the addresses of its code it holds with no
+        relocation: 4 bytes at a 4-byte boundary of its data (a table of addresses, a pointer's
+        low half), and the immediate of any byte of its code that could start a `mov r32, imm32`,
+        `push imm32` or `mov r/m, imm32` (how such code puts a label's address in a register or in
+        memory), that read as an address of its code."""
         found = []
         code = [(seg.vaddr, seg.vaddr + seg.filesz) for seg in self.image.segments if seg.executable]
-        data = np.frombuffer(self.image.data, dtype=np.uint8)
-        for at in range(0, len(data), self._SCAN):
-            chunk = data[at : at + self._SCAN + 3].astype(np.int64)
-            if len(chunk) < 4:
-                break
-            words = chunk[:-3] | chunk[1:-2] << 8 | chunk[2:-1] << 16 | chunk[3:] << 24
-            inside = np.zeros(len(words), dtype=bool)
-            for low, high in code:
-                inside |= (words >= low) & (words < high)
-            found.append(np.unique(words[inside]))
+        for seg in self.image.segments:
+            size = max(0, min(seg.filesz, len(self.image.data) - seg.offset))
+            for at in range(0, size, self._SCAN):
+                chunk = np.frombuffer(self.image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 15)],
+                                      dtype=np.uint8)  # fmt: skip
+                places = _immediates(chunk) if seg.executable else np.arange(0, len(chunk) - 3, 4)
+                places = places[places + 4 <= len(chunk)]
+                words = np.zeros(len(places), dtype=np.int64)
+                for byte in range(4):
+                    words |= chunk[places + byte].astype(np.int64) << (8 * byte)
+                inside = np.zeros(len(words), dtype=bool)
+                for low, high in code:
+                    inside |= (words >= low) & (words < high)
+                found.append(np.unique(words[inside]))
         return found
 
     def _branched_to(self, addr: int) -> bool:
@@ -827,6 +834,23 @@ def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarra
         sources.append(vaddr + at)
         targets.append(vaddr + at + length + displacement)
     return np.concatenate(sources), np.concatenate(targets)
+
+
+def _immediates(code: np.ndarray) -> np.ndarray:
+    """Where the imm32 of a `mov r32, imm32` (B8-BF), a `push imm32` (68) or a `mov r/m, imm32`
+    (C7 /0: after its ModRM, SIB and displacement) starting at any byte of `code` would be."""
+    n = len(code)
+    if n < 6:
+        return np.zeros(0, np.int64)
+    head = code[: n - 5].astype(np.int64)
+    short = np.flatnonzero(((head >= 0xB8) & (head <= 0xBF)) | (head == 0x68)) + 1
+    modrm = code[1 : n - 4].astype(np.int64)
+    at = np.flatnonzero((head == 0xC7) & ((modrm >> 3) & 7 == 0))
+    mod, rm = modrm[at] >> 6, modrm[at] & 7
+    sib = (mod != 3) & (rm == 4)
+    base = np.where(sib, code[np.minimum(at + 2, n - 1)] & 7, 0)
+    displacement = np.select([mod == 1, mod == 2, (mod == 0) & ((rm == 5) | (sib & (base == 5)))], [1, 4, 4], 0)
+    return np.concatenate([short, at + 2 + sib + displacement])
 
 
 def _rip_leas(code: np.ndarray, vaddr: int) -> np.ndarray:

@@ -24,6 +24,7 @@ Pure: decoded instructions and a reader of the module's bytes in, the targets ou
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -89,9 +90,6 @@ def landing(insns: Sequence[iced.Instruction], at: int, read: Reader) -> frozens
             register = _FULL(insn.op1_register)
         elif insn.mnemonic == iced.Mnemonic.MOV and kinds == (iced.OpKind.REGISTER, iced.OpKind.MEMORY):
             return code.loaded(before, insn, read)
-        elif insn.mnemonic in (iced.Mnemonic.ROR, iced.Mnemonic.ROL, iced.Mnemonic.XOR) and kinds \
-                and kinds[1] != iced.OpKind.REGISTER:  # fmt: skip
-            continue  # (PTR_DEMANGLE: the same register, turned and xored with the guard)
         elif insn.mnemonic == iced.Mnemonic.ADD and kinds == (iced.OpKind.REGISTER, iced.OpKind.REGISTER):
             return code.relative(before, (insn.op0_register, insn.op1_register), read)
         elif insn.code == _C.LEA_R64_M and insn.memory_index_scale == 1 and not insn.memory_displacement \
@@ -99,8 +97,10 @@ def landing(insns: Sequence[iced.Instruction], at: int, read: Reader) -> frozens
             return code.relative(before, (insn.memory_base, insn.memory_index), read)
         elif insn.code == _C.LEA_R64_M and insn.memory_base == _R.RIP:
             return frozenset((int(insn.memory_displacement),))
-        else:
+        elif insn.mnemonic not in (iced.Mnemonic.ROR, iced.Mnemonic.ROL, iced.Mnemonic.XOR) \
+                or kinds[1:] == (iced.OpKind.REGISTER,):  # fmt: skip
             return Landing.UNBOUNDED
+        # (else PTR_DEMANGLE: the same register, turned and xored with the guard: on to what made it)
     return Landing.UNBOUNDED
 
 
@@ -128,7 +128,7 @@ class _Code:
         one before it, or, after a `jmp` or a `ret`, the one branch to it; then `_From.CALLER` at the
         function's entry. Code reached by two branches (and no fall-through) ends the walk."""
         for _ in range(LOOK_BACK):
-            if at > 0 and self._falls_into(at):
+            if self._falls_into(at):
                 at -= 1
             else:
                 sources = self._branches_to(at)
@@ -137,16 +137,18 @@ class _Code:
                     return
                 if len(sources) != 1:
                     return
-                at = sources[0]
+                (at,) = sources
             yield at
 
     def _falls_into(self, at: int) -> bool:
         """Whether the code before `insns[at]` runs on into it: not after a `jmp` or a `ret`, nor
-        after the padding (nops, int3s) that follows one."""
+        after the padding (nops, int3s) that follows one; nops from the function's entry do."""
         prev = at - 1
         while prev >= 0 and self.insns[prev].mnemonic in (iced.Mnemonic.NOP, iced.Mnemonic.INT3):
             prev -= 1
-        return prev >= 0 and self.insns[prev].flow_control not in _NO_FALL_THROUGH
+        if prev < 0:
+            return at > 0
+        return self.insns[prev].flow_control not in _NO_FALL_THROUGH
 
     def definition(self, before: int, register: RegisterT) -> tuple[int, iced.Instruction] | _From | None:
         """The last instruction before `insns[before]` that writes `register` (a call writes the
@@ -166,7 +168,7 @@ class _Code:
         addresses (`[rI*8 + TABLE]`, code built without -fPIC), or any pointer: the module's
         relocations say where those are (or, in a file not position-independent, their bytes)."""
         if insn.memory_base == _R.NONE and insn.memory_index != _R.NONE and insn.memory_index_scale == 8:
-            return self.table(at, read, table=insn.memory_displacement, origin=0, index=insn.memory_index, width=8)
+            return self.table(at, read, table=insn.memory_displacement, origin=None, index=insn.memory_index)
         return Landing.THROUGH_POINTER
 
     def relative(self, add_at: int, added: tuple[RegisterT, RegisterT], read: Reader) -> frozenset[int] | Landing:
@@ -184,7 +186,7 @@ class _Code:
             if table is None or start is None or movsxd.memory_index == _R.NONE or movsxd.memory_index_scale != 4:
                 return Landing.UNBOUNDED
             table = (table + movsxd.memory_displacement) & ((1 << 64) - 1)
-            return self.table(load_at, read, table=table, origin=start, index=movsxd.memory_index, width=4)
+            return self.table(load_at, read, table=table, origin=start, index=movsxd.memory_index)
         return Landing.UNBOUNDED
 
     def rip_address(self, before: int, register: RegisterT) -> int | None:
@@ -196,18 +198,20 @@ class _Code:
             return None
         return int(found[1].memory_displacement)
 
-    def table(self, load_at: int, read: Reader, *, table: int, origin: int,
-               index: RegisterT, width: int) -> frozenset[int] | Landing:  # fmt: skip
+    def table(self, load_at: int, read: Reader, *, table: int, origin: int | None,
+              index: RegisterT) -> frozenset[int] | Landing:  # fmt: skip
         """The targets of the table at `table` indexed by `index` at `insns[load_at]`: 32-bit
-        offsets from `origin` (`width` 4), or 64-bit addresses (8)."""
+        offsets from `origin`, or (None) 64-bit addresses."""
+        width = 8 if origin is None else 4
         entries = self.bound(load_at, _FULL(index))
         if entries is None or not 0 < entries <= MAX_ENTRIES:
             return Landing.UNBOUNDED
         data = read(table, width * entries)
         if data is None or len(data) != width * entries:
             return Landing.UNBOUNDED
-        values = [int.from_bytes(data[i : i + width], "little", signed=width == 4) for i in range(0, len(data), width)]
-        return frozenset((origin + v) & ((1 << 64) - 1) for v in values) if width == 4 else frozenset(values)
+        if origin is None:
+            return frozenset(struct.unpack(f"<{entries}Q", data))
+        return frozenset(origin + offset for offset in struct.unpack(f"<{entries}i", data))
 
     def bound(self, load_at: int, index: RegisterT) -> int | None:
         """How many entries the index may select: from the compare (and unsigned jump) that bounds
@@ -220,45 +224,44 @@ class _Code:
         loaded_from: tuple[RegisterT, RegisterT, int, int] | None = None  # the memory the index was loaded from
         for i in self.before(load_at):
             if not isinstance(i, int):
-                return narrowest
+                break
             insn = self.insns[i]
             if insn.mnemonic == iced.Mnemonic.CMP and insn.op1_kind in _IMMEDIATES:
-                after = self.insns[i + 1 : load_at]
-                jump = next((j for j in after if j.flow_control == iced.FlowControl.CONDITIONAL_BRANCH), None)
-                bound = None
-                if jump is not None and jump.mnemonic in _BOUNDS and insn.immediate(1) >= 0:
-                    bound = insn.immediate(1) + _BOUNDS[jump.mnemonic]
+                bound = self._compare_bound(i, load_at)
                 if insn.op0_kind == iced.OpKind.MEMORY:
-                    if loaded_from is not None and _memory(insn) == loaded_from:
+                    if _memory(insn) == loaded_from:
                         return _narrower(bound, narrowest)
                 elif _FULL(insn.op0_register) in names:
                     return _narrower(bound, narrowest)
                 else:
                     compared.setdefault(_FULL(insn.op0_register), bound)
-                continue
-            if loaded_from is not None and (_writes(insn, loaded_from[0]) or _writes(insn, loaded_from[1])):
-                return narrowest  # (the memory compared before is another)
-            written = [name for name in names if _writes(insn, name)]
-            if not written:
+            elif loaded_from is not None and (_writes(insn, loaded_from[0]) or _writes(insn, loaded_from[1])):
+                break  # (the memory compared before is another)
+            elif written := [name for name in names if _writes(insn, name)]:
+                names.difference_update(written)  # (before this, the register held something else)
+                if insn.mnemonic in _BIT_SCANS:  # (0 to the width: lzcnt and tzcnt of 0)
+                    return _narrower((64 if iced.RegisterExt.is_gpr64(insn.op0_register) else 32) + 1, narrowest)
+                if insn.code in _FROM_BYTE:
+                    narrowest = _narrower(256, narrowest)
+                if insn.code not in _COPIES:
+                    break  # (made otherwise: bounded by nothing found before)
+                if insn.op1_kind == iced.OpKind.MEMORY:
+                    loaded_from = _memory(insn)
+                elif _FULL(insn.op1_register) in compared:
+                    return _narrower(compared[_FULL(insn.op1_register)], narrowest)
+                else:
+                    names.add(_FULL(insn.op1_register))
+            else:
                 for changed in [r for r in compared if _writes(insn, r)]:
                     del compared[changed]  # (its value at the compare was made here)
-                continue
-            if insn.code in _FROM_BYTE:
-                narrowest = _narrower(256, narrowest)
-            if insn.mnemonic in _BIT_SCANS:  # (0 to the width: lzcnt and tzcnt of 0)
-                return _narrower((64 if iced.RegisterExt.is_gpr64(insn.op0_register) else 32) + 1, narrowest)
-            if insn.code in _COPIES and insn.op1_kind == iced.OpKind.MEMORY and loaded_from is None:
-                names.difference_update(written)
-                loaded_from = _memory(insn)
-                continue
-            if insn.code not in _COPIES or insn.op1_kind != iced.OpKind.REGISTER:
-                return narrowest  # (made otherwise: bounded by nothing found before)
-            source = _FULL(insn.op1_register)
-            if source in compared:
-                return _narrower(compared[source], narrowest)
-            names.difference_update(written)  # (before the copy, the register held something else)
-            names.add(source)
         return narrowest
+
+    def _compare_bound(self, at: int, load_at: int) -> int | None:
+        """The entries the compare `insns[at]` allows, by the unsigned jump after it."""
+        jump = next((j for j in self.insns[at:load_at] if j.flow_control == iced.FlowControl.CONDITIONAL_BRANCH), None)
+        if jump is None or jump.mnemonic not in _BOUNDS:
+            return None
+        return int(self.insns[at].immediate(1)) + _BOUNDS[jump.mnemonic]
 
 
 def _memory(insn: iced.Instruction) -> tuple[RegisterT, RegisterT, int, int]:

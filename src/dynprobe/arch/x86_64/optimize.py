@@ -140,7 +140,7 @@ def can_optimize(
         addr += insn.len
     region_end = addr
     if region_end < site + JMP_REL32_LEN:  # a tiny function: the jump would cover its padding too
-        if not _covers_padding(region[-1], padding, site + JMP_REL32_LEN - func_end):
+        if not _covers_padding(region[-1], padding, site + JMP_REL32_LEN - func_end, at=func_end):
             return OptimizeRefusal.TOO_SHORT
         region_end = site + JMP_REL32_LEN
     for i, insn in enumerate(insns):
@@ -171,14 +171,14 @@ def can_optimize(
     return OptimizePlan(site, tuple(region))
 
 
-def _covers_padding(last: iced.Instruction, padding: bytes, needed: int) -> bool:
+def _covers_padding(last: iced.Instruction, padding: bytes, needed: int, *, at: int) -> bool:
     """Whether a jump may run `needed` bytes past a function whose last instruction is `last`
-    into `padding`: the function never runs into it (it ends in a `ret` or a jump) and those
-    bytes are alignment padding (nops and int3s, whole)."""
+    into `padding` (at `at`): the function never runs into it (it ends in a `ret` or a jump) and
+    those bytes are alignment padding (nops and int3s, whole)."""
     if last.flow_control not in (_FC.RETURN, _FC.UNCONDITIONAL_BRANCH, _FC.INDIRECT_BRANCH) or len(padding) < needed:
         return False
     covered = 0
-    for insn in iter_instructions(padding, 0):
+    for insn in iter_instructions(padding, at):
         if covered >= needed:
             break
         if insn.mnemonic not in (_M.NOP, _M.INT3):
