@@ -61,6 +61,10 @@ toolchains:
 	@command -v bpftrace >/dev/null || (apt-get install -y -qq bpftrace >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq bpftrace >/dev/null 2>&1)) || \
 	  echo "note: no bpftrace; the comparisons with it will be skipped"
+	@command -v sqlite3 >/dev/null && [ -e /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0 ] || \
+	  (apt-get install -y -qq sqlite3 libpython3.11 liblzma5 >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq sqlite3 libpython3.11 liblzma5 >/dev/null 2>&1)) || \
+	  echo "note: no sqlite3 or libpython3.11; the real programs' tests and make bench's rows of them will be skipped"
 
 test: venv tracefs toolchains lint typecheck
 	$(VENV)/bin/pytest -q -p no:cacheprovider

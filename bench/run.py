@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -413,6 +414,36 @@ def unwind_tables() -> dict[str, float]:
     return seconds
 
 
+JUMP_LIBRARIES = {
+    "libc": "/lib/x86_64-linux-gnu/libc.so.6", "libstdc++": "/usr/lib/x86_64-linux-gnu/libstdc++.so.6",
+    "libpython3.11": "/usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0",
+    "libsqlite3": "/usr/lib/x86_64-linux-gnu/libsqlite3.so.0", "liblzma": "/usr/lib/x86_64-linux-gnu/liblzma.so.5",
+    "python3": "/usr/bin/python3",
+}  # fmt: skip
+
+
+def jump_coverage() -> dict[str, dict[str, Any]]:
+    """Per library: its functions (one per address), how many could take a jump at their entry,
+    and the others by reason (`dynprobe list`'s JUMP column, summed)."""
+    from dynprobe.errors import OptimizeRefusal
+    from dynprobe.symbols.elf import ElfImage
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, path in JUMP_LIBRARIES.items():
+        if not os.path.exists(path):
+            out[name] = {"missing": path}
+            continue
+        image = ElfImage(os.path.realpath(path))
+        functions = {f.addr: f for f in image.functions if f.size}
+        refused = Counter(
+            plan.name
+            for f in functions.values()
+            if isinstance(plan := image.jump_plan(f.addr, f.size, f.addr), OptimizeRefusal)
+        )
+        out[name] = {"functions": len(functions), "jump": len(functions) - sum(refused.values()), "refused": refused}
+    return out
+
+
 def timestamp_cost() -> tuple[float, float]:
     """ns per rdtscp and per rdtsc here: the floor of a record's cost (its time stamp)."""
     binary = compile_c(HERE / "targets" / "tsc.c", BUILD / "tsc", "-O2")
@@ -620,6 +651,8 @@ def main() -> int:
     console.log(f"start-up: {started}")
     unwinding = unwind_tables()
     console.log(f"unwind tables compiled: {unwinding}")
+    jumps = jump_coverage()
+    console.log(f"functions taking a jump: {jumps}")
     reading = post_processing(int(175_000 * scale))
     console.log(f"post-processing: {reading}")
     peaks = memory(int(4_000_000 * scale), int(10_000_000 * scale))
@@ -674,6 +707,17 @@ def main() -> int:
         ours, theirs = reading[name], reading.get(f"uftrace_{name}")
         versus = f" vs uftrace {theirs['cpu_s']:.2f} s, {theirs['peak_mb']:.0f} MB" if theirs else ""
         shown.append(f"{name} {ours['cpu_s']:.2f} s, {ours['peak_mb']:.0f} MB{versus}")
+    jump_table = Table(title="functions whose entry takes a jump (the others stay traps), by library")
+    for col in ("library", "functions", "take a jump", "%", "refused"):
+        jump_table.add_column(col, justify="left" if col in ("library", "refused") else "right")
+    for name, counts in jumps.items():
+        if "missing" in counts:
+            jump_table.add_row(name, "-", "-", "-", f"not installed: {counts['missing']}")
+            continue
+        share = 100 * counts["jump"] / max(1, counts["functions"])
+        reasons = ", ".join(f"{reason} {n}" for reason, n in counts["refused"].most_common()) or "-"
+        jump_table.add_row(name, f"{counts['functions']:,}", f"{counts['jump']:,}", f"{share:.2f}", reasons)
+    out.print(jump_table)
     out.print(f"peak RSS: `trace` of {peaks['trace_events'] / 1e6:.0f} M events {peaks['trace_mb']:.0f} MB (1 MiB "
               f"ring; {peaks['trace_none_mb']:.0f} MB for none), `record` of {peaks['record_calls'] / 1e6:.0f} M calls "
               f"{peaks['record_mb']:.0f} MB (32 MiB ring)")  # fmt: skip
@@ -699,6 +743,7 @@ def main() -> int:
         "timestamp_ns": {"rdtscp": rdtscp_ns, "rdtsc": rdtsc_ns},
         "startup_s": started,
         "unwind_tables_s": unwinding,
+        "jump_coverage": jumps,
         "post_processing": reading,
         "memory_mb": peaks,
     }
