@@ -192,3 +192,21 @@ def test_printf_from_many_threads_loses_no_line(counter: str) -> None:
     assert len(lines) == 40_000 and sorted(map(len, by_thread.values())) == [20_000, 20_000]
     assert all(values == list(range(20_000)) for values in by_thread.values())
     assert "lost" not in run.stderr
+
+
+def test_maps_keyed_by_strings_as_bpftrace_prints_them() -> None:
+    wordcount = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+    program = f"uprobe:{wordcount}:add_word {{ @[str(arg0)] = count(); @len[str(arg0, 2)] = sum(arg1); }}"
+    run = dp("run", "-e", program, "--", wordcount, "alpha be alpha gamma")
+    assert run.returncode == 0, run.stderr
+    maps = maps_of(run.stderr)
+    assert maps.splitlines()[:3] == ["@[be]: 1", "@[gamma]: 1", "@[alpha]: 2"] or maps.splitlines()[:3] == [
+        "@[gamma]: 1", "@[be]: 1", "@[alpha]: 2"]  # fmt: skip
+    assert "@len[be]: 2\n" in maps and "@len[ga]: 5\n" in maps and "@len[al]: 10\n" in maps
+    if shutil.which("bpftrace") is None:
+        return
+    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{wordcount} alpha be alpha gamma"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    if theirs.returncode == 0 and "@len" in theirs.stdout:
+        expected = theirs.stdout.split("\n\n\n", 1)[1]
+        assert sorted(maps.splitlines()) == sorted(expected.splitlines()), expected

@@ -522,3 +522,20 @@ def test_a_printf_larger_than_the_record_size_is_refused() -> None:
     body = LangBody(checked.program.probes[0], checked, 0x10000, region.tables, NS_AS_TICKS, printf_records(checked))
     detour = build_detour(plan(), [Program(0, ActionKind.COUNT, lang=body)], LAYOUT, 0x400000, function_entry=True)
     assert detour == OptimizeRefusal.RECORD_TOO_LARGE
+
+
+def test_maps_keyed_by_strings(area: NativeArea) -> None:
+    """str() keys: the bytes up to the NUL (at most str()'s length), NUL-padded words hashed
+    as the tracer hashes them; an unreadable pointer an empty string, as bpftrace's."""
+    words = [ctypes.create_string_buffer(w) for w in (b"alpha", b"beta", b"alpha", b"al", b"x" * 80)]
+    code = Compiled(area, "u:/bin/x:f { @c[str(arg0)] = count(); @s[str(arg0, 2), arg1] = sum(arg1); }")
+    for i, word in enumerate(words):
+        code(ctypes.addressof(word), i)
+    code(0, 9)
+    assert code.entries("c") == {("alpha",): 2, ("beta",): 1, ("al",): 1, ("x" * 63,): 1, ("",): 1}
+    assert code.entries("s") == {("al", 0): 0, ("be", 1): 1, ("al", 2): 2, ("al", 3): 3, ("xx", 4): 4, ("", 9): 9}
+    table = code.region.tables["c"]
+    key = b"beta".ljust(64, b"\0")
+    hashed = key_hash([int.from_bytes(key[i : i + 8], "little") for i in range(0, 64, 8)])
+    slots = [k for k in range(table.slots) if int(code.memory[(table.offset + k * table.slot_bytes) // 8]) == hashed]
+    assert len(slots) == 1 and (slots[0] - table.home(hashed)) % table.slots < maps.PROBES

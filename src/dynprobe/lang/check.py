@@ -46,6 +46,7 @@ UINT64 = Type("int", signed=False)
 NONE = Type("none")
 STACK = Type("stack")
 STRING_SIZE = 64  # a string a probe reads (str(), comm, func): bytes kept, NUL included
+STRING_WORDS = STRING_SIZE // 8  # the 64-bit words of a string kept as a map's key
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "stats": 1, "hist": 1, "lhist": 4}
 _STATEMENT_CALLS = {"printf", "print", "delete", "clear", "zero", "exit", "time"}
 _FORMAT = re.compile(r"%(?:%|[-+ #0]*\d*(?:\.\d+)?(?:hh|h|ll|l|z|j)?([diouxXcsp]))")

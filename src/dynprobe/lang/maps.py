@@ -4,7 +4,8 @@ the target's generated code updates in place with atomic instructions (so thread
 once lose no update and the tracer merges nothing) and the tracer reads to print.
 
 A slot is: the keys' hash (0: free; claimed with `cmpxchg`), a word that says the entry exists
-(set once its keys are written, cleared by `delete`), the keys, then the value words. Keys are
+(set once its keys are written, cleared by `delete`), the keys (an integer a word, a string
+STRING_WORDS words: its bytes, NUL-padded), then the value words. Keys are
 told apart by their hash (63 bits of a mix of them, the lowest set: 0 is a free slot's), as
 BPF's stack map tells stacks apart: two distinct keys share an entry with odds of 2^-63 a
 pair. A full table (no free slot within `PROBES` of the hash's home) counts the update as
@@ -21,7 +22,7 @@ import numpy as np
 
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
-from dynprobe.lang.check import Checked
+from dynprobe.lang.check import STRING_WORDS, Checked
 from dynprobe.lang.target import PrintfRecord
 
 MASK64 = (1 << 64) - 1
@@ -49,11 +50,16 @@ class MapTable:
 
     name: str
     kind: str  # int, count, sum, min, max, avg, stats, hist, lhist
-    keys: int  # key words
+    key_kinds: tuple[str, ...]  # "int" or "string", a key each
     slots: int
     offset: int
     index: int  # its dropped updates' counter: the region's word `index` + 1
     lhist: tuple[int, int, int] = (0, 0, 1)  # min, max, step
+
+    @property
+    def keys(self) -> int:
+        """The key words."""
+        return sum(STRING_WORDS if kind == "string" else 1 for kind in self.key_kinds)
 
     @property
     def value_words(self) -> int:
@@ -126,7 +132,7 @@ def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
     offset = (8 * (1 + len(checked.maps)) + 63) & ~63
     for index, (name, info) in enumerate(sorted(checked.maps.items())):
         kind = info.value.kind if info.value is not None else "int"
-        keys = len(info.keys or ())
+        keys = tuple("string" if key.kind == "string" else "int" for key in info.keys or ())
         lhist = checked.lhist.get(name, (0, 0, 1))
         table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist)
         tables[name] = table
@@ -144,10 +150,24 @@ def entries(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> list[out
         base = slot * step
         if not words[base] or not words[base + 1]:
             continue
-        keys = tuple(_signed(words[base + 2 + i]) for i in range(table.keys))
         values = words[base + table.value_at // 8 : base + step]
-        found.append((keys, _value(table, values)))
+        found.append((_keys(table, words[base + 2 : base + table.value_at // 8]), _value(table, values)))
     return found
+
+
+def _keys(table: MapTable, words: memoryview) -> tuple[output.Key, ...]:
+    """An entry's keys from its key words: integers signed, strings up to their first NUL."""
+    keys: list[output.Key] = []
+    at = 0
+    for kind in table.key_kinds:
+        if kind == "string":
+            data = words[at : at + STRING_WORDS].tobytes()
+            keys.append(data.split(b"\0", 1)[0].decode("utf-8", "replace"))
+            at += STRING_WORDS
+        else:
+            keys.append(_signed(words[at]))
+            at += 1
+    return tuple(keys)
 
 
 def dropped(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> int:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from dynprobe.errors import ProgramError
 from dynprobe.lang import syntax as S
-from dynprobe.lang.check import Checked
+from dynprobe.lang.check import STRING_WORDS, Checked
 from dynprobe.ringbuf import layout as L
 
-MAX_KEYS = 16
+MAX_KEYS = 16  # words of a map's keys
 MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waiting (a map's keys beside them)
 MAX_VARIABLES = L.LANG_VARS_WORDS
 _IN_TARGET_CALLS = ("delete", "exit", "printf")
@@ -172,8 +172,7 @@ class _TargetCheck:
             if isinstance(arg, S.Builtin) and arg.name == "comm":
                 continue
             if isinstance(arg, S.Call) and arg.name == "str":
-                for part in arg.args:
-                    self.expression(part, 0)
+                self.string(arg, 0)
             else:
                 self.expression(arg, 0)
         size = _record(0, call, self.checked).size
@@ -196,12 +195,24 @@ class _TargetCheck:
         info = self.checked.maps.get(ref.name)
         if info is not None and info.value is not None and info.value.kind in ("string", "stack"):
             raise self.refuse(f"a map of {info.value.kind}s (@{ref.name})", ref.span)
-        if len(ref.keys) > MAX_KEYS:
-            raise self.refuse(f"a map with more than {MAX_KEYS} keys", ref.span)
-        for i, key in enumerate(ref.keys):
-            if self.checked.type_of(key).kind != "int":
-                raise self.refuse("a map key that is not an integer", key.span)
-            self.expression(key, depth + i)
+        words = depth
+        for key in ref.keys:
+            if isinstance(key, S.Call) and key.name == "str":
+                self.string(key, words)
+                words += STRING_WORDS
+            elif self.checked.type_of(key).kind != "int":
+                raise self.refuse("a map key that is neither an integer nor a str()", key.span)
+            else:
+                self.expression(key, words)
+                words += 1
+            if words - depth > MAX_KEYS:
+                raise self.refuse(f"a map with keys of more than {MAX_KEYS} words (a str(): {STRING_WORDS})", ref.span)
+
+    def string(self, call: S.Call, depth: int) -> None:
+        """A str() the target reads: its address (and a literal length)."""
+        if len(call.args) == 2 and not isinstance(call.args[1], S.Int):
+            raise self.refuse("str() with a length that is not a literal", call.args[1].span)
+        self.expression(call.args[0], depth)
 
     def expression(self, expr: S.Expr, depth: int) -> None:
         if depth >= MAX_DEPTH:

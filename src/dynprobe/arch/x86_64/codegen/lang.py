@@ -28,6 +28,7 @@ from dynprobe.arch.x86_64.cpu import has_rdpid
 from dynprobe.arch.x86_64.regs import ARG_REGS
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import syntax as S
+from dynprobe.lang.check import STRING_WORDS
 from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
 from dynprobe.ringbuf import layout as L
 
@@ -481,6 +482,27 @@ class BodyCompiler:
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, table.value_at + 8 * word), R.RAX))
         asm.bind(absent)
 
+    def string_key(self, call: S.Call, word: int) -> None:
+        """The string `str(ptr[, n])` reads, in the temporaries from `word` on: its bytes up to
+        the NUL (at most what its type holds, less the NUL), the rest zeros; unreadable: what
+        was read (nothing: an empty string, as bpftrace's)."""
+        asm = self.asm
+        self.expression(call.args[0], word)
+        for i in range(STRING_WORDS):
+            asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, self.temp(word + i), 0))
+        loop, done = asm.label(), asm.label()
+        asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDI, R.EDI))
+        asm.bind(loop)
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, self.body.checked.type_of(call).size - 1))
+        asm.jump(C.JAE_REL32_64, done)
+        asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EDX, mem_at(R.RAX, 0, R.RDI)), done)
+        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EDX, R.EDX))
+        asm.jump(C.JE_REL32_64, done)
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM8_R8, gs_at(L.LANG_TEMPS + 8 * word, R.RDI), R.DL))
+        asm.add(iced.Instruction.create_reg(C.INC_RM32, R.EDI))
+        asm.jump(C.JMP_REL32_64, loop)
+        asm.bind(done)
+
     def found(self, table: MapTable) -> None:
         """After an update of the entry at rdi: it exists (again, after a delete)."""
         self.asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RDI, SLOT_READY), 1))
@@ -491,13 +513,20 @@ class BodyCompiler:
         None within PROBES slots: to `absent`, or (`claim`) the update counted as dropped and
         pointed at the table's sink, a slot past its last that nothing reads."""
         asm = self.asm
-        for i, key in enumerate(ref.keys):
-            self.expression(key, depth + i)
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(depth + i), R.RAX))
+        word = depth
+        for key, kind in zip(ref.keys, table.key_kinds, strict=True):
+            if kind == "string":  # (lang/target.py lets only a str() be one)
+                assert isinstance(key, S.Call)
+                self.string_key(key, word)
+                word += STRING_WORDS
+            else:
+                self.expression(key, word)
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(word), R.RAX))
+                word += 1
         # rdx = the hash (lang/maps.py's key_hash)
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDX, HASH_SEED))
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RCX, HASH_MULTIPLIER))
-        for i in range(len(ref.keys)):
+        for i in range(table.keys):
             asm.add(iced.Instruction.create_reg_mem(C.XOR_R64_RM64, R.RDX, self.temp(depth + i)))
             asm.add(iced.Instruction.create_reg_reg(C.IMUL_R64_RM64, R.RDX, R.RCX))
             asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RAX, R.RDX))
@@ -541,7 +570,7 @@ class BodyCompiler:
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, self.body.region + table.sink))
             asm.jump(C.JMP_REL32_64, done)
             asm.bind(claimed)
-            for i in range(len(ref.keys)):
+            for i in range(table.keys):
                 asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, self.temp(depth + i)))
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, 16 + 8 * i), R.RAX))
         else:
