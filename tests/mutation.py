@@ -161,6 +161,17 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         for change in (">= -> >", "0 -> 1", "0 -> -1")
     },
     **{
+        ("arch/x86_64/jumptables.py", line, change): why
+        for line, changes, why in (
+            ("MERGES, MERGE_WAYS = 3, 8  # places where branches meet walked through (each up to this many "
+             "branches)", ("3 -> 4", "3 -> 2", "8 -> 9", "8 -> 7"), _TUNABLE),
+            ("if 1 < len(sources) <= MERGE_WAYS:", ("< -> <=", "1 -> 0"),
+             "one source is followed before, none is not a merge either way"),
+            ("if 1 < len(sources) <= MERGE_WAYS:", ("<= -> <",), _TUNABLE),
+        )
+        for change in changes
+    },
+    **{
         ("arch/x86_64/jumptables.py", "table = (table + movsxd.memory_displacement) & ((1 << 64) - 1)", change): (
             "a table's address is below 2^47 and even: a 63-bit mask, or one without bit 0, keeps it"
         )

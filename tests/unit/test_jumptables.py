@@ -347,3 +347,36 @@ def test_cases_at_the_site_or_past_the_region_are_fine() -> None:
 def test_padding_exactly_long_enough(padding: bytes, expected: OptimizeRefusal | int) -> None:
     plan = can_optimize(b"\xc3", F, F, padding=padding, read=reader({}))
     assert plan == expected if isinstance(expected, OptimizeRefusal) else isinstance(plan, OptimizePlan)
+
+
+@pytest.mark.parametrize(
+    ("second", "expected"),
+    [
+        ("488b4610", Landing.THROUGH_POINTER),  # mov rax,[rsi+10h]: pointers both ways
+        ("31c09090", Landing.UNBOUNDED),  # xor eax,eax: nothing says where one way lands
+        ("90909090", Landing.UNBOUNDED),  # (a way no code runs into: nothing says)
+    ],
+)
+def test_code_several_branches_reach_is_walked_along_each(second: str, expected: Landing) -> None:
+    """mov rax,[rdi+8]; jmp L; (second way) jmp L; L: jmp rax"""
+    code = bytes.fromhex("488b4708" + "eb06" + second + "eb00" + "ffe0")
+    insns = decoded(code)
+    assert len([i for i in insns if i.near_branch_target == insns[-1].ip]) == 2
+    assert landing(insns, len(insns) - 1, reader({})) is expected
+
+
+def test_a_label_one_way_and_a_pointer_the_other() -> None:
+    """The label's address is a target; the pointer's are the module's to count."""
+    label = encode(reg_mem(C.LEA_R64_M, R.RAX, Memory(R.RIP, displ=LABEL)), at=F + 6)
+    code = bytes.fromhex("488b4708" + "eb09") + label + bytes.fromhex("eb00" + "ffe0")
+    insns = decoded(code)
+    assert landing(insns, len(insns) - 1, reader({})) == frozenset({LABEL})
+
+
+def test_a_loop_through_the_code_branches_meet_at_ends() -> None:
+    """mov rax,[rdi+8]; jmp L; (loop:) dec ecx; jmp L; L: test ecx,ecx; jne loop; jmp rax: the
+    walk meets L again on the loop's way, and stops, MERGES deep (nothing said: UNBOUNDED)."""
+    code = bytes.fromhex("488b4708" + "eb04" + "ffc9" + "eb00" + "85c9" + "75f8" + "ffe0")
+    insns = decoded(code)
+    assert insns[5].near_branch_target == insns[2].ip and insns[1].near_branch_target == insns[4].ip
+    assert landing(insns, len(insns) - 1, reader({})) is Landing.UNBOUNDED

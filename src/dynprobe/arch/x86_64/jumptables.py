@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import iced_x86 as iced
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the val
 
 MAX_ENTRIES = 4096  # a table's entries read at most (a bound above it: unbounded)
 LOOK_BACK = 64  # instructions looked at before a jump for the table's parts and its bound
+MERGES, MERGE_WAYS = 3, 8  # places where branches meet walked through (each up to this many branches)
 
 _R = iced.Register
 _C = iced.Code
@@ -71,15 +73,25 @@ def landing(insns: Sequence[iced.Instruction], at: int, read: Reader) -> frozens
     table's targets, or a `Landing`. The jump's register is followed back through copies and
     the pointer guard's mangling (`ror`, `xor` of the same register) to what made it: a load (a
     table's or a pointer's), a call's result, the caller's argument or a `lea` of one label;
-    made any other way, or where the way in is not one (code two branches reach, where the
-    register may differ), nothing says where it lands: `UNBOUNDED`."""
+    where code is reached by several branches, along each (MERGES deep at most), the targets
+    of all of them. Made any other way, nothing says where it lands: `UNBOUNDED`."""
     code = _Code(insns)
     jump = insns[at]
     if jump.op0_kind == iced.OpKind.MEMORY:
         return code.loaded(at, jump, read)
-    register, before = _FULL(jump.op0_register), at
+    return _follow(code, _FULL(jump.op0_register), at, read, MERGES)
+
+
+def _follow(code: _Code, register: RegisterT, before: int, read: Reader, merges: int) -> frozenset[int] | Landing:
+    """Where the value of `register` at `insns[before]` may jump to (see `landing`)."""
     for _ in range(LOOK_BACK):
         found = code.definition(before, register)
+        if isinstance(found, _Merge):
+            ways = [_follow(code, register, source, read, merges - 1) for source in found.sources] if merges else []
+            if not ways or Landing.UNBOUNDED in ways:
+                return Landing.UNBOUNDED
+            tables = [way for way in ways if isinstance(way, frozenset)]  # (pointers: the module's count)
+            return frozenset().union(*tables) if tables else Landing.THROUGH_POINTER
         if not isinstance(found, tuple):
             return Landing.THROUGH_POINTER if found is _From.CALLER else Landing.UNBOUNDED
         before, insn = found
@@ -108,6 +120,13 @@ class _From(enum.Enum):
     CALLER = "the function's entry: the value it was called with"
 
 
+@dataclass(frozen=True)
+class _Merge:
+    """Code that several branches (and nothing before it) run into: their indices."""
+
+    sources: tuple[int, ...]
+
+
 class _Code:
     """One function's instructions, walked back from one along the way the code runs into it."""
 
@@ -123,10 +142,11 @@ class _Code:
                     self._sources.setdefault(int(insn.near_branch_target), []).append(k)
         return self._sources.get(int(self.insns[at].ip), [])
 
-    def before(self, at: int) -> Iterator[int | _From]:
+    def before(self, at: int) -> Iterator[int | _From | _Merge]:
         """The instructions that run before `insns[at]`, latest first (LOOK_BACK at most): the
-        one before it, or, after a `jmp` or a `ret`, the one branch to it; then `_From.CALLER` at the
-        function's entry. Code reached by two branches (and no fall-through) ends the walk."""
+        one before it, or, after a `jmp` or a `ret`, the one branch to it; then `_From.CALLER` at
+        the function's entry, or a `_Merge` of the branches to code several reach (and nothing
+        before it runs into: the walk ends there; up to MERGES of them, else it just ends)."""
         for _ in range(LOOK_BACK):
             if self._falls_into(at):
                 at -= 1
@@ -136,6 +156,8 @@ class _Code:
                     yield _From.CALLER
                     return
                 if len(sources) != 1:
+                    if 1 < len(sources) <= MERGE_WAYS:
+                        yield _Merge(tuple(sources))
                     return
                 (at,) = sources
             yield at
@@ -150,12 +172,12 @@ class _Code:
             return at > 0
         return self.insns[prev].flow_control not in _NO_FALL_THROUGH
 
-    def definition(self, before: int, register: RegisterT) -> tuple[int, iced.Instruction] | _From | None:
+    def definition(self, before: int, register: RegisterT) -> tuple[int, iced.Instruction] | _From | _Merge | None:
         """The last instruction before `insns[before]` that writes `register` (a call writes the
-        registers a callee may change); `_From.CALLER` if none does since the function's entry;
-        None if the walk ends first."""
+        registers a callee may change); `_From.CALLER` if none does since the function's entry,
+        a `_Merge` if the walk comes to code several branches reach; None if it ends first."""
         for at in self.before(before):
-            if isinstance(at, _From):
+            if isinstance(at, _From | _Merge):
                 return at
             insn = self.insns[at]
             if _writes(insn, register) or (insn.flow_control in (iced.FlowControl.CALL, iced.FlowControl.INDIRECT_CALL)
