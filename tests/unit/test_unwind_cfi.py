@@ -399,6 +399,21 @@ def test_a_debug_frame_adds_what_the_eh_frame_does_not_describe() -> None:
     assert compile_sections([]).find(0x1000) is None
 
 
+def test_what_a_later_section_may_add_between_earlier_descriptions() -> None:
+    """The earlier section's descriptions, touching or nested, make one set of addresses: a
+    later description is kept only where it meets none of them (touching is not meeting)."""
+    eh = cie(CIE_INITIAL)
+    for start, size in ((0x1000, 0x20), (0x1020, 0x10), (0x1040, 0x10), (0x2000, 0x100), (0x2010, 0x10)):
+        eh += fde(eh, 0x2000, start, size, bytes([0x0E, 0x10]))
+    later = debug_cie()
+    tried = {0x1030: 0x10, 0x0FF0: 0x10, 0x1050: 0x10, 0x102F: 0x2, 0x0FE0: 0x21, 0x1010: 0x8, 0x2050: 0x10}
+    for start, size in tried.items():
+        later += entry(struct.pack("<IQQ", 0, start, size) + bytes([0x0E, 0x28]))
+    table = compile_sections([CfiSection(eh, 0x2000), CfiSection(later, 0, debug_frame=True)])
+    added = {start for start in tried if table.find(start) == cfa(RSP, 40)}
+    assert added == {0x1030, 0x0FF0, 0x1050}  # (0x102F, 0x0FE0 and 0x1010 meet the first ones; 0x2050 the nest)
+
+
 def test_an_empty_section_is_an_empty_table() -> None:
     table = compile_cfi(cie(CIE_INITIAL), 0)
     assert isinstance(table, UnwindTable) and table.find(0x1000) is None and len(table) == 0

@@ -403,9 +403,10 @@ def compile_sections(sections: list[CfiSection]) -> UnwindTable:
     skipped = 0
     for section in sections:
         earlier = _union([(start, end) for start, end, _ in described])
+        starts = [start for start, _ in earlier]
         found, unread = _descriptions(section)
         skipped += unread
-        described += [d for d in found if not _overlaps(earlier, d[0], d[1])]
+        described += [(start, end, rows) for start, end, rows in found if not _overlaps(earlier, starts, start, end)]
     return _merge(described, skipped)
 
 
@@ -420,9 +421,9 @@ def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return union
 
 
-def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
-    """Whether [start, end) meets one of `ranges` (a `_union`)."""
-    i = bisect.bisect_right(ranges, (start, 1 << 64))
+def _overlaps(ranges: list[tuple[int, int]], starts: list[int], start: int, end: int) -> bool:
+    """Whether [start, end) meets one of `ranges` (a `_union`; `starts`: theirs)."""
+    i = bisect.bisect_right(starts, start)  # (the ranges before it start at or before `start`)
     return (i > 0 and ranges[i - 1][1] > start) or (i < len(ranges) and ranges[i][0] < end)
 
 
