@@ -148,6 +148,9 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         )
     },
     ("spec/parser.py", "reg = canonical_name(body[1:])", "1 -> 0"): "canonical_name takes a leading '%' off itself",
+    ("arch/x86_64/unwind.py", "if union and start <= union[-1][1]:", "<= -> <"): (
+        "ranges that only touch, kept apart, meet what they met together"
+    ),
     ("arch/x86_64/jumptables.py", "elif insn.mnemonic == iced.Mnemonic.ADD and kinds == (iced.OpKind.REGISTER, "
      "iced.OpKind.REGISTER):", "and -> or"): (
         "an add of anything else, or another instruction of two registers, finds no table: UNBOUNDED either way"

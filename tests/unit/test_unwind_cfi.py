@@ -412,6 +412,7 @@ def test_what_a_later_section_may_add_between_earlier_descriptions() -> None:
     table = compile_sections([CfiSection(eh, 0x2000), CfiSection(later, 0, debug_frame=True)])
     added = {start for start in tried if table.find(start) == cfa(RSP, 40)}
     assert added == {0x1030, 0x0FF0, 0x1050}  # (0x102F, 0x0FE0 and 0x1010 meet the first ones; 0x2050 the nest)
+    assert table.skipped == 1  # (the nested description: the later ones met are left out, not skipped)
 
 
 def test_an_empty_section_is_an_empty_table() -> None:
