@@ -29,15 +29,22 @@ def test_unwind_ranges_from_the_header_table_are_the_unwind_tables() -> None:
         assert len(ranges) > 3 and ranges == slow.eh_frame_ranges()
 
 
-def test_a_stripped_file_takes_its_symbols_from_its_debug_file(tmp_path: Path) -> None:
-    """objcopy --only-keep-debug, strip, --add-gnu-debuglink: gdb's separate debug file, found
-    next to the file (Debian's -dbg packages put them under /usr/lib/debug/.build-id)."""
-    built = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+def split_debug(built: str, tmp_path: Path, strip: str) -> tuple[Path, Path]:
+    """A copy of `built` stripped (`strip`: its option) with its debug information in a
+    separate file it links to (objcopy --only-keep-debug, --add-gnu-debuglink, as gdb finds it)."""
     binary, debug = tmp_path / "wordcount", tmp_path / "wordcount.debug"
     shutil.copy(built, binary)
     subprocess.run(["objcopy", "--only-keep-debug", str(binary), str(debug)], check=True)
-    subprocess.run(["strip", "--strip-all", str(binary)], check=True)
+    subprocess.run(["strip", strip, str(binary)], check=True)
     subprocess.run(["objcopy", f"--add-gnu-debuglink={debug}", str(binary)], cwd=tmp_path, check=True)
+    return binary, debug
+
+
+def test_a_stripped_file_takes_its_symbols_from_its_debug_file(tmp_path: Path) -> None:
+    """gdb's separate debug file, found next to the file (Debian's -dbg packages put them under
+    /usr/lib/debug/.build-id)."""
+    built = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+    binary, debug = split_debug(built, tmp_path, "--strip-all")
     stripped, original = ElfImage(str(binary)), ElfImage(built)
     assert stripped.debug_file == str(debug)
     assert stripped.functions == original.functions and stripped.by_name["add_word"].size > 0
@@ -51,11 +58,7 @@ def test_a_file_keeping_its_symbols_takes_lines_and_cfi_from_its_debug_file(tmp_
     symbols are the file's own."""
     built = build_target("wordcount_debug_frame", "../../examples/wordcount.c",
                          flags=("-O2", "-fno-asynchronous-unwind-tables", "-fno-unwind-tables"))  # fmt: skip
-    binary, debug = tmp_path / "wordcount", tmp_path / "wordcount.debug"
-    shutil.copy(built, binary)
-    subprocess.run(["objcopy", "--only-keep-debug", str(binary), str(debug)], check=True)
-    subprocess.run(["strip", "--strip-debug", str(binary)], check=True)
-    subprocess.run(["objcopy", f"--add-gnu-debuglink={debug}", str(binary)], cwd=tmp_path, check=True)
+    binary, debug = split_debug(built, tmp_path, "--strip-debug")
     stripped, original = ElfImage(str(binary)), ElfImage(built)
     add_word = stripped.by_name["add_word"].addr
     assert stripped.has_symtab and stripped.debug_file == str(debug)
