@@ -16,9 +16,12 @@ indirect jump goes through a value made elsewhere (a tail call through a pointer
 goto's table of label addresses, a method): it lands only where the module takes an address
 (its relocations, its RIP-relative `lea`s), which the caller knows: `THROUGH_POINTER`.
 
-The instructions before the jump are read in address order, not along the control flow: a
-compiler puts the table's `lea` and the bound's compare before the dispatch they serve.
-Pure: decoded instructions and a reader of the module's bytes in, the targets out.
+The instructions that run into the jump are walked back (`_Code.before`): the one before it, or,
+after a `jmp` or a `ret`, the branches to the code, each way a few places deep. Where code is
+also a branch's target and the code before runs into it, only the way before is walked: a
+compiler puts the table's `lea` and the compare that bounds the index on the dispatch's own way
+(no control-flow graph proves it). Pure: decoded instructions and a reader of the module's
+bytes in, the targets out.
 """
 
 from __future__ import annotations
