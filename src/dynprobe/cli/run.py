@@ -36,7 +36,7 @@ examples:
                                          uretprobe:./app:parse /@start[tid]/ {
                                            @ns = hist(nsecs - @start[tid]); delete(@start[tid]); })
 """
-_POLL = 0.1  # seconds between looks at whether a probe called exit()
+_POLL = 0.02  # seconds between looks at whether a probe called exit() (bpftrace stops at once)
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
