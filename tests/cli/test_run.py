@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -210,3 +211,24 @@ def test_maps_keyed_by_strings_as_bpftrace_prints_them() -> None:
     if theirs.returncode == 0 and "@len" in theirs.stdout:
         expected = theirs.stdout.split("\n\n\n", 1)[1]
         assert sorted(maps.splitlines()) == sorted(expected.splitlines()), expected
+
+
+def test_maps_keyed_by_the_stack() -> None:
+    """@[ustack]: each hit's stack walked in the target (the probe counts its hits by stack; the
+    key is its slot), printed frame by frame as `dynprobe stacks` prints them; ustack(N) at most
+    N frames, a uretprobe's from where the return went back to."""
+    path = build_target("stacks_O0", "stacks.c", flags=("-O0", "-pthread"))
+    program = (f"uprobe:{path}:leaf {{ @[ustack] = count(); @n = count(); }}"
+               f" uretprobe:{path}:leaf {{ @r[ustack(2)] = count(); }}")  # fmt: skip
+    run = dp("run", "-e", program, "--", path)
+    assert run.returncode == 0, run.stderr
+    maps = maps_of(run.stderr)
+    name = os.path.basename(path)
+    blocks = re.findall(r"^@\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
+    assert len(blocks) == 4 and all(count == "1" for _, count in blocks) and "@n: 4\n" in maps
+    assert all(frames.startswith(f"        leaf ({name}) at stacks.c:10\n") for frames, _ in blocks)
+    deep = next(frames for frames, _ in blocks if "deep+" in frames)
+    assert deep.count("deep+") == 13 and "main+" in deep and not deep.endswith("        ...\n")
+    returns = re.findall(r"^@r\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
+    assert len(returns) == 4 and all(frames.count("\n") == 3 for frames, _ in returns)  # (2 frames, then "...")
+    assert all("leaf" not in frames.splitlines()[0] for frames, _ in returns)

@@ -539,3 +539,15 @@ def test_maps_keyed_by_strings(area: NativeArea) -> None:
     hashed = key_hash([int.from_bytes(key[i : i + 8], "little") for i in range(0, 64, 8)])
     slots = [k for k in range(table.slots) if int(code.memory[(table.offset + k * table.slot_bytes) // 8]) == hashed]
     assert len(slots) == 1 and (slots[0] - table.home(hashed)) % table.slots < maps.PROBES
+
+
+def test_a_stack_key_is_the_slot_the_probe_counted_the_hit_in(area: NativeArea) -> None:
+    """@[ustack]: the probe counts the hit by its stack before the body (its slot's address in
+    STACK_SLOT, 0 when the table is full); the body keys by that address."""
+    code = Compiled(area, "u:/bin/x:f { @[ustack] = count(); @n[ustack] = sum(arg0); }")
+    for slot, times in ((0x7000_1000, 2), (0x7000_2000, 1), (0, 1)):
+        area.set_word(L.STACK_SLOT, slot)
+        for _ in range(times):
+            code(5)
+    assert code.entries("") == {(0x7000_1000,): 2, (0x7000_2000,): 1, (0,): 1}
+    assert code.entries("n") == {(0x7000_1000,): 10, (0x7000_2000,): 5, (0,): 5}

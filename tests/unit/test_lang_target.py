@@ -24,6 +24,8 @@ def runnable(source: str) -> None:
         " @l = lhist(arg0, 0, 100, 10); @n++; @m[arg0] = max(nsecs); if (@n > 3) { delete(@m[arg0]); } exit(); }",
         "uretprobe:libc:malloc { @r = retval; @t = elapsed; @v = *(uint32 *)retval; @c = retval ? 1 : 2; }",
         'uprobe:libc:strlen { printf("%d %s %s\\n", arg0 + 1, comm, str(arg0, 4)); if (arg0) { printf("x\\n"); } }',
+        "uprobe:libc:strlen /@s[ustack(5)]/ { @s[ustack(5)] = count(); }"
+        " uretprobe:libc:strlen { @r[ustack] = count(); }",
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
     ],
@@ -41,7 +43,6 @@ def test_what_runs(source: str) -> None:
          "a printf() of 4088 bytes of values (a record holds 4080)", "printf"),
         ("uprobe:libc:malloc { @[comm] = count(); }", "a map key that is neither an integer nor a str()", "comm"),
         ("uprobe:libc:malloc { @c = comm; }", "a map of strings (@c)", "@c"),
-        ("uprobe:libc:malloc { @s[ustack] = count(); }", "a map key that is neither an integer nor a str()", "ustack"),
         ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
         ("uprobe:libc:malloc { @x = 1; clear(@x); }", "clear() is not run in the target yet", "clear"),
         ("uprobe:libc:malloc { @x = 1; print(@x); }", "print() is not run in the target yet", "print"),
@@ -52,6 +53,9 @@ def test_what_runs(source: str) -> None:
         ("uprobe:libc:malloc { @m[" + ", ".join(["1"] * 17) + "] = 1; }", "keys of more than 16 words", "@m"),
         ("uprobe:libc:malloc { @m[str(arg0), str(arg1), 1] = 1; }", "keys of more than 16 words", "@m"),
         ("uprobe:libc:malloc { @m[str(arg0, arg1)] = 1; }", "str() with a length that is not a literal", "arg1"),
+        ("uprobe:libc:malloc { @m[ustack, arg0] = count(); }", "ustack among a map's keys", "@m"),
+        ("uprobe:libc:malloc { @m[ustack(3)] = count(); @n[ustack] = count(); }", "ustack of different depths",
+         "uprobe"),
         ("uprobe:libc:malloc { " + "".join(f"$v{i} = {i}; " for i in range(65)) + "}",
          "more than 64 scratch variables", "$v64"),
         ("uprobe:libc:malloc { @x = " + "(1 + " * 48 + "1" + ")" * 48 + "; }", "an expression nested this deep",

@@ -23,6 +23,7 @@ import numpy as np
 
 from dynprobe.core.probe import Probe
 from dynprobe.core.slots import map_shared_memory
+from dynprobe.core.stacks import Stack
 from dynprobe.core.traced import TracedProcess
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import maps, output
@@ -30,7 +31,7 @@ from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, MapTable
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import PrintfRecord, TracerBlock, c_format, check_runnable, printf_records
+from dynprobe.lang.target import PrintfRecord, TracerBlock, c_format, check_runnable, printf_records, ustack_frames
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.spec.model import ProbeSpec
@@ -52,7 +53,7 @@ class PlacedProgram:
     """A program's probes in a session, and its maps (see the module's docstring)."""
 
     def __init__(self, source: str, filename: str, *, clock: Clock, process: Callable[[int], TracedProcess | None],
-                 comm: Callable[[int, int], str]) -> None:  # fmt: skip
+                 comm: Callable[[int, int], str], stack_at: Callable[[int, int], Stack | None]) -> None:  # fmt: skip
         program = parse_program(source, filename)
         self.checked = check_program(program, source, filename)
         check_runnable(self.checked, source, filename)
@@ -63,6 +64,7 @@ class PlacedProgram:
         self.clock = clock
         self.process = process  # the traced process of a pid
         self.comm = comm  # a thread's name (pid, tid)
+        self.stack_at = stack_at  # the stack in a slot of a process's stack table (pid, address)
         self.probes: list[Probe] = []
         self._regions: dict[int, _Region | OptimizeRefusal] = {}  # by pid
         self._all: list[_Region] = []
@@ -80,8 +82,10 @@ class PlacedProgram:
                     continue
                 kind = "r" if point.kind == "uretprobe" else "p"
                 where = f"{point.target}:{point.function}" + (f"+{point.offset}" if point.offset else "")
+                frames = ustack_frames(block)  # (a ustack key: each hit counted by its stack, the key its slot)
+                stacks = {"by": "stack", "max_frames": frames} if frames is not None else {}
                 for spec in expand(f"{kind} {where}"):
-                    self.probes.append(probe(spec, lang=_Body(self, block)))
+                    self.probes.append(probe(spec, lang=_Body(self, block), **stacks))
 
     def placed(self, block: S.ProbeBlock, pid: int) -> LangBody | OptimizeRefusal:
         """The block's body in process `pid`, over its region of the maps (mapped on first use)."""
@@ -140,13 +144,23 @@ class PlacedProgram:
 
     # --- the maps --------------------------------------------------------------------------------
     def entries(self, name: str) -> list[output.Entry]:
-        """The map's entries, merged across the processes the program ran in."""
+        """The map's entries, merged across the processes the program ran in (a stack key named
+        by its frames, as bpftrace prints it)."""
         table = self.region.tables[name]
         merged: dict[tuple[output.Key, ...], output.Value] = {}
-        for region in self._all:
-            for keys, value in maps.entries(region.view, table):
+        for pid, region in self._regions.items():
+            if isinstance(region, OptimizeRefusal):
+                continue
+            for raw, value in maps.entries(region.view, table):
+                keys = tuple(self._stack_key(pid, k) if kind == "stack" else k
+                             for k, kind in zip(raw, table.key_kinds, strict=True))  # fmt: skip
                 merged[keys] = _merge(table, merged[keys], value) if keys in merged else value
         return list(merged.items())
+
+    def _stack_key(self, pid: int, slot: output.Key) -> str:
+        stack = self.stack_at(pid, slot) if isinstance(slot, int) and slot else None
+        frames = str(stack).splitlines() if stack is not None else ["(no stack: the table of stacks was full)"]
+        return "".join(f"\n        {frame}" for frame in frames) + "\n"
 
     def dropped(self) -> dict[str, int]:
         """Updates each map could not take (its table full), if any."""

@@ -365,7 +365,8 @@ class Session:
         def process(pid: int) -> TracedProcess | None:
             return next((p for p in runtime.processes if p.pid == pid), None)
 
-        placed = PlacedProgram(source, filename, clock=clock, process=process, comm=runtime.comm_of)
+        placed = PlacedProgram(source, filename, clock=clock, process=process, comm=runtime.comm_of,
+                               stack_at=runtime.stack_at)  # fmt: skip
         placed.place(self.expand, functools.partial(self.probe, action="count"))
         return placed
 

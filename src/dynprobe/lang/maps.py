@@ -50,7 +50,7 @@ class MapTable:
 
     name: str
     kind: str  # int, count, sum, min, max, avg, stats, hist, lhist
-    key_kinds: tuple[str, ...]  # "int" or "string", a key each
+    key_kinds: tuple[str, ...]  # "int", "string" or "stack" (its slot in the stack table), a key each
     slots: int
     offset: int
     index: int  # its dropped updates' counter: the region's word `index` + 1
@@ -132,7 +132,7 @@ def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
     offset = (8 * (1 + len(checked.maps)) + 63) & ~63
     for index, (name, info) in enumerate(sorted(checked.maps.items())):
         kind = info.value.kind if info.value is not None else "int"
-        keys = tuple("string" if key.kind == "string" else "int" for key in info.keys or ())
+        keys = tuple(key.kind if key.kind in ("string", "stack") else "int" for key in info.keys or ())
         lhist = checked.lhist.get(name, (0, 0, 1))
         table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist)
         tables[name] = table
@@ -165,7 +165,7 @@ def _keys(table: MapTable, words: memoryview) -> tuple[output.Key, ...]:
             keys.append(data.split(b"\0", 1)[0].decode("utf-8", "replace"))
             at += STRING_WORDS
         else:
-            keys.append(_signed(words[at]))
+            keys.append(int(words[at]) if kind == "stack" else _signed(words[at]))  # (a stack: its slot's address)
             at += 1
     return tuple(keys)
 

@@ -121,6 +121,50 @@ def _tracer_statements(statements: tuple[S.Statement, ...], source: str, filenam
                                    "values", source, arg.span, filename)  # fmt: skip
 
 
+def _is_ustack(expr: S.Expr) -> bool:
+    return (isinstance(expr, S.Builtin) and expr.name == "ustack") or (
+        isinstance(expr, S.Call) and expr.name == "ustack"
+    )
+
+
+def ustack_frames(block: S.ProbeBlock) -> int | None:
+    """The frames a block's `ustack` keys walk (`ustack(N)`'s N, else 127), None if it has none;
+    ProgramError-free: check_runnable refuses two different counts in one block first."""
+    found = {key.args[0].value if isinstance(key, S.Call) and key.args and isinstance(key.args[0], S.Int) else 127
+             for key in _all_keys(block) if _is_ustack(key)}  # fmt: skip
+    return max(found) if found else None
+
+
+def _all_keys(block: S.ProbeBlock) -> Iterator[S.Expr]:
+    yield from _map_keys(block.body)
+    if block.predicate is not None:
+        yield from _keys_in(block.predicate)
+
+
+def _map_keys(statements: tuple[S.Statement, ...]) -> Iterator[S.Expr]:
+    """Every key of every map a block's statements name (its expressions walked)."""
+    for statement in statements:
+        if isinstance(statement, S.If):
+            yield from _map_keys(statement.then)
+            yield from _map_keys(statement.otherwise)
+            yield from _keys_in(statement.condition)
+        elif isinstance(statement, S.Assign):
+            yield from _keys_in(statement.target)
+            yield from _keys_in(statement.value)
+        elif isinstance(statement, S.ExprStatement):
+            yield from _keys_in(statement.expr)
+
+
+def _keys_in(expr: S.Node) -> Iterator[S.Expr]:
+    """The keys of the maps `expr` names, however deep."""
+    if isinstance(expr, S.MapRef):
+        yield from expr.keys
+    for value in vars(expr).values():
+        for part in value if isinstance(value, tuple) else (value,):
+            if isinstance(part, S.Node):
+                yield from _keys_in(part)
+
+
 def _constant(expr: S.Expr) -> bool:
     if isinstance(expr, S.MapRef):
         return all(isinstance(k, S.Int) for k in expr.keys)
@@ -136,6 +180,10 @@ class _TargetCheck:
         return ProgramError(_NOT_YET.format(what=what), self.source, span, self.filename)
 
     def block(self, probe: S.ProbeBlock) -> None:
+        counts = {key.args[0].value if isinstance(key, S.Call) and key.args and isinstance(key.args[0], S.Int) else 127
+                  for key in _all_keys(probe) if _is_ustack(key)}  # fmt: skip
+        if len(counts) > 1:
+            raise self.refuse("ustack of different depths in one probe", probe.span)
         if probe.predicate is not None:
             self.expression(probe.predicate, 0)
         self.statements(probe.body)
@@ -195,9 +243,13 @@ class _TargetCheck:
         info = self.checked.maps.get(ref.name)
         if info is not None and info.value is not None and info.value.kind in ("string", "stack"):
             raise self.refuse(f"a map of {info.value.kind}s (@{ref.name})", ref.span)
+        if any(_is_ustack(key) for key in ref.keys) and len(ref.keys) > 1:
+            raise self.refuse("ustack among a map's keys (it is run as the only one)", ref.span)
         words = depth
         for key in ref.keys:
-            if isinstance(key, S.Call) and key.name == "str":
+            if _is_ustack(key):
+                words += 1  # (the hit's stack, counted by the probe: its slot in the stack table)
+            elif isinstance(key, S.Call) and key.name == "str":
                 self.string(key, words)
                 words += STRING_WORDS
             elif self.checked.type_of(key).kind != "int":

@@ -519,6 +519,10 @@ class BodyCompiler:
                 assert isinstance(key, S.Call)
                 self.string_key(key, word)
                 word += STRING_WORDS
+            elif kind == "stack":  # (the hit's stack, counted by the probe before the body: its slot)
+                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.STACK_SLOT)))
+                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(word), R.RAX))
+                word += 1
             else:
                 self.expression(key, word)
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(word), R.RAX))
