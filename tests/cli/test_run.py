@@ -232,3 +232,15 @@ def test_maps_keyed_by_the_stack() -> None:
     returns = re.findall(r"^@r\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
     assert len(returns) == 4 and all(frames.count("\n") == 3 for frames, _ in returns)  # (2 frames, then "...")
     assert all("leaf" not in frames.splitlines()[0] for frames, _ in returns)
+
+
+def test_printf_of_func_and_probe() -> None:
+    """func and probe name the probe that hit (bpftrace's: a wildcard's each function), with
+    nothing of them in the record: the tracer knows them."""
+    wordcount = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+    program = (f'uprobe:{wordcount}:add_* {{ printf("%s|%s\\n", func, probe); }}'
+               f' uretprobe:{wordcount}:hash {{ printf("%s|%s\\n", func, probe); }}')  # fmt: skip
+    run = dp("run", "-e", program, "--", wordcount, "a")
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()[1:3]
+    assert sorted(lines) == [f"add_word|uprobe:{wordcount}:add_word", f"hash|uretprobe:{wordcount}:hash"]

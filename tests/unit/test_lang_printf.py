@@ -34,7 +34,7 @@ def string(length: int, text: bytes) -> bytes:
 
 def test_records_print_in_the_order_they_were_written() -> None:
     program = PlacedProgram(SOURCE, "stdin", clock=Clock(1, 0, 0), process=lambda pid: None,
-                            comm=lambda pid, tid: f"t{tid}")  # fmt: skip
+                            comm=lambda pid, tid: f"t{tid}", stack_at=lambda pid, slot: None)  # fmt: skip
     printed: list[str] = []
     program.write = printed.append
     first = batch(7, [(30, word(0) + word(-5)), (10, word(1) + string(2, b"ab")), (50, word(99) + word(1))])

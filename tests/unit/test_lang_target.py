@@ -38,7 +38,6 @@ def test_what_runs(source: str) -> None:
     ("source", "says", "at"),
     [
         ('uprobe:libc:malloc { printf("%s\\n", ustack); }', "a stack value", "ustack"),
-        ('uprobe:libc:malloc { printf("%s\\n", func); }', "a string value", "func"),
         ('uprobe:libc:malloc { printf("' + "%s" * 60 + '", ' + ", ".join(["str(arg0)"] * 60) + "); }",
          "a printf() of 4088 bytes of values (a record holds 4080)", "printf"),
         ("uprobe:libc:malloc { @[comm] = count(); }", "a map key that is neither an integer nor a str()", "comm"),
@@ -124,3 +123,6 @@ def test_printf_records_are_laid_out_and_numbered_in_order() -> None:
     ]
     assert records[0].args == (PrintfArg("comm", 8), PrintfArg("int", 8), PrintfArg("str", 16, 63))
     assert records[1].args == (PrintfArg("str", 8, 4),)
+    both = check_program(parse_program('u:libc:strlen { printf("%s %s %d", func, probe, 1); }'), "")
+    assert next(iter(printf_records(both).values())).args == (PrintfArg("func", 8), PrintfArg("probe", 8),
+                                                              PrintfArg("int", 8))  # fmt: skip

@@ -125,22 +125,34 @@ class PlacedProgram:
                 record = self._printf_by_number.get(number)
                 if record is None or record.size > len(row):
                     continue
-                values = list(self._values(record, row.tobytes(), batch.pid, batch.tid))
+                values = list(self._values(record, row.tobytes(), batch))
                 lines.append((stamp, order, c_format(record.fmt, values)))
         lines.sort(key=lambda line: line[:2])
         for *_, text in lines:
             self.write(text)
 
-    def _values(self, record: PrintfRecord, row: bytes, pid: int, tid: int) -> Iterator[int | str]:
+    def _values(self, record: PrintfRecord, row: bytes, batch: RecordBatch) -> Iterator[int | str]:
         for arg in record.args:
             at = arg.offset
             if arg.kind == "comm":
-                yield self.comm(pid, tid)
+                yield self.comm(batch.pid, batch.tid)
+            elif arg.kind in ("func", "probe"):
+                yield self._names(batch.probe_index)[arg.kind == "probe"]
             elif arg.kind == "str":
                 length = min(int.from_bytes(row[at : at + 2], "little"), arg.chars)
                 yield row[at + 4 : at + 4 + length].decode("utf-8", "replace")
             else:
                 yield int.from_bytes(row[at : at + 8], "little", signed=True)
+
+    def _names(self, index: int) -> tuple[str, str]:
+        """`func` and `probe` of the program's probe of index `index` (as bpftrace names them:
+        the function, and 'uprobe:PATH:FUNCTION')."""
+        probe = next((p for p in self.probes if p.index == index), None)
+        if probe is None:
+            return "?", "?"
+        where = probe.location
+        func = where.function.name if where.function is not None else where.label
+        return func, f"{'uretprobe' if probe.is_return else 'uprobe'}:{where.path}:{where.label}"
 
     # --- the maps --------------------------------------------------------------------------------
     def entries(self, name: str) -> list[output.Entry]:

@@ -49,7 +49,7 @@ def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> No
 
 @dataclass(frozen=True)
 class PrintfArg:
-    kind: str  # "int", "str" (copied: at most `chars` bytes) or "comm" (none: the tracer's)
+    kind: str  # "int", "str" (copied: at most `chars` bytes), or "comm", "func", "probe" (none: the tracer's)
     offset: int  # in the record's payload
     chars: int = 0
 
@@ -58,7 +58,7 @@ class PrintfArg:
 class PrintfRecord:
     """How a probe body's printf() goes through the ring: the record's payload is its number
     (a u64), then each argument's value (8 bytes), string (a record's string field) or nothing
-    (comm)."""
+    (comm, func, probe: the tracer knows them)."""
 
     number: int
     fmt: str
@@ -70,7 +70,8 @@ class PrintfRecord:
         return PRINTF_NUMBER if last is None else last.offset + _ARG_BYTES[last.kind]
 
 
-_ARG_BYTES = {"int": L.INT_FIELD, "str": L.STRING_FIELD, "comm": 0}
+_ARG_BYTES = {"int": L.INT_FIELD, "str": L.STRING_FIELD, "comm": 0, "func": 0, "probe": 0}
+_TRACER_KNOWS = ("comm", "func", "probe")
 
 
 def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
@@ -99,8 +100,8 @@ def _record(number: int, call: S.Call, checked: Checked) -> PrintfRecord:
     assert isinstance(fmt, S.Str)
     args, offset = [], PRINTF_NUMBER
     for arg in call.args[1:]:
-        if isinstance(arg, S.Builtin) and arg.name == "comm":
-            args.append(PrintfArg("comm", offset))
+        if isinstance(arg, S.Builtin) and arg.name in _TRACER_KNOWS:
+            args.append(PrintfArg(arg.name, offset))
         elif isinstance(arg, S.Call) and arg.name == "str":
             args.append(PrintfArg("str", offset, checked.type_of(arg).size - 1))
         else:
@@ -215,9 +216,10 @@ class _TargetCheck:
                     self.expression(expr, 0)
 
     def printf(self, call: S.Call) -> None:
-        """Integers, comm and str() (its address and length integers) go into its record."""
+        """Integers and str() (its address and a literal length) go into its record; comm, func
+        and probe are the tracer's."""
         for arg in call.args[1:]:
-            if isinstance(arg, S.Builtin) and arg.name == "comm":
+            if isinstance(arg, S.Builtin) and arg.name in _TRACER_KNOWS:
                 continue
             if isinstance(arg, S.Call) and arg.name == "str":
                 self.string(arg, 0)
