@@ -41,6 +41,7 @@ _RUN_IN_TARGET = ("uprobe", "uretprobe")
 
 @dataclass
 class _Region:
+    pid: int  # the process it was mapped into (a fork child's code uses its parent's)
     address: int  # in the target
     view: mmap.mmap
 
@@ -105,7 +106,7 @@ class PlacedProgram:
         if isinstance(mapped, OptimizeRefusal):
             self._regions[proc.pid] = mapped  # (not tried again, as the stack table is not)
             return mapped
-        region = _Region(*mapped[2:])
+        region = _Region(proc.pid, *mapped[2:])
         words = region.words
         self.region.initialize(words)
         self._regions[proc.pid] = region
@@ -160,11 +161,9 @@ class PlacedProgram:
         by its frames, as bpftrace prints it)."""
         table = self.region.tables[name]
         merged: dict[tuple[output.Key, ...], output.Value] = {}
-        for pid, region in self._regions.items():
-            if isinstance(region, OptimizeRefusal):
-                continue
+        for region in self._all:
             for raw, value in maps.entries(region.view, table):
-                keys = tuple(self._stack_key(pid, k) if kind == "stack" else k
+                keys = tuple(self._stack_key(region.pid, k) if kind == "stack" else k
                              for k, kind in zip(raw, table.key_kinds, strict=True))  # fmt: skip
                 merged[keys] = _merge(table, merged[keys], value) if keys in merged else value
         return list(merged.items())
