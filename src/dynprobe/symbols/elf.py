@@ -666,8 +666,8 @@ class BranchTargets:
     branches land, and the code addresses it takes (an indirect jump's targets: the addends of
     its RELATIVE and IRELATIVE relocations, the targets of its RIP-relative `lea`s, numpy taking
     any byte that could start one as one; a file that is not position-independent holds absolute
-    addresses with no relocation: an address is taken there when its bytes appear anywhere in
-    the file). The branches are found without decoding the whole file at every run. A branch
+    addresses with no relocation: `_absolute_addresses`). The branches are found without
+    decoding the whole file at every run. A branch
     with a 32-bit displacement (call, jmp, jcc)
     may come from anywhere: numpy takes every byte of executable code that could start one as
     one, a superset of the real ones; when one lands on an address asked about, the function it
