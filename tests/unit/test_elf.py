@@ -216,6 +216,33 @@ def test_code_that_reads_as_branches_everywhere_makes_every_address_a_target(
     assert targets.everything and code.vaddr + 1 in targets and 12345 in targets
 
 
+@pytest.mark.parametrize("made", ["leas", "addresses"])
+def test_a_file_that_takes_addresses_everywhere_makes_every_address_a_target(
+    made: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for what a file takes the address of: code that reads as RIP-relative `lea`s
+    everywhere, or (not position-independent) data that reads as addresses of its code."""
+    from dynprobe.symbols.elf import BranchTargets
+
+    monkeypatch.setattr(BranchTargets, "_ANY_FILE", 0)
+    built = build_target(
+        "switchy-nopie", "switchy.c", flags=("-O2", "-fno-pie", "-no-pie", "-fno-tree-switch-conversion")
+    )
+    image = ElfImage(built)
+    assert not image.branch_targets().everything
+    data = bytearray(Path(built).read_bytes())
+    code = next(s for s in image.segments if s.executable)
+    if made == "leas":
+        data[code.offset : code.offset + code.filesz] = (b"\x48\x8d\x05\x00\x00\x00\x00" * code.filesz)[: code.filesz]
+    else:
+        other = next(s for s in image.segments if not s.executable and s.offset >= 0x1000 and s.filesz > 64)
+        addresses = b"".join((code.vaddr + i % code.filesz).to_bytes(4, "little") for i in range(other.filesz // 4))
+        data[other.offset : other.offset + len(addresses)] = addresses
+    (tmp_path / "taken").write_bytes(bytes(data))
+    targets = ElfImage(str(tmp_path / "taken")).branch_targets()
+    assert targets.everything and code.vaddr + 3 in targets
+
+
 def test_a_data_symbol_s_address_and_an_offset_in_no_segment() -> None:
     """@SYM takes data symbols too (libc's environ); a file offset no segment maps is refused."""
     from dynprobe.errors import SymbolError

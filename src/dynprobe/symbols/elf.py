@@ -702,9 +702,9 @@ class BranchTargets:
                 code = image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 6)]
                 found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
                 leas.append(_rip_leas(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
-                places += len(found[-1][0])
+                places += len(found[-1][0]) + len(leas[-1])
                 if places > scanned // 8 + self._ANY_FILE or scanned > 4 * len(image.data):
-                    self.everything, found = True, []
+                    self.everything, found, leas = True, [], []
                     break
         sources = np.concatenate([np.zeros(0, np.int64), *(where for where, _ in found)])
         targets = np.concatenate([np.zeros(0, np.int64), *(to for _, to in found)])
@@ -713,8 +713,11 @@ class BranchTargets:
         with _parsing(image.path):
             addends = [rows["addend"][np.isin(rows["info"] & 0xFFFF_FFFF, _ADDRESS_RELOCATIONS)]
                        for rows, _ in image._relocations()]  # fmt: skip
-        absolute = [] if image.is_pie or self.everything else self._absolute_addresses()
-        self.taken = np.unique(np.concatenate([*leas, *(a.astype(np.int64) for a in addends), *absolute]))
+        absolute = [] if image.is_pie or self.everything else self._absolute_addresses(scanned // 8 + self._ANY_FILE)
+        if absolute is None:
+            self.everything, absolute = True, []
+        self.taken = np.unique(np.concatenate([np.zeros(0, np.int64), *leas, *(a.astype(np.int64) for a in addends),
+                                               *absolute]))  # fmt: skip
         # (The file's own symbols: a function only its debug file names has an unwind-table
         # range as a rule, and a candidate in no range counts as a branch, so a probe may stay a
         # trap, never go wrong: not worth reading the debug file, ~30 ms for libc's.)
@@ -740,13 +743,15 @@ class BranchTargets:
         at = int(np.searchsorted(self.taken, addr))
         return at < len(self.taken) and int(self.taken[at]) == addr
 
-    def _absolute_addresses(self) -> list[np.ndarray]:
+    def _absolute_addresses(self, most: int) -> list[np.ndarray] | None:
         """Of a file that is not position-independent, the addresses of its code it holds with no
         relocation: 4 bytes at a 4-byte boundary of its data (a table of addresses, a pointer's
         low half), and the immediate of any byte of its code that could start a `mov r32, imm32`,
         `push imm32` or `mov r/m, imm32` (how such code puts a label's address in a register or in
-        memory), that read as an address of its code."""
-        found = []
+        memory), that read as an address of its code. None past `most` of them (a file made to
+        read as addresses everywhere: every address is then a target)."""
+        found: list[np.ndarray] = []
+        total = 0
         code = [(seg.vaddr, seg.vaddr + seg.filesz) for seg in self.image.segments if seg.executable]
         for seg in self.image.segments:
             size = max(0, min(seg.filesz, len(self.image.data) - seg.offset))
@@ -762,6 +767,9 @@ class BranchTargets:
                 for low, high in code:
                     inside |= (words >= low) & (words < high)
                 found.append(np.unique(words[inside]))
+                total += len(found[-1])
+                if total > most:
+                    return None
         return found
 
     def _branched_to(self, addr: int) -> bool:
