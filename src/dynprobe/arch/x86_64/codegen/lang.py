@@ -2,8 +2,9 @@
 (codegen/actions.py's `Emitter`: the saved registers, fault fix-ups): its predicate, its
 statements, its maps updated in place in the program's region (lang/maps.py) with atomic
 instructions, its printf() calls as records in the thread's ring (lang/target.py's
-`PrintfRecord`). (lang/target.py refuses beforehand what is not compiled here: strings and
-stacks but in printf().)
+`PrintfRecord`), a `str()` key read into NUL-padded words, a `ustack` key the slot the probe
+counted the hit's stack in. (lang/target.py refuses beforehand what is not compiled here: string
+and stack values elsewhere.)
 
 A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
 right one is worked out (`LANG_TEMPS`, a word a level of nesting: the detour's stack holds the
