@@ -149,7 +149,8 @@ def test_the_maps_of_an_execd_child_merge_with_its_parents() -> None:
 
 @pytest.mark.parametrize(("args", "says"), [
     ([], "dynprobe: give the program: -e 'PROGRAM' or a FILE"),
-    (["-e", "BEGIN { exit(); }", "no-such.bt"], "dynprobe: give the program: -e 'PROGRAM' or a FILE"),
+    (["-e", "BEGIN { exit(); }", "./prog"],
+     "dynprobe: give the program once: -e 'PROGRAM' or a FILE, not both (a command to run goes after --: -- ./prog)"),
     (["/no/such/file.bt"], "dynprobe: cannot read /no/such/file.bt: No such file or directory"),
     (["-e", "BEGIN { exit(); }", "-c", "/bin/true", "--", "/bin/true"],
      "dynprobe: give either -c CMD or -- COMMAND, not both"),
@@ -232,6 +233,25 @@ def test_maps_keyed_by_the_stack() -> None:
     returns = re.findall(r"^@r\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
     assert len(returns) == 4 and all(frames.count("\n") == 3 for frames, _ in returns)  # (2 frames, then "...")
     assert all("leaf" not in frames.splitlines()[0] for frames, _ in returns)
+
+
+def test_maps_keyed_by_comm_func_and_probe(counter: str) -> None:
+    """comm, func and probe as keys: the target keeps a word (the thread, the probe) and the
+    tracer names it; the entries of the threads of one name, or of one function, merge."""
+    program = (f"uprobe:{counter}:w* {{ @[comm] = count(); @s[comm] = sum(arg0); @m[comm, func] = max(arg0);"
+               f" @p[probe] = count(); }} uretprobe:{counter}:work {{ @f[func, retval % 2] = count(); }}")  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, "100", "3")
+    assert run.returncode == 0, run.stderr
+    lines = maps_of(run.stderr).splitlines()
+    assert lines == ["@[counter]: 300", "@f[work, 1]: 300", "@m[counter, work]: 99",
+                     f"@p[uprobe:{counter}:work]: 300", "@s[counter]: 14850"], lines  # fmt: skip
+    if shutil.which("bpftrace") is None:
+        return
+    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{counter} 100 3"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert theirs.returncode == 0, theirs.stderr
+    expected = theirs.stdout.split("\n\n\n", 1)[1].splitlines()  # (0.17 names func by its address: left out)
+    assert [line for line in expected if "0x" not in line] == [line for line in lines if line[:3] not in ("@f[", "@m[")]
 
 
 def test_printf_of_func_and_probe() -> None:

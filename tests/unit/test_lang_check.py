@@ -96,6 +96,7 @@ ERRORS = [
     ("BEGIN { @x = lhist(1, 0, $y, 1); }", "stdin:1:26-28: ERROR: Undefined or undeclared variable: $y"),
     ("BEGIN { $m = 5; @x = lhist(1, 0, $m, 1); }",
      "stdin:1:34-36: ERROR: lhist() min, max and step must be integer literals"),
+    ("BEGIN { @x = lhist(1, -4, 4, 2); }", "stdin:1:14-32: ERROR: lhist() min must be non-negative (provided min -4)"),
     ("BEGIN { @x = lhist(1, 10, 0, 1); }", "stdin:1:14-32: ERROR: lhist() needs min < max and a step above 0"),
     ("BEGIN { @x = 1; print(@x[1]); }", "stdin:1:23-28: ERROR: print() expects a map without keys"),
     ("BEGIN { $n = 1; @x = 1; print(@x, $n); }",

@@ -36,7 +36,8 @@ NS_AS_TICKS = Clock(1 << 32, 0, 0)
 class Compiled:
     """A one-probe program's body placed in a detour's actions, with its region of maps."""
 
-    def __init__(self, area: NativeArea, source: str, *, slots: int = 64, clock: Clock = NS_AS_TICKS) -> None:
+    def __init__(self, area: NativeArea, source: str, *, slots: int = 64, clock: Clock = NS_AS_TICKS,
+                 probe_index: int = 0) -> None:  # fmt: skip
         program = parse_program(source)
         checked = check_program(program, source)
         self.region: Region = lay_out(checked, slots=slots)
@@ -45,7 +46,7 @@ class Compiled:
         self.area = area
         body = LangBody(program.probes[0], checked, self.memory.ctypes.data, self.region.tables, clock,
                         printf_records(checked))  # fmt: skip
-        self.program = Program(0, ActionKind.COUNT, lang=body)
+        self.program = Program(probe_index, ActionKind.COUNT, lang=body)
 
         def actions(base: int) -> bytes:
             detour = build_detour(plan(), [self.program], LAYOUT, base, function_entry=True)
@@ -551,3 +552,15 @@ def test_a_stack_key_is_the_slot_the_probe_counted_the_hit_in(area: NativeArea) 
             code(5)
     assert code.entries("") == {(0x7000_1000,): 2, (0x7000_2000,): 1, (0,): 1}
     assert code.entries("n") == {(0x7000_1000,): 10, (0x7000_2000,): 5, (0,): 5}
+
+
+def test_comm_func_and_probe_keys_are_the_thread_and_the_probe(area: NativeArea) -> None:
+    """comm keys by the thread (pid << 32 | tid), func and probe by the probe's index: words
+    the tracer names."""
+    code = Compiled(area, "u:/bin/x:f { @[comm, func] = count(); @p[probe, arg0] = sum(arg0); }", probe_index=3)
+    area.set_word(L.TGID, 99)
+    for tid in (4321, 4321, 4322):
+        area.set_word(L.TID, tid)
+        code(7)
+    assert code.entries("") == {(99 << 32 | 4321, 3): 2, (99 << 32 | 4322, 3): 1}
+    assert code.entries("p") == {(3, 7): 21}

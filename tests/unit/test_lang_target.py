@@ -24,7 +24,8 @@ def runnable(source: str) -> None:
         " @l = lhist(arg0, 0, 100, 10); @n++; @m[arg0] = max(nsecs); if (@n > 3) { delete(@m[arg0]); } exit(); }",
         "uretprobe:libc:malloc { @r = retval; @t = elapsed; @v = *(uint32 *)retval; @c = retval ? 1 : 2; }",
         'uprobe:libc:strlen { printf("%d %s %s\\n", arg0 + 1, comm, str(arg0, 4)); if (arg0) { printf("x\\n"); } }',
-        "uprobe:libc:strlen /@s[ustack(5)]/ { @s[ustack(5)] = count(); }"
+        "uprobe:libc:strlen /@s[ustack(5)]/ { @s[ustack(5)] = count(); }",
+        "uprobe:libc:str* /@c[comm, probe] < 5/ { @c[comm, probe] = count(); @f[func, str(arg0)] = max(arg0); }"
         " uretprobe:libc:strlen { @r[ustack] = count(); }",
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
@@ -40,7 +41,9 @@ def test_what_runs(source: str) -> None:
         ('uprobe:libc:malloc { printf("%s\\n", ustack); }', "a stack value", "ustack"),
         ('uprobe:libc:malloc { printf("' + "%s" * 60 + '", ' + ", ".join(["str(arg0)"] * 60) + "); }",
          "a printf() of 4088 bytes of values (a record holds 4080)", "printf"),
-        ("uprobe:libc:malloc { @[comm] = count(); }", "a map key that is neither an integer nor a str()", "comm"),
+        ('uprobe:libc:malloc { @["x"] = count(); }', "a map key that is not an integer, str(), comm, func", '"x"'),
+        ("uprobe:libc:malloc { @m[comm] = count(); } uprobe:libc:free { @m[str(arg0)] = count(); }",
+         "@m keyed by string here and by comm elsewhere", "@m[str"),
         ("uprobe:libc:malloc { @c = comm; }", "a map of strings (@c)", "@c"),
         ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
         ("uprobe:libc:malloc { @x = 1; clear(@x); }", "clear() is not run in the target yet", "clear"),

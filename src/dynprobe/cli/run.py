@@ -58,8 +58,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def _source(args: argparse.Namespace) -> tuple[str, str]:
     """The program's text and the name its errors give it."""
-    if (args.program is None) == (args.script is None):
+    if args.program is None and args.script is None:
         raise UsageError("give the program: -e 'PROGRAM' or a FILE")
+    if args.program is not None and args.script is not None:
+        raise UsageError(f"give the program once: -e 'PROGRAM' or a FILE, not both (a command to run goes after --: "
+                         f"-- {args.script})")  # fmt: skip
     if args.program is not None:
         return args.program, "stdin"
     try:

@@ -157,16 +157,27 @@ class PlacedProgram:
 
     # --- the maps --------------------------------------------------------------------------------
     def entries(self, name: str) -> list[output.Entry]:
-        """The map's entries, merged across the processes the program ran in (a stack key named
-        by its frames, as bpftrace prints it)."""
+        """The map's entries, merged across the processes the program ran in and across the
+        words that name the same key (a stack key named by its frames, as bpftrace prints it; a
+        comm key by the thread's name, as the tracer last read it; func and probe by the probe's)."""
         table = self.region.tables[name]
         merged: dict[tuple[output.Key, ...], output.Value] = {}
         for region in self._all:
             for raw, value in maps.entries(region.view, table):
-                keys = tuple(self._stack_key(region.pid, k) if kind == "stack" else k
-                             for k, kind in zip(raw, table.key_kinds, strict=True))  # fmt: skip
+                keys = tuple(self._named(region.pid, kind, k) for k, kind in zip(raw, table.key_kinds, strict=True))
                 merged[keys] = _merge(table, merged[keys], value) if keys in merged else value
         return list(merged.items())
+
+    def _named(self, pid: int, kind: str, key: output.Key) -> output.Key:
+        """A key as printed: the words the tracer names (a stack's slot, a thread's pid << 32 |
+        tid, a probe's index) named."""
+        if kind == "stack":
+            return self._stack_key(pid, key)
+        if kind == "comm" and isinstance(key, int):
+            return self.comm(key >> 32, key & 0xFFFFFFFF)
+        if kind in ("func", "probe") and isinstance(key, int):
+            return self._names(key)[kind == "probe"]
+        return key
 
     def _stack_key(self, pid: int, slot: output.Key) -> str:
         stack = self.stack_at(pid, slot) if isinstance(slot, int) and slot else None

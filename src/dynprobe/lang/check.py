@@ -185,6 +185,8 @@ class _Checker:
                 raise self.error(f"{call.name}() only supports integer arguments ({kind} provided)", call.span)
         if call.name == "lhist":
             for arg in call.args[1:]:
+                if isinstance(arg, S.Unary) and arg.op == "-" and isinstance(arg.operand, S.Int):
+                    raise self.error(f"lhist() min must be non-negative (provided min -{arg.operand.value})", call.span)
                 if not isinstance(arg, S.Int):
                     raise self.error("lhist() min, max and step must be integer literals", arg.span)
             low, high, step = (arg.value for arg in call.args[1:] if isinstance(arg, S.Int))

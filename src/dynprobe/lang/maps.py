@@ -23,7 +23,7 @@ import numpy as np
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS, Checked
-from dynprobe.lang.target import PrintfRecord
+from dynprobe.lang.target import PrintfRecord, map_key_kinds
 
 MASK64 = (1 << 64) - 1
 HASH_SEED = 0x2545F4914F6CDD1D
@@ -50,7 +50,7 @@ class MapTable:
 
     name: str
     kind: str  # int, count, sum, min, max, avg, stats, hist, lhist
-    key_kinds: tuple[str, ...]  # "int", "string" or "stack" (its slot in the stack table), a key each
+    key_kinds: tuple[str, ...]  # a key each, as lang/target.py's map_key_kinds says
     slots: int
     offset: int
     index: int  # its dropped updates' counter: the region's word `index` + 1
@@ -130,9 +130,10 @@ def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
     """The region of `checked`'s maps: a map without keys has one slot, a keyed one `slots`."""
     tables: dict[str, MapTable] = {}
     offset = (8 * (1 + len(checked.maps)) + 63) & ~63
+    key_kinds = map_key_kinds(checked)
     for index, (name, info) in enumerate(sorted(checked.maps.items())):
         kind = info.value.kind if info.value is not None else "int"
-        keys = tuple(key.kind if key.kind in ("string", "stack") else "int" for key in info.keys or ())
+        keys = key_kinds.get(name, ())
         lhist = checked.lhist.get(name, (0, 0, 1))
         table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist)
         tables[name] = table
@@ -156,7 +157,8 @@ def entries(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> list[out
 
 
 def _keys(table: MapTable, words: memoryview) -> tuple[output.Key, ...]:
-    """An entry's keys from its key words: integers signed, strings up to their first NUL."""
+    """An entry's keys from its key words: integers signed, strings up to their first NUL (the
+    words the tracer names, as they are)."""
     keys: list[output.Key] = []
     at = 0
     for kind in table.key_kinds:
@@ -165,7 +167,7 @@ def _keys(table: MapTable, words: memoryview) -> tuple[output.Key, ...]:
             keys.append(data.split(b"\0", 1)[0].decode("utf-8", "replace"))
             at += STRING_WORDS
         else:
-            keys.append(int(words[at]) if kind == "stack" else _signed(words[at]))  # (a stack: its slot's address)
+            keys.append(_signed(words[at]) if kind == "int" else int(words[at]))  # (a stack: its slot's address)
             at += 1
     return tuple(keys)
 

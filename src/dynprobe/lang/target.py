@@ -136,34 +136,39 @@ def ustack_frames(block: S.ProbeBlock) -> int | None:
     return max(found) if found else None
 
 
-def _all_keys(block: S.ProbeBlock) -> Iterator[S.Expr]:
-    yield from _map_keys(block.body)
-    if block.predicate is not None:
-        yield from _keys_in(block.predicate)
+def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
+    """How the target holds each keyed map's keys, a key each: "int", "string" (a str()'s
+    bytes), "stack" (its slot in the stack table), "comm" (the thread's pid << 32 | tid), "func" or "probe"
+    (the probe's index), the last three named by the tracer; as the map's first use with keys
+    has them (`check_runnable` refuses a use that differs)."""
+    kinds: dict[str, tuple[str, ...]] = {}
+    for ref in _map_refs(checked.program):
+        if ref.keys:
+            kinds.setdefault(ref.name, tuple(_key_kind(checked, key) for key in ref.keys))
+    return kinds
 
 
-def _map_keys(statements: tuple[S.Statement, ...]) -> Iterator[S.Expr]:
-    """Every key of every map a block's statements name (its expressions walked)."""
-    for statement in statements:
-        if isinstance(statement, S.If):
-            yield from _map_keys(statement.then)
-            yield from _map_keys(statement.otherwise)
-            yield from _keys_in(statement.condition)
-        elif isinstance(statement, S.Assign):
-            yield from _keys_in(statement.target)
-            yield from _keys_in(statement.value)
-        elif isinstance(statement, S.ExprStatement):
-            yield from _keys_in(statement.expr)
+def _key_kind(checked: Checked, key: S.Expr) -> str:
+    if isinstance(key, S.Builtin) and key.name in _TRACER_KNOWS:
+        return key.name
+    kind = checked.type_of(key).kind
+    return kind if kind in ("string", "stack") else "int"
 
 
-def _keys_in(expr: S.Node) -> Iterator[S.Expr]:
-    """The keys of the maps `expr` names, however deep."""
-    if isinstance(expr, S.MapRef):
-        yield from expr.keys
-    for value in vars(expr).values():
+def _map_refs(node: S.Node) -> Iterator[S.MapRef]:
+    """The maps `node` names, however deep, in the order they are written."""
+    if isinstance(node, S.MapRef):
+        yield node
+    for value in vars(node).values():
         for part in value if isinstance(value, tuple) else (value,):
             if isinstance(part, S.Node):
-                yield from _keys_in(part)
+                yield from _map_refs(part)
+
+
+def _all_keys(block: S.ProbeBlock) -> Iterator[S.Expr]:
+    """Every key of every map a block names (its expressions walked)."""
+    for ref in _map_refs(block):
+        yield from ref.keys
 
 
 def _constant(expr: S.Expr) -> bool:
@@ -176,6 +181,7 @@ class _TargetCheck:
     def __init__(self, checked: Checked, source: str, filename: str) -> None:
         self.checked, self.source, self.filename = checked, source, filename
         self.variables: set[str] = set()
+        self.key_kinds = map_key_kinds(checked)
 
     def refuse(self, what: str, span: S.Span) -> ProgramError:
         return ProgramError(_NOT_YET.format(what=what), self.source, span, self.filename)
@@ -247,15 +253,21 @@ class _TargetCheck:
             raise self.refuse(f"a map of {info.value.kind}s (@{ref.name})", ref.span)
         if any(_is_ustack(key) for key in ref.keys) and len(ref.keys) > 1:
             raise self.refuse("ustack among a map's keys (it is run as the only one)", ref.span)
+        kinds = tuple(_key_kind(self.checked, key) for key in ref.keys)
+        if ref.keys and kinds != self.key_kinds[ref.name]:
+            raise self.refuse(f"@{ref.name} keyed by {', '.join(kinds)} here and by "
+                              f"{', '.join(self.key_kinds[ref.name])} elsewhere", ref.span)  # fmt: skip
         words = depth
-        for key in ref.keys:
-            if _is_ustack(key):
+        for key, kind in zip(ref.keys, kinds, strict=True):
+            if kind in _TRACER_KNOWS:
+                words += 1  # (a word the tracer names: the tid, the probe's index)
+            elif _is_ustack(key):
                 words += 1  # (the hit's stack, counted by the probe: its slot in the stack table)
             elif isinstance(key, S.Call) and key.name == "str":
                 self.string(key, words)
                 words += STRING_WORDS
             elif self.checked.type_of(key).kind != "int":
-                raise self.refuse("a map key that is neither an integer nor a str()", key.span)
+                raise self.refuse("a map key that is not an integer, str(), comm, func, probe or ustack", key.span)
             else:
                 self.expression(key, words)
                 words += 1

@@ -3,7 +3,8 @@
 statements, its maps updated in place in the program's region (lang/maps.py) with atomic
 instructions, its printf() calls as records in the thread's ring (lang/target.py's
 `PrintfRecord`), a `str()` key read into NUL-padded words, a `ustack` key the slot the probe
-counted the hit's stack in. (lang/target.py refuses beforehand what is not compiled here: string
+counted the hit's stack in, a `comm` key the thread's pid and tid and a `func` or `probe` key the probe's
+index (the tracer names them). (lang/target.py refuses beforehand what is not compiled here: string
 and stack values elsewhere.)
 
 A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
@@ -520,12 +521,17 @@ class BodyCompiler:
                 assert isinstance(key, S.Call)
                 self.string_key(key, word)
                 word += STRING_WORDS
-            elif kind == "stack":  # (the hit's stack, counted by the probe before the body: its slot)
-                asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.STACK_SLOT)))
-                asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(word), R.RAX))
-                word += 1
             else:
-                self.expression(key, word)
+                if kind == "stack":  # (the hit's stack, counted by the probe before the body: its slot)
+                    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.STACK_SLOT)))
+                elif kind == "comm":  # (the tracer names the thread: pid << 32 | tid)
+                    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TGID)))
+                    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, 32))
+                    asm.add(iced.Instruction.create_reg_mem(C.OR_R64_RM64, R.RAX, gs_at(L.TID)))
+                elif kind in ("func", "probe"):  # (the tracer names the probe)
+                    self.constant(self.probe_index)
+                else:
+                    self.expression(key, word)
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(word), R.RAX))
                 word += 1
         # rdx = the hash (lang/maps.py's key_hash)
