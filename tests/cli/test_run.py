@@ -254,6 +254,15 @@ def test_maps_keyed_by_comm_func_and_probe(counter: str) -> None:
     assert [line for line in expected if "0x" not in line] == [line for line in lines if line[:3] not in ("@f[", "@m[")]
 
 
+def test_str_of_a_length_worked_out_at_the_hit_as_bpftrace_reads_it(counter: str) -> None:
+    """write(2) traced as bpftrace's tutorial does: str(arg1, arg2), as many bytes as written
+    (not run against bpftrace: its uprobes are system-wide, and its own writes would hit)."""
+    program = 'uprobe:libc:write /arg0 == 1/ { printf("%d [%s]\\n", arg2, str(arg1, arg2 - 1)); }'
+    run = dp("run", "-e", program, "--", counter, "10", "1")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "total=100\n" and run.stderr.splitlines()[1] == "10 [total=100]"
+
+
 def test_printf_of_func_and_probe() -> None:
     """func and probe name the probe that hit (bpftrace's: a wildcard's each function), with
     nothing of them in the record: the tracer knows them."""

@@ -26,6 +26,7 @@ def runnable(source: str) -> None:
         'uprobe:libc:strlen { printf("%d %s %s\\n", arg0 + 1, comm, str(arg0, 4)); if (arg0) { printf("x\\n"); } }',
         "uprobe:libc:strlen /@s[ustack(5)]/ { @s[ustack(5)] = count(); }",
         "uprobe:libc:str* /@c[comm, probe] < 5/ { @c[comm, probe] = count(); @f[func, str(arg0)] = max(arg0); }"
+        ' uprobe:libc:write { @w[str(arg1, arg2)] = count(); printf("%s\\n", str(arg1, arg2 - 1)); }'
         " uretprobe:libc:strlen { @r[ustack] = count(); }",
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
@@ -54,7 +55,6 @@ def test_what_runs(source: str) -> None:
         ('END { printf("%d\\n", nsecs); }', "printf() in BEGIN, END and interval probes prints integers", "nsecs"),
         ("uprobe:libc:malloc { @m[" + ", ".join(["1"] * 17) + "] = 1; }", "keys of more than 16 words", "@m"),
         ("uprobe:libc:malloc { @m[str(arg0), str(arg1), 1] = 1; }", "keys of more than 16 words", "@m"),
-        ("uprobe:libc:malloc { @m[str(arg0, arg1)] = 1; }", "str() with a length that is not a literal", "arg1"),
         ("uprobe:libc:malloc { @m[ustack, arg0] = count(); }", "ustack among a map's keys", "@m"),
         ("uprobe:libc:malloc { @m[ustack(3)] = count(); @n[ustack] = count(); }", "ustack of different depths",
          "uprobe"),

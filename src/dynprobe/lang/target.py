@@ -222,7 +222,7 @@ class _TargetCheck:
                     self.expression(expr, 0)
 
     def printf(self, call: S.Call) -> None:
-        """Integers and str() (its address and a literal length) go into its record; comm, func
+        """Integers and str() (its bytes, at most its length) go into its record; comm, func
         and probe are the tracer's."""
         for arg in call.args[1:]:
             if isinstance(arg, S.Builtin) and arg.name in _TRACER_KNOWS:
@@ -275,9 +275,10 @@ class _TargetCheck:
                 raise self.refuse(f"a map with keys of more than {MAX_KEYS} words (a str(): {STRING_WORDS})", ref.span)
 
     def string(self, call: S.Call, depth: int) -> None:
-        """A str() the target reads: its address (and a literal length)."""
+        """A str() the target reads: its length (when not a literal), then its address."""
         if len(call.args) == 2 and not isinstance(call.args[1], S.Int):
-            raise self.refuse("str() with a length that is not a literal", call.args[1].span)
+            self.expression(call.args[1], depth)
+            depth += 1
         self.expression(call.args[0], depth)
 
     def expression(self, expr: S.Expr, depth: int) -> None:

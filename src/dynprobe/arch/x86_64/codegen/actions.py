@@ -403,16 +403,21 @@ class Emitter:
         self.address(arg.fetch, faulted)
         self.copy_string(at, bit, faulted)
 
-    def copy_string(self, at: int, bit: int, faulted: int, *, limit: int = L.STRING_CAPACITY) -> None:
-        """Copy the NUL-terminated string at rax, at most `limit` bytes, into the record at
-        `at` (rsi = the record's offset in the ring): u16 length, u16 flags, the bytes; none
-        readable: fault `bit` set (rax, rdx, rdi used)."""
+    def copy_string(self, at: int, bit: int, faulted: int, *, limit: int = L.STRING_CAPACITY,
+                    limit_in_ecx: bool = False) -> None:  # fmt: skip
+        """Copy the NUL-terminated string at rax, at most `limit` bytes (`limit_in_ecx`: at
+        most ecx, no more than `limit`), into the record at `at` (rsi = the record's offset in
+        the ring): u16 length, u16 flags, the bytes; none readable: fault `bit` set (rax, rdx,
+        rdi used)."""
         asm = self.asm
         loop, truncated, ended = asm.label(), asm.label(), asm.label()
         after = asm.label()
         asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDI, R.EDI))
         asm.bind(loop)
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, limit))
+        if limit_in_ecx:
+            asm.add(iced.Instruction.create_reg_reg(C.CMP_R32_RM32, R.EDI, R.ECX))
+        else:
+            asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, limit))
         asm.jump(C.JAE_REL32_64, truncated)
         partial = asm.label()
         asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EDX, mem_at(R.RAX, 0, R.RDI)), partial)

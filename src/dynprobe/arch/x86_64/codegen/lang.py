@@ -58,7 +58,7 @@ class Emitting(Protocol):
 
     def record_header(self, probe_index: int) -> None: ...  # the header of the record at rsi
 
-    def copy_string(self, at: int, bit: int, faulted: int, *, limit: int) -> None: ...  # rax's, into it
+    def copy_string(self, at: int, bit: int, faulted: int, *, limit: int, limit_in_ecx: bool) -> None: ...  # rax's
 
 
 class BodyCompiler:
@@ -144,8 +144,8 @@ class BodyCompiler:
                     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(at, R.RSI), R.RAX))
                 elif arg.kind == "str":
                     assert isinstance(expr, S.Call)
-                    self.expression(expr.args[0], 0)
-                    self.emitter.copy_string(at, bit, asm.label(), limit=arg.chars)
+                    dynamic = self.string_address(expr, 0, chars=arg.chars)
+                    self.emitter.copy_string(at, bit, asm.label(), limit=arg.chars, limit_in_ecx=dynamic)
 
         ring_record(asm, layout, self.probe_index, R.RSI, write)
 
@@ -486,16 +486,18 @@ class BodyCompiler:
 
     def string_key(self, call: S.Call, word: int) -> None:
         """The string `str(ptr[, n])` reads, in the temporaries from `word` on: its bytes up to
-        the NUL (at most what its type holds, less the NUL), the rest zeros; unreadable: what
+        the NUL (at most n, and what its type holds less the NUL), the rest zeros; unreadable: what
         was read (nothing: an empty string, as bpftrace's)."""
         asm = self.asm
-        self.expression(call.args[0], word)
+        chars = self.body.checked.type_of(call).size - 1
+        if not self.string_address(call, word, chars=chars):
+            asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, chars))
         for i in range(STRING_WORDS):
             asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, self.temp(word + i), 0))
         loop, done = asm.label(), asm.label()
         asm.add(iced.Instruction.create_reg_reg(C.XOR_R32_RM32, R.EDI, R.EDI))
         asm.bind(loop)
-        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM32, R.EDI, self.body.checked.type_of(call).size - 1))
+        asm.add(iced.Instruction.create_reg_reg(C.CMP_R32_RM32, R.EDI, R.ECX))
         asm.jump(C.JAE_REL32_64, done)
         asm.add(iced.Instruction.create_reg_mem(C.MOVZX_R32_RM8, R.EDX, mem_at(R.RAX, 0, R.RDI)), done)
         asm.add(iced.Instruction.create_reg_reg(C.TEST_RM32_R32, R.EDX, R.EDX))
@@ -504,6 +506,24 @@ class BodyCompiler:
         asm.add(iced.Instruction.create_reg(C.INC_RM32, R.EDI))
         asm.jump(C.JMP_REL32_64, loop)
         asm.bind(done)
+
+    def string_address(self, call: S.Call, depth: int, *, chars: int) -> bool:
+        """rax = the address `str(ptr[, n])` reads; True when its length is worked out here (n
+        not a literal): then ecx = n, unsigned, at most `chars` (temporaries from `depth` on)."""
+        asm = self.asm
+        if len(call.args) < 2 or isinstance(call.args[1], S.Int):
+            self.expression(call.args[0], depth)
+            return False
+        self.expression(call.args[1], depth)
+        clamped = asm.label()
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM64_IMM32, R.RAX, chars))
+        asm.jump(C.JBE_REL32_64, clamped)
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EAX, chars))
+        asm.bind(clamped)
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(depth), R.RAX))
+        self.expression(call.args[0], depth + 1)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ECX, self.temp(depth)))
+        return True
 
     def found(self, table: MapTable) -> None:
         """After an update of the entry at rdi: it exists (again, after a delete)."""
