@@ -138,9 +138,9 @@ def ustack_frames(block: S.ProbeBlock) -> int | None:
 
 def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
     """How the target holds each keyed map's keys, a key each: "int", "string" (a str()'s
-    bytes), "stack" (its slot in the stack table), "comm" (the thread's pid << 32 | tid), "func" or "probe"
-    (the probe's index), the last three named by the tracer; as the map's first use with keys
-    has them (`check_runnable` refuses a use that differs)."""
+    bytes), "stack" (its slot in the stack table), "comm" (the thread's pid << 32 | tid),
+    "func" or "probe" (the probe's index), the last four named by the tracer; as the map's
+    first use with keys has them (`check_runnable` refuses a use that differs)."""
     kinds: dict[str, tuple[str, ...]] = {}
     for ref in _map_refs(checked.program):
         if ref.keys:
