@@ -263,6 +263,23 @@ def test_str_of_a_length_worked_out_at_the_hit_as_bpftrace_reads_it(counter: str
     assert run.stdout == "total=100\n" and run.stderr.splitlines()[1] == "10 [total=100]"
 
 
+def test_print_in_a_probe_body_prints_the_map_as_the_tracer_reads_it(counter: str) -> None:
+    """print(@m[, N]) in a uprobe: the map as it is when the tracer reads the print's record,
+    in order with the printf()s around it (nothing changes the maps after the last call here)."""
+    program = (f"uprobe:{counter}:work {{ @c = count(); @k[arg0 % 3] = count(); if (arg0 == 99) {{ print(@c);"
+               f' print(@k, 1); printf("after\\n"); }} }}')  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, "100", "1")
+    assert run.returncode == 0, run.stderr
+    printed = run.stderr.split("\n\n\n", 1)[0].splitlines()
+    assert printed == ["Attaching 1 probe...", "@c: 100", "@k[0]: 34", "after"], run.stderr
+    if shutil.which("bpftrace") is None:
+        return
+    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{counter} 100 1"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert theirs.returncode == 0, theirs.stderr
+    assert [line for line in theirs.stdout.split("\n\n\n", 1)[0].splitlines() if "total" not in line] == printed
+
+
 def test_printf_of_func_and_probe() -> None:
     """func and probe name the probe that hit (bpftrace's: a wildcard's each function), with
     nothing of them in the record: the tracer knows them."""

@@ -580,3 +580,15 @@ def test_a_str_length_worked_out_at_the_hit(area: NativeArea) -> None:
     strings = [(field(p, 8, 2), field(p, 10, 2), p[12 : 12 + field(p, 8, 2)]) for p in payload]
     assert strings == [(0, 1, b""), (2, 1, b"he"), (4, 1, b"hell"), (12, 0, b"hello, world"),
                        (12, 0, b"hello, world")]  # fmt: skip
+
+
+def test_print_writes_a_record_of_its_number_alone(area: NativeArea) -> None:
+    """print(@m[, N]) in a probe: a record of its number (the tracer prints the map)."""
+    code = Compiled(area, 'u:/bin/x:f { @c = count(); if (arg0) { print(@c, 2); } printf("%d\\n", arg0); }',
+                    probe_index=2)  # fmt: skip
+    for n in (1, 0):
+        code(n)
+    records = area.records()
+    assert [field(r, L.RECORD_PROBE, 2) for r in records] == [2, 2, 2]
+    assert [field(r[L.RECORD_HEADER :], 0) for r in records] == [0, 1, 1]
+    assert [p.prints for p in code.program.lang.printfs.values()] == [("c", 2), None]

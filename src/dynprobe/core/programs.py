@@ -115,8 +115,9 @@ class PlacedProgram:
 
     # --- printf() records --------------------------------------------------------------------------
     def on_records(self, batches: list[RecordBatch]) -> None:
-        """What the records of a window of time print, in the order they were written (a record
-        no printf() of the program wrote, which only the target could have made, is skipped)."""
+        """What the records of a window of time print, in the order they were written (a
+        print()'s, the map as it is now; a record no printf() or print() of the program wrote,
+        which only the target could have made, is skipped)."""
         lines: list[tuple[int, int, str]] = []
         for batch in batches:
             payload = batch.raw[:, L.RECORD_HEADER :]
@@ -126,8 +127,11 @@ class PlacedProgram:
                 record = self._printf_by_number.get(number)
                 if record is None or record.size > len(row):
                     continue
-                values = list(self._values(record, row.tobytes(), batch))
-                lines.append((stamp, order, c_format(record.fmt, values)))
+                if record.prints is not None:
+                    lines.append((stamp, order, self.format_map(*record.prints)))
+                else:
+                    values = list(self._values(record, row.tobytes(), batch))
+                    lines.append((stamp, order, c_format(record.fmt, values)))
         lines.sort(key=lambda line: line[:2])
         for *_, text in lines:
             self.write(text)

@@ -25,7 +25,7 @@ from dynprobe.ringbuf import layout as L
 MAX_KEYS = 16  # words of a map's keys
 MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waiting (a map's keys beside them)
 MAX_VARIABLES = L.LANG_VARS_WORDS
-_IN_TARGET_CALLS = ("delete", "exit", "printf")
+_IN_TARGET_CALLS = ("delete", "exit", "printf", "print")
 PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
 _TRACER_CALLS = ("printf", "print", "clear", "zero", "exit", "time")
 _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers and maps of integers)"
@@ -58,11 +58,14 @@ class PrintfArg:
 class PrintfRecord:
     """How a probe body's printf() goes through the ring: the record's payload is its number
     (a u64), then each argument's value (8 bytes), string (a record's string field) or nothing
-    (comm, func, probe: the tracer knows them)."""
+    (comm, func, probe: the tracer knows them). A print(@m[, N]) is a record of its number
+    alone (`prints`: the map and N): the tracer prints the map when it reads the record, as
+    bpftrace's does."""
 
     number: int
     fmt: str
     args: tuple[PrintfArg, ...]
+    prints: tuple[str, int] | None = None
 
     @property
     def size(self) -> int:
@@ -75,8 +78,8 @@ _TRACER_KNOWS = ("comm", "func", "probe")
 
 
 def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
-    """The printf() calls of the program's uprobe and uretprobe bodies (one record layout for
-    calls that are the same), numbered in the order they appear."""
+    """The printf() and print() calls of the program's uprobe and uretprobe bodies (one record
+    layout for calls that are the same), numbered in the order they appear."""
     found: dict[S.Call, PrintfRecord] = {}
 
     def walk(statements: tuple[S.Statement, ...]) -> None:
@@ -88,6 +91,9 @@ def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
                 call = statement.expr
                 if call.name == "printf" and call not in found:
                     found[call] = _record(len(found), call, checked)
+                elif call.name == "print" and call not in found and isinstance(call.args[0], S.MapRef):
+                    top = call.args[1].value if len(call.args) == 2 and isinstance(call.args[1], S.Int) else 0
+                    found[call] = PrintfRecord(len(found), "", (), prints=(call.args[0].name, top))
 
     for probe in checked.program.probes:
         if any(p.kind in ("uprobe", "uretprobe") for p in probe.attach_points):

@@ -115,7 +115,7 @@ class BodyCompiler:
                 self.assign(target, op, value)
             case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
                 self.delete(target)
-            case S.ExprStatement(expr=S.Call(name="printf") as call):
+            case S.ExprStatement(expr=S.Call(name="printf" | "print") as call):
                 self.printf(call)
             case S.ExprStatement(expr=S.Call(name="exit")):
                 asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.exit_flag))
@@ -127,7 +127,7 @@ class BodyCompiler:
 
     def printf(self, call: S.Call) -> None:
         """A record of the printf's values in the thread's ring (a full ring: waited on, or
-        counted lost, as any record)."""
+        counted lost, as any record); a print()'s, its number alone."""
         asm, layout = self.asm, self.emitter.layout
         record = self.body.printfs[call]
         if L.RECORD_HEADER + record.size > layout.record_size:  # (the rings' record size was fixed before)
@@ -137,7 +137,8 @@ class BodyCompiler:
             self.emitter.record_header(self.probe_index)
             payload = layout.ring + L.RECORD_HEADER
             asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(payload, R.RSI), record.number))
-            for bit, (arg, expr) in enumerate(zip(record.args, call.args[1:], strict=True)):
+            values = call.args[1:] if record.prints is None else ()
+            for bit, (arg, expr) in enumerate(zip(record.args, values, strict=True)):
                 at = payload + arg.offset
                 if arg.kind == "int":
                     self.expression(expr, 0)
