@@ -67,6 +67,7 @@ class PlacedProgram:
         self.comm = comm  # a thread's name (pid, tid)
         self.stack_at = stack_at  # the stack in a slot of a process's stack table (pid, address)
         self.probes: list[Probe] = []
+        self._by_index: dict[int, Probe] = {}
         self._regions: dict[int, _Region | OptimizeRefusal] = {}  # by pid
         self._all: list[_Region] = []
         self.exited = False  # a body called exit()
@@ -152,7 +153,9 @@ class PlacedProgram:
     def _names(self, index: int) -> tuple[str, str]:
         """`func` and `probe` of the program's probe of index `index` (as bpftrace names them:
         the function, and 'uprobe:PATH:FUNCTION')."""
-        probe = next((p for p in self.probes if p.index == index), None)
+        if len(self._by_index) != len(self.probes):  # (probes placed since)
+            self._by_index = {p.index: p for p in self.probes}
+        probe = self._by_index.get(index)
         if probe is None:
             return "?", "?"
         where = probe.location
