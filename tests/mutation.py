@@ -201,6 +201,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
             "self.expression(expr, 0)": ("0 -> 1", "0 -> -1"),
             "self.expression(value, 0)": ("0 -> 1", "0 -> -1"),
             "self.expression(call.args[0], 0)": ("0 -> 1", "0 -> -1"),
+            "dynamic = self.string_address(expr, 0, chars=arg.chars)": ("0 -> 1", "0 -> -1"),
+            "self.expression(call.args[0], depth + 1)": ("1 -> 2",),
             "self.find_slot(target, table, 1, claim=True)": ("1 -> 2",),
             "self.find_slot(ref, table, 0, claim=False, absent=absent)": ("0 -> 1", "0 -> -1"),
         }.items()

@@ -569,17 +569,21 @@ def test_comm_func_and_probe_keys_are_the_thread_and_the_probe(area: NativeArea)
 def test_a_str_length_worked_out_at_the_hit(area: NativeArea) -> None:
     """str(ptr, n) with n an expression: at most n bytes (n taken unsigned, at most 63), in a
     key and in a printf, with the temporaries of both operands kept apart."""
-    text = ctypes.create_string_buffer(b"hello, world")
-    code = Compiled(area, 'u:/bin/x:f { @k[str(arg0, arg1 + 1), arg1] = count(); '
-                          'printf("%s|\\n", str(arg0 + arg1 - arg1, arg1 * 2)); }')  # fmt: skip
+    text, long = ctypes.create_string_buffer(b"hello, world"), ctypes.create_string_buffer(b"x" * 80)
+    code = Compiled(area, 'u:/bin/x:f { @k[str(arg0 + (arg1 - arg1), arg1 + 1), arg1] = count(); '
+                          '@j[arg1, str(arg0, 3)] = count(); '
+                          'printf("%s|\\n", str(arg0 + (arg1 - arg1), arg1 * 2)); }')  # fmt: skip
     for n in (0, 1, 2, 40, -1):
         code(ctypes.addressof(text), n)
+    code(ctypes.addressof(long), 100)
     assert code.entries("k") == {("h", 0): 1, ("he", 1): 1, ("hel", 2): 1, ("hello, world", 40): 1,
-                                 ("", -1): 1}  # fmt: skip
+                                 ("", -1): 1, ("x" * 63, 100): 1}  # fmt: skip
+    assert code.entries("j") == {(0, "hel"): 1, (1, "hel"): 1, (2, "hel"): 1, (40, "hel"): 1, (-1, "hel"): 1,
+                                 (100, "xxx"): 1}  # fmt: skip
     payload = [r[L.RECORD_HEADER :] for r in area.records()]
     strings = [(field(p, 8, 2), field(p, 10, 2), p[12 : 12 + field(p, 8, 2)]) for p in payload]
     assert strings == [(0, 1, b""), (2, 1, b"he"), (4, 1, b"hell"), (12, 0, b"hello, world"),
-                       (12, 0, b"hello, world")]  # fmt: skip
+                       (12, 0, b"hello, world"), (63, 1, b"x" * 63)]  # fmt: skip
 
 
 def test_print_writes_a_record_of_its_number_alone(area: NativeArea) -> None:
