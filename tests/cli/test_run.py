@@ -147,6 +147,21 @@ def test_the_maps_of_an_execd_child_merge_with_its_parents() -> None:
     assert re.findall(r"^\[.*?[\])]\s+(\d+) \|", maps, flags=re.M) == ["3", "1", "1", "0", "0", "0", "0", "1"]
 
 
+def test_a_fork_childs_pid_and_comm_are_its_own() -> None:
+    """--follow-fork: in a fork and a vfork child (the vfork child takes thread areas of its
+    parent's), pid is the child's, and its comm key names it."""
+    forks = build_target("forks", flags=("-O1", "-pthread"))
+    program = f"uprobe:{forks}:probed {{ @n[pid] = count(); @t[pid == tid] = count(); @c[comm] = count(); }}"
+    for mode, child_calls in (("fork", 5), ("vfork-call", 1)):
+        run = dp("run", "--follow-fork", "-e", program, "--", forks, mode)
+        assert run.returncode == 0, run.stderr
+        lines = maps_of(run.stderr).splitlines()
+        assert sorted(line.split(": ")[1] for line in lines if line.startswith("@n[")) == sorted(
+            ["2", str(child_calls)]
+        )
+        assert f"@t[1]: {2 + child_calls}" in lines and f"@c[forks]: {2 + child_calls}" in lines, lines
+
+
 @pytest.mark.parametrize(("args", "says"), [
     ([], "dynprobe: give the program: -e 'PROGRAM' or a FILE"),
     (["-e", "BEGIN { exit(); }", "./prog"],

@@ -1,4 +1,5 @@
-/* Hazard 19: fork, vfork+exec, fork in a threaded program, exec of a probed binary. */
+/* Hazard 19: fork, vfork+exec, a vfork child that runs probed code, fork in a threaded program,
+ * exec of a probed binary. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +28,10 @@ int main(int argc, char **argv) {
     } else if (!strcmp(mode, "vfork")) {
         pid_t pid = vfork();
         if (pid == 0) { execl(argv[0], argv[0], "leaf", (char *)NULL); _exit(127); }
+        printf("child=%d\n", wait_child(pid));
+    } else if (!strcmp(mode, "vfork-call")) {  /* a vfork child that runs probed code, then leaves */
+        pid_t pid = vfork();
+        if (pid == 0) { probed(3); _exit(0); }
         printf("child=%d\n", wait_child(pid));
     } else if (!strcmp(mode, "threads")) {
         pthread_t th[4];

@@ -266,13 +266,14 @@ class DataPath:
         with it; asking it fixes nothing of the thread-area layout)."""
         return TscClock()
 
-    def comm_of(self, pid: int, tid: int) -> str:
+    def comm_of(self, pid: int, tid: int, *, fresh: bool = False) -> str:
         """A thread's name; remembered, so events read after it ended still have it. Read
         again at most every COMM_REFRESH seconds (a thread may rename itself; reading
-        /proc at every drain cost more than the records of a trap probe's hits)."""
+        /proc at every drain cost more than the records of a trap probe's hits), or now if
+        `fresh` (a thread given an area: after an exec, the name is the new program's)."""
         now = time.monotonic()
         known = self._comms.get((pid, tid))
-        if known is not None and now - known[1] < COMM_REFRESH:
+        if known is not None and now - known[1] < COMM_REFRESH and not fresh:
             return known[0]
         proc = self.engine.processes.process(pid)
         if proc is not None and tid in proc.tracee.threads:

@@ -57,7 +57,7 @@ class OptimizerEngine(Engine, Protocol):
     tracing: Tracing
 
     def action_refusal(self, probe: Probe) -> OptimizeRefusal | None: ...
-    def comm_of(self, pid: int, tid: int) -> str: ...
+    def comm_of(self, pid: int, tid: int, *, fresh: bool = False) -> str: ...
     def process(self, pid: int) -> TracedProcess | None: ...
     def process_of(self, tid: int) -> TracedProcess | None: ...
     def program_for(self, proc: TracedProcess, probe: Probe, site: Site) -> Program: ...
@@ -434,8 +434,8 @@ class Optimizer:
             raise ProcessError(f"cannot read the registers of thread {tid}: {exc.strerror}") from exc
         if seccomp_mode(proc.pid, tid, unreadable=-1):  # (a filter may forbid a full ring's futex wait)
             proc.areas.never_sleep()
-        area = proc.areas.assign(tid)
-        self.engine.comm_of(proc.pid, tid)  # remembered for its events
+        area = proc.areas.assign(tid, pid=proc.pid)
+        self.engine.comm_of(proc.pid, tid, fresh=True)  # remembered for its events (a new image: a new name)
         # Read again: making a pool may have run remote syscalls on this very thread, and taken
         # it out of the event stop it was in (a clone's: its registers now hold the result).
         # Writing back the registers read before would undo that (a parent taking the child's

@@ -268,8 +268,8 @@ class Runtime:
     def clock(self) -> dict[str, float]:
         return self.data.clock.params()
 
-    def comm_of(self, pid: int, tid: int) -> str:
-        return self.data.comm_of(pid, tid)
+    def comm_of(self, pid: int, tid: int, *, fresh: bool = False) -> str:
+        return self.data.comm_of(pid, tid, fresh=fresh)
 
     def symbolizer(self, pid: int) -> Callable[[int], str | None]:
         return self.modules.symbolizer(pid)

@@ -121,7 +121,9 @@ class ThreadAreas:
         self._free: list[AreaRef] = []
         self.lock = threading.Lock()  # the consumer recycles retired areas from its thread
 
-    def assign(self, tid: int) -> AreaRef:
+    def assign(self, tid: int, *, pid: int | None = None) -> AreaRef:
+        """Thread `tid`'s area (given now if it has none) of process `pid` (a fork child's
+        threads take areas of its parent's; by default, the process these are)."""
         with self.lock:
             area = self.by_tid.get(tid)
             if area is not None:
@@ -136,7 +138,7 @@ class ThreadAreas:
             area.pool.committed.add(area.index)
             self._commit(tid, area.target_addr)
         words = area.pool.words[area.index]
-        words[L.TID // 8], words[L.TGID // 8] = tid, self.pid
+        words[L.TID // 8], words[L.TGID // 8] = tid, self.pid if pid is None else pid
         words[L.LANG_BUSY // 8] = 0  # (a thread killed in a program's body left it)
         words[L.WAIT_SPIN // 8], words[L.WAIT_TICKS // 8] = self.spin_ticks, self.wait_ticks
         for word in (L.WAIT_SLEEPING, L.WAIT_GAVE_UP):  # (a thread killed asleep left them)
