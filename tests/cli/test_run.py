@@ -25,6 +25,19 @@ def maps_of(stderr: str) -> str:
     return stderr.split("\n\n\n", 1)[1] if "\n\n\n" in stderr else ""
 
 
+def bpftrace(binary: str, program: str, args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """bpftrace's run of `program` against `binary ARGS`, on a copy of `binary` (its kernel
+    uprobes patch every process that maps the file: on the original, the int3s would land in
+    other tests' targets), its output with the copy's path as the original's."""
+    copy = tmp_path / "bpftrace" / os.path.basename(binary)
+    copy.parent.mkdir()
+    shutil.copy(binary, copy)
+    done = subprocess.run(["bpftrace", "-e", program.replace(binary, str(copy)), "-c", f"{copy} {args}"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done.stdout = done.stdout.replace(str(copy), binary)
+    return done
+
+
 def test_counts_sums_and_keys_in_the_target(counter: str) -> None:
     program = (f"uprobe:{counter}:work {{ @c = count(); @s = sum(arg0); @by[arg0 % 3] = count(); @t[tid] = count();"
                f" @lo = min(arg0); @hi = max(arg0); }}")  # fmt: skip
@@ -76,10 +89,9 @@ def test_a_program_that_cannot_run_is_refused_before_any_process_starts(tmp_path
 
 
 @pytest.mark.skipif(shutil.which("bpftrace") is None, reason="bpftrace is not installed (make toolchains installs it)")
-def test_the_same_maps_as_bpftrace(counter: str) -> None:
+def test_the_same_maps_as_bpftrace(counter: str, tmp_path: Path) -> None:
     body = "@c = count(); @by[arg0 / 100] = sum(arg0); @h = hist(arg0); @l = lhist(arg0, 0, 1000, 250); @a = avg(arg0);"
-    theirs = subprocess.run(["bpftrace", "-e", f"uprobe:{counter}:work /pid == cpid/ {{ {body} }}", "-c",
-                             f"{counter} 1000 1"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    theirs = bpftrace(counter, f"uprobe:{counter}:work /pid == cpid/ {{ {body} }}", "1000 1", tmp_path)
     if theirs.returncode != 0 or "@c:" not in theirs.stdout:
         pytest.skip(f"bpftrace cannot run a uprobe here: {theirs.stderr.strip().splitlines()[-1:]}")
     ours = dp("run", "-e", f"uprobe:{counter}:work {{ {body} }}", "--", counter, "1000", "1")
@@ -178,7 +190,7 @@ def test_what_run_is_given_wrong(args: list[str], says: str) -> None:
 PRINTF = 'printf("%s|%s|%d|%5d|%x %s\\n", str(arg0), str(arg0, 2), arg1, arg1 * -3, arg1, comm);'
 
 
-def test_printf_in_a_probe_body_as_bpftrace_prints_it() -> None:
+def test_printf_in_a_probe_body_as_bpftrace_prints_it(tmp_path: Path) -> None:
     """Each hit's line, its strings copied in the target (str(p, n): n bytes at most), comm
     the thread's name, in the order of the hits; the same as bpftrace's where it runs."""
     wordcount = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
@@ -189,8 +201,7 @@ def test_printf_in_a_probe_body_as_bpftrace_prints_it() -> None:
     assert run.stderr == "Attaching 1 probe...\n" + printed + "\n\n"
     if shutil.which("bpftrace") is None:
         return
-    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{wordcount} alpha be gamma"], capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    theirs = bpftrace(wordcount, program, "alpha be gamma", tmp_path)
     if theirs.returncode == 0 and "Attaching" in theirs.stdout:  # (the program's own line: wherever its buffer went)
         assert theirs.stdout.split("Attaching 1 probe...\n", 1)[1].replace("3 distinct words\n", "") == printed + "\n\n"
 
@@ -211,7 +222,7 @@ def test_printf_from_many_threads_loses_no_line(counter: str) -> None:
     assert "lost" not in run.stderr
 
 
-def test_maps_keyed_by_strings_as_bpftrace_prints_them() -> None:
+def test_maps_keyed_by_strings_as_bpftrace_prints_them(tmp_path: Path) -> None:
     wordcount = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
     program = f"uprobe:{wordcount}:add_word {{ @[str(arg0)] = count(); @len[str(arg0, 2)] = sum(arg1); }}"
     run = dp("run", "-e", program, "--", wordcount, "alpha be alpha gamma")
@@ -222,8 +233,7 @@ def test_maps_keyed_by_strings_as_bpftrace_prints_them() -> None:
     assert "@len[be]: 2\n" in maps and "@len[ga]: 5\n" in maps and "@len[al]: 10\n" in maps
     if shutil.which("bpftrace") is None:
         return
-    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{wordcount} alpha be alpha gamma"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    theirs = bpftrace(wordcount, program, "alpha be alpha gamma", tmp_path)
     if theirs.returncode == 0 and "@len" in theirs.stdout:
         expected = theirs.stdout.split("\n\n\n", 1)[1]
         assert sorted(maps.splitlines()) == sorted(expected.splitlines()), expected
@@ -250,7 +260,7 @@ def test_maps_keyed_by_the_stack() -> None:
     assert all("leaf" not in frames.splitlines()[0] for frames, _ in returns)
 
 
-def test_maps_keyed_by_comm_func_and_probe(counter: str) -> None:
+def test_maps_keyed_by_comm_func_and_probe(counter: str, tmp_path: Path) -> None:
     """comm, func and probe as keys: the target keeps a word (the thread, the probe) and the
     tracer names it; the entries of the threads of one name, or of one function, merge."""
     program = (f"uprobe:{counter}:w* {{ @[comm] = count(); @s[comm] = sum(arg0); @m[comm, func] = max(arg0);"
@@ -262,8 +272,7 @@ def test_maps_keyed_by_comm_func_and_probe(counter: str) -> None:
                      f"@p[uprobe:{counter}:work]: 300", "@s[counter]: 14850"], lines  # fmt: skip
     if shutil.which("bpftrace") is None:
         return
-    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{counter} 100 3"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    theirs = bpftrace(counter, program, "100 3", tmp_path)
     assert theirs.returncode == 0, theirs.stderr
     expected = theirs.stdout.split("\n\n\n", 1)[1].splitlines()  # (0.17 names func by its address: left out)
     assert [line for line in expected if "0x" not in line] == [line for line in lines if line[:3] not in ("@f[", "@m[")]
@@ -278,7 +287,7 @@ def test_str_of_a_length_worked_out_at_the_hit_as_bpftrace_reads_it(counter: str
     assert run.stdout == "total=100\n" and run.stderr.splitlines()[1] == "10 [total=100]"
 
 
-def test_print_in_a_probe_body_prints_the_map_as_the_tracer_reads_it(counter: str) -> None:
+def test_print_in_a_probe_body_prints_the_map_as_the_tracer_reads_it(counter: str, tmp_path: Path) -> None:
     """print(@m[, N]) in a uprobe: the map as it is when the tracer reads the print's record,
     in order with the printf()s around it (nothing changes the maps after the last call here)."""
     program = (f"uprobe:{counter}:work {{ @c = count(); @k[arg0 % 3] = count(); if (arg0 == 99) {{ print(@c);"
@@ -289,8 +298,7 @@ def test_print_in_a_probe_body_prints_the_map_as_the_tracer_reads_it(counter: st
     assert printed == ["Attaching 1 probe...", "@c: 100", "@k[0]: 34", "after"], run.stderr
     if shutil.which("bpftrace") is None:
         return
-    theirs = subprocess.run(["bpftrace", "-e", program, "-c", f"{counter} 100 1"],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    theirs = bpftrace(counter, program, "100 1", tmp_path)
     assert theirs.returncode == 0, theirs.stderr
     assert [line for line in theirs.stdout.split("\n\n\n", 1)[0].splitlines() if "total" not in line] == printed
 

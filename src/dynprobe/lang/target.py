@@ -33,13 +33,14 @@ _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies:
 
 def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> None:
     """Raise `ProgramError` for the first thing of `checked` that cannot run where it would."""
+    key_kinds = map_key_kinds(checked)
     for probe in checked.program.probes:
         in_target = any(p.kind in ("uprobe", "uretprobe") for p in probe.attach_points)
         if in_target and any(p.kind not in ("uprobe", "uretprobe") for p in probe.attach_points):
             raise ProgramError("a probe block is either uprobes and uretprobes, or BEGIN, END or an interval",
                                source, probe.span, filename)  # fmt: skip
         if in_target:
-            _TargetCheck(checked, source, filename).block(probe)
+            _TargetCheck(checked, source, filename, key_kinds).block(probe)
         else:
             if probe.predicate is not None:
                 raise ProgramError("a predicate is for uprobes (dynprobe runs BEGIN, END and intervals in the tracer)",
@@ -184,10 +185,10 @@ def _constant(expr: S.Expr) -> bool:
 
 
 class _TargetCheck:
-    def __init__(self, checked: Checked, source: str, filename: str) -> None:
+    def __init__(self, checked: Checked, source: str, filename: str, key_kinds: dict[str, tuple[str, ...]]) -> None:
         self.checked, self.source, self.filename = checked, source, filename
         self.variables: set[str] = set()
-        self.key_kinds = map_key_kinds(checked)
+        self.key_kinds = key_kinds  # (the program's: map_key_kinds)
 
     def refuse(self, what: str, span: S.Span) -> ProgramError:
         return ProgramError(_NOT_YET.format(what=what), self.source, span, self.filename)
