@@ -1,5 +1,6 @@
 """Replay's formatting of calls with no callee: numpy's byte gathers give the lines a format per
-line would (uftrace's duration column), for any durations, names and depths."""
+line would (uftrace's duration column), for any durations, names and depths; replay by numpy and
+event by event alike; report's and flame's compiled walk against an event-at-a-time model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynprobe.output import callgraph
-from dynprobe.output.callgraph import _ENTRY, _EXIT, _LEAF, _OpenCalls, _Texts, duration, profile
+from dynprobe.output.callgraph import (
+    _ENTRY,
+    _EXIT,
+    _LEAF,
+    EXIT,
+    FunctionTime,
+    Profile,
+    _OpenCalls,
+    _Texts,
+    duration,
+    profile,
+)  # fmt: skip
+from dynprobe.output.callwalk import NO_CALL
 from dynprobe.ringbuf.layout import DATA_END, TRACE_DATA
 from dynprobe.tracefile import record_dtype, write_info
 from dynprobe.traces import Trace
@@ -67,9 +80,11 @@ def test_open_calls_without_frames_match_by_function() -> None:
     assert stack.close(5, 0) is None and len(stack) == 0  # entered before the trace: all dropped
 
 
-def _random_trace(directory: Path, seed: int, left: float = 0.05) -> None:
+def _random_trace(directory: Path, seed: int, left: float = 0.05, *, frames: bool = True, odd: bool = False) -> None:
     """One thread's calls: nested calls, long runs of calls with no callee; a share `left` of
-    the calls left without an exit (longjmp), their frames reused."""
+    the calls left without an exit (longjmp), their frames reused (`frames` False: a format 1
+    trace, no frames). `odd`: also exits of calls never entered, and exits that name another
+    function than their entry."""
     rng = random.Random(seed)
     records: list[tuple[int, int, int]] = []  # (kind | frame << 1, function, time)
     t = 0
@@ -79,6 +94,8 @@ def _random_trace(directory: Path, seed: int, left: float = 0.05) -> None:
         func = rng.randrange(4)
         records.append(((frame + 1) << 1, func, t))
         t += rng.randrange(1, 50)
+        if odd and rng.random() < 0.05:
+            records.append(((60 << 1) | 1, rng.randrange(4), t))  # (no call uses frame 60)
         if depth < 4:
             for _ in range(rng.randrange(3)):
                 if rng.random() < 0.5:
@@ -91,10 +108,12 @@ def _random_trace(directory: Path, seed: int, left: float = 0.05) -> None:
                     call(depth + 1, frame + 1)
         t += rng.randrange(1, 50)
         if rng.random() >= left:  # else left (longjmp): its frame is reused by the next call there
-            records.append((((frame + 1) << 1) | 1, func, t))
+            records.append((((frame + 1) << 1) | 1, rng.randrange(4) if odd and rng.random() < 0.05 else func, t))
 
     for _ in range(60):
         call(0, 0)
+    if not frames:
+        records = [(kind & 1, func, t) for kind, func, t in records]
     _write_trace(directory, records)
 
 
@@ -137,19 +156,6 @@ def test_recursion_counts_in_the_total_of_its_outermost_call_only(tmp_path: Path
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("threshold", [0, 30])
-def test_summed_runs_give_the_profile_of_one_event_at_a_time(
-    tmp_path: Path, seed: int, threshold: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _random_trace(tmp_path, seed)
-    summed = profile(Trace(str(tmp_path)), folded=True, threshold_ns=threshold)
-    monkeypatch.setattr(callgraph, "_SUMMED_RUN", 1 << 40)
-    one_by_one = profile(Trace(str(tmp_path)), folded=True, threshold_ns=threshold)
-    assert summed.functions == one_by_one.functions and summed.folded == one_by_one.folded
-    assert sum(ft.calls for ft in summed.functions.values()) > (10 if threshold else 100)
-
-
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("threshold", [0, 30])
 @pytest.mark.parametrize("left", [0.0, 0.05], ids=["nested", "longjmp"])
 @pytest.mark.parametrize("span", [1 << 15, 37], ids=["whole", "spans"])
 def test_replay_in_one_go_is_replay_one_event_at_a_time(
@@ -171,33 +177,60 @@ def test_replay_in_one_go_is_replay_one_event_at_a_time(
     assert fast.getvalue() == slow.getvalue() and fast.getvalue().count("\n") > 20
 
 
+def event_by_event(trace: Trace, folded: bool, threshold: int) -> Profile:
+    """What the compiled walk must give, in Python: replay's stack of open calls (the same rules
+    of frames and longjmp), one event at a time."""
+    times: dict[int, list[int]] = {}  # function -> FunctionTime's fields, in order
+    result = Profile()
+    stacks: dict[int, _OpenCalls] = {}
+    for chunk in trace.chunks():
+        stack = stacks.setdefault(chunk.tid, _OpenCalls())
+        columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
+        for kind, func, t, frame in zip(*columns, strict=True):
+            if kind != EXIT:
+                stack.push(func, t, frame)
+                continue
+            call = stack.close(func, frame)
+            if call is None or func >= len(trace.functions):
+                continue
+            spent, own = t - call[1], t - call[1] - call[3]
+            if stack.calls:
+                stack.calls[-1][3] += spent
+            if spent < threshold:
+                continue
+            calls, total, self_time, all_spent, shortest, longest, least_self, most_self = times.setdefault(
+                func, [0, 0, 0, 0, NO_CALL, 0, NO_CALL, 0]
+            )
+            total += spent if not stack.opened.get(func) else 0
+            times[func] = [calls + 1, total, self_time + own, all_spent + spent, min(shortest, spent),
+                           max(longest, spent), min(least_self, own), max(most_self, own)]  # fmt: skip
+            if folded:
+                path = (*(c[0] for c in stack.calls), func)
+                result.folded[path] = result.folded.get(path, 0) + own
+    result.functions = {func: FunctionTime(*fields) for func, fields in times.items()}
+    result.folded = {path: ns for path, ns in result.folded.items() if ns}
+    return result
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("threshold", [0, 30])
 @pytest.mark.parametrize("left", [0.0, 0.05], ids=["nested", "longjmp"])
-@pytest.mark.parametrize("span", [1 << 15, 37], ids=["whole", "spans"])
+@pytest.mark.parametrize("frames", [True, False], ids=["frames", "format-1"])
+@pytest.mark.parametrize("odd", [False, True], ids=["paired", "odd-exits"])
 @pytest.mark.parametrize("folded", [False, True], ids=["report", "flame"])
-def test_report_in_one_go_is_report_one_event_at_a_time(
-    tmp_path: Path, seed: int, threshold: int, left: float, span: int, folded: bool, monkeypatch: pytest.MonkeyPatch
+def test_the_compiled_walk_gives_the_profile_of_one_event_at_a_time(
+    tmp_path: Path, seed: int, threshold: int, left: float, frames: bool, odd: bool, folded: bool
 ) -> None:
-    """Plainly nested spans worked out by numpy (calls, totals with recursion counted once,
-    self times, callees' time carried to calls still open, self time per call path): the
-    profile of event by event, and (for call paths) of spans too deep for numpy's paths."""
-    _random_trace(tmp_path, seed, left)
-    monkeypatch.setattr(callgraph, "_PLAIN_SPAN", span)
-    segments = []
-    monkeypatch.setattr(callgraph, "_segment_calls", lambda *a: segments.append(1) or segment_calls(*a))
-    fast = profile(Trace(str(tmp_path)), folded, threshold)
-    assert left or segments  # numpy did some (where longjmp leaves calls, spans may not nest plainly)
-    monkeypatch.setattr(callgraph, "_PATH_LEVELS", 1)
-    shallow = profile(Trace(str(tmp_path)), folded, threshold)
-    monkeypatch.setattr(callgraph, "_PLAIN_FROM", 1 << 40)
-    monkeypatch.setattr(callgraph, "_SUMMED_RUN", 1 << 40)
-    slow = profile(Trace(str(tmp_path)), folded, threshold)
-    assert fast.functions == slow.functions and sum(ft.calls for ft in fast.functions.values()) > 10
-    assert fast.folded == shallow.folded == slow.folded and (len(slow.folded) > 10) == folded
-
-
-segment_calls = callgraph._segment_calls
+    """Calls, totals with recursion counted once, self and extreme times, callees' time carried
+    to calls still open, calls left by longjmp, exits matched by frame or (format 1, no frames)
+    by function, exits of calls not open, self time per call path: output/callwalk.c's profile
+    is the Python one's."""
+    _random_trace(tmp_path, seed, left, frames=frames, odd=odd)
+    trace = Trace(str(tmp_path))
+    walked = profile(trace, folded, threshold)
+    expected = event_by_event(trace, folded, threshold)
+    assert walked.functions == expected.functions and sum(ft.calls for ft in walked.functions.values()) > 10
+    assert walked.folded == expected.folded and (len(walked.folded) > 10) == folded
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import signal
 import sys
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any, NoReturn, cast
 
@@ -56,6 +59,21 @@ def build_parser(first: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _one_blas_thread() -> Iterator[None]:
+    """numpy's OpenBLAS starts a thread per CPU, spinning, when it loads; dynprobe does no linear
+    algebra. One thread is asked for only while the commands' modules (and numpy) load: the
+    programs dynprobe starts get the environment it was given."""
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["OPENBLAS_NUM_THREADS"]
+
+
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
     """Split at the first '--': (dynprobe's arguments, the command to run)."""
     if "--" in argv:
@@ -76,7 +94,8 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     own, command = split_command(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser(own[0] if own else None)
+    with _one_blas_thread():
+        parser = build_parser(own[0] if own else None)
     args = parser.parse_args(own)
     if not getattr(args, "run", None):
         parser.print_help()

@@ -2,21 +2,23 @@
 (`replay`, uftrace's layout), time per function (`report`), the call paths merged in one tree
 (`graph`), folded stacks for flame graphs (`dump --flame`; the timelines of `dump --chrome` and
 `--perfetto` are output/timeline.py's). Each keeps per thread only the stack of open calls
-(`graph`: its tree of call paths).
+(`graph`: its tree of call paths). `report`'s and the flame graph's walk is compiled
+(output/callwalk.py).
 
-One concept in one module: its length is the numpy paths for spans that nest plainly, kept
-beside the event-at-a-time path each must agree with.
+One concept in one module: its length is the numpy path for spans of `replay` that nest
+plainly, kept beside the event-at-a-time path it must agree with.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TextIO
 
 import numpy as np
 
 from dynprobe.output.callfilter import CallFilter, FrameStack, all_masks, chunks_of, either, finish_time
+from dynprobe.output.callwalk import STATS, CallWalk
 from dynprobe.tracefile import Chunk, Note, TraceFile
 
 EXIT = 1
@@ -106,13 +108,6 @@ class _OpenCalls:
         for func, t, frame in zip(chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist(), strict=True):
             self.push(func, t, frame)
 
-    def first_reused(self, frames: np.ndarray) -> int | None:
-        """The index of the first of `frames` that is open (None if none is)."""
-        if not self.at:
-            return None
-        reused = np.flatnonzero(np.isin(frames, list(self.at)))
-        return int(reused[0]) if len(reused) else None
-
     def cut(self, depth: int) -> None:
         for call in self.calls[depth:]:
             self.at.pop(call[2], None)
@@ -136,22 +131,6 @@ class _OpenCalls:
         call = self.calls[depth]
         self.cut(depth)
         return call
-
-
-def _leaf_runs(kinds: np.ndarray, funcs: np.ndarray) -> np.ndarray:
-    """For each event: how many calls with no callee (an entry, then the same function's exit)
-    start there, one after another (0 where none does)."""
-    n = len(kinds)
-    pair = np.zeros(n, dtype=bool)
-    if n > 1:
-        pair[:-1] = (kinds[:-1] != EXIT) & (kinds[1:] == EXIT) & (funcs[:-1] == funcs[1:])
-    runs = np.zeros(n, dtype=np.int64)
-    for parity in (0, 1):
-        starts = pair[parity::2]
-        at = np.arange(len(starts))
-        breaks = np.append(np.flatnonzero(~starts), len(starts))
-        runs[parity::2] = np.where(starts, breaks[np.searchsorted(breaks, at)] - at, 0)
-    return runs
 
 
 _ENTRY, _EXIT, _LEAF = 0, EXIT, 2  # a replay line's kind
@@ -345,53 +324,6 @@ def _frames_alternate(carried_frames: np.ndarray, item_frames: np.ndarray, kinds
     starts[1:] = fr[1:] != fr[:-1]
     state = running - (running - step)[starts][np.cumsum(starts) - 1]  # the frame's open calls after
     return not (((state != 0) & (state != 1)).any() or (leaf & (state != 0)).any())
-
-
-def _segment_calls(
-    seg: _Segment, funcs: np.ndarray, stack: _OpenCalls, known: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """The calls a plain segment completes (its exits and calls with no callee), for a profile:
-    (function, duration, own time, whether no other call of its function was open), callees
-    with a function id below `known` counted. `funcs`: the function of each item. Carried calls
-    still open get their callees' time; so do the calls the segment leaves open, once pushed
-    (`open_callees`: per level). Returns the arrays and leaves `stack` as the segment leaves it."""
-    kinds, levels, spent = seg.kinds, seg.levels.astype(np.int64), seg.spent
-    m = len(kinds)
-    done = np.flatnonzero(kinds != _ENTRY)
-    # A completed call's caller: the first exit one level up after it (in a plain span, its
-    # caller's), else the call open at that level after the segment.
-    key = levels * (m + 1) + np.arange(m)
-    exit_of_key = seg.by_level[kinds[seg.by_level] == _EXIT]  # by level, then in order
-    exit_keys = key[exit_of_key]
-    child = done[(levels[done] > 0) & (funcs[done] < known)]
-    child = child[_stable_order(levels[child])]  # by key: numpy's search is much faster for keys in order
-    j = np.searchsorted(exit_keys, key[child] - (m + 1), side="right")
-    has = j < len(exit_keys)
-    has[has] = exit_keys[j[has]] // (m + 1) == levels[child[has]] - 1
-    callees = np.zeros(m, dtype=np.int64)
-    np.add.at(callees, exit_of_key[j[has]], spent[child[has]])
-    depth = len(stack) + len(seg.opened)
-    open_callees = np.bincount(levels[child[~has]] - 1, weights=spent[child[~has]], minlength=depth)
-    for level in range(seg.closed_to, len(stack)):  # carried calls closed here: their callees before
-        first = int(np.searchsorted(exit_keys, level * (m + 1)))
-        callees[exit_of_key[first]] += stack.calls[level][3]
-    # Open calls per function after each item (entries +1, exits -1), from those carried in.
-    delta = _DELTAS[kinds]
-    by_func = _stable_order(funcs)
-    grouped, steps = funcs[by_func], np.cumsum(delta[by_func])
-    starts = np.ones(m, dtype=bool)
-    starts[1:] = grouped[1:] != grouped[:-1]
-    group = np.cumsum(starts) - 1
-    base = np.array([stack.opened.get(f, 0) for f in grouped[starts].tolist()], dtype=np.int64)
-    after = np.empty(m, dtype=np.int64)
-    after[by_func] = base[group] + steps - (steps - delta[by_func])[starts][group]
-    for level in range(seg.closed_to):
-        stack.calls[level][3] += int(open_callees[level])
-    stack.cut(seg.closed_to)
-    for level, opened in enumerate(seg.opened, seg.closed_to):
-        stack.push(*opened)
-        stack.calls[-1][3] = int(open_callees[level])
-    return funcs[done], spent[done], spent[done] - callees[done], after[done] == 0
 
 
 # uftrace's replay -f fields, in the order they are shown: name -> (header, width)
@@ -630,262 +562,26 @@ class Profile:
     events: int = 0
 
 
-class _CallPaths:
-    """Call paths as the nodes of a tree: node 0 the root (no call), then one per caller's node and
-    function; the self time of the calls of each."""
-
-    def __init__(self, functions: int) -> None:
-        self.functions = functions
-        self.node: dict[int, int] = {}  # caller's node * functions + function -> node
-        self.caller, self.func = [-1], [-1]
-        self.own = np.zeros(1, dtype=np.int64)
-
-    def _child(self, key: int) -> int:
-        node = self.node.get(key)
-        if node is None:
-            node = self.node[key] = len(self.caller)
-            caller, func = divmod(key, self.functions)
-            self.caller.append(caller)
-            self.func.append(func)
-        return node
-
-    def children(self, callers: np.ndarray, funcs: np.ndarray) -> np.ndarray:
-        keys, which = np.unique(callers * self.functions + funcs, return_inverse=True)
-        return np.array([self._child(key) for key in keys.tolist()], dtype=np.int64)[which]
-
-    def of(self, funcs: Iterable[int]) -> list[int]:
-        """The nodes of a stack of calls of `funcs`, outermost first."""
-        nodes = [0]
-        for func in funcs:
-            nodes.append(self._child(nodes[-1] * self.functions + func))
-        return nodes[1:]
-
-    def add(self, nodes: np.ndarray, own: np.ndarray) -> None:
-        if len(self.own) < len(self.caller):  # (grown by doubling)
-            self.own = np.concatenate((self.own, np.zeros(max(len(self.caller), 2 * len(self.own)), dtype=np.int64)))
-        np.add.at(self.own, nodes, own)  # (in int64: a sum of times past 2^53 ns stays exact)
-
-    def own_times(self) -> Iterator[tuple[int, int]]:
-        for node in np.flatnonzero(self.own).tolist():
-            yield node, int(self.own[node])
-
-    def path(self, node: int) -> tuple[int, ...]:
-        funcs = []
-        while node:
-            funcs.append(self.func[node])
-            node = self.caller[node]
-        return tuple(reversed(funcs))
-
-
-_PATH_LEVELS = 64  # levels a plain segment may span for numpy to work out its calls' paths
-
-
-def _segment_paths(seg: _Segment, funcs: np.ndarray, paths: _CallPaths, carried: list[int]) -> np.ndarray | None:
-    """The call path (a node of `paths`) of each item of a plain segment, level by level: an
-    entry's or a call with no callee's is its caller's child, an exit's its entry's. `carried`:
-    the nodes of the calls open before it, outermost first. None when its levels span more than
-    _PATH_LEVELS (one by one then)."""
-    kinds, levels = seg.kinds, seg.levels.astype(np.int64)
-    m = len(kinds)
-    low, high = int(levels.min()), int(levels.max())
-    if high - low > _PATH_LEVELS:
-        return None
-    above = np.array([0, *carried], dtype=np.int64)  # a level's caller when it is not in the segment
-    nodes = np.zeros(m, dtype=np.int64)
-    by_level = _stable_order(levels)  # each level's items, in order
-    starts = np.searchsorted(levels[by_level], np.arange(low, high + 2))
-    callers = np.zeros(0, dtype=np.int64)  # where the calls one level up begin, in order
-    for level in range(low, high + 1):
-        here = by_level[starts[level - low] : starts[level - low + 1]]
-        kind = kinds[here]
-        opens = here[kind != _EXIT]
-        if len(opens):  # an entry's or a call with no callee's: its caller's child
-            caller = np.searchsorted(callers, opens) - 1  # the last call begun one level up
-            outer = above[min(level, len(above) - 1)]
-            caller_nodes = nodes[callers[caller]] if len(callers) else np.zeros(len(opens), dtype=np.int64)
-            nodes[opens] = paths.children(np.where(caller >= 0, caller_nodes, outer), funcs[opens].astype(np.int64))
-        entries = here[kind == _ENTRY]
-        exits = here[kind == _EXIT]
-        if len(exits):  # an exit's: its entry's
-            entry = np.searchsorted(entries, exits) - 1
-            begun = nodes[entries[entry]] if len(entries) else np.zeros(len(exits), dtype=np.int64)
-            nodes[exits] = np.where(entry >= 0, begun, above[min(level + 1, len(above) - 1)])
-        callers = entries
-    return nodes
-
-
-_SUMMED_RUN = 8  # calls with no callee in a row, from which numpy sums them
-_NONE = 1 << 62  # the shortest of no call yet
-
-
 def profile(
     trace: TraceFile, folded: bool = False, threshold_ns: int = 0, filters: CallFilter | None = None
 ) -> Profile:
-    """One pass; per thread only its open calls (functions, entry times, time in callees).
-    Calls shorter than `threshold_ns` are not counted (their time still is their caller's).
-    Written for speed: plain lists indexed by function id, no object per call."""
-    n = max(len(trace.functions), 1)
-    calls, totals, selfs, spents = [0] * n, [0] * n, [0] * n, [0] * n
-    # per call: shortest and longest, with and without callees (`_NONE`: no call yet)
-    shortest, longest, least_self, most_self = [_NONE] * n, [0] * n, [_NONE] * n, [0] * n
-    stacks: dict[int, _OpenCalls] = {}
-    paths: dict[tuple[int, ...], int] = {}
+    """Per function its calls and times (`folded`: and self time per call path), in one pass by
+    the compiled walk (output/callwalk.py). Calls shorter than `threshold_ns` are not counted
+    (their time still is their caller's)."""
     events = 0
-
-    def one_by_one(stack: _OpenCalls, columns: tuple[list[int], ...], lo: int, hi: int) -> None:
-        open_calls, at, opened = stack.calls, stack.at, stack.opened
-        for kind, func, t, frame in zip(*(c[lo:hi] for c in columns), strict=True):
-            if kind != EXIT:
-                if frame:
-                    if frame in at:
-                        stack.cut(at[frame])
-                    at[frame] = len(open_calls)
-                open_calls.append([func, t, frame, 0])
-                opened[func] = opened.get(func, 0) + 1
+    with CallWalk(len(trace.functions), threshold_ns=threshold_ns, folded=folded) as walk:
+        for chunk in chunks_of(trace, filters):
+            if chunk.inherited:
+                walk.feed(chunk, entries_only=True)
                 continue
-            top = open_calls[-1] if open_calls else None
-            if top is not None and top[2] == frame and (frame or top[0] == func):
-                open_calls.pop()  # the common case, inline: the exit of the innermost call
-                opened[top[0]] -= 1
-                if frame:
-                    del at[frame]
-                call = top
-            else:
-                found = stack.close(func, frame)
-                if found is None:
-                    continue
-                call = found
-            if func >= n:
-                continue
-            if folded:
-                path = (*(c[0] for c in open_calls), func)
-            spent = t - call[1]
-            own = spent - call[3]
-            if open_calls:
-                open_calls[-1][3] += spent
-            if spent < threshold_ns:
-                continue
-            calls[func] += 1
-            spents[func] += spent
-            if not opened.get(func):
-                totals[func] += spent
-            selfs[func] += own
-            shortest[func], longest[func] = min(shortest[func], spent), max(longest[func], spent)
-            least_self[func], most_self[func] = min(least_self[func], own), max(most_self[func], own)
-            if folded:
-                paths[path] = paths.get(path, 0) + own
-
-    def summed(stack: _OpenCalls, spent: np.ndarray, called: np.ndarray) -> None:
-        """A run of calls with no callee, at the top of `stack`."""
-        known = called < n
-        spent, called = spent[known], called[known]
-        if stack.calls:
-            stack.calls[-1][3] += int(spent.sum())
-        if threshold_ns:
-            keep = spent >= threshold_ns
-            spent, called = spent[keep], called[keep]
-        functions, which = np.unique(called, return_inverse=True)
-        sums = np.bincount(which, weights=spent).tolist()
-        least, most = np.full(len(functions), _NONE, np.int64), np.zeros(len(functions), np.int64)
-        np.minimum.at(least, which, spent)
-        np.maximum.at(most, which, spent)
-        for func, count, ns, low, high in zip(functions.tolist(), np.bincount(which).tolist(), sums, least.tolist(),
-                                              most.tolist(), strict=True):  # fmt: skip
-            calls[func] += count
-            spents[func] += int(ns)
-            if not stack.opened.get(func):
-                totals[func] += int(ns)
-            selfs[func] += int(ns)
-            shortest[func], longest[func] = min(shortest[func], low), max(longest[func], high)
-            least_self[func], most_self[func] = min(least_self[func], low), max(most_self[func], high)
-            if folded:
-                path = (*(c[0] for c in stack.calls), func)
-                paths[path] = paths.get(path, 0) + int(ns)
-
-    def by_runs(stack: _OpenCalls, chunk: Chunk, columns: tuple[list[int], ...], lo: int, hi: int) -> None:
-        """Events lo..hi: long runs of calls with no callee summed by numpy; the rest one by one."""
-        runs = _leaf_runs(chunk.kind[lo:hi], chunk.func[lo:hi])
-        done = lo
-        before = np.zeros_like(runs)
-        before[2:] = runs[:-2]  # a run's later calls have the run's rest: not where runs start
-        for start in (np.flatnonzero((runs >= _SUMMED_RUN) & (before != runs + 1)) + lo).tolist():
-            if start < done:
-                continue  # inside a run summed already
-            one_by_one(stack, columns, done, start)
-            done, end = start, start + 2 * int(runs[start - lo])
-            reused = stack.first_reused(chunk.frame[start:end:2])
-            if reused is not None:  # a call in a frame still open closes calls: up to it, one by one
-                done = start + 2 * reused + 2
-                one_by_one(stack, columns, start, done)
-                continue
-            summed(stack, chunk.time_ns[start + 1 : end : 2] - chunk.time_ns[start:end:2], chunk.func[start:end:2])
-            done = end
-        one_by_one(stack, columns, done, hi)
-
-    totaled = np.zeros((4, n), dtype=np.int64)  # calls, total, self, spent of plain segments
-    extremes = np.array([[_NONE] * n, [0] * n, [_NONE] * n, [0] * n], dtype=np.int64)  # (as the lists above)
-
-    call_paths = _CallPaths(n)  # (folded: the paths of the calls numpy worked out)
-
-    def plain(stack: _OpenCalls, chunk: Chunk, lo: int, hi: int) -> bool:
-        """Events lo..hi worked out by numpy (False: they do not nest plainly; nothing done)."""
-        part = slice(lo, hi)
-        seg = _plain_segment(chunk.kind[part], chunk.func[part], chunk.time_ns[part], chunk.frame[part], stack)
-        if seg is None:
-            return False
-        item_funcs = chunk.func[part][seg.items]
-        nodes = None
-        if folded:
-            nodes = _segment_paths(seg, item_funcs, call_paths, call_paths.of(c[0] for c in stack.calls))
-            if nodes is None:
-                return False
-        func, spent, own, outermost = _segment_calls(seg, item_funcs, stack, n)
-        keep = (func < n) & (spent >= threshold_ns)
-        func, spent, own, outermost = func[keep], spent[keep], own[keep], outermost[keep]
-        if nodes is not None:
-            call_paths.add(nodes[seg.kinds != _ENTRY][keep], own)
-        np.add.at(totaled[0], func, 1)
-        np.add.at(totaled[1], func[outermost], spent[outermost])
-        np.add.at(totaled[2], func, own)
-        np.add.at(totaled[3], func, spent)
-        np.minimum.at(extremes[0], func, spent)
-        np.maximum.at(extremes[1], func, spent)
-        np.minimum.at(extremes[2], func, own)
-        np.maximum.at(extremes[3], func, own)
-        return True
-
-    for chunk in batches(trace, filters):
-        stack = stacks.setdefault(chunk.tid, _OpenCalls())
-        if chunk.inherited:
-            stack.inherit(chunk)
-            continue
-        if chunk.gap:  # a flight recorder's snapshot: the calls open before it are left
-            stack.cut(0)
-        columns: tuple[list[int], ...] | None = None  # the chunk as lists, once events go one by one
-        size = len(chunk.kind)
-        events += size
-        i = 0
-        # Spans that nest plainly (most) are worked out by numpy, the others by runs and one by one.
-        while i < size:
-            numpy = size - i >= _PLAIN_FROM
-            end = min(size, i + _PLAIN_SPAN) if numpy else size
-            if not numpy or not plain(stack, chunk, i, end):
-                if columns is None:
-                    columns = (chunk.kind.tolist(), chunk.func.tolist(), chunk.time_ns.tolist(), chunk.frame.tolist())
-                by_runs(stack, chunk, columns, i, end)
-            i = end
-    for node, ns in call_paths.own_times():
-        path = call_paths.path(node)
-        paths[path] = paths.get(path, 0) + ns
-    result = Profile(folded=paths, events=events)
-    extra, most = totaled.tolist(), extremes.tolist()
-    for func in range(n):
-        if calls[func] or extra[0][func]:
-            result.functions[func] = FunctionTime(
-                calls[func] + extra[0][func], totals[func] + extra[1][func], selfs[func] + extra[2][func],
-                spents[func] + extra[3][func], min(shortest[func], most[0][func]), max(longest[func], most[1][func]),
-                min(least_self[func], most[2][func]), max(most_self[func], most[3][func]),
-            )  # fmt: skip
+            if chunk.gap:  # a flight recorder's snapshot: the calls open before it are left
+                walk.forget(chunk.tid)
+            events += len(chunk.kind)
+            walk.feed(chunk)
+        result = Profile(folded=walk.paths() if folded else {}, events=events)
+        stats = walk.stats
+    for func in np.flatnonzero(stats[0]).tolist():
+        result.functions[func] = FunctionTime(**dict(zip(STATS, stats[:, func].tolist(), strict=True)))
     return result
 
 

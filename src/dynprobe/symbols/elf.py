@@ -716,8 +716,9 @@ class BranchTargets:
         absolute = [] if image.is_pie or self.everything else self._absolute_addresses(scanned // 8 + self._ANY_FILE)
         if absolute is None:
             self.everything, absolute = True, []
-        self.taken = np.unique(np.concatenate([np.zeros(0, np.int64), *leas, *(a.astype(np.int64) for a in addends),
-                                               *absolute]))  # fmt: skip
+        # (sorted for is_taken's search; not np.unique, whose first call imports numpy.ma)
+        self.taken = np.sort(np.concatenate([np.zeros(0, np.int64), *leas, *(a.astype(np.int64) for a in addends),
+                                             *absolute]))  # fmt: skip
         # (The file's own symbols: a function only its debug file names has an unwind-table
         # range as a rule, and a candidate in no range counts as a branch, so a probe may stay a
         # trap, never go wrong: not worth reading the debug file, ~30 ms for libc's.)

@@ -1,0 +1,14 @@
+"""The one part pyproject.toml cannot declare without an experimental table: report's and
+flame's per-event walk, plain C (no Python API) that ctypes loads (output/callwalk.py)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "dynprobe.output._callwalk",
+            sources=["src/dynprobe/output/callwalk.c"],
+            extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
+        )
+    ]
+)
