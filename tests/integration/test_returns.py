@@ -62,6 +62,26 @@ def test_recursion_each_return_sees_its_own_entry(ret: str, optimize: bool) -> N
     assert len({e.caller for e in events}) == 2
 
 
+@pytest.mark.parametrize("mode", HANDLER_MODES)
+def test_a_return_probe_optimized_while_its_calls_are_under_way(ret: str, mode: str) -> None:
+    """Placed from a handler as the recursion begins, the probe's site is a trap for the first
+    calls, then its batch comes due while the thread goes deeper: it is optimized with the
+    thread at its int3 (not while the thread runs its trap entry's stamp, which goes on inside
+    the site's bytes, where the jump then is: the thread crashed). Every call is seen once."""
+    placed: list[dynprobe.Probe] = []
+    with (
+        tempfile.TemporaryFile("w+") as out,
+        dynprobe.spawn([ret, "deep", "12", "2000"], stdout=out.fileno()) as session,
+    ):
+        session.upcalls = mode == "upcall"
+        session.probe(f"{ret}:begin", pre=lambda hit: placed.append(session.probe(f"r100 {ret}:deeper")))
+        assert session.run(timeout=60) == 0
+        (probe,) = placed
+        assert probe.hits == 13 and probe.nmissed == 0 and probe.mode == dynprobe.ProbeMode.OPTIMIZED
+        out.seek(0)
+        assert out.read() == "12\n"
+
+
 @pytest.mark.parametrize("optimize", MODES)
 def test_maxactive_limits_pending_instances_and_counts_the_rest(ret: str, optimize: bool) -> None:
     status, out, (probe,) = traced([ret, "fact", "20"], counting("fact", maxactive=5), optimize=optimize)

@@ -16,6 +16,7 @@
  *   mixed N         N calls of add; every 10th, a slow call (a 2 ms nap, then add); prints the sum
  *   wide N          N calls of wide(i), which returns {i, 2i} in rax:rdx; prints both halves' sums
  *   spike N K MS    N calls of add(i, 1), and after the Kth one nap of MS ms; prints the sum
+ *   deep N US       begin(), then recursion N + 1 deep, each call busy for US us first; prints N
  */
 #define _GNU_SOURCE
 #include <execinfo.h>
@@ -27,6 +28,7 @@
 #include <string.h>
 #include <sys/time.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -213,6 +215,23 @@ NOINLINE long slow(long i) {
     return r;
 }
 
+NOINLINE void begin(void) { __asm__ volatile("" ::: "memory"); }
+
+static void busy(long us) {
+    struct timespec from, now;
+    clock_gettime(CLOCK_MONOTONIC, &from);
+    do
+        clock_gettime(CLOCK_MONOTONIC, &now);
+    while ((now.tv_sec - from.tv_sec) * 1000000 + (now.tv_nsec - from.tv_nsec) / 1000 < us);
+}
+
+NOINLINE long deeper(long n, long us) {
+    busy(us);
+    long r = n ? deeper(n - 1, us) + 1 : 0;
+    __asm__ volatile("" ::: "memory");
+    return r;
+}
+
 /* IPA-RA (gcc -O2 -fipa-ra): a caller keeps values in call-clobbered registers across a call to
    a function it knows does not touch them. ipa_check does so by hand around ipa_leaf and returns
    a bit per register found changed after the call (rcx rdx rsi rdi r8 r9 r10 r11): 0 if none. */
@@ -362,6 +381,9 @@ int main(int argc, char **argv) {
                 nap(atol(argv[4]));
         }
         printf("%ld\n", s);
+    } else if (!strcmp(mode, "deep")) {
+        begin();
+        printf("%ld\n", deeper(n, atol(argv[3])));
     } else if (!strcmp(mode, "sleep")) {
         printf("ready\n");
         for (long i = 0;; i++)

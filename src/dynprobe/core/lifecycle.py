@@ -253,9 +253,10 @@ class Lifecycle:
             proc.tracee.resume(tid, 0, step=True)
             return
         if sig in FAULT_SIGNALS:
-            if sig == signal.SIGTRAP and DEBUG:
-                info = sc.get_siginfo(tid)
-                _debug(f"SIGTRAP of the target's own: tid {tid} rip {sc.get_regs(tid).rip:#x} code {info.si_code:#x}")
+            if DEBUG:
+                info, regs = sc.get_siginfo(tid), sc.get_regs(tid)
+                _debug(f"{signal.Signals(sig).name} of the target's own: tid {tid} rip {regs.rip:#x} rsp {regs.rsp:#x}"
+                       f" code {info.si_code:#x} address {info.si_addr:#x}")  # fmt: skip
             traps.deliver_fault(proc, tid, sig)
             return
         proc.tracee.resume(tid, sig)

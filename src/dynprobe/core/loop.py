@@ -19,8 +19,9 @@ from dynprobe.core.datapath import DataPath
 from dynprobe.core.ftrace import Tracing
 from dynprobe.core.lifecycle import Lifecycle
 from dynprobe.core.optimizer import Optimizer
-from dynprobe.core.probe import Probe
+from dynprobe.core.probe import Probe, Site
 from dynprobe.core.processes import ProcessTable
+from dynprobe.core.traced import TracedProcess
 from dynprobe.core.traps import Traps
 from dynprobe.core.upcalls import Upcalls
 from dynprobe.debug import debug as _debug
@@ -126,6 +127,8 @@ class StopLoop:
                     state.stopped = True
                     state.in_event_stop = False
                     state.at_trap = site.addr
+                    if self.engine.optimizer.due_in() == 0 and self._flushed_at_trap(proc, pid, site):
+                        return True
                     self.engine.traps.hit(proc, pid, site, regs)  # (its resume takes the stop)
                     return True
                 if state is not None and (site is not None or (regs.rip - 1) in proc.retired):
@@ -136,6 +139,20 @@ class StopLoop:
         if taken is not None:
             processes.pending.append(decode_status(pid, taken))
         return False
+
+    def _flushed_at_trap(self, proc: TracedProcess, tid: int, site: Site) -> bool:
+        """A batch of sites is due while `tid` stops at the int3 of `site`: optimized now, the
+        thread still at the int3, which the optimizer knows to send through a jump that replaces
+        it. Served first, the thread would resume through code that goes on inside the site's
+        bytes (a trap's actions, a return probe's entry stamp), and no site a thread is about to
+        run may be patched: a site hit often would stay a trap. True if the thread went on (the
+        site is a jump now, or gone, or a remote syscall of the flush put it back at the int3)."""
+        self.engine.optimizer.flush()
+        regs = sc.get_regs(tid)
+        if regs.rip == site.addr:  # (put back at the site: it runs the jump, or the int3 again)
+            proc.resume_trapped(tid)
+            return True
+        return not site.armed and self.engine.traps.past_trap(proc, tid, regs, site)
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour, Unsupported
 from dynprobe.arch.x86_64.codegen.detours import build_detour
+from dynprobe.arch.x86_64.codegen.records import RESUME_RET
 from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan
 from dynprobe.core.engine import Engine
@@ -155,10 +156,11 @@ class Optimizer:
                 self._refuse(site, proc.areas_refused or OptimizeRefusal.GS_IN_USE)
             return
         rips = self.thread_rips(proc)
-        self._free_dirty(proc, list(rips.values()))
+        places = [place for found in rips.values() for place in found]
+        self._free_dirty(proc, places)
         # A thread that has just hit the int3 (its SIGTRAP not served yet) is at site+1; it will
         # be moved back to the site and take the jump (Traps.past_trap, from core/loop.py or lifecycle.py).
-        at_int3 = {int(rip) - 1 for tid, rip in rips.items() if self._trapped(proc, tid)}
+        at_int3 = {found[0] - 1 for tid, found in rips.items() if self._trapped(proc, tid)}
         busy: list[Site] = []
         for done, site in enumerate(sites):
             if progress is not None and done % PROGRESS_STEP == 0:
@@ -169,7 +171,7 @@ class Optimizer:
                 continue
             plan, original = planned
             inside = [
-                rip for rip in rips.values()
+                rip for rip in places
                 if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in at_int3))
                 or site.in_slot(rip)
             ]  # fmt: skip
@@ -308,7 +310,7 @@ class Optimizer:
             site.armed = arm
             if not arm:
                 proc.retired.add(site.addr)
-            self._free_dirty(proc, list(self.thread_rips(proc).values()))
+            self._free_dirty(proc, [place for found in self.thread_rips(proc).values() for place in found])
 
     def _retire_detour(self, proc: TracedProcess, site: Site, letting_go: bool = False) -> None:
         """The site is a trap again; `letting_go` (the process is let go): its probes still
@@ -350,22 +352,36 @@ class Optimizer:
                 self._retire_detour(proc, site, letting_go=True)
 
     @staticmethod
-    def thread_rips(proc: TracedProcess) -> dict[int, int]:
-        """Where each stopped thread is, or about to be (see ProcessReturns.going_to)."""
+    def thread_rips(proc: TracedProcess) -> dict[int, tuple[int, ...]]:
+        """Per stopped thread, where it is (first) and where it goes on without a stop: where a
+        trampoline's entry point sends it (ProcessReturns.going_to), and, while code that resumes
+        through its area runs (an entry stamp, a trap site's actions: `resume_through_area`),
+        gs:[STAMP_RESUME], or at that code's last instruction the copy it pushed. No patch may
+        change the bytes at any of them, no detour they are in may go."""
         rips = {}
         for tid, state in proc.tracee.threads.items():
             if state.stopped:
                 with contextlib.suppress(OSError):
                     regs = sc.get_regs(tid)
-                    rip = int(regs.rip)
-                    rips[tid] = proc.returns.going_to(rip, int(regs.rsp), proc.tracee.read_u64) if proc.returns else rip
+                    rip, rsp = int(regs.rip), int(regs.rsp)
+                    places = [rip]
+                    if proc.returns is not None:
+                        places.append(proc.returns.going_to(rip, rsp, proc.tracee.read_u64))
+                    area = proc.areas.by_tid.get(tid) if proc.areas is not None else None
+                    if area is not None and area.pool.words[area.index][L.STAMP_BUSY // 8]:
+                        places.append(int(area.pool.words[area.index][L.STAMP_RESUME // 8]))
+                    elif area is not None and proc.tracee.read(rip, len(RESUME_RET)) == RESUME_RET:
+                        places.append(proc.tracee.read_u64(rsp))
+                    rips[tid] = tuple(places)
         return rips
 
     @staticmethod
     def _trapped(proc: TracedProcess, tid: int) -> bool:
-        """Stopped by our int3, its SIGTRAP not handled yet (kept while the world was stopped)."""
+        """Stopped by our int3, its SIGTRAP not handled yet (kept while the world was stopped, or
+        being served: core/loop.py's `_flushed_at_trap`)."""
         state = proc.tracee.threads[tid]
-        return any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred)
+        return state.at_trap is not None or any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP
+                                                for e in state.deferred)  # fmt: skip
 
     # --- thread areas -------------------------------------------------------------------------------------
     @staticmethod

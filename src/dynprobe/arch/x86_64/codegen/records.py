@@ -139,6 +139,16 @@ def entry_of_point(asm: Asm, points: int, elsewhere: int) -> None:
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.EDX, mem_at(R.RAX, 1)))  # the point's push: an offset
 
 
+def _encoded_resume_return() -> bytes:
+    asm = Asm()
+    asm.add(iced.Instruction.create_u32(C.RETNQ_IMM16, RED_ZONE))
+    return asm.encode(0)[0]
+
+
+# resume_through_area's last instruction: a thread there goes on at the address at [rsp]
+RESUME_RET = _encoded_resume_return()
+
+
 def resume_through_area(asm: Asm) -> None:
     """Go on at gs:[STAMP_RESUME], registers and flags untouched: through the stack below the
     red zone (`ret 128`), once STAMP_BUSY is clear (a signal handler's hit may then use it)."""
