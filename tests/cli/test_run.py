@@ -100,6 +100,18 @@ def test_the_same_maps_as_bpftrace(counter: str, tmp_path: Path) -> None:
     assert maps_of(ours.stderr) == expected
 
 
+def test_clear_and_zero_in_a_probe_body_take_effect_at_once(counter: str) -> None:
+    """clear() and zero() in a probe body act before the next hit (bpftrace 0.17 hands them to
+    its user space, and the few hits meanwhile land in the old maps: no comparison with it)."""
+    body = ("@c[arg0 % 4] = sum(arg0); @s = sum(arg0); @m = max(arg0);"
+            " if (arg0 == 500) { clear(@c); zero(@s); zero(@m); }")  # fmt: skip
+    ours = dp("run", "-e", f"uprobe:{counter}:work {{ {body} }}", "--", counter, "1000", "1")
+    assert ours.returncode == 0, ours.stderr
+    sums = {r: sum(range(501, 1000)[(r - 501) % 4 :: 4]) for r in range(4)}  # (what came after the clear)
+    keyed = "".join(f"@c[{r}]: {total}\n" for r, total in sorted(sums.items(), key=lambda kv: kv[1]))
+    assert maps_of(ours.stderr) == f"{keyed}@m: 999\n@s: {sum(range(501, 1000))}\n"
+
+
 def test_attached_to_a_running_process_it_ends_at_exit_and_leaves_the_process_running(counter: str) -> None:
     with subprocess.Popen([counter, str(10**13), "1"], stdout=subprocess.DEVNULL) as target:
         try:
@@ -141,6 +153,21 @@ def test_intervals_and_an_exit_before_anything_runs(counter: str) -> None:
     run = dp("run", "-e", f'BEGIN {{ printf("only\\n"); exit(); }} uprobe:{counter}:work {{ @n = count(); }}',
              "--", counter, str(10**13), "1", timeout=120)  # fmt: skip
     assert (run.returncode, run.stderr) == (0, "Attaching 2 probes...\nonly\n\n\n\n"), run.stderr  # (@n: empty)
+
+
+def test_maps_the_tracer_writes_count_ticks_and_end_the_run(counter: str) -> None:
+    """BEGIN, END and interval bodies write maps of their own (kept in the tracer): an interval
+    counts its ticks and exits at the third; END works out of them and of a probe's map."""
+    program = ("BEGIN { @start = nsecs; $step = 2; @step = $step; } interval:ms:30 { @ticks++; @every[@ticks % 2] ="
+               ' count(); if (@ticks == 3) { printf("tick %d\\n", @ticks); exit(); } }'
+               f" uprobe:{counter}:work {{ @calls = count(); }}"
+               " END { @took = nsecs > @start; @twice = @ticks * @step; delete(@every[0]); }")  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, str(10**13), "1", timeout=120)  # (hours of calls: exit() ends it)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.startswith("Attaching 4 probes...\ntick 3\n\n\n"), run.stderr
+    lines = maps_of(run.stderr).splitlines()
+    assert lines[0].startswith("@calls: ") and int(lines[0][8:]) > 0
+    assert lines[1:] == ["@every[1]: 2", f"@start: {lines[2][8:]}", "@step: 2", "@ticks: 3", "@took: 1", "@twice: 6"]
 
 
 def test_the_maps_of_an_execd_child_merge_with_its_parents() -> None:

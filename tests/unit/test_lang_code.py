@@ -24,7 +24,8 @@ from dynprobe.lang import maps, output
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, Region, key_hash, lay_out
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import PRINTF_NUMBER, printf_records
+from dynprobe.lang.target import PRINTF_NUMBER, check_runnable, printf_records, tracer_maps
+from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 from tests.unit.native import NativeArea, field
 from tests.unit.test_codegen import LAYOUT, plan
@@ -205,6 +206,25 @@ def test_delete_and_exit(area: NativeArea) -> None:
     assert code.memory[0] == 1
 
 
+def test_clear_and_zero_in_a_probe_body(area: NativeArea) -> None:
+    """clear(@m) hides every entry and starts its values afresh; zero(@m) keeps the entries, their
+    values back to their start (min's at the far end, a hist's every bucket); other maps untouched."""
+    code = Compiled(area, "u:/bin/x:f { @c[arg0] = count(); @m[arg0] = min(arg0); @h[arg0 % 2] = hist(arg0); @n++;"
+                          " if (arg1 == 1) { clear(@c); clear(@h); }"
+                          " if (arg1 == 2) { zero(@m); zero(@h); } }")  # fmt: skip
+    for key in (1, 2, 3):
+        code(key, 0)
+    code(4, 1)  # its updates, then the clear
+    assert code.entries("c") == {} and code.entries("h") == {}
+    assert code.entries("m") == {(1,): 1, (2,): 2, (3,): 3, (4,): 4} and code.value("n") == 4
+    code(2, 0)
+    code(5, 2)  # its updates, then the zeroing: min's words at its start
+    assert code.entries("c") == {(2,): 1, (5,): 1} and code.entries("h") == {(0,): {}, (1,): {}}
+    assert code.entries("m") == {(k,): (1 << 63) - 1 for k in (1, 2, 3, 4, 5)}
+    code(3, 0)
+    assert code.entries("m")[(3,)] == 3 and code.entries("h") == {(0,): {}, (1,): {2: 1}} and code.value("n") == 7
+
+
 def test_a_full_map_drops_and_counts_updates(area: NativeArea) -> None:
     code = Compiled(area, "u:/bin/x:f { @c[arg0] = count(); @n = count(); }", slots=4)
     for key in range(10):
@@ -321,6 +341,24 @@ def test_maps_are_bpftraces(area: NativeArea, statements: str) -> None:
         for name, table in sorted(code.region.tables.items())
     )
     assert "Attaching 1 probe...\n\n\n" + ours == run.stdout
+
+
+@pytest.mark.parametrize("statements", ORACLE, ids=[s[:40] for s in ORACLE])
+def test_the_tracer_runs_a_body_as_the_target_does(area: NativeArea, statements: str) -> None:
+    """The same statements in BEGIN (lang/tracer.py's interpreter, in the tracer) and compiled
+    (a uprobe's body, one hit): the same maps, entry for entry."""
+    code = Compiled(area, f"u:/bin/x:f {{ {statements} }}")
+    code()
+    source = f"BEGIN {{ {statements} }}"
+    checked = check_program(parse_program(source), source)
+    check_runnable(checked, source)
+    tables = lay_out(checked).tables
+    tracer = TracerMaps(tracer_maps(checked), tables)
+    block = TracerBlock(checked.program.probes[0], checked, tracer, read_map=lambda name, keys: 0,
+                        print_map=lambda name, top: "", clear=lambda name, keep: None, write=lambda text: None,
+                        start_ns=0)  # fmt: skip
+    assert block.run() is False and set(tables) == set(code.region.tables)
+    assert {name: dict(tracer.entries(name)) for name in tables} == {name: code.entries(name) for name in tables}
 
 
 def test_builtins_tid_pid_cpu_and_the_clock(area: NativeArea) -> None:

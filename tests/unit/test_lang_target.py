@@ -1,15 +1,17 @@
 """What of a bpftrace program runs where (lang/target.py): each refusal at its span, before
-anything is placed; and the tracer's printf, as C's."""
+anything is placed; the tracer's blocks (lang/tracer.py) and its printf, as C's."""
 
 from __future__ import annotations
 
 import pytest
 
 from dynprobe.errors import ProgramError
-from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
+from dynprobe.lang.maps import lay_out
+from dynprobe.lang.output import c_format
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import PrintfArg, TracerBlock, c_format, check_runnable, printf_records
+from dynprobe.lang.target import PrintfArg, check_runnable, printf_records, tracer_maps
+from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 
 
@@ -27,9 +29,12 @@ def runnable(source: str) -> None:
         "uprobe:libc:strlen /@s[ustack(5)]/ { @s[ustack(5)] = count(); }",
         "uprobe:libc:str* /@c[comm, probe] < 5/ { @c[comm, probe] = count(); @f[func, str(arg0)] = max(arg0); }"
         ' uprobe:libc:write { @w[str(arg1, arg2)] = count(); printf("%s\\n", str(arg1, arg2 - 1)); }'
-        " uretprobe:libc:strlen { @r[ustack] = count(); print(@r); print(@r, 3); }",
+        " uretprobe:libc:strlen { @r[ustack] = count(); print(@r); print(@r, 3); clear(@r); zero(@w); }",
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
+        'BEGIN { @start = nsecs; $x = 3; @v[1, "a"] = $x * 2; @h = hist($x); } interval:ms:10 { @ticks++; '
+        'if (@ticks >= 3 && @c[1] > 0) { exit(); } } END { delete(@v[1, "a"]); printf("%d %d\\n", elapsed, '
+        "(int8)@ticks); } uprobe:libc:free { @c[arg0] = count(); }",
     ],
 )  # fmt: skip
 def test_what_runs(source: str) -> None:
@@ -47,11 +52,17 @@ def test_what_runs(source: str) -> None:
          "@m keyed by string here and by comm elsewhere", "@m[str"),
         ("uprobe:libc:malloc { @c = comm; }", "a map of strings (@c)", "@c"),
         ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
-        ("uprobe:libc:malloc { @x = 1; clear(@x); }", "clear() is not run in the target yet", "clear"),
+        ('uprobe:libc:malloc { time("%H\\n"); }', "time() is not run in the target yet", "time"),
         ("uprobe:libc:malloc, BEGIN { @x = 1; }", "a probe block is either uprobes and uretprobes", "uprobe"),
         ("BEGIN /1/ { exit(); }", "a predicate is for uprobes", "1"),
-        ("BEGIN { @x = 1; }", "BEGIN, END and interval probes only print", "@x = 1"),
-        ('END { printf("%d\\n", nsecs); }', "printf() in BEGIN, END and interval probes prints integers", "nsecs"),
+        ("BEGIN { @x = pid; }", "pid in BEGIN, END and interval probes (dynprobe runs them in the tracer): it "
+         "belongs to a thread", "pid"),
+        ("interval:s:1 { @x++; } uprobe:libc:malloc { @y = @x; }", "@x is written in BEGIN, END and interval probes "
+         "(dynprobe runs them in the tracer) and used by probe bodies", "@x"),
+        ("END { @v = *(uint32 *)0; }", "reading memory in BEGIN, END and interval probes", "*("),
+        ("END { delete(@c[1]); } uprobe:libc:free { @c[arg0] = count(); }", "delete() of a map probe bodies write",
+         "@c[1]"),
+        ("BEGIN { @s[str(0)] = 1; }", "str() in BEGIN, END and interval probes", "str("),
         ("uprobe:libc:malloc { @m[" + ", ".join(["1"] * 17) + "] = 1; }", "keys of more than 16 words", "@m"),
         ("uprobe:libc:malloc { @m[str(arg0), str(arg1), 1] = 1; }", "keys of more than 16 words", "@m"),
         ("uprobe:libc:malloc { @m[ustack, arg0] = count(); }", "ustack among a map's keys", "@m"),
@@ -86,26 +97,51 @@ def test_printf_formats_as_c_does(fmt: str, values: list[int | str], expected: s
     assert c_format(fmt, values) == expected
 
 
-def test_a_tracer_block_prints_clears_zeroes_and_exits() -> None:
-    """Its statements in order, each through the callback it names; exit() is said by run()."""
-    source = ('END { printf("%d %d %s\\n", @c[1], -@c[2], "x"); print(@c); print(@c, 2); clear(@c); zero(@d);'
-              ' time("at\\n"); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }')  # fmt: skip
+def tracer_block(source: str, *, read_map: object = None, done: list[object] | None = None) -> TracerBlock:
+    """The first block of `source`, a BEGIN, END or interval one, ready to run over its own
+    maps; what it prints and clears goes to `done`."""
     checked = check_program(parse_program(source), source)
     check_runnable(checked, source)
+    tracer = TracerMaps(tracer_maps(checked), lay_out(checked).tables)
+    log = done if done is not None else []
+    return TracerBlock(checked.program.probes[0], checked, tracer, read_map=read_map or (lambda name, keys: 0),
+                       print_map=lambda name, top: f"<{name} {top}>", clear=lambda name, keep: log.append((name, keep)),
+                       write=log.append, start_ns=0)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_tracer_block_prints_clears_zeroes_and_exits() -> None:
+    """Its statements in order, each through the callback it names; a target's map read for
+    the keys the block works out; exit() is said by run()."""
+    source = ('END { $k = 1; printf("%d %d %s\\n", @c[$k], -@c[$k + 1], "x"); print(@c); print(@c, 2);'
+              ' clear(@c); zero(@d); time("at\\n"); exit(); }'
+              " uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }")  # fmt: skip
     done: list[object] = []
 
-    def value(ref: S.MapRef) -> int:
-        key = ref.keys[0]
-        assert ref.name == "c" and isinstance(key, S.Int)
-        return {1: 5, 2: 7}[key.value]
+    def value(name: str, keys: tuple[int, ...]) -> int:
+        assert name == "c"
+        return {(1,): 5, (2,): 7}[keys]
 
-    block = TracerBlock(checked.program.probes[0], value=value, print_map=lambda name, top: f"<{name} {top}>",
-                        clear=lambda name, keep: done.append((name, keep)), write=done.append)  # fmt: skip
-    assert block.run() is True
+    assert tracer_block(source, read_map=value, done=done).run() is True
     assert done == ["5 -7 x\n", "<c 0>", "<c 2>", ("c", False), ("d", True), "at\n"]
-    quiet = check_program(parse_program("END { zero(@d); } uprobe:libc:free { @d = sum(arg0); }"), "")
-    assert TracerBlock(quiet.program.probes[0], value=value, print_map=lambda name, top: "",
-                       clear=lambda name, keep: None, write=done.append).run() is False  # fmt: skip
+    assert tracer_block("END { zero(@d); } uprobe:libc:free { @d = sum(arg0); }", done=done).run() is False
+
+
+def test_a_tracer_block_keeps_its_maps() -> None:
+    """Maps a BEGIN, END or interval body writes live in the tracer, across runs of the block:
+    assignments, steps, aggregations, deletes, clear and zero, with the target's arithmetic."""
+    block = tracer_block('interval:s:1 { @ticks++; $t = @ticks; @sq[$t] = $t * $t; @h = hist($t); @s = stats($t);'
+                         ' @m["min"] = min(-$t); if (@ticks == 2) { delete(@sq[1]); @w = (uint8)(@ticks - 3); }'
+                         ' if (@ticks == 3) { exit(); } }')  # fmt: skip
+    assert [block.run() for _ in range(3)] == [False, False, True]
+    tracer = block.tracer
+    assert dict(tracer.entries("ticks")) == {(): 3} and dict(tracer.entries("w")) == {(): 255}
+    assert dict(tracer.entries("sq")) == {(2,): 4, (3,): 9}
+    assert dict(tracer.entries("h")) == {(): {1: 1, 2: 2}}
+    assert dict(tracer.entries("s")) == {(): (3, 6)} and dict(tracer.entries("m")) == {("min",): -3}
+    tracer.clear("sq", keep_keys=True)
+    assert dict(tracer.entries("sq")) == {(2,): 0, (3,): 0}
+    tracer.clear("sq", keep_keys=False)
+    assert tracer.entries("sq") == []
 
 
 def test_printf_records_are_laid_out_and_numbered_in_order() -> None:

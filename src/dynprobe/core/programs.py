@@ -30,8 +30,10 @@ from dynprobe.lang import maps, output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, MapTable
+from dynprobe.lang.output import c_format
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import PrintfRecord, TracerBlock, c_format, check_runnable, printf_records, ustack_frames
+from dynprobe.lang.target import PrintfRecord, check_runnable, printf_records, tracer_maps, ustack_frames
+from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.spec.model import ProbeSpec
@@ -59,6 +61,7 @@ class PlacedProgram:
         self.checked = check_program(program, source, filename)
         check_runnable(self.checked, source, filename)
         self.region = maps.lay_out(self.checked)
+        self.tracer_maps = TracerMaps(tracer_maps(self.checked), self.region.tables)
         self.printfs = printf_records(self.checked)
         self._printf_by_number = {record.number: record for record in self.printfs.values()}
         self.record_bytes = max((record.size for record in self.printfs.values()), default=0)
@@ -167,6 +170,8 @@ class PlacedProgram:
         """The map's entries, merged across the processes the program ran in and across the
         words that name the same key (a stack key named by its frames, as bpftrace prints it; a
         comm key by the thread's name, as the tracer last read it; func and probe by the probe's)."""
+        if name in self.tracer_maps:
+            return self.tracer_maps.entries(name)
         table = self.region.tables[name]
         merged: dict[tuple[output.Key, ...], output.Value] = {}
         for region in self._all:
@@ -209,18 +214,22 @@ class PlacedProgram:
 
     def clear(self, name: str, keep_keys: bool) -> None:
         """`clear(@m)` (entries gone) or `zero(@m)` (values back to their start)."""
+        if name in self.tracer_maps:
+            self.tracer_maps.clear(name, keep_keys=keep_keys)
         for region in self._all:
             self.region.tables[name].clear(region.words, keep_keys=keep_keys)
 
-    def value(self, ref: S.MapRef) -> int:
-        """An integer map's value for literal keys (0: none), for a tracer-side printf."""
-        found = dict(self.entries(ref.name)).get(tuple(k.value for k in ref.keys if isinstance(k, S.Int)), 0)
+    def value(self, name: str, keys: tuple[output.Key, ...]) -> int:
+        """A target's integer map's value for `keys` (0: none), for the tracer's bodies."""
+        found = dict(self.entries(name)).get(keys, 0)
         return found if isinstance(found, int) else 0
 
     # --- the tracer's blocks ---------------------------------------------------------------------
     def _tracer_block(self, block: S.ProbeBlock) -> TracerBlock:
-        return TracerBlock(block, value=self.value, print_map=self.format_map, clear=self.clear,
-                           write=lambda text: self.write(text))  # fmt: skip
+        return TracerBlock(
+            block, self.checked, self.tracer_maps, read_map=self.value, print_map=self.format_map, clear=self.clear,
+            write=lambda text: self.write(text), start_ns=self.clock.start,
+        )  # fmt: skip
 
     def intervals(self) -> list[tuple[float, TracerBlock]]:
         """Each interval block with its period in seconds."""

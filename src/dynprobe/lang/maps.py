@@ -152,7 +152,7 @@ def entries(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> list[out
         if not words[base] or not words[base + 1]:
             continue
         values = words[base + table.value_at // 8 : base + step]
-        found.append((_keys(table, words[base + 2 : base + table.value_at // 8]), _value(table, values)))
+        found.append((_keys(table, words[base + 2 : base + table.value_at // 8]), value_of(table, values)))
     return found
 
 
@@ -180,7 +180,8 @@ def _signed(word: int) -> int:
     return word - (1 << 64) if word >> 63 else word
 
 
-def _value(table: MapTable, values: memoryview) -> output.Value:
+def value_of(table: MapTable, values: Sequence[int]) -> output.Value:
+    """An entry's value, as output prints it, from its value words."""
     if table.kind in ("avg", "stats"):
         return int(values[0]), _signed(values[1])
     if table.kind in ("hist", "lhist"):

@@ -5,11 +5,13 @@ who knows bpftrace's output reads dynprobe's without thinking.
 An entry is (keys, value). Values by the map's kind: an integer (int, count, sum, min, max), a
 string or a stack's text, (count, total) for avg and stats, per-bucket counts for hist (a dict:
 bucket index -> count; `hist_bucket` gives the index) and lhist (a dict: -1 below min, the
-step's index, or `(max - min) // step` and above).
+step's index, or `(max - min) // step` and above). And `printf`'s formatting (`c_format`), as
+bpftrace's: C's conversions.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 Key = int | str
@@ -131,3 +133,32 @@ def format_map(name: str, kind: str, entries: Sequence[Entry], *, top: int = 0,
         if kind in _BLANK_AFTER:
             out.append("")
     return "".join(line + "\n" for line in out)
+
+
+_CONVERSION = re.compile(r"%(%|[-+ #0]*\d*(?:\.\d+)?)(hh|h|ll|l|z|j)?([diouxXcsp])?")
+
+
+def c_format(fmt: str, values: list[int | str]) -> str:
+    """`fmt` with `values` put in as C's printf (and bpftrace's) puts them: %d %u %x %s %c..."""
+    given = iter(values)
+
+    def one(match: re.Match[str]) -> str:
+        flags, conversion = match.group(1), match.group(3)
+        if flags == "%":
+            return "%"
+        if conversion is None:
+            return match.group(0)
+        value = next(given)
+        if conversion in "di":
+            value = int(value)
+            value = value - (1 << 64) if value >= 1 << 63 else value
+            return f"%{flags}d" % value
+        if conversion in "ouxX":
+            return f"%{flags}{conversion}" % (int(value) & ((1 << 64) - 1))
+        if conversion == "p":
+            return f"0x{int(value) & ((1 << 64) - 1):x}"
+        if conversion == "c":
+            return f"%{flags}c" % chr(int(value) & 0xFF)
+        return f"%{flags}s" % value
+
+    return _CONVERSION.sub(one, fmt)

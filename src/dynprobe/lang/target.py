@@ -6,28 +6,27 @@ form: never a probe that silently stays a slow trap.
 
 A probe body's printf() writes a record into the thread's ring (`PrintfRecord`: its values,
 strings copied, comm left to the tracer) that the tracer formats. The tracer's side is here
-too: BEGIN, END and interval bodies run over the maps as they are when they run
-(`TracerBlock`), and `printf` formats as bpftrace's does (C's conversions).
+BEGIN, END and interval bodies are lang/tracer.py's.
 """
 
 from __future__ import annotations
 
-import re
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from dynprobe.errors import ProgramError
 from dynprobe.lang import syntax as S
-from dynprobe.lang.check import STRING_WORDS, Checked
+from dynprobe.lang.check import AGGREGATIONS, STRING_WORDS, Checked
 from dynprobe.ringbuf import layout as L
 
 MAX_KEYS = 16  # words of a map's keys
 MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waiting (a map's keys beside them)
 MAX_VARIABLES = L.LANG_VARS_WORDS
-_IN_TARGET_CALLS = ("delete", "exit", "printf", "print")
+_IN_TARGET_CALLS = ("delete", "exit", "printf", "print", "clear", "zero")
 PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
-_TRACER_CALLS = ("printf", "print", "clear", "zero", "exit", "time")
+_TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")
+_TRACER_BUILTINS = ("nsecs", "elapsed")
+_WHERE = "in BEGIN, END and interval probes (dynprobe runs them in the tracer)"
 _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers and maps of integers)"
 
 
@@ -42,10 +41,65 @@ def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> No
         if in_target:
             _TargetCheck(checked, source, filename, key_kinds).block(probe)
         else:
-            if probe.predicate is not None:
-                raise ProgramError("a predicate is for uprobes (dynprobe runs BEGIN, END and intervals in the tracer)",
-                                   source, probe.predicate.span, filename)  # fmt: skip
-            _tracer_statements(probe.body, source, filename)
+            _check_tracer_block(probe, checked, source, filename)
+
+
+def tracer_maps(checked: Checked) -> set[str]:
+    """The maps a BEGIN, END or interval body writes: they live in the tracer."""
+    written: set[str] = set()
+    for block in checked.program.probes:
+        if not _in_target(block):
+            written.update(_written(block.body))
+    return written
+
+
+def _check_tracer_block(block: S.ProbeBlock, checked: Checked, source: str, filename: str) -> None:
+    """Raise `ProgramError` for the first thing of a BEGIN, END or interval `block` the tracer
+    cannot run, or for a map it writes that a probe body also uses."""
+
+    def refuse(message: str, node: S.Node) -> ProgramError:
+        return ProgramError(message, source, node.span, filename)
+
+    if block.predicate is not None:
+        raise refuse("a predicate is for uprobes (dynprobe runs BEGIN, END and intervals in the tracer)",
+                     block.predicate)  # fmt: skip
+    in_target = {ref.name for probe in checked.program.probes if _in_target(probe) for ref in _map_refs(probe)}
+    for name in sorted(_written(block.body) & in_target):
+        ref = next(r for r in _map_refs(block) if r.name == name)
+        raise refuse(f"@{name} is written {_WHERE} and used by probe bodies: dynprobe keeps a map on one side "
+                     "(clear() and zero() reach either)", ref)  # fmt: skip
+    for node in _nodes(block.body):
+        match node:
+            case S.Builtin(name=name) if name not in _TRACER_BUILTINS:
+                raise refuse(f"{name} {_WHERE}: it belongs to a thread of the target", node)
+            case S.Unary(op="*") | S.Cast(pointer=True):
+                raise refuse(f"reading memory {_WHERE}", node)
+            case S.Call(name="delete", args=(S.MapRef(name=name) as ref,)) if name in in_target:
+                raise refuse(f"delete() of a map probe bodies write, {_WHERE}: clear() it", ref)
+            case S.Call(name=name) if name not in _TRACER_CALLS and name not in AGGREGATIONS:
+                raise refuse(f"{name}() {_WHERE}", node)
+
+
+def _in_target(block: S.ProbeBlock) -> bool:
+    return any(p.kind in ("uprobe", "uretprobe") for p in block.attach_points)
+
+
+def _written(statements: tuple[S.Statement, ...]) -> set[str]:
+    return {
+        node.target.name
+        for node in _nodes(statements)
+        if isinstance(node, S.Assign | S.Step) and isinstance(node.target, S.MapRef)
+    }
+
+
+def _nodes(statements: tuple[S.Statement, ...] | S.Node) -> Iterator[S.Node]:
+    """Every node of `statements`, however deep, each before the nodes it holds."""
+    for part in statements if isinstance(statements, tuple) else (statements,):
+        yield part
+        for value in vars(part).values():
+            for child in value if isinstance(value, tuple) else (value,):
+                if isinstance(child, S.Node):
+                    yield from _nodes(child)
 
 
 @dataclass(frozen=True)
@@ -117,18 +171,6 @@ def _record(number: int, call: S.Call, checked: Checked) -> PrintfRecord:
     return PrintfRecord(number, fmt.value, tuple(args))
 
 
-def _tracer_statements(statements: tuple[S.Statement, ...], source: str, filename: str) -> None:
-    for statement in statements:
-        call = statement.expr if isinstance(statement, S.ExprStatement) else None
-        if not isinstance(call, S.Call) or call.name not in _TRACER_CALLS:
-            raise ProgramError("BEGIN, END and interval probes only print, clear, zero and exit here (dynprobe runs "
-                               "them in the tracer)", source, statement.span, filename)  # fmt: skip
-        for arg in call.args[1:] if call.name == "printf" else ():
-            if not _constant(arg):
-                raise ProgramError("printf() in BEGIN, END and interval probes prints integers, strings and maps' "
-                                   "values", source, arg.span, filename)  # fmt: skip
-
-
 def _is_ustack(expr: S.Expr) -> bool:
     return (isinstance(expr, S.Builtin) and expr.name == "ustack") or (
         isinstance(expr, S.Call) and expr.name == "ustack"
@@ -164,24 +206,13 @@ def _key_kind(checked: Checked, key: S.Expr) -> str:
 
 def _map_refs(node: S.Node) -> Iterator[S.MapRef]:
     """The maps `node` names, however deep, in the order they are written."""
-    if isinstance(node, S.MapRef):
-        yield node
-    for value in vars(node).values():
-        for part in value if isinstance(value, tuple) else (value,):
-            if isinstance(part, S.Node):
-                yield from _map_refs(part)
+    return (part for part in _nodes(node) if isinstance(part, S.MapRef))
 
 
 def _all_keys(block: S.ProbeBlock) -> Iterator[S.Expr]:
     """Every key of every map a block names (its expressions walked)."""
     for ref in _map_refs(block):
         yield from ref.keys
-
-
-def _constant(expr: S.Expr) -> bool:
-    if isinstance(expr, S.MapRef):
-        return all(isinstance(k, S.Int) for k in expr.keys)
-    return isinstance(expr, S.Int | S.Str) or (isinstance(expr, S.Unary) and expr.op == "-" and _constant(expr.operand))
 
 
 class _TargetCheck:
@@ -309,84 +340,3 @@ class _TargetCheck:
                     self.expression(part, depth)
             case S.Step(target=target):
                 self.target(target)
-
-
-# --- the tracer's side ----------------------------------------------------------------------------
-_CONVERSION = re.compile(r"%(%|[-+ #0]*\d*(?:\.\d+)?)(hh|h|ll|l|z|j)?([diouxXcsp])?")
-
-
-def c_format(fmt: str, values: list[int | str]) -> str:
-    """`fmt` with `values` put in as C's printf (and bpftrace's) puts them: %d %u %x %s %c..."""
-    given = iter(values)
-
-    def one(match: re.Match[str]) -> str:
-        flags, conversion = match.group(1), match.group(3)
-        if flags == "%":
-            return "%"
-        if conversion is None:
-            return match.group(0)
-        value = next(given)
-        if conversion in "di":
-            value = int(value)
-            value = value - (1 << 64) if value >= 1 << 63 else value
-            return f"%{flags}d" % value
-        if conversion in "ouxX":
-            return f"%{flags}{conversion}" % (int(value) & ((1 << 64) - 1))
-        if conversion == "p":
-            return f"0x{int(value) & ((1 << 64) - 1):x}"
-        if conversion == "c":
-            return f"%{flags}c" % chr(int(value) & 0xFF)
-        return f"%{flags}s" % value
-
-    return _CONVERSION.sub(one, fmt)
-
-
-class TracerBlock:
-    """A BEGIN, END or interval body, run in the tracer: `run()` writes what it prints through
-    `write`, a map's value for literal keys read by `value(ref)`, a whole map formatted by
-    `print_map(name, top)`, maps changed by `clear(name, keep_keys)`; it returns True if it
-    called exit()."""
-
-    def __init__(self, block: S.ProbeBlock, *, value: Callable[[S.MapRef], int], print_map: Callable[[str, int], str],
-                 clear: Callable[[str, bool], None], write: Callable[[str], None]) -> None:  # fmt: skip
-        self.block = block
-        self.value, self.print_map, self.clear, self.write = value, print_map, clear, write
-
-    def run(self) -> bool:
-        exited = False
-        for statement in self.block.body:
-            assert isinstance(statement, S.ExprStatement) and isinstance(statement.expr, S.Call)
-            call = statement.expr
-            match call.name:
-                case "printf":
-                    assert isinstance(call.args[0], S.Str)
-                    self.write(c_format(call.args[0].value, list(self._values(call.args[1:]))))
-                case "print":
-                    assert isinstance(call.args[0], S.MapRef)
-                    top = call.args[1].value if len(call.args) > 1 and isinstance(call.args[1], S.Int) else 0
-                    self.write(self.print_map(call.args[0].name, top))
-                case "clear" | "zero":
-                    assert isinstance(call.args[0], S.MapRef)
-                    self.clear(call.args[0].name, call.name == "zero")
-                case "time":
-                    fmt = call.args[0].value if call.args and isinstance(call.args[0], S.Str) else "%H:%M:%S\n"
-                    self.write(time.strftime(fmt))
-                case _:  # exit
-                    exited = True
-        return exited
-
-    def _values(self, args: tuple[S.Expr, ...]) -> Iterator[int | str]:
-        for arg in args:
-            yield self._value(arg)
-
-    def _value(self, expr: S.Expr) -> int | str:
-        match expr:
-            case S.Int(value=value):
-                return value
-            case S.Str(value=value):
-                return value
-            case S.Unary(op="-", operand=operand):
-                return -int(self._value(operand))
-            case S.MapRef():
-                return self.value(expr)
-        raise AssertionError(expr)

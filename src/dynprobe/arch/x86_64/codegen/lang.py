@@ -115,6 +115,8 @@ class BodyCompiler:
                 self.assign(target, op, value)
             case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
                 self.delete(target)
+            case S.ExprStatement(expr=S.Call(name="clear" | "zero" as name, args=(S.MapRef() as target,))):
+                self.clear(self.body.tables[target.name], keep_keys=name == "zero")
             case S.ExprStatement(expr=S.Call(name="printf" | "print") as call):
                 self.printf(call)
             case S.ExprStatement(expr=S.Call(name="exit")):
@@ -484,6 +486,28 @@ class BodyCompiler:
         for word in range(table.value_words):
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, table.value_at + 8 * word), R.RAX))
         asm.bind(absent)
+
+    def clear(self, table: MapTable, *, keep_keys: bool) -> None:
+        """`clear(@m)`: every entry hidden and its value words back to their start; `zero(@m)`:
+        the value words alone (as the tracer's MapTable.clear)."""
+        asm = self.asm
+        next_slot, next_word = asm.label(), asm.label()
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, self.body.region + table.offset))
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.R11D, table.slots))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, table.initial))
+        asm.bind(next_slot)
+        if not keep_keys:
+            asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, mem_at(R.RDI, SLOT_READY), 0))
+        asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RDX, mem_at(R.RDI, table.value_at)))
+        asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, table.value_words))
+        asm.bind(next_word)
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDX), R.RAX))
+        asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RDX, 8))
+        asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.ECX))
+        asm.jump(C.JNE_REL32_64, next_word)
+        asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RDI, R.RDX))  # (the next slot: values end a slot)
+        asm.add(iced.Instruction.create_reg(C.DEC_RM32, R.R11D))
+        asm.jump(C.JNE_REL32_64, next_slot)
 
     def string_key(self, call: S.Call, word: int) -> None:
         """The string `str(ptr[, n])` reads, in the temporaries from `word` on: its bytes up to
