@@ -76,13 +76,13 @@ def test_begin_end_intervals_and_exit(counter: str) -> None:
 
 def test_a_program_that_cannot_run_is_refused_before_any_process_starts(tmp_path: Path) -> None:
     started = tmp_path / "started"
-    run = dp("run", "-e", "uprobe:libc:malloc { @s = str(arg0); }", "--", "touch", str(started))
+    run = dp("run", "-e", "uprobe:libc:malloc { @s = comm; }", "--", "touch", str(started))
     assert run.returncode == 1 and run.stdout == "" and not started.exists()
     assert run.stderr.splitlines() == [
-        "stdin:1:22-24: ERROR: a map of strings (@s) is not run in the target yet (dynprobe compiles probe bodies: "
-        "integers and maps of integers)",
-        "uprobe:libc:malloc { @s = str(arg0); }",
-        " " * 21 + "~" * 2,
+        "stdin:1:27-31: ERROR: a value of @s that is not a str() (a map of strings takes the bytes str() reads) is not"
+        " run in the target yet (dynprobe compiles probe bodies: integers, maps of them and of str())",
+        "uprobe:libc:malloc { @s = comm; }",
+        " " * 26 + "~" * 4,
     ]
     bad = dp("run", "-e", "uprobe:libc:malloc { @x = count(; }", "--", "/bin/true")
     assert bad.returncode == 1 and "ERROR: syntax error" in bad.stderr
@@ -264,6 +264,24 @@ def test_maps_keyed_by_strings_as_bpftrace_prints_them(tmp_path: Path) -> None:
     if theirs.returncode == 0 and "@len" in theirs.stdout:
         expected = theirs.stdout.split("\n\n\n", 1)[1]
         assert sorted(maps.splitlines()) == sorted(expected.splitlines()), expected
+
+
+def test_maps_of_strings_kept_at_entry_printed_at_return(tmp_path: Path) -> None:
+    """The opensnoop idiom: a string kept per thread at the entry, printed at the return with
+    the return value, then deleted; the last one kept in another map, printed at the end."""
+    wordcount = build_target("wordcount", "../../examples/wordcount.c", flags=("-O2",))
+    program = (f"uprobe:{wordcount}:add_word {{ @word[tid] = str(arg0); @last = str(arg0, 3); }}"
+               f' uretprobe:{wordcount}:add_word {{ printf("%s %d\\n", @word[tid], retval > 0); delete(@word[tid]); }}'
+               ' END { printf("last %s\\n", @last); }')  # fmt: skip
+    run = dp("run", "-e", program, "--", wordcount, "alpha be gamma")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == "Attaching 3 probes...\nalpha 1\nbe 1\ngamma 1\nlast gam\n\n\n@last: gam\n\n", run.stderr
+    if shutil.which("bpftrace") is None:
+        return
+    theirs = bpftrace(wordcount, program, "alpha be gamma", tmp_path)
+    if theirs.returncode == 0 and "Attaching" in theirs.stdout:
+        assert theirs.stdout.split("Attaching 3 probes...\n", 1)[1].replace("3 distinct words\n", "") == run.stderr[
+            len("Attaching 3 probes...\n") :]  # fmt: skip
 
 
 def test_maps_keyed_by_the_stack() -> None:

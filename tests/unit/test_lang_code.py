@@ -580,6 +580,22 @@ def test_maps_keyed_by_strings(area: NativeArea) -> None:
     assert len(slots) == 1 and (slots[0] - table.home(hashed)) % table.slots < maps.PROBES
 
 
+def test_maps_of_strings(area: NativeArea) -> None:
+    """@m[k] = str(p[, n]): the bytes in the entry's value words (a later one replaces them); a
+    printf() of such a value copies them into its record, an entry that is not there an empty
+    string; delete() empties it."""
+    words = [ctypes.create_string_buffer(w) for w in (b"alpha", b"beta", b"x" * 80)]
+    code = Compiled(area, 'u:/bin/x:f { if (arg1 == 9) { delete(@s[arg0]); } else { @s[arg0] = str(arg1);'
+                          ' @t = str(arg1, 3); } printf("<%s>\\n", @s[arg0]); }')  # fmt: skip
+    for key, word in ((1, words[0]), (2, words[1]), (1, words[2])):
+        code(key, ctypes.addressof(word))
+    code(2, 9)
+    code(3, 0)  # (unreadable: an empty string)
+    assert code.entries("s") == {(1,): "x" * 63, (3,): ""} and code.entries("t") == {(): ""}
+    texts = [p[12 : 12 + field(p, 8, 2)] for p in (r[L.RECORD_HEADER :] for r in area.records())]
+    assert texts == [b"alpha", b"beta", b"x" * 63, b"", b""]
+
+
 def test_a_stack_key_is_the_slot_the_probe_counted_the_hit_in(area: NativeArea) -> None:
     """@[ustack]: the probe counts the hit by its stack before the body (its slot's address in
     STACK_SLOT, 0 when the table is full); the body keys by that address."""

@@ -30,6 +30,9 @@ def runnable(source: str) -> None:
         "uprobe:libc:str* /@c[comm, probe] < 5/ { @c[comm, probe] = count(); @f[func, str(arg0)] = max(arg0); }"
         ' uprobe:libc:write { @w[str(arg1, arg2)] = count(); printf("%s\\n", str(arg1, arg2 - 1)); }'
         " uretprobe:libc:strlen { @r[ustack] = count(); print(@r); print(@r, 3); clear(@r); zero(@w); }",
+        "uprobe:libc:open { @f[tid] = str(arg0); @g[tid, 1] = str(arg0, arg1); }"
+        ' uretprobe:libc:open { printf("%s %s %d\\n", @f[tid], @g[tid, 1], retval); delete(@f[tid]); }'
+        ' END { printf("%s\\n", @f[1]); @h = "x"; }',
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
         'BEGIN { @start = nsecs; $x = 3; @v[1, "a"] = $x * 2; @h = hist($x); } interval:ms:10 { @ticks++; '
@@ -50,7 +53,8 @@ def test_what_runs(source: str) -> None:
         ('uprobe:libc:malloc { @["x"] = count(); }', "a map key that is not an integer, str(), comm, func", '"x"'),
         ("uprobe:libc:malloc { @m[comm] = count(); } uprobe:libc:free { @m[str(arg0)] = count(); }",
          "@m keyed by string here and by comm elsewhere", "@m[str"),
-        ("uprobe:libc:malloc { @c = comm; }", "a map of strings (@c)", "@c"),
+        ("uprobe:libc:malloc { @c = comm; }", "a value of @c that is not a str()", "comm"),
+        ("uprobe:libc:malloc { @s = str(arg0); @t[@s] = 1; }", "a map key that is not an integer, str()", "@s"),
         ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
         ('uprobe:libc:malloc { time("%H\\n"); }', "time() is not run in the target yet", "time"),
         ("uprobe:libc:malloc, BEGIN { @x = 1; }", "a probe block is either uprobes and uretprobes", "uprobe"),

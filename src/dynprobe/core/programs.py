@@ -219,10 +219,11 @@ class PlacedProgram:
         for region in self._all:
             self.region.tables[name].clear(region.words, keep_keys=keep_keys)
 
-    def value(self, name: str, keys: tuple[output.Key, ...]) -> int:
-        """A target's integer map's value for `keys` (0: none), for the tracer's bodies."""
+    def value(self, name: str, keys: tuple[output.Key, ...]) -> int | str:
+        """A target's map's value for `keys`, an integer or a string (0: none), for the tracer's
+        bodies."""
         found = dict(self.entries(name)).get(keys, 0)
-        return found if isinstance(found, int) else 0
+        return found if isinstance(found, int | str) else 0
 
     # --- the tracer's blocks ---------------------------------------------------------------------
     def _tracer_block(self, block: S.ProbeBlock) -> TracerBlock:

@@ -63,6 +63,8 @@ class MapTable:
 
     @property
     def value_words(self) -> int:
+        if self.kind == "string":
+            return STRING_WORDS  # (its bytes, NUL-padded)
         if self.kind in ("avg", "stats"):
             return 2  # count, total
         if self.kind == "hist":
@@ -163,13 +165,24 @@ def _keys(table: MapTable, words: memoryview) -> tuple[output.Key, ...]:
     at = 0
     for kind in table.key_kinds:
         if kind == "string":
-            data = words[at : at + STRING_WORDS].tobytes()
-            keys.append(data.split(b"\0", 1)[0].decode("utf-8", "replace"))
+            keys.append(text_of(words[at : at + STRING_WORDS]))
             at += STRING_WORDS
         else:
             keys.append(_signed(words[at]) if kind == "int" else int(words[at]))  # (a stack: its slot's address)
             at += 1
     return tuple(keys)
+
+
+def text_of(words: Sequence[int]) -> str:
+    """A string's words (its bytes, NUL-padded, as the target keeps them): up to the first NUL."""
+    data = b"".join(int(word).to_bytes(8, "little") for word in words)
+    return data.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def words_of(text: str) -> list[int]:
+    """`text_of` undone: a string's first STRING_SIZE - 1 bytes, NUL-padded, as words."""
+    data = text.encode()[: 8 * STRING_WORDS - 1].ljust(8 * STRING_WORDS, b"\0")
+    return [int.from_bytes(data[at : at + 8], "little") for at in range(0, len(data), 8)]
 
 
 def dropped(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> int:
@@ -182,6 +195,8 @@ def _signed(word: int) -> int:
 
 def value_of(table: MapTable, values: Sequence[int]) -> output.Value:
     """An entry's value, as output prints it, from its value words."""
+    if table.kind == "string":
+        return text_of(values)
     if table.kind in ("avg", "stats"):
         return int(values[0]), _signed(values[1])
     if table.kind in ("hist", "lhist"):

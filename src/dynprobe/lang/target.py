@@ -27,7 +27,7 @@ PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
 _TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")
 _TRACER_BUILTINS = ("nsecs", "elapsed")
 _WHERE = "in BEGIN, END and interval probes (dynprobe runs them in the tracer)"
-_NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers and maps of integers)"
+_NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers, maps of them and of str())"
 
 
 def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> None:
@@ -165,6 +165,8 @@ def _record(number: int, call: S.Call, checked: Checked) -> PrintfRecord:
             args.append(PrintfArg(arg.name, offset))
         elif isinstance(arg, S.Call) and arg.name == "str":
             args.append(PrintfArg("str", offset, checked.type_of(arg).size - 1))
+        elif isinstance(arg, S.MapRef) and checked.type_of(arg).kind == "string":
+            args.append(PrintfArg("str", offset, STRING_WORDS * 8 - 1))
         else:
             args.append(PrintfArg("int", offset))
         offset += _ARG_BYTES[args[-1].kind]
@@ -240,6 +242,12 @@ class _TargetCheck:
                     self.expression(condition, 0)
                     self.statements(then)
                     self.statements(otherwise)
+                case S.Assign(target=S.MapRef() as target, value=value) if self.holds_strings(target):
+                    if not (isinstance(value, S.Call) and value.name == "str"):
+                        raise self.refuse(f"a value of @{target.name} that is not a str() (a map of strings takes "
+                                          "the bytes str() reads)", value.span)  # fmt: skip
+                    self.string(value, 0)
+                    self.map_keys(target, STRING_WORDS)
                 case S.Assign(target=target, value=value):
                     self.target(target)
                     if isinstance(value, S.Call) and value.name in ("count", "sum", "min", "max", "avg", "stats",
@@ -267,6 +275,8 @@ class _TargetCheck:
                 continue
             if isinstance(arg, S.Call) and arg.name == "str":
                 self.string(arg, 0)
+            elif isinstance(arg, S.MapRef) and self.holds_strings(arg):
+                self.map_keys(arg, 0)
             else:
                 self.expression(arg, 0)
         size = _record(0, call, self.checked).size
@@ -285,10 +295,14 @@ class _TargetCheck:
         if len(self.variables) > MAX_VARIABLES:
             raise self.refuse(f"a probe with more than {MAX_VARIABLES} scratch variables", var.span)
 
+    def holds_strings(self, ref: S.MapRef) -> bool:
+        info = self.checked.maps.get(ref.name)
+        return info is not None and info.value is not None and info.value.kind == "string"
+
     def map_keys(self, ref: S.MapRef, depth: int) -> None:
         info = self.checked.maps.get(ref.name)
-        if info is not None and info.value is not None and info.value.kind in ("string", "stack"):
-            raise self.refuse(f"a map of {info.value.kind}s (@{ref.name})", ref.span)
+        if info is not None and info.value is not None and info.value.kind == "stack":
+            raise self.refuse(f"a map of stacks (@{ref.name})", ref.span)
         if any(_is_ustack(key) for key in ref.keys) and len(ref.keys) > 1:
             raise self.refuse("ustack among a map's keys (it is run as the only one)", ref.span)
         kinds = tuple(_key_kind(self.checked, key) for key in ref.keys)

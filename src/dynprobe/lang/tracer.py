@@ -114,11 +114,11 @@ def bucket(table: MapTable, value: int) -> int:
 class TracerBlock:
     """A BEGIN, END or interval body, run in the tracer: `run()` writes what it prints through
     `write`; the maps it writes are `tracer`'s; a target's map is read by `read_map(name,
-    keys)` (an integer map's value, 0 if none), printed by `print_map(name, top)`, cleared by
+    keys)` (an integer or a string, 0 if none), printed by `print_map(name, top)`, cleared by
     `clear(name, keep_keys)`. It returns True if it called exit()."""
 
     def __init__(self, block: S.ProbeBlock, checked: Checked, tracer: TracerMaps, *,
-                 read_map: Callable[[str, tuple[output.Key, ...]], int], print_map: Callable[[str, int], str],
+                 read_map: Callable[[str, tuple[output.Key, ...]], int | str], print_map: Callable[[str, int], str],
                  clear: Callable[[str, bool], None], write: Callable[[str], None], start_ns: int) -> None:  # fmt: skip
         self.block, self.checked, self.tracer = block, checked, tracer
         self.read_map, self.print_map, self.clear, self.write = read_map, print_map, clear, write
@@ -180,7 +180,9 @@ class TracerBlock:
             self.variables[target.name] = new
             return
         words = self.tracer.words(target.name, self.keys(target))
-        assert isinstance(new, int)
+        if isinstance(new, str):  # (a map of strings)
+            words[:] = maps.words_of(new)
+            return
         words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)
 
     def aggregate(self, target: S.MapRef, call: S.Call) -> None:
@@ -222,10 +224,13 @@ class TracerBlock:
                 return self.variables.get(name, 0)
             case S.MapRef(name=name):
                 keys = self.keys(expr)
-                if name in self.tracer:
-                    found = self.tracer.values[name].get(keys)
-                    return found[0] if found is not None else 0
-                return self.read_map(name, keys) & MASK64
+                if name not in self.tracer:
+                    found = self.read_map(name, keys)
+                    return found & MASK64 if isinstance(found, int) else found
+                words = self.tracer.values[name].get(keys)
+                if self.tracer.tables[name].kind == "string":
+                    return maps.text_of(words or [])
+                return words[0] if words is not None else 0
             case S.Unary(op="-", operand=operand):
                 return -self.integer(operand) & MASK64
             case S.Unary(op="~", operand=operand):

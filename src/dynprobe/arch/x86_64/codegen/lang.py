@@ -111,6 +111,8 @@ class BodyCompiler:
                 asm.bind(after)
             case S.Assign(target=S.MapRef() as target, op="=", value=S.Call(name=name) as call) if name in _UPDATES:
                 self.aggregate(target, call)
+            case S.Assign(target=S.MapRef() as target, value=S.Call(name="str") as call):
+                self.assign_string(target, call)
             case S.Assign(target=target, op=op, value=value):
                 self.assign(target, op, value)
             case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
@@ -145,6 +147,16 @@ class BodyCompiler:
                 if arg.kind == "int":
                     self.expression(expr, 0)
                     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(at, R.RSI), R.RAX))
+                elif arg.kind == "str" and isinstance(expr, S.MapRef):  # (a map of strings' value: ours, no fault)
+                    absent, copied = asm.label(), asm.label()
+                    self.find_slot(expr, self.body.tables[expr.name], 0, claim=False, absent=absent)
+                    asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RAX, mem_at(R.RDI, self.body.tables[
+                        expr.name].value_at)))  # fmt: skip
+                    self.emitter.copy_string(at, bit, asm.label(), limit=arg.chars, limit_in_ecx=False)
+                    asm.jump(C.JMP_REL32_64, copied)
+                    asm.bind(absent)
+                    asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, gs_at(at, R.RSI), 0))  # (empty)
+                    asm.bind(copied)
                 elif arg.kind == "str":
                     assert isinstance(expr, S.Call)
                     dynamic = self.string_address(expr, 0, chars=arg.chars)
@@ -356,6 +368,18 @@ class BodyCompiler:
                 self.operate(op[:-1], signed=True)
                 asm.add(iced.Instruction.create_reg_reg(C.MOV_R64_RM64, R.RCX, R.RAX))
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, slot, R.RCX))
+        self.found(table)
+
+    def assign_string(self, target: S.MapRef, call: S.Call) -> None:
+        """`@m[keys] = str(ptr[, n])`: the string read into the temporaries (as a key's), then
+        its words into the entry's value (a plain copy: a read meanwhile may see part of it)."""
+        asm = self.asm
+        table = self.body.tables[target.name]
+        self.string_key(call, 0)
+        self.find_slot(target, table, STRING_WORDS, claim=True)
+        for word in range(STRING_WORDS):
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, self.temp(word)))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, table.value_at + 8 * word), R.RAX))
         self.found(table)
 
     def step(self, op: str, target: S.Var | S.MapRef, *, prefix: bool, depth: int) -> None:
