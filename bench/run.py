@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -546,6 +547,14 @@ def main() -> int:
         elapsed, info = median_run(lambda: traced_seed([seed, str(calls)], spec, optimize=True, **kw),  # noqa: B023
                                    lambda r: r[0])  # fmt: skip
         add(name, calls, elapsed, **info, runs=REPEAT)
+    # libc's memcpy (mempcpy's branch into it taken along) and malloc, each untraced then counted
+    libcalls = compile_c(HERE / "targets" / "libcalls.c", BUILD / "libcalls", "-O2")
+    for function, what in (("memcpy", "memcpy"), ("malloc", "malloc + free")):
+        argv = [libcalls, str(n_rec), function]
+        add(f"untraced: libc {what}", n_rec, median_run(functools.partial(run_seed, argv), int))
+        traced = functools.partial(traced_seed, argv, f"libc:{function}", optimize=True, action="count")
+        elapsed, info = median_run(traced, lambda r: r[0])
+        add(f"optimized: count on libc {function}", n_rec, elapsed, **info, runs=REPEAT)
     # 16 frames through -O2 code without frame pointers: the same calls untraced, then counted by stack
     deep = compile_c(HERE / "targets" / "deep.c", BUILD / "deep-O2-nofp", "-O2", "-fomit-frame-pointer")
     deep_argv = [deep, "10", str(n_stack // 16)]

@@ -60,6 +60,7 @@ MODES: dict[str, list[str]] = {
         _API.format(pid="{pid}", probes="s.upcalls = False; s.probe('leaf', post=lambda h: None)"),
     ],
     "optimized count": [*DYNPROBE, "count", "p work"],
+    "branches taken along": [*DYNPROBE, "count", "p libc:memcpy", "p libc:mempcpy"],
     "optimized record": [*DYNPROBE, "trace", "p work i=%di", "-o", "{out}/events.txt"],
     "stacks counted in the target": [*DYNPROBE, "trace", "--stack", "p work i=%di", "-o", "{out}/events.txt"],
     "return probe": [*DYNPROBE, "latency", "work"],

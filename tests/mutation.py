@@ -72,6 +72,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     "arch/x86_64/codegen/stacks.py": ("test_native_stacks.py",),
     "arch/x86_64/codegen/lang.py": ("test_lang_code.py", "test_layout.py"),
+    "lang/tracer.py": ("test_lang_target.py", "test_lang_code.py"),
     "arch/x86_64/unwind.py": ("test_unwind.py", "test_unwind_cfi.py", "test_native_stacks.py"),
     "ringbuf/layout.py": (
         "test_layout.py",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
 from collections import Counter
@@ -165,6 +166,29 @@ def test_a_switch_table_and_a_tiny_function_take_a_jump(flags: tuple[str, ...]) 
     assert dispatch.mode == zero.mode == OPTIMIZED, (dispatch.trap_reason, zero.trap_reason)  # type: ignore[attr-defined]
     assert count_down.trap_reason == OptimizeRefusal.JUMP_INTO_REGION  # type: ignore[attr-defined]
     assert (dispatch.hits, zero.hits, count_down.hits) == (rounds + 1, rounds, 1)  # type: ignore[attr-defined]
+
+
+def test_memcpy_and_mempcpy_take_jumps_with_the_branch_between_them_taken_along() -> None:
+    """glibc's mempcpy jumps into memcpy's first bytes: that branch is re-aimed at the detour's
+    copy of the instruction it lands on (after memcpy's probe), so both take a jump. Exact
+    counts (the program's calls, and libc's own, counted apart with none of the program's),
+    the same as ltrace's where it runs; the program's output its own."""
+    copies = build_target("copies", flags=("-O1", "-fno-builtin"))
+    counts = []
+    for calls in (0, 5000):
+        status, out, probes = traced(
+            [copies, str(calls)], lambda s: [s.probe("libc:memcpy"), s.probe("libc:mempcpy")], optimize=True
+        )
+        assert (status, out) == (0, run_plain([copies, str(calls)]).stdout)
+        assert all(p.mode == OPTIMIZED for p in probes), [p.trap_reason for p in probes]  # type: ignore[attr-defined]
+        counts.append([p.hits for p in probes])  # type: ignore[attr-defined]
+    (memcpy_own, mempcpy_own), (memcpy_all, mempcpy_all) = counts
+    assert (memcpy_all - memcpy_own, mempcpy_all - mempcpy_own) == (5000, 5000)
+    if shutil.which("ltrace") is None:
+        return
+    report = subprocess.run(["ltrace", "-c", copies, "5000"], capture_output=True, text=True, timeout=300).stderr
+    theirs = {line.split()[-1]: int(line.split()[-2]) for line in report.splitlines() if line.endswith("cpy")}
+    assert theirs == {"memcpy": 5000, "mempcpy": 5000}, report
 
 
 def test_a_five_byte_leaf_ending_in_ret_is_optimized_for_every_mechanism(opt: str) -> None:

@@ -180,7 +180,7 @@ def test_a_file_s_branch_targets_are_those_of_its_functions_decoded(
     what decoding every function says (among them, the jumps of mempcpy into memmove's start),
     whether it weighs each question's candidates or, past BranchTargets.LOOKUPS, looks in the
     set of every target."""
-    from dynprobe.arch.x86_64.optimize import branch_targets
+    from dynprobe.arch.x86_64.optimize import branches_in
     from dynprobe.symbols.elf import BranchTargets
 
     monkeypatch.setattr(BranchTargets, "LOOKUPS", lookups)
@@ -190,7 +190,7 @@ def test_a_file_s_branch_targets_are_those_of_its_functions_decoded(
     ranges = {(f.addr, f.end) for f in libc.functions if f.size} | set(libc.eh_frame_ranges())
     decoded: set[int] = set()
     for start, end in ranges:
-        decoded |= branch_targets(libc.code(start, end - start), start)
+        decoded |= {target for _, target in branches_in(libc.code(start, end - start), start)}
     inside = [a for f in libc.functions for a in range(f.addr + 1, f.addr + 5)]
     assert [a for a in inside if (a in targets) != (a in decoded)] == []
     assert any(a in decoded for a in inside) and all(a in targets for a in sorted(decoded)[::97])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.arch.x86_64 import decode_one
-from dynprobe.arch.x86_64.optimize import OptimizePlan, branch_targets, can_optimize, plt_slot, relocate_region
+from dynprobe.arch.x86_64.optimize import OptimizePlan, branches_in, can_optimize, plt_slot, relocate_region
+from dynprobe.arch.x86_64.relocate import retarget
 from dynprobe.errors import OptimizeRefusal
 
 F = 0x401000  # function start
@@ -60,10 +61,62 @@ def test_can_optimize(name: str, case: tuple[str, int, tuple[int, ...], Optimize
         assert result.length == expected and result.resume_at == F + site + expected
 
 
-def test_branch_targets() -> None:
+def test_branches_in() -> None:
     # jne +2; call +0x10; jmp -4; jmp rax (no target); ret
     code = bytes.fromhex("7502" + "e810000000" + "ebfc" + "ffe0" + "c3")
-    assert branch_targets(code, F) == {F + 2 + 2, F + 7 + 0x10, F + 9 - 4}
+    assert branches_in(code, F) == [(F, F + 2 + 2), (F + 2, F + 7 + 0x10), (F + 7, F + 9 - 4)]
+
+
+SOURCE = F - 0x40  # where a branch of another function is
+
+# a branch at SOURCE aimed at the region's second instruction (F + 3), the bytes from its start
+# no other code runs -> its re-aimed form's length, or None (it cannot be taken along)
+TAKE_ALONG: dict[str, tuple[str, int, int | None]] = {
+    "jmp rel8, padding after it (glibc's mempcpy)": ("eb41", 5, 5),
+    "jmp rel8, no room after it": ("eb41", 2, None),
+    "jmp rel32": ("e93e000000", 5, 5),
+    "jcc rel32": ("0f843d000000", 6, 6),
+    "call rel32": ("e83e000000", 5, 5),
+    "jcc rel8: its rel32 form would run into the next instruction": ("7441", 2, None),
+    "bnd jmp rel32": ("f2e93d000000", 6, 6),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(TAKE_ALONG))
+def test_branches_into_the_region_are_taken_along_where_they_can_be_re_aimed(name: str) -> None:
+    """memcpy's entry (mov rax, rdi; cmp rdx, 0x20): another function's branch lands on its
+    second instruction, inside the jump. Taken along where it can be re-aimed in place (the
+    plan's `moved`), refused otherwise, and refused when nothing says which branches land
+    there or something else may (a taken address)."""
+    code = bytes.fromhex("4889f8" + "4883fa20" + "c3")
+    hexed, room, length = TAKE_ALONG[name]
+    branch = decode_one(bytes.fromhex(hexed), SOURCE)
+    assert branch is not None and int(branch.near_branch_target) == F + 3
+
+    def plan(found: list[tuple[object, int]] | None) -> object:
+        return can_optimize(code, F, F, module_targets={F + 3}, branches_to=lambda at: found if at == F + 3 else None)
+
+    result = plan([(branch, room)])
+    if length is None:
+        assert result == OptimizeRefusal.JUMP_INTO_REGION
+    else:
+        assert isinstance(result, OptimizePlan) and result.moved == (branch,) and result.length == 7
+        aimed = retarget(branch, F + 0x10000)
+        assert aimed is not None and len(aimed) == length
+        again = decode_one(aimed, SOURCE)
+        assert again is not None and int(again.near_branch_target) == F + 0x10000 and again.mnemonic == branch.mnemonic
+        assert retarget(branch, HIGH) is None  # (out of a rel32's reach)
+    assert plan(None) == plan([]) == OptimizeRefusal.JUMP_INTO_REGION
+    assert can_optimize(code, F, F, module_targets={F + 3}) == OptimizeRefusal.JUMP_INTO_REGION
+
+
+def test_a_branch_inside_the_region_is_not_taken_along() -> None:
+    """A loop back into the jump's own bytes from within them cannot be re-aimed in place."""
+    code = bytes.fromhex("4883ef01" + "75fb" + "c3" + "90" * 4)  # dec rdi at +0..4; jne +1 at +4
+    jne = decode_one(bytes.fromhex("75fb"), F + 4)
+    assert jne is not None and int(jne.near_branch_target) == F + 1
+    found = [(jne, 8)]
+    assert can_optimize(code, F, F, branches_to=lambda at: found) == OptimizeRefusal.JUMP_INTO_REGION
 
 
 @pytest.mark.parametrize("bias", [None, 0x5555_5555_4000, HIGH - 0x1000], ids=["default", "PIE", "library"])

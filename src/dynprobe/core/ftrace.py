@@ -432,10 +432,11 @@ class Tracing:
         # After an endbr64 when there is one: a call through a pointer must still land on it (IBT).
         skip = len(ENDBR64) if code.startswith(ENDBR64) else 0
         bias = addr - func.vaddr
-        plan = image.jump_plan(func.vaddr, func.size, addr + skip, bias=bias)
+        # (Its patch is the entry's alone: a branch into the replaced bytes is not taken along.)
+        plan = image.jump_plan(func.vaddr, func.size, addr + skip, bias=bias, take_along=False)
         if isinstance(plan, OptimizeRefusal) and skip:
             skip = 0
-            plan = image.jump_plan(func.vaddr, func.size, addr, bias=bias)
+            plan = image.jump_plan(func.vaddr, func.size, addr, bias=bias, take_along=False)
         if isinstance(plan, OptimizeRefusal):
             return plan.name
         addr += skip

@@ -15,8 +15,10 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
+
+import iced_x86 as iced
 
 from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour, Unsupported
@@ -24,6 +26,7 @@ from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.arch.x86_64.codegen.records import RESUME_RET
 from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan
+from dynprobe.arch.x86_64.relocate import retarget
 from dynprobe.core.engine import Engine
 from dynprobe.core.slots import PlacedCode, place_code
 from dynprobe.core.traced import TracedProcess
@@ -67,6 +70,7 @@ class OptimizerEngine(Engine, Protocol):
     def symbol_resolver(self, site: Site) -> Callable[[str], int | None]: ...
 
 
+Moved = tuple[tuple[int, bytes], ...]  # branches taken along: where each is, the bytes it replaces
 PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
 
 
@@ -169,20 +173,23 @@ class Optimizer:
             if isinstance(planned, OptimizeRefusal):
                 self._refuse(site, planned, static=True)
                 continue
-            plan, original = planned
+            plan, original, moved = planned
             inside = [
                 rip for rip in places
                 if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in at_int3))
-                or site.in_slot(rip)
+                or site.in_slot(rip) or any(addr < rip < addr + len(bytes_) for addr, bytes_ in moved)
             ]  # fmt: skip
             if inside:
-                busy.append(site)  # a thread is inside the region or its slot: next batch
+                busy.append(site)  # a thread is inside the region, its slot or a moved branch: next batch
                 continue
             detour = self._place_detour(proc, site, plan)
             if isinstance(detour, OptimizeRefusal):
                 self._refuse(site, detour)
                 continue
             start, built = detour
+            for branch, (addr, bytes_) in zip(plan.moved, moved, strict=True):  # (first: they run either way)
+                proc.tracee.patch(addr, _aimed(branch, built), bytes_)
+            site.moved = moved
             site.region = original
             proc.tracee.patch(site.addr, jump_to(site.addr, start), site.region)
             site.optimized = True
@@ -214,15 +221,18 @@ class Optimizer:
         if static:
             site.static_refusal = reason
 
-    def _plan(self, proc: TracedProcess, site: Site) -> tuple[OptimizePlan, bytes] | OptimizeRefusal:
-        """The site's plan, decoded where it runs, and the bytes its jump replaces."""
+    def _plan(self, proc: TracedProcess, site: Site) -> tuple[OptimizePlan, bytes, Moved] | OptimizeRefusal:
+        """The site's plan, decoded where it runs, the bytes its jump replaces, and each branch
+        it takes along: where, and the bytes its new form replaces."""
         loc = site.probes[0].location
         image = load_elf(loc.path)
         func = loc.function if loc.function is not None and loc.function.size else image.function_at(loc.vaddr)
         if func is None or not func.size:
             return OptimizeRefusal.FUNCTION_UNKNOWN
         bias = site.addr - loc.vaddr
-        plan = image.jump_plan(func.addr, func.size, site.addr, bias=bias, other_probes=proc.sites)
+        upcalls = self.engine.upcalls.serves([p for p in site.probes if p.enabled])
+        plan = image.jump_plan(func.addr, func.size, site.addr, bias=bias, other_probes=proc.sites,
+                               take_along=not upcalls)  # fmt: skip
         if isinstance(plan, OptimizeRefusal):
             return plan
         start = loc.vaddr - func.addr
@@ -230,7 +240,30 @@ class Optimizer:
         original = code[start : start + plan.overwritten]
         if proc.tracee.read(site.addr + 1, plan.overwritten - 1) != original[1:]:
             return OptimizeRefusal.UNDECODABLE  # the target changed its own code there
-        return plan, original
+        moved: Moved = tuple(
+            (int(b.ip), image.code(int(b.ip) - bias, len(retarget(b, int(b.near_branch_target)) or b"")))
+            for b in plan.moved
+        )
+        if any(proc.tracee.read(addr, len(bytes_)) != bytes_ for addr, bytes_ in moved):
+            return OptimizeRefusal.UNDECODABLE
+        patched = [(site.addr, site.addr + plan.overwritten), *((a, a + len(b)) for a, b in moved)]
+        if any(
+            low < end and start < high for low, high in patched for start, end in self._patched_elsewhere(proc, site)
+        ):
+            return OptimizeRefusal.REGION_OVERLAP  # (another site's bytes: its int3, jump or moved branch)
+        return plan, original, moved
+
+    @staticmethod
+    def _patched_elsewhere(proc: TracedProcess, site: Site) -> Iterator[tuple[int, int]]:
+        """The spans other sites have changed: an int3, a jump's region, a branch moved."""
+        for other in proc.sites.values():
+            if other is site:
+                continue
+            if other.armed:
+                yield other.addr, other.addr + 1
+            if other.optimized:
+                yield other.addr, other.addr + len(other.region)
+            yield from ((addr, addr + len(bytes_)) for addr, bytes_ in other.moved)
 
     def _place_detour(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan
@@ -249,12 +282,16 @@ class Optimizer:
         symbols = engine.symbol_resolver(site)
         trampoline = proc.returns.trampoline if proc.returns is not None else None
         layout, rseq = engine.layout, proc.rseq_offset_at
-        return place_code(
-            functools.partial(engine.allocate_slot, proc),
-            proc,
-            site.addr,
-            lambda at: build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq),
-        )
+
+        def build(at: int) -> Detour | OptimizeRefusal:
+            built = build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq)
+            if isinstance(built, Detour) and any(
+                retarget(branch, built.region_copy[int(branch.near_branch_target)]) is None for branch in plan.moved
+            ):
+                return OptimizeRefusal.JUMP_INTO_REGION  # (a branch taken along cannot reach the detour)
+            return built
+
+        return place_code(functools.partial(engine.allocate_slot, proc), proc, site.addr, build)
 
     def _place_upcall(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan, first: Probe
@@ -306,6 +343,8 @@ class Optimizer:
             data = (bytes([INT3]) + site.region[1:]) if arm else site.region
             with contextlib.suppress(OSError):  # the process is exiting
                 proc.tracee.patch(site.addr, data, site.region)
+                for addr, bytes_ in site.moved:
+                    proc.tracee.unpatch(addr, bytes_)
             self._retire_detour(proc, site)
             site.armed = arm
             if not arm:
@@ -321,6 +360,7 @@ class Optimizer:
         site.optimized = False
         site.detour = None
         site.fixups = ()
+        site.moved = ()
         if not letting_go:
             for probe in site.probes:
                 probe.jumps.discard((proc.pid, site.addr))
@@ -347,6 +387,8 @@ class Optimizer:
             if site.optimized:
                 try:
                     proc.tracee.unpatch(site.addr, site.region)
+                    for addr, bytes_ in site.moved:
+                        proc.tracee.unpatch(addr, bytes_)
                 except OSError:
                     continue
                 self._retire_detour(proc, site, letting_go=True)
@@ -496,6 +538,13 @@ class Optimizer:
                 self.give_area(proc, tid)
             except SharedMemoryRefused as exc:
                 self.retreat(proc, exc)
+
+
+def _aimed(branch: iced.Instruction, built: Detour) -> bytes:
+    """A branch taken along, aimed at the detour's copy of the instruction it lands on."""
+    aimed = retarget(branch, built.region_copy[int(branch.near_branch_target)])
+    assert aimed is not None  # (_place_detour builds only a detour every such branch reaches)
+    return aimed
 
 
 def _left_by_dynprobe(maps: list[Mapping], gs_base: int) -> bool:

@@ -405,6 +405,8 @@ class Site:
     optimized: bool = False  # our jmp is there
     detour: tuple[int, int] | None = None  # (address, size) of the optimized site's code
     region: bytes = b""  # the original bytes the jmp replaced
+    # Branches from elsewhere into the region, aimed at the detour: (address, the file's bytes)
+    moved: tuple[tuple[int, bytes], ...] = ()
     fixups: tuple[int, ...] = ()  # addresses in the detour of loads that may fault
     detour_probes: tuple[int, ...] = ()  # the probes whose programs the detour runs
     # In-target code of its probes' actions, for hits served at a stop, and the probes it was

@@ -37,6 +37,8 @@ from dynprobe.symbols import files, unwind_cache
 from dynprobe.symbols.demangle import names_of
 
 if TYPE_CHECKING:
+    from iced_x86 import Instruction
+
     from dynprobe.arch.x86_64.optimize import OptimizePlan
 
 
@@ -430,18 +432,32 @@ class ElfImage:
             stop = min(stop, self._starts[i])
         return self.code(end, stop - end) if stop > end and self.is_executable(end) else b""
 
-    def jump_plan(self, addr: int, size: int, site: int, *, bias: int = 0,
-                  other_probes: Container[int] = frozenset()) -> OptimizePlan | OptimizeRefusal:  # fmt: skip
+    def jump_plan(self, addr: int, size: int, site: int, *, bias: int = 0, other_probes: Container[int] = frozenset(),
+                  take_along: bool = True) -> OptimizePlan | OptimizeRefusal:  # fmt: skip
         """Whether `site` (where it runs, `bias` above its link-time address) of the function at
         link-time `addr` (`size` bytes) can take a jump: arch/x86_64/optimize.py's rules over this
         file's bytes (its switch tables, the padding after the function) and where its code may
         land. The jump replaces `plan.overwritten` bytes: `self.code(addr, size) +
-        self.padding_after(addr + size)` from the site on."""
+        self.padding_after(addr + size)` from the site on. `take_along`: the direct branches into
+        those bytes from elsewhere may be re-aimed (the plan's `moved`), else they refuse it."""
+        from dynprobe.arch.x86_64.decode import decode_one
         from dynprobe.arch.x86_64.optimize import can_optimize
+
+        def branches_to(at: int) -> list[tuple[Instruction, int]] | None:
+            """The branches landing at run-time `at`, decoded where they run (see BranchTargets)."""
+            found = self.branch_targets().branches_to(at - bias)
+            moved = []
+            for source, room in found or ():
+                insn = decode_one(self.code(source, 15), source + bias)
+                if insn is None:
+                    return None
+                moved.append((insn, room or insn.len))
+            return None if found is None else moved
 
         return can_optimize(
             self.code(addr, size), addr + bias, site, other_probes=other_probes, module_targets=self.branch_targets(),
             bias=bias, read=lambda at, count: self.read(at - bias, count), padding=self.padding_after(addr + size),
+            branches_to=branches_to if take_along else None,
         )  # fmt: skip
 
     # --- functions ----------------------------------------------------------------------------
@@ -725,7 +741,7 @@ class BranchTargets:
         own = image.own_functions
         self.ranges = sorted({(f.addr, f.end) for f in own if f.size} | set(image.eh_frame_ranges()))
         self._reach = list(itertools.accumulate((end for _, end in self.ranges), max))  # the furthest end so far
-        self._decoded: dict[tuple[int, int], frozenset[int]] = {}  # a function range -> its branches' targets
+        self._decoded: dict[tuple[int, int], list[tuple[int, int]]] = {}  # a function range -> its branches
         # Ranges may nest (a hostile symbol table: thousands around one place): what is decoded is
         # bounded too, by the code's size (then every address is a target).
         self._may_decode = 8 * scanned + self._ANY_FILE
@@ -808,18 +824,57 @@ class BranchTargets:
                 yield start, end
 
     def _targets(self, bounds: tuple[int, int]) -> frozenset[int]:
-        targets = self._decoded.get(bounds)
-        if targets is None:
-            from dynprobe.arch.x86_64.optimize import branch_targets
+        return frozenset(target for _, target in self._branches(bounds))
+
+    def _branches(self, bounds: tuple[int, int]) -> list[tuple[int, int]]:
+        """(where, where to) of the direct branches of a function range, decoded once."""
+        branches = self._decoded.get(bounds)
+        if branches is None:
+            from dynprobe.arch.x86_64.optimize import branches_in
 
             start, end = bounds
             self._may_decode -= end - start
             if self._may_decode < 0:
                 self.everything = True
-                return frozenset()
+                return []
             with _parsing(self.image.path):
-                targets = self._decoded[bounds] = frozenset(branch_targets(self.image.code(start, end - start), start))
-        return targets
+                branches = self._decoded[bounds] = branches_in(self.image.code(start, end - start), start)
+        return branches
+
+    def branches_to(self, addr: int) -> list[tuple[int, int]] | None:
+        """The direct branches that land at link-time `addr`: where each starts, and for a `jmp
+        rel8` the bytes from there that no other code runs (its own, and the nops and int3s that
+        follow it where nothing lands and no function starts, as many as a `jmp rel32` needs;
+        0 for other branches: they keep their length). None when something else may land
+        there: an address the file takes, a branch found by the scan in no function, or a file
+        read as branches everywhere."""
+        from dynprobe.arch.x86_64.optimize import padding_length, short_jump
+
+        if self.everything or self.is_taken(addr):
+            return None
+        low, high = np.searchsorted(self.targets, [addr, addr + 1])
+        ranges = set(self._around(addr - 129, addr + 127))
+        for source in self.sources[low:high].tolist():
+            around = list(self._around(source, source))
+            if not around:
+                return None
+            ranges.update(around)
+        starts = {f.addr for f in self.image.own_functions}
+        found: dict[int, int] = {}
+        for bounds in sorted(ranges):
+            for source, target in self._branches(bounds):
+                if target != addr or source in found:
+                    continue
+                length = short_jump(self.image.code(source, 15), source)
+                if length is None:  # (a rel32 branch keeps its length)
+                    found[source] = 0
+                    continue
+                end = source + length
+                dead = min(padding_length(self.image.code(end, 16), end), 5 - length)  # (a jmp rel32: 5 bytes)
+                if any(at in starts or at in self for at in range(end, end + dead)):
+                    dead = 0
+                found[source] = length + dead
+        return None if self.everything else sorted(found.items())
 
 
 def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarray]:

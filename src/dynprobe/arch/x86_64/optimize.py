@@ -21,14 +21,14 @@ Pure: function bytes + addresses in, a plan or a reason out.
 from __future__ import annotations
 
 import functools
-from collections.abc import Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 import iced_x86 as iced
 
-from dynprobe.arch.x86_64.decode import iter_instructions
+from dynprobe.arch.x86_64.decode import decode_one, iter_instructions
 from dynprobe.arch.x86_64.jumptables import Landing, Reader, landing
-from dynprobe.arch.x86_64.relocate import call_as_jump, jump_to, relocate
+from dynprobe.arch.x86_64.relocate import call_as_jump, jump_to, relocate, retarget
 from dynprobe.errors import OptimizeRefusal
 
 JMP_REL32_LEN = 5
@@ -48,10 +48,13 @@ _UNRELOCATABLE = {
 
 @dataclass(frozen=True)
 class OptimizePlan:
-    """The instructions the jump replaces (decoded at their real addresses)."""
+    """The instructions the jump replaces (decoded at their real addresses), and the direct
+    branches from elsewhere that land inside them (`moved`), to be aimed at the detour's copy of
+    the instruction they land on (relocate.py's `retarget`)."""
 
     site: int
     region: tuple[iced.Instruction, ...]
+    moved: tuple[iced.Instruction, ...] = ()
 
     @functools.cached_property
     def length(self) -> int:
@@ -96,9 +99,26 @@ def plt_slot(code: bytes, start: int) -> int | None:
     return None
 
 
-def branch_targets(code: bytes, start: int) -> set[int]:
-    """Targets of the direct jumps, jccs and calls in `code` (one function, placed at `start`)."""
-    return {t for insn in iter_instructions(code, start) if (t := _branch_target(insn)) is not None}
+def branches_in(code: bytes, start: int) -> list[tuple[int, int]]:
+    """(where, where to) of the direct jumps, jccs and calls in `code` (one function, placed at
+    `start`)."""
+    return [(int(insn.ip), t) for insn in iter_instructions(code, start) if (t := _branch_target(insn)) is not None]
+
+
+def short_jump(code: bytes, at: int) -> int | None:
+    """The length of the `jmp rel8` `code` starts with (at `at`), None if it starts with no such jump."""
+    insn = decode_one(code, at)
+    return insn.len if insn is not None and insn.code == iced.Code.JMP_REL8_64 else None
+
+
+def padding_length(code: bytes, at: int) -> int:
+    """How many bytes of `code` (at `at`) are whole nops and int3s from its start."""
+    covered = 0
+    for insn in iter_instructions(code, at):
+        if insn.mnemonic not in (_M.NOP, _M.INT3):
+            break
+        covered += insn.len
+    return min(covered, len(code))
 
 
 def can_optimize(
@@ -111,6 +131,7 @@ def can_optimize(
     bias: int = 0,
     read: Reader | None = None,
     padding: bytes = b"",
+    branches_to: Callable[[int], Sequence[tuple[iced.Instruction, int]] | None] | None = None,
 ) -> OptimizePlan | OptimizeRefusal:
     """Whether the site at `site`, in the function whose whole code is `code` (at `func_start`),
     can take a 5-byte jump; the plan's instructions are decoded at those addresses (where the
@@ -120,7 +141,10 @@ def can_optimize(
     memmove) and the addresses it takes. `read(addr, size)`: the module's bytes at a run-time
     address (its switch tables; None: every indirect jump but a `jmp [rip+x]` is refused).
     `padding`: the bytes after the function up to the next 16-byte boundary, where no symbol
-    starts."""
+    starts. `branches_to(addr)`: the direct branches that land at a run-time `addr` of the
+    region, each with the bytes from its start no other code runs (its own, and the padding
+    after a `jmp`), or None when something else may land there (a taken address): given, such
+    branches are taken along (the plan's `moved`) where each can be re-aimed in place."""
     if not code:
         return OptimizeRefusal.FUNCTION_UNKNOWN
     func_end = func_start + len(code)
@@ -143,6 +167,7 @@ def can_optimize(
         if not _covers_padding(region[-1], padding, site + JMP_REL32_LEN - func_end, at=func_end):
             return OptimizeRefusal.TOO_SHORT
         region_end = site + JMP_REL32_LEN
+    landed: set[int] = set()  # addresses inside the region direct branches land on
     for i, insn in enumerate(insns):
         if (insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect) and not is_pointer_jump(insn):
             lands = Landing.UNBOUNDED if read is None else landing(insns, i, read)
@@ -152,9 +177,11 @@ def can_optimize(
                 return OptimizeRefusal.JUMP_INTO_REGION
         target = _branch_target(insn)
         if target is not None and site < target < region_end:
-            return OptimizeRefusal.JUMP_INTO_REGION
+            landed.add(target)
     inside = range(site + 1, region_end)
-    if any(addr - bias in module_targets for addr in inside):
+    landed.update(addr for addr in inside if addr - bias in module_targets)
+    moved = _taken_along(sorted(landed), branches_to, site=site, region_end=region_end)
+    if moved is None:
         return OptimizeRefusal.JUMP_INTO_REGION
     if any(addr in other_probes for addr in inside):
         return OptimizeRefusal.REGION_OVERLAP
@@ -168,7 +195,29 @@ def can_optimize(
     # (An indirect jmp allowed, through one pointer, is 6 bytes or more: it ends the region.)
     # A direct call (5 bytes or more) always ends the region, which stops at the first instruction
     # boundary at or past site+5; an indirect one (`call [rip+mcount@GOT]` of -pg code) must end it.
-    return OptimizePlan(site, tuple(region))
+    return OptimizePlan(site, tuple(region), moved)
+
+
+def _taken_along(
+    landed: list[int],
+    branches_to: Callable[[int], Sequence[tuple[iced.Instruction, int]] | None] | None,
+    *, site: int, region_end: int,
+) -> tuple[iced.Instruction, ...] | None:  # fmt: skip
+    """The branches that land at the `landed` addresses inside the region, each one that can be
+    re-aimed in place (in the bytes no other code runs, outside the region); None if one cannot,
+    or something else lands there."""
+    moved: list[iced.Instruction] = []
+    for addr in landed:
+        found = branches_to(addr) if branches_to is not None else None
+        if not found:
+            return None
+        for branch, room in found:
+            start = int(branch.ip)
+            again = retarget(branch, addr)  # (its length: where it is aimed makes no difference)
+            if again is None or len(again) > room or (start < region_end and start + len(again) > site):
+                return None
+            moved.append(branch)
+    return tuple(moved)
 
 
 def _covers_padding(last: iced.Instruction, padding: bytes, needed: int, *, at: int) -> bool:
@@ -177,14 +226,7 @@ def _covers_padding(last: iced.Instruction, padding: bytes, needed: int, *, at: 
     those bytes are alignment padding (nops and int3s, whole)."""
     if last.flow_control not in (_FC.RETURN, _FC.UNCONDITIONAL_BRANCH, _FC.INDIRECT_BRANCH) or len(padding) < needed:
         return False
-    covered = 0
-    for insn in iter_instructions(padding, at):
-        if covered >= needed:
-            break
-        if insn.mnemonic not in (_M.NOP, _M.INT3):
-            return False
-        covered += insn.len
-    return covered >= needed
+    return padding_length(padding, at) >= needed
 
 
 def relocate_region(plan: OptimizePlan, at: int) -> bytes | None:

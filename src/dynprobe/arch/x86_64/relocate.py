@@ -56,6 +56,27 @@ def relocate(insn: iced.Instruction, new_ip: int) -> bytes | None:
     return code
 
 
+def retarget(branch: iced.Instruction, target: int) -> bytes | None:
+    """The direct `branch` (jmp, jcc or call, at its own address) re-encoded to land at `target`
+    with a 32-bit displacement: as long as it is for a rel32 one, 5 bytes for a `jmp rel8`; None
+    for a branch of another kind (a `jcc rel8`, whose 6 bytes would run into the next
+    instruction; `loop`, `jrcxz`) or a target out of reach."""
+    near = branch.copy()
+    if branch.code == iced.Code.JMP_REL8_64:
+        near.code = iced.Code.JMP_REL32_64
+    elif branch.len < 5 or not (branch.is_jmp_near or branch.is_jcc_near or branch.is_call_near):
+        return None
+    near.near_branch64 = target
+    if not in_rel32_reach(int(branch.ip) + max(branch.len, 5), target):
+        return None
+    encoder = iced.Encoder(64)
+    try:
+        encoder.encode(near, int(branch.ip))
+    except ValueError:
+        return None
+    return bytes(encoder.take_buffer())
+
+
 def call_as_jump(call: iced.Instruction) -> iced.Instruction:
     """An indirect `call` (CALL_RM64)'s target as a `jmp`, for after the return address was
     pushed by hand: an operand that reads the stack reads 8 bytes further up."""

@@ -75,6 +75,7 @@ class Detour:
     code: bytes
     fixups: dict[int, int]  # address of a load that may fault -> address to continue at
     action_bytes: int  # the actions' part; the relocated region follows
+    region_copy: dict[int, int] = field(default_factory=dict)  # a region instruction's address -> its copy's
 
 
 class Unsupported(Exception):

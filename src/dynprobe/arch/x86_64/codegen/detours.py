@@ -44,7 +44,7 @@ from dynprobe.arch.x86_64.codegen.asm import (
     stack_at,
 )
 from dynprobe.arch.x86_64.codegen.records import resume_through_area
-from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
+from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ringbuf import layout as L
 
@@ -215,7 +215,8 @@ ENTER_TAIL_BYTES = 17
 
 def _then_region(plan: OptimizePlan, code: bytes, fixups: dict[int, int], at: int) -> Detour | OptimizeRefusal:
     """The detour: the action code placed at `at`, then the relocated region."""
-    region = relocate_region(plan, at + len(code))
-    if region is None:
+    moved = relocate_region_map(plan, at + len(code))
+    if moved is None:
         return OptimizeRefusal.RIP_REL_OUT_OF_REACH
-    return Detour(code + region, fixups, len(code))
+    region, copies = moved
+    return Detour(code + region, fixups, len(code), copies)
