@@ -16,7 +16,7 @@ import pytest
 
 import dynprobe
 from dynprobe.core.datapath import DEFAULT_WAIT_FOR_ROOM
-from dynprobe.core.probe import ProbeEvent
+from dynprobe.core.probe import Hit, ProbeEvent
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.spec.fetch import FAULT, StringValue
 from tests.conftest import build_target
@@ -189,6 +189,35 @@ def test_memcpy_and_mempcpy_take_jumps_with_the_branch_between_them_taken_along(
     report = subprocess.run(["ltrace", "-c", copies, "5000"], capture_output=True, text=True, timeout=300).stderr
     theirs = {line.split()[-1]: int(line.split()[-2]) for line in report.splitlines() if line.endswith("cpy")}
     assert theirs == {"memcpy": 5000, "mempcpy": 5000}, report
+
+
+def test_a_probe_on_a_branch_taken_along_turns_its_site_back() -> None:
+    """A probe placed (once main runs, libc mapped) on mempcpy's branch into memcpy, which
+    memcpy's optimized probe took along: memcpy goes back to a trap (REGION_OVERLAP), the
+    branch's own bytes come back for the new probe's int3, and every call is counted by both."""
+    copies = build_target("copies", flags=("-O1", "-fno-builtin"))
+    placed: list[dynprobe.Probe] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        memcpy, mempcpy = session.probe("libc:memcpy"), session.probe("libc:mempcpy")
+
+        def in_main(hit: Hit) -> None:
+            session.optimize_now()
+            proc = session.process(hit.pid)
+            assert proc is not None and memcpy.mode == OPTIMIZED
+            ((branch, _),) = proc.sites[memcpy.sites[hit.pid]].moved
+            placed.append(session.probe(f"libc:mempcpy+{branch - mempcpy.sites[hit.pid]}"))
+            assert memcpy.mode == TRAP and memcpy.trap_reason == OptimizeRefusal.REGION_OVERLAP  # type: ignore[attr-defined]
+            assert not proc.moving and placed[0].sites[hit.pid] == branch
+
+        session.upcalls = False
+        session.probe(f"{copies}:main", pre=in_main)
+        return [memcpy, mempcpy]
+
+    status, out, (memcpy, mempcpy) = traced([copies, "3000"], setup, optimize=True)
+    assert (status, out) == (0, run_plain([copies, "3000"]).stdout)
+    (jump,) = placed
+    assert memcpy.hits >= 3000 and jump.hits == mempcpy.hits >= 3000  # type: ignore[attr-defined]
 
 
 def test_a_five_byte_leaf_ending_in_ret_is_optimized_for_every_mechanism(opt: str) -> None:

@@ -132,6 +132,7 @@ class Lifecycle:
         vfork = event.kind == EventKind.VFORK
         child = TracedProcess(Tracee(child_pid, [child_pid]), parent.exe, follow=engine.follow_fork)
         child.sites = {a: dataclasses.replace(s, probes=list(s.probes)) for a, s in parent.sites.items()}
+        child.moving = set(parent.moving)
         engine.modules.forked(parent, child)
         child.slots.inherit(parent.slots)
         child.rescue = parent.rescue  # its handler and its page (shared memory) came with the fork

@@ -15,7 +15,7 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import iced_x86 as iced
@@ -71,6 +71,7 @@ class OptimizerEngine(Engine, Protocol):
 
 
 Moved = tuple[tuple[int, bytes], ...]  # branches taken along: where each is, the bytes it replaces
+_MAX_PATCH = JMP_REL32_LEN + 15  # bytes a site's jump may change (its region: whole instructions)
 PROGRESS_STEP = 100  # sites optimized between two reports of a flush's progress
 
 
@@ -190,6 +191,8 @@ class Optimizer:
             for branch, (addr, bytes_) in zip(plan.moved, moved, strict=True):  # (first: they run either way)
                 proc.tracee.patch(addr, _aimed(branch, built), bytes_)
             site.moved = moved
+            if moved:
+                proc.moving.add(site.addr)
             site.region = original
             proc.tracee.patch(site.addr, jump_to(site.addr, start), site.region)
             site.optimized = True
@@ -247,23 +250,22 @@ class Optimizer:
         if any(proc.tracee.read(addr, len(bytes_)) != bytes_ for addr, bytes_ in moved):
             return OptimizeRefusal.UNDECODABLE
         patched = [(site.addr, site.addr + plan.overwritten), *((a, a + len(b)) for a, b in moved)]
-        if any(
-            low < end and start < high for low, high in patched for start, end in self._patched_elsewhere(proc, site)
-        ):
+        if any(self._patched_elsewhere(proc, site, low, high) for low, high in patched):
             return OptimizeRefusal.REGION_OVERLAP  # (another site's bytes: its int3, jump or moved branch)
         return plan, original, moved
 
     @staticmethod
-    def _patched_elsewhere(proc: TracedProcess, site: Site) -> Iterator[tuple[int, int]]:
-        """The spans other sites have changed: an int3, a jump's region, a branch moved."""
-        for other in proc.sites.values():
-            if other is site:
-                continue
-            if other.armed:
-                yield other.addr, other.addr + 1
-            if other.optimized:
-                yield other.addr, other.addr + len(other.region)
-            yield from ((addr, addr + len(bytes_)) for addr, bytes_ in other.moved)
+    def _patched_elsewhere(proc: TracedProcess, site: Site, low: int, high: int) -> bool:
+        """Whether a site other than `site` changed a byte of [low, high): its int3, its jump's
+        region, a branch it took along."""
+        for at in range(low - _MAX_PATCH, high):
+            other = proc.sites.get(at)
+            if other is not None and other is not site:
+                end = at + len(other.region) if other.optimized else at + 1 if other.armed else at
+                if low < end:
+                    return True
+        moving = proc.moved_over(low, high)
+        return moving is not None and moving is not site
 
     def _place_detour(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan
@@ -361,6 +363,7 @@ class Optimizer:
         site.detour = None
         site.fixups = ()
         site.moved = ()
+        proc.moving.discard(site.addr)
         if not letting_go:
             for probe in site.probes:
                 probe.jumps.discard((proc.pid, site.addr))

@@ -73,12 +73,15 @@ class Patcher:
         site = proc.sites.get(addr)
         if site is None:
             sites = proc.sites
-            for other in [sites[a] for a in range(addr - MAX_INSN_LEN * 2, addr) if a in sites]:
-                if other.optimized and addr < other.addr + len(other.region):
-                    # The new int3 would land inside the other site's jmp: that one goes back to a trap.
-                    other.static_refusal = OptimizeRefusal.REGION_OVERLAP
-                    self.engine.optimizer.unoptimize(proc, other, arm=True)
-                    other.refusal = OptimizeRefusal.REGION_OVERLAP
+            covering = [sites[a] for a in range(addr - MAX_INSN_LEN * 2, addr) if a in sites]
+            covering = [o for o in covering if o.optimized and addr < o.addr + len(o.region)]
+            moving = proc.moved_over(addr, addr + 1)
+            for other in [*covering, *([moving] if moving is not None else [])]:
+                # The new int3 would land inside the other site's jmp, or in a branch it took
+                # along: that one goes back to a trap.
+                other.static_refusal = OptimizeRefusal.REGION_OVERLAP
+                self.engine.optimizer.unoptimize(proc, other, arm=True)
+                other.refusal = OptimizeRefusal.REGION_OVERLAP
             site = self._make_site(proc, probe.location, addr)
             proc.sites[addr] = site
         site.probes.append(probe)

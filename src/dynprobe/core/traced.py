@@ -86,6 +86,7 @@ class TracedProcess:
     sites: dict[int, Site] = field(default_factory=dict)
     stepping: dict[int, StepState] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)  # addresses where we removed an int3
+    moving: set[int] = field(default_factory=set)  # optimized sites that took branches along (Site.moved)
     comms: dict[int, str] = field(default_factory=dict)
     status: int | None = None  # exit status once it ended (128+N for a signal)
     leader_status: int | None = None  # set when the leader thread has ended
@@ -120,6 +121,14 @@ class TracedProcess:
     @property
     def pid(self) -> int:
         return self.tracee.pid
+
+    def moved_over(self, low: int, high: int) -> Site | None:
+        """The site that took along a branch whose bytes meet [low, high), if one did."""
+        for addr in self.moving:
+            site = self.sites[addr]
+            if any(at < high and low < at + len(original) for at, original in site.moved):
+                return site
+        return None
 
     def _map_region(self, hint: int, size: int) -> int | None:
         assert self.map_tid is not None and self.scratch is not None
