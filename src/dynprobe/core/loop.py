@@ -147,7 +147,7 @@ class StopLoop:
         bytes (a trap's actions, a return probe's entry stamp), and no site a thread is about to
         run may be patched: a site hit often would stay a trap. True if the thread went on (the
         site is a jump now, or gone, or a remote syscall of the flush put it back at the int3)."""
-        self.engine.optimizer.flush()
+        self.engine.optimizer.flush(at_int3=tid)
         regs = sc.get_regs(tid)
         if regs.rip == site.addr:  # (put back at the site: it runs the jump, or the int3 again)
             proc.resume_trapped(tid)

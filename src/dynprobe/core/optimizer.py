@@ -137,9 +137,11 @@ class Optimizer:
         return max(0.0, self._due - time.monotonic())
 
     # --- optimizing ----------------------------------------------------------------------------------
-    def flush(self, progress: Callable[[int, int], object] | None = None) -> None:
+    def flush(self, progress: Callable[[int, int], object] | None = None, *, at_int3: int | None = None) -> None:
         """Optimize every queued site: one stop-the-world per process. `progress(done, total)`
-        is told how far it is, every PROGRESS_STEP sites."""
+        is told how far it is, every PROGRESS_STEP sites. `at_int3`: a thread stopped at one of
+        our int3s and not served yet, to be sent through a jump that replaces it (core/loop.py's
+        `_flushed_at_trap`)."""
         queue, self._queue, self._due = self._queue, {}, None
         for pid, addrs in queue.items():
             proc = self.engine.process(pid)
@@ -151,11 +153,12 @@ class Optimizer:
             if sites:
                 with self.engine.world_stopped(proc) as tid, files.unchanged(), gc_paused(), proc.tracee.batched():
                     if tid is not None:
-                        self._optimize_stopped(proc, sites, progress)
+                        self._optimize_stopped(proc, sites, progress, at_int3=at_int3)
 
     def _optimize_stopped(
-        self, proc: TracedProcess, sites: list[Site], progress: Callable[[int, int], object] | None = None
-    ) -> None:
+        self, proc: TracedProcess, sites: list[Site], progress: Callable[[int, int], object] | None = None, *,
+        at_int3: int | None = None,
+    ) -> None:  # fmt: skip
         if not self.ensure_areas(proc):
             for site in sites:
                 self._refuse(site, proc.areas_refused or OptimizeRefusal.GS_IN_USE)
@@ -165,7 +168,7 @@ class Optimizer:
         self._free_dirty(proc, places)
         # A thread that has just hit the int3 (its SIGTRAP not served yet) is at site+1; it will
         # be moved back to the site and take the jump (Traps.past_trap, from core/loop.py or lifecycle.py).
-        at_int3 = {found[0] - 1 for tid, found in rips.items() if self._trapped(proc, tid)}
+        trapped = {found[0] - 1 for tid, found in rips.items() if tid == at_int3 or self._trapped(proc, tid)}
         busy: list[Site] = []
         for done, site in enumerate(sites):
             if progress is not None and done % PROGRESS_STEP == 0:
@@ -177,7 +180,7 @@ class Optimizer:
             plan, original, moved = planned
             inside = [
                 rip for rip in places
-                if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in at_int3))
+                if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in trapped))
                 or site.in_slot(rip) or any(addr < rip < addr + len(bytes_) for addr, bytes_ in moved)
             ]  # fmt: skip
             if inside:
@@ -403,16 +406,17 @@ class Optimizer:
         through its area runs (an entry stamp, a trap site's actions: `resume_through_area`),
         gs:[STAMP_RESUME], or at that code's last instruction the copy it pushed. No patch may
         change the bytes at any of them, no detour they are in may go."""
-        rips = {}
+        rips: dict[int, tuple[int, ...]] = {}
         for tid, state in proc.tracee.threads.items():
             if state.stopped:
                 with contextlib.suppress(OSError):
                     regs = sc.get_regs(tid)
                     rip, rsp = int(regs.rip), int(regs.rsp)
                     places = [rip]
+                    rips[tid] = (rip,)  # (what follows reads memory, which may fail)
+                    area = proc.areas.by_tid.get(tid) if proc.areas is not None else None
                     if proc.returns is not None:
                         places.append(proc.returns.going_to(rip, rsp, proc.tracee.read_u64))
-                    area = proc.areas.by_tid.get(tid) if proc.areas is not None else None
                     if area is not None and area.pool.words[area.index][L.STAMP_BUSY // 8]:
                         places.append(int(area.pool.words[area.index][L.STAMP_RESUME // 8]))
                     elif area is not None and proc.tracee.read(rip, len(RESUME_RET)) == RESUME_RET:
@@ -422,11 +426,9 @@ class Optimizer:
 
     @staticmethod
     def _trapped(proc: TracedProcess, tid: int) -> bool:
-        """Stopped by our int3, its SIGTRAP not handled yet (kept while the world was stopped, or
-        being served: core/loop.py's `_flushed_at_trap`)."""
+        """Stopped by our int3, its SIGTRAP not handled yet (kept while the world was stopped)."""
         state = proc.tracee.threads[tid]
-        return state.at_trap is not None or any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP
-                                                for e in state.deferred)  # fmt: skip
+        return any(e.kind == EventKind.SIGNAL and e.sig == signal.SIGTRAP for e in state.deferred)
 
     # --- thread areas -------------------------------------------------------------------------------------
     @staticmethod
