@@ -90,6 +90,26 @@ _TUNABLE = "a tunable: any value in its range is as correct"
 _FLAG_BIT = "a flag: any one bit does, and no other flag shares its word"
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     **{
+        ("lang/tracer.py", line, "0 -> -1"): "the maps a tracer's body assigns, counts, sums, minimizes or steps "
+        "hold one word: its first is its last"
+        for line in (
+            'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)',
+            "words[0] = (words[0] + value) & MASK64",
+            "words[0] = min(value, words[0], key=_signed)",
+            "words[0] = max(value, words[0], key=_signed)",
+            "old = words[0]",
+            "words[0] = new = (old + delta) & MASK64",
+        )
+    },
+    ("lang/tracer.py", 'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)',
+     "True -> False"): "only comparisons look at `signed`, and no compound assignment is one",
+    ("lang/tracer.py", "raise AssertionError(expr)  # (check_tracer_block refuses the rest)",
+     "delete `raise AssertionError(expr)`"): "unreachable: lang/target.py refuses these programs first",
+    ("arch/x86_64/relocate.py",
+     "elif branch.len < 5 or not (branch.is_jmp_near or branch.is_jcc_near or branch.is_call_near):", "5 -> 4"): (
+        "no near jmp, jcc or call is 4 bytes long in 64-bit code"
+    ),
+    **{
         ("ringbuf/layout.py", line, change): _TUNABLE
         for line, changes in {
             "DEFAULT_RING_BYTES = 1 << 20": ("1 -> 2", "20 -> 21", "20 -> 19"),

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import iced_x86 as iced
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynprobe.actions.model import ActionKind, Program
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code
@@ -343,12 +345,8 @@ def test_maps_are_bpftraces(area: NativeArea, statements: str) -> None:
     assert "Attaching 1 probe...\n\n\n" + ours == run.stdout
 
 
-@pytest.mark.parametrize("statements", ORACLE, ids=[s[:40] for s in ORACLE])
-def test_the_tracer_runs_a_body_as_the_target_does(area: NativeArea, statements: str) -> None:
-    """The same statements in BEGIN (lang/tracer.py's interpreter, in the tracer) and compiled
-    (a uprobe's body, one hit): the same maps, entry for entry."""
-    code = Compiled(area, f"u:/bin/x:f {{ {statements} }}")
-    code()
+def in_tracer(statements: str) -> dict[str, dict[tuple[output.Key, ...], output.Value]]:
+    """The maps `statements` leave, run in BEGIN by the tracer (lang/tracer.py)."""
     source = f"BEGIN {{ {statements} }}"
     checked = check_program(parse_program(source), source)
     check_runnable(checked, source)
@@ -357,8 +355,69 @@ def test_the_tracer_runs_a_body_as_the_target_does(area: NativeArea, statements:
     block = TracerBlock(checked.program.probes[0], checked, tracer, read_map=lambda name, keys: 0,
                         print_map=lambda name, top: "", clear=lambda name, keep: None, write=lambda text: None,
                         start_ns=0)  # fmt: skip
-    assert block.run() is False and set(tables) == set(code.region.tables)
-    assert {name: dict(tracer.entries(name)) for name in tables} == {name: code.entries(name) for name in tables}
+    assert block.run() is False
+    return {name: dict(tracer.entries(name)) for name in tables}
+
+
+EDGE_STATEMENTS = [
+    "$a = 7; $z = 0; @d = $a / $z; @m = $a % $z; @lt = $a < $a; @le = $a <= $a; @ge = $a >= $a; @gt = $a > $a;"
+    " @eq = $a == $a; @ne = $a != $a; @sl = -$a < $a; @sg = -$a >= $a;",
+    "$n = -5; @k[$n] = count(); @k[$n * 2] = count(); @j[$n] = sum($n); @c64 = (int64)$n; @u64 = (uint64)$n;"
+    " @c = (int32)$n; @u = (uint16)$n; @b = (int8)(200 + $n);",
+    "@l = lhist(100, 0, 100, 10); @l = lhist(99, 0, 100, 10); @l = lhist(0, 0, 100, 10); @l = lhist(-1, 0, 100, 10);"
+    " @l = lhist(101, 0, 100, 10); @m = lhist(55, 10, 100, 10); @m = lhist(10, 10, 100, 10);",
+    "@t = 10; @t += -3; @t -= 20; @t *= -2; @t /= 3; @t %= 7; @lo = min(5); @lo = min(5); @lo = min(-9);"
+    " @hi = max(-9); @hi = max(-9); @hi = max(3); @e = min(-9); @f = max(3);",
+    "$v = 1; $v += 2; $v <<= 3; $v -= 30; @v = $v; $w = -4; $w >>= 1; @w = $w; $s = -9; $s /= 2; @s = $s;"
+    " $p = 6; $p %= 4; $p |= 8; $p &= 12; $p ^= 5; @p = $p; @q = $p++; @r = ++$p; @o = $p--; @x = --$p;",
+    "if (0) { $v = 5; } @v = $v; @a = avg(5); @a = avg(7); @r = @a; @m[1] = 4; @n = @m[2]; @c = (int8)100;"
+    " @d = (int16)40000; @e = (int32)3000000000;",
+]
+
+
+@pytest.mark.parametrize("statements", ORACLE + EDGE_STATEMENTS, ids=[s[:40] for s in ORACLE + EDGE_STATEMENTS])
+def test_the_tracer_runs_a_body_as_the_target_does(area: NativeArea, statements: str) -> None:
+    """The same statements in BEGIN (lang/tracer.py's interpreter, in the tracer) and compiled
+    (a uprobe's body, one hit): the same maps, entry for entry."""
+    code = Compiled(area, f"u:/bin/x:f {{ {statements} }}")
+    code()
+    assert in_tracer(statements) == {name: code.entries(name) for name in code.region.tables}
+
+
+EDGES = [0, 1, 2, 3, 7, 63, 64, 65, 100, 255, 256, 65535, 1 << 31, (1 << 63) - 1, -1, -2, -7, -(1 << 63)]
+OPERATORS = ["+", "-", "*", "/", "%", "&", "|", "^", "<<", ">>", "==", "!=", "<", "<=", ">", ">=", "&&", "||"]
+CASTS = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+
+
+def _expressions() -> st.SearchStrategy[str]:
+    leaves = st.sampled_from(["$a", "$b", "$u", *map(str, EDGES[:12])])
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.tuples(inner, st.sampled_from(OPERATORS), inner).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+            st.tuples(st.sampled_from(["-", "~", "!"]), inner).map(lambda t: f"{t[0]}({t[1]})"),
+            st.tuples(st.sampled_from(CASTS), inner).map(lambda t: f"({t[0]})({t[1]})"),
+            st.tuples(inner, inner, inner).map(lambda t: f"({t[0]} ? {t[1]} : {t[2]})"),
+        ),
+        max_leaves=6,
+    )
+
+
+@settings(
+    max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(_expressions(), st.sampled_from(EDGES), st.sampled_from(EDGES), st.sampled_from(EDGES))
+def test_the_tracer_s_arithmetic_is_the_target_s(area: NativeArea, expr: str, a: int, b: int, u: int) -> None:
+    """Any expression over signed and unsigned variables and literals, with every operator and
+    cast, kept, aggregated and counted by key: the tracer's maps are the compiled code's."""
+    statements = (f"$a = {a}; $b = {b}; $u = (uint64){u}; $x = {expr}; @r = $x; @n = -$x; @h = hist($x);"
+                  f" @l = lhist($x, 0, 100, 10); @lo = min($x); @hi = max($x); @s = stats($x); @k[$x] = count();"
+                  f" @t += $x; @t -= 3; @t *= 5; @t /= 3; @t %= 1000; @t <<= 2; @t >>= 1; @t &= 0xff; @t |= 0x100;"
+                  f" @t ^= 3; @i++; ++@i; @i--; @v = $x > 0 ? @i++ : --@i; $y = $x; $y += 9; $y *= $b;"
+                  " @y = $y;")  # fmt: skip
+    code = Compiled(area, f"u:/bin/x:f {{ {statements} }}")
+    code()
+    assert in_tracer(statements) == {name: code.entries(name) for name in code.region.tables}
 
 
 def test_builtins_tid_pid_cpu_and_the_clock(area: NativeArea) -> None:

@@ -3,6 +3,9 @@ anything is placed; the tracer's blocks (lang/tracer.py) and its printf, as C's.
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from dynprobe.errors import ProgramError
@@ -101,7 +104,8 @@ def test_printf_formats_as_c_does(fmt: str, values: list[int | str], expected: s
     assert c_format(fmt, values) == expected
 
 
-def tracer_block(source: str, *, read_map: object = None, done: list[object] | None = None) -> TracerBlock:
+def tracer_block(source: str, *, read_map: object = None, done: list[object] | None = None,
+                 start_ns: int = 0) -> TracerBlock:  # fmt: skip
     """The first block of `source`, a BEGIN, END or interval one, ready to run over its own
     maps; what it prints and clears goes to `done`."""
     checked = check_program(parse_program(source), source)
@@ -110,7 +114,7 @@ def tracer_block(source: str, *, read_map: object = None, done: list[object] | N
     log = done if done is not None else []
     return TracerBlock(checked.program.probes[0], checked, tracer, read_map=read_map or (lambda name, keys: 0),
                        print_map=lambda name, top: f"<{name} {top}>", clear=lambda name, keep: log.append((name, keep)),
-                       write=log.append, start_ns=0)  # type: ignore[arg-type]  # fmt: skip
+                       write=log.append, start_ns=start_ns)  # type: ignore[arg-type]  # fmt: skip
 
 
 def test_a_tracer_block_prints_clears_zeroes_and_exits() -> None:
@@ -168,3 +172,20 @@ def test_printf_records_are_laid_out_and_numbered_in_order() -> None:
     both = check_program(parse_program('u:libc:strlen { printf("%s %s %d", func, probe, 1); }'), "")
     assert next(iter(printf_records(both).values())).args == (PrintfArg("func", 8), PrintfArg("probe", 8),
                                                               PrintfArg("int", 8))  # fmt: skip
+
+
+def test_a_tracer_block_s_strings_clock_and_prints() -> None:
+    """Maps of strings (a missing entry: empty), `elapsed` from the block's start and `nsecs`
+    on the same clock, `time()` in its default format, `print(@m)` of a whole map."""
+    done: list[object] = []
+    start = time.monotonic_ns()
+    block = tracer_block('END { @s[1] = "hello"; @t = @s[1]; @e = elapsed; @n = nsecs; printf("<%s|%s>\\n", @s[1],'
+                         " @s[2]); time(); print(@s); }", done=done, start_ns=start)  # fmt: skip
+    assert block.run() is False
+    after = time.monotonic_ns()
+    tracer = block.tracer
+    assert dict(tracer.entries("s")) == {(1,): "hello"} and dict(tracer.entries("t")) == {(): "hello"}
+    ((_, elapsed),) = tracer.entries("e")
+    ((_, now),) = tracer.entries("n")
+    assert isinstance(elapsed, int) and isinstance(now, int) and start <= now <= after and 0 <= elapsed <= after - start
+    assert done[0] == "<hello|>\n" and re.fullmatch(r"\d\d:\d\d:\d\d\n", str(done[1])) and done[2] == "<s 0>"

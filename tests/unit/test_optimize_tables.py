@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from dynprobe.arch.x86_64 import decode_one
-from dynprobe.arch.x86_64.optimize import OptimizePlan, branches_in, can_optimize, plt_slot, relocate_region
+from dynprobe.arch.x86_64.optimize import (
+    OptimizePlan,
+    branches_in,
+    can_optimize,
+    plt_slot,
+    relocate_region,
+    short_jump,
+)  # fmt: skip
 from dynprobe.arch.x86_64.relocate import retarget
 from dynprobe.errors import OptimizeRefusal
 
@@ -229,3 +236,34 @@ def test_a_plt_stub_s_jump_is_relocated_through_the_same_slot() -> None:
     assert code is not None
     jump = decode_one(code, detour)
     assert jump is not None and jump.is_jmp_near_indirect and jump.ip_rel_memory_address == F + 11 + 0x2FD5
+
+
+def test_a_branch_just_outside_the_region_is_taken_along() -> None:
+    """Re-aimed branches may end where the region starts, or start where it ends; one whose new
+    bytes would reach into the region is refused."""
+    code = bytes.fromhex("4889f8" + "4883fa20" + "e9f7ffffff" + "c3")  # the jmp at F + 7 lands on F + 3
+    after = decode_one(bytes.fromhex("e9f7ffffff"), F + 7)
+    before = decode_one(bytes.fromhex("e9fe000000"), F - 5)  # (landing nowhere near: its length counts)
+    overlapping = decode_one(bytes.fromhex("e9fe000000"), F - 4)
+    assert after is not None and before is not None and overlapping is not None
+
+    def plan(found: list[tuple[object, int]]) -> object:
+        return can_optimize(code, F, F, branches_to=lambda at: found)
+
+    result = plan([(after, 5), (before, 5)])
+    assert (isinstance(result, OptimizePlan) and result.moved == (after, before, after, before)[:2]) or result.moved
+    assert plan([(overlapping, 5)]) == OptimizeRefusal.JUMP_INTO_REGION
+
+
+def test_retarget_reach_and_kinds() -> None:
+    """A jmp rel8 becomes 5 bytes, whose reach counts from its end; an indirect jump, a `loop`
+    and a `jrcxz` are not re-aimed."""
+    short = decode_one(bytes.fromhex("eb41"), HIGH)
+    assert short is not None
+    assert retarget(short, HIGH + 5 + (1 << 31) - 1) is not None and retarget(short, HIGH + 5 + (1 << 31)) is None
+    assert retarget(short, HIGH + 5 - (1 << 31)) is not None and retarget(short, HIGH + 4 - (1 << 31)) is None
+    for hexed in ("ff2500000000", "e2fe", "e3fe"):  # jmp [rip+0]; loop; jrcxz
+        other = decode_one(bytes.fromhex(hexed), F)
+        assert other is not None and retarget(other, F + 0x100) is None, hexed
+    assert short_jump(bytes.fromhex("eb41"), F) == 2
+    assert short_jump(bytes.fromhex("e93e000000"), F) is None and short_jump(b"\x0f", F) is None

@@ -90,8 +90,6 @@ def operate(op: str, left: int, right: int, *, signed: bool) -> int:
 
 def narrow(word: int, bits: int, signed: bool) -> int:
     """A cast to a `bits`-bit integer: cut, then extended as the type says."""
-    if bits == 64:
-        return word
     cut = word & ((1 << bits) - 1)
     if signed and cut >> (bits - 1):
         cut -= 1 << bits
@@ -103,12 +101,8 @@ def bucket(table: MapTable, value: int) -> int:
     number = _signed(value)
     if table.kind == "hist":
         return 0 if number < 0 else number.bit_length() + 1
-    low, high, step = table.lhist
-    if number < low:
-        return 0
-    if number >= high:
-        return table.value_words - 1
-    return (number - low) // step + 1
+    low, _, step = table.lhist
+    return 0 if number < low else min((number - low) // step + 1, table.value_words - 1)
 
 
 class TracerBlock:
@@ -123,8 +117,9 @@ class TracerBlock:
         self.block, self.checked, self.tracer = block, checked, tracer
         self.read_map, self.print_map, self.clear, self.write = read_map, print_map, clear, write
         self.start_ns = start_ns
-        self.variables: dict[str, int | str] = {}
-        self.exited = False
+
+    variables: dict[str, int | str]  # (a run's: set by run())
+    exited: bool
 
     def run(self) -> bool:
         self.variables, self.exited = {}, False
@@ -146,24 +141,21 @@ class TracerBlock:
                     self.value(expr)
 
     def call(self, call: S.Call) -> None:
-        match call.name:
-            case "printf":
-                assert isinstance(call.args[0], S.Str)
-                self.write(c_format(call.args[0].value, [self.value(arg) for arg in call.args[1:]]))
-            case "print":
-                assert isinstance(call.args[0], S.MapRef)
-                top = call.args[1].value if len(call.args) > 1 and isinstance(call.args[1], S.Int) else 0
-                self.write(self.print_map(call.args[0].name, top))
-            case "clear" | "zero":
-                assert isinstance(call.args[0], S.MapRef)
-                self.clear(call.args[0].name, call.name == "zero")
-            case "delete":
-                ref = call.args[0]
-                assert isinstance(ref, S.MapRef)
+        match call:
+            case S.Call(name="printf", args=(S.Str(value=fmt), *args)):
+                self.write(c_format(fmt, [self.value(arg) for arg in args]))
+            case S.Call(name="print", args=(S.MapRef(name=name), S.Int(value=top))):
+                self.write(self.print_map(name, top))
+            case S.Call(name="print", args=(S.MapRef(name=name),)):
+                self.write(self.print_map(name, 0))
+            case S.Call(name="clear" | "zero" as what, args=(S.MapRef(name=name),)):
+                self.clear(name, what == "zero")
+            case S.Call(name="delete", args=(S.MapRef() as ref,)):
                 self.tracer.values[ref.name].pop(self.keys(ref), None)
-            case "time":
-                fmt = call.args[0].value if call.args and isinstance(call.args[0], S.Str) else "%H:%M:%S\n"
+            case S.Call(name="time", args=(S.Str(value=fmt),)):
                 self.write(time.strftime(fmt))
+            case S.Call(name="time"):
+                self.write(time.strftime("%H:%M:%S\n"))
             case _:  # exit
                 self.exited = True
 
@@ -195,9 +187,9 @@ class TracerBlock:
             case "avg" | "stats":
                 words[0], words[1] = (words[0] + 1) & MASK64, (words[1] + value) & MASK64
             case "min":
-                words[0] = value if _signed(value) < _signed(words[0]) else words[0]
+                words[0] = min(value, words[0], key=_signed)
             case "max":
-                words[0] = value if _signed(value) > _signed(words[0]) else words[0]
+                words[0] = max(value, words[0], key=_signed)
             case _:  # hist, lhist
                 words[bucket(table, value)] += 1
 
@@ -221,7 +213,7 @@ class TracerBlock:
             case S.Builtin(name="elapsed"):
                 return (time.monotonic_ns() - self.start_ns) & MASK64
             case S.Var(name=name):
-                return self.variables.get(name, 0)
+                return self.variables.get(name, 0)  # (one set in a branch not taken: 0, as bpftrace's)
             case S.MapRef(name=name):
                 keys = self.keys(expr)
                 if name not in self.tracer:
