@@ -50,7 +50,8 @@ typecheck: venv
 # A Go toolchain lets the return-probe tests check that Go programs are refused (hazard 1);
 # uftrace is the function tracer's reference (same call graphs, and the benchmark's comparison);
 # gdb is the stack walk's (the same frames as its backtraces); bpftrace is the language's (the
-# same errors, and the benchmark's peer for stacks).
+# same errors, and the benchmark's peer for stacks); ltrace counts library calls (memcpy's and
+# mempcpy's, whose branch between them a probe takes along).
 toolchains:
 	@command -v go >/dev/null || (apt-get install -y -qq golang-go >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq golang-go >/dev/null 2>&1)) || \
@@ -64,6 +65,9 @@ toolchains:
 	@command -v bpftrace >/dev/null || (apt-get install -y -qq bpftrace >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq bpftrace >/dev/null 2>&1)) || \
 	  echo "note: no bpftrace; the comparisons with it will be skipped"
+	@command -v ltrace >/dev/null || (apt-get install -y -qq ltrace >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq ltrace >/dev/null 2>&1)) || \
+	  echo "note: no ltrace; the comparison of library call counts with it will be skipped"
 	@command -v sqlite3 >/dev/null && [ -e /usr/lib/x86_64-linux-gnu/libpython3.11.so.1.0 ] || \
 	  (apt-get install -y -qq sqlite3 libpython3.11 liblzma5 >/dev/null 2>&1 || \
 	  (apt-get update -qq && apt-get install -y -qq sqlite3 libpython3.11 liblzma5 >/dev/null 2>&1)) || \

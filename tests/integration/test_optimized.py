@@ -185,7 +185,7 @@ def test_memcpy_and_mempcpy_take_jumps_with_the_branch_between_them_taken_along(
     (memcpy_own, mempcpy_own), (memcpy_all, mempcpy_all) = counts
     assert (memcpy_all - memcpy_own, mempcpy_all - mempcpy_own) == (5000, 5000)
     if shutil.which("ltrace") is None:
-        return
+        pytest.skip("ltrace is not installed (make toolchains installs it): the counts were checked, not compared")
     report = subprocess.run(["ltrace", "-c", copies, "5000"], capture_output=True, text=True, timeout=300).stderr
     theirs = {line.split()[-1]: int(line.split()[-2]) for line in report.splitlines() if line.endswith("cpy")}
     assert theirs == {"memcpy": 5000, "mempcpy": 5000}, report

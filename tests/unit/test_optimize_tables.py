@@ -267,3 +267,20 @@ def test_retarget_reach_and_kinds() -> None:
         assert other is not None and retarget(other, F + 0x100) is None, hexed
     assert short_jump(bytes.fromhex("eb41"), F) == 2
     assert short_jump(bytes.fromhex("e93e000000"), F) is None and short_jump(b"\x0f", F) is None
+
+
+def test_a_branch_into_an_instruction_or_a_prefixed_one_is_not_taken_along() -> None:
+    """A branch that lands inside one of the region's instructions (after a prefix, say) has no
+    copy to land on; a rel32 branch with a redundant prefix would be re-encoded shorter, leaving
+    a byte that runs (or moving a call's return address): both refused."""
+    code = bytes.fromhex("4889f8" + "4883fa20" + "c3")
+    into = decode_one(bytes.fromhex("e93f000000"), SOURCE)  # lands on F + 4, inside the cmp
+    assert into is not None and int(into.near_branch_target) == F + 4
+    found = [(into, 5)]
+    assert can_optimize(code, F, F, module_targets={F + 4}, branches_to=lambda at: found) == (
+        OptimizeRefusal.JUMP_INTO_REGION
+    )
+    for hexed in ("40e83d000000", "48e93d000000"):  # (rex) call, (rex.w) jmp: 6 bytes, 5 re-encoded
+        prefixed = decode_one(bytes.fromhex(hexed), SOURCE)
+        assert prefixed is not None and int(prefixed.near_branch_target) == F + 3 and prefixed.len == 6
+        assert retarget(prefixed, F + 0x100) is None, hexed

@@ -184,6 +184,7 @@ class Lifecycle:
         # of the old image, say) carries over.
         proc.tracee.threads[pid] = ThreadState(pid, in_event_stop=True)
         proc.sites.clear()
+        proc.moving.clear()
         proc.stepping.clear()
         proc.retired.clear()
         proc.comms.clear()

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Protocol
 
+from dynprobe.arch.x86_64 import Regs
 from dynprobe.core.datapath import DataPath
 from dynprobe.core.ftrace import Tracing
 from dynprobe.core.lifecycle import Lifecycle
@@ -127,8 +128,11 @@ class StopLoop:
                     state.stopped = True
                     state.in_event_stop = False
                     state.at_trap = site.addr
-                    if self.engine.optimizer.due_in() == 0 and self._flushed_at_trap(proc, pid, site):
-                        return True
+                    if self.engine.optimizer.due_in() == 0:
+                        fresh = self._flushed_at_trap(proc, pid, site)
+                        if fresh is None:
+                            return True
+                        regs = fresh
                     self.engine.traps.hit(proc, pid, site, regs)  # (its resume takes the stop)
                     return True
                 if state is not None and (site is not None or (regs.rip - 1) in proc.retired):
@@ -140,19 +144,22 @@ class StopLoop:
             processes.pending.append(decode_status(pid, taken))
         return False
 
-    def _flushed_at_trap(self, proc: TracedProcess, tid: int, site: Site) -> bool:
+    def _flushed_at_trap(self, proc: TracedProcess, tid: int, site: Site) -> Regs | None:
         """A batch of sites is due while `tid` stops at the int3 of `site`: optimized now, the
         thread still at the int3, which the optimizer knows to send through a jump that replaces
         it. Served first, the thread would resume through code that goes on inside the site's
         bytes (a trap's actions, a return probe's entry stamp), and no site a thread is about to
-        run may be patched: a site hit often would stay a trap. True if the thread went on (the
-        site is a jump now, or gone, or a remote syscall of the flush put it back at the int3)."""
+        run may be patched: a site hit often would stay a trap. None if the thread went on (at
+        the site: its jump now, or its int3 again where a remote syscall of the flush put it
+        back), else its registers now (the flush may have given it a thread area)."""
         self.engine.optimizer.flush(at_int3=tid)
         regs = sc.get_regs(tid)
-        if regs.rip == site.addr:  # (put back at the site: it runs the jump, or the int3 again)
-            proc.resume_trapped(tid)
-            return True
-        return not site.armed and self.engine.traps.past_trap(proc, tid, regs, site)
+        if site.armed and regs.rip != site.addr:
+            return regs
+        regs.rip = site.addr
+        proc.set_trap_regs(tid, regs)
+        proc.resume_trapped(tid)
+        return None
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:

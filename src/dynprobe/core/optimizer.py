@@ -182,6 +182,8 @@ class Optimizer:
                 rip for rip in places
                 if (site.addr < rip < plan.resume_at and not (rip == site.addr + 1 and site.addr in trapped))
                 or site.in_slot(rip) or any(addr < rip < addr + len(bytes_) for addr, bytes_ in moved)
+                # (a thread in code of ours may be on its way through an old copy of a branch taken along)
+                or (moved and proc.slots.contains(rip))
             ]  # fmt: skip
             if inside:
                 busy.append(site)  # a thread is inside the region, its slot or a moved branch: next batch

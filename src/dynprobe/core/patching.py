@@ -77,11 +77,9 @@ class Patcher:
             covering = [o for o in covering if o.optimized and addr < o.addr + len(o.region)]
             moving = proc.moved_over(addr, addr + 1)
             for other in [*covering, *([moving] if moving is not None else [])]:
-                # The new int3 would land inside the other site's jmp, or in a branch it took
-                # along: that one goes back to a trap.
-                other.static_refusal = OptimizeRefusal.REGION_OVERLAP
-                self.engine.optimizer.unoptimize(proc, other, arm=True)
-                other.refusal = OptimizeRefusal.REGION_OVERLAP
+                # The new int3 would land inside the other site's jmp or a branch it took along:
+                # that one goes back to a trap (before the new site reads its instruction).
+                self._overlapped(proc, other)
             site = self._make_site(proc, probe.location, addr)
             proc.sites[addr] = site
         site.probes.append(probe)
@@ -156,12 +154,22 @@ class Patcher:
             _debug(f"pid {proc.pid}: {exc}")
             raise ProbeRefused(Refusal.NO_MEMORY, where) from exc
 
+    def _overlapped(self, proc: TracedProcess, other: Site) -> None:
+        """A new int3 lands in bytes `other` changed (its jump, a branch it took along): it goes
+        back to a trap, for good."""
+        other.static_refusal = OptimizeRefusal.REGION_OVERLAP
+        self.engine.optimizer.unoptimize(proc, other, arm=True)
+        other.refusal = OptimizeRefusal.REGION_OVERLAP
+
     def set_armed(self, proc: TracedProcess, site: Site, armed: bool) -> None:
         """Make the site a probe (`armed`) or not. An armed site is a trap, queued for the
         optimizer when it may take a jump; an optimized site that may not stay one goes back."""
         if proc.status is not None:
             return
         optimizer = self.engine.optimizer
+        moving = proc.moved_over(site.addr, site.addr + 1) if armed and not site.armed else None
+        if moving is not None and moving is not site:
+            self._overlapped(proc, moving)  # (its int3 would land in a branch another site took along)
         if site.optimized:
             if armed and optimizer.trap_reason(proc, site) is None and optimizer.detour_current(site):
                 return
@@ -237,9 +245,14 @@ class Patcher:
             proc.dirty.append(site.actions)
 
     def forget_site(self, proc: TracedProcess, addr: int) -> None:
-        """The module holding `addr` is gone: nothing to restore, just forget it."""
-        proc.sites.pop(addr, None)
+        """The module holding `addr` is gone: nothing to restore, just forget it (and the
+        branches it took along: in that module too, their journal entries go as well)."""
+        site = proc.sites.pop(addr, None)
         self.engine.processes.journal.drop(proc.pid, addr)
+        if site is not None:
+            for moved, _ in site.moved:
+                self.engine.processes.journal.drop(proc.pid, moved)
+        proc.moving.discard(addr)
 
     # --- slots ----------------------------------------------------------------------------------
     def slot_at_hit(self, proc: TracedProcess, site: Site) -> bool:

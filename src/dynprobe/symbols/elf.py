@@ -841,6 +841,10 @@ class BranchTargets:
                 branches = self._decoded[bounds] = branches_in(self.image.code(start, end - start), start)
         return branches
 
+    @functools.cached_property
+    def _starts(self) -> frozenset[int]:
+        return frozenset(f.addr for f in self.image.own_functions)
+
     def branches_to(self, addr: int) -> list[tuple[int, int]] | None:
         """The direct branches that land at link-time `addr`: where each starts, and for a `jmp
         rel8` the bytes from there that no other code runs (its own, and the nops and int3s that
@@ -859,7 +863,7 @@ class BranchTargets:
             if not around:
                 return None
             ranges.update(around)
-        starts = {f.addr for f in self.image.own_functions}
+        starts = self._starts
         found: dict[int, int] = {}
         for bounds in sorted(ranges):
             for source, target in self._branches(bounds):

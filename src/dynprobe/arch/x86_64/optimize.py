@@ -180,6 +180,8 @@ def can_optimize(
             landed.add(target)
     inside = range(site + 1, region_end)
     landed.update(addr for addr in inside if addr - bias in module_targets)
+    if not landed <= {int(insn.ip) for insn in region}:
+        return OptimizeRefusal.JUMP_INTO_REGION  # (into an instruction, or the padding a tiny function's jump covers)
     moved = _taken_along(sorted(landed), branches_to, site=site, region_end=region_end)
     if moved is None:
         return OptimizeRefusal.JUMP_INTO_REGION

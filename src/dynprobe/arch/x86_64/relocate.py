@@ -60,7 +60,8 @@ def retarget(branch: iced.Instruction, target: int) -> bytes | None:
     """The direct `branch` (jmp, jcc or call, at its own address) re-encoded to land at `target`
     with a 32-bit displacement: as long as it is for a rel32 one, 5 bytes for a `jmp rel8`; None
     for a branch of another kind (a `jcc rel8`, whose 6 bytes would run into the next
-    instruction; `loop`, `jrcxz`) or a target out of reach."""
+    instruction; `loop`, `jrcxz`), one whose encoding would change length (a redundant prefix),
+    or a target out of reach."""
     near = branch.copy()
     if branch.code == iced.Code.JMP_REL8_64:
         near.code = iced.Code.JMP_REL32_64
@@ -74,7 +75,9 @@ def retarget(branch: iced.Instruction, target: int) -> bytes | None:
         encoder.encode(near, int(branch.ip))
     except ValueError:
         return None
-    return bytes(encoder.take_buffer())
+    aimed = bytes(encoder.take_buffer())
+    # (a redundant prefix would go: a shorter branch leaves a byte that runs, or moves a return address)
+    return aimed if len(aimed) == max(branch.len, 5) else None
 
 
 def call_as_jump(call: iced.Instruction) -> iced.Instruction:
