@@ -220,6 +220,51 @@ def test_a_probe_on_a_branch_taken_along_turns_its_site_back() -> None:
     assert memcpy.hits >= 3000 and jump.hits == mempcpy.hits >= 3000  # type: ignore[attr-defined]
 
 
+def test_enabling_a_probe_on_a_branch_taken_along_turns_its_site_back() -> None:
+    """A disabled probe sits on mempcpy's branch into memcpy; memcpy's probe takes that branch
+    along (nothing is armed there). Enabled once main runs, the probe's int3 would land on the
+    re-aimed jump: memcpy goes back to a trap first, and both count every call."""
+    copies = build_target("copies", flags=("-O1", "-fno-builtin"))
+    offsets: list[int] = []
+
+    def find(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        memcpy, mempcpy = session.probe("libc:memcpy"), session.probe("libc:mempcpy")
+
+        def in_main(hit: Hit) -> None:
+            session.optimize_now()
+            proc = session.process(hit.pid)
+            assert proc is not None
+            offsets.extend(at - mempcpy.sites[hit.pid] for at, _ in proc.sites[memcpy.sites[hit.pid]].moved)
+
+        session.upcalls = False
+        session.probe(f"{copies}:main", pre=in_main)
+        return [memcpy]
+
+    traced([copies, "10"], find, optimize=True)
+    (offset,) = offsets
+    states: list[object] = []
+
+    def setup(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        jump = session.probe(f"libc:mempcpy+{offset}")
+        jump.disable()
+        memcpy = session.probe("libc:memcpy")
+
+        def in_main(hit: Hit) -> None:
+            session.optimize_now()
+            states.append(memcpy.mode)
+            jump.enable()
+            states.extend([memcpy.mode, memcpy.trap_reason])  # type: ignore[attr-defined]
+
+        session.upcalls = False
+        session.probe(f"{copies}:main", pre=in_main)
+        return [memcpy, jump]
+
+    status, out, (memcpy, jump) = traced([copies, "3000"], setup, optimize=True)
+    assert (status, out) == (0, run_plain([copies, "3000"]).stdout)
+    assert states == [OPTIMIZED, TRAP, OptimizeRefusal.REGION_OVERLAP]
+    assert memcpy.hits >= 3000 and jump.hits >= 3000  # type: ignore[attr-defined]
+
+
 def test_a_five_byte_leaf_ending_in_ret_is_optimized_for_every_mechanism(opt: str) -> None:
     """add_one is `lea rax,[rdi+1]; ret`, the 5 bytes a jump replaces: its `ret` runs from the
     detour. An entry probe and a return probe ($retval from the trampoline), then the function
