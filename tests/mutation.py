@@ -95,8 +95,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         for line in (
             'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)',
             "words[0] = (words[0] + value) & MASK64",
-            "words[0] = min(value, words[0], key=_signed)",
-            "words[0] = max(value, words[0], key=_signed)",
+            "words[0] = min(value, words[0], key=as_signed)",
+            "words[0] = max(value, words[0], key=as_signed)",
             "old = words[0]",
             "words[0] = new = (old + delta) & MASK64",
         )

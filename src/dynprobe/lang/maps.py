@@ -168,7 +168,7 @@ def _keys(table: MapTable, words: memoryview) -> tuple[output.Key, ...]:
             keys.append(text_of(words[at : at + STRING_WORDS]))
             at += STRING_WORDS
         else:
-            keys.append(_signed(words[at]) if kind == "int" else int(words[at]))  # (a stack: its slot's address)
+            keys.append(as_signed(words[at]) if kind == "int" else int(words[at]))  # (a stack: its slot's address)
             at += 1
     return tuple(keys)
 
@@ -189,7 +189,8 @@ def dropped(memory: bytes | memoryview | mmap.mmap, table: MapTable) -> int:
     return int(memoryview(memory)[table.dropped_at : table.dropped_at + 8].cast("Q")[0])
 
 
-def _signed(word: int) -> int:
+def as_signed(word: int) -> int:
+    """A 64-bit word as a signed integer."""
     return word - (1 << 64) if word >> 63 else word
 
 
@@ -198,10 +199,10 @@ def value_of(table: MapTable, values: Sequence[int]) -> output.Value:
     if table.kind == "string":
         return text_of(values)
     if table.kind in ("avg", "stats"):
-        return int(values[0]), _signed(values[1])
+        return int(values[0]), as_signed(values[1])
     if table.kind in ("hist", "lhist"):
         return {bucket - 1: int(count) for bucket, count in enumerate(values) if count}
-    return _signed(values[0])
+    return as_signed(values[0])
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waitin
 MAX_VARIABLES = L.LANG_VARS_WORDS
 _IN_TARGET_CALLS = ("delete", "exit", "printf", "print", "clear", "zero")
 PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
-_TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")
+TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")  # (lang/tracer.py runs them)
 _TRACER_BUILTINS = ("nsecs", "elapsed")
 _WHERE = "in BEGIN, END and interval probes (dynprobe runs them in the tracer)"
 _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers, maps of them and of str())"
@@ -76,7 +76,7 @@ def _check_tracer_block(block: S.ProbeBlock, checked: Checked, source: str, file
                 raise refuse(f"reading memory {_WHERE}", node)
             case S.Call(name="delete", args=(S.MapRef(name=name) as ref,)) if name in in_target:
                 raise refuse(f"delete() of a map probe bodies write, {_WHERE}: clear() it", ref)
-            case S.Call(name=name) if name not in _TRACER_CALLS and name not in AGGREGATIONS:
+            case S.Call(name=name) if name not in TRACER_CALLS and name not in AGGREGATIONS:
                 raise refuse(f"{name}() {_WHERE}", node)
 
 
@@ -258,7 +258,7 @@ class _TargetCheck:
                         self.expression(value, 1)
                 case S.ExprStatement(expr=S.Call(name="printf") as call):
                     self.printf(call)
-                case S.ExprStatement(expr=S.Call(name=name) as call) if name in _TRACER_CALLS + _IN_TARGET_CALLS:
+                case S.ExprStatement(expr=S.Call(name=name) as call) if name in TRACER_CALLS + _IN_TARGET_CALLS:
                     if name not in _IN_TARGET_CALLS:
                         raise self.refuse(f"{name}()", call.span)
                     for arg in call.args:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dynprobe.lang import maps, output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import AGGREGATIONS, Checked
-from dynprobe.lang.maps import MapTable
+from dynprobe.lang.maps import MapTable, as_signed
 from dynprobe.lang.output import c_format
+from dynprobe.lang.target import TRACER_CALLS
 
 MASK64 = (1 << 64) - 1
-_TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")
 
 
 class TracerMaps:
@@ -58,10 +58,6 @@ class TracerMaps:
             self.values[name].clear()
 
 
-def _signed(word: int) -> int:
-    return word - (1 << 64) if word >> 63 else word
-
-
 def operate(op: str, left: int, right: int, *, signed: bool) -> int:
     """`left op right` on 64-bit words, as the target's code does it."""
     if op == "+":
@@ -84,7 +80,7 @@ def operate(op: str, left: int, right: int, *, signed: bool) -> int:
         return (left << (right & 63)) & MASK64
     if op == ">>":
         return left >> (right & 63)
-    a, b = (_signed(left), _signed(right)) if signed else (left, right)
+    a, b = (as_signed(left), as_signed(right)) if signed else (left, right)
     return int({"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op])
 
 
@@ -98,7 +94,7 @@ def narrow(word: int, bits: int, signed: bool) -> int:
 
 def bucket(table: MapTable, value: int) -> int:
     """The value word a hist or lhist counts `value` (a word) in (as the target's code picks it)."""
-    number = _signed(value)
+    number = as_signed(value)
     if table.kind == "hist":
         return 0 if number < 0 else number.bit_length() + 1
     low, _, step = table.lhist
@@ -135,7 +131,7 @@ class TracerBlock:
                     self.aggregate(target, call)
                 case S.Assign(target=target, op=op, value=value):
                     self.assign(target, op, value)
-                case S.ExprStatement(expr=S.Call(name=name) as call) if name in _TRACER_CALLS:
+                case S.ExprStatement(expr=S.Call(name=name) as call) if name in TRACER_CALLS:
                     self.call(call)
                 case S.ExprStatement(expr=expr):
                     self.value(expr)
@@ -161,7 +157,7 @@ class TracerBlock:
 
     def keys(self, ref: S.MapRef) -> tuple[output.Key, ...]:
         """An entry's keys as maps print them: integers signed, strings as they are."""
-        return tuple(_signed(k) if isinstance(k := self.value(key), int) else k for key in ref.keys)
+        return tuple(as_signed(k) if isinstance(k := self.value(key), int) else k for key in ref.keys)
 
     def assign(self, target: S.Var | S.MapRef, op: str, value: S.Expr) -> None:
         new = self.value(value)
@@ -187,9 +183,9 @@ class TracerBlock:
             case "avg" | "stats":
                 words[0], words[1] = (words[0] + 1) & MASK64, (words[1] + value) & MASK64
             case "min":
-                words[0] = min(value, words[0], key=_signed)
+                words[0] = min(value, words[0], key=as_signed)
             case "max":
-                words[0] = max(value, words[0], key=_signed)
+                words[0] = max(value, words[0], key=as_signed)
             case _:  # hist, lhist
                 words[bucket(table, value)] += 1
 
