@@ -1,5 +1,6 @@
 """The one part pyproject.toml cannot declare without an experimental table: report's and
-flame's per-event walk, plain C (no Python API) that ctypes loads (output/callwalk.py)."""
+flame's per-event walk, C whose functions ctypes calls (output/callwalk.py; the module itself is
+empty)."""
 
 from setuptools import Extension, setup
 

@@ -69,6 +69,17 @@ def test_exit_status_is_the_commands(sigs: str) -> None:
     assert "usr1=50" in r.stdout
 
 
+def test_the_command_gets_the_environment_dynprobe_was_given() -> None:
+    """dynprobe asks numpy's OpenBLAS for one thread while it loads, and takes that back: the
+    program it starts sees the environment as given (one variable added to see it pass)."""
+    env = {**os.environ, "DYNPROBE_SEEN": "yes"}
+    env.pop("OPENBLAS_NUM_THREADS", None)
+    r = subprocess.run([*DYNPROBE, "count", "p libc:malloc", "--", "/usr/bin/env"], capture_output=True, text=True,
+                       timeout=60, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "DYNPROBE_SEEN=yes" in r.stdout.splitlines() and "OPENBLAS_NUM_THREADS" not in r.stdout
+
+
 def test_list_binary_and_pid(wordcount: str) -> None:
     r = dp("list", wordcount)
     assert r.returncode == 0
