@@ -191,6 +191,27 @@ def test_memcpy_and_mempcpy_take_jumps_with_the_branch_between_them_taken_along(
     assert theirs == {"memcpy": 5000, "mempcpy": 5000}, report
 
 
+def test_a_python_handler_s_upcall_detour_takes_the_branch_along_too() -> None:
+    """memcpy with a Python pre-handler served by upcalls: its detour asks, then runs its copy
+    of the region, where mempcpy's re-aimed branch lands (after the upcall: mempcpy's calls run
+    no handler of memcpy's). Both take a jump; the handler runs once per memcpy call."""
+    copies = build_target("copies", flags=("-O1", "-fno-builtin"))
+    counts = []
+    for calls in (0, 2000):
+        seen: list[int] = []
+
+        def setup(session: dynprobe.Session, seen: list[int] = seen) -> list[dynprobe.Probe]:
+            session.upcalls = True
+            return [session.probe("libc:memcpy", pre=lambda hit: seen.append(1)), session.probe("libc:mempcpy")]
+
+        status, out, probes = traced([copies, str(calls)], setup, optimize=True)
+        assert (status, out) == (0, run_plain([copies, str(calls)]).stdout)
+        assert all(p.mode == OPTIMIZED for p in probes), [p.trap_reason for p in probes]  # type: ignore[attr-defined]
+        counts.append((len(seen), probes[1].hits))  # type: ignore[attr-defined]
+    (memcpy_own, mempcpy_own), (memcpy_all, mempcpy_all) = counts
+    assert (memcpy_all - memcpy_own, mempcpy_all - mempcpy_own) == (2000, 2000)
+
+
 def test_a_probe_on_a_branch_taken_along_turns_its_site_back() -> None:
     """A probe placed (once main runs, libc mapped) on mempcpy's branch into memcpy, which
     memcpy's optimized probe took along: memcpy goes back to a trap (REGION_OVERLAP), the

@@ -24,7 +24,7 @@ from dynprobe.arch.x86_64 import INT3, jump_to
 from dynprobe.arch.x86_64.codegen.asm import Detour, Unsupported
 from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.arch.x86_64.codegen.records import RESUME_RET
-from dynprobe.arch.x86_64.codegen.upcall import UpcallDetour, UpcallReturns, build_upcall
+from dynprobe.arch.x86_64.codegen.upcall import UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.optimize import JMP_REL32_LEN, OptimizePlan
 from dynprobe.arch.x86_64.relocate import retarget
 from dynprobe.core.engine import Engine
@@ -238,9 +238,7 @@ class Optimizer:
         if func is None or not func.size:
             return OptimizeRefusal.FUNCTION_UNKNOWN
         bias = site.addr - loc.vaddr
-        upcalls = self.engine.upcalls.serves([p for p in site.probes if p.enabled])
-        plan = image.jump_plan(func.addr, func.size, site.addr, bias=bias, other_probes=proc.sites,
-                               take_along=not upcalls)  # fmt: skip
+        plan = image.jump_plan(func.addr, func.size, site.addr, bias=bias, other_probes=proc.sites)
         if isinstance(plan, OptimizeRefusal):
             return plan
         start = loc.vaddr - func.addr
@@ -289,16 +287,10 @@ class Optimizer:
         symbols = engine.symbol_resolver(site)
         trampoline = proc.returns.trampoline if proc.returns is not None else None
         layout, rseq = engine.layout, proc.rseq_offset_at
-
-        def build(at: int) -> Detour | OptimizeRefusal:
-            built = build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq)
-            if isinstance(built, Detour) and any(
-                retarget(branch, built.region_copy[int(branch.near_branch_target)]) is None for branch in plan.moved
-            ):
-                return OptimizeRefusal.JUMP_INTO_REGION  # (a branch taken along cannot reach the detour)
-            return built
-
-        return place_code(functools.partial(engine.allocate_slot, proc), proc, site.addr, build)
+        return place_code(
+            functools.partial(engine.allocate_slot, proc), proc, site.addr,
+            lambda at: _reaching(plan, build_detour(plan, programs, layout, at, entry, symbols, trampoline, rseq)),
+        )  # fmt: skip
 
     def _place_upcall(
         self, proc: TracedProcess, site: Site, plan: OptimizePlan, first: Probe
@@ -330,13 +322,13 @@ class Optimizer:
         post = any(p.post is not None for p in probes)
         placed = place_code(
             functools.partial(self.engine.allocate_slot, proc), proc, site.addr,
-            lambda at: build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post, returns=returns),
+            lambda at: _reaching(plan, build_upcall(plan, first.index, layout, at, doorbell, pre=pre, post=post,
+                                                    returns=returns)),
         )  # fmt: skip
         if isinstance(placed, OptimizeRefusal):
             return placed
         start, built = placed
-        assert isinstance(built, UpcallDetour)
-        site.upcall_resume = built.resume
+        site.upcall_resume = built.region_copy
         return start, built
 
     # --- back to trap ------------------------------------------------------------------------------------
@@ -421,7 +413,7 @@ class Optimizer:
                         places.append(proc.returns.going_to(rip, rsp, proc.tracee.read_u64))
                     if area is not None and area.pool.words[area.index][L.STAMP_BUSY // 8]:
                         places.append(int(area.pool.words[area.index][L.STAMP_RESUME // 8]))
-                    elif area is not None and proc.tracee.read(rip, len(RESUME_RET)) == RESUME_RET:
+                    elif proc.slots.contains(rip) and proc.tracee.read(rip, len(RESUME_RET)) == RESUME_RET:
                         places.append(proc.tracee.read_u64(rsp))
                     rips[tid] = tuple(places)
         return rips
@@ -547,10 +539,19 @@ class Optimizer:
                 self.retreat(proc, exc)
 
 
+def _reaching(plan: OptimizePlan, built: Detour | OptimizeRefusal) -> Detour | OptimizeRefusal:
+    """A detour every branch the plan takes along can be aimed at (else refused)."""
+    if isinstance(built, Detour) and any(
+        retarget(branch, built.region_copy[int(branch.near_branch_target)]) is None for branch in plan.moved
+    ):
+        return OptimizeRefusal.JUMP_INTO_REGION
+    return built
+
+
 def _aimed(branch: iced.Instruction, built: Detour) -> bytes:
     """A branch taken along, aimed at the detour's copy of the instruction it lands on."""
     aimed = retarget(branch, built.region_copy[int(branch.near_branch_target)])
-    assert aimed is not None  # (_place_detour builds only a detour every such branch reaches)
+    assert aimed is not None  # (_reaching: the detour was built for it)
     return aimed
 
 

@@ -33,15 +33,15 @@ _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies:
 def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> None:
     """Raise `ProgramError` for the first thing of `checked` that cannot run where it would."""
     key_kinds = map_key_kinds(checked)
+    target_maps = {ref.name for probe in checked.program.probes if _in_target(probe) for ref in _map_refs(probe)}
     for probe in checked.program.probes:
-        in_target = any(p.kind in ("uprobe", "uretprobe") for p in probe.attach_points)
-        if in_target and any(p.kind not in ("uprobe", "uretprobe") for p in probe.attach_points):
+        if not _in_target(probe):
+            _check_tracer_block(probe, target_maps, source, filename)
+        elif any(p.kind not in ("uprobe", "uretprobe") for p in probe.attach_points):
             raise ProgramError("a probe block is either uprobes and uretprobes, or BEGIN, END or an interval",
                                source, probe.span, filename)  # fmt: skip
-        if in_target:
-            _TargetCheck(checked, source, filename, key_kinds).block(probe)
         else:
-            _check_tracer_block(probe, checked, source, filename)
+            _TargetCheck(checked, source, filename, key_kinds).block(probe)
 
 
 def tracer_maps(checked: Checked) -> set[str]:
@@ -53,9 +53,10 @@ def tracer_maps(checked: Checked) -> set[str]:
     return written
 
 
-def _check_tracer_block(block: S.ProbeBlock, checked: Checked, source: str, filename: str) -> None:
+def _check_tracer_block(block: S.ProbeBlock, in_target: set[str], source: str, filename: str) -> None:
     """Raise `ProgramError` for the first thing of a BEGIN, END or interval `block` the tracer
-    cannot run, or for a map it writes that a probe body also uses."""
+    cannot run, or for a map it writes that a probe body also uses (`in_target`: the maps probe
+    bodies use)."""
 
     def refuse(message: str, node: S.Node) -> ProgramError:
         return ProgramError(message, source, node.span, filename)
@@ -63,7 +64,6 @@ def _check_tracer_block(block: S.ProbeBlock, checked: Checked, source: str, file
     if block.predicate is not None:
         raise refuse("a predicate is for uprobes (dynprobe runs BEGIN, END and intervals in the tracer)",
                      block.predicate)  # fmt: skip
-    in_target = {ref.name for probe in checked.program.probes if _in_target(probe) for ref in _map_refs(probe)}
     for name in sorted(_written(block.body) & in_target):
         ref = next(r for r in _map_refs(block) if r.name == name)
         raise refuse(f"@{name} is written {_WHERE} and used by probe bodies: dynprobe keeps a map on one side "

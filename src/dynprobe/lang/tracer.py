@@ -42,9 +42,13 @@ class TracerMaps:
         entries = self.values[name]
         found = entries.get(keys)
         if found is None:
-            table = self.tables[name]
-            found = entries[keys] = [table.initial & MASK64] * table.value_words
+            found = entries[keys] = self._fresh(name)
         return found
+
+    def _fresh(self, name: str) -> list[int]:
+        """A new entry's value words: what min and max start at, else zeros."""
+        table = self.tables[name]
+        return [table.initial & MASK64] * table.value_words
 
     def entries(self, name: str) -> list[output.Entry]:
         table = self.tables[name]
@@ -53,7 +57,7 @@ class TracerMaps:
     def clear(self, name: str, *, keep_keys: bool) -> None:
         if keep_keys:
             for words in self.values[name].values():
-                words[:] = [self.tables[name].initial & MASK64] * len(words)
+                words[:] = self._fresh(name)
         else:
             self.values[name].clear()
 

@@ -22,7 +22,7 @@ target thread, with its thread area (GS base) and its process's doorbell page:
     SLEEPING, not BUSY; ret 128
 
 Where the thread goes on is the frame's rip, which the tracer sets before it answers: the
-relocated copy of the instruction it was at (`UpcallDetour.resume`), or wherever a handler sent
+relocated copy of the instruction it was at (`Detour.region_copy`), or wherever a handler sent
 it. `ret 128` takes it from below the red zone, so once BUSY is clear the thread needs nothing
 of the frame: a signal's nested hit in those two instructions may have the frame. The flags and
 every register are the frame's. Return probes with Python handlers upcall from their entry (the
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import iced_x86 as iced
 
@@ -276,15 +276,10 @@ def _count_missed(layout: L.AreaLayout, probe_index: int) -> Callable[[Asm], Non
     return count
 
 
-@dataclass(frozen=True)
-class UpcallDetour(Detour):
-    resume: dict[int, int] = field(default_factory=dict)  # an address of the region -> its copy's
-
-
 def build_upcall(
     plan: OptimizePlan, probe_index: int, layout: L.AreaLayout, at: int, doorbell: int, *, pre: bool = True,
     post: bool = False, returns: UpcallReturns | None = None,
-) -> UpcallDetour | OptimizeRefusal:  # fmt: skip
+) -> Detour | OptimizeRefusal:  # fmt: skip
     """The upcall detour of a site (`plan`) whose first probe is `probe_index` (its nested hits
     are counted as its missed), placed at `at`, ringing the doorbell page at `doorbell`: an
     upcall before the site's instruction if `pre` (which takes the shadow entries of the
@@ -309,7 +304,7 @@ def build_upcall(
             if moved is None:
                 return OptimizeRefusal.RIP_REL_OUT_OF_REACH
             if len(before_code) == lengths[0]:
-                return UpcallDetour(before_code + moved[0], {}, len(before_code), moved[1])
+                return Detour(before_code + moved[0], {}, len(before_code), moved[1])
             lengths[0] = len(before_code)
             continue
         copied = relocate(first, region)
@@ -329,7 +324,7 @@ def build_upcall(
             tail, resume = jump_to(rest_at, plan.resume_at), {next_ip: rest_at}
         if (len(before_code), len(after_code)) == tuple(lengths):
             code = before_code + copied + after_code + tail
-            return UpcallDetour(code, {}, len(before_code), {plan.site: region, **resume})
+            return Detour(code, {}, len(before_code), {plan.site: region, **resume})
         lengths = [len(before_code), len(after_code)]
 
 
