@@ -86,7 +86,7 @@ def test_a_name_a_library_exports_is_found_without_reading_its_debug_file(tmp_pa
     image = ElfImage(str(library))
     exported = resolve_symbol(image, "exported", 0)
     assert exported.function is not None and exported.function.name == "exported" and exported.function.size > 0
-    assert "_symbol_tables" not in image.__dict__ and "debug_file" not in image.__dict__
+    assert "_symbol_tables" not in image.__dict__ and "_debug" not in image.__dict__
     hidden = resolve_symbol(image, "hidden", 0)
     assert image.debug_file == str(debug) and hidden.function is not None and hidden.function.name == "hidden"
     assert hidden.vaddr != exported.vaddr
@@ -266,7 +266,7 @@ def test_an_xbegin_s_abort_target_is_a_branch_target() -> None:
     image = SimpleNamespace(segments=[SimpleNamespace(executable=True, vaddr=0x1000, filesz=len(code), offset=0)],
                             data=code, own_functions=[], eh_frame_ranges=lambda: [], path="x", is_pie=True,
                             _relocations=lambda: iter(()))  # fmt: skip
-    targets = BranchTargets(image)  # type: ignore[arg-type]
+    targets = BranchTargets(image, BranchTargets.scan(image))  # type: ignore[arg-type]
     assert 0x1000 + 16 + 6 + 0x20 in targets and 0x1000 + 16 + 6 + 0x21 not in targets
 
 

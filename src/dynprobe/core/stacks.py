@@ -21,7 +21,6 @@ from dynprobe.arch.x86_64.unwind import RSP, BpRule, Frame, Kind, Row, step
 from dynprobe.errors import SymbolError
 from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import ElfImage, load_elf
-from dynprobe.symbols.lines import inlined_at, source_line
 from dynprobe.symbols.maps import Mapping, mapping_at
 
 MAX_FRAMES = 127  # as bpftrace's ustack (perf_event_max_stack)
@@ -52,6 +51,8 @@ class StackFrame:
         inlined in it was called, if one is), when DWARF says."""
         if self.call_site is not None or self.module is None or self.named_at is None:
             return self.call_site
+        from dynprobe.symbols.lines import source_line  # (pyelftools' DWARF: loaded for stacks only)
+
         return source_line(self.module, self.named_at)
 
     def __str__(self) -> str:
@@ -202,6 +203,8 @@ def _frames(module: _Module, pc: int, *, exact: bool) -> list[StackFrame]:
     frame = _frame(module, pc, exact=exact)
     if frame.module is None or frame.named_at is None:
         return [frame]
+    from dynprobe.symbols.lines import inlined_at
+
     chain = inlined_at(frame.module, frame.named_at)
     if not chain:
         return [frame]

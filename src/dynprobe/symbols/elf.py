@@ -11,35 +11,33 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import functools
-import io
+import hashlib
 import itertools
 import os
 import struct
-from collections.abc import Callable, Container, Iterator
+import sys
+from array import array
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from elftools.common.exceptions import DWARFError, ELFError
-from elftools.construct.core import ConstructError
-from elftools.elf.dynamic import DynamicSection
-from elftools.elf.elffile import ELFFile
-from elftools.elf.gnuversions import GNUVerDefSection
-from elftools.elf.sections import Section, SymbolTableSection
 
 from dynprobe.arch.x86_64.unwind import CfiSection, UnwindTable, compile_sections
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, OptimizeRefusal, SymbolError
 from dynprobe.gcpause import gc_paused
 from dynprobe.output.files import FileTooLarge, NotRegularFile, read_regular
-from dynprobe.symbols import files, unwind_cache
+from dynprobe.symbols import elf_cache, files, unwind_cache
 from dynprobe.symbols.demangle import names_of
 
 if TYPE_CHECKING:
     from iced_x86 import Instruction
 
     from dynprobe.arch.x86_64.optimize import OptimizePlan
+    from dynprobe.symbols.elfparse import Elf
 
 
 @dataclass(frozen=True)
@@ -62,10 +60,6 @@ class Segment:
     executable: bool
 
 
-_SYM = np.dtype([("name", "<u4"), ("info", "u1"), ("other", "u1"), ("shndx", "<u2"), ("value", "<u8"), ("size", "<u8")])
-_STT_OBJECT, _STT_FUNC, _STT_TLS, _STT_GNU_IFUNC = 1, 2, 6, 10
-_VER_FLG_BASE = 1  # a version definition that names the file itself, not a version
-_RELA = np.dtype([("offset", "<u8"), ("info", "<u8"), ("addend", "<i8")])
 _R_X86_64_IRELATIVE = 37
 _ADDRESS_RELOCATIONS = (8, _R_X86_64_IRELATIVE)  # R_X86_64_RELATIVE: the addend is an address in the file
 _SYMBOL_RELOCATIONS = (1, 6, 7)  # R_X86_64_64, GLOB_DAT, JUMP_SLOT
@@ -73,7 +67,7 @@ _PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
 
 
-def _symbol_order(func: Function) -> tuple[int, int, bool, int, str]:
+def symbol_order(func: Function) -> tuple[int, int, bool, int, str]:
     """Functions by address; of aliases at one address, the longest, then a public name
     (malloc before __libc_malloc), then the shortest (strtol before strtoimax, strtold before
     strtof64x: the plain name programs call): the first is the one shown."""
@@ -100,27 +94,16 @@ def _read_file(path: str) -> bytes:
         raise SymbolError(f"cannot read {path}: {exc.strerror}") from None
 
 
-# What pyelftools (and arithmetic on the fields it reads) raise for a malformed file: a file
-# comes from anywhere, and its counts, offsets and sizes can be anything.
-_MALFORMED = (
-    ELFError, DWARFError, ConstructError, KeyError, ValueError, IndexError, AssertionError, OverflowError,
-    TypeError, struct.error,
-)  # fmt: skip
+# What arithmetic on the fields of a file raises for a malformed one: a file comes from
+# anywhere, and its counts, offsets and sizes can be anything.
+_MALFORMED = (KeyError, ValueError, IndexError, AssertionError, OverflowError, TypeError, struct.error)
 
 
-class _Elf(ELFFile):
-    """pyelftools' ELFFile, making a section only when it is asked for: its own map of names made
-    every section, and making a hash section parses its whole table (libc's .hash: ~15 ms)."""
-
-    @functools.cached_property
-    def _section_name_map(self) -> dict[str, int]:
-        return {self._get_section_name(self._get_section_header(i)): i for i in range(self.num_sections())}
-
-    def iter_sections(self, type: str | None = None) -> Iterator[Section]:  # (pyelftools' names)
-        for i in range(self.num_sections()):
-            header = self._get_section_header(i)
-            if type is None or header["sh_type"] == type:
-                yield self._make_section(header)
+def _malformed() -> tuple[type[Exception], ...]:
+    """What a malformed file makes the code reading it raise: pyelftools' errors too, once it is
+    loaded (symbols/elfparse.py)."""
+    parser = sys.modules.get("dynprobe.symbols.elfparse")
+    return _MALFORMED if parser is None else _MALFORMED + parser.ERRORS
 
 
 @contextlib.contextmanager
@@ -128,13 +111,116 @@ def _parsing(path: str) -> Iterator[None]:
     """A malformed file's error, whatever pyelftools raised, as one ElfError."""
     try:
         yield
-    except _MALFORMED as exc:
+    except _malformed() as exc:
         why = str(exc).strip().split("\n", 1)[0][:200] or type(exc).__name__
         raise ElfError(f"{path} is not a valid ELF file: {why}") from exc
 
 
+@dataclass(frozen=True)
+class Headers:
+    """What an ELF file's headers say that dynprobe needs."""
+
+    machine: str
+    is_pie: bool
+    segments: list[Segment]
+    interp: str | None
+    build_id: str | None
+    entry: int  # where the program starts: no caller, no return address
+    is_go: bool  # Go's runtime moves goroutine stacks: return probes are refused on its programs
+    needed: list[str]
+    rpath: list[str]
+    runpath: list[str]
+    soname: str | None
+    has_symtab: bool
+    debuglink: str | None  # the name .gnu_debuglink gives
+
+
+# functions (sorted: `symbol_order`), data symbols, indirect functions, default versions
+SymbolTables = tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]
+
+
+def _headers(fields: dict[str, Any]) -> Headers:
+    """Headers from their fields, its segments as dicts (TypeError: not Headers' fields)."""
+    return Headers(**(fields | {"segments": [Segment(**segment) for segment in fields["segments"]]}))
+
+
+def _functions(rows: Iterable[tuple[str, int, int]]) -> list[Function]:
+    """Functions (name, address, size), sorted by `symbol_order`."""
+    return sorted(itertools.starmap(Function, rows), key=symbol_order)
+
+
+def _kept(headers: Headers | None, tables: SymbolTables) -> elf_cache.Kept:
+    """`headers` and `tables` as symbols/elf_cache.py keeps them."""
+    functions, objects, ifuncs, defaults = tables
+    meta = {} if headers is None else {"headers": dataclasses.asdict(headers)}
+    arrays = {
+        "addrs": array("Q", [f.addr for f in functions]), "sizes": array("Q", [f.size for f in functions]),
+        "objects": array("Q", objects.values()), "ifuncs": array("Q", ifuncs.values()),
+    }  # fmt: skip
+    strings = {
+        "names": [f.name for f in functions], "objects": list(objects), "ifuncs": list(ifuncs),
+        "defaults": list(defaults), "versions": list(defaults.values()),
+    }  # fmt: skip
+    return meta, arrays, strings
+
+
+def _from_kept(kept: elf_cache.Kept) -> tuple[Headers | None, SymbolTables]:
+    """What `_kept` made, back (TypeError, ValueError or KeyError: not what it makes)."""
+    meta, arrays, strings = kept
+    headers = _headers(meta["headers"]) if "headers" in meta else None
+    names, addrs, sizes = strings["names"], arrays["addrs"], arrays["sizes"]
+    if not len(names) == len(addrs) == len(sizes):
+        raise ValueError("not as many names as functions")
+    tables = (
+        list(map(Function, names, addrs, sizes)),
+        dict(zip(strings["objects"], arrays["objects"], strict=True)),
+        dict(zip(strings["ifuncs"], arrays["ifuncs"], strict=True)),
+        dict(zip(strings["defaults"], strings["versions"], strict=True)),
+    )  # fmt: skip
+    return headers, tables
+
+
+_Analysis = tuple[Headers | None, SymbolTables]
+
+
+def _analysis(key: str, parse: Callable[[], _Analysis]) -> _Analysis:
+    """What `parse` reads of a file, kept on disk under `key` (symbols/elf_cache.py)."""
+    kept = elf_cache.load(key)
+    if kept is not None:
+        with contextlib.suppress(TypeError, ValueError, KeyError):
+            return _from_kept(kept)
+    found = parse()
+    elf_cache.store(key, *_kept(*found))
+    return found
+
+
+def _identity(path: str) -> str:
+    """A name for the file at `path` as it is now (its inode, size, times), for what is kept of a
+    file that is not read whole (a separate debug file): a file changed in any way is another."""
+    st = os.stat(path)
+    return f"{path}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _debug_build_id(path: str, identity: str) -> str | None:
+    """The build-id of the separate debug file at `path` (its `_identity`), kept on disk."""
+    key = elf_cache.key_of("debug file", identity)
+    kept = elf_cache.load(key)
+    if kept is not None and isinstance(kept[0].get("build_id", 0), str | None):
+        return kept[0]["build_id"]  # type: ignore[no-any-return]
+    from dynprobe.symbols import elfparse
+
+    data = read_regular(path, MAX_FILE_SIZE)
+    with _parsing(path):
+        found = elfparse.build_id(elfparse.open_elf(data))
+    elf_cache.store(key, {"build_id": found}, {}, {})
+    return found
+
+
 class ElfImage:
-    """One ELF file on disk, parsed once (use `load_elf` for the cached instance)."""
+    """One ELF file on disk, read once (use `load_elf` for the cached instance). What is worked
+    out of its headers and symbols is kept on disk (symbols/elf_cache.py), named by a hash of
+    its bytes; pyelftools parses the file only when that is not there, or for a section nothing
+    keeps."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -143,50 +229,96 @@ class ElfImage:
             raise ElfError(f"{path} is not an ELF file")
         if self.data[4] != 2:
             raise ElfError(f"{path} is a 32-bit ELF file; dynprobe traces x86-64 programs only")
-        with _parsing(path):
-            elf = _Elf(io.BytesIO(self.data))
-            if elf["e_machine"] != "EM_X86_64":
-                raise ElfError(f"{path} is built for {elf['e_machine']}, not x86-64")
-            self.is_pie = elf["e_type"] == "ET_DYN"
-            self.segments = [
-                Segment(s["p_vaddr"], s["p_offset"], s["p_filesz"], s["p_memsz"], bool(s["p_flags"] & 1))
-                for s in elf.iter_segments()
-                if s["p_type"] == "PT_LOAD"
-            ]
-            self.interp = next(
-                (s.get_interp_name() for s in elf.iter_segments() if s["p_type"] == "PT_INTERP"),  # type: ignore[attr-defined]
-                None,
-            )
-            self.build_id = self._build_id(elf)
-            self.entry = int(elf["e_entry"])  # where the program starts: no caller, no return address
-            # Go's runtime moves goroutine stacks: return probes are refused on its programs
-            self.is_go = any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab"))
-            self.needed, self.rpath, self.runpath, self.soname = self._dynamic(elf)
-            self._own_symbol_tables = self._symbols(elf)
-            self.has_symtab = elf.get_section_by_name(".symtab") is not None
-            self._eh_ranges: list[tuple[int, int]] | None = None
-            self._branch_targets: BranchTargets | None = None
-            self._by_demangled: dict[str, dict[int, Function]] | None = None
-            self._elf = elf
+        self.digest = hashlib.sha256(self.data).hexdigest()
+        headers, self._own_symbol_tables = _analysis(elf_cache.key_of(self.digest, "headers"), self._parse)
+        assert headers is not None
+        if headers.machine != "EM_X86_64":
+            raise ElfError(f"{path} is built for {headers.machine}, not x86-64")
+        self.headers = headers
+        self.is_pie, self.segments, self.interp = headers.is_pie, headers.segments, headers.interp
+        self.entry, self.build_id, self.is_go = headers.entry, headers.build_id, headers.is_go
+        self.needed, self.rpath, self.runpath = headers.needed, headers.rpath, headers.runpath
+        self.soname, self.has_symtab = headers.soname, headers.has_symtab
+        self._eh_ranges: list[tuple[int, int]] | None = None
+        self._branch_targets: BranchTargets | None = None
+        self._by_demangled: dict[str, dict[int, Function]] | None = None
         # A separate debug file is read when a symbol only it may have is asked for (libc's
         # takes ~40 ms): a name the file itself gives is found without it (`own_function`).
 
-    @functools.cached_property
-    def debug_file(self) -> str | None:
-        """The file's separate debug file (see `_debug_file`), or None."""
-        try:
-            with _parsing(self.path):
-                return self._debug_file(self._elf)
-        except ElfError as exc:
-            _debug(f"{self.path}: no debug file looked for: {exc}")
-            return None
+    def _parse(self) -> tuple[Headers, SymbolTables]:
+        from dynprobe.symbols import elfparse
+
+        with _parsing(self.path):
+            functions, objects, ifuncs, defaults = elfparse.symbols(self._elf)
+            return _headers(elfparse.headers(self._elf)), (_functions(functions), objects, ifuncs, defaults)
 
     @functools.cached_property
-    def _symbol_tables(self) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
+    def _elf(self) -> Elf:
+        """The file, parsed by pyelftools (a section at a time, as it is asked for)."""
+        from dynprobe.symbols import elfparse
+
+        with _parsing(self.path):
+            return elfparse.open_elf(self.data)
+
+    @functools.cached_property
+    def _debug(self) -> tuple[str, str] | None:
+        """The file's separate debug file, where gdb looks for it: by build-id under
+        /usr/lib/debug (Debian's -dbg and -dbgsym packages), then by its .gnu_debuglink name next
+        to it, in .debug/ there, and under /usr/lib/debug; one with another build-id is not it.
+        Its path and `_identity`, or None."""
+        candidates = []
+        if self.build_id and len(self.build_id) > 2:
+            candidates.append(f"{DEBUG_ROOT}/.build-id/{self.build_id[:2]}/{self.build_id[2:]}.debug")
+        name = self.headers.debuglink
+        if name is not None:
+            where = os.path.dirname(self.path)
+            candidates += [os.path.join(where, name), os.path.join(where, ".debug", name)]
+            candidates.append(f"{DEBUG_ROOT}{where}/{name}")
+        for candidate in candidates:
+            try:
+                if not os.path.isfile(candidate) or os.path.samefile(candidate, self.path):
+                    continue
+                identity = _identity(candidate)
+                build_id = _debug_build_id(candidate, identity)
+            except (OSError, ElfError) as exc:
+                _debug(f"{candidate}: not read as a debug file: {exc}")
+                continue
+            if self.build_id in (None, build_id):
+                return candidate, identity
+        return None
+
+    @property
+    def debug_file(self) -> str | None:
+        """The file's separate debug file (see `_debug`), or None."""
+        return None if self._debug is None else self._debug[0]
+
+    @functools.cached_property
+    def _symbol_tables(self) -> SymbolTables:
+        if self.has_symtab or self._debug is None:  # (with .symtab: it names what the debug file does)
+            return self._own_symbol_tables
+        path, identity = self._debug
+        try:
+            _, tables = _analysis(elf_cache.key_of(self.digest, "with debug symbols", identity),
+                                  lambda: (None, self._add_debug_symbols(path)))  # fmt: skip
+        except (OSError, ElfError):
+            return self._own_symbol_tables  # gone, replaced or damaged since: the file's own symbols only
+        return tables
+
+    def _add_debug_symbols(self, debug_file: str) -> SymbolTables:
+        """The file's own symbols with those only the debug file names (static functions, an
+        indirect function's implementations, data symbols); addresses the file's own symbols
+        name keep their names."""
+        from dynprobe.symbols import elfparse
+
+        data = read_regular(debug_file, MAX_FILE_SIZE)
+        with _parsing(debug_file):
+            theirs, their_objects, their_ifuncs, _ = elfparse.symbols(elfparse.open_elf(data))
         functions, objects, ifuncs, defaults = self._own_symbol_tables
-        if not self.has_symtab and self.debug_file is not None:  # (else it names what .symtab does)
-            objects, ifuncs = dict(objects), dict(ifuncs)
-            functions = self._add_debug_symbols(self.debug_file, functions, objects, ifuncs)
+        named = {f.addr for f in functions}
+        mine = [(f.name, f.addr, f.size) for f in functions]
+        functions = _functions([*mine, *(row for row in theirs if row[1] not in named)])
+        objects = objects | {name: at for name, at in their_objects.items() if name not in objects}
+        ifuncs = ifuncs | {name: at for name, at in their_ifuncs.items() if name not in ifuncs}
         return functions, objects, ifuncs, defaults
 
     @functools.cached_property
@@ -245,146 +377,6 @@ class ElfImage:
     @functools.cached_property
     def _starts(self) -> list[int]:
         return [f.addr for f in self.functions]
-
-    def _debug_file(self, elf: ELFFile) -> str | None:
-        """The separate debug file of a file, where gdb looks for it: by build-id under
-        /usr/lib/debug (Debian's -dbg and -dbgsym packages), then by its .gnu_debuglink name next
-        to it, in .debug/ there, and under /usr/lib/debug. One with another build-id is not it."""
-        candidates = []
-        if self.build_id and len(self.build_id) > 2:
-            candidates.append(f"{DEBUG_ROOT}/.build-id/{self.build_id[:2]}/{self.build_id[2:]}.debug")
-        link = elf.get_section_by_name(".gnu_debuglink")
-        if link is not None:
-            name = os.fsdecode(link.data().split(b"\0", 1)[0])
-            where = os.path.dirname(self.path)
-            candidates += [
-                os.path.join(where, name),
-                os.path.join(where, ".debug", name),
-                f"{DEBUG_ROOT}{where}/{name}",
-            ]
-        for candidate in candidates:
-            if os.path.isfile(candidate) and not os.path.samefile(candidate, self.path):
-                try:
-                    other = _Elf(io.BytesIO(read_regular(candidate, MAX_FILE_SIZE)))
-                    if self.build_id in (None, self._build_id(other)):
-                        return candidate
-                except (OSError, *_MALFORMED):
-                    continue
-        return None
-
-    def _add_debug_symbols(
-        self, debug_file: str, functions: list[Function], objects: dict[str, int], ifuncs: dict[str, int]
-    ) -> list[Function]:  # fmt: skip
-        """`functions` with those only the debug file names (static ones, an indirect function's
-        implementations), and its data symbols and indirect functions added to `objects` and
-        `ifuncs`; addresses the file's own symbols name keep their names."""
-        try:
-            data = read_regular(debug_file, MAX_FILE_SIZE)
-            with _parsing(debug_file):
-                theirs, their_objects, their_ifuncs, _ = self._symbols(_Elf(io.BytesIO(data)))
-        except (OSError, ElfError):
-            return functions  # gone, replaced or damaged since it was checked: the file's own symbols only
-        named = {f.addr for f in functions}
-        for mine, added in ((objects, their_objects), (ifuncs, their_ifuncs)):
-            for name, value in added.items():
-                mine.setdefault(name, value)
-        return sorted([*functions, *(f for f in theirs if f.addr not in named)], key=_symbol_order)
-
-    @staticmethod
-    def _build_id(elf: ELFFile) -> str | None:
-        for section in elf.iter_sections("SHT_NOTE"):
-            for note in section.iter_notes():  # type: ignore[attr-defined]
-                if note["n_type"] == "NT_GNU_BUILD_ID":
-                    return str(note["n_desc"])
-        return None
-
-    @staticmethod
-    def _dynamic(elf: ELFFile) -> tuple[list[str], list[str], list[str], str | None]:
-        """DT_NEEDED names, DT_RPATH and DT_RUNPATH directories (in their order), DT_SONAME."""
-        needed: list[str] = []
-        rpath: list[str] = []
-        runpath: list[str] = []
-        soname: list[str] = []
-        into = {"DT_NEEDED": needed, "DT_RPATH": rpath, "DT_RUNPATH": runpath, "DT_SONAME": soname}
-        section = elf.get_section_by_name(".dynamic")
-        if isinstance(section, DynamicSection):
-            for tag in section.iter_tags():
-                kind = tag.entry.d_tag
-                if kind in into:  # pyelftools sets the string as .needed, .rpath, .runpath, .soname
-                    value = str(getattr(tag, kind[3:].lower()))
-                    into[kind] += value.split(":") if kind in ("DT_RPATH", "DT_RUNPATH") else [value]
-        return needed, rpath, runpath, soname[0] if soname else None
-
-    @staticmethod
-    def _symbols(elf: ELFFile) -> tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]:
-        """Functions (sorted by address), data symbols (name -> address, for @SYM), indirect
-        functions (name -> resolver: symbols/ifunc.py) of .symtab and .dynsym, and the default
-        version of each versioned name ('exp' -> 'GLIBC_2.29'). The tables are decoded in bulk
-        with numpy: pyelftools parses a symbol at a time, ~50 us each, which is seconds for a
-        binary with 10^5 functions."""
-        seen: dict[tuple[str, int], Function] = {}
-        objects: dict[str, int] = {}
-        ifuncs: dict[str, int] = {}
-        defaults: dict[str, str] = {}
-        for table in (".symtab", ".dynsym"):
-            section = elf.get_section_by_name(table)
-            if not isinstance(section, SymbolTableSection) or section["sh_entsize"] != _SYM.itemsize:
-                continue
-            old, default = ElfImage._versions(elf) if table == ".dynsym" else ({}, {})
-            strtab = elf.get_section(section["sh_link"]).data()
-            syms = np.frombuffer(section.data(), dtype=_SYM)
-            kind = syms["info"] & 0xF
-            defined = (syms["shndx"] != 0) & (syms["value"] != 0)
-            for into, rows in (
-                # Not STT_GNU_IFUNC: its address is the resolver, which runs once at load time.
-                (None, np.nonzero(defined & (kind == _STT_FUNC))[0]),
-                (objects, np.nonzero((syms["shndx"] != 0) & np.isin(kind, (_STT_OBJECT, _STT_TLS)))[0]),
-                (ifuncs, np.nonzero(defined & (kind == _STT_GNU_IFUNC))[0]),
-            ):
-                for row, name_off, value, size in zip(
-                    rows.tolist(), syms["name"][rows].tolist(), syms["value"][rows].tolist(),
-                    syms["size"][rows].tolist(), strict=True,
-                ):  # fmt: skip
-                    end = strtab.find(b"\0", name_off)
-                    name = strtab[name_off : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
-                    # A name's default version is the name ('exp@@GLIBC_2.29' in .symtab); an
-                    # older one keeps its version ('exp@GLIBC_2.2.5'): programs linked today call
-                    # the default, and a probe on the name must be there.
-                    clean, _, version = name.partition("@@")
-                    if row in old:
-                        clean = f"{name}@{old[row]}"
-                    elif version or row in default:
-                        defaults.setdefault(clean, version or default[row])
-                    if into is None:
-                        seen.setdefault((clean, value), Function(clean, value, size))
-                    else:
-                        into.setdefault(clean, value)
-        return sorted(seen.values(), key=_symbol_order), objects, ifuncs, defaults
-
-    @staticmethod
-    def _versions(elf: ELFFile) -> tuple[dict[int, str], dict[int, str]]:
-        """.dynsym index -> the version of each symbol that is not its name's default (hidden in
-        .gnu.version: a compatibility symbol such as memcpy@GLIBC_2.2.5 or exp@GLIBC_2.2.5), and
-        of each that is (exp@@GLIBC_2.29, as `nm -D` prints it). Symbols this file defines only:
-        versions it needs from others are not in .gnu.version_d."""
-        versym = elf.get_section_by_name(".gnu.version")
-        verdef = elf.get_section_by_name(".gnu.version_d")
-        if versym is None or not isinstance(verdef, GNUVerDefSection):
-            return {}, {}
-        names: dict[int, str] = {}
-        for definition, auxiliaries in verdef.iter_versions():
-            first = next(iter(auxiliaries), None)
-            if first is not None and not definition["vd_flags"] & _VER_FLG_BASE:
-                names[definition["vd_ndx"]] = first.name
-        indices = np.frombuffer(versym.data(), dtype="<u2")
-        old: dict[int, str] = {}
-        default: dict[int, str] = {}
-        for i in np.nonzero(np.isin(indices & 0x7FFF, list(names)))[0].tolist():
-            index = int(indices[i])
-            (old if index & 0x8000 else default)[i] = names[index & 0x7FFF]
-        for i in np.nonzero(indices & 0x8000)[0].tolist():
-            old.setdefault(i, "old")
-        return old, default
 
     # --- address arithmetic -----------------------------------------------------------------
     @property
@@ -503,13 +495,14 @@ class ElfImage:
         """The .eh_frame and .debug_frame the unwind rows come from (each from the file, else
         from its debug file)."""
         found: dict[str, CfiSection] = {}
-        for path, elf in ((self.path, self._elf), (self.debug_file, None)):
+        from dynprobe.symbols import elfparse
+
+        for path in (self.path, self.debug_file):
             if path is None:
                 continue
             try:
                 with _parsing(path):
-                    if elf is None:
-                        elf = _Elf(io.BytesIO(read_regular(path, MAX_FILE_SIZE)))
+                    elf = self._elf if path == self.path else elfparse.open_elf(read_regular(path, MAX_FILE_SIZE))
                     for name in (".eh_frame", ".debug_frame"):
                         section = elf.get_section_by_name(name)
                         # (not NOBITS: a debug file's copy; lld's .eh_frame is SHT_X86_64_UNWIND)
@@ -536,7 +529,7 @@ class ElfImage:
                             if "initial_location" in header:
                                 start = header["initial_location"]
                                 ranges.append((start, start + header["address_range"]))
-            except _MALFORMED:
+            except _malformed():
                 ranges = []
             self._eh_ranges = sorted(ranges)
         return self._eh_ranges
@@ -647,27 +640,42 @@ class ElfImage:
 
     def _relocations(self) -> Iterator[tuple[np.ndarray, Callable[[int], str]]]:
         """Each SHT_RELA section's rows, and the name of a symbol of its symbol table by index."""
-        for section in self._elf.iter_sections("SHT_RELA"):
-            if section["sh_entsize"] != _RELA.itemsize:
-                continue
-            table = self._elf.get_section(section["sh_link"]) if section["sh_link"] else None
-            symbols = np.frombuffer(table.data(), dtype=_SYM) if isinstance(table, SymbolTableSection) else None
-            strtab = self._elf.get_section(table["sh_link"]).data() if symbols is not None and table else b""
+        from dynprobe.symbols import elfparse
 
-            def name(index: int, symbols: np.ndarray | None = symbols, strtab: bytes = strtab) -> str:
-                if symbols is None or index >= len(symbols):
-                    return ""
-                start = int(symbols["name"][index])
-                end = strtab.find(b"\0", start)
-                return strtab[start : end if end >= 0 else len(strtab)].decode("utf-8", "replace")
-
-            yield np.frombuffer(section.data(), dtype=_RELA), name
+        return elfparse.relocations(self._elf)
 
     def branch_targets(self) -> BranchTargets:
-        """Where the file's direct branches land (made once, then cached): `addr in targets`."""
+        """Where the file's direct branches land (made once, kept on disk): `addr in targets`."""
         if self._branch_targets is None:
-            self._branch_targets = BranchTargets(self)
+            key = elf_cache.key_of(self.digest, "branches", BranchTargets._SCAN, BranchTargets._ANY_FILE)
+            scan = self._kept_scan(key)
+            if scan is None:
+                scan = BranchTargets.scan(self)
+                ranges = self.eh_frame_ranges()
+                with contextlib.suppress(OverflowError):  # (an unwind table's range past 2^63)
+                    eh_starts, eh_ends = array("q", [s for s, _ in ranges]), array("q", [e for _, e in ranges])
+                    arrays = {"sources": scan.sources, "targets": scan.targets, "taken": scan.taken,
+                              "eh_starts": eh_starts, "eh_ends": eh_ends}  # fmt: skip
+                    elf_cache.store(key, {"scanned": scan.scanned, "everything": scan.everything}, arrays, {})
+            self._branch_targets = BranchTargets(self, scan)
         return self._branch_targets
+
+    def _kept_scan(self, key: str) -> Scan | None:
+        """The scan of `branch_targets` kept on disk, with the unwind tables' ranges, if it is."""
+        kept = elf_cache.load(key)
+        if kept is None:
+            return None
+        meta, arrays, _ = kept
+        try:
+            scan = Scan(arrays["sources"], arrays["targets"], arrays["taken"], int(meta["scanned"]),
+                        bool(meta["everything"]))  # fmt: skip
+            ranges = list(zip(arrays["eh_starts"], arrays["eh_ends"], strict=True))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if len(scan.sources) != len(scan.targets):
+            return None
+        self._eh_ranges = ranges
+        return scan
 
     def symbolize(self, vaddr: int) -> str | None:
         func = self.function_at(vaddr)
@@ -675,6 +683,20 @@ class ElfImage:
             return None
         off = vaddr - func.addr
         return f"{func.name}+{off:#x}" if off else func.name
+
+
+class Scan(NamedTuple):
+    """What BranchTargets finds in a file's bytes (kept on disk: symbols/elf_cache.py)."""
+
+    sources: array[int]  # where a rel32 branch may start, in the order of `targets`
+    targets: array[int]  # where it lands, sorted
+    taken: array[int]  # the code addresses the file takes, sorted
+    scanned: int  # bytes of code
+    everything: bool  # read as branches everywhere: every address is a target
+
+
+def _int64s(values: np.ndarray) -> array[int]:
+    return array("q", values.astype("<i8").tobytes())
 
 
 class BranchTargets:
@@ -700,41 +722,10 @@ class BranchTargets:
     LOOKUPS = 64
     FUNCTIONS_PER_LOOKUP = 16
 
-    def __init__(self, image: ElfImage) -> None:
+    def __init__(self, image: ElfImage, scan: Scan) -> None:
         self.image = image
-        # A file is untrusted: segments that map its bytes many times over, or code that reads as
-        # branches everywhere (real code: one byte in 30), make every address a target (probes
-        # stay traps) rather than take memory without bound.
-        found: list[tuple[np.ndarray, np.ndarray]] = []
-        leas: list[np.ndarray] = [np.zeros(0, np.int64)]
-        places = scanned = 0
-        self.everything = False
-        for seg in image.segments:
-            if not seg.executable or self.everything or seg.vaddr + seg.filesz >= 1 << 47:
-                continue  # (no user-space code is mapped above 2^47)
-            size = max(0, min(seg.filesz, len(image.data) - seg.offset))
-            scanned += size
-            for at in range(0, size, self._SCAN):  # (overlapping by a branch's length)
-                code = image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 6)]
-                found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
-                leas.append(_rip_leas(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
-                places += len(found[-1][0]) + len(leas[-1])
-                if places > scanned // 8 + self._ANY_FILE or scanned > 4 * len(image.data):
-                    self.everything, found, leas = True, [], []
-                    break
-        sources = np.concatenate([np.zeros(0, np.int64), *(where for where, _ in found)])
-        targets = np.concatenate([np.zeros(0, np.int64), *(to for _, to in found)])
-        order = np.argsort(targets, kind="stable")
-        self.sources, self.targets = sources[order], targets[order]  # by target
-        with _parsing(image.path):
-            addends = [rows["addend"][np.isin(rows["info"] & 0xFFFF_FFFF, _ADDRESS_RELOCATIONS)]
-                       for rows, _ in image._relocations()]  # fmt: skip
-        absolute = [] if image.is_pie or self.everything else self._absolute_addresses(scanned // 8 + self._ANY_FILE)
-        if absolute is None:
-            self.everything, absolute = True, []
-        # (sorted for is_taken's search; not np.unique, whose first call imports numpy.ma)
-        self.taken = np.sort(np.concatenate([np.zeros(0, np.int64), *leas, *(a.astype(np.int64) for a in addends),
-                                             *absolute]))  # fmt: skip
+        self.sources, self.targets, self.taken = scan.sources, scan.targets, scan.taken
+        self.everything = scan.everything
         # (The file's own symbols: a function only its debug file names has an unwind-table
         # range as a rule, and a candidate in no range counts as a branch, so a probe may stay a
         # trap, never go wrong: not worth reading the debug file, ~30 ms for libc's.)
@@ -744,9 +735,46 @@ class BranchTargets:
         self._decoded: dict[tuple[int, int], list[tuple[int, int]]] = {}  # a function range -> its branches
         # Ranges may nest (a hostile symbol table: thousands around one place): what is decoded is
         # bounded too, by the code's size (then every address is a target).
-        self._may_decode = 8 * scanned + self._ANY_FILE
+        self._may_decode = 8 * scan.scanned + self._ANY_FILE
         self._lookups = 0
         self._all: frozenset[int] | None = None  # every target, once LOOKUPS questions were asked
+
+    @classmethod
+    def scan(cls, image: ElfImage) -> Scan:
+        """The candidates of a file's bytes (numpy's work: see the class)."""
+        # A file is untrusted: segments that map its bytes many times over, or code that reads as
+        # branches everywhere (real code: one byte in 30), make every address a target (probes
+        # stay traps) rather than take memory without bound.
+        found: list[tuple[np.ndarray, np.ndarray]] = []
+        leas: list[np.ndarray] = [np.zeros(0, np.int64)]
+        places = scanned = 0
+        everything = False
+        for seg in image.segments:
+            if not seg.executable or everything or seg.vaddr + seg.filesz >= 1 << 47:
+                continue  # (no user-space code is mapped above 2^47)
+            size = max(0, min(seg.filesz, len(image.data) - seg.offset))
+            scanned += size
+            for at in range(0, size, cls._SCAN):  # (overlapping by a branch's length)
+                code = image.data[seg.offset + at : seg.offset + min(size, at + cls._SCAN + 6)]
+                found.append(_rel32_branches(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
+                leas.append(_rip_leas(np.frombuffer(code, dtype=np.uint8), seg.vaddr + at))
+                places += len(found[-1][0]) + len(leas[-1])
+                if places > scanned // 8 + cls._ANY_FILE or scanned > 4 * len(image.data):
+                    everything, found, leas = True, [], []
+                    break
+        sources = np.concatenate([np.zeros(0, np.int64), *(where for where, _ in found)])
+        targets = np.concatenate([np.zeros(0, np.int64), *(to for _, to in found)])
+        order = np.argsort(targets, kind="stable")
+        with _parsing(image.path):
+            addends = [rows["addend"][np.isin(rows["info"] & 0xFFFF_FFFF, _ADDRESS_RELOCATIONS)]
+                       for rows, _ in image._relocations()]  # fmt: skip
+        absolute = [] if image.is_pie or everything else _absolute_addresses(image, scanned // 8 + cls._ANY_FILE)
+        if absolute is None:
+            everything, absolute = True, []
+        # (sorted for is_taken's search; not np.unique, whose first call imports numpy.ma)
+        taken = np.sort(np.concatenate([np.zeros(0, np.int64), *leas, *(a.astype(np.int64) for a in addends),
+                                        *absolute]))  # fmt: skip
+        return Scan(_int64s(sources[order]), _int64s(targets[order]), _int64s(taken), scanned, everything)
 
     def __contains__(self, addr: object) -> bool:
         if self.everything:
@@ -757,37 +785,8 @@ class BranchTargets:
 
     def is_taken(self, addr: int) -> bool:
         """Whether the file takes the address `addr` (an indirect jump may land there)."""
-        at = int(np.searchsorted(self.taken, addr))
-        return at < len(self.taken) and int(self.taken[at]) == addr
-
-    def _absolute_addresses(self, most: int) -> list[np.ndarray] | None:
-        """Of a file that is not position-independent, the addresses of its code it holds with no
-        relocation: 4 bytes at a 4-byte boundary of its data (a table of addresses, a pointer's
-        low half), and the immediate of any byte of its code that could start a `mov r32, imm32`,
-        `push imm32` or `mov r/m, imm32` (how such code puts a label's address in a register or in
-        memory), that read as an address of its code. None past `most` of them (a file made to
-        read as addresses everywhere: every address is then a target)."""
-        found: list[np.ndarray] = []
-        total = 0
-        code = [(seg.vaddr, seg.vaddr + seg.filesz) for seg in self.image.segments if seg.executable]
-        for seg in self.image.segments:
-            size = max(0, min(seg.filesz, len(self.image.data) - seg.offset))
-            for at in range(0, size, self._SCAN):
-                chunk = np.frombuffer(self.image.data[seg.offset + at : seg.offset + min(size, at + self._SCAN + 15)],
-                                      dtype=np.uint8)  # fmt: skip
-                places = _immediates(chunk) if seg.executable else np.arange(0, len(chunk) - 3, 4)
-                places = places[places + 4 <= len(chunk)]
-                words = np.zeros(len(places), dtype=np.int64)
-                for byte in range(4):
-                    words |= chunk[places + byte].astype(np.int64) << (8 * byte)
-                inside = np.zeros(len(words), dtype=bool)
-                for low, high in code:
-                    inside |= (words >= low) & (words < high)
-                found.append(np.unique(words[inside]))
-                total += len(found[-1])
-                if total > most:
-                    return None
-        return found
+        at = bisect.bisect_left(self.taken, addr)
+        return at < len(self.taken) and self.taken[at] == addr
 
     def _branched_to(self, addr: int) -> bool:
         self._lookups += 1
@@ -795,7 +794,7 @@ class BranchTargets:
             self._all = self._every_target()
         if self._all is not None:
             return addr in self._all or self.everything
-        low, high = np.searchsorted(self.targets, [addr, addr + 1])
+        low, high = bisect.bisect_left(self.targets, addr), bisect.bisect_right(self.targets, addr)
         for source in self.sources[low:high].tolist():
             around = list(self._around(source, source))
             if not around or any(addr in self._targets(r) for r in around):
@@ -856,7 +855,7 @@ class BranchTargets:
 
         if self.everything or self.is_taken(addr):
             return None
-        low, high = np.searchsorted(self.targets, [addr, addr + 1])
+        low, high = bisect.bisect_left(self.targets, addr), bisect.bisect_right(self.targets, addr)
         ranges = set(self._around(addr - 129, addr + 127))
         for source in self.sources[low:high].tolist():
             around = list(self._around(source, source))
@@ -879,6 +878,36 @@ class BranchTargets:
                     dead = 0
                 found[source] = length + dead
         return None if self.everything else sorted(found.items())
+
+
+def _absolute_addresses(image: ElfImage, most: int) -> list[np.ndarray] | None:
+    """Of a file that is not position-independent, the addresses of its code it holds with no
+    relocation: 4 bytes at a 4-byte boundary of its data (a table of addresses, a pointer's
+    low half), and the immediate of any byte of its code that could start a `mov r32, imm32`,
+    `push imm32` or `mov r/m, imm32` (how such code puts a label's address in a register or in
+    memory), that read as an address of its code. None past `most` of them (a file made to
+    read as addresses everywhere: every address is then a target)."""
+    found: list[np.ndarray] = []
+    total = 0
+    code = [(seg.vaddr, seg.vaddr + seg.filesz) for seg in image.segments if seg.executable]
+    for seg in image.segments:
+        size = max(0, min(seg.filesz, len(image.data) - seg.offset))
+        for at in range(0, size, BranchTargets._SCAN):
+            chunk = np.frombuffer(image.data[seg.offset + at : seg.offset + min(size, at + BranchTargets._SCAN + 15)],
+                                  dtype=np.uint8)  # fmt: skip
+            places = _immediates(chunk) if seg.executable else np.arange(0, len(chunk) - 3, 4)
+            places = places[places + 4 <= len(chunk)]
+            words = np.zeros(len(places), dtype=np.int64)
+            for byte in range(4):
+                words |= chunk[places + byte].astype(np.int64) << (8 * byte)
+            inside = np.zeros(len(words), dtype=bool)
+            for low, high in code:
+                inside |= (words >= low) & (words < high)
+            found.append(np.unique(words[inside]))
+            total += len(found[-1])
+            if total > most:
+                return None
+    return found
 
 
 def _rel32_branches(code: np.ndarray, vaddr: int) -> tuple[np.ndarray, np.ndarray]:
