@@ -100,12 +100,12 @@ def read(kind: str, key: str, *, most: int) -> bytes | None:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or not _trusted(fd, ours=True) or info.st_size > most:
                 return None
-            data = f.read(most + 1)
+            data = f.read(info.st_size + 1)  # (one more: a file that grew since is not used)
     except OSError:
         return None
     finally:
         os.close(directory)
-    return data if len(data) <= most else None
+    return data if len(data) == info.st_size else None
 
 
 def write(kind: str, key: str, chunks: Iterable[bytes]) -> None:
