@@ -191,6 +191,37 @@ def test_memcpy_and_mempcpy_take_jumps_with_the_branch_between_them_taken_along(
     assert theirs == {"memcpy": 5000, "mempcpy": 5000}, report
 
 
+# glibc's string functions that index a jump table by a bit scan plus or minus an offset (no
+# compare bounds it: the table is read as far as its entries land in code), each chosen by
+# libc's resolvers once the CPU features above it are turned off (GLIBC_TUNABLES)
+STRING_FUNCTIONS = {
+    "-AVX2,-AVX,-AVX512F,-AVX512VL,-AVX512BW,-EVEX,-SSE4_2,-SSSE3,-SSE4_1,-Fast_Unaligned_Load": (
+        "__strcmp_sse2", "__strncmp_sse2", "__strcasecmp_l_sse2", "__strncasecmp_l_sse2", "__strncat_sse2_unaligned",
+        "__strncpy_sse2_unaligned", "__stpncpy_sse2_unaligned",
+    ),
+    "-AVX2,-AVX512F,-AVX512VL,-AVX512BW,-EVEX": (
+        "__strcmp_sse42", "__strncmp_sse42", "__strcasecmp_l_sse42", "__strncasecmp_l_sse42", "__strcpy_sse2_unaligned",
+        "__stpcpy_sse2_unaligned", "__strcat_sse2_unaligned",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("features", list(STRING_FUNCTIONS))
+def test_string_functions_whose_tables_nothing_bounds_take_a_jump(
+    features: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """strcmp, strcpy and their kin over strings at every alignment (each dispatching through
+    its tables): optimized, every call counted, the program's output its own."""
+    strings = build_target("strings", flags=("-O1", "-fno-builtin"))
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.cpu.hwcaps={features}")
+    rounds = 3000
+    names = STRING_FUNCTIONS[features]
+    status, out, probes = traced([strings, str(rounds)], lambda s: [s.probe(f"libc:{n}") for n in names], optimize=True)
+    assert (status, out) == (0, run_plain([strings, str(rounds)]).stdout)
+    assert [p.mode for p in probes] == [OPTIMIZED] * len(names), [p.trap_reason for p in probes]  # type: ignore[attr-defined]
+    assert [p.hits for p in probes] == [rounds] * len(names)  # type: ignore[attr-defined]
+
+
 def test_a_python_handler_s_upcall_detour_takes_the_branch_along_too() -> None:
     """memcpy with a Python pre-handler served by upcalls: its detour asks, then runs its copy
     of the region, where mempcpy's re-aimed branch lands (after the upcall: mempcpy's calls run

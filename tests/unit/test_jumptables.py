@@ -380,3 +380,57 @@ def test_a_loop_through_the_code_branches_meet_at_ends() -> None:
     insns = decoded(code)
     assert insns[5].near_branch_target == insns[2].ip and insns[1].near_branch_target == insns[4].ip
     assert landing(insns, len(insns) - 1, reader({})) is Landing.UNBOUNDED
+
+
+# --- tables nothing bounds, read by what they hold -------------------------------------------------------
+def in_code(addr: int) -> bool:
+    return F <= addr < F + 0x1000  # (the module's code: 0x1000-0x2000)
+
+
+def held(*code: iced.Instruction, memory: dict[int, bytes]) -> frozenset[int] | Landing:
+    insns = decoded(encode(*code))
+    return landing(insns, len(insns) - 1, reader(memory), is_code=in_code)
+
+
+def test_a_table_nothing_bounds_is_read_while_its_entries_land_in_code() -> None:
+    """glibc's string functions index their tables by a bit scan plus or minus an offset: the
+    table's entries from the first while each lands in the module's code (a case split off to
+    another function too), the first that does not ends it; none that does, or MAX_ENTRIES
+    (4096) that all do, and nothing says where it lands."""
+    cold = 0x1F00  # (a case GCC put in a .cold part elsewhere in the code)
+    memory = {TABLE: offsets(*CASES, cold, 0x9000, *CASES)}
+    assert held(*GCC_DISPATCH, memory=memory) == frozenset([*CASES, cold])
+    assert held(*GCC_DISPATCH, memory={TABLE: offsets(0x9000, *CASES)}) is Landing.UNBOUNDED
+    assert held(*GCC_DISPATCH, memory={}) is Landing.UNBOUNDED
+    assert held(*GCC_DISPATCH, memory={TABLE: offsets(*CASES[:2])}) == frozenset(CASES[:2])  # (the end of the data)
+    most = [0x1000 + i for i in range(4095)]
+    assert held(*GCC_DISPATCH, memory={TABLE: offsets(*most, 0x9000)}) == frozenset(most)
+    assert held(*GCC_DISPATCH, memory={TABLE: offsets(*most, 0x1000)}) is Landing.UNBOUNDED
+    # a table of addresses (code built without -fPIC)
+    absolute = (one_mem(C.JMP_RM64, Memory(R.NONE, R.RDI, 8, displ=TABLE)),)
+    addresses = struct.pack("<3Q", *CASES[:2], 0x9000)
+    assert held(*absolute, memory={TABLE: addresses}) == frozenset(CASES[:2])
+    assert landed(*absolute, memory={TABLE: addresses}) is Landing.UNBOUNDED  # (nothing says what is code)
+
+
+def test_an_entry_at_a_constant_place_is_a_table_of_one() -> None:
+    """`movsxd rax, [rip+TABLE]; lea rsi, [rip+TABLE]; add rax, rsi; jmp rax` (glibc's
+    __res_context_query): the one entry's target."""
+    code = (
+        reg_mem(C.MOVSXD_R64_RM32, R.RAX, Memory(R.RIP, displ=TABLE + 8)),
+        reg_mem(C.LEA_R64_M, R.RSI, Memory(R.RIP, displ=TABLE)),
+        reg_reg(C.ADD_R64_RM64, R.RAX, R.RSI),
+        one_reg(C.JMP_RM64, R.RAX),
+    )  # fmt: skip
+    assert landed(*code, memory={TABLE + 8: offsets(CASES[3])}) == frozenset([CASES[3]])
+    assert landed(*code, memory={}) is Landing.UNBOUNDED
+
+
+def test_a_case_of_a_table_nothing_bounds_landing_in_the_region_refuses_it() -> None:
+    code = encode(*PROLOGUE, *GCC_DISPATCH)
+    fine = {TABLE: offsets(*CASES, 0x9000)}
+    plan = can_optimize(code, F, F, read=reader(fine), is_code=in_code)
+    assert isinstance(plan, OptimizePlan)
+    into = reader({TABLE: offsets(*CASES, F + 4, 0x9000)})
+    assert can_optimize(code, F, F, read=into, is_code=in_code) == OptimizeRefusal.JUMP_INTO_REGION
+    assert can_optimize(code, F, F, read=reader(fine)) == OptimizeRefusal.INDIRECT_JUMP  # (what is code: not said)

@@ -449,6 +449,7 @@ class ElfImage:
         return can_optimize(
             self.code(addr, size), addr + bias, site, other_probes=other_probes, module_targets=self.branch_targets(),
             bias=bias, read=lambda at, count: self.read(at - bias, count), padding=self.padding_after(addr + size),
+            is_code=lambda at: self.is_executable(at - bias),
             branches_to=branches_to if take_along else None,
         )  # fmt: skip
 

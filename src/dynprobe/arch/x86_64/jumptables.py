@@ -11,7 +11,14 @@ from the table, bounded by a compare before it:
     jmp   rA               ; (notrack jmp under CET)
 
 and code built without -fPIC through one of absolute addresses: `jmp [rI*8 + TABLE]`, or a
-`mov rA, [rI*8 + TABLE]` then `jmp rA`. A table found but not bounded is `UNBOUNDED`. Any other
+`mov rA, [rI*8 + TABLE]` then `jmp rA`; an entry at a constant place (`movsxd rA, [rip+TABLE]`)
+is a table of one. A table whose index nothing bounds (glibc's string functions: the index is a
+bit scan plus or minus an offset, or a sum) is bounded by what it holds, where the caller says
+what is code (`is_code`): every entry of a table lands in the module's code, and an index never
+goes below 0 (the table's register points at its first entry), so the entries read from the
+first while each lands in code hold the whole table, and perhaps what follows it (more targets:
+refusals, never fewer); a first entry that does not, or MAX_ENTRIES that all do, is
+`UNBOUNDED`. Any other
 indirect jump goes through a value made elsewhere (a tail call through a pointer, a computed
 goto's table of label addresses, a method): it lands only where the module takes an address
 (its relocations, its RIP-relative `lea`s), which the caller knows: `THROUGH_POINTER`.
@@ -69,16 +76,20 @@ class Landing(enum.Enum):
 
 
 Reader = Callable[[int, int], bytes | None]  # (address, size) -> the module's bytes there, or None
+IsCode = Callable[[int], bool]  # an address -> whether the module's code is there
 
 
-def landing(insns: Sequence[iced.Instruction], at: int, read: Reader) -> frozenset[int] | Landing:
+def landing(
+    insns: Sequence[iced.Instruction], at: int, read: Reader, *, is_code: IsCode | None = None
+) -> frozenset[int] | Landing:
     """Where the indirect jump `insns[at]` (of a whole function's `insns`) may land: a decoded
     table's targets, or a `Landing`. The jump's register is followed back through copies and
     the pointer guard's mangling (`ror`, `xor` of the same register) to what made it: a load (a
     table's or a pointer's), a call's result, the caller's argument or a `lea` of one label;
     where code is reached by several branches, along each (MERGES deep at most), the targets
-    of all of them. Made any other way, nothing says where it lands: `UNBOUNDED`."""
-    code = _Code(insns)
+    of all of them. Made any other way, nothing says where it lands: `UNBOUNDED`. `is_code`:
+    tables nothing bounds are read as far as they land in code (without: `UNBOUNDED`)."""
+    code = _Code(insns, is_code)
     jump = insns[at]
     if jump.op0_kind == iced.OpKind.MEMORY:
         return code.loaded(at, jump, read)
@@ -133,8 +144,9 @@ class _Merge:
 class _Code:
     """One function's instructions, walked back from one along the way the code runs into it."""
 
-    def __init__(self, insns: Sequence[iced.Instruction]) -> None:
+    def __init__(self, insns: Sequence[iced.Instruction], is_code: IsCode | None) -> None:
         self.insns = insns
+        self.is_code = is_code
         self._sources: dict[int, list[int]] | None = None  # an address -> the direct branches to it
 
     def _branches_to(self, at: int) -> list[int]:
@@ -206,8 +218,10 @@ class _Code:
             if not isinstance(load, tuple) or load[1].code != _C.MOVSXD_R64_RM32:
                 continue
             load_at, movsxd = load
-            table = self.rip_address(load_at, movsxd.memory_base)
             start = self.rip_address(add_at, origin)
+            if movsxd.memory_base == _R.RIP and start is not None:  # (one entry, at a constant place)
+                return self.table(load_at, read, table=int(movsxd.memory_displacement), origin=start, index=None)
+            table = self.rip_address(load_at, movsxd.memory_base)
             if table is None or start is None or movsxd.memory_index == _R.NONE or movsxd.memory_index_scale != 4:
                 return Landing.UNBOUNDED
             table = (table + movsxd.memory_displacement) & ((1 << 64) - 1)
@@ -224,12 +238,14 @@ class _Code:
         return int(found[1].memory_displacement)
 
     def table(self, load_at: int, read: Reader, *, table: int, origin: int | None,
-              index: RegisterT) -> frozenset[int] | Landing:  # fmt: skip
-        """The targets of the table at `table` indexed by `index` at `insns[load_at]`: 32-bit
-        offsets from `origin`, or (None) 64-bit addresses."""
+              index: RegisterT | None) -> frozenset[int] | Landing:  # fmt: skip
+        """The targets of the table at `table` indexed by `index` (None: its first entry only) at
+        `insns[load_at]`: 32-bit offsets from `origin`, or (None) 64-bit addresses."""
         width = 8 if origin is None else 4
-        entries = self.bound(load_at, _FULL(index))
-        if entries is None or not 0 < entries <= MAX_ENTRIES:
+        entries = 1 if index is None else self.bound(load_at, _FULL(index))
+        if entries is None:
+            return self.held(read, table=table, origin=origin)
+        if not 0 < entries <= MAX_ENTRIES:
             return Landing.UNBOUNDED
         data = read(table, width * entries)
         if data is None or len(data) != width * entries:
@@ -237,6 +253,24 @@ class _Code:
         if origin is None:
             return frozenset(struct.unpack(f"<{entries}Q", data))
         return frozenset(origin + offset for offset in struct.unpack(f"<{entries}i", data))
+
+    def held(self, read: Reader, *, table: int, origin: int | None) -> frozenset[int] | Landing:
+        """The targets of a table nothing bounds, by what it holds: its entries from the first
+        while each lands in code (see the module's docstring)."""
+        width = 8 if origin is None else 4
+        targets: set[int] = set()
+        for k in range(MAX_ENTRIES):
+            data = read(table + width * k, width)
+            if data is None or len(data) != width or self.is_code is None:
+                break
+            value = int.from_bytes(data, "little", signed=origin is not None)
+            target = value if origin is None else origin + value
+            if not self.is_code(target):
+                break
+            targets.add(target)
+        else:
+            return Landing.UNBOUNDED
+        return frozenset(targets) if targets else Landing.UNBOUNDED
 
     def bound(self, load_at: int, index: RegisterT) -> int | None:
         """How many entries the index may select: from the compare (and unsigned jump) that bounds

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.decode import decode_one, iter_instructions
-from dynprobe.arch.x86_64.jumptables import Landing, Reader, landing
+from dynprobe.arch.x86_64.jumptables import IsCode, Landing, Reader, landing
 from dynprobe.arch.x86_64.relocate import call_as_jump, jump_to, relocate, retarget
 from dynprobe.errors import OptimizeRefusal
 
@@ -130,6 +130,7 @@ def can_optimize(
     module_targets: Container[int] = frozenset(),
     bias: int = 0,
     read: Reader | None = None,
+    is_code: IsCode | None = None,
     padding: bytes = b"",
     branches_to: Callable[[int], Sequence[tuple[iced.Instruction, int]] | None] | None = None,
 ) -> OptimizePlan | OptimizeRefusal:
@@ -139,7 +140,9 @@ def can_optimize(
     `module_targets`: where the module's other code may land, as link-time addresses (`bias`
     below where they run): its direct branches' targets (glibc's mempcpy jumps to a label inside
     memmove) and the addresses it takes. `read(addr, size)`: the module's bytes at a run-time
-    address (its switch tables; None: every indirect jump but a `jmp [rip+x]` is refused).
+    address (its switch tables; None: every indirect jump but a `jmp [rip+x]` is refused);
+    `is_code(addr)`: whether a run-time address is the module's code (a table nothing bounds is
+    read as far as its entries land there: arch/x86_64/jumptables.py).
     `padding`: the bytes after the function up to the next 16-byte boundary, where no symbol
     starts. `branches_to(addr)`: the direct branches that land at a run-time `addr` of the
     region, each with the bytes from its start no other code runs (its own, and the padding
@@ -170,7 +173,7 @@ def can_optimize(
     landed: set[int] = set()  # addresses inside the region direct branches land on
     for i, insn in enumerate(insns):
         if (insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect) and not is_pointer_jump(insn):
-            lands = Landing.UNBOUNDED if read is None else landing(insns, i, read)
+            lands = Landing.UNBOUNDED if read is None else landing(insns, i, read, is_code=is_code)
             if lands is Landing.UNBOUNDED:
                 return OptimizeRefusal.INDIRECT_JUMP
             if isinstance(lands, frozenset) and any(site < target < region_end for target in lands):
