@@ -116,6 +116,19 @@ def test_threads_hitting_at_once_are_each_served(counter: str, mode: str) -> Non
     assert sorted(calls.values()) == [2000] * 8
 
 
+def test_a_thread_that_asks_while_another_keeps_the_server_busy_is_served() -> None:
+    """A second thread starts asking while a first asks without a pause (the server answers
+    the first without going round its loop): its asks are heard, or the first, which stops once
+    the second is done, would never stop (the run's timeout)."""
+    relay = build_target("relay", flags=("-O1", "-pthread"))
+    threads: set[int] = set()
+    status, out, probe = run(
+        [relay, "20000"], "upcall", lambda s: s.probe("work", pre=lambda hit: threads.add(hit.tid))
+    )
+    assert (status, out) == (0, "first>=1 second=20000\n")
+    assert isinstance(probe, dynprobe.Probe) and probe.mode == dynprobe.ProbeMode.OPTIMIZED and len(threads) == 2
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_handler_that_raises_is_reported_once_and_the_program_goes_on(counter: str, mode: str) -> None:
     def pre(hit: Hit) -> None:

@@ -168,7 +168,8 @@ class Upcalls:
         self._moved_at = 0.0  # when the server last left a CPU to a thread that asks there
         # Acquired and released between storing an answer and looking whether its thread
         # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
-        self._fence = threading.Lock()
+        fence = threading.Lock()
+        self._fence_acquire, self._fence_release = fence.acquire, fence.release
         # Calls handlers ask the tracing thread to make, and their outcome (under _lock)
         self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._taking_jobs = False  # while run() runs
@@ -339,15 +340,11 @@ class Upcalls:
                     for asker in askers:
                         if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST and self._serving.is_set():
                             self._answer(asker)
+                    self._look_at_cpu(bells)
+                    if self._spin and self._spin_serving(pages, rings, askers, bells, seen):
+                        continue
                 except ValueError:  # (a process ended meanwhile: its areas' memory is let go under us)
                     seen = ()
-                    continue
-                cpu = self._placed_on if self._placed_on is not None else sc.current_cpu()
-                if cpu != self._cpu:
-                    self._cpu = cpu
-                    for bell in bells:
-                        bell.on_cpu(cpu)
-                if self._spin and self._rung(pages, rings, time.monotonic() + SPIN):
                     continue
                 self._tell_foreign()
                 for bell in bells:
@@ -390,27 +387,56 @@ class Upcalls:
             self._moved_at = now
             self.place(others, spin=self._spin)
 
-    def _rung(self, pages: list[memoryview], seen: list[int], until: float) -> bool:
-        """Whether a doorbell (its `pages`) has rung since it was `seen`, or does before `until`
-        (time.monotonic), looked at again and again. The GIL is let go now and then, for the
-        tracing thread."""
-        if len(pages) == 1:  # (the common case, looked at in fewer steps)
-            page, value = pages[0], seen[0]
-            while True:
-                for _ in range(64):
-                    if page[_RING] & 0xFFFFFFFF != value:
-                        return True
-                if time.monotonic() >= until or self._stopping.is_set():
-                    return False
-                time.sleep(0)
+    def _look_at_cpu(self, bells: list[Doorbell]) -> None:
+        """The doorbells say where the server runs now (threads that ask there do not spin)."""
+        cpu = self._placed_on if self._placed_on is not None else sc.current_cpu()
+        if cpu != self._cpu:
+            self._cpu = cpu
+            for bell in bells:
+                bell.on_cpu(cpu)
+
+    def _spin_serving(self, pages: list[memoryview], rings: list[int], askers: list[Asker], bells: list[Doorbell],
+                      seen: tuple[int, ...]) -> bool:  # fmt: skip
+        """Answer the threads that ask as their doorbells (`pages`, `rings` when last looked at)
+        ring, looking at them again and again, until none has rung for SPIN seconds (False: time
+        to sleep), or the server has its world to look at again (True: a ring no thread it knows
+        made, threads or doorbells that came or went, a run held, the server to stop). Each ring
+        is answered here, without going round the server's loop: the hot path of every hit, in as
+        few steps as Python allows. The GIL is let go now and then, for the tracing thread."""
+        serving, stopping = self._serving, self._stopping
+        until = time.monotonic() + SPIN
+        answered = 0  # since the last look at the world
         while True:
             for _ in range(64):
-                for page, value in zip(pages, seen, strict=True):
-                    if page[_RING] & 0xFFFFFFFF != value:
+                if len(pages) == 1:  # (the common case, looked at in fewer steps)
+                    rang = pages[0][_RING] & 0xFFFFFFFF != rings[0]
+                else:
+                    rang = any(page[_RING] & 0xFFFFFFFF != value for page, value in zip(pages, rings, strict=True))
+                if rang:
+                    break
+            else:
+                if answered:
+                    answered = 0
+                    until = time.monotonic() + SPIN
+                elif time.monotonic() >= until:
+                    return False
+                if stopping.is_set() or (self._version, ThreadAreas.changes) != seen:
+                    return True
+                time.sleep(0)
+                continue
+            rings[:] = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
+            heard = False
+            for asker in askers:
+                if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST:
+                    if not serving.is_set():
                         return True
-            if time.monotonic() >= until or self._stopping.is_set():
-                return False
-            time.sleep(0)
+                    self._answer(asker)
+                    heard = True
+            answered += 1
+            if not heard or answered % 64 == 0:  # (a thread it does not know yet asked, or now and then)
+                if stopping.is_set() or (self._version, ThreadAreas.changes) != seen:
+                    return True
+                self._look_at_cpu(bells)
 
     def _areas(self, only: TracedProcess | None = None) -> Iterator[Asker]:
         """The threads of the processes with doorbells (of `only`, if given), once each (a vfork
@@ -472,8 +498,8 @@ class Upcalls:
                 regs.rip = resume.get(target, target)
             view[at : at + _FRAME_BYTES] = regs
             cells[_STATE] = L.UPCALL_ANSWERED
-            with self._fence:  # (see the detour's SLEEPING)
-                pass
+            self._fence_acquire()  # (see the detour's SLEEPING)
+            self._fence_release()
             if cells[_SLEEPING]:
                 sc.futex_wake(asker.state)
             if self._spin and cells[_CPU] == self._cpu:
@@ -491,11 +517,11 @@ class Upcalls:
         the instruction done), in order, on the frame; where the thread goes on if a pre-handler
         returned True (it moved it: the instruction and the post-handlers are skipped) or a
         post-handler moved it, else None. A hit is counted at its first upcall (a return
-        probe's, at its return)."""
-        now, tid = time.monotonic(), asker.tid
-        probes = [p for p in site.probes if p.enabled]
+        probe.s, at its return)."""
+        now, tid, pid = time.monotonic(), asker.tid, proc.pid
+        probes = [p for p in site.probes if p.enabled]  # (as they are now: a handler may place more)
         count_here = not post or not self.asks_before(probes)
-        asked_at = int(regs.rip)
+        asked_at = regs.rip
         for probe in probes:
 
             def context(probe: Probe = probe) -> FetchContext:
@@ -510,11 +536,11 @@ class Upcalls:
             handler = probe.post if post else probe.pre
             if handler is None:
                 continue
-            hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
+            hit = Hit(probe, pid, tid, regs, site.addr, now, context)
             moved = call_handler(handler, hit, self.engine.handler_failed, anything=True)
             if moved and not post:
                 return int(regs.rip)
-        return int(regs.rip) if post and int(regs.rip) != asked_at else None
+        return int(regs.rip) if post and regs.rip != asked_at else None
 
     def place(self, cpus: set[int], *, spin: bool) -> None:
         """Run on these CPUs; `spin`: whether the server and the threads that ask look for each
