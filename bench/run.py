@@ -445,6 +445,44 @@ def jump_coverage() -> dict[str, dict[str, Any]]:
     return out
 
 
+HOT_SQL = (
+    "create table t(a integer, b text);"
+    " with recursive c(x) as (select 1 union all select x+1 from c where x < 20000)"
+    " insert into t select x, printf('v%d', x*7919 % 1000) from c;"
+    " create index ti on t(b); select b, count(*), sum(a) from t group by b order by b limit 3;"
+)
+HOT_WORKLOADS = {  # a workload, and the modules whose every function is counted in it
+    "python3 json.dumps": (["/usr/bin/python3.11", "-c", "import json; json.dumps(list(range(200000)) + "
+                            "[{'a': str(i)} for i in range(50000)])"], ["libc", "/usr/bin/python3.11"]),
+    "sort": (["sort", "{input}", "-o", "/dev/null"], ["libc"]),
+    "gzip": (["gzip", "-c", "{input}"], ["libc"]),
+    "sqlite3": (["sqlite3", ":memory:", HOT_SQL], ["libc", "/usr/lib/x86_64-linux-gnu/libsqlite3.so.0"]),
+}  # fmt: skip
+
+
+def hot_functions(most: int = 30) -> dict[str, dict[str, Any]]:
+    """Per workload (sort and gzip of 3 MB of text): its `most` most-called functions (every
+    function of the modules named counted, each an optimized count probe or a trap), and those
+    of them that stay traps, with why."""
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        text = Path(scratch) / "input.txt"
+        text.write_text("".join(f"line {i * 7919 % 1000003} {'x' * (i % 41)}\n" for i in range(100_000)))
+        for name, (argv, modules) in HOT_WORKLOADS.items():
+            argv = [a.replace("{input}", str(text)) for a in argv]
+            if shutil.which(argv[0]) is None:
+                out[name] = {"missing": argv[0]}
+                continue
+            with dynprobe.spawn(argv, stdout=subprocess.DEVNULL) as session:
+                probes = [p for m in modules for p in session.probes_from(session.expand(f"p {m}:*"), action="count")]
+                session.run(timeout=600)
+                top = sorted(probes, key=lambda p: p.hits, reverse=True)[:most]
+                out[name] = {"top": [p.name.split("/", 1)[1] for p in top],
+                             "traps": {p.name.split("/", 1)[1]: str(p.trap_reason) for p in top  # type: ignore[attr-defined]
+                                       if p.mode != dynprobe.ProbeMode.OPTIMIZED}}  # fmt: skip
+    return out
+
+
 def timestamp_cost() -> tuple[float, float]:
     """ns per rdtscp and per rdtsc here: the floor of a record's cost (its time stamp)."""
     binary = compile_c(HERE / "targets" / "tsc.c", BUILD / "tsc", "-O2")
@@ -661,6 +699,8 @@ def main() -> int:
     unwinding = unwind_tables()
     console.log(f"unwind tables compiled: {unwinding}")
     jumps = jump_coverage()
+    hot = hot_functions()
+    console.log(f"hot functions: {hot}")
     console.log(f"functions taking a jump: {jumps}")
     reading = post_processing(int(175_000 * scale))
     console.log(f"post-processing: {reading}")
@@ -727,6 +767,12 @@ def main() -> int:
         reasons = ", ".join(f"{reason} {n}" for reason, n in counts["refused"].most_common()) or "-"
         jump_table.add_row(name, f"{counts['functions']:,}", f"{counts['jump']:,}", f"{share:.2f}", reasons)
     out.print(jump_table)
+    for name, found in hot.items():
+        if "missing" in found:
+            out.print(f"{name}: not installed ({found['missing']})")
+            continue
+        traps = ", ".join(f"{f} ({why})" for f, why in found["traps"].items()) or "none"
+        out.print(f"{name}: of its {len(found['top'])} most-called functions, traps: {traps}")
     out.print(f"peak RSS: `trace` of {peaks['trace_events'] / 1e6:.0f} M events {peaks['trace_mb']:.0f} MB (1 MiB "
               f"ring; {peaks['trace_none_mb']:.0f} MB for none), `record` of {peaks['record_calls'] / 1e6:.0f} M calls "
               f"{peaks['record_mb']:.0f} MB (32 MiB ring)")  # fmt: skip
@@ -753,6 +799,7 @@ def main() -> int:
         "startup_s": started,
         "unwind_tables_s": unwinding,
         "jump_coverage": jumps,
+        "hot_functions": hot,
         "post_processing": reading,
         "memory_mb": peaks,
     }
