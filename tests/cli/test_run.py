@@ -305,6 +305,48 @@ def test_maps_keyed_by_the_stack() -> None:
     assert all("leaf" not in frames.splitlines()[0] for frames, _ in returns)
 
 
+def test_maps_keyed_by_the_stack_as_perf_prints_it() -> None:
+    """ustack(perf) and ustack(perf, N): a frame a line as bpftrace's perf mode prints it,
+    `\tADDRESS SYMBOL+OFFSET (MODULE)` (the offset in decimal, the module's path), the frames
+    of the walk `ustack` prints (its functions, in its order; a return address a line: not the
+    functions DWARF says are inlined there)."""
+    path = build_target("stacks_O0", "stacks.c", flags=("-O0", "-pthread"))
+    program = (f"uprobe:{path}:leaf {{ @[ustack(perf)] = count(); @b[ustack(bpftrace)] = count(); }}"
+               f" uretprobe:{path}:leaf {{ @r[ustack(perf, 2)] = count(); }}")  # fmt: skip
+    run = dp("run", "-e", program, "--", path)
+    assert run.returncode == 0, run.stderr
+    maps = maps_of(run.stderr)
+    perf = re.findall(r"^@\[\n((?:\t.*\n)+)\]: (\d+)$", maps, flags=re.M)
+    walked = re.findall(r"^@b\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
+    assert len(perf) == len(walked) == 4 and all(count == "1" for _, count in perf)
+    frame = re.compile(r"\t([0-9a-f]+) ([\w.]+)\+(\d+) \((/\S+)\)")
+    functions = []
+    for lines, _ in perf:
+        frames = [frame.fullmatch(line) for line in lines.splitlines()]
+        assert all(frames) and frames[0] is not None and frames[0].group(2, 3, 4) == ("leaf", "0", path), lines
+        functions.append(tuple(f.group(2) for f in frames if f))
+    assert sorted(functions) == sorted(tuple(line.split()[0].split("+")[0] for line in frames.splitlines()
+                                             if "[inlined]" not in line) for frames, _ in walked)  # fmt: skip
+    returns = re.findall(r"^@r\[\n((?:\t.*\n)+)\]: (\d+)$", maps, flags=re.M)
+    assert len(returns) == 4 and all(frames.count("\n") == 2 and "leaf" not in frames for frames, _ in returns)
+
+
+def test_ustack_s_arguments_as_bpftrace_takes_them() -> None:
+    """A stack mode first, then a number of frames; a mode elsewhere, or after the number, is an
+    error, as bpftrace's."""
+    for program, error in (
+        ("uprobe:libc:malloc { @[ustack(3, perf)] = count(); }",
+         "ERROR: ustack() expects a stack mode literal (integer provided)"),
+        ("uprobe:libc:malloc { @[ustack(perf, 1, 2)] = count(); }",
+         "ERROR: ustack() takes up to 2 arguments (3 provided)"),
+        ("uprobe:libc:malloc { @x = perf; }",
+         "ERROR: 'perf' is a stack mode: ustack()'s first argument, and nothing else"),
+        ("uprobe:libc:malloc { @[ustack(raw)] = count(); }", "ERROR: Unknown identifier: 'raw'"),
+    ):  # fmt: skip
+        run = dp("run", "-e", program, "--", "/bin/true")
+        assert run.returncode != 0 and error in run.stderr, run.stderr
+
+
 def test_maps_keyed_by_comm_func_and_probe(counter: str, tmp_path: Path) -> None:
     """comm, func and probe as keys: the target keeps a word (the thread, the probe) and the
     tracer names it; the entries of the threads of one name, or of one function, merge."""

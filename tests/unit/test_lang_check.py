@@ -107,7 +107,7 @@ ERRORS = [
     ("BEGIN { time(1); }", "stdin:1:9-16: ERROR: time() expects a string literal (integer provided)"),
     ("BEGIN { $x = printf(\"a\"); }", "stdin:1:14-25: ERROR: printf() should be a statement of its own"),
     ("BEGIN { @x = ustack(0); }",
-     "stdin:1:21-22: ERROR: ustack()'s argument is a number of frames: an integer literal from 1 to 127"),
+     "stdin:1:21-22: ERROR: ustack()'s frames are a number: an integer literal from 1 to 127"),
     ('BEGIN { @x[count()] = 1; }', "stdin:1:12-19: ERROR: count() should be directly assigned to a map"),
     ('BEGIN { @x = printf("a"); }', "stdin:1:14-25: ERROR: printf() should be a statement of its own"),
     ("BEGIN { printf(); }", "stdin:1:9-17: ERROR: printf() requires at least one argument (0 provided)"),

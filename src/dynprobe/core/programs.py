@@ -23,7 +23,7 @@ import numpy as np
 
 from dynprobe.core.probe import Probe
 from dynprobe.core.slots import map_shared_memory
-from dynprobe.core.stacks import Stack
+from dynprobe.core.stacks import Stack, StackFrame
 from dynprobe.core.traced import TracedProcess
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import maps, output
@@ -32,7 +32,7 @@ from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, MapTable
 from dynprobe.lang.output import c_format
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import PrintfRecord, check_runnable, printf_records, tracer_maps, ustack_frames
+from dynprobe.lang.target import STACK_KINDS, PrintfRecord, check_runnable, printf_records, tracer_maps, ustack_frames
 from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
@@ -183,18 +183,27 @@ class PlacedProgram:
     def _named(self, pid: int, kind: str, key: output.Key) -> output.Key:
         """A key as printed: the words the tracer names (a stack's slot, a thread's pid << 32 |
         tid, a probe's index) named."""
-        if kind == "stack":
-            return self._stack_key(pid, key)
+        if kind in STACK_KINDS.values():
+            return self._stack_key(pid, key, perf=kind == STACK_KINDS["perf"])
         if kind == "comm" and isinstance(key, int):
             return self.comm(key >> 32, key & 0xFFFFFFFF)
         if kind in ("func", "probe") and isinstance(key, int):
             return self._names(key)[kind == "probe"]
         return key
 
-    def _stack_key(self, pid: int, slot: output.Key) -> str:
+    def _stack_key(self, pid: int, slot: output.Key, *, perf: bool) -> str:
+        """A stack key as printed: a frame a line, as dynprobe names frames (bpftrace's mode), or
+        as perf's mode prints them, `\tADDRESS SYMBOL+OFFSET (MODULE)` (what flame graph scripts
+        read), a frame a return address."""
         stack = self.stack_at(pid, slot) if isinstance(slot, int) and slot else None
-        frames = str(stack).splitlines() if stack is not None else ["(no stack: the table of stacks was full)"]
-        return "".join(f"\n        {frame}" for frame in frames) + "\n"
+        if stack is None:
+            frames = ["(no stack: the table of stacks was full)"]
+        elif perf:
+            frames = [_perf_frame(frame) for frame in stack if not frame.inlined]
+        else:
+            frames = str(stack).splitlines()
+        indent = "\t" if perf else " " * 8
+        return "".join(f"\n{indent}{frame}" for frame in frames) + "\n"
 
     def dropped(self) -> dict[str, int]:
         """Updates each map could not take (its table full), if any."""
@@ -274,3 +283,11 @@ class _Body:
 
     def placed(self, pid: int) -> LangBody | OptimizeRefusal:
         return self.program.placed(self.block, pid)
+
+
+def _perf_frame(frame: StackFrame) -> str:
+    """A frame as bpftrace's perf mode prints it (its offset in decimal; an address no symbol
+    names, as such, in `[unknown]`)."""
+    if frame.function is None:
+        return f"{frame.address:x} {frame.address:#x} ([unknown])"
+    return f"{frame.address:x} {frame.function}+{frame.offset} ({frame.module or '[unknown]'})"

@@ -273,6 +273,8 @@ class _Checker:
                 return Type("string", size=len(value.encode()) + 1)
             case S.Builtin(name=name):
                 return self.builtin(expr, name)
+            case S.StackMode(name=name):
+                raise self.error(f"'{name}' is a stack mode: ustack()'s first argument, and nothing else", expr.span)
             case S.Var(name=name):
                 if name not in self.variables:
                     raise self.error(f"Undefined or undeclared variable: ${name}", expr.span)
@@ -346,13 +348,20 @@ class _Checker:
                 self.integer(arg, "str()")
             size = args[1].value + 1 if len(args) == 2 and isinstance(args[1], S.Int) else STRING_SIZE
             return Type("string", size=min(size, STRING_SIZE))
-        if name == "ustack":
-            self.between(call, 0, 1)
-            if args and not (isinstance(args[0], S.Int) and 1 <= args[0].value <= 127):
-                raise self.error("ustack()'s argument is a number of frames: an integer literal from 1 to 127",
-                                 args[0].span)  # fmt: skip
+        if name == "ustack":  # ([mode][, frames]) or (frames), as bpftrace's
+            self.between(call, 0, 2)
+            mode, frames = (args[0], args[1:]) if args and isinstance(args[0], S.StackMode) else (None, args)
+            if len(args) == 2 and mode is None:
+                raise self.error(f"ustack() expects a stack mode literal ({self.literal_kind(args[0])} provided)",
+                                 call.span)  # fmt: skip
+            if frames and not (isinstance(frames[0], S.Int) and 1 <= frames[0].value <= 127):
+                raise self.error("ustack()'s frames are a number: an integer literal from 1 to 127", frames[0].span)
             return STACK
         raise self.error(f"Unknown function: {name}", (call.span[0], call.span[0] + len(name)))
+
+    @staticmethod
+    def literal_kind(expr: S.Expr) -> str:
+        return "integer" if isinstance(expr, S.Int) else "string" if isinstance(expr, S.Str) else "expression"
 
     def arity(self, call: S.Call, wanted: int) -> None:
         if len(call.args) != wanted:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from dynprobe.errors import ProgramError
 from dynprobe.lang import syntax as S
 
+STACK_MODES = ("bpftrace", "perf")  # ustack()'s first argument: how a stack is printed
 BUILTINS = frozenset(("pid", "tid", "comm", "cpu", "nsecs", "elapsed", "func", "probe", "retval", "ustack",
                       *(f"arg{i}" for i in range(6))))  # fmt: skip
 INTEGER_TYPES = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in (8, 16, 32, 64))
@@ -365,6 +366,8 @@ class _Parser:
                 return S.Call(token.text, args, span=(token.start, end))
             if token.text in BUILTINS:
                 return S.Builtin(token.text, span=(token.start, token.end))
+            if token.text in STACK_MODES:
+                return S.StackMode(token.text, span=(token.start, token.end))
             raise self.error(f"Unknown identifier: '{token.text}'", (token.start, token.end))
         if self.peek("("):
             self.advance()

@@ -34,6 +34,13 @@ class Builtin(Node):
 
 
 @dataclass(frozen=True)
+class StackMode(Node):
+    """`bpftrace` or `perf`: how ustack() prints a stack."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Var(Node):
     """A scratch variable, `$name`: the probe's, for one hit."""
 
@@ -92,7 +99,7 @@ class Step(Node):
     prefix: bool
 
 
-Expr = Int | Str | Builtin | Var | MapRef | Call | Unary | Binary | Ternary | Cast | Step
+Expr = Int | Str | Builtin | StackMode | Var | MapRef | Call | Unary | Binary | Ternary | Cast | Step
 
 
 # --- statements ---------------------------------------------------------------------------------

@@ -130,6 +130,7 @@ class PrintfRecord:
 
 _ARG_BYTES = {"int": L.INT_FIELD, "str": L.STRING_FIELD, "comm": 0, "func": 0, "probe": 0}
 _TRACER_KNOWS = ("comm", "func", "probe")
+STACK_KINDS = {"bpftrace": "stack", "perf": "perf stack"}  # a ustack key's kind, by its mode
 
 
 def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
@@ -179,19 +180,28 @@ def _is_ustack(expr: S.Expr) -> bool:
     )
 
 
+def _ustack_mode(expr: S.Expr) -> tuple[str, int]:
+    """A `ustack` (checked): how it is printed, "bpftrace" or "perf", and the frames it walks
+    (127 unless it says)."""
+    args = expr.args if isinstance(expr, S.Call) else ()
+    mode = args[0].name if args and isinstance(args[0], S.StackMode) else "bpftrace"
+    frames = [arg.value for arg in args if isinstance(arg, S.Int)]
+    return mode, frames[0] if frames else 127
+
+
 def ustack_frames(block: S.ProbeBlock) -> int | None:
     """The frames a block's `ustack` keys walk (`ustack(N)`'s N, else 127), None if it has none;
     ProgramError-free: check_runnable refuses two different counts in one block first."""
-    found = {key.args[0].value if isinstance(key, S.Call) and key.args and isinstance(key.args[0], S.Int) else 127
-             for key in _all_keys(block) if _is_ustack(key)}  # fmt: skip
+    found = {_ustack_mode(key)[1] for key in _all_keys(block) if _is_ustack(key)}
     return max(found) if found else None
 
 
 def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
     """How the target holds each keyed map's keys, a key each: "int", "string" (a str()'s
-    bytes), "stack" (its slot in the stack table), "comm" (the thread's pid << 32 | tid),
-    "func" or "probe" (the probe's index), the last four named by the tracer; as the map's
-    first use with keys has them (`check_runnable` refuses a use that differs)."""
+    bytes), "stack" or "perf stack" (its slot in the stack table; printed as bpftrace's or as
+    perf's modes print it), "comm" (the thread's pid << 32 | tid), "func" or "probe" (the
+    probe's index), all but the first two named by the tracer; as the map's first use with keys
+    has them (`check_runnable` refuses a use that differs)."""
     kinds: dict[str, tuple[str, ...]] = {}
     for ref in _map_refs(checked.program):
         if ref.keys:
@@ -202,6 +212,8 @@ def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
 def _key_kind(checked: Checked, key: S.Expr) -> str:
     if isinstance(key, S.Builtin) and key.name in _TRACER_KNOWS:
         return key.name
+    if _is_ustack(key):
+        return STACK_KINDS[_ustack_mode(key)[0]]
     kind = checked.type_of(key).kind
     return kind if kind in ("string", "stack") else "int"
 
@@ -227,8 +239,7 @@ class _TargetCheck:
         return ProgramError(_NOT_YET.format(what=what), self.source, span, self.filename)
 
     def block(self, probe: S.ProbeBlock) -> None:
-        counts = {key.args[0].value if isinstance(key, S.Call) and key.args and isinstance(key.args[0], S.Int) else 127
-                  for key in _all_keys(probe) if _is_ustack(key)}  # fmt: skip
+        counts = {_ustack_mode(key)[1] for key in _all_keys(probe) if _is_ustack(key)}
         if len(counts) > 1:
             raise self.refuse("ustack of different depths in one probe", probe.span)
         if probe.predicate is not None:

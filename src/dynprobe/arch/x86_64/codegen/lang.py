@@ -32,6 +32,7 @@ from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS
 from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
+from dynprobe.lang.target import STACK_KINDS
 from dynprobe.ringbuf import layout as L
 
 if TYPE_CHECKING:
@@ -591,7 +592,7 @@ class BodyCompiler:
                 self.string_key(key, word)
                 word += STRING_WORDS
             else:
-                if kind == "stack":  # (the hit's stack, counted by the probe before the body: its slot)
+                if kind in STACK_KINDS.values():  # (the hit's stack, counted by the probe before the body: its slot)
                     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.STACK_SLOT)))
                 elif kind == "comm":  # (the tracer names the thread: pid << 32 | tid)
                     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TGID)))
