@@ -76,13 +76,14 @@ def test_begin_end_intervals_and_exit(counter: str) -> None:
 
 def test_a_program_that_cannot_run_is_refused_before_any_process_starts(tmp_path: Path) -> None:
     started = tmp_path / "started"
-    run = dp("run", "-e", "uprobe:libc:malloc { @s = comm; }", "--", "touch", str(started))
+    run = dp("run", "-e", 'uprobe:libc:malloc { @s = "x"; }', "--", "touch", str(started))
     assert run.returncode == 1 and run.stdout == "" and not started.exists()
     assert run.stderr.splitlines() == [
-        "stdin:1:27-31: ERROR: a value of @s that is not a str() (a map of strings takes the bytes str() reads) is not"
-        " run in the target yet (dynprobe compiles probe bodies: integers, maps of them and of str())",
-        "uprobe:libc:malloc { @s = comm; }",
-        " " * 26 + "~" * 4,
+        "stdin:1:27-30: ERROR: a value of @s that is not a str(), comm, func or probe (a map of strings takes the bytes"
+        " str() reads, or the tracer's names) is not run in the target yet (dynprobe compiles probe bodies: integers,"
+        " maps of them and of str())",
+        'uprobe:libc:malloc { @s = "x"; }',
+        " " * 26 + "~" * 3,
     ]
     bad = dp("run", "-e", "uprobe:libc:malloc { @x = count(; }", "--", "/bin/true")
     assert bad.returncode == 1 and "ERROR: syntax error" in bad.stderr
@@ -363,6 +364,26 @@ def test_maps_keyed_by_comm_func_and_probe(counter: str, tmp_path: Path) -> None
     assert theirs.returncode == 0, theirs.stderr
     expected = theirs.stdout.split("\n\n\n", 1)[1].splitlines()  # (0.17 names func by its address: left out)
     assert [line for line in expected if "0x" not in line] == [line for line in lines if line[:3] not in ("@f[", "@m[")]
+
+
+def test_maps_of_comm_func_and_probe(counter: str, tmp_path: Path) -> None:
+    """comm, func and probe as a map's values: the target keeps the word the tracer names, as
+    for keys; printed in the maps, by printf, and read by END's body."""
+    program = (f"uprobe:{counter}:work {{ @who[tid] = comm; @p = probe; @f = func; }}"
+               f' uretprobe:{counter}:work {{ @n++; if (@n == 1) {{ printf("%s %s\\n", @who[tid], @p); }} }}'
+               ' END { printf("%s\\n", @f); clear(@who); }')  # fmt: skip
+    run = dp("run", "-e", program, "--", counter, "10", "1")
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    assert f"counter uprobe:{counter}:work" in lines and "work" in lines, run.stderr
+    assert maps_of(run.stderr).splitlines() == ["@f: work", "@n: 10", f"@p: uprobe:{counter}:work", ""]
+    if shutil.which("bpftrace") is None:
+        return
+    plain = f"uprobe:{counter}:work {{ @who = comm; @p = probe; }}"
+    theirs = bpftrace(counter, plain, "10 1", tmp_path)
+    assert theirs.returncode == 0, theirs.stderr
+    ours = dp("run", "-e", plain, "--", counter, "10", "1")
+    assert theirs.stdout.split("\n\n\n", 1)[1].splitlines() == maps_of(ours.stderr).splitlines()
 
 
 def test_str_of_a_length_worked_out_at_the_hit_as_bpftrace_reads_it(counter: str) -> None:

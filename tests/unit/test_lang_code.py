@@ -668,15 +668,17 @@ def test_a_stack_key_is_the_slot_the_probe_counted_the_hit_in(area: NativeArea) 
 
 
 def test_comm_func_and_probe_keys_are_the_thread_and_the_probe(area: NativeArea) -> None:
-    """comm keys by the thread (pid << 32 | tid), func and probe by the probe's index: words
-    the tracer names."""
-    code = Compiled(area, "u:/bin/x:f { @[comm, func] = count(); @p[probe, arg0] = sum(arg0); }", probe_index=3)
+    """comm keys by the thread (pid << 32 | tid), func and probe by the probe's index plus 1
+    (0 names nothing): words the tracer names; so are maps of them."""
+    code = Compiled(area, "u:/bin/x:f { @[comm, func] = count(); @p[probe, arg0] = sum(arg0); @who[arg0] = comm;"
+                          " @f = func; }", probe_index=3)  # fmt: skip
     area.set_word(L.TGID, 99)
     for tid in (4321, 4321, 4322):
         area.set_word(L.TID, tid)
         code(7)
-    assert code.entries("") == {(99 << 32 | 4321, 3): 2, (99 << 32 | 4322, 3): 1}
-    assert code.entries("p") == {(3, 7): 21}
+    assert code.entries("") == {(99 << 32 | 4321, 4): 2, (99 << 32 | 4322, 4): 1}
+    assert code.entries("p") == {(4, 7): 21}
+    assert code.entries("who") == {(7,): 99 << 32 | 4322} and code.entries("f") == {(): 4}
 
 
 def test_a_str_length_worked_out_at_the_hit(area: NativeArea) -> None:

@@ -36,6 +36,9 @@ def runnable(source: str) -> None:
         "uprobe:libc:open { @f[tid] = str(arg0); @g[tid, 1] = str(arg0, arg1); }"
         ' uretprobe:libc:open { printf("%s %s %d\\n", @f[tid], @g[tid, 1], retval); delete(@f[tid]); }'
         ' END { printf("%s\\n", @f[1]); @h = "x"; }',
+        "uprobe:libc:malloc { @who[tid] = comm; @f = func; @p[arg0] = probe; zero(@f); }"
+        ' uretprobe:libc:malloc { printf("%s %s %s\\n", @who[tid], @f, @p[1]); delete(@who[tid]); }'
+        ' END { printf("%s\\n", @f); }',
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
         "zero(@d); } END { print(@c, 2); exit(); } uprobe:libc:free { @c[arg0] = count(); @d = sum(arg0); }",
         'BEGIN { @start = nsecs; $x = 3; @v[1, "a"] = $x * 2; @h = hist($x); } interval:ms:10 { @ticks++; '
@@ -54,9 +57,14 @@ def test_what_runs(source: str) -> None:
         ('uprobe:libc:malloc { printf("' + "%s" * 60 + '", ' + ", ".join(["str(arg0)"] * 60) + "); }",
          "a printf() of 4088 bytes of values (a record holds 4080)", "printf"),
         ('uprobe:libc:malloc { @["x"] = count(); }', "a map key that is not an integer, str(), comm, func", '"x"'),
+        ("uprobe:libc:malloc { @m = comm; } uretprobe:libc:malloc { @m = func; }",
+         "@m holding func here and comm elsewhere", "func"),
+        ("uprobe:libc:malloc { @m[1] = str(arg0); @m[2] = probe; }", "@m holding probe here and str() elsewhere",
+         "probe"),
+        ('uprobe:libc:malloc { @m = comm; @n = @m; }', "a value of @n that is not a str(), comm, func or probe",
+         "@m"),
         ("uprobe:libc:malloc { @m[comm] = count(); } uprobe:libc:free { @m[str(arg0)] = count(); }",
          "@m keyed by string here and by comm elsewhere", "@m[str"),
-        ("uprobe:libc:malloc { @c = comm; }", "a value of @c that is not a str()", "comm"),
         ("uprobe:libc:malloc { @s = str(arg0); @t[@s] = 1; }", "a map key that is not an integer, str()", "@s"),
         ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
         ('uprobe:libc:malloc { time("%H\\n"); }', "time() is not run in the target yet", "time"),

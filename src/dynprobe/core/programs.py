@@ -32,7 +32,15 @@ from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, MapTable
 from dynprobe.lang.output import c_format
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import STACK_KINDS, PrintfRecord, check_runnable, printf_records, tracer_maps, ustack_frames
+from dynprobe.lang.target import (
+    STACK_KINDS,
+    TRACER_NAMES,
+    PrintfRecord,
+    check_runnable,
+    printf_records,
+    tracer_maps,
+    ustack_frames,
+)
 from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
@@ -147,6 +155,10 @@ class PlacedProgram:
                 yield self.comm(batch.pid, batch.tid)
             elif arg.kind in ("func", "probe"):
                 yield self._names(batch.probe_index)[arg.kind == "probe"]
+            elif arg.kind.endswith(" word"):  # (a map's comm, func or probe, as the record holds it)
+                word = int.from_bytes(row[at : at + 8], "little")
+                named = self._named(batch.pid, arg.kind.removesuffix(" word"), word)
+                yield named if isinstance(named, str) else ""
             elif arg.kind == "str":
                 length = min(int.from_bytes(row[at : at + 2], "little"), arg.chars)
                 yield row[at + 4 : at + 4 + length].decode("utf-8", "replace")
@@ -177,6 +189,8 @@ class PlacedProgram:
         for region in self._all:
             for raw, value in maps.entries(region.view, table):
                 keys = tuple(self._named(region.pid, kind, k) for k, kind in zip(raw, table.key_kinds, strict=True))
+                if table.kind in TRACER_NAMES and isinstance(value, int):  # (a map of comm, func or probe)
+                    value = self._named(region.pid, table.kind, value)
                 merged[keys] = _merge(table, merged[keys], value) if keys in merged else value
         return list(merged.items())
 
@@ -185,10 +199,12 @@ class PlacedProgram:
         tid, a probe's index) named."""
         if kind in STACK_KINDS.values():
             return self._stack_key(pid, key, perf=kind == STACK_KINDS["perf"])
+        if kind in TRACER_NAMES and key == 0:
+            return ""  # (a value zero() set, or one never given)
         if kind == "comm" and isinstance(key, int):
             return self.comm(key >> 32, key & 0xFFFFFFFF)
         if kind in ("func", "probe") and isinstance(key, int):
-            return self._names(key)[kind == "probe"]
+            return self._names(key - 1)[kind == "probe"]  # (the probe's index, plus 1)
         return key
 
     def _stack_key(self, pid: int, slot: output.Key, *, perf: bool) -> str:
@@ -215,7 +231,8 @@ class PlacedProgram:
 
     def format_map(self, name: str, top: int = 0) -> str:
         table = self.region.tables[name]
-        return output.format_map(name, table.kind, self.entries(name), top=top, lhist=table.lhist)
+        kind = "string" if table.kind in TRACER_NAMES else table.kind  # (named: strings)
+        return output.format_map(name, kind, self.entries(name), top=top, lhist=table.lhist)
 
     def format_maps(self) -> str:
         """Every map, by name, as bpftrace prints them at its end."""
@@ -262,6 +279,8 @@ def _merge(table: MapTable, first: output.Value, second: output.Value) -> output
         return {b: first.get(b, 0) + second.get(b, 0) for b in first.keys() | second.keys()}
     if isinstance(first, tuple) and isinstance(second, tuple):
         return first[0] + second[0], first[1] + second[1]
+    if isinstance(first, str) or isinstance(second, str):
+        return second  # (a map of strings: the last written, as an integer's)
     assert isinstance(first, int) and isinstance(second, int)
     if table.kind in ("count", "sum"):
         return first + second

@@ -23,7 +23,7 @@ import numpy as np
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS, Checked
-from dynprobe.lang.target import PrintfRecord, map_key_kinds
+from dynprobe.lang.target import PrintfRecord, map_key_kinds, map_value_kinds
 
 MASK64 = (1 << 64) - 1
 HASH_SEED = 0x2545F4914F6CDD1D
@@ -49,7 +49,7 @@ class MapTable:
     """One map's table: `slots` slots of `slot_bytes`, at `offset` in the region."""
 
     name: str
-    kind: str  # int, count, sum, min, max, avg, stats, hist, lhist
+    kind: str  # int, string, count, sum, min, max, avg, stats, hist, lhist; comm, func, probe (a word the tracer names)
     key_kinds: tuple[str, ...]  # a key each, as lang/target.py's map_key_kinds says
     slots: int
     offset: int
@@ -132,9 +132,10 @@ def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
     """The region of `checked`'s maps: a map without keys has one slot, a keyed one `slots`."""
     tables: dict[str, MapTable] = {}
     offset = (8 * (1 + len(checked.maps)) + 63) & ~63
-    key_kinds = map_key_kinds(checked)
+    key_kinds, value_kinds = map_key_kinds(checked), map_value_kinds(checked)
     for index, (name, info) in enumerate(sorted(checked.maps.items())):
         kind = info.value.kind if info.value is not None else "int"
+        kind = value_kinds.get(name, kind)  # (a map of comm, func or probe: a word the tracer names)
         keys = key_kinds.get(name, ())
         lhist = checked.lhist.get(name, (0, 0, 1))
         table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist)

@@ -32,7 +32,7 @@ _NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies:
 
 def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> None:
     """Raise `ProgramError` for the first thing of `checked` that cannot run where it would."""
-    key_kinds = map_key_kinds(checked)
+    key_kinds, value_kinds = map_key_kinds(checked), map_value_kinds(checked)
     target_maps = {ref.name for probe in checked.program.probes if _in_target(probe) for ref in _map_refs(probe)}
     for probe in checked.program.probes:
         if not _in_target(probe):
@@ -41,7 +41,7 @@ def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> No
             raise ProgramError("a probe block is either uprobes and uretprobes, or BEGIN, END or an interval",
                                source, probe.span, filename)  # fmt: skip
         else:
-            _TargetCheck(checked, source, filename, key_kinds).block(probe)
+            _TargetCheck(checked, source, filename, key_kinds, value_kinds).block(probe)
 
 
 def tracer_maps(checked: Checked) -> set[str]:
@@ -104,7 +104,9 @@ def _nodes(statements: tuple[S.Statement, ...] | S.Node) -> Iterator[S.Node]:
 
 @dataclass(frozen=True)
 class PrintfArg:
-    kind: str  # "int", "str" (copied: at most `chars` bytes), or "comm", "func", "probe" (none: the tracer's)
+    # "int", "str" (copied: at most `chars` bytes), "comm", "func", "probe" (none: the tracer's),
+    # or "comm word", "func word", "probe word" (a map's value: a word the tracer names)
+    kind: str
     offset: int  # in the record's payload
     chars: int = 0
 
@@ -128,15 +130,18 @@ class PrintfRecord:
         return PRINTF_NUMBER if last is None else last.offset + _ARG_BYTES[last.kind]
 
 
-_ARG_BYTES = {"int": L.INT_FIELD, "str": L.STRING_FIELD, "comm": 0, "func": 0, "probe": 0}
-_TRACER_KNOWS = ("comm", "func", "probe")
+_ARG_BYTES = {"int": L.INT_FIELD, "str": L.STRING_FIELD, "comm": 0, "func": 0, "probe": 0, "comm word": L.INT_FIELD,
+              "func word": L.INT_FIELD, "probe word": L.INT_FIELD}  # fmt: skip
+TRACER_NAMES = ("comm", "func", "probe")
 STACK_KINDS = {"bpftrace": "stack", "perf": "perf stack"}  # a ustack key's kind, by its mode
+_HELD = {"string": "str()", "comm": "comm", "func": "func", "probe": "probe"}
 
 
 def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
     """The printf() and print() calls of the program's uprobe and uretprobe bodies (one record
     layout for calls that are the same), numbered in the order they appear."""
     found: dict[S.Call, PrintfRecord] = {}
+    value_kinds = map_value_kinds(checked)
 
     def walk(statements: tuple[S.Statement, ...]) -> None:
         for statement in statements:
@@ -146,7 +151,7 @@ def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
             elif isinstance(statement, S.ExprStatement) and isinstance(statement.expr, S.Call):
                 call = statement.expr
                 if call.name == "printf" and call not in found:
-                    found[call] = _record(len(found), call, checked)
+                    found[call] = _record(len(found), call, checked, value_kinds)
                 elif call.name == "print" and call not in found and isinstance(call.args[0], S.MapRef):
                     top = call.args[1].value if len(call.args) == 2 and isinstance(call.args[1], S.Int) else 0
                     found[call] = PrintfRecord(len(found), "", (), prints=(call.args[0].name, top))
@@ -157,17 +162,19 @@ def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
     return found
 
 
-def _record(number: int, call: S.Call, checked: Checked) -> PrintfRecord:
+def _record(number: int, call: S.Call, checked: Checked, value_kinds: dict[str, str]) -> PrintfRecord:
     fmt = call.args[0]
     assert isinstance(fmt, S.Str)
     args, offset = [], PRINTF_NUMBER
     for arg in call.args[1:]:
-        if isinstance(arg, S.Builtin) and arg.name in _TRACER_KNOWS:
+        if isinstance(arg, S.Builtin) and arg.name in TRACER_NAMES:
             args.append(PrintfArg(arg.name, offset))
         elif isinstance(arg, S.Call) and arg.name == "str":
             args.append(PrintfArg("str", offset, checked.type_of(arg).size - 1))
         elif isinstance(arg, S.MapRef) and checked.type_of(arg).kind == "string":
-            args.append(PrintfArg("str", offset, STRING_WORDS * 8 - 1))
+            held = value_kinds.get(arg.name, "string")
+            args.append(PrintfArg("str", offset, STRING_WORDS * 8 - 1) if held == "string" else
+                        PrintfArg(f"{held} word", offset))  # fmt: skip
         else:
             args.append(PrintfArg("int", offset))
         offset += _ARG_BYTES[args[-1].kind]
@@ -209,8 +216,27 @@ def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
     return kinds
 
 
+def map_value_kinds(checked: Checked) -> dict[str, str]:
+    """What each map of strings the probe bodies write holds: "string" (the bytes a str()
+    read), or "comm", "func" or "probe" (a word the tracer names, as those keys are); as the
+    map's first assignment there has it (`check_runnable` refuses one that differs)."""
+    kinds: dict[str, str] = {}
+    for block in checked.program.probes:
+        if not _in_target(block):
+            continue
+        for node in _nodes(block.body):
+            if isinstance(node, S.Assign) and isinstance(node.target, S.MapRef) \
+                    and checked.type_of(node.value).kind == "string":  # fmt: skip
+                kinds.setdefault(node.target.name, _string_source(node.value))
+    return kinds
+
+
+def _string_source(value: S.Expr) -> str:
+    return value.name if isinstance(value, S.Builtin) and value.name in TRACER_NAMES else "string"
+
+
 def _key_kind(checked: Checked, key: S.Expr) -> str:
-    if isinstance(key, S.Builtin) and key.name in _TRACER_KNOWS:
+    if isinstance(key, S.Builtin) and key.name in TRACER_NAMES:
         return key.name
     if _is_ustack(key):
         return STACK_KINDS[_ustack_mode(key)[0]]
@@ -230,10 +256,12 @@ def _all_keys(block: S.ProbeBlock) -> Iterator[S.Expr]:
 
 
 class _TargetCheck:
-    def __init__(self, checked: Checked, source: str, filename: str, key_kinds: dict[str, tuple[str, ...]]) -> None:
+    def __init__(self, checked: Checked, source: str, filename: str, key_kinds: dict[str, tuple[str, ...]],
+                 value_kinds: dict[str, str]) -> None:  # fmt: skip
         self.checked, self.source, self.filename = checked, source, filename
         self.variables: set[str] = set()
         self.key_kinds = key_kinds  # (the program's: map_key_kinds)
+        self.value_kinds = value_kinds  # (the program's: map_value_kinds)
 
     def refuse(self, what: str, span: S.Span) -> ProgramError:
         return ProgramError(_NOT_YET.format(what=what), self.source, span, self.filename)
@@ -254,11 +282,17 @@ class _TargetCheck:
                     self.statements(then)
                     self.statements(otherwise)
                 case S.Assign(target=S.MapRef() as target, value=value) if self.holds_strings(target):
-                    if not (isinstance(value, S.Call) and value.name == "str"):
-                        raise self.refuse(f"a value of @{target.name} that is not a str() (a map of strings takes "
-                                          "the bytes str() reads)", value.span)  # fmt: skip
-                    self.string(value, 0)
-                    self.map_keys(target, STRING_WORDS)
+                    source, held = _string_source(value), self.value_kinds[target.name]
+                    if source == "string" and not (isinstance(value, S.Call) and value.name == "str"):
+                        raise self.refuse(f"a value of @{target.name} that is not a str(), comm, func or probe (a "
+                                          "map of strings takes the bytes str() reads, or the tracer's names)",
+                                          value.span)  # fmt: skip
+                    if source != held:
+                        raise self.refuse(f"@{target.name} holding {_HELD[source]} here and {_HELD[held]} elsewhere",
+                                          value.span)  # fmt: skip
+                    if isinstance(value, S.Call):  # (a str(): the rest are refused above)
+                        self.string(value, 0)
+                    self.map_keys(target, STRING_WORDS if source == "string" else 0)
                 case S.Assign(target=target, value=value):
                     self.target(target)
                     if isinstance(value, S.Call) and value.name in ("count", "sum", "min", "max", "avg", "stats",
@@ -282,7 +316,7 @@ class _TargetCheck:
         """Integers and str() (its bytes, at most its length) go into its record; comm, func
         and probe are the tracer's."""
         for arg in call.args[1:]:
-            if isinstance(arg, S.Builtin) and arg.name in _TRACER_KNOWS:
+            if isinstance(arg, S.Builtin) and arg.name in TRACER_NAMES:
                 continue
             if isinstance(arg, S.Call) and arg.name == "str":
                 self.string(arg, 0)
@@ -290,7 +324,7 @@ class _TargetCheck:
                 self.map_keys(arg, 0)
             else:
                 self.expression(arg, 0)
-        size = _record(0, call, self.checked).size
+        size = _record(0, call, self.checked, self.value_kinds).size
         if L.RECORD_HEADER + size > L.MAX_RECORD_SIZE:
             raise self.refuse(f"a printf() of {size} bytes of values (a record holds "
                               f"{L.MAX_RECORD_SIZE - L.RECORD_HEADER})", call.span)  # fmt: skip
@@ -322,7 +356,7 @@ class _TargetCheck:
                               f"{', '.join(self.key_kinds[ref.name])} elsewhere", ref.span)  # fmt: skip
         words = depth
         for key, kind in zip(ref.keys, kinds, strict=True):
-            if kind in _TRACER_KNOWS:
+            if kind in TRACER_NAMES:
                 words += 1  # (a word the tracer names: the tid, the probe's index)
             elif _is_ustack(key):
                 words += 1  # (the hit's stack, counted by the probe: its slot in the stack table)

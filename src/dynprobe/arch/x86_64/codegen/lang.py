@@ -32,7 +32,7 @@ from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS
 from dynprobe.lang.maps import HASH_MULTIPLIER, HASH_SEED, PROBES, SLOT_READY, LangBody, MapTable
-from dynprobe.lang.target import STACK_KINDS
+from dynprobe.lang.target import STACK_KINDS, TRACER_NAMES
 from dynprobe.ringbuf import layout as L
 
 if TYPE_CHECKING:
@@ -114,6 +114,8 @@ class BodyCompiler:
                 self.aggregate(target, call)
             case S.Assign(target=S.MapRef() as target, value=S.Call(name="str") as call):
                 self.assign_string(target, call)
+            case S.Assign(target=S.MapRef() as target, value=S.Builtin(name=name)) if name in TRACER_NAMES:
+                self.assign_named(target, name)  # (a map of comm, func or probe: lang/target.py)
             case S.Assign(target=target, op=op, value=value):
                 self.assign(target, op, value)
             case S.ExprStatement(expr=S.Call(name="delete", args=(S.MapRef() as target,))):
@@ -145,7 +147,7 @@ class BodyCompiler:
             values = call.args[1:] if record.prints is None else ()
             for bit, (arg, expr) in enumerate(zip(record.args, values, strict=True)):
                 at = payload + arg.offset
-                if arg.kind == "int":
+                if arg.kind == "int" or arg.kind.endswith(" word"):  # (a map's word the tracer names: as read)
                     self.expression(expr, 0)
                     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(at, R.RSI), R.RAX))
                 elif arg.kind == "str" and isinstance(expr, S.MapRef):  # (a map of strings' value: ours, no fault)
@@ -371,6 +373,25 @@ class BodyCompiler:
             asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, slot, R.RCX))
         self.found(table)
 
+    def named_word(self, kind: str) -> None:
+        """rax = the word the tracer names `comm` (the thread: pid << 32 | tid), `func` or
+        `probe` (the probe's index, plus 1) by: never 0, which names nothing (a value zero() set)."""
+        asm = self.asm
+        if kind == "comm":
+            asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TGID)))
+            asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, 32))
+            asm.add(iced.Instruction.create_reg_mem(C.OR_R64_RM64, R.RAX, gs_at(L.TID)))
+        else:
+            self.constant(self.probe_index + 1)
+
+    def assign_named(self, target: S.MapRef, kind: str) -> None:
+        """`@m[keys] = comm` (or func, probe): the word the tracer names into the entry's value."""
+        table = self.body.tables[target.name]
+        self.find_slot(target, table, 0, claim=True)
+        self.named_word(kind)
+        self.asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, mem_at(R.RDI, table.value_at), R.RAX))
+        self.found(table)
+
     def assign_string(self, target: S.MapRef, call: S.Call) -> None:
         """`@m[keys] = str(ptr[, n])`: the string read into the temporaries (as a key's), then
         its words into the entry's value (a plain copy: a read meanwhile may see part of it)."""
@@ -594,12 +615,8 @@ class BodyCompiler:
             else:
                 if kind in STACK_KINDS.values():  # (the hit's stack, counted by the probe before the body: its slot)
                     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.STACK_SLOT)))
-                elif kind == "comm":  # (the tracer names the thread: pid << 32 | tid)
-                    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(L.TGID)))
-                    asm.add(iced.Instruction.create_reg_i32(C.SHL_RM64_IMM8, R.RAX, 32))
-                    asm.add(iced.Instruction.create_reg_mem(C.OR_R64_RM64, R.RAX, gs_at(L.TID)))
-                elif kind in ("func", "probe"):  # (the tracer names the probe)
-                    self.constant(self.probe_index)
+                elif kind in TRACER_NAMES:
+                    self.named_word(kind)
                 else:
                     self.expression(key, word)
                 asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, self.temp(word), R.RAX))
