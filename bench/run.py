@@ -223,6 +223,23 @@ def attach_many(count: int, optimize: bool) -> dict[str, float]:
             "run_s": t3 - t2, "total_s": t3 - t0, "exec_bytes_per_probe": in_use / count}  # fmt: skip
 
 
+def program_attach(count: int = 20) -> dict[str, float]:
+    """Seconds to compile a `count`-probe program (a body each, keyed maps) and place it in a
+    spawned process (its probes take their jumps as the run starts); the median of REPEAT."""
+    binary = many_functions_binary(count)
+    text = " ".join(f"uprobe:{binary}:f{i} {{ @c[func] = count(); @s[tid] = sum(arg0); @h = hist(arg0); }}"
+                    for i in range(count))  # fmt: skip
+    runs = []
+    for _ in range(REPEAT):
+        with open(os.devnull, "w") as devnull, dynprobe.spawn([binary], stdout=devnull.fileno()) as session:
+            t0 = time.perf_counter()
+            program = session.program(text)
+            runs.append(time.perf_counter() - t0)
+            session.run()
+        assert dict(program.entries("c")) == {(f"f{i}",): 1 for i in range(count)}
+    return {"probes": count, "attach_s": sorted(runs)[REPEAT // 2]}
+
+
 def function_tracing(calls: int) -> dict[str, Any]:
     """The seed loop traced whole (main and test: entry and exit of every call) by `dynprobe
     record` and by `uftrace record` (a -pg build, and dynamic patching `-P .` of a -mnop-mcount
@@ -635,11 +652,21 @@ def main() -> int:
     for name, command in clis.items():
         elapsed = median_run(lambda: cli_seed(seed, n_trap, command), int)  # noqa: B023
         add(f"trap, `dynprobe {name}` (CLI)", n_trap, elapsed, runs=REPEAT)
-    # A bpftrace program compiled into the target (`dynprobe run`), and bpftrace's own below
+    # bpftrace programs compiled into the target (`dynprobe run`), and bpftrace's own below
     program = "@c[arg0 & 7] = count(); @s = sum(arg0);"
     run_command = ["run", "-e", f"uprobe:{seed}:test {{ {program} }}"]
     elapsed = median_run(lambda: cli_seed(seed, n_kernel, run_command), int)
     add(f"`dynprobe run` {program}", n_kernel, elapsed, runs=REPEAT)
+    programs = {  # (the language's targets: keyed counts, and the latency idiom, entry and return)
+        "@[tid] = count()": f"uprobe:{seed}:test {{ @[tid] = count(); }}",
+        "@[arg0 % 1024] = count()": f"uprobe:{seed}:test {{ @[arg0 % 1024] = count(); }}",
+        "latency: @start[tid] = nsecs; @ns = hist(nsecs - @start[tid]); delete(@start[tid])":
+            f"uprobe:{seed}:test {{ @start[tid] = nsecs; }} uretprobe:{seed}:test /@start[tid]/"
+            " { @ns = hist(nsecs - @start[tid]); delete(@start[tid]); }",
+    }  # fmt: skip
+    for name, text in programs.items():
+        elapsed = median_run(lambda: cli_seed(seed, n_rec, ["run", "-e", text]), int)  # noqa: B023
+        add(f"`dynprobe run` {name}", n_rec, elapsed, runs=REPEAT)
     problem = tracefs_problem()
     if problem is None:
         try:
@@ -699,6 +726,8 @@ def main() -> int:
     unwinding = unwind_tables()
     console.log(f"unwind tables compiled: {unwinding}")
     jumps = jump_coverage()
+    program_placed = program_attach()
+    console.log(f"a program of 20 probes placed: {program_placed}")
     hot = hot_functions()
     console.log(f"hot functions: {hot}")
     console.log(f"functions taking a jump: {jumps}")
@@ -767,6 +796,8 @@ def main() -> int:
         reasons = ", ".join(f"{reason} {n}" for reason, n in counts["refused"].most_common()) or "-"
         jump_table.add_row(name, f"{counts['functions']:,}", f"{counts['jump']:,}", f"{share:.2f}", reasons)
     out.print(jump_table)
+    out.print(f"a `dynprobe run` program of {program_placed['probes']} probes compiled and placed: "
+              f"{program_placed['attach_s']:.2f} s")  # fmt: skip
     for name, found in hot.items():
         if "missing" in found:
             out.print(f"{name}: not installed ({found['missing']})")
@@ -799,6 +830,7 @@ def main() -> int:
         "startup_s": started,
         "unwind_tables_s": unwinding,
         "jump_coverage": jumps,
+        "program_attach": program_placed,
         "hot_functions": hot,
         "post_processing": reading,
         "memory_mb": peaks,

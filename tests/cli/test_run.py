@@ -366,6 +366,28 @@ def test_maps_keyed_by_comm_func_and_probe(counter: str, tmp_path: Path) -> None
     assert [line for line in expected if "0x" not in line] == [line for line in lines if line[:3] not in ("@f[", "@m[")]
 
 
+def test_listing_probes_as_bpftrace_lists_them(counter: str) -> None:
+    """-l PATTERN: the probes it names, a line each, sorted; short forms spelt out; bpftrace's
+    own listing names the same functions (of the same file: its path may take another link)."""
+    listed = dp("run", "-l", "u:libc:mall*")
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines == sorted(lines) and "uprobe:/usr/lib/x86_64-linux-gnu/libc.so.6:malloc" in lines
+    assert all(line.startswith("uprobe:/usr/lib/x86_64-linux-gnu/libc.so.6:mall") for line in lines)
+    assert dp("run", "-l", f"ur:{counter}:w*").stdout == f"uretprobe:{counter}:work\n"
+    for wrong, says in (("kprobe:vfs_read", "-l takes uprobe:FILE:FUNCTION"), ("uprobe:libc:zz*", "no function of"),
+                        ("uprobe:/nonexistent:f", "no such file")):  # fmt: skip
+        run = dp("run", "-l", wrong)
+        assert run.returncode != 0 and says in run.stderr and not run.stdout, run.stderr
+    both = dp("run", "-l", "uprobe:libc:malloc", "-e", "BEGIN { exit(); }")
+    assert both.returncode == 2 and "-l lists probes and runs nothing" in both.stderr
+    if shutil.which("bpftrace") is None:
+        return
+    theirs = subprocess.run(["bpftrace", "-l", "uprobe:libc:mall*"], capture_output=True, text=True, timeout=60)
+    assert theirs.returncode == 0, theirs.stderr
+    assert [line.rsplit(":", 1)[1] for line in theirs.stdout.splitlines()] == [line.rsplit(":", 1)[1] for line in lines]
+
+
 def test_maps_of_comm_func_and_probe(counter: str, tmp_path: Path) -> None:
     """comm, func and probe as a map's values: the target keeps the word the tracer names, as
     for keys; printed in the maps, by printf, and read by END's body."""

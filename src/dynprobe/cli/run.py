@@ -5,6 +5,7 @@ interval bodies run here, and at the end every map printed as bpftrace prints it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
 import signal
 import sys
@@ -19,13 +20,17 @@ from dynprobe.cli.common import (
     exit_code,
     open_output,
     open_session,
+    report_error,
     run_target,
 )
-from dynprobe.errors import DynprobeError, ProgramError
+from dynprobe.errors import DynprobeError, ProgramError, SymbolError
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import DEFAULT_SLOTS
 from dynprobe.lang.parser import parse_program
 from dynprobe.lang.target import check_runnable
+from dynprobe.spec.model import split_location
+from dynprobe.symbols.elf import load_elf
+from dynprobe.symbols.resolve import find_file, functions_matching
 
 EXAMPLES = """\
 examples:
@@ -51,6 +56,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("script", nargs="?", metavar="FILE", help="the program, in a file")
     p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program, given here")
     p.add_argument("-c", dest="command", metavar="CMD", help="run CMD (split as a shell would) and trace it")
+    p.add_argument("-l", dest="listing", metavar="PATTERN",
+                   help="list the probes PATTERN names ('uprobe:libc:mal*'), as bpftrace -l; run nothing")  # fmt: skip
     add_output_option(p, "what the program prints")
     add_target_options(p)
     p.set_defaults(run=run)
@@ -72,7 +79,36 @@ def _source(args: argparse.Namespace) -> tuple[str, str]:
         raise UsageError(f"cannot read {args.script}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
+_KINDS = {"uprobe": "uprobe", "u": "uprobe", "uretprobe": "uretprobe", "ur": "uretprobe"}
+
+
+def _list(pattern: str) -> int:
+    """`-l`: the probes an attach point with globs names, a line each, sorted, as bpftrace -l
+    lists them (one function per address: the name `run` would probe it by)."""
+    kind, _, where = pattern.partition(":")
+    module, sep, glob = split_location(where)
+    if kind not in _KINDS or not sep or not module:
+        raise UsageError(f"-l takes uprobe:FILE:FUNCTION or uretprobe:FILE:FUNCTION, with globs in FUNCTION (a "
+                         f"library by name: uprobe:libc:mal*), not {pattern!r}")  # fmt: skip
+    image = load_elf(find_file(module))
+    found = sorted({f.name for f in functions_matching(image, glob or "*")})
+    if not found:
+        raise SymbolError(f"no function of {image.path} matches {glob!r}")
+    with contextlib.suppress(BrokenPipeError):
+        print("".join(f"{_KINDS[kind]}:{image.path}:{name}\n" for name in found), end="")
+    return 0
+
+
 def run(args: argparse.Namespace, command: list[str]) -> int:
+    if args.listing is not None:
+        if args.program is not None or args.script is not None or command or args.command is not None:
+            print("dynprobe: -l lists probes and runs nothing: give no program and no command with it",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            return _list(args.listing)
+        except DynprobeError as exc:
+            return report_error(exc)
     try:
         source, filename = _source(args)
         if args.command is not None:
