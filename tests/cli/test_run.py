@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -364,6 +365,20 @@ def test_maps_keyed_by_comm_func_and_probe(counter: str, tmp_path: Path) -> None
     assert theirs.returncode == 0, theirs.stderr
     expected = theirs.stdout.split("\n\n\n", 1)[1].splitlines()  # (0.17 names func by its address: left out)
     assert [line for line in expected if "0x" not in line] == [line for line in lines if line[:3] not in ("@f[", "@m[")]
+
+
+def test_time_in_a_probe_body_prints_the_hit_s_time(counter: str) -> None:
+    """time(fmt) in a probe body: a record in the ring, printed with strftime at the hit's
+    time (in its place among the printf()s); time() alone as bpftrace's, %H:%M:%S."""
+    before = int(time.time())
+    run = dp("run", "-e", f'uprobe:{counter}:work /arg0 < 3/ {{ printf("%d ", arg0); time("%s\\n"); time(); }}',
+             "--", counter, "10", "1")  # fmt: skip
+    after = int(time.time()) + 1
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.split("\n\n\n", 1)[0].splitlines()[1:]
+    assert [line.split()[0] for line in lines[::2]] == ["0", "1", "2"], lines
+    assert all(before <= int(line.split()[1]) <= after for line in lines[::2]), (before, lines, after)
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d", line) for line in lines[1::2]), lines
 
 
 def test_listing_probes_as_bpftrace_lists_them(counter: str) -> None:

@@ -36,7 +36,7 @@ def runnable(source: str) -> None:
         "uprobe:libc:open { @f[tid] = str(arg0); @g[tid, 1] = str(arg0, arg1); }"
         ' uretprobe:libc:open { printf("%s %s %d\\n", @f[tid], @g[tid, 1], retval); delete(@f[tid]); }'
         ' END { printf("%s\\n", @f[1]); @h = "x"; }',
-        "uprobe:libc:malloc { @who[tid] = comm; @f = func; @p[arg0] = probe; zero(@f); }"
+        'uprobe:libc:malloc { @who[tid] = comm; @f = func; @p[arg0] = probe; zero(@f); time("%H\\n"); time(); }'
         ' uretprobe:libc:malloc { printf("%s %s %s\\n", @who[tid], @f, @p[1]); delete(@who[tid]); }'
         ' END { printf("%s\\n", @f); }',
         'BEGIN { printf("hi %d %s\\n", -3, "there"); time("%H\\n"); } interval:s:1 { print(@c); clear(@c); '
@@ -67,7 +67,6 @@ def test_what_runs(source: str) -> None:
          "@m keyed by string here and by comm elsewhere", "@m[str"),
         ("uprobe:libc:malloc { @s = str(arg0); @t[@s] = 1; }", "a map key that is not an integer, str()", "@s"),
         ("uprobe:libc:malloc { $s = str(arg0); }", "a string value", "str(arg0)"),
-        ('uprobe:libc:malloc { time("%H\\n"); }', "time() is not run in the target yet", "time"),
         ("uprobe:libc:malloc, BEGIN { @x = 1; }", "a probe block is either uprobes and uretprobes", "uprobe"),
         ("BEGIN /1/ { exit(); }", "a predicate is for uprobes", "1"),
         ("BEGIN { @x = pid; }", "pid in BEGIN, END and interval probes (dynprobe runs them in the tracer): it "
@@ -180,6 +179,11 @@ def test_printf_records_are_laid_out_and_numbered_in_order() -> None:
     both = check_program(parse_program('u:libc:strlen { printf("%s %s %d", func, probe, 1); }'), "")
     assert next(iter(printf_records(both).values())).args == (PrintfArg("func", 8), PrintfArg("probe", 8),
                                                               PrintfArg("int", 8))  # fmt: skip
+    # a map of comm's value: its word; time(fmt): its number alone, bpftrace's format by default
+    named = 'u:libc:strlen { @c = comm; printf("%s %d\\n", @c, 2); time("%M\\n"); time(); }'
+    records = sorted(printf_records(check_program(parse_program(named), "")).values(), key=lambda r: r.number)
+    assert records[0].args == (PrintfArg("comm word", 8), PrintfArg("int", 16))
+    assert [(r.fmt, r.time, r.size) for r in records[1:]] == [("%M\n", True, 8), ("%H:%M:%S\n", True, 8)]
 
 
 def test_a_tracer_block_s_strings_clock_and_prints() -> None:

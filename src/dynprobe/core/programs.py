@@ -16,6 +16,7 @@ prints them in the order they were written.
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -131,6 +132,7 @@ class PlacedProgram:
         print()'s, the map as it is now; a record no printf() or print() of the program wrote,
         which only the target could have made, is skipped)."""
         lines: list[tuple[int, int, str]] = []
+        wall = time.time_ns() - time.monotonic_ns()  # (the wall clock less the monotonic one)
         for batch in batches:
             payload = batch.raw[:, L.RECORD_HEADER :]
             numbers = payload[:, :8].copy().view(np.uint64)[:, 0].tolist()
@@ -141,6 +143,8 @@ class PlacedProgram:
                     continue
                 if record.prints is not None:
                     lines.append((stamp, order, self.format_map(*record.prints)))
+                elif record.time:  # (the hit's time: CLOCK_MONOTONIC ns, as wall-clock time)
+                    lines.append((stamp, order, time.strftime(record.fmt, time.localtime((stamp + wall) / 1e9))))
                 else:
                     values = list(self._values(record, row.tobytes(), batch))
                     lines.append((stamp, order, c_format(record.fmt, values)))

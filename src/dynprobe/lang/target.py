@@ -22,7 +22,8 @@ from dynprobe.ringbuf import layout as L
 MAX_KEYS = 16  # words of a map's keys
 MAX_DEPTH = L.LANG_TEMPS_WORDS - MAX_KEYS  # operands an expression keeps waiting (a map's keys beside them)
 MAX_VARIABLES = L.LANG_VARS_WORDS
-_IN_TARGET_CALLS = ("delete", "exit", "printf", "print", "clear", "zero")
+_IN_TARGET_CALLS = ("delete", "exit", "printf", "print", "clear", "zero", "time")
+TIME_FORMAT = "%H:%M:%S\n"  # time()'s, as bpftrace's
 PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
 TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")  # (lang/tracer.py runs them)
 _TRACER_BUILTINS = ("nsecs", "elapsed")
@@ -117,12 +118,13 @@ class PrintfRecord:
     (a u64), then each argument's value (8 bytes), string (a record's string field) or nothing
     (comm, func, probe: the tracer knows them). A print(@m[, N]) is a record of its number
     alone (`prints`: the map and N): the tracer prints the map when it reads the record, as
-    bpftrace's does."""
+    bpftrace's does; so is a time(fmt) (`time`: `fmt` is strftime's, the hit's time given)."""
 
     number: int
     fmt: str
     args: tuple[PrintfArg, ...]
     prints: tuple[str, int] | None = None
+    time: bool = False
 
     @property
     def size(self) -> int:
@@ -138,7 +140,7 @@ _HELD = {"string": "str()", "comm": "comm", "func": "func", "probe": "probe"}
 
 
 def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
-    """The printf() and print() calls of the program's uprobe and uretprobe bodies (one record
+    """The printf(), print() and time() calls of the program's uprobe and uretprobe bodies (one record
     layout for calls that are the same), numbered in the order they appear."""
     found: dict[S.Call, PrintfRecord] = {}
     value_kinds = map_value_kinds(checked)
@@ -152,6 +154,9 @@ def printf_records(checked: Checked) -> dict[S.Call, PrintfRecord]:
                 call = statement.expr
                 if call.name == "printf" and call not in found:
                     found[call] = _record(len(found), call, checked, value_kinds)
+                elif call.name == "time" and call not in found:
+                    fmt = call.args[0].value if call.args and isinstance(call.args[0], S.Str) else TIME_FORMAT
+                    found[call] = PrintfRecord(len(found), fmt, (), time=True)
                 elif call.name == "print" and call not in found and isinstance(call.args[0], S.MapRef):
                     top = call.args[1].value if len(call.args) == 2 and isinstance(call.args[1], S.Int) else 0
                     found[call] = PrintfRecord(len(found), "", (), prints=(call.args[0].name, top))

@@ -21,7 +21,7 @@ from dynprobe.lang import syntax as S
 from dynprobe.lang.check import AGGREGATIONS, Checked
 from dynprobe.lang.maps import MapTable, as_signed
 from dynprobe.lang.output import c_format
-from dynprobe.lang.target import TRACER_CALLS
+from dynprobe.lang.target import TIME_FORMAT, TRACER_CALLS
 
 MASK64 = (1 << 64) - 1
 
@@ -155,7 +155,7 @@ class TracerBlock:
             case S.Call(name="time", args=(S.Str(value=fmt),)):
                 self.write(time.strftime(fmt))
             case S.Call(name="time"):
-                self.write(time.strftime("%H:%M:%S\n"))
+                self.write(time.strftime(TIME_FORMAT))
             case _:  # exit
                 self.exited = True
 

@@ -122,7 +122,7 @@ class BodyCompiler:
                 self.delete(target)
             case S.ExprStatement(expr=S.Call(name="clear" | "zero" as name, args=(S.MapRef() as target,))):
                 self.clear(self.body.tables[target.name], keep_keys=name == "zero")
-            case S.ExprStatement(expr=S.Call(name="printf" | "print") as call):
+            case S.ExprStatement(expr=S.Call(name="printf" | "print" | "time") as call):
                 self.printf(call)
             case S.ExprStatement(expr=S.Call(name="exit")):
                 asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.exit_flag))
