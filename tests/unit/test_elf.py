@@ -6,12 +6,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import iced_x86 as iced
 import numpy as np
 import pytest
 
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.jumptables import landing
 from dynprobe.arch.x86_64.optimize import plt_slot
+from dynprobe.errors import OptimizeRefusal
 from dynprobe.symbols.elf import ElfImage
 from dynprobe.symbols.lines import source_line
 from dynprobe.symbols.resolve import resolve_symbol
@@ -326,3 +328,27 @@ def test_reading_a_file_and_the_padding_after_a_function() -> None:
     assert len(padding) == 16 - 3 and image.read(zero.end, len(padding)) == padding
     assert image.padding_after(image.by_name["one"].addr) == b""  # (a function starts there)
     assert image.read(zero.addr, 1 << 40) is None and image.read(1 << 50, 4) is None
+
+
+def test_a_switch_whose_load_begins_past_its_table_is_never_patched(tmp_path: Path) -> None:
+    """GCC's switch on cases from -2 with no default (no compare bounds it) loads its offsets
+    from 8 bytes into the table (`movslq 8(%rdx,%rdi,4)`): the entries before are cases too, so
+    nothing bounds where it lands, and no site of the function takes a jump (one did: a case's
+    code inside the patched bytes)."""
+    source = tmp_path / "biased.c"
+    source.write_text(
+        "extern volatile int sink;\nint g(long x) {\n  int r = 0;\n  switch (x) {\n"
+        "  case -2: sink = 11; r += 3; /* fall through */\n"
+        "  case -1: sink = 21; sink = 22; sink = 23; sink = 24; sink = 25; return r + 2;\n"
+        "  case 0: sink = 31; return 3; case 1: sink = 41; return 4; case 2: sink = 51; return 5;\n"
+        "  case 3: sink = 61; return 6; case 4: sink = 71; return 7; case 5: sink = 81; return 8;\n"
+        "  default: __builtin_unreachable();\n  }\n}\nvolatile int sink;\n"
+    )  # fmt: skip
+    library = tmp_path / "libbiased.so"
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    image = ElfImage(str(library))
+    g = image.by_name["g"]
+    insns = list(iter_instructions(image.code(g.addr, g.size), g.addr))
+    assert any(i.mnemonic == iced.Mnemonic.MOVSXD and i.memory_displacement == 8 for i in insns)  # (the form)
+    verdicts = {image.jump_plan(g.addr, g.size, int(i.ip)) for i in insns}
+    assert verdicts <= {OptimizeRefusal.INDIRECT_JUMP, OptimizeRefusal.TOO_SHORT}, verdicts

@@ -406,11 +406,24 @@ def test_a_table_nothing_bounds_is_read_while_its_entries_land_in_code() -> None
     most = [0x1000 + i for i in range(4095)]
     assert held(*GCC_DISPATCH, memory={TABLE: offsets(*most, 0x9000)}) == frozenset(most)
     assert held(*GCC_DISPATCH, memory={TABLE: offsets(*most, 0x1000)}) is Landing.UNBOUNDED
-    # a table of addresses (code built without -fPIC)
+    # a table of addresses (code built without -fPIC): no `lea` says where it begins
     absolute = (one_mem(C.JMP_RM64, Memory(R.NONE, R.RDI, 8, displ=TABLE)),)
-    addresses = struct.pack("<3Q", *CASES[:2], 0x9000)
-    assert held(*absolute, memory={TABLE: addresses}) == frozenset(CASES[:2])
-    assert landed(*absolute, memory={TABLE: addresses}) is Landing.UNBOUNDED  # (nothing says what is code)
+    assert held(*absolute, memory={TABLE: struct.pack("<3Q", *CASES[:2], 0x9000)}) is Landing.UNBOUNDED
+
+
+def test_a_table_nothing_bounds_is_read_only_from_where_it_begins() -> None:
+    """GCC's switch on cases from -2 with no default loads `[rT + rI*4 + 8]` (rT the table's
+    `lea`): its first two entries are before where the load begins, so nothing says where the
+    table's entries end below: unbounded (a case there could land in the region). The same
+    with the offsets from a label other than the table (the load's base no proof of a start)."""
+    biased = (*GCC_DISPATCH[:2], reg_mem(C.MOVSXD_R64_RM32, R.RAX, Memory(R.RDX, R.RDI, 4, displ=8)),
+              *GCC_DISPATCH[3:])  # fmt: skip
+    memory = {TABLE: offsets(F + 2, F + 3, *CASES, 0x9000)}
+    assert held(*biased, memory=memory) is Landing.UNBOUNDED
+    label = (reg_mem(C.LEA_R64_M, R.RCX, Memory(R.RIP, displ=LABEL)), *GCC_DISPATCH[:3],
+             reg_reg(C.ADD_R64_RM64, R.RAX, R.RCX), one_reg(C.JMP_RM64, R.RAX))  # fmt: skip
+    assert held(*label, memory={TABLE: offsets(*CASES, 0x9000, origin=LABEL)}) is Landing.UNBOUNDED
+    assert held(*GCC_DISPATCH, memory={TABLE: offsets(*CASES, 0x9000)}) == frozenset(CASES)
 
 
 def test_an_entry_at_a_constant_place_is_a_table_of_one() -> None:

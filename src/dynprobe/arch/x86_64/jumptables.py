@@ -12,13 +12,15 @@ from the table, bounded by a compare before it:
 
 and code built without -fPIC through one of absolute addresses: `jmp [rI*8 + TABLE]`, or a
 `mov rA, [rI*8 + TABLE]` then `jmp rA`; an entry at a constant place (`movsxd rA, [rip+TABLE]`)
-is a table of one. A table whose index nothing bounds (glibc's string functions: the index is a
-bit scan plus or minus an offset, or a sum) is bounded by what it holds, where the caller says
-what is code (`is_code`): every entry of a table lands in the module's code, and an index never
-goes below 0 (the table's register points at its first entry), so the entries read from the
+is a table of one. A table of offsets whose index nothing bounds (glibc's string functions: the index is a bit scan
+plus or minus an offset, or a sum) is bounded by what it holds, where the caller says what is
+code (`is_code`) and the table's first entry is known: the offsets are from the table's own
+`lea`, and the load adds no displacement to it (GCC's switch on cases from -2 loads
+`[rT + rI*4 + 8]`: its first entries are before where the load begins). Every entry of a table
+lands in the module's code, and the index never goes below 0, so the entries read from the
 first while each lands in code hold the whole table, and perhaps what follows it (more targets:
 refusals, never fewer); a first entry that does not, or MAX_ENTRIES that all do, is
-`UNBOUNDED`. Any other
+`UNBOUNDED`, as is a table of addresses nothing bounds. Any other
 indirect jump goes through a value made elsewhere (a tail call through a pointer, a computed
 goto's table of label addresses, a method): it lands only where the module takes an address
 (its relocations, its RIP-relative `lea`s), which the caller knows: `THROUGH_POINTER`.
@@ -224,8 +226,13 @@ class _Code:
             table = self.rip_address(load_at, movsxd.memory_base)
             if table is None or start is None or movsxd.memory_index == _R.NONE or movsxd.memory_index_scale != 4:
                 return Landing.UNBOUNDED
+            # Its first entry is where the `lea` points when the offsets are from the table and the
+            # load adds nothing to it: only then do the entries from there hold every case (the
+            # index, not below 0) for a table nothing bounds (GCC's `movsxd rA, [rT + rI*4 + 8]`
+            # of cases from -2: the first two entries are before the displacement)
+            first = table if start == table and not movsxd.memory_displacement else None
             table = (table + movsxd.memory_displacement) & ((1 << 64) - 1)
-            return self.table(load_at, read, table=table, origin=start, index=movsxd.memory_index)
+            return self.table(load_at, read, table=table, origin=start, index=movsxd.memory_index, first=first)
         return Landing.UNBOUNDED
 
     def rip_address(self, before: int, register: RegisterT) -> int | None:
@@ -238,13 +245,14 @@ class _Code:
         return int(found[1].memory_displacement)
 
     def table(self, load_at: int, read: Reader, *, table: int, origin: int | None,
-              index: RegisterT | None) -> frozenset[int] | Landing:  # fmt: skip
+              index: RegisterT | None, first: int | None = None) -> frozenset[int] | Landing:  # fmt: skip
         """The targets of the table at `table` indexed by `index` (None: its first entry only) at
-        `insns[load_at]`: 32-bit offsets from `origin`, or (None) 64-bit addresses."""
+        `insns[load_at]`: 32-bit offsets from `origin`, or (None) 64-bit addresses. `first`:
+        where its first entry is known to be (`held` reads one nothing bounds from there)."""
         width = 8 if origin is None else 4
         entries = 1 if index is None else self.bound(load_at, _FULL(index))
         if entries is None:
-            return self.held(read, table=table, origin=origin)
+            return Landing.UNBOUNDED if first is None or origin is None else self.held(read, table=first, origin=origin)
         if not 0 < entries <= MAX_ENTRIES:
             return Landing.UNBOUNDED
         data = read(table, width * entries)
@@ -254,17 +262,16 @@ class _Code:
             return frozenset(struct.unpack(f"<{entries}Q", data))
         return frozenset(origin + offset for offset in struct.unpack(f"<{entries}i", data))
 
-    def held(self, read: Reader, *, table: int, origin: int | None) -> frozenset[int] | Landing:
-        """The targets of a table nothing bounds, by what it holds: its entries from the first
-        while each lands in code (see the module's docstring)."""
-        width = 8 if origin is None else 4
+    def held(self, read: Reader, *, table: int, origin: int) -> frozenset[int] | Landing:
+        """The targets of a table of offsets nothing bounds, by what it holds: its entries from
+        the first (at `table`) while each lands in code (see the module's docstring)."""
+        width = 4
         targets: set[int] = set()
         for k in range(MAX_ENTRIES):
             data = read(table + width * k, width)
             if data is None or len(data) != width or self.is_code is None:
                 break
-            value = int.from_bytes(data, "little", signed=origin is not None)
-            target = value if origin is None else origin + value
+            target = origin + int.from_bytes(data, "little", signed=True)
             if not self.is_code(target):
                 break
             targets.add(target)
