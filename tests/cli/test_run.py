@@ -128,6 +128,36 @@ def test_attached_to_a_running_process_it_ends_at_exit_and_leaves_the_process_ru
             target.kill()
 
 
+def test_a_dry_run_places_the_probes_says_their_modes_and_runs_nothing(counter: str) -> None:
+    """--dry-run: each probe's mode (optimized with its code's size; a trap and why), nothing
+    run: a command started is killed at its entry point (its libraries mapped there: libc's
+    probe placed too), before a line of its own; a process attached to runs on untouched."""
+    program = (f"uprobe:libc:malloc {{ @c = count(); }} uprobe:{counter}:work {{ @[arg0 % 3] = count(); }}"
+               f" uretprobe:{counter}:work {{ @r = hist(retval); }} BEGIN {{ printf(\"hi\\n\"); }}")  # fmt: skip
+    run = dp("run", "--dry-run", "-e", program, "-o", "-", "--", counter, "10", "1")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == "Attaching 3 probes..." and "total=" not in run.stdout and "hi" not in lines, lines
+    expected = [
+        "uprobe:/usr/lib/x86_64-linux-gnu/libc.so.6:malloc",
+        f"uprobe:{counter}:work",
+        f"uretprobe:{counter}:work",
+    ]
+    assert [line.rsplit(": ", 1)[0] for line in lines[1:]] == expected, lines
+    assert all(re.fullmatch(r"optimized, \d+ bytes of code", line.rsplit(": ", 1)[1]) for line in lines[1:]), lines
+    with subprocess.Popen([counter, str(10**13), "1"], stdout=subprocess.DEVNULL) as target:
+        try:
+            attached = dp("run", "--dry-run", "-e", f"uprobe:{counter}:work {{ @n++; }}", "-o", "-", "-p",
+                          str(target.pid))  # fmt: skip
+            assert attached.returncode == 0, attached.stderr
+            assert re.fullmatch(rf"Attaching 1 probe...\nuprobe:{counter}:work: optimized, \d+ bytes of code\n",
+                                attached.stdout), attached.stdout  # fmt: skip
+            with open(f"/proc/{target.pid}/status") as status:
+                assert "TracerPid:\t0\n" in status.read() and target.poll() is None  # (let go: it runs on)
+        finally:
+            target.kill()
+
+
 def test_a_script_file_run_with_c_its_full_map_said_and_end_zeroing(counter: str, tmp_path: Path) -> None:
     """`dynprobe run FILE -c CMD`: a map of more keys than it holds (4096 at most: fewer when a
     key finds no free slot near its hash) keeps those it took and says how many updates it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -37,6 +38,9 @@ examples:
   dynprobe run -e 'uprobe:libc:malloc { @bytes[tid] = sum(arg0); @sizes = hist(arg0); }' -- ./app
   dynprobe run -e 'uprobe:libc:read /arg2 > 4096/ { @big = count(); }' -p 1234
   dynprobe run -e 'uprobe:libc:open { printf("%s opens %s\\n", comm, str(arg0)); }' -- ./app
+  dynprobe run -l 'uprobe:libc:mall*'                  the probes a pattern names (bpftrace -l)
+  dynprobe run --dry-run -e 'uprobe:libc:malloc { @[tid] = count(); }' -- ./app
+                                                       each probe placed: its mode and code size
   dynprobe run latency.bt -c ./app     (latency.bt: uprobe:./app:parse { @start[tid] = nsecs; }
                                          uretprobe:./app:parse /@start[tid]/ {
                                            @ns = hist(nsecs - @start[tid]); delete(@start[tid]); })
@@ -56,6 +60,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("script", nargs="?", metavar="FILE", help="the program, in a file")
     p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program, given here")
     p.add_argument("-c", dest="command", metavar="CMD", help="run CMD (split as a shell would) and trace it")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile the program and place its probes, say each one's mode and code size, and run "
+                        "nothing (a command started runs to its entry point, its libraries mapped, and is killed "
+                        "there)")  # fmt: skip
     p.add_argument("-l", dest="listing", metavar="PATTERN",
                    help="list the probes PATTERN names ('uprobe:libc:mal*'), as bpftrace -l; run nothing")  # fmt: skip
     add_output_option(p, "what the program prints")
@@ -124,6 +132,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         print(exc.render(), file=sys.stderr)
         return 1
 
+    if args.dry_run:
+        return exit_code(lambda: _dry_run(args, command, source, filename), args.output)
+
     def work() -> int:
         out = open_output(args.output)
         with open_session(args, command) as session:
@@ -169,6 +180,39 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return status if status is not None else 130
 
     return exit_code(work, args.output)
+
+
+def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename: str) -> int:
+    """--dry-run: the program placed, each probe's mode (optimized, with its code's size; a
+    trap, and why) said, nothing run; a process attached to is let go as it was, a command
+    started is killed at its entry point (run there so that its libraries are mapped)."""
+    from dynprobe.core.probe import ProbeMode
+
+    out = open_output(args.output)
+    with open_session(args, command) as session:
+        program = session.program(source, filename)
+        main = session.process(session.pid)
+        image = load_elf(main.exe) if args.pid is None and main is not None else None
+        start = image.vaddr_to_offset(image.entry) if image is not None else None
+        if image is not None and start is not None:
+            entry = session.probe(f"{image.path}:{start:#x}", pre=lambda hit: session.stop())
+            session.run(timeout=60)
+            entry.remove()
+        session.optimize_now()
+        _write(out, f"Attaching {len(program.probes)} probe{'s' if len(program.probes) != 1 else ''}...\n")
+        for probe in program.probes:
+            site = main.sites.get(probe.sites[main.pid]) if main is not None and main.pid in probe.sites else None
+            if probe.mode == ProbeMode.OPTIMIZED:
+                how = "optimized" + (f", {site.detour[1]} bytes of code" if site and site.detour else "")
+            else:
+                why = probe.trap_reason
+                how = probe.mode.value + (f" ({why.name})" if why is not None else "")
+            _write(out, f"{program.probe_name(probe)}: {how}\n")
+        if args.pid is None:
+            os.kill(session.pid, signal.SIGKILL)
+            session.run(timeout=60)  # (its end reaped)
+    close_output(out)
+    return 0
 
 
 def _write(out: TextIO, text: str) -> None:

@@ -169,6 +169,10 @@ class PlacedProgram:
             else:
                 yield int.from_bytes(row[at : at + 8], "little", signed=True)
 
+    def probe_name(self, probe: Probe) -> str:
+        """The probe as bpftrace names it: 'uprobe:PATH:FUNCTION'."""
+        return self._names(probe.index)[1]
+
     def _names(self, index: int) -> tuple[str, str]:
         """`func` and `probe` of the program's probe of index `index` (as bpftrace names them:
         the function, and 'uprobe:PATH:FUNCTION')."""
