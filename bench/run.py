@@ -487,8 +487,9 @@ def hot_functions(most: int = 30) -> dict[str, dict[str, Any]]:
         text.write_text("".join(f"line {i * 7919 % 1000003} {'x' * (i % 41)}\n" for i in range(100_000)))
         for name, (argv, modules) in HOT_WORKLOADS.items():
             argv = [a.replace("{input}", str(text)) for a in argv]
-            if shutil.which(argv[0]) is None:
-                out[name] = {"missing": argv[0]}
+            missing = [m for m in (argv[0], *modules) if m.startswith("/") and not os.path.exists(m)]
+            if shutil.which(argv[0]) is None or missing:
+                out[name] = {"missing": ", ".join(missing) or argv[0]}
                 continue
             with dynprobe.spawn(argv, stdout=subprocess.DEVNULL) as session:
                 probes = [p for m in modules for p in session.probes_from(session.expand(f"p {m}:*"), action="count")]

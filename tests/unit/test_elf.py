@@ -352,3 +352,14 @@ def test_a_switch_whose_load_begins_past_its_table_is_never_patched(tmp_path: Pa
     assert any(i.mnemonic == iced.Mnemonic.MOVSXD and i.memory_displacement == 8 for i in insns)  # (the form)
     verdicts = {image.jump_plan(g.addr, g.size, int(i.ip)) for i in insns}
     assert verdicts <= {OptimizeRefusal.INDIRECT_JUMP, OptimizeRefusal.TOO_SHORT}, verdicts
+
+
+def test_tables_are_read_only_where_the_program_cannot_write() -> None:
+    """A jump plan reads the file's bytes only from segments that are not writable: what is in
+    .data (`seed`, a variable) may be another value by the time a jump goes through it."""
+    image = ElfImage(build_target("counter", flags=("-O1", "-pthread")))
+    seed = image.objects["seed"]
+    assert image.read(seed, 8) == (1).to_bytes(8, "little") and image.read(seed, 8, constant=True) is None
+    work = image.by_name["work"]
+    assert image.read(work.addr, 4, constant=True) == image.code(work.addr, 4)
+    assert [s.writable for s in image.segments].count(True) >= 1

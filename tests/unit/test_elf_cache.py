@@ -138,3 +138,41 @@ def test_an_entry_cut_short_or_scribbled_over_is_not_used(cache: Path, monkeypat
             assert elf_cache.load(name) is None, bad[:64]
             assert analysis(path) == truth  # (worked out again, and kept again)
             assert (cache / name).read_bytes() == data
+
+
+def test_an_entry_of_the_wrong_types_or_out_of_order_is_not_used(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Well-formed entries whose contents are not what elf.py keeps (a field of another type,
+    a number JSON spells that is no integer, arrays searched in order that are not in order, an
+    entry without the headers it should have) are worked out again, as if not there."""
+    path = build_target("counter", flags=("-O1", "-pthread"))
+    truth = parsed(path, monkeypatch)
+    analysis(path)
+    entries = {name: elf_cache.load(name) for name in os.listdir(cache)}
+    headers_key = next(k for k, kept in entries.items() if kept is not None and "headers" in kept[0])
+    branches_key = next(k for k, kept in entries.items() if kept is not None and "scanned" in kept[0])
+
+    def swapped(values: array[int]) -> array[int]:
+        out = array(values.typecode, values)
+        out[0], out[-1] = out[-1], out[0]
+        return out
+
+    meta, arrays, strings = entries[headers_key]  # type: ignore[misc]
+    scan_meta, scan_arrays, scan_strings = entries[branches_key]  # type: ignore[misc]
+    headers = meta["headers"]
+    for key, bad in (
+        (headers_key, ({"headers": headers | {"build_id": 5}}, arrays, strings)),
+        (headers_key, ({"headers": headers | {"segments": [s | {"vaddr": "0"} for s in headers["segments"]]}},
+                       arrays, strings)),
+        (headers_key, ({}, arrays, strings)),
+        (headers_key, (meta, arrays | {"addrs": swapped(arrays["addrs"])}, strings)),
+        (branches_key, (scan_meta | {"scanned": 1.5}, scan_arrays, scan_strings)),
+        (branches_key, (scan_meta | {"everything": "no"}, scan_arrays, scan_strings)),
+        (branches_key, (scan_meta, scan_arrays | {"targets": swapped(scan_arrays["targets"])}, scan_strings)),
+        (branches_key, (scan_meta, scan_arrays | {"taken": swapped(scan_arrays["taken"])}, scan_strings)),
+    ):  # fmt: skip
+        elf_cache.store(key, *bad)
+        assert analysis(path) == truth
+        assert elf_cache.load(key) == entries[key]  # (written again)
+    elf_cache.store(branches_key, scan_meta | {"scanned": 12345678}, scan_arrays, scan_strings)
+    (cache / branches_key).write_bytes((cache / branches_key).read_bytes().replace(b"12345678", b"Infinity"))
+    assert elf_cache.load(branches_key) is None and analysis(path) == truth  # (JSON's Infinity: no integer)

@@ -204,7 +204,7 @@ class PlacedProgram:
 
     def _named(self, pid: int, kind: str, key: output.Key) -> output.Key:
         """A key as printed: the words the tracer names (a stack's slot, a thread's pid << 32 |
-        tid, a probe's index) named."""
+        tid, a probe's index plus 1) named."""
         if kind in STACK_KINDS.values():
             return self._stack_key(pid, key, perf=kind == STACK_KINDS["perf"])
         if kind in TRACER_NAMES and key == 0:
@@ -288,7 +288,7 @@ def _merge(table: MapTable, first: output.Value, second: output.Value) -> output
     if isinstance(first, tuple) and isinstance(second, tuple):
         return first[0] + second[0], first[1] + second[1]
     if isinstance(first, str) or isinstance(second, str):
-        return second  # (a map of strings: the last written, as an integer's)
+        return second  # (a map of strings: the last region's, as an integer's)
     assert isinstance(first, int) and isinstance(second, int)
     if table.kind in ("count", "sum"):
         return first + second

@@ -166,6 +166,7 @@ class Upcalls:
         # on (where the scheduler has it at a look may lag behind)
         self._placed_on: int | None = None
         self._moved_at = 0.0  # when the server last left a CPU to a thread that asks there
+        self._bells_served: list[Doorbell] = []  # the doorbells the server looks at
         # Acquired and released between storing an answer and looking whether its thread
         # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
         fence = threading.Lock()
@@ -333,7 +334,7 @@ class Upcalls:
                     if (self._version, ThreadAreas.changes) != seen:  # (a thread or process came or went)
                         seen = (self._version, ThreadAreas.changes)
                         with self._lock:
-                            bells = self._distinct()
+                            bells = self._bells_served = self._distinct()
                         pages = [bell.words for bell in bells]
                         askers = list(self._areas())
                         continue
@@ -386,6 +387,7 @@ class Upcalls:
         if others and now - self._moved_at >= MOVE_EVERY:
             self._moved_at = now
             self.place(others, spin=self._spin)
+            self._look_at_cpu(self._bells_served)  # (at once: the server may answer from its spin for long)
 
     def _look_at_cpu(self, bells: list[Doorbell]) -> None:
         """The doorbells say where the server runs now (threads that ask there do not spin)."""
@@ -517,7 +519,7 @@ class Upcalls:
         the instruction done), in order, on the frame; where the thread goes on if a pre-handler
         returned True (it moved it: the instruction and the post-handlers are skipped) or a
         post-handler moved it, else None. A hit is counted at its first upcall (a return
-        probe.s, at its return)."""
+        probe's, at its return)."""
         now, tid, pid = time.monotonic(), asker.tid, proc.pid
         probes = [p for p in site.probes if p.enabled]  # (as they are now: a handler may place more)
         count_here = not post or not self.asks_before(probes)

@@ -212,7 +212,7 @@ def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
     """How the target holds each keyed map's keys, a key each: "int", "string" (a str()'s
     bytes), "stack" or "perf stack" (its slot in the stack table; printed as bpftrace's or as
     perf's modes print it), "comm" (the thread's pid << 32 | tid), "func" or "probe" (the
-    probe's index), all but the first two named by the tracer; as the map's first use with keys
+    probe's index plus 1), all but the first two named by the tracer; as the map's first use with keys
     has them (`check_runnable` refuses a use that differs)."""
     kinds: dict[str, tuple[str, ...]] = {}
     for ref in _map_refs(checked.program):
@@ -362,7 +362,7 @@ class _TargetCheck:
         words = depth
         for key, kind in zip(ref.keys, kinds, strict=True):
             if kind in TRACER_NAMES:
-                words += 1  # (a word the tracer names: the tid, the probe's index)
+                words += 1  # (a word the tracer names: the thread, the probe's index plus 1)
             elif _is_ustack(key):
                 words += 1  # (the hit's stack, counted by the probe: its slot in the stack table)
             elif isinstance(key, S.Call) and key.name == "str":

@@ -120,12 +120,16 @@ def write(kind: str, key: str, chunks: Iterable[bytes]) -> None:
     try:
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=directory)  # fmt: skip
+        renamed = False
         try:
             with os.fdopen(fd, "wb") as f:
                 f.writelines(chunks)
             os.rename(temporary, key, src_dir_fd=directory, dst_dir_fd=directory)
-        except OSError:
-            os.unlink(temporary, dir_fd=directory)
+            renamed = True
+        finally:
+            if not renamed:  # (whatever stopped it: nothing half-written is left)
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=directory)
     except OSError:
         pass
     finally:

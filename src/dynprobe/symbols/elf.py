@@ -19,7 +19,7 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -58,6 +58,7 @@ class Segment:
     filesz: int
     memsz: int
     executable: bool
+    writable: bool
 
 
 _R_X86_64_IRELATIVE = 37
@@ -140,8 +141,19 @@ SymbolTables = tuple[list[Function], dict[str, int], dict[str, int], dict[str, s
 
 
 def _headers(fields: dict[str, Any]) -> Headers:
-    """Headers from their fields, its segments as dicts (TypeError: not Headers' fields)."""
-    return Headers(**(fields | {"segments": [Segment(**segment) for segment in fields["segments"]]}))
+    """Headers from their fields, its segments as dicts (TypeError: not Headers' fields, or
+    not of their types: what the cache gives back is checked as a file's bytes are)."""
+    headers = Headers(**(fields | {"segments": [Segment(**segment) for segment in fields["segments"]]}))
+    segments = headers.segments
+    texts = (headers.machine, *headers.needed, *headers.rpath, *headers.runpath)
+    maybe = (headers.interp, headers.build_id, headers.soname, headers.debuglink)
+    flags = (headers.is_pie, headers.is_go, headers.has_symtab, *(s.executable for s in segments),
+             *(s.writable for s in segments))  # fmt: skip
+    numbers = (headers.entry, *(n for s in segments for n in (s.vaddr, s.offset, s.filesz, s.memsz)))
+    if not (all(type(t) is str for t in texts) and all(t is None or type(t) is str for t in maybe)
+            and all(type(f) is bool for f in flags) and all(type(n) is int and n >= 0 for n in numbers)):  # fmt: skip
+        raise TypeError("not Headers' fields")
+    return headers
 
 
 def _functions(rows: Iterable[tuple[str, int, int]]) -> list[Function]:
@@ -169,8 +181,8 @@ def _from_kept(kept: elf_cache.Kept) -> tuple[Headers | None, SymbolTables]:
     meta, arrays, strings = kept
     headers = _headers(meta["headers"]) if "headers" in meta else None
     names, addrs, sizes = strings["names"], arrays["addrs"], arrays["sizes"]
-    if not len(names) == len(addrs) == len(sizes):
-        raise ValueError("not as many names as functions")
+    if not len(names) == len(addrs) == len(sizes) or not _ascending(addrs):
+        raise ValueError("not as many names as functions, or not in their order")
     tables = (
         list(map(Function, names, addrs, sizes)),
         dict(zip(strings["objects"], arrays["objects"], strict=True)),
@@ -183,12 +195,19 @@ def _from_kept(kept: elf_cache.Kept) -> tuple[Headers | None, SymbolTables]:
 _Analysis = tuple[Headers | None, SymbolTables]
 
 
-def _analysis(key: str, parse: Callable[[], _Analysis]) -> _Analysis:
-    """What `parse` reads of a file, kept on disk under `key` (symbols/elf_cache.py)."""
+def _ascending(values: Sequence[int]) -> bool:
+    return list(values) == sorted(values)  # (in C: a sorted list is one run)
+
+
+def _analysis(key: str, parse: Callable[[], _Analysis], *, headers: bool) -> _Analysis:
+    """What `parse` reads of a file (with its `headers`, or without), kept on disk under `key`
+    (symbols/elf_cache.py)."""
     kept = elf_cache.load(key)
     if kept is not None:
-        with contextlib.suppress(TypeError, ValueError, KeyError):
-            return _from_kept(kept)
+        with contextlib.suppress(TypeError, ValueError, KeyError, OverflowError):
+            found = _from_kept(kept)
+            if (found[0] is not None) == headers:
+                return found
     found = parse()
     elf_cache.store(key, *_kept(*found))
     return found
@@ -230,8 +249,9 @@ class ElfImage:
         if self.data[4] != 2:
             raise ElfError(f"{path} is a 32-bit ELF file; dynprobe traces x86-64 programs only")
         self.digest = hashlib.sha256(self.data).hexdigest()
-        headers, self._own_symbol_tables = _analysis(elf_cache.key_of(self.digest, "headers"), self._parse)
-        assert headers is not None
+        headers, self._own_symbol_tables = _analysis(elf_cache.key_of(self.digest, "headers"), self._parse,
+                                                     headers=True)  # fmt: skip
+        assert headers is not None  # (headers=True)
         if headers.machine != "EM_X86_64":
             raise ElfError(f"{path} is built for {headers.machine}, not x86-64")
         self.headers = headers
@@ -299,7 +319,7 @@ class ElfImage:
         path, identity = self._debug
         try:
             _, tables = _analysis(elf_cache.key_of(self.digest, "with debug symbols", identity),
-                                  lambda: (None, self._add_debug_symbols(path)))  # fmt: skip
+                                  lambda: (None, self._add_debug_symbols(path)), headers=False)  # fmt: skip
         except (OSError, ElfError):
             return self._own_symbol_tables  # gone, replaced or damaged since: the file's own symbols only
         return tables
@@ -406,10 +426,11 @@ class ElfImage:
             return b""
         return self.data[off : off + size]
 
-    def read(self, vaddr: int, size: int) -> bytes | None:
-        """The file's `size` bytes at link-time address `vaddr`, if one segment holds them all."""
+    def read(self, vaddr: int, size: int, *, constant: bool = False) -> bytes | None:
+        """The file's `size` bytes at link-time address `vaddr`, if one segment holds them all
+        (`constant`: one the program cannot write, where they stay as the file has them)."""
         for seg in self.segments:
-            if seg.vaddr <= vaddr and vaddr + size <= seg.vaddr + seg.filesz:
+            if seg.vaddr <= vaddr and vaddr + size <= seg.vaddr + seg.filesz and not (constant and seg.writable):
                 data = self.data[seg.offset + vaddr - seg.vaddr : seg.offset + vaddr - seg.vaddr + size]
                 return data if len(data) == size else None
         return None
@@ -448,7 +469,8 @@ class ElfImage:
 
         return can_optimize(
             self.code(addr, size), addr + bias, site, other_probes=other_probes, module_targets=self.branch_targets(),
-            bias=bias, read=lambda at, count: self.read(at - bias, count), padding=self.padding_after(addr + size),
+            bias=bias, read=lambda at, count: self.read(at - bias, count, constant=True),
+            padding=self.padding_after(addr + size),
             is_code=lambda at: self.is_executable(at - bias),
             branches_to=branches_to if take_along else None,
         )  # fmt: skip
@@ -668,12 +690,14 @@ class ElfImage:
             return None
         meta, arrays, _ = kept
         try:
-            scan = Scan(arrays["sources"], arrays["targets"], arrays["taken"], int(meta["scanned"]),
-                        bool(meta["everything"]))  # fmt: skip
+            scan = Scan(arrays["sources"], arrays["targets"], arrays["taken"], meta["scanned"], meta["everything"])
             ranges = list(zip(arrays["eh_starts"], arrays["eh_ends"], strict=True))
         except (KeyError, TypeError, ValueError):
             return None
-        if len(scan.sources) != len(scan.targets):
+        # (what is searched must be sorted: a target missed is a jump over code something lands in)
+        in_order = _ascending(scan.targets) and _ascending(scan.taken) and _ascending(arrays["eh_starts"])
+        if type(scan.scanned) is not int or type(scan.everything) is not bool \
+                or len(scan.sources) != len(scan.targets) or not in_order:  # fmt: skip
             return None
         self._eh_ranges = ranges
         return scan

@@ -12,8 +12,10 @@ written again).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import struct
 from array import array
 from typing import Any
@@ -29,8 +31,28 @@ _TYPECODES = ("q", "Q")  # arrays of 64-bit integers, signed or not
 
 
 def key_of(*parts: object) -> str:
-    """The name of what was worked out from `parts` (a file's SHA-256, what was asked of it)."""
-    return hashlib.sha256(":".join(map(str, (FORMAT, *parts))).encode()).hexdigest()
+    """The name of what was worked out from `parts` (a file's SHA-256, what was asked of it) by
+    this version of the code that works it out (`_code`)."""
+    return hashlib.sha256(":".join(map(str, (FORMAT, _code(), *parts))).encode()).hexdigest()
+
+
+@functools.cache
+def _code() -> str:
+    """A hash of the modules whose work is kept (symbols/elf.py, symbols/elfparse.py): what an
+    older dynprobe worked out is never taken for this one's (the branch scan of an older one
+    may have found fewer targets)."""
+    digest = hashlib.sha256()
+    for name in ("elf.py", "elfparse.py"):
+        try:
+            with open(os.path.join(os.path.dirname(__file__), name), "rb") as source:
+                digest.update(source.read())
+        except OSError:
+            digest.update(f"{name} unreadable".encode())
+    return digest.hexdigest()
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number kept here")
 
 
 Kept = tuple[dict[str, Any], dict[str, "array[int]"], dict[str, list[str]]]
@@ -45,7 +67,7 @@ def load(key: str) -> Kept | None:
     if magic != _MAGIC or _HEADER.size + size > len(data):
         return None
     try:
-        found = json.loads(data[_HEADER.size : _HEADER.size + size])
+        found = json.loads(data[_HEADER.size : _HEADER.size + size], parse_constant=_no_constant)
         meta, counts, lengths = found["meta"], found["arrays"], found["strings"]
         if not isinstance(meta, dict) or not isinstance(counts, dict) or not isinstance(lengths, dict):
             return None

@@ -168,7 +168,8 @@ def headers(elf: ELFFile) -> dict[str, Any]:
     return dict(
         machine=str(elf["e_machine"]), is_pie=elf["e_type"] == "ET_DYN",
         segments=[{"vaddr": s["p_vaddr"], "offset": s["p_offset"], "filesz": s["p_filesz"], "memsz": s["p_memsz"],
-                   "executable": bool(s["p_flags"] & 1)} for s in segments if s["p_type"] == "PT_LOAD"],
+                   "executable": bool(s["p_flags"] & 1), "writable": bool(s["p_flags"] & 2)}
+                  for s in segments if s["p_type"] == "PT_LOAD"],
         interp=None if interp is None else interp.get_interp_name(),  # type: ignore[attr-defined]
         build_id=build_id(elf), entry=int(elf["e_entry"]),
         is_go=any(elf.get_section_by_name(n) is not None for n in (".go.buildinfo", ".gopclntab")),

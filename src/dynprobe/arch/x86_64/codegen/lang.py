@@ -4,7 +4,7 @@ statements, its maps updated in place in the program's region (lang/maps.py) wit
 instructions, its printf() calls as records in the thread's ring (lang/target.py's
 `PrintfRecord`), a `str()` key read into NUL-padded words, a `ustack` key the slot the probe
 counted the hit's stack in, a `comm` key the thread's pid and tid and a `func` or `probe` key
-the probe's index (the tracer names them). (lang/target.py refuses beforehand what is not
+the probe's index plus 1 (the tracer names them). (lang/target.py refuses beforehand what is not
 compiled here: string and stack values elsewhere.)
 
 A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
