@@ -21,12 +21,13 @@ from dynprobe.actions.model import ActionKind, Program
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code
 from dynprobe.arch.x86_64.codegen.detours import build_detour
 from dynprobe.arch.x86_64.cpu import has_rdpid
+from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.lang import maps, output
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import Clock, LangBody, Region, key_hash, lay_out
 from dynprobe.lang.parser import parse_program
-from dynprobe.lang.target import PRINTF_NUMBER, check_runnable, printf_records, tracer_maps
+from dynprobe.lang.target import PRINTF_NUMBER, check_runnable, printf_records, thread_keyed_maps, tracer_maps
 from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 from tests.unit.native import NativeArea, field
@@ -711,3 +712,36 @@ def test_print_writes_a_record_of_its_number_alone(area: NativeArea) -> None:
     assert [field(r, L.RECORD_PROBE, 2) for r in records] == [2, 2, 2]
     assert [field(r[L.RECORD_HEADER :], 0) for r in records] == [0, 1, 1]
     assert [p.prints for p in code.program.lang.printfs.values()] == [("c", 2), None]
+
+
+def test_a_map_keyed_by_the_thread_is_updated_without_a_lock(area: NativeArea) -> None:
+    """Where every update keys a map by `tid`, an entry has one writer: its count, sum, hist,
+    step and `+=` are plain instructions (a locked one costs several ns here); elsewhere they
+    stay locked. The counts are the same either way."""
+    source = ("u:/bin/x:f { @t[tid, arg0] = count(); @s[arg0, tid] = sum(arg0); @h[tid] = hist(arg0); @n[tid]++;"
+              " @p[tid] += 2; @shared[arg0] = count(); @mixed[tid] = count(); @mixed[arg0] = count(); }")  # fmt: skip
+    checked = check_program(parse_program(source), source)
+    assert thread_keyed_maps(checked) == {"t", "s", "h", "n", "p"}
+    tables = lay_out(checked).tables
+    assert {name for name, table in tables.items() if table.one_writer} == {"t", "s", "h", "n", "p"}
+    code = Compiled(area, source)
+    area.set_word(L.TID, 77)
+    for arg in (1, 1, 2):
+        code(arg)
+    assert code.entries("t") == {(77, 1): 2, (77, 2): 1} and code.entries("s") == {(1, 77): 2, (2, 77): 2}
+    assert code.entries("n") == {(77,): 3} and code.entries("p") == {(77,): 6}
+    assert code.entries("shared") == {(1,): 2, (2,): 1} and code.entries("mixed") == {(77,): 3, (1,): 2, (2,): 1}
+
+    def locked(text: str) -> int:  # (the locked instructions of a body: its map's claim, its drop count, its update)
+        checked = check_program(parse_program(text), text)
+        region = lay_out(checked)
+        body = LangBody(
+            checked.program.probes[0], checked, 0x10000, region.tables, NS_AS_TICKS, printf_records(checked)
+        )
+        built = build_detour(
+            plan(), [Program(0, ActionKind.COUNT, lang=body)], LAYOUT, 0x7000_0000, function_entry=True
+        )
+        assert not isinstance(built, OptimizeRefusal)
+        return sum(i.has_lock_prefix for i in iter_instructions(built.code[: built.action_bytes], 0x7000_0000))
+
+    assert locked("u:/bin/x:f { @t[arg0] = count(); }") == locked("u:/bin/x:f { @t[tid] = count(); }") + 1

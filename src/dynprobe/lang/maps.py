@@ -23,7 +23,7 @@ import numpy as np
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS, Checked
-from dynprobe.lang.target import PrintfRecord, map_key_kinds, map_value_kinds
+from dynprobe.lang.target import PrintfRecord, map_key_kinds, map_value_kinds, thread_keyed_maps
 
 MASK64 = (1 << 64) - 1
 HASH_SEED = 0x2545F4914F6CDD1D
@@ -55,6 +55,7 @@ class MapTable:
     offset: int
     index: int  # its dropped updates' counter: the region's word `index` + 1
     lhist: tuple[int, int, int] = (0, 0, 1)  # min, max, step
+    one_writer: bool = False  # keyed by the thread that updates it: its values updated without a lock
 
     @property
     def keys(self) -> int:
@@ -132,13 +133,13 @@ def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
     """The region of `checked`'s maps: a map without keys has one slot, a keyed one `slots`."""
     tables: dict[str, MapTable] = {}
     offset = (8 * (1 + len(checked.maps)) + 63) & ~63
-    key_kinds, value_kinds = map_key_kinds(checked), map_value_kinds(checked)
+    key_kinds, value_kinds, thread_keyed = map_key_kinds(checked), map_value_kinds(checked), thread_keyed_maps(checked)
     for index, (name, info) in enumerate(sorted(checked.maps.items())):
         kind = info.value.kind if info.value is not None else "int"
         kind = value_kinds.get(name, kind)  # (a map of comm, func or probe: a word the tracer names)
         keys = key_kinds.get(name, ())
         lhist = checked.lhist.get(name, (0, 0, 1))
-        table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist)
+        table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist, one_writer=name in thread_keyed)
         tables[name] = table
         offset += ((table.slots + 1) * table.slot_bytes + 63) & ~63
     return Region(tables, max(offset, 64))

@@ -221,6 +221,22 @@ def map_key_kinds(checked: Checked) -> dict[str, tuple[str, ...]]:
     return kinds
 
 
+def thread_keyed_maps(checked: Checked) -> frozenset[str]:
+    """The maps every probe body's update keys by `tid` (at one place among the keys): an entry
+    is then written by one thread only, its value updated without a locked instruction (what
+    `delete()` or the tracer's clear() race with, they race with either way)."""
+    places: dict[str, set[int]] = {}
+    for block in checked.program.probes:
+        if not _in_target(block):
+            continue
+        for node in _nodes(block.body):
+            if isinstance(node, S.Assign | S.Step) and isinstance(node.target, S.MapRef):
+                keys = node.target.keys
+                tids = {i for i, key in enumerate(keys) if isinstance(key, S.Builtin) and key.name == "tid"}
+                places[node.target.name] = places.get(node.target.name, tids) & tids
+    return frozenset(name for name, where in places.items() if where)
+
+
 def map_value_kinds(checked: Checked) -> dict[str, str]:
     """What each map of strings the probe bodies write holds: "string" (the bytes a str()
     read), or "comm", "func" or "probe" (a word the tracer names, as those keys are); as the

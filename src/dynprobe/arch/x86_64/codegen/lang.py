@@ -363,7 +363,7 @@ class BodyCompiler:
             if op == "-=":
                 asm.add(iced.Instruction.create_reg(C.NEG_RM64, R.RCX))
             add = iced.Instruction.create_mem_reg(C.ADD_RM64_R64, slot, R.RCX)
-            add.has_lock_prefix = True
+            add.has_lock_prefix = not table.one_writer
             asm.add(add)
         else:  # (`*=` and the like read, then write: as racy as bpftrace's own)
             if op != "=":
@@ -418,7 +418,7 @@ class BodyCompiler:
             self.find_slot(target, table, depth, claim=True)
             asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, delta & L_MASK64))
             xadd = iced.Instruction.create_mem_reg(C.XADD_RM64_R64, mem_at(R.RDI, table.value_at), R.RAX)
-            xadd.has_lock_prefix = True
+            xadd.has_lock_prefix = not table.one_writer
             asm.add(xadd)
             asm.add(iced.Instruction.create_reg_i32(C.ADD_RM64_IMM8, R.RAX, delta))  # (the new value)
             self.found(table)
@@ -427,7 +427,8 @@ class BodyCompiler:
 
     def aggregate(self, target: S.MapRef, call: S.Call) -> None:
         """`@m[keys] = count()` and the other aggregations: the entry's value words updated
-        atomically (min and max: compare and exchange until no other thread came between)."""
+        atomically (min and max: compare and exchange until no other thread came between), or,
+        in a map keyed by the thread (`one_writer`), by plain instructions."""
         asm = self.asm
         table = self.body.tables[target.name]
         if call.args:
@@ -443,11 +444,11 @@ class BodyCompiler:
                 asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.ECX, 1))
             elif name in ("avg", "stats"):
                 inc = iced.Instruction.create_mem(C.INC_RM64, value)
-                inc.has_lock_prefix = True
+                inc.has_lock_prefix = not table.one_writer
                 asm.add(inc)
                 value = mem_at(R.RDI, table.value_at + 8)
             add = iced.Instruction.create_mem_reg(C.ADD_RM64_R64, value, R.RCX)
-            add.has_lock_prefix = True
+            add.has_lock_prefix = not table.one_writer
             asm.add(add)
         elif name in ("min", "max"):
             again, kept = asm.label(), asm.label()
@@ -456,14 +457,14 @@ class BodyCompiler:
             asm.add(iced.Instruction.create_reg_reg(C.CMP_R64_RM64, R.RCX, R.RAX))
             asm.jump(C.JGE_REL32_64 if name == "min" else C.JLE_REL32_64, kept)
             exchange = iced.Instruction.create_mem_reg(C.CMPXCHG_RM64_R64, value, R.RCX)
-            exchange.has_lock_prefix = True
+            exchange.has_lock_prefix = not table.one_writer
             asm.add(exchange)  # (rax: what the word held, if another thread changed it)
             asm.jump(C.JNE_REL32_64, again)
             asm.bind(kept)
         else:
             self.bucket(name, table)
             inc = iced.Instruction.create_mem(C.INC_RM64, iced.MemoryOperand(R.RDI, R.RAX, 8, displ=table.value_at))
-            inc.has_lock_prefix = True
+            inc.has_lock_prefix = not table.one_writer
             asm.add(inc)
         self.found(table)
 
