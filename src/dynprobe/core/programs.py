@@ -16,9 +16,11 @@ prints them in the order they were written.
 from __future__ import annotations
 
 import mmap
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TextIO
 
 import numpy as np
 
@@ -241,6 +243,25 @@ class PlacedProgram:
         table = self.region.tables[name]
         kind = "string" if table.kind in TRACER_NAMES else table.kind  # (named: strings)
         return output.format_map(name, kind, self.entries(name), top=top, lhist=table.lhist)
+
+    @property
+    def maps(self) -> dict[str, object]:
+        """Every map, by name, in bpftrace's shapes: a map without keys its value, one with keys
+        a dict of its entries, each key alone or several as a tuple; values as
+        `output.plain` gives them (an int, a str, an avg's average, stats as a dict, a hist's
+        counts by bucket)."""
+        out: dict[str, object] = {}
+        for name, table in sorted(self.region.tables.items()):
+            entries = {keys: output.plain(table.kind, value, table.lhist) for keys, value in self.entries(name)}
+            if not table.key_kinds:
+                out[name] = entries.get(())
+            else:
+                out[name] = {keys[0] if len(keys) == 1 else keys: value for keys, value in entries.items()}
+        return out
+
+    def print(self, file: TextIO | None = None) -> None:
+        """Every map as bpftrace prints them at its end (to the standard output)."""
+        (file or sys.stdout).write(self.format_maps())
 
     def format_maps(self) -> str:
         """Every map, by name, as bpftrace prints them at its end."""

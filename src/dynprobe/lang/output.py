@@ -94,6 +94,21 @@ def _value_text(kind: str, value: Value) -> str:
     return str(value)
 
 
+def plain(kind: str, value: Value, lhist: tuple[int, int, int] = (0, 0, 1)) -> object:
+    """A value as a Python program reads it, in bpftrace's terms: an avg its average, stats
+    their count, average and total, a hist or lhist its counts by bucket as bpftrace labels
+    them ("[4, 8)"); anything else as it is."""
+    if kind == "avg" and isinstance(value, tuple):
+        return _average(*value)
+    if kind == "stats" and isinstance(value, tuple):
+        return {"count": value[0], "average": _average(*value), "total": value[1]}
+    if kind == "hist" and isinstance(value, dict):
+        return {_hist_label(bucket): count for bucket, count in sorted(value.items())}
+    if kind == "lhist" and isinstance(value, dict):
+        return {_lhist_label(bucket, *lhist): count for bucket, count in sorted(value.items())}
+    return value
+
+
 def _order(kind: str, entries: Sequence[Entry]) -> list[Entry]:
     """bpftrace's order: by value (a hist's: its total; avg and stats: the average), strings and
     stacks by key."""
