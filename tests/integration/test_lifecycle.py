@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 import dynprobe
 from dynprobe.errors import ProcessError
 from dynprobe.ptrace.process import thread_state
+from dynprobe.symbols.elf import load_elf
 from tests.conftest import TARGETS, build_target
 
 from .helpers import run_plain, run_until, traced
@@ -217,3 +220,56 @@ def test_a_spawned_command_has_the_signal_dispositions_it_has_untraced() -> None
             assert session.run(timeout=30) == 0
         out.seek(0)
         assert out.read() == untraced.stdout
+
+
+TRACEFS = Path("/sys/kernel/tracing")
+
+
+@contextlib.contextmanager
+def kernel_uprobe(path: Path, offset: int) -> Iterator[None]:
+    """A kernel uprobe on path:offset (what bpftrace and perf probe place: an int3 in every
+    process that maps the file), enabled in a tracing instance of our own; removed after."""
+    group, event = "dynprobe_test", "foreign"
+    instance = TRACEFS / "instances" / group
+
+    def append(line: str) -> None:
+        fd = os.open(TRACEFS / "uprobe_events", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+    append(f"p:{group}/{event} {path}:{offset:#x}")
+    try:
+        instance.mkdir(exist_ok=True)
+        (instance / "events" / group / event / "enable").write_text("1\n")
+        try:
+            yield
+        finally:
+            (instance / "events" / group / event / "enable").write_text("0\n")
+    finally:
+        with contextlib.suppress(OSError):
+            instance.rmdir()
+        append(f"-:{group}/{event}")
+
+
+def test_a_library_probe_over_another_tool_s_breakpoint_is_refused_and_said(linked: Path, tmp_path: Path) -> None:
+    """A kernel uprobe (bpftrace's, perf probe's) on a library function is an int3 in every
+    process that maps the library: dynprobe does not patch over it (the kernel would write its
+    original byte back over dynprobe's jump when it goes). The probe, refused as the loader maps
+    the library, says why, and is not said to be on a library the program never loaded."""
+    if not os.access(TRACEFS / "uprobe_events", os.W_OK):
+        pytest.skip("no kernel uprobes here: tracefs is not mounted or not writable (make tracefs mounts it)")
+    library = linked / "lib" / "libmine.so.1"
+    image = load_elf(str(library))
+    offset = image.vaddr_to_offset(image.by_name["lib_func"].addr)
+    assert offset is not None
+    argv = [str(linked / "bin" / "linked")]
+    plain = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    with kernel_uprobe(library, offset):
+        for command in (["count", "p libmine:lib_func"], ["run", "-e", "uprobe:libmine:lib_func { @ = count(); }"]):
+            run = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", *command, "--", *argv],
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert run.returncode == 0 and run.stdout == plain, run.stderr
+            assert "int3 that dynprobe did not write [FOREIGN_INT3]" in run.stderr, run.stderr
+            assert "never placed" not in run.stderr, run.stderr

@@ -262,8 +262,9 @@ def note_traps(probes: list[Probe]) -> None:
 
 def note_never_placed(probes: list[Probe]) -> None:
     """A probe on a library the program never loaded waited to the end (its counts are 0
-    because it never was in the program, not because nothing called it): say so."""
-    waited = [p for p in probes if not p.sites]
+    because it never was in the program, not because nothing called it): say so (one refused
+    where the library is mapped was said when it was: not this)."""
+    waited = [p for p in probes if not p.sites and p.not_placed is None]
     if waited:
         named = ", ".join(f"{p.name} ({p.location.basename})" for p in waited[:5]) + (
             ", ..." if len(waited) > 5 else ""

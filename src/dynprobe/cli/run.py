@@ -136,8 +136,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return exit_code(lambda: _dry_run(args, command, source, filename), args.output)
 
     def work() -> int:
+        from dynprobe.core.session import print_warning  # (the engine, as open_session loads it)
+
         out = open_output(args.output)
         with open_session(args, command) as session:
+            session.on_warning = print_warning
             program = session.program(source, filename)
             program.write = lambda text: _write(out, text)
             in_tracer = [p for b in program.checked.program.probes for p in b.attach_points
@@ -187,9 +190,11 @@ def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename
     trap, and why) said, nothing run; a process attached to is let go as it was, a command
     started is killed at its entry point (run there so that its libraries are mapped)."""
     from dynprobe.core.probe import ProbeMode
+    from dynprobe.core.session import print_warning
 
     out = open_output(args.output)
     with open_session(args, command) as session:
+        session.on_warning = print_warning
         program = session.program(source, filename)
         main = session.process(session.pid)
         image = load_elf(main.exe) if args.pid is None and main is not None else None

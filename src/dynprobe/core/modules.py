@@ -137,6 +137,7 @@ class Modules:
                     refused = ProbeRefused(Refusal.FILE_REPLACED, f"{loc.basename}:{loc.label}")
                     if strict:
                         raise refused
+                    probe.not_placed = refused
                     self.engine.warn(f"{probe.name}: {refused} (pid {proc.pid})")
                 continue
             existing = proc.sites.get(where)
@@ -147,6 +148,7 @@ class Modules:
             except ProbeRefused as refused:
                 if strict:
                     raise
+                probe.not_placed = refused
                 self.engine.warn(f"{probe.name}: {refused} (pid {proc.pid})")
 
     def _modules_changed(self, proc: TracedProcess) -> None:

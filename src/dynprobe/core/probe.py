@@ -18,7 +18,7 @@ from dynprobe.arch.x86_64.codegen.asm import Unsupported
 from dynprobe.arch.x86_64.regs import canonical_name
 from dynprobe.core.slots import PlacedCode
 from dynprobe.core.stacks import MAX_FRAMES, Stack
-from dynprobe.errors import OptimizeRefusal, SessionError
+from dynprobe.errors import OptimizeRefusal, ProbeRefused, SessionError
 from dynprobe.output.hist import Histogram, zero_label
 from dynprobe.ringbuf.layout import HIST_BUCKETS
 from dynprobe.spec.fetch import FetchContext, Value, evaluate, format_value, json_value
@@ -270,6 +270,7 @@ class Probe:
     jumps: set[tuple[int, int]] = field(default_factory=set)  # (pid, site) where it is optimized
     sites: dict[int, int] = field(default_factory=dict)  # pid -> where it was placed (kept after exit)
     refusal: OptimizeRefusal | None = None  # why its site was last left a trap
+    not_placed: ProbeRefused | None = None  # why it was last refused where its module is mapped
     # Return probes (docs/architecture.md §7): `pre` is unused; `on_entry` runs at the entry (a
     # true result vetoes the instance), `on_return` at the return.
     is_return: bool = False

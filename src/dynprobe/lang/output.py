@@ -111,7 +111,7 @@ def plain(kind: str, value: Value, lhist: tuple[int, int, int] = (0, 0, 1)) -> o
 
 def _order(kind: str, entries: Sequence[Entry]) -> list[Entry]:
     """bpftrace's order: by value (a hist's: its total; avg and stats: the average), strings and
-    stacks by key."""
+    stacks by key; entries of equal values by key (bpftrace's are in its hash table's order)."""
 
     def weight(entry: Entry) -> int:
         value = entry[1]
@@ -124,7 +124,12 @@ def _order(kind: str, entries: Sequence[Entry]) -> list[Entry]:
 
     if kind in ("string", "stack"):
         return sorted(entries, key=lambda entry: tuple(map(str, entry[0])))
-    return sorted(entries, key=weight)
+    return sorted(entries, key=lambda entry: (weight(entry), _key_order(entry[0])))
+
+
+def _key_order(keys: tuple[Key, ...]) -> tuple[tuple[int, int | str], ...]:
+    """Keys in order: integers by value, before strings."""
+    return tuple((0, key) if isinstance(key, int) else (1, str(key)) for key in keys)
 
 
 def format_map(name: str, kind: str, entries: Sequence[Entry], *, top: int = 0,

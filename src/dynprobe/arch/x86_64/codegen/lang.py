@@ -134,11 +134,17 @@ class BodyCompiler:
 
     def printf(self, call: S.Call) -> None:
         """A record of the printf's values in the thread's ring (a full ring: waited on, or
-        counted lost, as any record); a print()'s, its number alone."""
+        counted lost, as any record); a print()'s or a time()'s, its number alone. None once
+        the program called exit(): what it prints ends there, as bpftrace's does (its maps
+        still count what comes before the tracer sees the exit)."""
         asm, layout = self.asm, self.emitter.layout
         record = self.body.printfs[call]
         if L.RECORD_HEADER + record.size > layout.record_size:  # (the rings' record size was fixed before)
             raise Unsupported(OptimizeRefusal.RECORD_TOO_LARGE)
+        exited = asm.label()
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, self.body.exit_flag))
+        asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RAX), 0))
+        asm.jump(C.JNE_REL32_64, exited)
 
         def write() -> None:
             self.emitter.record_header(self.probe_index)
@@ -166,6 +172,7 @@ class BodyCompiler:
                     self.emitter.copy_string(at, bit, asm.label(), limit=arg.chars, limit_in_ecx=dynamic)
 
         ring_record(asm, layout, self.probe_index, R.RSI, write)
+        asm.bind(exited)
 
     # --- expressions ---------------------------------------------------------------------------
     def expression(self, expr: S.Expr, depth: int) -> None:
