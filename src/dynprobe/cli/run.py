@@ -207,14 +207,19 @@ def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename
         _write(out, f"Attaching {len(program.probes)} probe{'s' if len(program.probes) != 1 else ''}...\n")
         for probe in program.probes:
             site = main.sites.get(probe.sites[main.pid]) if main is not None and main.pid in probe.sites else None
-            if probe.mode == ProbeMode.OPTIMIZED:
-                how = "optimized" + (f", {site.detour[1]} bytes of code" if site and site.detour else "")
+            if probe.not_placed is not None:
+                how = f"refused: {probe.not_placed}"
+            elif site is None:
+                how = "not placed: its module is not mapped (loaded later, by dlopen?)"
+            elif probe.mode == ProbeMode.OPTIMIZED:
+                how = "optimized" + (f", {site.detour[1]} bytes of code" if site.detour else "")
             else:
                 why = probe.trap_reason
                 how = probe.mode.value + (f" ({why.name})" if why is not None else "")
             _write(out, f"{program.probe_name(probe)}: {how}\n")
         if args.pid is None:
-            os.kill(session.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # (ended before its entry point: a static program)
+                os.kill(session.pid, signal.SIGKILL)
             session.run(timeout=60)  # (its end reaped)
     close_output(out)
     return 0
