@@ -227,6 +227,7 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
             "self.find_slot(target, table, 1, claim=True)": ("1 -> 2",),
             "self.find_slot(ref, table, 0, claim=False, absent=absent)": ("0 -> 1", "0 -> -1"),
             "self.find_slot(expr, self.body.tables[expr.name], 0, claim=False, absent=absent)": ("0 -> 1", "0 -> -1"),
+            "self.find_slot(target, table, 0, claim=True)": ("0 -> 1", "0 -> -1"),
         }.items()
         for change in changes
     },

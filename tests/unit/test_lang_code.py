@@ -614,6 +614,20 @@ def test_printf_writes_a_record_of_its_values(area: NativeArea) -> None:
     assert area.counter(0, L.HITS) == 3 and area.counter(0, L.MISSED) == 0
 
 
+def test_nothing_is_printed_once_the_program_called_exit(area: NativeArea) -> None:
+    """After exit() (the region's first word set), printf(), print() and time() write no
+    record, as bpftrace prints nothing after its exit; maps still count until the tracer sees
+    it."""
+    code = Compiled(area, 'u:/bin/x:f { printf("%d\\n", arg0); time(); print(@n); @n = count(); '
+                          "if (arg0 == 2) { exit(); } }")  # fmt: skip
+    for n in (1, 2, 3, 4):
+        code(n)
+    payload = [r[L.RECORD_HEADER :] for r in area.records()]
+    assert [field(p, 0) for p in payload] == [0, 1, 2, 0, 1, 2]  # (the printf's, time()'s and print()'s numbers)
+    assert [field(p, PRINTF_NUMBER) for p in payload if field(p, 0) == 0] == [1, 2]
+    assert code.value("n") == 4 and int(code.memory[0]) == 1
+
+
 def test_a_printf_larger_than_the_record_size_is_refused() -> None:
     source = 'u:/bin/x:f { printf("%s %s\\n", str(arg0), str(arg1)); }'
     checked = check_program(parse_program(source), source)
