@@ -107,8 +107,19 @@ def _no_leaked_children() -> object:
 
 @pytest.fixture(scope="session", autouse=True)
 def unwind_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """The unwind tables' cache (symbols/unwind_cache.py) of this run alone, for every process
-    it starts: tables compiled by the code under test, never ones an earlier build left (in
-    pytest's own temporary directory: it keeps the last few runs')."""
+    """What dynprobe keeps on disk (symbols/diskcache.py: unwind tables, ELF analyses) of this
+    run alone, for every process it starts: worked out by the code under test, never what an
+    earlier build left (in pytest's own temporary directory: it keeps the last few runs')."""
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     yield
+
+
+@pytest.fixture
+def cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An XDG cache directory of this test's (0700), with the cache on: dynprobe's is under it,
+    in dynprobe/KIND."""
+    home = tmp_path / "cache"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    monkeypatch.delenv("DYNPROBE_CACHE", raising=False)
+    return home / "dynprobe"

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 from array import array
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,9 @@ HIDDEN = "static int hidden(int x) { return x * 3; }\nint (*keep)(int) = hidden;
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An XDG cache directory of ours; the ELF cache's own directory under it."""
-    home = tmp_path / "cache"
-    home.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
-    monkeypatch.delenv("DYNPROBE_CACHE", raising=False)
-    yield home / "dynprobe" / elf_cache.KIND
+def cache(cache_home: Path) -> Path:
+    """The cache's own directory, in an XDG cache directory of this test's."""
+    return cache_home / elf_cache.KIND
 
 
 def analysis(path: str) -> tuple[Any, ...]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 from array import array
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,9 @@ TABLE = UnwindTable(array("Q", [0x1000, 0x1004, 0x1020]), array("q", map(pack, R
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An XDG cache directory of ours; the cache's own directory under it."""
-    home = tmp_path / "cache"
-    home.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
-    monkeypatch.delenv("DYNPROBE_CACHE", raising=False)
-    yield home / "dynprobe" / f"unwind-{unwind_cache.FORMAT}"
+def cache(cache_home: Path) -> Path:
+    """The cache's own directory, in an XDG cache directory of this test's."""
+    return cache_home / f"unwind-{unwind_cache.FORMAT}"
 
 
 def same(a: UnwindTable | None, b: UnwindTable) -> bool:
