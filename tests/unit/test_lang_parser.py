@@ -99,6 +99,10 @@ ERRORS = [
     ("BEGIN { /* never closed }", "stdin:1:9-26: ERROR: unterminated comment", 8, 17),
     ("kprobe:vfs_read { }", "stdin:1:1-7: ERROR: kprobe probes are the kernel's: dynprobe attaches uprobe, "
      "uretprobe, BEGIN, END and interval probes", 0, 6),
+    ("usdt:/bin/x:p:n { }", "stdin:1:1-5: ERROR: usdt probes (a program's static tracepoints) are not attached yet: "
+     "dynprobe attaches uprobe, uretprobe, BEGIN, END and interval probes", 0, 4),
+    ("u:/bin/x:f { @ = args.size; }", "stdin:1:18-23: ERROR: args.NAME (arguments by their DWARF names) is not "
+     "supported yet: use arg0..arg9", 17, 5),
     ("uprobe:libc { }", "stdin:1:1-12: ERROR: invalid probe: uprobe:libc (uprobe:FILE:FUNCTION, uretprobe:..., "
      "BEGIN, END, interval:s:N)", 0, 11),
     ("uprobe::malloc { }", "stdin:1:1-15: ERROR: a uprobe needs a file or a library: uprobe:FILE:FUNCTION", 0, 14),

@@ -48,8 +48,9 @@ _ATTACH = re.compile(
 _PROBE_WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 _CAST = re.compile(r"\(\s*([A-Za-z_0-9]+)\s*\*?\s*\)")  # `(uint32 *)`: a cast, if the word is a type
 _KINDS = {"u": "uprobe", "ur": "uretprobe", "uprobe": "uprobe", "uretprobe": "uretprobe"}
-_OTHER_KINDS = ("kprobe", "kretprobe", "tracepoint", "t", "usdt", "U", "profile", "hardware", "software",
-                "watchpoint", "kfunc", "kretfunc", "fentry", "fexit", "rawtracepoint", "iter")  # fmt: skip
+_OTHER_KINDS = ("kprobe", "kretprobe", "tracepoint", "t", "profile", "hardware", "software", "watchpoint", "kfunc",
+                "kretfunc", "fentry", "fexit", "rawtracepoint", "iter")  # fmt: skip
+_NOT_YET = ("usdt", "U")  # (user space's, but not attached yet)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,9 @@ class _Parser:
             return current
         match = _TOKEN.match(self.source, start)
         if match is None:
+            if self.source[start] == "." and (current.kind, current.text, current.end) == ("ident", "args", start):
+                raise self.error("args.NAME (arguments by their DWARF names) is not supported yet: use arg0..arg9",
+                                 (current.start, start + 1))  # fmt: skip
             raise self.error(f"invalid character '{self.source[start]}'", (start, start + 1))
         kind = match.lastgroup or ""
         if kind == "str":
@@ -194,6 +198,10 @@ class _Parser:
         match = _ATTACH.match(self.source, start)
         if match is None:
             word = _PROBE_WORD.match(self.source, start)
+            if word is not None and word.group() in _NOT_YET:
+                raise self.error(f"{word.group()} probes (a program's static tracepoints) are not attached yet: "
+                                 "dynprobe attaches uprobe, uretprobe, BEGIN, END and interval probes",
+                                 word.span())  # fmt: skip
             if word is not None and word.group() in _OTHER_KINDS:
                 raise self.error(f"{word.group()} probes are the kernel's: dynprobe attaches uprobe, uretprobe, "
                                  "BEGIN, END and interval probes", word.span())  # fmt: skip
