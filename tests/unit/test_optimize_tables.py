@@ -251,8 +251,17 @@ def test_a_branch_just_outside_the_region_is_taken_along() -> None:
         return can_optimize(code, F, F, branches_to=lambda at: found)
 
     result = plan([(after, 5), (before, 5)])
-    assert (isinstance(result, OptimizePlan) and result.moved == (after, before, after, before)[:2]) or result.moved
-    assert plan([(overlapping, 5)]) == OptimizeRefusal.JUMP_INTO_REGION
+    assert isinstance(result, OptimizePlan) and result.moved == (after, before)
+    assert plan([(overlapping, 5), (after, 5)]) == OptimizeRefusal.JUMP_INTO_REGION
+
+
+def test_a_branch_of_the_function_the_module_s_scan_missed_refuses_the_site() -> None:
+    """The function's own `jmp F+3` must be among the branches taken along: were only another
+    function's branch there given, the function's own would be left to land inside the jump."""
+    code = bytes.fromhex("4889f8" + "4883fa20" + "e9f7ffffff" + "c3")  # the jmp at F + 7 lands on F + 3
+    elsewhere = decode_one(bytes.fromhex("e9fe000000"), F - 5)
+    assert elsewhere is not None
+    assert can_optimize(code, F, F, branches_to=lambda at: [(elsewhere, 5)]) == OptimizeRefusal.JUMP_INTO_REGION
 
 
 def test_retarget_reach_and_kinds() -> None:

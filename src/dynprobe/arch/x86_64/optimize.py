@@ -171,6 +171,7 @@ def can_optimize(
             return OptimizeRefusal.TOO_SHORT
         region_end = site + JMP_REL32_LEN
     landed: set[int] = set()  # addresses inside the region direct branches land on
+    own: dict[int, set[int]] = {}  # of those, the ones the function's own branches land on: from where
     for i, insn in enumerate(insns):
         if (insn.flow_control == _FC.INDIRECT_BRANCH or insn.is_jmp_near_indirect) and not is_pointer_jump(insn):
             lands = Landing.UNBOUNDED if read is None else landing(insns, i, read, is_code=is_code)
@@ -181,11 +182,12 @@ def can_optimize(
         target = _branch_target(insn)
         if target is not None and site < target < region_end:
             landed.add(target)
+            own.setdefault(target, set()).add(int(insn.ip))
     inside = range(site + 1, region_end)
     landed.update(addr for addr in inside if addr - bias in module_targets)
     if not landed <= {int(insn.ip) for insn in region}:
         return OptimizeRefusal.JUMP_INTO_REGION  # (into an instruction, or the padding a tiny function's jump covers)
-    moved = _taken_along(sorted(landed), branches_to, site=site, region_end=region_end)
+    moved = _taken_along(sorted(landed), branches_to, own=own, site=site, region_end=region_end)
     if moved is None:
         return OptimizeRefusal.JUMP_INTO_REGION
     if any(addr in other_probes for addr in inside):
@@ -206,15 +208,17 @@ def can_optimize(
 def _taken_along(
     landed: list[int],
     branches_to: Callable[[int], Sequence[tuple[iced.Instruction, int]] | None] | None,
-    *, site: int, region_end: int,
+    *, own: dict[int, set[int]], site: int, region_end: int,
 ) -> tuple[iced.Instruction, ...] | None:  # fmt: skip
     """The branches that land at the `landed` addresses inside the region, each one that can be
     re-aimed in place (in the bytes no other code runs, outside the region); None if one cannot,
-    or something else lands there."""
+    or something else lands there, or `branches_to` misses one of the function's `own` branches
+    there (its module's scan decodes other ranges than the function's: what it misses would
+    still land inside the jump)."""
     moved: list[iced.Instruction] = []
     for addr in landed:
         found = branches_to(addr) if branches_to is not None else None
-        if not found:
+        if not found or not own.get(addr, set()) <= {int(branch.ip) for branch, _ in found}:
             return None
         for branch, room in found:
             start = int(branch.ip)
