@@ -9,15 +9,14 @@ values (its hash table's)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.cli.test_cli import dp
+from tests.cli.test_run import bpftrace
 from tests.conftest import build_target
 
 WORDS = "alpha be gamma be delta alpha be"
@@ -170,19 +169,15 @@ def test_a_one_liner_prints_what_bpftrace_prints(
 ) -> None:
     binary, args = programs[which]
     program = _program(text, programs)
-    run = subprocess.run([sys.executable, "-m", "dynprobe.cli.main", "run", "-e", program, "--", binary, *args],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = dp("run", "-e", program, "--", binary, *args, timeout=120)
     assert run.returncode == 0, run.stderr
     head, _, printed = run.stderr.partition("\n")
     assert re.fullmatch(r"Attaching \d+ probes?\.\.\.", head) and printed == _program(expected, programs), run.stderr
     if shutil.which("bpftrace") is None or ":libc:" in program:
         return  # (make toolchains installs it: the maps were checked, not compared)
-    copy = tmp_path / os.path.basename(binary)
-    shutil.copy(binary, copy)
-    theirs = subprocess.run(["bpftrace", "-e", program.replace(binary, str(copy)), "-c", " ".join([str(copy), *args])],
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    theirs = bpftrace(binary, program, " ".join(args), tmp_path)
     if theirs.returncode != 0 or "Attaching" not in theirs.stdout:
         pytest.skip(f"bpftrace cannot run a uprobe here: {theirs.stderr.strip().splitlines()[-1:]}")
-    printed_by_them = theirs.stdout.replace(str(copy), binary).split("\n", 1)[1]
+    printed_by_them = theirs.stdout.split("\n", 1)[1]
     printed_by_them = re.sub(r"^\d+ distinct words\n|^total=\d+\n", "", printed_by_them, flags=re.M)  # (its output)
     assert sorted(printed_by_them.splitlines()) == sorted(printed.splitlines())

@@ -129,29 +129,32 @@ def test_attached_to_a_running_process_it_ends_at_exit_and_leaves_the_process_ru
 
 
 def test_a_dry_run_places_the_probes_says_their_modes_and_runs_nothing(counter: str) -> None:
-    """--dry-run: each probe's mode (optimized with its code's size; a trap and why), nothing
-    run: a command started is killed at its entry point (its libraries mapped there: libc's
-    probe placed too), before a line of its own; a process attached to runs on untouched."""
+    """--dry-run: the count bpftrace's first line gives (BEGIN too); each probe's mode (optimized
+    with the size of its site's code; a trap and why), nothing run: a command started is killed
+    at its entry point (its libraries mapped there: libc's probe placed too), before a line of
+    its own; a process attached to runs on untouched."""
     program = (f"uprobe:libc:malloc {{ @c = count(); }} uprobe:{counter}:work {{ @[arg0 % 3] = count(); }}"
                f" uretprobe:{counter}:work {{ @r = hist(retval); }} BEGIN {{ printf(\"hi\\n\"); }}")  # fmt: skip
     run = dp("run", "--dry-run", "-e", program, "-o", "-", "--", counter, "10", "1")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert lines[0] == "Attaching 3 probes..." and "total=" not in run.stdout and "hi" not in lines, lines
+    assert lines[0] == "Attaching 4 probes..." and "total=" not in run.stdout and "hi" not in lines, lines
     expected = [
         "uprobe:/usr/lib/x86_64-linux-gnu/libc.so.6:malloc",
         f"uprobe:{counter}:work",
         f"uretprobe:{counter}:work",
     ]
     assert [line.rsplit(": ", 1)[0] for line in lines[1:]] == expected, lines
-    assert all(re.fullmatch(r"optimized, \d+ bytes of code", line.rsplit(": ", 1)[1]) for line in lines[1:]), lines
+    optimized = re.compile(r"optimized, \d+ bytes of code at its site")
+    assert all(optimized.fullmatch(line.rsplit(": ", 1)[1]) for line in lines[1:]), lines
     with subprocess.Popen([counter, str(10**13), "1"], stdout=subprocess.DEVNULL) as target:
         try:
             attached = dp("run", "--dry-run", "-e", f"uprobe:{counter}:work {{ @n++; }}", "-o", "-", "-p",
                           str(target.pid))  # fmt: skip
             assert attached.returncode == 0, attached.stderr
-            assert re.fullmatch(rf"Attaching 1 probe...\nuprobe:{counter}:work: optimized, \d+ bytes of code\n",
-                                attached.stdout), attached.stdout  # fmt: skip
+            head, placed = attached.stdout.split("\n", 1)
+            assert head == "Attaching 1 probe..." and placed.startswith(f"uprobe:{counter}:work: "), attached.stdout
+            assert optimized.fullmatch(placed.removeprefix(f"uprobe:{counter}:work: ").rstrip("\n")), attached.stdout
             with open(f"/proc/{target.pid}/status") as status:
                 assert "TracerPid:\t0\n" in status.read() and target.poll() is None  # (let go: it runs on)
         finally:
@@ -316,23 +319,36 @@ def test_maps_of_strings_kept_at_entry_printed_at_return(tmp_path: Path) -> None
             len("Attaching 3 probes...\n") :]  # fmt: skip
 
 
+WALKED = "        "  # how `ustack` and ustack(bpftrace) indent a frame
+PERF = "\t"  # how ustack(perf) does
+
+
+def run_on_stacks(program: str) -> tuple[str, str]:
+    """Runs `program`, its {P} the stacks target's path, on that target: the path and the maps."""
+    path = build_target("stacks_O0", "stacks.c", flags=("-O0", "-pthread"))
+    run = dp("run", "-e", program.replace("{P}", path), "--", path)
+    assert run.returncode == 0, run.stderr
+    return path, maps_of(run.stderr)
+
+
+def stack_keyed(maps: str, name: str, *, indent: str) -> list[tuple[str, str]]:
+    """The entries of map `name` keyed by a stack: each one's frames (lines of `indent`) and value."""
+    return re.findall(rf"^{re.escape(name)}\[\n((?:{indent}.*\n)+)\]: (\d+)$", maps, flags=re.M)
+
+
 def test_maps_keyed_by_the_stack() -> None:
     """@[ustack]: each hit's stack walked in the target (the probe counts its hits by stack; the
     key is its slot), printed frame by frame as `dynprobe stacks` prints them; ustack(N) at most
     N frames, a uretprobe's from where the return went back to."""
-    path = build_target("stacks_O0", "stacks.c", flags=("-O0", "-pthread"))
-    program = (f"uprobe:{path}:leaf {{ @[ustack] = count(); @n = count(); }}"
-               f" uretprobe:{path}:leaf {{ @r[ustack(2)] = count(); }}")  # fmt: skip
-    run = dp("run", "-e", program, "--", path)
-    assert run.returncode == 0, run.stderr
-    maps = maps_of(run.stderr)
+    path, maps = run_on_stacks("uprobe:{P}:leaf { @[ustack] = count(); @n = count(); }"
+                               " uretprobe:{P}:leaf { @r[ustack(2)] = count(); }")  # fmt: skip
     name = os.path.basename(path)
-    blocks = re.findall(r"^@\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
+    blocks = stack_keyed(maps, "@", indent=WALKED)
     assert len(blocks) == 4 and all(count == "1" for _, count in blocks) and "@n: 4\n" in maps
     assert all(frames.startswith(f"        leaf ({name}) at stacks.c:10\n") for frames, _ in blocks)
     deep = next(frames for frames, _ in blocks if "deep+" in frames)
     assert deep.count("deep+") == 13 and "main+" in deep and not deep.endswith("        ...\n")
-    returns = re.findall(r"^@r\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
+    returns = stack_keyed(maps, "@r", indent=WALKED)
     assert len(returns) == 4 and all(frames.count("\n") == 3 for frames, _ in returns)  # (2 frames, then "...")
     assert all("leaf" not in frames.splitlines()[0] for frames, _ in returns)
 
@@ -342,14 +358,10 @@ def test_maps_keyed_by_the_stack_as_perf_prints_it() -> None:
     `\tADDRESS SYMBOL+OFFSET (MODULE)` (the offset in decimal, the module's path), the frames
     of the walk `ustack` prints (its functions, in its order; a return address a line: not the
     functions DWARF says are inlined there)."""
-    path = build_target("stacks_O0", "stacks.c", flags=("-O0", "-pthread"))
-    program = (f"uprobe:{path}:leaf {{ @[ustack(perf)] = count(); @b[ustack(bpftrace)] = count(); }}"
-               f" uretprobe:{path}:leaf {{ @r[ustack(perf, 2)] = count(); }}")  # fmt: skip
-    run = dp("run", "-e", program, "--", path)
-    assert run.returncode == 0, run.stderr
-    maps = maps_of(run.stderr)
-    perf = re.findall(r"^@\[\n((?:\t.*\n)+)\]: (\d+)$", maps, flags=re.M)
-    walked = re.findall(r"^@b\[\n((?:        .*\n)+)\]: (\d+)$", maps, flags=re.M)
+    path, maps = run_on_stacks("uprobe:{P}:leaf { @[ustack(perf)] = count(); @b[ustack(bpftrace)] = count(); }"
+                               " uretprobe:{P}:leaf { @r[ustack(perf, 2)] = count(); }")  # fmt: skip
+    perf = stack_keyed(maps, "@", indent=PERF)
+    walked = stack_keyed(maps, "@b", indent=WALKED)
     assert len(perf) == len(walked) == 4 and all(count == "1" for _, count in perf)
     frame = re.compile(r"\t([0-9a-f]+) ([\w.]+)\+(\d+) \((/\S+)\)")
     functions = []
@@ -359,7 +371,7 @@ def test_maps_keyed_by_the_stack_as_perf_prints_it() -> None:
         functions.append(tuple(f.group(2) for f in frames if f))
     assert sorted(functions) == sorted(tuple(line.split()[0].split("+")[0] for line in frames.splitlines()
                                              if "[inlined]" not in line) for frames, _ in walked)  # fmt: skip
-    returns = re.findall(r"^@r\[\n((?:\t.*\n)+)\]: (\d+)$", maps, flags=re.M)
+    returns = stack_keyed(maps, "@r", indent=PERF)
     assert len(returns) == 4 and all(frames.count("\n") == 2 and "leaf" not in frames for frames, _ in returns)
 
 

@@ -142,15 +142,20 @@ def exit_code(work: Callable[[], int], output: str | None, default: TextIO = sys
 
 
 def open_session(args: argparse.Namespace, command: list[str]) -> Session:
-    from dynprobe.core.session import attach, spawn  # (the engine: not loaded for `list` or --help)
+    """The session -p PID or -- COMMAND names, its warnings printed to stderr as they come."""
+    from dynprobe.core.session import attach, print_warning, spawn  # (the engine: not loaded for `list` or --help)
 
     if args.pid is not None and command:
         raise UsageError("give either -p PID or -- COMMAND, not both")
     if args.pid is None and not command:
         raise UsageError("give a process: -p PID, or -- COMMAND [ARGS...]")
-    if args.pid is not None:
-        return attach(args.pid, follow_fork=args.follow_fork)
-    return spawn(command, follow_fork=args.follow_fork)
+    session = (
+        attach(args.pid, follow_fork=args.follow_fork)
+        if args.pid is not None
+        else spawn(command, follow_fork=args.follow_fork)
+    )
+    session.on_warning = print_warning
+    return session
 
 
 def run_target(

@@ -26,7 +26,7 @@ from dynprobe.cli.common import (
     run_target,
 )
 from dynprobe.core.probe import Probe
-from dynprobe.core.session import Session, print_warning
+from dynprobe.core.session import Session
 from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.errors import DynprobeError, OptimizeRefusal
 from dynprobe.gcpause import gc_paused
@@ -373,7 +373,6 @@ def run_aggregating(
     def run() -> int:
         out = open_output(args.output)
         with open_session(args, command) as session:
-            session.on_warning = print_warning
             probes = place_all(session, request, lambda spec: place(session, spec))
 
             def interval() -> None:

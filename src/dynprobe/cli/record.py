@@ -24,7 +24,6 @@ from dynprobe.cli.common import (
 from dynprobe.cli.probes import PROGRESS_FROM, RING_WAS_FULL, add_ring_options, note_rings, progress_bar, set_ring_mode
 from dynprobe.cli.reading import DEFAULT_DIR, add_filter_options, call_filter, parse_time, show_trace, threshold
 from dynprobe.core.ftrace import ValueRequest
-from dynprobe.core.session import print_warning
 from dynprobe.errors import DynprobeError, OptimizeRefusal, Refusal, SessionError
 from dynprobe.output import callgraph, files
 from dynprobe.output.callfilter import CallFilter
@@ -219,7 +218,6 @@ def run_record(args: argparse.Namespace, command: list[str]) -> int:
     threshold_ns, snapshot_over_ns = (0, args.threshold) if args.flight_recorder else (args.threshold, 0)
     try:
         with open_session(args, command) as session:
-            session.on_warning = print_warning
             session.ring_bytes = args.ring_size
             set_ring_mode(session, lossy=args.lossy, flight_recorder=args.flight_recorder)
             tracer = session.function_tracer(

@@ -11,7 +11,7 @@ import shlex
 import signal
 import sys
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from dynprobe.cli.common import (
     UsageError,
@@ -27,11 +27,14 @@ from dynprobe.cli.common import (
 from dynprobe.errors import DynprobeError, ProgramError, SymbolError
 from dynprobe.lang.check import check_program
 from dynprobe.lang.maps import DEFAULT_SLOTS
-from dynprobe.lang.parser import parse_program
+from dynprobe.lang.parser import PROBE_KINDS, parse_program
 from dynprobe.lang.target import check_runnable
 from dynprobe.spec.model import split_location
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.resolve import find_file, functions_matching
+
+if TYPE_CHECKING:
+    from dynprobe.core.programs import PlacedProgram
 
 EXAMPLES = """\
 examples:
@@ -40,7 +43,7 @@ examples:
   dynprobe run -e 'uprobe:libc:open { printf("%s opens %s\\n", comm, str(arg0)); }' -- ./app
   dynprobe run -l 'uprobe:libc:mall*'                  the probes a pattern names (bpftrace -l)
   dynprobe run --dry-run -e 'uprobe:libc:malloc { @[tid] = count(); }' -- ./app
-                                                       each probe placed: its mode and code size
+                                                       each probe placed: its mode and its site's code size
   dynprobe run latency.bt -c ./app     (latency.bt: uprobe:./app:parse { @start[tid] = nsecs; }
                                          uretprobe:./app:parse /@start[tid]/ {
                                            @ns = hist(nsecs - @start[tid]); delete(@start[tid]); })
@@ -61,7 +64,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program, given here")
     p.add_argument("-c", dest="command", metavar="CMD", help="run CMD (split as a shell would) and trace it")
     p.add_argument("--dry-run", action="store_true",
-                   help="compile the program and place its probes, say each one's mode and code size, and run "
+                   help="compile the program and place its probes, say each one's mode and its site's code size, run "
                         "nothing (a command started runs to its entry point, its libraries mapped, and is killed "
                         "there)")  # fmt: skip
     p.add_argument("-l", dest="listing", metavar="PATTERN",
@@ -87,15 +90,12 @@ def _source(args: argparse.Namespace) -> tuple[str, str]:
         raise UsageError(f"cannot read {args.script}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-_KINDS = {"uprobe": "uprobe", "u": "uprobe", "uretprobe": "uretprobe", "ur": "uretprobe"}
-
-
 def _list(pattern: str) -> int:
     """`-l`: the probes an attach point with globs names, a line each, sorted, as bpftrace -l
     lists them (one function per address: the name `run` would probe it by)."""
     kind, _, where = pattern.partition(":")
     module, sep, glob = split_location(where)
-    if kind not in _KINDS or not sep or not module:
+    if kind not in PROBE_KINDS or not sep or not module:
         raise UsageError(f"-l takes uprobe:FILE:FUNCTION or uretprobe:FILE:FUNCTION, with globs in FUNCTION (a "
                          f"library by name: uprobe:libc:mal*), not {pattern!r}")  # fmt: skip
     image = load_elf(find_file(module))
@@ -103,7 +103,7 @@ def _list(pattern: str) -> int:
     if not found:
         raise SymbolError(f"no function of {image.path} matches {glob!r}")
     with contextlib.suppress(BrokenPipeError):
-        print("".join(f"{_KINDS[kind]}:{image.path}:{name}\n" for name in found), end="")
+        print("".join(f"{PROBE_KINDS[kind]}:{image.path}:{name}\n" for name in found), end="")
     return 0
 
 
@@ -136,17 +136,11 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return exit_code(lambda: _dry_run(args, command, source, filename), args.output)
 
     def work() -> int:
-        from dynprobe.core.session import print_warning  # (the engine, as open_session loads it)
-
         out = open_output(args.output)
         with open_session(args, command) as session:
-            session.on_warning = print_warning
             program = session.program(source, filename)
             program.write = lambda text: _write(out, text)
-            in_tracer = [p for b in program.checked.program.probes for p in b.attach_points
-                         if p.kind not in ("uprobe", "uretprobe")]  # fmt: skip
-            count = len(program.probes) + len(in_tracer)
-            _write(out, f"Attaching {count} probe{'s' if count != 1 else ''}...\n")
+            _write(out, _attaching(program))
             program.run_blocks("BEGIN")
             intervals = program.intervals()
             due = [time.monotonic() + seconds for seconds, _ in intervals]
@@ -186,15 +180,13 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename: str) -> int:
-    """--dry-run: the program placed, each probe's mode (optimized, with its code's size; a
+    """--dry-run: the program placed, each probe's mode (optimized, with its site's code size; a
     trap, and why) said, nothing run; a process attached to is let go as it was, a command
     started is killed at its entry point (run there so that its libraries are mapped)."""
     from dynprobe.core.probe import ProbeMode
-    from dynprobe.core.session import print_warning
 
     out = open_output(args.output)
     with open_session(args, command) as session:
-        session.on_warning = print_warning
         program = session.program(source, filename)
         main = session.process(session.pid)
         image = load_elf(main.exe) if args.pid is None and main is not None else None
@@ -204,7 +196,7 @@ def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename
             session.run(timeout=60)
             entry.remove()
         session.optimize_now()
-        _write(out, f"Attaching {len(program.probes)} probe{'s' if len(program.probes) != 1 else ''}...\n")
+        _write(out, _attaching(program))
         for probe in program.probes:
             site = main.sites.get(probe.sites[main.pid]) if main is not None and main.pid in probe.sites else None
             if probe.not_placed is not None:
@@ -212,7 +204,7 @@ def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename
             elif site is None:
                 how = "not placed: its module is not mapped (loaded later, by dlopen?)"
             elif probe.mode == ProbeMode.OPTIMIZED:
-                how = "optimized" + (f", {site.detour[1]} bytes of code" if site.detour else "")
+                how = "optimized" + (f", {site.detour[1]} bytes of code at its site" if site.detour else "")
             else:
                 why = probe.trap_reason
                 how = probe.mode.value + (f" ({why.name})" if why is not None else "")
@@ -223,6 +215,14 @@ def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename
             session.run(timeout=60)  # (its end reaped)
     close_output(out)
     return 0
+
+
+def _attaching(program: PlacedProgram) -> str:
+    """bpftrace's first line: its count takes in the probes the tracer runs (BEGIN, END, intervals)."""
+    in_tracer = [p for b in program.checked.program.probes for p in b.attach_points
+                 if p.kind not in ("uprobe", "uretprobe")]  # fmt: skip
+    count = len(program.probes) + len(in_tracer)
+    return f"Attaching {count} probe{'s' if count != 1 else ''}...\n"
 
 
 def _write(out: TextIO, text: str) -> None:

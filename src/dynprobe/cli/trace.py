@@ -36,7 +36,7 @@ from dynprobe.cli.probes import (
     say_placed,
 )
 from dynprobe.core.probe import BatchHandler, EventColumns, Probe
-from dynprobe.core.session import Session, print_warning
+from dynprobe.core.session import Session
 from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.errors import DynprobeError
 from dynprobe.output.ftrace import ftrace_lines, json_lines
@@ -139,7 +139,6 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     status: int | None = None
     try:
         with open_session(args, command) as session:
-            session.on_warning = print_warning
             printer.on_failure = session.request_stop
             probes = trace(session, request, printer, stack=args.stack, max_frames=args.max_frames)
             status = run_target(session, ready=lambda: say_placed(probes, args.pid))

@@ -47,7 +47,7 @@ _ATTACH = re.compile(
 )  # fmt: skip
 _PROBE_WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 _CAST = re.compile(r"\(\s*([A-Za-z_0-9]+)\s*\*?\s*\)")  # `(uint32 *)`: a cast, if the word is a type
-_KINDS = {"u": "uprobe", "ur": "uretprobe", "uprobe": "uprobe", "uretprobe": "uretprobe"}
+PROBE_KINDS = {"u": "uprobe", "ur": "uretprobe", "uprobe": "uprobe", "uretprobe": "uretprobe"}
 _OTHER_KINDS = ("kprobe", "kretprobe", "tracepoint", "t", "profile", "hardware", "software", "watchpoint", "kfunc",
                 "kretfunc", "fentry", "fexit", "rawtracepoint", "iter")  # fmt: skip
 _NOT_YET = ("usdt", "U")  # (user space's, but not attached yet)
@@ -225,7 +225,7 @@ class _Parser:
             raise self.error("a uprobe needs a file or a library: uprobe:FILE:FUNCTION", span)
         function = match.group("quoted") or match.group("function")
         offset = int(match.group("offset"), 0) if match.group("offset") else 0
-        kind = _KINDS[match.group("kind")]
+        kind = PROBE_KINDS[match.group("kind")]
         if offset and kind == "uretprobe":
             raise self.error("a uretprobe is at a function's return: no offset", span)
         return S.AttachPoint(kind, target, function, offset, span=span)

@@ -19,11 +19,9 @@ from collections.abc import Callable
 from dynprobe.lang import maps, output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import AGGREGATIONS, Checked
-from dynprobe.lang.maps import MapTable, as_signed
+from dynprobe.lang.maps import MASK64, MapTable, as_signed
 from dynprobe.lang.output import c_format
 from dynprobe.lang.target import TIME_FORMAT, TRACER_CALLS
-
-MASK64 = (1 << 64) - 1
 
 
 class TracerMaps:
@@ -100,7 +98,7 @@ def bucket(table: MapTable, value: int) -> int:
     """The value word a hist or lhist counts `value` (a word) in (as the target's code picks it)."""
     number = as_signed(value)
     if table.kind == "hist":
-        return 0 if number < 0 else number.bit_length() + 1
+        return output.hist_bucket(number) + 1
     low, _, step = table.lhist
     return 0 if number < low else min((number - low) // step + 1, table.value_words - 1)
 
@@ -168,14 +166,14 @@ class TracerBlock:
         if isinstance(target, S.Var):
             if op != "=":
                 assert isinstance(new, int)
-                new = operate(op[:-1], self.integer(target), new, signed=self.signed(target))
+                new = operate(op[:-1], self.integer(target), new, signed=False)
             self.variables[target.name] = new
             return
         words = self.tracer.words(target.name, self.keys(target))
         if isinstance(new, str):  # (a map of strings)
             words[:] = maps.words_of(new)
             return
-        words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)
+        words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=False)
 
     def aggregate(self, target: S.MapRef, call: S.Call) -> None:
         words = self.tracer.words(target.name, self.keys(target))
