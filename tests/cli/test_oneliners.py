@@ -176,8 +176,6 @@ def test_a_one_liner_prints_what_bpftrace_prints(
     if shutil.which("bpftrace") is None or ":libc:" in program:
         return  # (make toolchains installs it: the maps were checked, not compared)
     theirs = bpftrace(binary, program, " ".join(args), tmp_path)
-    if theirs.returncode != 0 or "Attaching" not in theirs.stdout:
-        pytest.skip(f"bpftrace cannot run a uprobe here: {theirs.stderr.strip().splitlines()[-1:]}")
     printed_by_them = theirs.stdout.split("\n", 1)[1]
     printed_by_them = re.sub(r"^\d+ distinct words\n|^total=\d+\n", "", printed_by_them, flags=re.M)  # (its output)
     assert sorted(printed_by_them.splitlines()) == sorted(printed.splitlines())

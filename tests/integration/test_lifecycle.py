@@ -253,7 +253,7 @@ def kernel_uprobe(path: Path, offset: int) -> Iterator[None]:
         append(f"-:{group}/{event}")
 
 
-def test_a_library_probe_over_another_tool_s_breakpoint_is_refused_and_said(linked: Path, tmp_path: Path) -> None:
+def test_a_library_probe_over_another_tool_s_breakpoint_is_refused_and_said(linked: Path) -> None:
     """A kernel uprobe (bpftrace's, perf probe's) on a library function is an int3 in every
     process that maps the library: dynprobe does not patch over it (the kernel would write its
     original byte back over dynprobe's jump when it goes). The probe, refused as the loader maps
@@ -272,4 +272,5 @@ def test_a_library_probe_over_another_tool_s_breakpoint_is_refused_and_said(link
                                  capture_output=True, text=True, timeout=120)  # fmt: skip
             assert run.returncode == 0 and run.stdout == plain, run.stderr
             assert "int3 that dynprobe did not write [FOREIGN_INT3]" in run.stderr, run.stderr
-            assert "never placed" not in run.stderr, run.stderr
+            if command[0] == "count":  # (count says which probes were never placed, and why)
+                assert "never placed" not in run.stderr, run.stderr

@@ -199,10 +199,9 @@ def _dry_run(args: argparse.Namespace, command: list[str], source: str, filename
         _write(out, _attaching(program))
         for probe in program.probes:
             site = main.sites.get(probe.sites[main.pid]) if main is not None and main.pid in probe.sites else None
-            if probe.not_placed is not None:
-                how = f"refused: {probe.not_placed}"
-            elif site is None:
+            if site is None:  # (why it was refused, where its module was mapped, if it was)
                 how = "not placed: its module is not mapped (loaded later, by dlopen?)"
+                how = how if probe.not_placed is None else f"refused: {probe.not_placed}"
             elif probe.mode == ProbeMode.OPTIMIZED:
                 how = "optimized" + (f", {site.detour[1]} bytes of code at its site" if site.detour else "")
             else:

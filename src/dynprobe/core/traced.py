@@ -125,8 +125,8 @@ class TracedProcess:
     def moved_over(self, low: int, high: int) -> Site | None:
         """The site that took along a branch whose bytes meet [low, high), if one did."""
         for addr in self.moving:
-            site = self.sites[addr]
-            if any(at < high and low < at + len(original) for at, original in site.moved):
+            site = self.sites.get(addr)  # (None: dropped as its process ended, before the optimizer forgot it)
+            if site is not None and any(at < high and low < at + len(original) for at, original in site.moved):
                 return site
         return None
 

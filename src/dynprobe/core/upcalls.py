@@ -335,6 +335,8 @@ class Upcalls:
                         seen = (self._version, ThreadAreas.changes)
                         with self._lock:
                             bells = self._bells_served = self._distinct()
+                        for bell in bells:  # (one made as the server moved may hold its old CPU)
+                            bell.on_cpu(self._cpu)
                         pages = [bell.words for bell in bells]
                         askers = list(self._areas())
                         continue
@@ -401,25 +403,27 @@ class Upcalls:
                       seen: tuple[int, ...]) -> bool:  # fmt: skip
         """Answer the threads that ask as their doorbells (`pages`, `rings` when last looked at)
         ring, looking at them again and again, until none has rung for SPIN seconds (False: time
-        to sleep), or the server has its world to look at again (True: a ring no thread it knows
-        made, threads or doorbells that came or went, a run held, the server to stop). Each ring
+        to sleep), or the server has its world to look at again (True: threads or doorbells that
+        came or went, looked at on every ring; a run held; the server to stop). Each ring
         is answered here, without going round the server's loop: the hot path of every hit, in as
         few steps as Python allows. The GIL is let go now and then, for the tracing thread."""
         serving, stopping = self._serving, self._stopping
         until = time.monotonic() + SPIN
         answered = 0  # since the last look at the world
+        one = pages[0] if len(pages) == 1 else None  # (the common case, looked at in fewer steps)
         while True:
             for _ in range(64):
-                if len(pages) == 1:  # (the common case, looked at in fewer steps)
-                    rang = pages[0][_RING] & 0xFFFFFFFF != rings[0]
+                if one is not None:
+                    rang = one[_RING] & 0xFFFFFFFF != rings[0]
                 else:
                     rang = any(page[_RING] & 0xFFFFFFFF != value for page, value in zip(pages, rings, strict=True))
                 if rang:
                     break
             else:
-                if answered:
+                if answered:  # (a run of answers over: where the server runs now is looked at)
                     answered = 0
                     until = time.monotonic() + SPIN
+                    self._look_at_cpu(bells)
                 elif time.monotonic() >= until:
                     return False
                 if stopping.is_set() or (self._version, ThreadAreas.changes) != seen:
@@ -427,16 +431,16 @@ class Upcalls:
                 time.sleep(0)
                 continue
             rings[:] = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
-            heard = False
-            for asker in askers:
+            if (self._version, ThreadAreas.changes) != seen:  # (an area given to another thread: not its old one's)
+                return True
+            for asker in askers:  # (none asking: its request was answered before its ring was seen)
                 if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST:
                     if not serving.is_set():
                         return True
                     self._answer(asker)
-                    heard = True
             answered += 1
-            if not heard or answered % 64 == 0:  # (a thread it does not know yet asked, or now and then)
-                if stopping.is_set() or (self._version, ThreadAreas.changes) != seen:
+            if answered % 64 == 0:
+                if stopping.is_set():
                     return True
                 self._look_at_cpu(bells)
 
