@@ -478,7 +478,8 @@ HOT_WORKLOADS = {  # a workload, and the modules whose every function is counted
 
 
 def hot_functions(most: int = 30) -> dict[str, dict[str, Any]]:
-    """Per workload (sort and gzip of 3 MB of text): its `most` most-called functions (every
+    """Per workload (python3's json.dumps, sort and gzip of 3 MB of text, a sqlite3 workload): its
+    `most` most-called functions (every
     function of the modules named counted, each an optimized count probe or a trap), and those
     of them that stay traps, with why."""
     out: dict[str, dict[str, Any]] = {}

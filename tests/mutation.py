@@ -93,7 +93,7 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         ("lang/tracer.py", line, "0 -> -1"): "the maps a tracer's body assigns, counts, sums, minimizes or steps "
         "hold one word: its first is its last"
         for line in (
-            'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)',
+            'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=False)',
             "words[0] = (words[0] + value) & MASK64",
             "words[0] = min(value, words[0], key=as_signed)",
             "words[0] = max(value, words[0], key=as_signed)",
@@ -101,8 +101,13 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
             "words[0] = new = (old + delta) & MASK64",
         )
     },
-    ("lang/tracer.py", 'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=True)',
-     "True -> False"): "only comparisons look at `signed`, and no compound assignment is one",
+    **{
+        ("lang/tracer.py", line, "False -> True"): "only comparisons look at `signed`; no compound assignment is one"
+        for line in (
+            'words[0] = new if op == "=" else operate(op[:-1], words[0], new, signed=False)',
+            "new = operate(op[:-1], self.integer(target), new, signed=False)",
+        )
+    },
     ("lang/tracer.py", "raise AssertionError(expr)  # (check_tracer_block refuses the rest)",
      "delete `raise AssertionError(expr)`"): "unreachable: lang/target.py refuses these programs first",
     ("arch/x86_64/relocate.py",
@@ -253,7 +258,7 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     },
     **{
         ("arch/x86_64/codegen/lang.py", "self.operate(op[:-1], signed=True)", change): (
-            "only comparisons look at `signed`, and no compound assignment is one"
+            "only comparisons look at `signed`; no compound assignment is one"
         )
         for change in ("True -> False",)
     },

@@ -85,7 +85,7 @@ def test_a_program_that_cannot_run_is_refused_before_any_process_starts(tmp_path
     assert run.stderr.splitlines() == [
         "stdin:1:27-30: ERROR: a value of @s that is not a str(), comm, func or probe (a map of strings takes the bytes"
         " str() reads, or the tracer's names) is not run in the target yet (dynprobe compiles probe bodies: integers,"
-        " maps of them and of str())",
+        " maps of them and of str(), comm, func and probe)",
         'uprobe:libc:malloc { @s = "x"; }',
         " " * 26 + "~" * 3,
     ]

@@ -1,7 +1,9 @@
 """Where a bpftrace program's maps live (issue 21): one region of shared memory per program,
 mapped into the target and into the tracer, holding every map as an open-addressing table that
 the target's generated code updates in place with atomic instructions (so threads that hit at
-once lose no update and the tracer merges nothing) and the tracer reads to print.
+once lose no update and the tracer merges nothing; plain ones for a map keyed by `tid` in every
+body, whose entries each have one writer) and the tracer reads to print. Maps that only BEGIN,
+END and interval bodies write are the tracer's own (lang/tracer.py).
 
 A slot is: the keys' hash (0: free; claimed with `cmpxchg`), a word that says the entry exists
 (set once its keys are written, cleared by `delete`), the keys (an integer a word, a string

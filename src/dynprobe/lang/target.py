@@ -1,12 +1,11 @@
 """What of a checked bpftrace program runs where (issue 21): uprobe and uretprobe bodies run in
 the target, compiled (arch/x86_64/codegen/lang.py), so they may hold only what that code does;
-BEGIN, END and interval bodies run in the tracer, so they may only print, clear, zero and
-exit. Anything else is refused here, before anything is placed, at its span, in bpftrace's
-form: never a probe that silently stays a slow trap.
+BEGIN, END and interval bodies run in the tracer (lang/tracer.py), whose maps (`tracer_maps`)
+live there. Anything else is refused here, before anything is placed, at its span, in
+bpftrace's form: never a probe that silently stays a slow trap.
 
 A probe body's printf() writes a record into the thread's ring (`PrintfRecord`: its values,
-strings copied, comm left to the tracer) that the tracer formats. The tracer's side is here
-BEGIN, END and interval bodies are lang/tracer.py's.
+strings copied, comm left to the tracer) that the tracer formats.
 """
 
 from __future__ import annotations
@@ -28,7 +27,10 @@ PRINTF_NUMBER = 8  # the record's first payload word: which printf() wrote it
 TRACER_CALLS = ("printf", "print", "clear", "zero", "delete", "exit", "time")  # (lang/tracer.py runs them)
 _TRACER_BUILTINS = ("nsecs", "elapsed")
 _WHERE = "in BEGIN, END and interval probes (dynprobe runs them in the tracer)"
-_NOT_YET = "{what} is not run in the target yet (dynprobe compiles probe bodies: integers, maps of them and of str())"
+_NOT_YET = (
+    "{what} is not run in the target yet (dynprobe compiles probe bodies: integers, maps of them and of str(), comm,"
+    " func and probe)"
+)
 
 
 def check_runnable(checked: Checked, source: str, filename: str = "stdin") -> None:

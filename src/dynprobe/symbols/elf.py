@@ -68,7 +68,7 @@ _PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
 DEBUG_ROOT = "/usr/lib/debug"  # separate debug files (gdb's debug-file-directory)
 
 
-def symbol_order(func: Function) -> tuple[int, int, bool, int, str]:
+def _symbol_order(func: Function) -> tuple[int, int, bool, int, str]:
     """Functions by address; of aliases at one address, the longest, then a public name
     (malloc before __libc_malloc), then the shortest (strtol before strtoimax, strtold before
     strtof64x: the plain name programs call): the first is the one shown."""
@@ -136,7 +136,7 @@ class Headers:
     debuglink: str | None  # the name .gnu_debuglink gives
 
 
-# functions (sorted: `symbol_order`), data symbols, indirect functions, default versions
+# functions (sorted: `_symbol_order`), data symbols, indirect functions, default versions
 SymbolTables = tuple[list[Function], dict[str, int], dict[str, int], dict[str, str]]
 
 
@@ -157,8 +157,8 @@ def _headers(fields: dict[str, Any]) -> Headers:
 
 
 def _functions(rows: Iterable[tuple[str, int, int]]) -> list[Function]:
-    """Functions (name, address, size), sorted by `symbol_order`."""
-    return sorted(itertools.starmap(Function, rows), key=symbol_order)
+    """Functions (name, address, size), sorted by `_symbol_order`."""
+    return sorted(itertools.starmap(Function, rows), key=_symbol_order)
 
 
 def _kept(headers: Headers | None, tables: SymbolTables) -> elf_cache.Kept:
@@ -670,7 +670,7 @@ class ElfImage:
     def branch_targets(self) -> BranchTargets:
         """Where the file's direct branches land (made once, kept on disk): `addr in targets`."""
         if self._branch_targets is None:
-            key = elf_cache.key_of(self.digest, "branches", BranchTargets._SCAN, BranchTargets._ANY_FILE)
+            key = elf_cache.key_of(self.digest, "branches")
             scan = self._kept_scan(key)
             if scan is None:
                 scan = BranchTargets.scan(self)
@@ -758,6 +758,7 @@ class BranchTargets:
         self.ranges = sorted({(f.addr, f.end) for f in own if f.size} | set(image.eh_frame_ranges()))
         self._reach = list(itertools.accumulate((end for _, end in self.ranges), max))  # the furthest end so far
         self._decoded: dict[tuple[int, int], list[tuple[int, int]]] = {}  # a function range -> its branches
+        self._landed: dict[tuple[int, int], frozenset[int]] = {}  # a function range -> its branches' targets
         # Ranges may nest (a hostile symbol table: thousands around one place): what is decoded is
         # bounded too, by the code's size (then every address is a target).
         self._may_decode = 8 * scan.scanned + self._ANY_FILE
@@ -848,7 +849,10 @@ class BranchTargets:
                 yield start, end
 
     def _targets(self, bounds: tuple[int, int]) -> frozenset[int]:
-        return frozenset(target for _, target in self._branches(bounds))
+        found = self._landed.get(bounds)
+        if found is None:
+            found = self._landed[bounds] = frozenset(target for _, target in self._branches(bounds))
+        return found
 
     def _branches(self, bounds: tuple[int, int]) -> list[tuple[int, int]]:
         """(where, where to) of the direct branches of a function range, decoded once."""

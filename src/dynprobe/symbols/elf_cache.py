@@ -37,17 +37,18 @@ def key_of(*parts: object) -> str:
 
 
 @functools.cache
-def _code() -> str:
+def _code() -> str | None:
     """A hash of the modules whose work is kept (symbols/elf.py, symbols/elfparse.py): what an
     older dynprobe worked out is never taken for this one's (the branch scan of an older one
-    may have found fewer targets)."""
+    may have found fewer targets). None where their source cannot be read (installed as .pyc
+    alone): nothing is kept then, or taken."""
     digest = hashlib.sha256()
     for name in ("elf.py", "elfparse.py"):
         try:
             with open(os.path.join(os.path.dirname(__file__), name), "rb") as source:
                 digest.update(source.read())
         except OSError:
-            digest.update(f"{name} unreadable".encode())
+            return None
     return digest.hexdigest()
 
 
@@ -60,7 +61,7 @@ Kept = tuple[dict[str, Any], dict[str, "array[int]"], dict[str, list[str]]]
 
 def load(key: str) -> Kept | None:
     """The object, arrays and lists of strings kept under `key`, if a good entry is there."""
-    data = diskcache.read(KIND, key, most=MOST)
+    data = diskcache.read(KIND, key, most=MOST) if _code() is not None else None
     if data is None or len(data) < _HEADER.size:
         return None
     magic, size = _HEADER.unpack_from(data)
@@ -94,6 +95,8 @@ def load(key: str) -> Kept | None:
 def store(key: str, meta: dict[str, Any], arrays: dict[str, array[int]], strings: dict[str, list[str]]) -> None:
     """`meta` (made of what JSON holds), `arrays` and `strings` (none with a NUL) kept under
     `key` (nothing when they cannot be)."""
+    if _code() is None:
+        return
     blobs = {name: "\0".join(values).encode() for name, values in strings.items()}
     text = json.dumps({
         "meta": meta, "arrays": {name: [values.typecode, len(values)] for name, values in arrays.items()},

@@ -7,7 +7,7 @@ A detour runs on the target thread with nothing but its registers and its thread
     (otherwise)   pushfq; push rax, rcx, rdx, rsi, rdi; per probe: filter, counters, histogram,
                   record; pop ...; popfq
     lea rsp, [rsp+128]
-    the relocated region (optimize.relocate_region), jmp back
+    the relocated region (optimize.relocate_region_map), jmp back
 
 Every counter and histogram update is one `inc` on memory: an instruction is never split by a
 signal, so a signal handler that hits the same probe cannot lose an update. Records take a

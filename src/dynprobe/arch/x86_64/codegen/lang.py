@@ -1,11 +1,12 @@
 """A bpftrace program's probe body (lang/) as machine code, run in a detour's full form
 (codegen/actions.py's `Emitter`: the saved registers, fault fix-ups): its predicate, its
 statements, its maps updated in place in the program's region (lang/maps.py) with atomic
-instructions, its printf() calls as records in the thread's ring (lang/target.py's
-`PrintfRecord`), a `str()` key read into NUL-padded words, a `ustack` key the slot the probe
-counted the hit's stack in, a `comm` key the thread's pid and tid and a `func` or `probe` key
-the probe's index plus 1 (the tracer names them). (lang/target.py refuses beforehand what is not
-compiled here: string and stack values elsewhere.)
+instructions (plain ones where each entry has one writer: `MapTable.one_writer`), its printf()
+calls as records in the thread's ring (lang/target.py's `PrintfRecord`), a `str()` key read
+into NUL-padded words, a `ustack` key the slot the probe counted the hit's stack in, a `comm`
+key the thread's pid and tid and a `func` or `probe` key the probe's index plus 1 (the tracer
+names them). (lang/target.py refuses beforehand what is not compiled here: a stack as a value;
+a string but as a map's key or value, or a printf() argument.)
 
 A value is 64 bits in rax. The left operand of an operation waits in the thread area while the
 right one is worked out (`LANG_TEMPS`, a word a level of nesting: the detour's stack holds the
