@@ -19,7 +19,7 @@ import os
 import struct
 import sys
 from array import array
-from collections.abc import Callable, Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -195,8 +195,9 @@ def _from_kept(kept: elf_cache.Kept) -> tuple[Headers | None, SymbolTables]:
 _Analysis = tuple[Headers | None, SymbolTables]
 
 
-def _ascending(values: Sequence[int]) -> bool:
-    return list(values) == sorted(values)  # (in C: a sorted list is one run)
+def _ascending(values: array[int]) -> bool:
+    found = np.frombuffer(values, dtype=np.uint64 if values.typecode == "Q" else np.int64)
+    return bool((found[1:] >= found[:-1]).all())
 
 
 def _analysis(key: str, parse: Callable[[], _Analysis], *, headers: bool) -> _Analysis:

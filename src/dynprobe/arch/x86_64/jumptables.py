@@ -252,7 +252,9 @@ class _Code:
         width = 8 if origin is None else 4
         entries = 1 if index is None else self.bound(load_at, _FULL(index))
         if entries is None:
-            return Landing.UNBOUNDED if first is None or origin is None else self.held(read, table=first, origin=origin)
+            if first is None or origin is None or self.is_code is None:
+                return Landing.UNBOUNDED
+            return self.held(read, self.is_code, table=first, origin=origin)
         if not 0 < entries <= MAX_ENTRIES:
             return Landing.UNBOUNDED
         data = read(table, width * entries)
@@ -262,17 +264,18 @@ class _Code:
             return frozenset(struct.unpack(f"<{entries}Q", data))
         return frozenset(origin + offset for offset in struct.unpack(f"<{entries}i", data))
 
-    def held(self, read: Reader, *, table: int, origin: int) -> frozenset[int] | Landing:
+    @staticmethod
+    def held(read: Reader, is_code: IsCode, *, table: int, origin: int) -> frozenset[int] | Landing:
         """The targets of a table of offsets nothing bounds, by what it holds: its entries from
         the first (at `table`) while each lands in code (see the module's docstring)."""
         width = 4
         targets: set[int] = set()
         for k in range(MAX_ENTRIES):
             data = read(table + width * k, width)
-            if data is None or len(data) != width or self.is_code is None:
+            if data is None or len(data) != width:
                 break
             target = origin + int.from_bytes(data, "little", signed=True)
-            if not self.is_code(target):
+            if not is_code(target):
                 break
             targets.add(target)
         else:
