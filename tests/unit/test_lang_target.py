@@ -124,6 +124,18 @@ def tracer_block(source: str, *, read_map: object = None, done: list[object] | N
                        write=log.append, start_ns=start_ns)  # type: ignore[arg-type]  # fmt: skip
 
 
+def test_a_map_the_tracer_holds_takes_no_room_in_the_target() -> None:
+    """A keyed map only an interval body writes lives in the tracer: its table in the region
+    the target maps is one slot; the same map written by a probe body has them all."""
+    sizes = {}
+    for source in ("interval:ms:10 { @ticks++; @h[@ticks % 3] = hist(@ticks); }",
+                   "uprobe:libc:free { @h[arg0 % 3] = hist(arg0); }"):  # fmt: skip
+        checked = check_program(parse_program(source), source)
+        check_runnable(checked, source)
+        sizes[source.split()[0]] = lay_out(checked, slots=1024).tables["h"].slots
+    assert sizes == {"interval:ms:10": 1, "uprobe:libc:free": 1024}
+
+
 def test_a_tracer_block_prints_clears_zeroes_and_exits() -> None:
     """Its statements in order, each through the callback it names; a target's map read for
     the keys the block works out; exit() is said by run()."""

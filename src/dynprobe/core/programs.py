@@ -271,6 +271,7 @@ class PlacedProgram:
         """`clear(@m)` (entries gone) or `zero(@m)` (values back to their start)."""
         if name in self.tracer_maps:
             self.tracer_maps.clear(name, keep_keys=keep_keys)
+            return
         for region in self._all:
             self.region.tables[name].clear(region.words, keep_keys=keep_keys)
 

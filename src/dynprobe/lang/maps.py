@@ -25,7 +25,7 @@ import numpy as np
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS, Checked
-from dynprobe.lang.target import PrintfRecord, map_key_kinds, map_value_kinds, thread_keyed_maps
+from dynprobe.lang.target import PrintfRecord, map_key_kinds, map_value_kinds, thread_keyed_maps, tracer_maps
 
 MASK64 = (1 << 64) - 1
 HASH_SEED = 0x2545F4914F6CDD1D
@@ -132,16 +132,19 @@ class Region:
 
 
 def lay_out(checked: Checked, *, slots: int = DEFAULT_SLOTS) -> Region:
-    """The region of `checked`'s maps: a map without keys has one slot, a keyed one `slots`."""
+    """The region of `checked`'s maps: a map without keys has one slot, a keyed one `slots`; a
+    map the tracer's bodies write (lang/tracer.py holds it) one, which nothing uses."""
     tables: dict[str, MapTable] = {}
     offset = (8 * (1 + len(checked.maps)) + 63) & ~63
     key_kinds, value_kinds, thread_keyed = map_key_kinds(checked), map_value_kinds(checked), thread_keyed_maps(checked)
+    in_tracer = tracer_maps(checked)
     for index, (name, info) in enumerate(sorted(checked.maps.items())):
         kind = info.value.kind if info.value is not None else "int"
         kind = value_kinds.get(name, kind)  # (a map of comm, func or probe: a word the tracer names)
         keys = key_kinds.get(name, ())
         lhist = checked.lhist.get(name, (0, 0, 1))
-        table = MapTable(name, kind, keys, slots if keys else 1, offset, index, lhist, one_writer=name in thread_keyed)
+        room = slots if keys and name not in in_tracer else 1
+        table = MapTable(name, kind, keys, room, offset, index, lhist, one_writer=name in thread_keyed)
         tables[name] = table
         offset += ((table.slots + 1) * table.slot_bytes + 63) & ~63
     return Region(tables, max(offset, 64))
