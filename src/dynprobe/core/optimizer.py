@@ -164,7 +164,7 @@ class Optimizer:
                 self._refuse(site, proc.areas_refused or OptimizeRefusal.GS_IN_USE)
             return
         rips = self.thread_rips(proc)
-        places = [place for found in rips.values() for place in found]
+        places = self.every_place(rips)
         self._free_dirty(proc, places)
         # A thread that has just hit the int3 (its SIGTRAP not served yet) is at site+1; it will
         # be moved back to the site and take the jump (Traps.past_trap, from core/loop.py or lifecycle.py).
@@ -348,7 +348,7 @@ class Optimizer:
             site.armed = arm
             if not arm:
                 proc.retired.add(site.addr)
-            self._free_dirty(proc, [place for found in self.thread_rips(proc).values() for place in found])
+            self._free_dirty(proc, self.every_place(self.thread_rips(proc)))
 
     def _retire_detour(self, proc: TracedProcess, site: Site, letting_go: bool = False) -> None:
         """The site is a trap again; `letting_go` (the process is let go): its probes still
@@ -417,6 +417,11 @@ class Optimizer:
                         places.append(proc.tracee.read_u64(rsp))
                     rips[tid] = tuple(places)
         return rips
+
+    @staticmethod
+    def every_place(rips: dict[int, tuple[int, ...]]) -> list[int]:
+        """`thread_rips`' places, of every thread together."""
+        return [place for found in rips.values() for place in found]
 
     @staticmethod
     def _trapped(proc: TracedProcess, tid: int) -> bool:

@@ -224,7 +224,7 @@ class Runtime:
         self.optimizer.give_area(proc, tid)
 
     def thread_rips(self, proc: TracedProcess) -> list[int]:
-        return [place for found in self.optimizer.thread_rips(proc).values() for place in found]
+        return self.optimizer.every_place(self.optimizer.thread_rips(proc))
 
     def rseq_offset_at(self, proc: TracedProcess) -> int | None:
         return self.modules.rseq_offset_at(proc)
