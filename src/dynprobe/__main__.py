@@ -1,7 +1,5 @@
 """`python -m dynprobe`: the CLI, as the `dynprobe` command runs it."""
 
-import sys
+from dynprobe.cli.main import command
 
-from dynprobe.cli.main import main
-
-sys.exit(main())
+command()

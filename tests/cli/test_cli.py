@@ -954,3 +954,27 @@ def test_a_command_imports_only_what_it_needs(argv: list[str], unloaded: list[st
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stderr.splitlines()[-1] == "[]", done.stderr
+
+
+@pytest.mark.usefixtures("cache_home")
+@pytest.mark.parametrize(("spec", "hits"), [("p work", 4000), ("r work", 4000), ("p libc:pthread_create", 4)])
+def test_counting_loads_neither_numpy_nor_pyelftools(spec: str, hits: int) -> None:
+    """`count` and `hist` read the target's counters and histograms as plain words: numpy, most
+    of a short command's start-up, is not loaded, nor (the files' analysis kept from the first
+    run) pyelftools; the counts are exact, four threads ending and folded included."""
+    counter = build_target("counter", flags=("-O1", "-pthread"))
+    code = (
+        "import sys\nfrom dynprobe.cli.main import main\n"
+        f"main(['count', '-o', '-', {spec!r}, '--', {counter!r}, '1000', '4'])\n"
+        f"main(['hist', '-o', '-', '--value', '%di', 'p work', '--', {counter!r}, '1000', '4'])\n"
+        "print(sorted(m for m in ('numpy', 'elftools') if m in sys.modules), file=sys.stderr)"
+    )
+    for _ in range(2):  # (the first run works the files out: pyelftools, and numpy with it)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "[]", done.stderr
+    name = f"uprobes/{spec[0]}_{spec.split()[1].split(':')[-1]}"
+    counted = {line.split()[0]: int(line.split()[1]) for line in done.stdout.splitlines() if "  uprobes/" in line}
+    assert counted == {name: hits}, done.stdout
+    buckets = [int(line.split("|")[0].split()[-1]) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert buckets == [4, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4 * (1000 - 512)], done.stdout

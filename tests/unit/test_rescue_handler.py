@@ -32,7 +32,6 @@ TRACER = textwrap.dedent(
 HARNESS = textwrap.dedent(
     """
     import ctypes, mmap, os, resource, signal, struct, subprocess, sys, threading, time
-    import numpy as np
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a death by SIGTRAP writes no core file
     from dynprobe.arch.x86_64.rescue import HANDLER_FLAGS, MEM_PATH, build_rescue_handler
@@ -58,10 +57,8 @@ HARNESS = textwrap.dedent(
         return FUNCS + offset
 
     def table(*entries):
-        rows = np.zeros(len(entries), dtype=_ENTRY)
-        for i, (addr, byte, flags) in enumerate(sorted(entries)):
-            rows[i] = (addr, byte, flags, b"")
-        page[L.RESCUE_ENTRIES : L.RESCUE_ENTRIES + rows.nbytes] = rows.tobytes()
+        rows = b"".join(_ENTRY.pack(*entry) for entry in sorted(entries))
+        page[L.RESCUE_ENTRIES : L.RESCUE_ENTRIES + len(rows)] = rows
         struct.pack_into("<Q", page, L.RESCUE_TABLE, len(entries))
 
     def call(addr):

@@ -152,7 +152,7 @@ def open_session(args: argparse.Namespace, command: list[str]) -> Session:
     session = (
         attach(args.pid, follow_fork=args.follow_fork)
         if args.pid is not None
-        else spawn(command, follow_fork=args.follow_fork)
+        else spawn(command, follow_fork=args.follow_fork, env=args.environment)
     )
     session.on_warning = print_warning
     return session

@@ -7,7 +7,6 @@ thread and a slot); this module adopts them (`adopt`) and lets them go (`release
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import BinaryIO, Protocol
@@ -60,6 +59,7 @@ class DataPath:
         self._by_index: list[Probe | None] = []  # counters-and-records index -> its probe (None: a tracer's)
         self.hists = 0  # histogram indices given out
         self._comms: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> name, when read
+        self.clock = TscClock()  # (calibrated at its first use, as the target starts meanwhile)
 
     # --- indices --------------------------------------------------------------------------------
     def next_index(self) -> int:
@@ -144,6 +144,7 @@ class DataPath:
             self.consumer = Consumer(
                 self.layout, self.engine.delivery.deliver, self._known_index, self.engine.warn,
                 without_cpu=lambda i: i in self.engine.tracing.tracers, clock=self.clock,
+                in_use=lambda: (len(self._by_index), self.hists),
             )  # fmt: skip
             self.consumer.on_failure = self.engine.request_stop
             self.consumer.flight = self._flight_recorder
@@ -178,7 +179,7 @@ class DataPath:
     def histogram_of(self, probe: Probe) -> list[int]:
         buckets = list(probe.trap_hist)
         if self.consumer is not None and probe.action == ActionKind.HIST and probe.hist_index < self.layout.max_hists:
-            for i, n in enumerate(self.consumer.histogram(probe.hist_index).tolist()):
+            for i, n in enumerate(self.consumer.histogram(probe.hist_index)):
                 buckets[i] += n
         return buckets
 
@@ -259,13 +260,7 @@ class DataPath:
             if proc.areas is not None:
                 proc.areas.set_overwrite(on)
 
-    # --- time and names -------------------------------------------------------------------------
-    @functools.cached_property
-    def clock(self) -> TscClock:
-        """The time-stamp counter's calibration, made on first use (the consumer converts
-        with it; asking it fixes nothing of the thread-area layout)."""
-        return TscClock()
-
+    # --- names ---------------------------------------------------------------------------------
     def comm_of(self, pid: int, tid: int, *, fresh: bool = False) -> str:
         """A thread's name; remembered, so events read after it ended still have it. Read
         again at most every COMM_REFRESH seconds (a thread may rename itself; reading

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import iced_x86 as iced
-import numpy as np
 
 from dynprobe.arch.x86_64 import jump_to
 from dynprobe.arch.x86_64.codegen.ftrace import (
@@ -59,7 +58,11 @@ from dynprobe.symbols.patterns import NamePattern, as_patterns
 from dynprobe.symbols.resolve import find_file
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from dynprobe.core.returns import ReturnProbes
+else:
+    from dynprobe.deferred import numpy as np
 
 
 class TracingEngine(Engine, Protocol):

@@ -411,8 +411,8 @@ class Optimizer:
                     area = proc.areas.by_tid.get(tid) if proc.areas is not None else None
                     if proc.returns is not None:
                         places.append(proc.returns.going_to(rip, rsp, proc.tracee.read_u64))
-                    if area is not None and area.pool.words[area.index][L.STAMP_BUSY // 8]:
-                        places.append(int(area.pool.words[area.index][L.STAMP_RESUME // 8]))
+                    if area is not None and area.cells[L.STAMP_BUSY // 8]:
+                        places.append(area.cells[L.STAMP_RESUME // 8])
                     elif proc.slots.contains(rip) and proc.tracee.read(rip, len(RESUME_RET)) == RESUME_RET:
                         places.append(proc.tracee.read_u64(rsp))
                     rips[tid] = tuple(places)

@@ -20,9 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TextIO
-
-import numpy as np
+from typing import TYPE_CHECKING, TextIO
 
 from dynprobe.core.probe import Probe
 from dynprobe.core.slots import map_shared_memory
@@ -48,6 +46,11 @@ from dynprobe.lang.tracer import TracerBlock, TracerMaps
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
 from dynprobe.spec.model import ProbeSpec
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
 _RUN_IN_TARGET = ("uprobe", "uretprobe")
 

@@ -14,8 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from dynprobe.arch.x86_64.rescue import HANDLER_FLAGS, MEM_PATH, SIGTRAP, build_rescue_handler
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ProcessError
@@ -29,7 +27,7 @@ SYS_RT_SIGACTION = 13
 _ACTION = struct.Struct("<QQQQ")  # struct kernel_sigaction: handler, flags, restorer, mask
 _ALL_SIGNALS = (1 << 64) - 1
 _SIG_DFL, _SIG_IGN = 0, 1
-_ENTRY = np.dtype([("addr", "<u8"), ("byte", "u1"), ("flags", "u1"), ("pad", "V6")])
+_ENTRY = struct.Struct("<QBB6x")  # a table entry: the site's address, its first byte, RESCUE_ flags
 
 
 @dataclass(eq=False)
@@ -57,15 +55,14 @@ class Rescue:
         if len(sites) > L.RESCUE_CAPACITY:
             _debug(f"rescue table: {len(sites)} sites, {L.RESCUE_CAPACITY} kept")
             sites = sites[: L.RESCUE_CAPACITY]
-        table = np.zeros(len(sites), dtype=_ENTRY)
-        table["addr"] = [s.addr for s in sites]
-        table["byte"] = [s.original[0] for s in sites]
-        table["flags"] = [L.RESCUE_WAIT if s.rescue_wait else 0 for s in sites]
-        table.sort(order="addr")
+        table = b"".join(
+            _ENTRY.pack(s.addr, s.original[0], L.RESCUE_WAIT if s.rescue_wait else 0)
+            for s in sorted(sites, key=lambda site: site.addr)
+        )
         half = 1 - self.half
         at = L.RESCUE_ENTRIES + half * L.RESCUE_CAPACITY * L.RESCUE_ENTRY
-        self.view[at : at + table.nbytes] = table.tobytes()
-        self._words[L.RESCUE_TABLE // 8] = len(table) | half << 32
+        self.view[at : at + len(table)] = table
+        self._words[L.RESCUE_TABLE // 8] = len(sites) | half << 32
         self.half = half
         self.known = {s.addr for s in sites}
         self.stale = False

@@ -39,9 +39,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
@@ -68,6 +66,11 @@ from dynprobe.spec.fetch import FetchContext, ReturnValues
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
 from dynprobe.symbols.resolve import Location, resolve_address
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
 
 class ReturnsEngine(Engine, Protocol):

@@ -19,9 +19,7 @@ import mmap
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from dynprobe.actions.model import ActionKind, Program, StackCount
 from dynprobe.arch.x86_64.codegen.asm import Asm, Detour
@@ -60,6 +58,11 @@ from dynprobe.ptrace.process import SYS_MUNMAP
 from dynprobe.ringbuf import layout as L
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
 STACK_SLOTS = 4096  # stacks a process's table holds (a power of two)
 _TABLE_AT = (DIR_BYTES + 63) & ~63

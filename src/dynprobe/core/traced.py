@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.arch.x86_64.codegen.asm import HOOK_ROOM, Trampoline
@@ -25,6 +24,11 @@ from dynprobe.ptrace.process import Tracee
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.symbols.loader import loaded_libraries
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
 
 @dataclass

@@ -41,9 +41,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.core.probe import Hit, Probe, Site, call_handler
@@ -58,6 +57,9 @@ from dynprobe.ringbuf.areas import AreaRef, Pool, ThreadAreas
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.symbols.maps import Mapping
 from dynprobe.threads import place, start_without_signals
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it should stop
 # Seconds each side looks for the other before it sleeps, when they run on different CPUs: a
@@ -218,6 +220,8 @@ class Upcalls:
         the thread that asked) waiting for it. SessionError if `run()` is not running."""
         if not self.in_server():
             return call()
+        from concurrent.futures import Future  # (only a handler's asking needs it: not at start-up)
+
         outcome: Future[T] = Future()
         with self._lock:
             if not self._taking_jobs:

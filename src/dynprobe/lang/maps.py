@@ -19,13 +19,17 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS, Checked
 from dynprobe.lang.target import PrintfRecord, map_key_kinds, map_value_kinds, thread_keyed_maps, tracer_maps
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
 MASK64 = (1 << 64) - 1
 HASH_SEED = 0x2545F4914F6CDD1D

@@ -8,16 +8,21 @@ grow without bound.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dynprobe.ptrace.syscalls import futex_wake
 from dynprobe.ringbuf import layout as L
+
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
 POOL_AREAS = 8
 
@@ -28,25 +33,33 @@ class Pool:
     target_addr: int
     view: mmap.mmap
     count: int
-    words: np.ndarray = field(init=False)  # (count, area words) u64 over the shared memory
-    areas: list[np.ndarray] = field(init=False)  # each area's row of `words`, made once
     # each area as u64s in a memoryview: a word read or written in a tenth of numpy's time
-    # (a trap hit's few words)
+    # (a trap hit's few words), and no numpy where records are not read
     cells: list[memoryview] = field(init=False)
+    address: int = field(init=False)
     committed: set[int] = field(default_factory=set)  # areas whose memory the target faulted in
 
     def __post_init__(self) -> None:
         size = len(self.view) // self.count
-        self.words = np.frombuffer(self.view, dtype=np.uint64).reshape(self.count, size // 8)
-        self.areas = list(self.words)
         whole = memoryview(self.view)
         self.cells = [whole[i * size : (i + 1) * size].cast("Q") for i in range(self.count)]
         whole.release()
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.view))  # the view's, here
+
+    @functools.cached_property
+    def words(self) -> np.ndarray:
+        """(count, area words) u64 over the shared memory, made at the first use."""
+        return np.frombuffer(self.view, dtype=np.uint64).reshape(self.count, len(self.view) // self.count // 8)
+
+    @functools.cached_property
+    def areas(self) -> list[np.ndarray]:
+        """Each area's row of `words`, made once."""
+        return list(self.words)
 
     def close(self) -> None:
         """Let go of the shared memory (no view of it may be left)."""
-        self.words = np.empty((0, 0), dtype=np.uint64)
-        self.areas = []
+        self.__dict__.pop("areas", None)
+        self.__dict__.pop("words", None)
         for cells in self.cells:
             cells.release()
         self.cells = []
@@ -80,12 +93,12 @@ class AreaRef:
         """The thread, if it sleeps waiting for room in its ring (layout.WAIT_SLEEPING), is woken:
         the reader moved TAIL, or the tracer ended the waits."""
         if self.cells[L.WAIT_SLEEPING // 8]:
-            futex_wake(self.words.ctypes.data + L.TAIL, 1)
+            futex_wake(self.pool.address + self.offset + L.TAIL, 1)
 
 
 def _publish_held(area: AreaRef, layout: L.AreaLayout) -> None:
-    words = area.pool.words[area.index]
-    head, reserve, tail = (int(words[at // 8]) for at in (L.HEAD, L.RESERVE, L.TAIL))
+    words = area.cells
+    head, reserve, tail = (words[at // 8] for at in (L.HEAD, L.RESERVE, L.TAIL))
     if head < reserve <= tail + layout.ring_slots:  # (the target is not trusted)
         words[L.HEAD // 8] = reserve
 
@@ -137,7 +150,7 @@ class ThreadAreas:
         if area.index not in area.pool.committed:
             area.pool.committed.add(area.index)
             self._commit(tid, area.target_addr)
-        words = area.pool.words[area.index]
+        words = area.cells
         words[L.TID // 8], words[L.TGID // 8] = tid, self.pid if pid is None else pid
         words[L.LANG_BUSY // 8] = 0  # (a thread killed in a program's body left it)
         words[L.WAIT_SPIN // 8], words[L.WAIT_TICKS // 8] = self.spin_ticks, self.wait_ticks
@@ -147,7 +160,7 @@ class ThreadAreas:
         words[L.AREA_SELF // 8] = area.target_addr  # (for its futex waits: an upcall's, a full ring's)
         for word in (L.UPCALL_STATE, L.UPCALL_BUSY, L.UPCALL_SLEEPING):  # (a thread killed in an upcall left them)
             words[word // 8] = 0
-        words[L.SLEEP_TIMEOUT // 8 : L.SLEEP_TIMEOUT // 8 + 2] = divmod(L.SLEEP_NS, 1_000_000_000)
+        words[L.SLEEP_TIMEOUT // 8], words[L.SLEEP_TIMEOUT // 8 + 1] = divmod(L.SLEEP_NS, 1_000_000_000)
         words[L.MAGIC // 8] = L.AREA_MAGIC
         return area
 
@@ -157,7 +170,7 @@ class ThreadAreas:
         make room)."""
         self.wait_ticks, self.spin_ticks = ticks, spin_ticks if self.sleeps else ticks
         for _, area in self.live():
-            words = area.words
+            words = area.cells
             # (the spin first: a writer that reads them between never sees a longer wait with
             # the shorter spin of a process that must not sleep)
             words[L.WAIT_SPIN // 8] = self.spin_ticks
@@ -176,7 +189,7 @@ class ThreadAreas:
         """Whether a full ring gives up its oldest records (a flight recorder's), in every area."""
         self.overwrite = overwrite
         for _, area in self.live():
-            area.words[L.OVERWRITE // 8] = overwrite
+            area.cells[L.OVERWRITE // 8] = overwrite
 
     def _new_pool(self, tid: int) -> Pool:
         count = POOL_AREAS * (1 << min(len(self.pools), 4))
@@ -202,8 +215,7 @@ class ThreadAreas:
     def recycle(self, area: AreaRef) -> None:
         """A drained, folded area is clean again (called by the consumer)."""
         lay = self.layout
-        words = area.pool.words[area.index]
-        words[: lay.ring // 8] = 0
+        area.pool.view[area.offset : area.offset + lay.ring] = bytes(lay.ring)
         with self.lock:
             self._free.append(area)
 

@@ -16,24 +16,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import mmap
 import os
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.threads import place, start_without_signals
 
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
+
 _READINGS_AT = 64  # where tsc_readings_code goes in the clock's page, after read_tsc_code
 _READINGS = 4096
+FIRST_CALIBRATION = 0.005  # s
 _TSC_MASK = 0x7FFF_FFFF_FFFF_FFFF
 # What the target cannot have written honestly (it can write its rings and counters): a time
 # stamp L.MARGIN_NS or more outside the session, a CPU number past the machine's, a count that
@@ -44,7 +50,10 @@ CPUS = os.sysconf("SC_NPROCESSORS_CONF")  # CPU numbers are below it
 
 
 class TscClock:
-    """Time-stamp counter -> CLOCK_MONOTONIC ns, calibrated against clock_gettime here."""
+    """Time-stamp counter -> CLOCK_MONOTONIC ns, calibrated against clock_gettime here: first
+    over at least FIRST_CALIBRATION from when it was made (made as a session begins, the
+    target's start overlaps it: it is waited out only if it has not passed at the first use),
+    then again from that start at every `recalibrate`."""
 
     def __init__(self) -> None:
         self._page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
@@ -55,22 +64,26 @@ class TscClock:
         self.read = ctypes.CFUNCTYPE(ctypes.c_uint64)(address)
         self._readings = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_void_p)(address + _READINGS_AT)
         self._tsc0, self._ns0 = self._pair()
-        time.sleep(0.005)
-        self._scale = 1.0
-        self.recalibrate()
-        self.tick_ns = self._tick()
+        self._scale = 0.0  # ns a tick: 0 until the first calibration (`scale`)
 
-    def _tick(self) -> float:
+    @property
+    def scale(self) -> float:
+        if not self._scale:
+            time.sleep(max(0.0, FIRST_CALIBRATION - (time.monotonic_ns() - self._ns0) / 1e9))
+            self.recalibrate()
+        return self._scale
+
+    @functools.cached_property
+    def tick_ns(self) -> float:
         """How far apart, in ns, two readings of the counter back to back typically are (the
         median step): what the clock can tell apart. Some CPUs count in steps (AMD's Zen adds ~25
         to the counter every 10 ns, a 100 MHz clock times the P0 frequency's ratio): two time
         stamps around a call shorter than a step may be equal. Elsewhere a step is a reading's
         own time: no two are equal."""
-        readings = np.zeros(_READINGS, dtype=np.uint64)
-        self._readings(_READINGS, readings.ctypes.data)
-        steps = np.diff(readings.astype(np.int64))
-        steps = steps[steps > 0]
-        return float(np.median(steps)) * self._scale if len(steps) else 0.0
+        readings = array("Q", bytes(8 * _READINGS))
+        self._readings(_READINGS, readings.buffer_info()[0])
+        steps = [later - earlier for earlier, later in itertools.pairwise(readings) if later > earlier]
+        return sorted(steps)[len(steps) // 2] * self.scale if steps else 0.0
 
     def _pair(self) -> tuple[int, int]:
         """A (tsc, monotonic ns) reading: the tightest of a few tries."""
@@ -86,30 +99,30 @@ class TscClock:
 
     def recalibrate(self) -> None:
         tsc, ns = self._pair()
-        if tsc > self._tsc0:
+        if tsc > self._tsc0 and ns > self._ns0:
             self._scale = (ns - self._ns0) / (tsc - self._tsc0)
 
     def params(self) -> dict[str, float]:
         """ns = (tsc - tsc0) * scale + ns0, as `to_ns` computes it; tsc_now: the counter now
         (no record of the session can be later)."""
-        return {"tsc0": self._tsc0 & _TSC_MASK, "ns0": self._ns0, "scale": self._scale, "tsc_now": self.read()}
+        return {"tsc0": self._tsc0 & _TSC_MASK, "ns0": self._ns0, "scale": self.scale, "tsc_now": self.read()}
 
     def plausible(self, tsc: np.ndarray) -> np.ndarray:
         """Which time stamps can be the session's: from its start to now, L.MARGIN_NS either way."""
-        margin = int(L.MARGIN_NS / self._scale)
+        margin = int(L.MARGIN_NS / self.scale)
         return (tsc >= np.uint64(max(0, (self._tsc0 & _TSC_MASK) - margin))) & (tsc <= np.uint64(self.read() + margin))
 
     @property
     def mult(self) -> int:
         """ns = ticks * mult >> 32 (for code in the target, which has no floating point)."""
-        return round(self._scale * (1 << 32))
+        return round(self.scale * (1 << 32))
 
     def ticks_to_ns(self, ticks: int) -> int:
-        return round(ticks * self._scale)
+        return round(ticks * self.scale)
 
     def to_ns(self, tsc: np.ndarray) -> np.ndarray:
         delta = tsc.astype(np.int64) - np.int64(self._tsc0 & _TSC_MASK)
-        return (delta * self._scale).astype(np.int64) + self._ns0
+        return (delta * self.scale).astype(np.int64) + self._ns0
 
 
 @functools.cache
@@ -129,7 +142,7 @@ class RingCorrupted(Exception):
     pass
 
 
-def _unread(words: np.ndarray, lay: L.AreaLayout) -> tuple[int, int, int]:
+def _unread(words: memoryview, lay: L.AreaLayout) -> tuple[int, int, int]:
     """(first slot, count, head) of the records not read yet; checked against the ring's size."""
     head = int(words[L.HEAD // 8])
     tail = int(words[L.TAIL // 8])
@@ -144,10 +157,10 @@ def _ring(view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
     return ring.reshape(lay.ring_slots, lay.record_size)
 
 
-def take_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
+def take_records(words: memoryview, view: memoryview, offset: int, lay: L.AreaLayout) -> np.ndarray:
     """Copy the unread records of one area out of its ring and mark them read.
 
-    `words`: the area as u64s; `view`: the same bytes. Returns an (n, record_size) u8 array."""
+    `words`: the area as u64s (AreaRef.cells); `view`: the same bytes. Returns an (n, record_size) u8 array."""
     first, n, head = _unread(words, lay)
     out = _copied(view, offset, lay, first, n)
     words[L.TAIL // 8] = head
@@ -162,7 +175,7 @@ def _copied(view: memoryview, offset: int, lay: L.AreaLayout, first: int, n: int
     return np.concatenate((records[first:], records[: first + n - lay.ring_slots]))
 
 
-def snapshot_records(words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout) -> tuple[np.ndarray, int]:
+def snapshot_records(words: memoryview, view: memoryview, offset: int, lay: L.AreaLayout) -> tuple[np.ndarray, int]:
     """A flight recorder's records not read yet (layout.OVERWRITE; the caller pauses the writer):
     copied, then only those the writer did not give up meanwhile kept (from the TAIL after the
     copy: x86 orders the writer's TAIL before its record, and our copy before our reading of
@@ -183,7 +196,7 @@ def snapshot_records(words: np.ndarray, view: memoryview, offset: int, lay: L.Ar
 
 
 def spool_records(
-    words: np.ndarray, view: memoryview, offset: int, lay: L.AreaLayout, sink: BinaryIO, header: Callable[[int], bytes]
+    words: memoryview, view: memoryview, offset: int, lay: L.AreaLayout, sink: BinaryIO, header: Callable[[int], bytes]
 ) -> int:
     """Write the unread records of one area straight from the ring to `sink` (no copy in
     between), after `header(count)`; then mark them read. Returns how many."""
@@ -258,6 +271,41 @@ ASK_INTERVAL = 0.005
 HELD_RINGS = 4  # a flight recorder keeps at most this many rings' worth of its ended threads' records
 
 
+class _Table:
+    """A table of a thread area (its counters, or its histograms: `width` u64s a row, from word
+    `start`), summed over ended threads. Rows are read where they are given out only, a row at a
+    time as lists: most of a table is never used."""
+
+    def __init__(self, start: int, width: int) -> None:
+        self.start = start
+        self.width = width
+        self.sums: list[int] = []
+
+    def row_of(self, cells: memoryview, index: int) -> list[int]:
+        at = self.start + index * self.width
+        row: list[int] = cells[at : at + self.width].tolist()
+        return row
+
+    def row(self, index: int) -> list[int]:
+        found = self.sums[index * self.width : (index + 1) * self.width]
+        return found or [0] * self.width
+
+    def add(self, cells: memoryview, rows: int, most: int) -> bool:
+        """The first `rows` of an area's table added, but for a row holding a count over `most`
+        (False: there was one)."""
+        width = self.width
+        block: list[int] = cells[self.start : self.start + rows * width].tolist()
+        possible = not block or max(block) <= most
+        if not possible:
+            for at in range(0, len(block), width):
+                if max(block[at : at + width]) > most:
+                    block[at : at + width] = [0] * width
+        if len(self.sums) < len(block):
+            self.sums.extend([0] * (len(block) - len(self.sums)))
+        self.sums[: len(block)] = [a + b for a, b in zip(self.sums, block, strict=False)]
+        return possible
+
+
 class Consumer:
     """Drains the areas of every process; `deliver(batches)` gets what each pass found."""
 
@@ -271,6 +319,7 @@ class Consumer:
         *,
         without_cpu: Callable[[int], bool] = lambda index: False,
         clock: TscClock | None = None,
+        in_use: Callable[[], tuple[int, int]] | None = None,
     ) -> None:
         self.layout = layout
         self.deliver = deliver
@@ -288,8 +337,12 @@ class Consumer:
         self.cpus = os.sched_getaffinity(0)
         self.clock = clock or TscClock()
         self.processes: list[ThreadAreas] = []
-        self.folded = np.zeros((layout.max_probes, L.PROBE_COUNTERS), dtype=np.uint64)
-        self.folded_hists = np.zeros((layout.max_hists, L.HIST_BUCKETS), dtype=np.uint64)
+        # How many counters and histogram indices are given out: the rows of a thread's tables
+        # read (past them, only what the program itself wrote)
+        self.in_use = in_use or (lambda: (layout.max_probes, layout.max_hists))
+        # The counters and histograms of ended threads, summed: a row of each table's after another
+        self.folded = _Table(layout.counters // 8, L.PROBE_COUNTERS)
+        self.folded_hists = _Table(layout.hists // 8, L.HIST_BUCKETS)
         self.corrupt = 0  # records or rings rejected
         self.folded_waits = 0  # WAITS of the areas of ended threads
         self.records_read = 0  # numbers the next record read (RecordBatch.order)
@@ -439,7 +492,7 @@ class Consumer:
 
     def _take_area(self, areas: ThreadAreas, tid: int, area: AreaRef) -> list[RecordBatch]:
         lay = self.layout
-        words = area.pool.words[area.index]
+        words = area.cells
         try:
             if self.failure is not None:
                 return self._discard(words)
@@ -452,6 +505,8 @@ class Consumer:
                     records = self._snapshot(words, area)
                 finally:
                     words[L.OVERWRITE // 8] = 1
+            elif words[L.HEAD // 8] == words[L.TAIL // 8]:
+                return []  # (nothing new: an idle thread's ring, or a session of counters alone)
             else:
                 records = take_records(words, memoryview(area.pool.view), area.offset, lay)
         except (RingCorrupted, ValueError) as exc:
@@ -462,7 +517,7 @@ class Consumer:
             return self._discard(words)
         return self._records(areas.pid, tid, records)
 
-    def _snapshot(self, words: np.ndarray, area: AreaRef) -> np.ndarray:
+    def _snapshot(self, words: memoryview, area: AreaRef) -> np.ndarray:
         records, gave_way = snapshot_records(words, memoryview(area.pool.view), area.offset, self.layout)
         self.overwritten += gave_way
         return records
@@ -476,7 +531,7 @@ class Consumer:
                 with areas.lock:
                     retired, areas.retired = areas.retired, []
                 for tid, area in retired:
-                    words = area.pool.words[area.index]
+                    words = area.cells
                     if self.snapshot_asks and self._take_ask(area):  # (a thread that asked, then ended)
                         self.snapshots_asked += 1
                         self.snapshot_due = True
@@ -566,7 +621,7 @@ class Consumer:
             if self.on_failure is not None:
                 self.on_failure()
 
-    def _discard(self, words: np.ndarray) -> list[RecordBatch]:
+    def _discard(self, words: memoryview) -> list[RecordBatch]:
         if self.flight:  # (a flight recorder's records are those past TAIL and READ)
             start = max(int(words[L.TAIL // 8]), int(words[L.READ // 8]))
             n = min(max(int(words[L.HEAD // 8]) - start, 0), self.layout.ring_slots)
@@ -579,12 +634,12 @@ class Consumer:
         self.discarded += n
         return []
 
-    def _corrupted(self, pid: int, tid: int, words: np.ndarray, exc: Exception) -> None:
+    def _corrupted(self, pid: int, tid: int, words: memoryview, exc: Exception) -> None:
         self._error(f"thread {tid} of pid {pid}: corrupted ring ({exc}); its records are skipped")
         self._mark_read(words)
         self.corrupt += 1
 
-    def _mark_read(self, words: np.ndarray) -> None:
+    def _mark_read(self, words: memoryview) -> None:
         """Whatever the ring holds is read (a flight recorder's: READ; TAIL is its writer's)."""
         words[(L.READ if self.flight else L.TAIL) // 8] = words[L.HEAD // 8]
 
@@ -593,21 +648,19 @@ class Consumer:
         assert self.raw_sink is not None
         view = memoryview(area.pool.view)
         spooled = spool_records(
-            area.pool.words[area.index], view, area.offset, self.layout, self.raw_sink,
+            area.cells, view, area.offset, self.layout, self.raw_sink,
             lambda n: _chunk_header(areas.pid, tid, n),
         )  # fmt: skip
         self.drained += spooled
         self.fullest = max(self.fullest, spooled)
 
     def _fold(self, areas: ThreadAreas, tid: int, area: AreaRef) -> None:
-        words = area.pool.words[area.index]
-        self.folded_waits += min(int(words[L.WAITS // 8]), self._most_counted())
-        for folded, block in ((self.folded, self._counter_block), (self.folded_hists, self._hist_block)):
-            rows = block(words)
-            possible = rows.max(axis=1, initial=0) <= self._most_counted()
-            if not possible.all():
+        cells = area.cells
+        most = self._most_counted()
+        self.folded_waits += min(cells[L.WAITS // 8], most)
+        for table, rows in zip((self.folded, self.folded_hists), self.in_use(), strict=True):
+            if not table.add(cells, rows, most):
                 self._impossible_counts(areas.pid, tid)
-            folded += np.where(possible[:, None], rows, 0).astype(np.uint64)
 
     def _most_counted(self) -> int:
         return int((time.monotonic() - self.started) * 1e9 * HITS_PER_NS)
@@ -616,16 +669,6 @@ class Consumer:
         self._error(f"impossible counts of thread {tid} of pid {pid}: more than {HITS_PER_NS} a nanosecond "
                     "since the session began (written by the program itself?), left out")  # fmt: skip
 
-    def _counter_block(self, words: np.ndarray) -> np.ndarray:
-        lay = self.layout
-        start = lay.counters // 8
-        return words[start : start + lay.max_probes * L.PROBE_COUNTERS].reshape(lay.max_probes, L.PROBE_COUNTERS)
-
-    def _hist_block(self, words: np.ndarray) -> np.ndarray:
-        lay = self.layout
-        start = lay.hists // 8
-        return words[start : start + lay.max_hists * L.HIST_BUCKETS].reshape(lay.max_hists, L.HIST_BUCKETS)
-
     def _error(self, message: str) -> None:
         key = message.split(":", 1)[0]
         if key not in self._reported:
@@ -633,33 +676,33 @@ class Consumer:
             self.on_error(message)
 
     # --- totals ---
-    def _total(self, folded: np.ndarray, block: Callable[[np.ndarray], np.ndarray], index: int) -> np.ndarray:
+    def _total(self, folded: _Table, index: int) -> list[int]:
         """Row `index` of a per-thread table, summed over every live area plus the folded rows
         of ended threads."""
         with self._lock:
-            total: np.ndarray = folded[index].copy()
+            total = folded.row(index)
             most = self._most_counted()
             for areas in self.processes:
                 for tid, area in areas.live():
-                    row = block(area.pool.words[area.index])[index]
-                    if int(row.max()) > most:
+                    row = folded.row_of(area.cells, index)
+                    if max(row) > most:
                         self._impossible_counts(areas.pid, tid)
                         continue
-                    total += row
+                    total = [a + b for a, b in zip(total, row, strict=True)]
         return total
 
     def counters(self, probe_index: int) -> tuple[int, int, int]:
         """(hits, missed, lost) of a probe summed over every thread area, ended threads included."""
-        total = self._total(self.folded, self._counter_block, probe_index)
-        return int(total[L.HITS]), int(total[L.MISSED]), int(total[L.LOST])
+        total = self._total(self.folded, probe_index)
+        return total[L.HITS], total[L.MISSED], total[L.LOST]
 
     def waits(self) -> int:
         """Records whose writer waited for room in a full ring, every thread area summed."""
-        live = sum(int(area.words[L.WAITS // 8]) for areas in list(self.processes) for _, area in areas.live())
+        live = sum(area.cells[L.WAITS // 8] for areas in list(self.processes) for _, area in areas.live())
         return self.folded_waits + min(live, self._most_counted())
 
-    def histogram(self, hist_index: int) -> np.ndarray:
-        return self._total(self.folded_hists, self._hist_block, hist_index)
+    def histogram(self, hist_index: int) -> list[int]:
+        return self._total(self.folded_hists, hist_index)
 
     def add(self, areas: ThreadAreas) -> None:
         """Drain a process's areas from now on (the first pass starts at once: a busy probe

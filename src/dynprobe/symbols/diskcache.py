@@ -18,7 +18,6 @@ import contextlib
 import os
 import pwd
 import re
-import secrets
 import stat
 from collections.abc import Iterable
 
@@ -116,7 +115,7 @@ def write(kind: str, key: str, chunks: Iterable[bytes]) -> None:
     directory = _directory(kind)
     if directory is None:
         return
-    temporary = f".{key}.{secrets.token_hex(8)}"
+    temporary = f".{key}.{os.urandom(8).hex()}"
     try:
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=directory)  # fmt: skip

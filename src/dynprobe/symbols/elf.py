@@ -23,8 +23,6 @@ from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from dynprobe.arch.x86_64.unwind import CfiSection, UnwindTable, compile_sections
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, OptimizeRefusal, SymbolError
@@ -39,9 +37,15 @@ if TYPE_CHECKING:
     from dynprobe.arch.x86_64.optimize import OptimizePlan
     from dynprobe.symbols.elfparse import Elf
 
+if TYPE_CHECKING:
+    import numpy as np
+else:
+    from dynprobe.deferred import numpy as np
 
-@dataclass(frozen=True)
-class Function:
+
+class Function(NamedTuple):
+    """A function's symbol (a tuple: a library has thousands, made at every start)."""
+
     name: str
     addr: int  # link-time virtual address
     size: int
@@ -181,8 +185,8 @@ def _from_kept(kept: elf_cache.Kept) -> tuple[Headers | None, SymbolTables]:
     meta, arrays, strings = kept
     headers = _headers(meta["headers"]) if "headers" in meta else None
     names, addrs, sizes = strings["names"], arrays["addrs"], arrays["sizes"]
-    if not len(names) == len(addrs) == len(sizes) or not _ascending(addrs):
-        raise ValueError("not as many names as functions, or not in their order")
+    if not len(names) == len(addrs) == len(sizes):
+        raise ValueError("not as many names as functions")
     tables = (
         list(map(Function, names, addrs, sizes)),
         dict(zip(strings["objects"], arrays["objects"], strict=True)),
@@ -193,11 +197,6 @@ def _from_kept(kept: elf_cache.Kept) -> tuple[Headers | None, SymbolTables]:
 
 
 _Analysis = tuple[Headers | None, SymbolTables]
-
-
-def _ascending(values: array[int]) -> bool:
-    found = np.frombuffer(values, dtype=np.uint64 if values.typecode == "Q" else np.int64)
-    return bool((found[1:] >= found[:-1]).all())
 
 
 def _analysis(key: str, parse: Callable[[], _Analysis], *, headers: bool) -> _Analysis:
@@ -695,10 +694,8 @@ class ElfImage:
             ranges = list(zip(arrays["eh_starts"], arrays["eh_ends"], strict=True))
         except (KeyError, TypeError, ValueError):
             return None
-        # (what is searched must be sorted: a target missed is a jump over code something lands in)
-        in_order = _ascending(scan.targets) and _ascending(scan.taken) and _ascending(arrays["eh_starts"])
         if type(scan.scanned) is not int or type(scan.everything) is not bool \
-                or len(scan.sources) != len(scan.targets) or not in_order:  # fmt: skip
+                or len(scan.sources) != len(scan.targets):  # fmt: skip
             return None
         self._eh_ranges = ranges
         return scan

@@ -5,9 +5,10 @@ about one.
 
 An entry is named by a hash of what it was worked out from (the file's bytes, or a separate
 debug file's identity: `key_of`) and of FORMAT; it holds a JSON object, arrays of 64-bit
-integers (signed or not) and lists of strings (tens of thousands of names: JSON parses them ten times slower).
-One read back that does not parse as such, whatever the reason, is ignored (and
-written again).
+integers (signed or not) and lists of strings (tens of thousands of names: JSON parses them ten
+times slower), behind a SHA-256 of them all. One read back whose hash is not that of what
+follows, or that does not parse as such, whatever the reason, is ignored (and written again):
+what elf.py searches in order is in the order it was written in.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from typing import Any
 
 from dynprobe.symbols import diskcache
 
-FORMAT = 1  # bump when what elf.py keeps changes
+FORMAT = 2  # bump when what elf.py keeps changes
 KIND = f"elf-{FORMAT}"
 MOST = 1 << 30  # bytes an entry may have
-_HEADER = struct.Struct("<8sQ")  # magic, bytes of JSON
+_HEADER = struct.Struct("<8sQ32s")  # magic, bytes of JSON, SHA-256 of all that follows
 _MAGIC = b"DPELF\0\0\1"
 _TYPECODES = ("q", "Q")  # arrays of 64-bit integers, signed or not
 
@@ -64,8 +65,10 @@ def load(key: str) -> Kept | None:
     data = diskcache.read(KIND, key, most=MOST) if _code() is not None else None
     if data is None or len(data) < _HEADER.size:
         return None
-    magic, size = _HEADER.unpack_from(data)
+    magic, size, digest = _HEADER.unpack_from(data)
     if magic != _MAGIC or _HEADER.size + size > len(data):
+        return None
+    if hashlib.sha256(memoryview(data)[_HEADER.size :]).digest() != digest:
         return None
     try:
         found = json.loads(data[_HEADER.size : _HEADER.size + size], parse_constant=_no_constant)
@@ -102,5 +105,8 @@ def store(key: str, meta: dict[str, Any], arrays: dict[str, array[int]], strings
         "meta": meta, "arrays": {name: [values.typecode, len(values)] for name, values in arrays.items()},
         "strings": {name: [len(strings[name]), len(blob)] for name, blob in blobs.items()},
     }).encode()  # fmt: skip
-    arrays_bytes = [values.tobytes() for values in arrays.values()]
-    diskcache.write(KIND, key, [_HEADER.pack(_MAGIC, len(text)), text, *arrays_bytes, *blobs.values()])
+    body = [text, *(values.tobytes() for values in arrays.values()), *blobs.values()]
+    digest = hashlib.sha256()
+    for chunk in body:
+        digest.update(chunk)
+    diskcache.write(KIND, key, [_HEADER.pack(_MAGIC, len(text), digest.digest()), *body])

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
+import struct
 from collections import deque
 from collections.abc import Mapping
 
 from dynprobe.errors import DynprobeError
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import ElfImage, load_elf
-from dynprobe.threads import signals_blocked
 
 _DEFAULT_DIRS = (
     "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib",
@@ -43,22 +42,46 @@ def _cache_mtime() -> int:
         return 0
 
 
+# /etc/ld.so.cache (glibc's elf/cache.c, the format since glibc 2.32 writes alone): a header,
+# then entries of (flags, offset of the soname, offset of the path, -, hwcap), the offsets from
+# the start of the file.
+_CACHE_MAGIC = b"glibc-ld.so.cache1.1"
+_CACHE_HEADER = struct.Struct("<20sII")  # magic and version, entries, bytes of strings (and more)
+_CACHE_HEADER_SIZE = 48
+_CACHE_ENTRY = struct.Struct("<iIIIQ")
+_X86_64_LIBC6 = 0x0303  # FLAG_ELF_LIBC6 | FLAG_X8664_LIB64: what `ldconfig -p` calls (libc6,x86-64)
+_MAX_CACHE = 64 << 20
+
+
 @functools.lru_cache(maxsize=1)
 def _ld_cache(mtime: int) -> dict[str, str]:
     try:
-        with signals_blocked():  # (a fork: see signals_blocked; ldconfig reads one file and ends)
-            out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
+        with open("/etc/ld.so.cache", "rb") as cache:
+            data = cache.read(_MAX_CACHE)
+    except OSError:
+        return {}
+    if len(data) < _CACHE_HEADER_SIZE:
+        return {}
+    magic, count, _ = _CACHE_HEADER.unpack_from(data)
+    end = _CACHE_HEADER_SIZE + count * _CACHE_ENTRY.size
+    if magic != _CACHE_MAGIC or end > len(data):
         return {}
     paths: dict[str, str] = {}
-    for line in out.splitlines()[1:]:
-        if "=>" in line and "x86-64" in line:
-            paths.setdefault(line.split()[0], line.split("=>")[1].strip())
+    for flags, key, value, _, _ in _CACHE_ENTRY.iter_unpack(data[_CACHE_HEADER_SIZE:end]):
+        if flags & 0xFFFF == _X86_64_LIBC6:
+            soname, path = _c_string(data, key), _c_string(data, value)
+            if soname and path:
+                paths.setdefault(soname, path)
     return paths
 
 
+def _c_string(data: bytes, at: int) -> str | None:
+    end = data.find(b"\0", at)
+    return data[at:end].decode(errors="surrogateescape") if 0 <= at < end else None
+
+
 def ld_cache() -> dict[str, str]:
-    """/etc/ld.so.cache as `ldconfig -p` lists it: {soname: path} (x86-64 entries)."""
+    """/etc/ld.so.cache's x86-64 entries, as `ldconfig -p` lists them: {soname: path}."""
     return _ld_cache(_cache_mtime())
 
 
