@@ -120,9 +120,9 @@ _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 _UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
 
-def _return_rsp(regs: Regs) -> int:
-    """The stack pointer after the return, from a trap stub (the trampoline's frame below it)."""
-    return int(regs.rsp) + 8 * (len(SAVED_AT) + 1)
+def _return_rsp(rsp: int) -> int:
+    """The stack pointer after the return, from a stub's (the trampoline's frame below it)."""
+    return rsp + 8 * (len(SAVED_AT) + 1)
 
 
 def default_maxactive() -> int:
@@ -376,17 +376,17 @@ class ReturnProbes:
 
     def entered(
         self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
-        context: Callable[[], FetchContext], cells: memoryview,
+        context: Callable[[], FetchContext], cells: memoryview, *, now: float,
     ) -> None:  # fmt: skip
         """A return probe's entry served by an upcall (core/upcalls.py): the detour has taken its
         shadow entry (UPCALL_ENTRIES; none: missed, and counted so). The entry handler runs on
         the frame; a veto marks the entry (its return runs no handler), else its data is kept
-        for the return."""
+        for the return. `now`: the hit's time."""
         assert proc.returns is not None
-        k = self._taken_at_upcall(cells, probe.index, int(regs.rsp))
+        k = self._taken_at_upcall(cells, probe.index, regs.rsp)
         if k is None:
             return
-        hit = Hit(probe, proc.pid, tid, regs, site.addr, time.monotonic(), context)
+        hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
         if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed, anything=True):
             cells[self._at(k) + L.ENTRY_PROBE // 8] |= L.ENTRY_VETOED << 32
             return
@@ -446,11 +446,12 @@ class ReturnProbes:
     def on_return(self, proc: TracedProcess, tid: int, regs: Regs, *, cells: memoryview | None = None) -> None:
         """The trap stub: a return whose part runs here. rsi holds the entry's offset; the
         trampoline's saved registers are on the stack (rax, rdx: the return value). Or the
-        upcall stub (`cells`: the thread's area): `regs` is the frame, whose rax and rdx are the
-        return value (a handler's changes go back through it) and UPCALL_RSI the function's rsi."""
+        upcall stub (`cells`: the thread's area): `regs` is a copy of the frame, whose rax and
+        rdx are the return value (the upcall server writes those back alone) and UPCALL_RSI
+        the function's rsi; it becomes the return handler's."""
         returns = proc.returns
         words = self._words(proc, tid) if cells is None else cells
-        offset = int(regs.rsi)
+        offset = regs.rsi
         if returns is None or words is None or offset % L.SHADOW_ENTRY or offset >= L.SHADOW_CAPACITY * L.SHADOW_ENTRY:
             return
         k = offset // L.SHADOW_ENTRY
@@ -465,25 +466,26 @@ class ReturnProbes:
         caller, points = entry[_RET], returns.trampoline.points
         if 0 <= caller - points < _POINTS_BYTES:  # (other return probes of the call hooked it before)
             _, caller = through_entry_points(caller, points, lambda k: int(words[self._at(k) + _RET]))
-        # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
-        ticks = max(0, entry[_RETURN_TSC] - entry[_TSC])
-        data = entry[_DATA : _DATA + len(ARG_REGS)]
-        base = int(regs.rsp)
+        base = regs.rsp
         tracee = proc.tracee
-        view = Regs.from_buffer_copy(regs)
         if cells is not None:
+            view = regs
             view.rsi = cells[_UPCALL_RSI]
         else:
+            view = Regs.from_buffer_copy(regs)
             saved = tracee.read(base, 8 * len(SAVED_AT))
             for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
                 setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
-        view.rsp = _return_rsp(regs)
+        view.rsp = _return_rsp(base)
         view.rip = caller
-        function = probe.sites.get(proc.pid, 0)
+        pid = proc.pid
+        function = probe.sites.get(pid, 0)
 
         def context() -> FetchContext:  # (made if a handler asks: most never do)
             made = self.engine.fetch_context(proc, tid, view, probe)
-            returning = ReturnValues(tuple(data), caller, self.engine.tsc_to_ns(ticks))
+            # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
+            ticks = max(0, entry[_RETURN_TSC] - entry[_TSC])
+            returning = ReturnValues(tuple(entry[_DATA : _DATA + len(ARG_REGS)]), caller, self.engine.tsc_to_ns(ticks))
             return dataclasses.replace(made, returning=returning)
 
         instance = returns.instances.pop((tid, k), None)
@@ -493,11 +495,10 @@ class ReturnProbes:
             self.engine.act_in_tracer(probe, proc, tid, function, context(), caller)
         elif probe.on_return is not None and probe.enabled:
             probe.trap_hits += 1
-            hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), context,
+            hit = Hit(probe, pid, tid, view, function, time.monotonic(), context,
                       instance.data if instance else None, caller)  # fmt: skip
             if cells is not None:
                 call_handler(probe.on_return, hit, self.engine.handler_failed, anything=True)
-                regs.rax, regs.rdx = view.rax, view.rdx
                 return
             rax, rdx = int(view.rax), int(view.rdx)
             call_handler(probe.on_return, hit, self.engine.handler_failed)

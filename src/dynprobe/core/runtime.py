@@ -65,6 +65,7 @@ class Runtime:
         self.processes = ProcessTable(tracee.pid, journal)
         self.delivery = Delivery(self)
         self.data = DataPath(self)
+        self.probe_by_index = self.data.probe_by_index  # (asked at every return an upcall serves)
         self.optimizer = Optimizer(self)
         self.returns = ReturnProbes(self)
         self.tracing = Tracing(self)
@@ -238,9 +239,6 @@ class Runtime:
     def reserve_index(self) -> int:
         """A counters-and-records index for something that is not a probe (a function tracer)."""
         return self.data.register(None)
-
-    def probe_by_index(self, index: int) -> Probe | None:
-        return self.data.probe_by_index(index)
 
     def counters_of_index(self, index: int) -> tuple[int, int, int]:
         return self.data.counters(index)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.arch.x86_64.codegen.asm import HOOK_ROOM, Trampoline
@@ -41,8 +41,7 @@ class StepState:
     held_signals: list[int] = field(default_factory=list)
 
 
-@dataclass
-class Instance:
+class Instance(NamedTuple):
     """A pending instance of a probe with Python handlers (the shadow entry is in the target)."""
 
     probe: Probe

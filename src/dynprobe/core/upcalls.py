@@ -71,6 +71,7 @@ _STATE = L.UPCALL_STATE // 8
 _RING = L.DOORBELL_RING // 8
 _REGION, _SITE, _CPU, _SLEEPING = (at // 8 for at in (L.UPCALL_REGION, L.UPCALL_SITE, L.UPCALL_CPU, L.UPCALL_SLEEPING))
 _REQUEST, _FRAME_BYTES = L.UPCALL_REQUEST, ctypes.sizeof(Regs)
+_FRAME_RIP, _FRAME_RAX, _FRAME_RDX = ((L.UPCALL_FRAME + field.offset) // 8 for field in (Regs.rip, Regs.rax, Regs.rdx))
 
 
 class UpcallsEngine(Protocol):
@@ -139,6 +140,7 @@ class Asker:
 
     tid: int
     proc: TracedProcess | None
+    pid: int  # its process's (0: none followed)
     cells: memoryview  # its area as u64s
     view: mmap.mmap  # its area's pool
     frame: int  # where its frame is in `view`
@@ -412,6 +414,7 @@ class Upcalls:
         is answered here, without going round the server's loop: the hot path of every hit, in as
         few steps as Python allows. The GIL is let go now and then, for the tracing thread."""
         serving, stopping = self._serving, self._stopping
+        version, changes = seen
         until = time.monotonic() + SPIN
         answered = 0  # since the last look at the world
         one = pages[0] if len(pages) == 1 else None  # (the common case, looked at in fewer steps)
@@ -434,8 +437,11 @@ class Upcalls:
                     return True
                 time.sleep(0)
                 continue
-            rings[:] = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
-            if (self._version, ThreadAreas.changes) != seen:  # (an area given to another thread: not its old one's)
+            if one is not None:  # (before the look: a request after it rings)
+                rings[0] = one[_RING] & 0xFFFFFFFF
+            else:
+                rings[:] = [page[_RING] & 0xFFFFFFFF for page in pages]
+            if self._version != version or ThreadAreas.changes != changes:  # (an area given to another thread)
                 return True
             for asker in askers:  # (none asking: its request was answered before its ring was seen)
                 if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST:
@@ -464,6 +470,7 @@ class Upcalls:
                     yield Asker(
                         tid,
                         owner,
+                        owner.pid if owner is not None else 0,
                         area.cells,
                         area.pool.view,
                         at + L.UPCALL_FRAME,
@@ -477,9 +484,10 @@ class Upcalls:
                 yield asker
 
     def _answer(self, asker: Asker, *, handlers: bool = True) -> None:
-        """Run the handlers on the thread's frame (a copy, written back: a handler may keep its
-        hit), set where it goes on, and answer it: whatever happens, it is answered. The
-        handlers of a process we do not follow (a vfork child) do not run."""
+        """Run the handlers on the thread's frame (a copy, written back, or at a return its
+        return value alone: a handler may keep its hit), set where it goes on, and answer it:
+        whatever happens, it is answered. The handlers of a process we do not follow (a vfork
+        child) do not run."""
         cells, proc = asker.cells, asker.proc
         if cells[_STATE] & 0xFFFFFFFF != _REQUEST:
             return  # (answered meanwhile)
@@ -489,16 +497,21 @@ class Upcalls:
         asked_at = regs.rip  # the site (before its instruction) or the next one (after)
         site = proc.sites.get(site_addr) if proc is not None else None
         returned = proc is not None and proc.returns is not None and site_addr == proc.returns.upcall_stub
+        returned_rax, returned_rdx = (regs.rax, regs.rdx) if returned else (0, 0)
         target = asked_at
         try:
             if handlers and proc is not None and proc.follow:
                 if returned:
-                    self.engine.returns.on_return(proc, asker.tid, regs, cells=asker.cells)
+                    self.engine.returns.on_return(proc, asker.tid, regs, cells=cells)
                 elif site is not None:
                     target = self._run_handlers(proc, asker, site, regs, post=asked_at != site_addr) or asked_at
         finally:
-            if returned:  # (on to the trampoline's finish)
-                regs.rip = region
+            if returned:  # (on to the trampoline's finish, with the return value a handler may have set)
+                if regs.rax != returned_rax:
+                    cells[_FRAME_RAX] = regs.rax
+                if regs.rdx != returned_rdx:
+                    cells[_FRAME_RDX] = regs.rdx
+                cells[_FRAME_RIP] = region
             else:
                 # On in the asking detour's copy of the region (there as long as a thread is in
                 # the detour); an address the handler chose, as it is.
@@ -506,7 +519,7 @@ class Upcalls:
                 if resume is None or resume.get(site_addr) != region:
                     resume = {site_addr: region}  # (a detour made before the site's last one)
                 regs.rip = resume.get(target, target)
-            view[at : at + _FRAME_BYTES] = regs
+                view[at : at + _FRAME_BYTES] = regs
             cells[_STATE] = L.UPCALL_ANSWERED
             self._fence_acquire()  # (see the detour's SLEEPING)
             self._fence_release()
@@ -528,7 +541,7 @@ class Upcalls:
         returned True (it moved it: the instruction and the post-handlers are skipped) or a
         post-handler moved it, else None. A hit is counted at its first upcall (a return
         probe's, at its return)."""
-        now, tid, pid = time.monotonic(), asker.tid, proc.pid
+        now, tid, pid = time.monotonic(), asker.tid, asker.pid
         probes = [p for p in site.probes if p.enabled]  # (as they are now: a handler may place more)
         count_here = not post or not self.asks_before(probes)
         asked_at = regs.rip
@@ -539,7 +552,7 @@ class Upcalls:
 
             if probe.is_return:
                 if not post:
-                    self.engine.returns.entered(proc, tid, site, probe, regs, context, asker.cells)
+                    self.engine.returns.entered(proc, tid, site, probe, regs, context, asker.cells, now=now)
                 continue
             if count_here:
                 probe.trap_hits += 1
