@@ -374,23 +374,23 @@ class ReturnProbes:
         if probe.action is None:
             returns.instances[tid, k] = Instance(probe, hit.data)
 
-    def entered(
-        self, proc: TracedProcess, tid: int, site: Site, probe: Probe, regs: Regs,
-        context: Callable[[], FetchContext], cells: memoryview, *, now: float,
-    ) -> None:  # fmt: skip
-        """A return probe's entry served by an upcall (core/upcalls.py): the detour has taken its
-        shadow entry (UPCALL_ENTRIES; none: missed, and counted so). The entry handler runs on
-        the frame; a veto marks the entry (its return runs no handler), else its data is kept
-        for the return. `now`: the hit's time."""
+    def entered(self, proc: TracedProcess, hit: Hit, cells: memoryview) -> None:
+        """A return probe's entry served by an upcall (core/upcalls.py; `cells`: the thread's
+        area): the detour has taken its shadow entry (UPCALL_ENTRIES; none: missed, and counted
+        so). The entry handler runs on `hit`; a veto marks the entry (its return runs no
+        handler), else its data is kept for the return."""
         assert proc.returns is not None
-        k = self._taken_at_upcall(cells, probe.index, regs.rsp)
+        probe = hit.probe
+        k = self._taken_at_upcall(cells, probe.index, hit.regs.rsp)
         if k is None:
             return
-        hit = Hit(probe, proc.pid, tid, regs, site.addr, now, context)
         if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed, anything=True):
             cells[self._at(k) + L.ENTRY_PROBE // 8] |= L.ENTRY_VETOED << 32
             return
-        proc.returns.instances[tid, k] = Instance(probe, hit.data)
+        if hit.data is None:  # (what the return finds: nothing, not an instance a longjmp left)
+            proc.returns.instances.pop((hit.tid, k), None)
+        else:
+            proc.returns.instances[hit.tid, k] = Instance(probe, hit.data)
 
     def _taken_at_upcall(self, cells: memoryview, index: int, slot: int) -> int | None:
         """The entry the upcall detour took for probe `index` at return-address `slot` (an

@@ -552,7 +552,7 @@ class Upcalls:
 
             if probe.is_return:
                 if not post:
-                    self.engine.returns.entered(proc, tid, site, probe, regs, context, asker.cells, now=now)
+                    self.engine.returns.entered(proc, Hit(probe, pid, tid, regs, site.addr, now, context), asker.cells)
                 continue
             if count_here:
                 probe.trap_hits += 1
