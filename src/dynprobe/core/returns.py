@@ -120,9 +120,8 @@ _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 _UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
 
-def _return_rsp(rsp: int) -> int:
-    """The stack pointer after the return, from a stub's (the trampoline's frame below it)."""
-    return rsp + 8 * (len(SAVED_AT) + 1)
+_RETURNED_RSP = 8 * (len(SAVED_AT) + 1)  # the stack pointer after the return, above a stub's: its frame
+_SHADOW_BYTES = L.SHADOW_CAPACITY * L.SHADOW_ENTRY  # the offsets of shadow entries are below
 
 
 def default_maxactive() -> int:
@@ -395,13 +394,13 @@ class ReturnProbes:
     def _taken_at_upcall(self, cells: memoryview, index: int, slot: int) -> int | None:
         """The entry the upcall detour took for probe `index` at return-address `slot` (an
         offset in UPCALL_ENTRIES, checked: the thread area is the target's to write)."""
+        shadow = self._at(0)
         for offset in cells[_UPCALL_ENTRIES : _UPCALL_ENTRIES + L.UPCALL_ENTRIES_MAX].tolist():
-            k, rest = divmod(offset, L.SHADOW_ENTRY)
-            if rest or k >= L.SHADOW_CAPACITY:
+            if offset % L.SHADOW_ENTRY or offset >= _SHADOW_BYTES:
                 continue  # (-1: missed)
-            at = self._at(k)
+            at = shadow + offset // 8
             if cells[at + _SLOT] == slot and cells[at + _PROBE] & 0xFFFF_FFFF == index:
-                return k
+                return offset // L.SHADOW_ENTRY
         return None
 
     def stamp_on_resume(self, proc: TracedProcess, tid: int, regs: Regs, stamps: list[int]) -> None:
@@ -452,7 +451,7 @@ class ReturnProbes:
         returns = proc.returns
         words = self._words(proc, tid) if cells is None else cells
         offset = regs.rsi
-        if returns is None or words is None or offset % L.SHADOW_ENTRY or offset >= L.SHADOW_CAPACITY * L.SHADOW_ENTRY:
+        if returns is None or words is None or offset % L.SHADOW_ENTRY or offset >= _SHADOW_BYTES:
             return
         k = offset // L.SHADOW_ENTRY
         at = self._at(k)
@@ -476,7 +475,7 @@ class ReturnProbes:
             saved = tracee.read(base, 8 * len(SAVED_AT))
             for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
                 setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
-        view.rsp = _return_rsp(base)
+        view.rsp = base + _RETURNED_RSP
         view.rip = caller
         pid = proc.pid
         function = probe.sites.get(pid, 0)

@@ -4,6 +4,7 @@ labels, branches, fix-ups), and the results (`Detour`, `Trampoline`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -54,9 +55,9 @@ class Trampoline:
     finish: int
     end: int
 
-    @property
+    @functools.cached_property
     def points(self) -> int:
-        """Entry point 0."""
+        """Entry point 0 (asked at every return an upcall serves)."""
         return self.table + L.TRAMPOLINE_CALL
 
     def point(self, k: int) -> int:
