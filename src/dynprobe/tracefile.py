@@ -32,6 +32,7 @@ from typing import Any, BinaryIO, TypeGuard
 import numpy as np
 
 from dynprobe.errors import DynprobeError
+from dynprobe.frozen import frozen
 from dynprobe.output import files
 from dynprobe.ringbuf.layout import (
     DATA_CUT,
@@ -261,7 +262,7 @@ class Chunk:
     gap: bool = False
 
 
-@dataclass(frozen=True)
+@frozen
 class Note:
     """An event's call's recorded values (-A, -R: "(1, "a")" for an entry, " = 3" for an exit),
     and for an entry under a backtrace trigger, the functions of the calls it is under."""

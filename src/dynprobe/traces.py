@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
+from dynprobe.frozen import frozen
 from dynprobe.output.callfilter import chunks_of
 from dynprobe.output.callgraph import FunctionTime, profile
 from dynprobe.tracefile import TraceFile
 
 
-@dataclass(frozen=True)
+@frozen
 class TraceEvent:
     """One entry or exit of a trace, for scripts (`Trace.events()`)."""
 

@@ -8,9 +8,9 @@ into machine code; the consumer decodes what that code wrote using the same fiel
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dynprobe.frozen import frozen
 from dynprobe.ringbuf.layout import INT_FIELD, RECORD_HEADER, STRING_FIELD
 from dynprobe.spec.model import Arg, Comm, FetchArg, Latency, fetch_chain
 
@@ -26,14 +26,14 @@ class ActionKind(enum.Enum):
     HIST = "hist"  # bump a log2 bucket of one fetched value
 
 
-@dataclass(frozen=True)
+@frozen
 class Compare:
     arg: FetchArg
     op: str  # == != < <= > >=
     value: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Logical:
     op: str  # and, or
     left: Filter
@@ -49,7 +49,7 @@ def filter_args(node: Filter) -> list[FetchArg]:
     return filter_args(node.left) + filter_args(node.right)
 
 
-@dataclass(frozen=True)
+@frozen
 class Field:
     """One fetch argument in a record: where it goes (from the record's start) and how big it is.
     `$comm` takes no bytes: the consumer knows the thread's name."""
@@ -77,7 +77,7 @@ def payload_size(fields: tuple[Field, ...]) -> int:
     return sum(f.size for f in fields)
 
 
-@dataclass(frozen=True)
+@frozen
 class ReturnEntry:
     """What a return probe does at its function's entry: take a shadow-stack entry (unless
     `maxactive` instances of the probe are pending on the thread), fill it, and point the return
@@ -89,7 +89,7 @@ class ReturnEntry:
     timestamp: bool  # the entry's time stamp is kept ($latency)
 
 
-@dataclass(frozen=True)
+@frozen
 class StackCount:
     """Count the hit by its stack too: in the process's table of stacks (at `table`, `slots`
     of them), walked by the process's stack walker (at `walker`: arch/x86_64/codegen/stacks.py),
@@ -105,7 +105,7 @@ class StackCount:
     sums: bool
 
 
-@dataclass(frozen=True)
+@frozen
 class Program:
     """What one probe does at a hit, in the target."""
 

@@ -29,6 +29,7 @@ from dynprobe.core.probe import Probe
 from dynprobe.core.session import Session
 from dynprobe.core.stacks import MAX_FRAMES
 from dynprobe.errors import DynprobeError, OptimizeRefusal
+from dynprobe.frozen import frozen
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf.layout import SHADOW_CAPACITY, check_ring_bytes
 from dynprobe.spec.model import ProbeSpec
@@ -297,7 +298,7 @@ def print_stats(probes: list[Probe], stats: bool) -> None:
         print(f"dynprobe: {lost} records lost: {RING_WAS_FULL}; a larger --ring-size keeps more", file=stream)
 
 
-@dataclass(frozen=True)
+@frozen
 class Tally:
     """What `count`, `hist` and `latency` print of a probe: its hits, missed and histogram, in
     all or in one interval."""
@@ -323,7 +324,7 @@ class Tally:
         return self.hits + self.missed + sum(self.histogram)
 
 
-@dataclass(frozen=True)
+@frozen
 class Shown:
     """The tallies a report prints (in the order given) and what it leaves out: probes with no
     hits (unless --all), those past the N most hit (--top N)."""

@@ -44,6 +44,7 @@ from dynprobe.core.slots import PlacedCode
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, Refusal, SessionError, SymbolError
+from dynprobe.frozen import frozen
 from dynprobe.gcpause import gc_paused
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.consumer import RecordBatch
@@ -86,7 +87,7 @@ SITE_ROOM = 96
 REACH = (1 << 31) - (1 << 24)  # a rel32 call from a site detour reaches code this close
 
 
-@dataclass(frozen=True)
+@frozen
 class TracedFunction:
     id: int
     path: str
@@ -96,7 +97,7 @@ class TracedFunction:
     plt: bool = False  # a PLT stub of the file at `path`: its calls to the library function `name`
 
 
-@dataclass(frozen=True)
+@frozen
 class TracerEvent:
     """One entry or exit, as `on_event` gets it (CLOCK_MONOTONIC ns)."""
 
@@ -144,7 +145,7 @@ class ProcessTracing:
         )
 
 
-@dataclass(frozen=True)
+@frozen
 class Selection:
     """What a tracer traces, as asked: globs of names to include (all if none) and exclude, and
     libraries by name or path besides the program. Chosen again in a program a process execs."""
@@ -164,7 +165,7 @@ class Selection:
         return [exe, *(nested if self.nested_calls else [])]
 
 
-@dataclass(frozen=True)
+@frozen
 class ValueRequest:
     """One -A or -R: the functions `pattern` names record `values` (arguments, or the return
     value). `auto`: from the table of known library functions (-a), which a user's request for

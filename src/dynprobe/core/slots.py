@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import SLOT_SIZE
 from dynprobe.arch.x86_64.codegen.asm import Detour
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SharedMemoryRefused
+from dynprobe.frozen import frozen
 from dynprobe.ptrace.process import Tracee
 
 PAGE = 4096
@@ -27,7 +27,7 @@ REACH = (1 << 31) - REGION
 ALIGN = 16
 
 
-@dataclass(frozen=True)
+@frozen
 class PlacedCode:
     """Generated code in the target: where, how long, and its loads that may fault (see
     codegen's fix-up table)."""

@@ -19,6 +19,7 @@ from typing import overload
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.arch.x86_64.unwind import RSP, BpRule, Frame, Kind, Row, step
 from dynprobe.errors import SymbolError
+from dynprobe.frozen import frozen
 from dynprobe.symbols.demangle import display
 from dynprobe.symbols.elf import ElfImage, load_elf
 from dynprobe.symbols.maps import Mapping, mapping_at
@@ -28,7 +29,7 @@ _PAGE = 4096
 _MAX_PAGES = 1024  # of stack read in one walk (4 MiB: a deeper stack is cut there)
 
 
-@dataclass(frozen=True)
+@frozen
 class StackFrame:
     """One frame: its address, and the module and function it is in when they are known."""
 
@@ -65,7 +66,7 @@ class StackFrame:
         return f"{self.function}{how}{where}{at}"
 
 
-@dataclass(frozen=True)
+@frozen
 class Stack(Sequence[StackFrame]):
     """The frames of a thread at a hit, innermost first. `cut`: the walk may have missed the
     outermost frames (it stopped at `max_frames`, at memory it could not read, or went by frame

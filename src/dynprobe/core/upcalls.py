@@ -51,6 +51,7 @@ from dynprobe.core.returns import ReturnProbes
 from dynprobe.core.traced import TracedProcess
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import OptimizeRefusal, ProcessError, SessionError, SharedMemoryRefused
+from dynprobe.frozen import frozen
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, Pool, ThreadAreas
@@ -134,7 +135,7 @@ class Doorbell:
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen(slots=True)
 class Asker:
     """A thread that may ask, with what answering it takes, found once."""
 

@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dynprobe.errors import ProgramError
+from dynprobe.frozen import frozen
 from dynprobe.lang import syntax as S
 
 
-@dataclass(frozen=True)
+@frozen
 class Type:
     kind: str  # int, string, stack, none, or an aggregation: count sum min max avg stats hist lhist
     bits: int = 64

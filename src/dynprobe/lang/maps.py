@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING
 
+from dynprobe.frozen import frozen
 from dynprobe.lang import output
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import STRING_WORDS, Checked
@@ -50,7 +51,7 @@ def key_hash(keys: Sequence[int]) -> int:
     return value | 1
 
 
-@dataclass(frozen=True)
+@frozen
 class MapTable:
     """One map's table: `slots` slots of `slot_bytes`, at `offset` in the region."""
 
@@ -121,7 +122,7 @@ class MapTable:
         return (hash_value >> 1) & (self.slots - 1)
 
 
-@dataclass(frozen=True)
+@frozen
 class Region:
     """Every map of a program, laid out: a word set once a probe called exit(), the dropped
     counters (one word a map), then the tables (each with its sink slot)."""
@@ -216,7 +217,7 @@ def value_of(table: MapTable, values: Sequence[int]) -> output.Value:
     return as_signed(values[0])
 
 
-@dataclass(frozen=True)
+@frozen
 class Clock:
     """nsecs = ticks * mult >> 32, plus `offset` (the tracer's clock at ticks 0); elapsed:
     nsecs less `start`."""
@@ -226,7 +227,7 @@ class Clock:
     start: int
 
 
-@dataclass(frozen=True)
+@frozen
 class LangBody:
     """One probe block of a checked program, placed: its maps' tables at `region` in the
     target, the records of the program's printf() calls."""

@@ -14,9 +14,9 @@ tokens do not.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from dynprobe.errors import ProgramError
+from dynprobe.frozen import frozen
 from dynprobe.lang import syntax as S
 
 STACK_MODES = ("bpftrace", "perf")  # ustack()'s first argument: how a stack is printed
@@ -53,7 +53,7 @@ _OTHER_KINDS = ("kprobe", "kretprobe", "tracepoint", "t", "profile", "hardware",
 _NOT_YET = ("usdt", "U")  # (user space's, but not attached yet)
 
 
-@dataclass(frozen=True)
+@frozen
 class Token:
     kind: str  # int, str, var, map, ident, punct, end
     text: str

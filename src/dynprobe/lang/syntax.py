@@ -5,49 +5,51 @@ errors shown as bpftrace shows them: the line, and the span underlined."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from dynprobe.frozen import frozen
 
 Span = tuple[int, int]
 
 
-@dataclass(frozen=True)
+@frozen
 class Node:
     span: Span = field(compare=False, repr=False, kw_only=True)
 
 
 # --- expressions --------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class Int(Node):
     value: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Str(Node):
     value: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Builtin(Node):
     """arg0..arg9, retval, pid, tid, comm, cpu, nsecs, elapsed, func, probe, ustack."""
 
     name: str
 
 
-@dataclass(frozen=True)
+@frozen
 class StackMode(Node):
     """`bpftrace` or `perf`: how ustack() prints a stack."""
 
     name: str
 
 
-@dataclass(frozen=True)
+@frozen
 class Var(Node):
     """A scratch variable, `$name`: the probe's, for one hit."""
 
     name: str
 
 
-@dataclass(frozen=True)
+@frozen
 class MapRef(Node):
     """`@name[k1, k2]` (`@` alone: the map named ""; no keys: the map's one value)."""
 
@@ -55,33 +57,33 @@ class MapRef(Node):
     keys: tuple[Expr, ...] = ()
 
 
-@dataclass(frozen=True)
+@frozen
 class Call(Node):
     name: str
     args: tuple[Expr, ...] = ()
 
 
-@dataclass(frozen=True)
+@frozen
 class Unary(Node):
     op: str  # ! - ~ *
     operand: Expr
 
 
-@dataclass(frozen=True)
+@frozen
 class Binary(Node):
     op: str
     left: Expr
     right: Expr
 
 
-@dataclass(frozen=True)
+@frozen
 class Ternary(Node):
     condition: Expr
     then: Expr
     otherwise: Expr
 
 
-@dataclass(frozen=True)
+@frozen
 class Cast(Node):
     """`(uint32)x`, `(uint32 *)x`: an integer type (int8 .. uint64), maybe a pointer to one."""
 
@@ -90,7 +92,7 @@ class Cast(Node):
     operand: Expr
 
 
-@dataclass(frozen=True)
+@frozen
 class Step(Node):
     """`x++`, `--x`: a variable or map value stepped by one (`prefix`: the new value)."""
 
@@ -103,12 +105,12 @@ Expr = Int | Str | Builtin | StackMode | Var | MapRef | Call | Unary | Binary | 
 
 
 # --- statements ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class ExprStatement(Node):
     expr: Expr
 
 
-@dataclass(frozen=True)
+@frozen
 class Assign(Node):
     """`target = value`, or `target op= value` (op one of + - * / % & | ^ << >>)."""
 
@@ -117,7 +119,7 @@ class Assign(Node):
     value: Expr
 
 
-@dataclass(frozen=True)
+@frozen
 class If(Node):
     condition: Expr
     then: tuple[Statement, ...]
@@ -128,7 +130,7 @@ Statement = ExprStatement | Assign | If
 
 
 # --- probes -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@frozen
 class AttachPoint(Node):
     """`uprobe:TARGET:FUNC[+OFFSET]` (`uretprobe`, short forms `u`, `ur`), `BEGIN`, `END`, or
     `interval:UNIT:N` (target: the unit, s or ms; offset: N)."""
@@ -147,14 +149,14 @@ class AttachPoint(Node):
         return f"{self.kind}:{self.target}:{function}" + (f"+{self.offset}" if self.offset else "")
 
 
-@dataclass(frozen=True)
+@frozen
 class ProbeBlock(Node):
     attach_points: tuple[AttachPoint, ...]
     predicate: Expr | None
     body: tuple[Statement, ...]
 
 
-@dataclass(frozen=True)
+@frozen
 class Program(Node):
     probes: tuple[ProbeBlock, ...]
 

@@ -11,9 +11,9 @@ strings copied, comm left to the tracer) that the tracer formats.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from dynprobe.errors import ProgramError
+from dynprobe.frozen import frozen
 from dynprobe.lang import syntax as S
 from dynprobe.lang.check import AGGREGATIONS, STRING_WORDS, Checked
 from dynprobe.ringbuf import layout as L
@@ -105,7 +105,7 @@ def _nodes(statements: tuple[S.Statement, ...] | S.Node) -> Iterator[S.Node]:
                     yield from _nodes(child)
 
 
-@dataclass(frozen=True)
+@frozen
 class PrintfArg:
     # "int", "str" (copied: at most `chars` bytes), "comm", "func", "probe" (none: the tracer's),
     # or "comm word", "func word", "probe word" (a map's value: a word the tracer names)
@@ -114,7 +114,7 @@ class PrintfArg:
     chars: int = 0
 
 
-@dataclass(frozen=True)
+@frozen
 class PrintfRecord:
     """How a probe body's printf() goes through the ring: the record's payload is its number
     (a u64), then each argument's value (8 bytes), string (a record's string field) or nothing

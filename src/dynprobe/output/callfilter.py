@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import numpy as np
 
+from dynprobe.frozen import frozen
 from dynprobe.symbols.demangle import Demangle, display
 from dynprobe.symbols.patterns import NamePattern
 from dynprobe.tracefile import Chunk, Note, TraceFile
@@ -23,7 +24,7 @@ from dynprobe.tracefile import Chunk, Note, TraceFile
 EXIT = 1
 
 
-@dataclass(frozen=True)
+@frozen
 class Masks:
     """A filter resolved against a trace's function table: per function id, whether -F (None:
     no -F, every call is under one), -N, -C and the trace_on and trace_off triggers name it;
@@ -47,7 +48,7 @@ class Masks:
                 or self.on is not None or self.off is not None or self.disabled)  # fmt: skip
 
 
-@dataclass(frozen=True)
+@frozen
 class Trigger:
     """uftrace's -T FUNC@ACTIONS, those that act on what is shown: depth=N (calls under FUNC at
     most N deep), trace_on and trace_off (showing starts or stops at FUNC's entry), backtrace
@@ -61,7 +62,7 @@ class Trigger:
     finish: bool = False  # the trace ends at FUNC's first call (every thread's, from then on)
 
 
-@dataclass(frozen=True)
+@frozen
 class CallFilter:
     include: tuple[NamePattern, ...] = ()
     exclude: tuple[NamePattern, ...] = ()

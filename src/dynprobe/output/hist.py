@@ -15,9 +15,9 @@ takes time; the clock may not see it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import overload
 
+from dynprobe.frozen import frozen
 from dynprobe.ringbuf.layout import HIST_FAULTED
 from dynprobe.spec.model import FetchArg, Latency
 
@@ -66,7 +66,7 @@ def log2_lines(buckets: list[int], zero: str = ZERO_SIGNED) -> list[str]:
     return lines
 
 
-@dataclass(frozen=True)
+@frozen
 class Bucket:
     """One row of a histogram: values in [low, high) (low None: any value up to high, bucket 0
     of a signed value), `label` as printed."""

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from dynprobe.frozen import frozen
 from dynprobe.ptrace.syscalls import futex_wake
 from dynprobe.ringbuf import layout as L
 
@@ -66,7 +67,7 @@ class Pool:
         self.view.close()
 
 
-@dataclass(frozen=True)
+@frozen
 class AreaRef:
     pool: Pool
     index: int

@@ -24,10 +24,10 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from dynprobe.arch.x86_64.codegen.clock import read_tsc_code, tsc_readings_code
+from dynprobe.frozen import frozen
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import AreaRef, ThreadAreas
 from dynprobe.threads import place, start_without_signals
@@ -213,7 +213,7 @@ def spool_records(
     return n
 
 
-@dataclass(frozen=True)
+@frozen
 class RecordBatch:
     """Records of one probe from one thread: the raw bytes and their decoded header columns.
     `order` numbers the records as the consumer read them (a thread's in the order it wrote

@@ -31,8 +31,9 @@ and sign-extended by the consumer) and, per string, a u16 length, a u16 flag wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
+
+from dynprobe.frozen import frozen
 
 AREA_MAGIC = 0x0031_4145_5250_5944  # "DYPREA1\0" little-endian
 PAGE = 4096
@@ -191,7 +192,7 @@ def record_size_for(payload: int) -> int:
     return size
 
 
-@dataclass(frozen=True)
+@frozen
 class AreaLayout:
     """Where everything is in a thread area, for one session's limits."""
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 import re
 import struct
-from dataclasses import dataclass
 
 from dynprobe.arch.x86_64.regs import ARG_REGS, GPR64
 from dynprobe.errors import DynprobeError
+from dynprobe.frozen import frozen
 
 FORMATS = "diuxocsf"
 MAX_VALUES = 16  # values one call records (each string takes up to STRING_PIECES records)
@@ -37,7 +37,7 @@ class ArgSpecError(DynprobeError):
     """An argument or return-value spec that is not uftrace's syntax."""
 
 
-@dataclass(frozen=True)
+@frozen
 class ArgSpec:
     """One value a traced call records: `source` says where the call has it (a general
     register's name, "xmmK", or "stack+N" for the Nth stack slot above the return address)."""

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.frozen import frozen
 from dynprobe.spec.model import (
     Absolute,
     Arg,
@@ -41,7 +42,7 @@ class _Fault:
 FAULT = _Fault()
 
 
-@dataclass(frozen=True)
+@frozen
 class StringValue:
     text: str
     truncated: bool = False
@@ -55,7 +56,7 @@ class Memory(Protocol):
     def read_upto(self, addr: int, size: int) -> bytes: ...
 
 
-@dataclass(frozen=True)
+@frozen
 class ReturnValues:
     """What a return probe's fetches see besides the registers at the return."""
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import field
+
+from dynprobe.frozen import frozen
 
 
 def split_location(text: str) -> tuple[str, str, str]:
@@ -21,63 +23,63 @@ def split_location(text: str) -> tuple[str, str, str]:
     return "", "", text
 
 
-@dataclass(frozen=True)
+@frozen
 class Reg:
     name: str  # canonical: rax, rdi, rip, eflags, ...
 
 
-@dataclass(frozen=True)
+@frozen
 class Arg:
     index: int  # $argN, 1-based, System V integer argument registers
 
 
-@dataclass(frozen=True)
+@frozen
 class Absolute:
     addr: int  # @0xADDR: the value stored at this address
 
 
-@dataclass(frozen=True)
+@frozen
 class SymbolAddr:
     symbol: str  # @SYM+off: the value stored at a symbol of the probed file
     offset: int
 
 
-@dataclass(frozen=True)
+@frozen
 class Stack:
     index: int  # $stackN: the N-th word on the stack
 
 
-@dataclass(frozen=True)
+@frozen
 class StackPointer:
     pass
 
 
-@dataclass(frozen=True)
+@frozen
 class RetVal:
     pass
 
 
-@dataclass(frozen=True)
+@frozen
 class Latency:
     pass  # $latency: nanoseconds from the function's entry to its return (return probes)
 
 
-@dataclass(frozen=True)
+@frozen
 class Caller:
     pass  # where a return probe's function returns to (every return event carries it)
 
 
-@dataclass(frozen=True)
+@frozen
 class Comm:
     pass
 
 
-@dataclass(frozen=True)
+@frozen
 class StackSlot:
     pass  # where a hit's stack is in its process's table of stacks (records of by="stack" probes)
 
 
-@dataclass(frozen=True)
+@frozen
 class Deref:
     offset: int  # +|-OFFS(INNER): the value stored at INNER + OFFS
     inner: Fetch
@@ -94,7 +96,7 @@ def fetch_chain(fetch: Fetch) -> Iterator[Fetch]:
         yield fetch
 
 
-@dataclass(frozen=True)
+@frozen
 class ArgType:
     kind: str  # 'u', 's', 'x', 'string', 'ustring', 'symbol'
     bits: int = 64
@@ -112,7 +114,7 @@ class ArgType:
         return cut - (1 << self.bits) if self.kind == "s" and cut >> (self.bits - 1) else cut
 
 
-@dataclass(frozen=True)
+@frozen
 class FetchArg:
     name: str
     fetch: Fetch
@@ -120,7 +122,7 @@ class FetchArg:
     text: str  # as written, for listings
 
 
-@dataclass(frozen=True)
+@frozen
 class ProbeSpec:
     kind: str  # 'p' or 'r'
     group: str | None

@@ -20,12 +20,12 @@ import struct
 import sys
 from array import array
 from collections.abc import Callable, Container, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from dynprobe.arch.x86_64.unwind import CfiSection, UnwindTable, compile_sections
 from dynprobe.debug import debug as _debug
 from dynprobe.errors import ElfError, OptimizeRefusal, SymbolError
+from dynprobe.frozen import frozen
 from dynprobe.gcpause import gc_paused
 from dynprobe.output.files import FileTooLarge, NotRegularFile, read_regular
 from dynprobe.symbols import elf_cache, files, unwind_cache
@@ -55,7 +55,7 @@ class Function(NamedTuple):
         return self.addr + self.size
 
 
-@dataclass(frozen=True)
+@frozen
 class Segment:
     vaddr: int
     offset: int
@@ -121,7 +121,7 @@ def _parsing(path: str) -> Iterator[None]:
         raise ElfError(f"{path} is not a valid ELF file: {why}") from exc
 
 
-@dataclass(frozen=True)
+@frozen
 class Headers:
     """What an ELF file's headers say that dynprobe needs."""
 

@@ -26,13 +26,13 @@ import ctypes
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from dynprobe.errors import SymbolError
+from dynprobe.frozen import frozen
 from dynprobe.symbols.elf import ElfImage, Function
 
 
-@dataclass(frozen=True)
+@frozen
 class LoadedIn:
     """A process that has the file mapped: what to add to its link-time addresses, a read of 8
     bytes of its memory (None where it cannot be read), and where its other modules keep the

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
 
+from dynprobe.frozen import frozen
 from dynprobe.symbols import files
 
 
-@dataclass(frozen=True)
+@frozen
 class Mapping:
     start: int
     end: int

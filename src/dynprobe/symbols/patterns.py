@@ -11,9 +11,10 @@ import fnmatch
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from dynprobe.errors import SymbolError
+from dynprobe.frozen import frozen
 
 _REGEX_SPECIAL = frozenset(".^$*+?()[]{}|\\")
 _GLOB_SPECIAL = frozenset("*?[")
@@ -26,7 +27,7 @@ class MatchKind(enum.Enum):
     GLOB = "glob"
 
 
-@dataclass(frozen=True)
+@frozen
 class NamePattern:
     text: str
     kind: MatchKind = MatchKind.REGEX

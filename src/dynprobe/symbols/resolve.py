@@ -10,9 +10,9 @@ import difflib
 import fnmatch
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from dynprobe.errors import SymbolError
+from dynprobe.frozen import frozen
 from dynprobe.spec.model import split_location
 from dynprobe.symbols import files
 from dynprobe.symbols.demangle import names_of
@@ -22,7 +22,7 @@ from dynprobe.symbols.loader import ld_cache
 from dynprobe.symbols.maps import Mapping, file_key, load_bias
 
 
-@dataclass(frozen=True)
+@frozen
 class Location:
     path: str  # real path of the ELF file
     offset: int  # file offset of the probed instruction

@@ -10,12 +10,12 @@ it ran.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
 import iced_x86 as iced
 
 from dynprobe.arch.x86_64.emulate import can_emulate
 from dynprobe.errors import Refusal
+from dynprobe.frozen import frozen
 
 _M = iced.Mnemonic
 
@@ -36,7 +36,7 @@ class Fixup(enum.Flag):
     SYSCALL_REGS = enum.auto()
 
 
-@dataclass(frozen=True)
+@frozen
 class ResumePlan:
     kind: ResumeKind
     fixup: Fixup = Fixup.NONE

@@ -38,10 +38,11 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import iced_x86 as iced
+
+from dynprobe.frozen import frozen
 
 if TYPE_CHECKING:  # the enum types exist in the stubs only; at run time the values are ints
     from iced_x86._iced_x86_py import Register as RegisterT
@@ -136,7 +137,7 @@ class _From(enum.Enum):
     CALLER = "the function's entry: the value it was called with"
 
 
-@dataclass(frozen=True)
+@frozen
 class _Merge:
     """Code that several branches (and nothing before it) run into: their indices."""
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Container, Sequence
-from dataclasses import dataclass
 
 import iced_x86 as iced
 
@@ -30,6 +29,7 @@ from dynprobe.arch.x86_64.decode import decode_one, iter_instructions
 from dynprobe.arch.x86_64.jumptables import IsCode, Landing, Reader, landing
 from dynprobe.arch.x86_64.relocate import call_as_jump, jump_to, relocate, retarget
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.frozen import frozen
 
 JMP_REL32_LEN = 5
 
@@ -46,7 +46,7 @@ _UNRELOCATABLE = {
 }  # fmt: skip
 
 
-@dataclass(frozen=True)
+@frozen
 class OptimizePlan:
     """The instructions the jump replaces (decoded at their real addresses), and the direct
     branches from elsewhere that land inside them (`moved`), to be aimed at the detour's copy of

@@ -14,6 +14,7 @@ import iced_x86 as iced
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.regs import GPR64
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.frozen import frozen
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.shadow import trampoline_point
 
@@ -45,7 +46,7 @@ JCC_UNSIGNED = {"==": C.JE_REL32_64, "!=": C.JNE_REL32_64, "<": C.JB_REL32_64, "
 JCC_SIGNED = {**JCC_UNSIGNED, "<": C.JL_REL32_64, "<=": C.JLE_REL32_64, ">": C.JG_REL32_64, ">=": C.JGE_REL32_64}
 
 
-@dataclass(frozen=True)
+@frozen
 class Trampoline:
     """Where a process's return trampoline is: entry k's call (`enter_tail`) at `table + k *
     TRAMPOLINE_STRIDE`, its entry point right after; a probe's return code ends with a jump to
@@ -64,14 +65,14 @@ class Trampoline:
         return trampoline_point(self.points, k)
 
 
-@dataclass(frozen=True)
+@frozen
 class Returning:
     points: int  # the trampoline's entry point 0
     tsc_mult: int  # ns = ticks * tsc_mult >> 32
     at_return: bool  # the code runs at the return (False: at the entry)
 
 
-@dataclass(frozen=True)
+@frozen
 class Detour:
     code: bytes
     fixups: dict[int, int]  # address of a load that may fault -> address to continue at

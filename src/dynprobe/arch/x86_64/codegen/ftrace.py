@@ -5,7 +5,6 @@ recorder's snapshot threshold) and list trampolines for several instances."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import iced_x86 as iced
@@ -30,6 +29,7 @@ from dynprobe.arch.x86_64.codegen.detours import ENTER_TAIL_BYTES, enter_tail, h
 from dynprobe.arch.x86_64.codegen.records import ring_record, shadow_push
 from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.frozen import frozen
 from dynprobe.ringbuf import layout as L
 from dynprobe.spec.argspec import STRING_PIECES, ArgSpec
 
@@ -48,7 +48,7 @@ SITE_CALL_AT = 10  # a tracer site's `call rel32` starts here (after `lea rsp,[r
 _REGION_AFTER_CALL = 5 + ENTER_TAIL_BYTES  # the site's `lea rsp,[rsp+24]` and `enter_tail`, then the region
 
 
-@dataclass(frozen=True)
+@frozen
 class OpsCode:
     """Where one tracer instance's generated code is: `entry` is called from a site, `body`
     from a list trampoline (esi: the function's id, rdi: its return-address slot), `exit` is
@@ -122,7 +122,7 @@ def _trace_record(
 _DATA_PUSHED = (R.RCX, R.RSI, R.RDI, R.R8)  # kept across the data records (r8 read from its push)
 
 
-@dataclass(frozen=True)
+@frozen
 class Captures:
     """The values the entry records (`arguments`) and the exit records (`retval`) of some
     traced functions carry."""
@@ -131,7 +131,7 @@ class Captures:
     retval: tuple[ArgSpec, ...] = ()
 
 
-@dataclass(frozen=True)
+@frozen
 class _Data:
     """The values of a record's data records, and where the call's registers are: `frame`
     bytes up from rsp is the base its saved registers (SAVED_AT) and its return-address slot

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import iced_x86 as iced
 
@@ -61,6 +60,7 @@ from dynprobe.arch.x86_64.optimize import OptimizePlan, relocate_region_map
 from dynprobe.arch.x86_64.regs import ARG_REGS, REG_NAMES
 from dynprobe.arch.x86_64.relocate import jump_to, relocate
 from dynprobe.errors import OptimizeRefusal
+from dynprobe.frozen import frozen
 from dynprobe.ringbuf import layout as L
 
 _RED_ZONE = 128
@@ -94,7 +94,7 @@ def _leave(asm: Asm) -> None:
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_BUSY), 0))
 
 
-@dataclass(frozen=True)
+@frozen
 class UpcallReturns:
     """The return probes at an upcall site, a function's entry: the detour takes their shadow
     entries, as an optimized return probe's does, before it asks."""
