@@ -28,6 +28,8 @@ class ActionKind(enum.Enum):
 
 @frozen
 class Compare:
+    """A filter's comparison of one fetch argument with a number."""
+
     arg: FetchArg
     op: str  # == != < <= > >=
     value: int
@@ -35,6 +37,8 @@ class Compare:
 
 @frozen
 class Logical:
+    """Two filters joined by `and` or `or`."""
+
     op: str  # and, or
     left: Filter
     right: Filter

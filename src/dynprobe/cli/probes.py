@@ -137,6 +137,8 @@ def read_spec_files(paths: list[str]) -> list[str]:
 
 @dataclass
 class ProbeRequest:
+    """What a probe command's arguments ask for: the specifications and how to place them."""
+
     specs: list[ProbeSpec]
     filter: str | None
     trap: bool

@@ -89,6 +89,8 @@ REACH = (1 << 31) - (1 << 24)  # a rel32 call from a site detour reaches code th
 
 @frozen
 class TracedFunction:
+    """A function the function tracer may patch, numbered (its id in records)."""
+
     id: int
     path: str
     vaddr: int
@@ -110,6 +112,8 @@ class TracerEvent:
 
 @dataclass(eq=False)
 class TracerSite:
+    """A function's entry patched by the tracer in one process, and the tracers its detour serves."""
+
     function: TracedFunction
     addr: int  # the function's entry in the process
     detour: int
@@ -120,6 +124,8 @@ class TracerSite:
 
 @dataclass(eq=False)
 class ProcessTracing:
+    """The function tracer's state in one process: its patched entries and the code they share."""
+
     sites: dict[int, TracerSite] = field(default_factory=dict)  # function id -> site
     # ((ops index, the values it records), its code, size)
     code: list[tuple[tuple[int, Captures | None], OpsCode, int]] = field(default_factory=list)

@@ -75,6 +75,8 @@ class StackMapsEngine(Engine, Protocol):
 
 @dataclass
 class _Module:
+    """Where a module's unwind table is in the target's stack-walk memory."""
+
     ips: int  # where its table's addresses are in the target
     rows: int
     count: int

@@ -117,6 +117,8 @@ class _StackMemory:
 
 @dataclass
 class _Module:
+    """A mapping a stack walk passes through, and its file (None: none to read)."""
+
     mapping: Mapping
     image: ElfImage | None
 

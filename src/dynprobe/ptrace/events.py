@@ -40,6 +40,8 @@ _STOP_SIGNALS = {signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
 
 @dataclass
 class Event:
+    """One wait status, decoded: what happened to which thread."""
+
     kind: EventKind
     tid: int
     sig: int = 0

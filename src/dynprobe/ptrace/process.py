@@ -65,6 +65,8 @@ EVENT_STOPS = {EventKind.CLONE, EventKind.FORK, EventKind.VFORK, EventKind.VFORK
 
 @dataclass
 class ThreadState:
+    """What the tracer knows of one thread of the tracee."""
+
     tid: int
     stopped: bool = True
     # Stopped in a ptrace event stop (clone, fork, exec, ...): inside a syscall that has not

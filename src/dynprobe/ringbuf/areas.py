@@ -30,6 +30,8 @@ POOL_AREAS = 8
 
 @dataclass(eq=False)
 class Pool:
+    """One memfd of thread areas, mapped in the target and here."""
+
     pid: int
     target_addr: int
     view: mmap.mmap
@@ -69,6 +71,8 @@ class Pool:
 
 @frozen
 class AreaRef:
+    """One thread area of a pool."""
+
     pool: Pool
     index: int
 

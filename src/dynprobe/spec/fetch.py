@@ -44,6 +44,8 @@ FAULT = _Fault()
 
 @frozen
 class StringValue:
+    """A string fetched from the target (`truncated`: longer than MAX_STRING)."""
+
     text: str
     truncated: bool = False
 
@@ -67,6 +69,8 @@ class ReturnValues:
 
 @dataclass
 class FetchContext:
+    """What fetch arguments are evaluated against at one hit: its registers, memory and names."""
+
     regs: Regs
     memory: Memory
     comm: Callable[[], str]

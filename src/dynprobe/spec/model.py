@@ -25,63 +25,75 @@ def split_location(text: str) -> tuple[str, str, str]:
 
 @frozen
 class Reg:
+    """A register's value (%ax, %rip, %flags)."""
+
     name: str  # canonical: rax, rdi, rip, eflags, ...
 
 
 @frozen
 class Arg:
+    """The N-th integer argument ($argN)."""
+
     index: int  # $argN, 1-based, System V integer argument registers
 
 
 @frozen
 class Absolute:
-    addr: int  # @0xADDR: the value stored at this address
+    """The word stored at an absolute address (@0xADDR)."""
+
+    addr: int
 
 
 @frozen
 class SymbolAddr:
-    symbol: str  # @SYM+off: the value stored at a symbol of the probed file
+    """The word stored at a symbol of the probed file, plus an offset (@SYM+OFFS)."""
+
+    symbol: str
     offset: int
 
 
 @frozen
 class Stack:
-    index: int  # $stackN: the N-th word on the stack
+    """The N-th word on the stack ($stackN)."""
+
+    index: int
 
 
 @frozen
 class StackPointer:
-    pass
+    """The stack pointer ($stack)."""
 
 
 @frozen
 class RetVal:
-    pass
+    """A return probe's return value ($retval)."""
 
 
 @frozen
 class Latency:
-    pass  # $latency: nanoseconds from the function's entry to its return (return probes)
+    """Nanoseconds from the function's entry to its return ($latency, return probes)."""
 
 
 @frozen
 class Caller:
-    pass  # where a return probe's function returns to (every return event carries it)
+    """Where a return probe's function returns to (every return event carries it)."""
 
 
 @frozen
 class Comm:
-    pass
+    """The thread's name ($comm)."""
 
 
 @frozen
 class StackSlot:
-    pass  # where a hit's stack is in its process's table of stacks (records of by="stack" probes)
+    """Where a hit's stack is in its process's table of stacks (records of by="stack" probes)."""
 
 
 @frozen
 class Deref:
-    offset: int  # +|-OFFS(INNER): the value stored at INNER + OFFS
+    """The word at an address another fetch gives, plus an offset (+|-OFFS(INNER))."""
+
+    offset: int
     inner: Fetch
 
 
@@ -98,6 +110,8 @@ def fetch_chain(fetch: Fetch) -> Iterator[Fetch]:
 
 @frozen
 class ArgType:
+    """A fetch argument's type: u/s/x with its bits, string, ustring or symbol."""
+
     kind: str  # 'u', 's', 'x', 'string', 'ustring', 'symbol'
     bits: int = 64
 
@@ -116,6 +130,8 @@ class ArgType:
 
 @frozen
 class FetchArg:
+    """One NAME=FETCH:TYPE of a probe specification."""
+
     name: str
     fetch: Fetch
     type: ArgType
@@ -124,6 +140,8 @@ class FetchArg:
 
 @frozen
 class ProbeSpec:
+    """A probe specification, as the kernel's uprobe_events takes it: p|r[:[GRP/]EVENT] LOCATION [FETCHARGS]."""
+
     kind: str  # 'p' or 'r'
     group: str | None
     event: str | None

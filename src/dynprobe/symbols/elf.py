@@ -57,6 +57,8 @@ class Function(NamedTuple):
 
 @frozen
 class Segment:
+    """A PT_LOAD segment: where it is in the file and in memory, and its permissions."""
+
     vaddr: int
     offset: int
     filesz: int

@@ -11,6 +11,8 @@ from dynprobe.symbols import files
 
 @frozen
 class Mapping:
+    """One line of /proc/PID/maps."""
+
     start: int
     end: int
     perms: str

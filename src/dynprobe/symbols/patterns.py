@@ -29,6 +29,8 @@ class MatchKind(enum.Enum):
 
 @frozen
 class NamePattern:
+    """A function-name pattern ([MODULE:]NAME): a regex, a glob or a name as is."""
+
     text: str
     kind: MatchKind = MatchKind.REGEX
     name: str = field(init=False)

@@ -24,6 +24,8 @@ from dynprobe.symbols.maps import Mapping, file_key, load_bias
 
 @frozen
 class Location:
+    """A probe's place: the file, the instruction's offset and address, and its function."""
+
     path: str  # real path of the ELF file
     offset: int  # file offset of the probed instruction
     vaddr: int  # its link-time virtual address

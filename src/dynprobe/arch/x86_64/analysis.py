@@ -38,6 +38,8 @@ class Fixup(enum.Flag):
 
 @frozen
 class ResumePlan:
+    """How a trap probe's thread goes on past the site's instruction, and what its copy needs fixed."""
+
     kind: ResumeKind
     fixup: Fixup = Fixup.NONE
 

@@ -174,6 +174,8 @@ class _Reader:
 
 @dataclass
 class _Cie:
+    """The parts of a CIE that its FDEs' rows need."""
+
     code_align: int
     data_align: int
     ra_register: int

@@ -67,6 +67,8 @@ class Trampoline:
 
 @frozen
 class Returning:
+    """What a return probe's code needs of the process: the trampoline, the clock; and where it runs."""
+
     points: int  # the trampoline's entry point 0
     tsc_mult: int  # ns = ticks * tsc_mult >> 32
     at_return: bool  # the code runs at the return (False: at the entry)
@@ -74,6 +76,8 @@ class Returning:
 
 @frozen
 class Detour:
+    """A detour's code, where its loads that may fault go on instead, and where its copy of the region is."""
+
     code: bytes
     fixups: dict[int, int]  # address of a load that may fault -> address to continue at
     action_bytes: int  # the actions' part; the relocated region follows
