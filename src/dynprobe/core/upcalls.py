@@ -496,8 +496,8 @@ class Upcalls:
         regs = Regs.from_buffer_copy(view, at)
         region, site_addr = cells[_REGION], cells[_SITE]
         asked_at = regs.rip  # the site (before its instruction) or the next one (after)
-        site = proc.sites.get(site_addr) if proc is not None else None
         returned = proc is not None and proc.returns is not None and site_addr == proc.returns.upcall_stub
+        site = proc.sites.get(site_addr) if proc is not None and not returned else None
         returned_rax, returned_rdx = (regs.rax, regs.rdx) if returned else (0, 0)
         target = asked_at
         try:
