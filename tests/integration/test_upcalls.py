@@ -324,6 +324,34 @@ def test_return_handlers_in_a_recursion_each_see_their_own_entry(ret: str, mode:
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_return_probes_sharing_a_function_each_get_their_own_entry(ret: str, mode: str) -> None:
+    """Three return probes on fact(50), two keeping data at their entry (each its own, a third
+    keeping none): each return handler gets its own probe's data for its own call, however the
+    detour ordered their entries."""
+    seen: dict[str, list[tuple[object, int]]] = {"a": [], "b": [], "c": []}
+
+    def place(session: dynprobe.Session) -> list[dynprobe.Probe]:
+        def entry_of(name: str) -> Callable[[Hit], None]:
+            def entry(hit: Hit) -> None:
+                if name != "c":
+                    hit.data = (name, hit.regs.arg(1))
+
+            return entry
+
+        def return_of(name: str) -> Callable[[Hit], None]:
+            return lambda hit: seen[name].append((hit.data, hit.retval))
+
+        return [session.retprobe("fact", handler=return_of(n), entry=entry_of(n), maxactive=60) for n in "abc"]
+
+    status, out, probes = run([ret, "fact", "50"], mode, place)
+    assert status == 0 and out == f"{_factorial(50)}\n"
+    for name in "ab":
+        assert seen[name] == [((name, n), _factorial(n)) for n in range(1, 51)]
+    assert seen["c"] == [(None, _factorial(n)) for n in range(1, 51)]
+    assert isinstance(probes, list) and [(p.hits, p.nmissed) for p in probes] == [(50, 0)] * 3
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_return_probes_with_handlers_from_many_threads(ret: str, mode: str) -> None:
     """8 threads of 300 calls each: every entry's data comes back with its own return."""
     pairs: list[tuple[int, object, int]] = []
