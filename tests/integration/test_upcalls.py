@@ -352,6 +352,28 @@ def test_return_probes_sharing_a_function_each_get_their_own_entry(ret: str, mod
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_an_entry_past_maxactive_runs_no_handler_and_leaves_the_others_data(ret: str, mode: str) -> None:
+    """fact(30) with 10 instances at most: the 20 deepest calls are missed, their entry handler
+    does not run, and the 10 outer calls' returns each get their own entry's data."""
+    entered: list[int] = []
+    seen: list[tuple[object, int]] = []
+
+    def entry(hit: Hit) -> None:
+        entered.append(hit.regs.arg(1))
+        hit.data = hit.regs.arg(1)
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        handler = lambda hit: seen.append((hit.data, hit.retval))  # noqa: E731
+        return session.retprobe("fact", handler=handler, entry=entry, maxactive=10)
+
+    status, out, probe = run([ret, "fact", "30"], mode, place)
+    assert status == 0 and out == f"{_factorial(30)}\n"
+    assert entered == list(range(30, 20, -1))
+    assert seen == [(n, _factorial(n)) for n in range(21, 31)]
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 10 and probe.nmissed == 20
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_return_probes_with_handlers_from_many_threads(ret: str, mode: str) -> None:
     """8 threads of 300 calls each: every entry's data comes back with its own return."""
     pairs: list[tuple[int, object, int]] = []

@@ -380,7 +380,7 @@ class ReturnProbes:
         handler), else its data is kept for the return."""
         assert proc.returns is not None
         probe = hit.probe
-        k = self._taken_at_upcall(cells, probe.index)
+        k = self._taken_at_upcall(cells, probe.index, hit.regs.rsp)
         if k is None:
             return
         if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed, anything=True):
@@ -391,16 +391,17 @@ class ReturnProbes:
         else:
             proc.returns.instances[hit.tid, k] = Instance(probe, hit.data)
 
-    @staticmethod
-    def _taken_at_upcall(cells: memoryview, index: int) -> int | None:
-        """The entry the upcall detour took for probe `index` (in UPCALL_ENTRIES: its offset,
-        the probe's index above it; checked, as the thread area is the target's to write: a
-        wrong one would only give a return handler another call's data)."""
-        for word in cells[_UPCALL_ENTRIES : _UPCALL_ENTRIES + L.UPCALL_ENTRIES_MAX].tolist():
-            offset = word & 0xFFFF_FFFF
-            if word >> 32 == index and not offset % L.SHADOW_ENTRY and offset < _SHADOW_BYTES:
+    def _taken_at_upcall(self, cells: memoryview, index: int, slot: int) -> int | None:
+        """The entry the upcall detour took for probe `index` at return-address `slot` (an
+        offset in UPCALL_ENTRIES, checked: the thread area is the target's to write)."""
+        shadow = self._at(0)
+        for offset in cells[_UPCALL_ENTRIES : _UPCALL_ENTRIES + L.UPCALL_ENTRIES_MAX].tolist():
+            if offset % L.SHADOW_ENTRY or offset >= _SHADOW_BYTES:
+                continue  # (-1: missed)
+            at = shadow + offset // 8
+            if cells[at + _SLOT] == slot and cells[at + _PROBE] & 0xFFFF_FFFF == index:
                 return offset // L.SHADOW_ENTRY
-        return None  # (-1: missed)
+        return None
 
     def stamp_on_resume(self, proc: TracedProcess, tid: int, regs: Regs, stamps: list[int]) -> None:
         """The thread, about to resume at `regs.rip` from a trap entry that took shadow entries,

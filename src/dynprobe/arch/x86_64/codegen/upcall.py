@@ -107,16 +107,14 @@ class UpcallReturns:
 
 def _take_entries(asm: Asm, returns: UpcallReturns) -> None:
     """The shadow entries of the site's return probes (the registers are in the frame: all
-    free), each with the entry's arguments, its offset in UPCALL_ENTRIES with the probe's index
-    in the upper half (-1: missed): the tracer finds it there, not in the entry."""
+    free), each with the entry's arguments, its offset in UPCALL_ENTRIES (-1: missed)."""
     shadow = returns.layout.shadow
     for i, (index, maxactive) in enumerate(returns.probes):
-        word, upper = gs_at(L.UPCALL_ENTRIES + 8 * i), gs_at(L.UPCALL_ENTRIES + 8 * i + 4)
+        word = gs_at(L.UPCALL_ENTRIES + 8 * i)
         asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, word, -1))
 
-        def fill(word: iced.MemoryOperand = word, upper: iced.MemoryOperand = upper, index: int = index) -> None:
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, word, R.RSI))  # (rsi: the entry's offset)
-            asm.add(iced.Instruction.create_mem_u32(C.MOV_RM32_IMM32, upper, index))
+        def fill(word: iced.MemoryOperand = word) -> None:  # (rsi: the entry's offset)
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, word, R.RSI))
             stamp(asm, R.RSI, shadow + L.ENTRY_TSC)  # (again as the thread goes on: see _stamp_entries)
             for n, name in enumerate(ARG_REGS):
                 asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(_FRAME[name])))
@@ -135,7 +133,6 @@ def _stamp_entries(asm: Asm, returns: UpcallReturns) -> None:
         asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, gs_at(L.UPCALL_ENTRIES + 8 * i)))
         asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RSI, R.RSI))
         asm.jump(C.JS_REL32_64, missed)
-        asm.add(iced.Instruction.create_reg_reg(C.MOV_R32_RM32, R.ESI, R.ESI))  # (the offset alone)
         stamp(asm, R.RSI, returns.layout.shadow + L.ENTRY_TSC)
         asm.bind(missed)
 
