@@ -957,15 +957,18 @@ def test_a_command_imports_only_what_it_needs(argv: list[str], unloaded: list[st
 
 
 @pytest.mark.usefixtures("cache_home")
-@pytest.mark.parametrize(("spec", "hits"), [("p work", 4000), ("r work", 4000), ("p libc:pthread_create", 4)])
-def test_counting_loads_neither_numpy_nor_pyelftools(spec: str, hits: int) -> None:
+@pytest.mark.parametrize(
+    ("options", "spec", "hits"),
+    [([], "p work", 4000), ([], "r work", 4000), (["--trap"], "r work", 4000), ([], "p libc:pthread_create", 4)],
+)
+def test_counting_loads_neither_numpy_nor_pyelftools(options: list[str], spec: str, hits: int) -> None:
     """`count` and `hist` read the target's counters and histograms as plain words: numpy, most
     of a short command's start-up, is not loaded, nor (the files' analysis kept from the first
     run) pyelftools; the counts are exact, four threads ending and folded included."""
     counter = build_target("counter", flags=("-O1", "-pthread"))
     code = (
         "import sys\nfrom dynprobe.cli.main import main\n"
-        f"main(['count', '-o', '-', {spec!r}, '--', {counter!r}, '1000', '4'])\n"
+        f"main(['count', *{options!r}, '-o', '-', {spec!r}, '--', {counter!r}, '1000', '4'])\n"
         f"main(['hist', '-o', '-', '--value', '%di', 'p work', '--', {counter!r}, '1000', '4'])\n"
         "print(sorted(m for m in ('numpy', 'elftools') if m in sys.modules), file=sys.stderr)"
     )

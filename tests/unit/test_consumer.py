@@ -43,7 +43,7 @@ def make_areas() -> ThreadAreas:
 def write_record(areas: ThreadAreas, tid: int, probe: int, value: int, *, cpu: int = 0, tsc: int | None = None) -> None:
     """A record as the target's code writes it: time stamped now, unless told otherwise."""
     area = areas.by_tid[tid]
-    words = area.pool.words[area.index]
+    words = area.cells
     head = int(words[L.HEAD // 8])
     slot = head % LAYOUT.ring_slots
     base = area.offset + LAYOUT.ring + slot * LAYOUT.record_size
@@ -58,7 +58,7 @@ def write_record(areas: ThreadAreas, tid: int, probe: int, value: int, *, cpu: i
 def test_take_records_wraps_around() -> None:
     areas = make_areas()
     area = areas.assign(7)
-    words = area.pool.words[area.index]
+    words = area.cells
     slots = LAYOUT.ring_slots
     words[L.HEAD // 8] = words[L.TAIL // 8] = slots - 2  # the next records wrap
     for v in range(5):
@@ -74,7 +74,7 @@ def test_a_flight_recorder_s_snapshot_takes_what_it_did_not_read_and_counts_what
     gave way before it read them; nothing new, nothing; HEAD a ring past TAIL, corrupted."""
     areas = make_areas()
     area = areas.assign(7)
-    words, view, slots = area.pool.words[area.index], memoryview(area.pool.view), LAYOUT.ring_slots
+    words, view, slots = area.cells, memoryview(area.pool.view), LAYOUT.ring_slots
 
     def values(records: np.ndarray) -> list[int]:
         return [int.from_bytes(bytes(r[16:24]), "little") for r in records]
@@ -99,7 +99,7 @@ def test_a_flight_recorder_s_snapshot_takes_what_it_did_not_read_and_counts_what
 def test_spool_records_writes_both_pieces_of_a_wrapped_ring() -> None:
     areas = make_areas()
     area = areas.assign(7)
-    words = area.pool.words[area.index]
+    words = area.cells
     words[L.HEAD // 8] = words[L.TAIL // 8] = LAYOUT.ring_slots - 3
     for v in range(6):
         write_record(areas, 7, 1, v)
@@ -118,7 +118,7 @@ def test_spool_records_writes_both_pieces_of_a_wrapped_ring() -> None:
 def test_impossible_head_and_tail_are_refused(head: int, tail: int) -> None:
     areas = make_areas()
     area = areas.assign(7)
-    words = area.pool.words[area.index]
+    words = area.cells
     words[L.HEAD // 8], words[L.TAIL // 8] = head, tail
     with pytest.raises(RingCorrupted):
         take_records(words, memoryview(area.pool.view), area.offset, LAYOUT)
@@ -171,11 +171,11 @@ def test_consumer_delivers_and_counts() -> None:
     assert {(b.tid, b.probe_index, len(b.raw)) for b in got} == {(10, 1, 3), (11, 2, 1)}
     assert consumer.corrupt == 1 and len(errors) == 1 and "unknown probe 9" in errors[0]
     area = areas.by_tid[10]
-    area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8] = 3
+    area.cells[LAYOUT.counter(1, L.HITS) // 8] = 3
     areas.retire(10)
     consumer.drain()  # folds the ended thread's counters; its area is clean and free again
     assert consumer.counters(1) == (3, 0, 0)
-    assert areas.assign(12) == area and int(area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8]) == 0
+    assert areas.assign(12) == area and int(area.cells[LAYOUT.counter(1, L.HITS) // 8]) == 0
 
 
 @pytest.mark.skipif(not sc.has_futex_waitv(), reason="futex_waitv (Linux 5.16+) is what the test sleeps in")
@@ -185,11 +185,11 @@ def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
     areas = make_areas()
     consumer.add(areas)
     area = areas.assign(10)
-    words = area.words
+    words = area.cells
     for v in range(LAYOUT.ring_slots):
         write_record(areas, 10, 1, v)
     words[L.WAIT_SLEEPING // 8] = 1
-    tail = words.ctypes.data + L.TAIL
+    tail = area.pool.address + area.offset + L.TAIL
     asleep = threading.Thread(target=sc.futex_waitv, args=([(tail, 0)], 60.0))
     asleep.start()
     while not asleep_in(asleep.native_id or 0, sc.SYS_FUTEX_WAITV):
@@ -203,12 +203,12 @@ def test_a_process_under_a_seccomp_filter_never_sleeps_waiting_for_room() -> Non
     areas = make_areas()
     area = areas.assign(10)
     areas.set_wait(1 << 30, 1 << 10)
-    assert (int(area.words[L.WAIT_TICKS // 8]), int(area.words[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 10)
+    assert (int(area.cells[L.WAIT_TICKS // 8]), int(area.cells[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 10)
     areas.never_sleep()  # (a thread found under a filter)
-    assert (int(area.words[L.WAIT_TICKS // 8]), int(area.words[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 30)
-    assert int(areas.assign(11).words[L.WAIT_SPIN // 8]) == 1 << 30
+    assert (int(area.cells[L.WAIT_TICKS // 8]), int(area.cells[L.WAIT_SPIN // 8])) == (1 << 30, 1 << 30)
+    assert int(areas.assign(11).cells[L.WAIT_SPIN // 8]) == 1 << 30
     areas.set_wait(1 << 31, 1 << 10)
-    assert int(area.words[L.WAIT_SPIN // 8]) == 1 << 31
+    assert int(area.cells[L.WAIT_SPIN // 8]) == 1 << 31
 
 
 def test_records_stamped_in_one_tick_keep_the_order_they_were_written_in() -> None:
@@ -259,7 +259,7 @@ def test_counts_the_time_does_not_allow_are_left_out() -> None:
     consumer.add(areas)
     for tid, hits in ((10, 7), (11, 1 << 62), (12, 5)):
         area = areas.assign(tid)
-        area.pool.words[area.index][LAYOUT.counter(1, L.HITS) // 8] = hits
+        area.cells[LAYOUT.counter(1, L.HITS) // 8] = hits
     assert consumer.counters(1) == (12, 0, 0)
     assert errors == [
         "impossible counts of thread 11 of pid 1: more than 4 a nanosecond since the session began (written by "
@@ -328,7 +328,7 @@ def test_random_area_contents_never_crash_the_consumer(seed: int, head: int, tai
     consumer.add(areas)
     area = areas.assign(5)
     area.pool.view[area.offset : area.offset + LAYOUT.size] = junk
-    words = area.pool.words[area.index]
+    words = area.cells
     words[L.HEAD // 8], words[L.TAIL // 8] = head, tail
     consumer.drain()
     for batch in delivered:
@@ -391,7 +391,7 @@ def test_a_flight_recorder_s_records_after_a_failure_are_counted_not_delivered()
     consumer.fail("again")
     assert consumer.failure == "No space left on device" and told == []
     consumer.drain()
-    words = area.pool.words[area.index]
+    words = area.cells
     assert got == [] and consumer.discarded == 5
     assert (int(words[L.READ // 8]), int(words[L.TAIL // 8])) == (5, 0)
     del words, area  # (the memory is let go: no view of it may be left)

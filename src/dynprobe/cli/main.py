@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any, NoReturn, cast
 
@@ -60,14 +62,21 @@ def build_parser(first: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _one_blas_thread() -> dict[str, str]:
+@contextlib.contextmanager
+def _one_blas_thread() -> Iterator[dict[str, str]]:
     """numpy's OpenBLAS starts a thread per CPU, spinning, when it loads; dynprobe does no linear
     algebra, and numpy loads at its first use (dynprobe/deferred.py), which may come at any time.
-    One thread is asked for from now on; returns the environment dynprobe was given, the one
-    the programs it starts get."""
+    One thread is asked for while a command runs; yields the environment dynprobe was given, the
+    one the programs it starts get."""
     given = dict(os.environ)
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return given
+    if "OPENBLAS_NUM_THREADS" in given:
+        yield given
+        return
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        yield given
+    finally:
+        os.environ.pop("OPENBLAS_NUM_THREADS", None)
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -90,7 +99,11 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     own, command = split_command(list(sys.argv[1:] if argv is None else argv))
-    environment = _one_blas_thread()
+    with _one_blas_thread() as environment:
+        return _main(own, command, environment)
+
+
+def _main(own: list[str], command: list[str], environment: dict[str, str]) -> int:
     with gc_paused():  # (the commands' modules make objects by the ten thousand, none of them garbage)
         parser = build_parser(own[0] if own else None)
     args = parser.parse_args(own)

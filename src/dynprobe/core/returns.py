@@ -38,8 +38,9 @@ import functools
 import os
 import signal
 import time
+from array import array
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from dynprobe.actions.model import Program, ReturnEntry
 from dynprobe.arch.x86_64 import Regs, ResumeKind, decode_one, plan_resume, prepare
@@ -66,11 +67,6 @@ from dynprobe.spec.fetch import FetchContext, ReturnValues
 from dynprobe.symbols.elf import load_elf
 from dynprobe.symbols.maps import Mapping, address_of_offset, file_key, read_maps
 from dynprobe.symbols.resolve import Location, resolve_address
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    from dynprobe.deferred import numpy as np
 
 
 class ReturnsEngine(Engine, Protocol):
@@ -120,8 +116,18 @@ _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 _UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
 
+_U64 = (1 << 64) - 1
 _RETURNED_RSP = 8 * (len(SAVED_AT) + 1)  # the stack pointer after the return, above a stub's: its frame
 _SHADOW_BYTES = L.SHADOW_CAPACITY * L.SHADOW_ENTRY  # the offsets of shadow entries are below
+
+
+def _more_pending(words: memoryview, at: int) -> None:
+    """One more pending instance in a probe's PENDING counter (a u64 the target also writes)."""
+    words[at] = (words[at] + 1) & _U64
+
+
+def _less_pending(words: memoryview, at: int) -> None:
+    words[at] = (words[at] - 1) & _U64
 
 
 def default_maxactive() -> int:
@@ -289,13 +295,14 @@ class ReturnProbes:
 
         return original
 
-    def _words(self, proc: TracedProcess, tid: int) -> np.ndarray | None:
+    def _words(self, proc: TracedProcess, tid: int) -> memoryview | None:
+        """Thread `tid`'s area as u64s, if it has one."""
         if proc.areas is None:
             return None
         area = proc.areas.by_tid.get(tid)
-        return None if area is None else area.pool.words[area.index]
+        return None if area is None else area.cells
 
-    def _area_for(self, proc: TracedProcess, tid: int, regs: Regs) -> np.ndarray | None:
+    def _area_for(self, proc: TracedProcess, tid: int, regs: Regs) -> memoryview | None:
         """The stopped thread's area, made now if it has none (None: the target uses GS);
         `regs`, to be written back by the caller, get its GS base too."""
         if proc.areas is None:
@@ -309,7 +316,7 @@ class ReturnProbes:
             regs.gs_base = proc.areas.by_tid[tid].target_addr
         return self._words(proc, tid)
 
-    def _take(self, points: int, words: np.ndarray, slot: int, held: int) -> int | None:
+    def _take(self, points: int, words: memoryview, slot: int, held: int) -> int | None:
         """The entry a new frame at `slot` (holding `held`) takes, as the detour chooses it."""
         lay = self.engine.layout
         base = lay.shadow // 8
@@ -324,7 +331,7 @@ class ReturnProbes:
             k = same[0]
             old = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if old < lay.max_probes:
-                words[lay.counter(old, L.PENDING) // 8] -= np.uint64(1)
+                _less_pending(words, lay.counter(old, L.PENDING) // 8)
             return k
         if 0 in slots:
             return slots.index(0)
@@ -333,12 +340,12 @@ class ReturnProbes:
         words[L.SHADOW_TOP // 8] = top + 1
         return top
 
-    def _free(self, proc: TracedProcess, tid: int, words: np.ndarray, k: int) -> None:
+    def _free(self, proc: TracedProcess, tid: int, words: memoryview, k: int) -> None:
         lay = self.engine.layout
         at = self._at(k)
         probe = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
         if probe < lay.max_probes:
-            words[lay.counter(probe, L.PENDING) // 8] -= np.uint64(1)
+            _less_pending(words, lay.counter(probe, L.PENDING) // 8)
         words[at + L.ENTRY_SLOT // 8] = 0
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         while top and words[lay.shadow // 8 + (top - 1) * _WORDS_PER_ENTRY] == 0:
@@ -412,12 +419,12 @@ class ReturnProbes:
             return
         targets = stamps[: L.STAMP_TARGETS_MAX]
         targets += [L.STAMP_DISCARD] * (L.STAMP_TARGETS_MAX - len(targets))
-        words[L.STAMP_TARGETS // 8 : L.STAMP_TARGETS // 8 + L.STAMP_TARGETS_MAX] = targets
+        words[L.STAMP_TARGETS // 8 : L.STAMP_TARGETS // 8 + L.STAMP_TARGETS_MAX] = array("Q", targets)
         words[L.STAMP_RESUME // 8] = int(regs.rip)
         words[L.STAMP_BUSY // 8] = 1
         regs.rip = proc.returns.entry_stamp
 
-    def _push(self, proc: TracedProcess, words: np.ndarray, regs: Regs, handler: int, index: int) -> int | None:
+    def _push(self, proc: TracedProcess, words: memoryview, regs: Regs, handler: int, index: int) -> int | None:
         """At a function entry (rsp: the return address): a shadow entry for the frame, as the
         detour makes it, and the return address pointed at its trampoline entry point."""
         assert proc.returns is not None
@@ -437,8 +444,8 @@ class ReturnProbes:
         words[at + L.ENTRY_PROBE // 8] = index  # and the flags, cleared
         words[at + L.ENTRY_TSC // 8] = self.engine.read_tsc()
         data = at + L.ENTRY_DATA // 8
-        words[data : data + len(ARG_REGS)] = [getattr(regs, name) for name in ARG_REGS]  # (u64s: Regs's fields)
-        words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
+        words[data : data + len(ARG_REGS)] = array("Q", [getattr(regs, name) for name in ARG_REGS])
+        _more_pending(words, lay.counter(index, L.PENDING) // 8)
         proc.tracee.write(slot, proc.returns.trampoline.point(k).to_bytes(8, "little"))
         return k
 
@@ -521,7 +528,7 @@ class ReturnProbes:
         # the program calls a library, its return hooked, unwinds from its caller)
         above = [e for e in self._entries(words) if e[2] >= int(regs.rsp)]
         for k in self._swap(proc, words, above, restore=True):
-            words[self._at(k) + L.ENTRY_PROBE // 8] |= np.uint64(L.ENTRY_RESTORED << 32)
+            words[self._at(k) + L.ENTRY_PROBE // 8] |= L.ENTRY_RESTORED << 32
 
     def on_backtrace(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
         """backtrace() walks the frames without unwinding them: the originals go back while it
@@ -552,7 +559,7 @@ class ReturnProbes:
         restored = [e for e in self._entries(words) if int(words[e[1] + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_RESTORED]
         back = self._swap(proc, words, [e for e in restored if e[2] > rsp], restore=False)
         for k, at, _ in restored:
-            words[at + L.ENTRY_PROBE // 8] &= np.uint64(~(L.ENTRY_RESTORED << 32) & ((1 << 64) - 1))
+            words[at + L.ENTRY_PROBE // 8] &= ~(L.ENTRY_RESTORED << 32) & _U64
             if k not in back:
                 self._free(proc, tid, words, k)
 
@@ -563,7 +570,7 @@ class ReturnProbes:
         return self._shadow + k * _WORDS_PER_ENTRY
 
     def _swap(
-        self, proc: TracedProcess, words: np.ndarray, entries: list[tuple[int, int, int]], restore: bool
+        self, proc: TracedProcess, words: memoryview, entries: list[tuple[int, int, int]], restore: bool
     ) -> set[int]:
         """Original return addresses back into the slots of `entries` that hold their entry
         points (`restore`), or entry points back where the originals are. Several return probes
@@ -577,7 +584,7 @@ class ReturnProbes:
             swaps.append((k, slot, point, original) if restore else (k, slot, original, point))
         return swap_slots(swaps, tracee.read_u64, lambda slot, value: tracee.write(slot, value.to_bytes(8, "little")))
 
-    def _entries(self, words: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    def _entries(self, words: memoryview) -> Iterator[tuple[int, int, int]]:
         """(number, word index, slot) of the entries in use, read as the guardian reads them."""
         base = self.engine.layout.shadow // 8
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
@@ -593,7 +600,7 @@ class ReturnProbes:
             return True
         return self._restore_entries(proc, tid, words)
 
-    def _restore_entries(self, proc: TracedProcess, tid: int, words: np.ndarray) -> bool:
+    def _restore_entries(self, proc: TracedProcess, tid: int, words: memoryview) -> bool:
         entries = list(self._entries(words))
         done = self._swap(proc, words, entries, restore=True)
         for k in done:
@@ -625,7 +632,7 @@ class ReturnProbes:
         returns = child.returns
         if returns is None or returns.snapshot is None:
             return
-        words = returns.snapshot.copy()
+        words = memoryview(array("Q", returns.snapshot))
         child.returns = dataclasses.replace(returns, instances={})
         self._restore_entries(child, child.pid, words)
 
@@ -640,7 +647,7 @@ class ReturnProbes:
             returns,
             code=dict(returns.code),
             instances={(child.pid, k): i for (t, k), i in list(returns.instances.items()) if t == tid},
-            snapshot=None if words is None else words.copy(),
+            snapshot=None if words is None else array("Q", words.tobytes()),
         )
 
     def thread_area_given(self, proc: TracedProcess, tid: int) -> list[tuple[int, int, int]]:
@@ -668,7 +675,7 @@ class ReturnProbes:
             at = self._at(k)
             index = int(snap[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if snap[at] and index < lay.max_probes:
-                words[lay.counter(index, L.PENDING) // 8] += np.uint64(1)
+                _more_pending(words, lay.counter(index, L.PENDING) // 8)
                 entries.append((index, int(snap[at]), int(snap[at + L.ENTRY_DATA // 8])))
         return entries
 

@@ -9,9 +9,10 @@ Site and Probe are records too).
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from dynprobe.arch.x86_64 import Regs
 from dynprobe.arch.x86_64.codegen.asm import HOOK_ROOM, Trampoline
@@ -24,11 +25,6 @@ from dynprobe.ptrace.process import Tracee
 from dynprobe.ringbuf import layout as L
 from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.symbols.loader import loaded_libraries
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    from dynprobe.deferred import numpy as np
 
 
 @dataclass
@@ -61,7 +57,7 @@ class ProcessReturns:
     upcall_doorbell: int | None = None  # the doorbell the upcall stub rings, once it is made
     code: dict[int, tuple[int, int]] = field(default_factory=dict)  # probe index -> (address, size)
     instances: dict[tuple[int, int], Instance] = field(default_factory=dict)  # (tid, entry number)
-    snapshot: np.ndarray | None = None  # a fork child's copy of its parent thread's shadow stack
+    snapshot: array[int] | None = None  # a fork child's copy of its parent thread's area (u64s)
 
     def going_to(self, rip: int, rsp: int, read_u64: Callable[[int], int]) -> int:
         """Where a thread at `rip` runs next: at an entry's call (`enter_tail`), the relocated

@@ -14,16 +14,10 @@ import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from dynprobe.frozen import frozen
 from dynprobe.ptrace.syscalls import futex_wake
 from dynprobe.ringbuf import layout as L
-
-if TYPE_CHECKING:
-    import numpy as np
-else:
-    from dynprobe.deferred import numpy as np
 
 POOL_AREAS = 8
 
@@ -36,8 +30,7 @@ class Pool:
     target_addr: int
     view: mmap.mmap
     count: int
-    # each area as u64s in a memoryview: a word read or written in a tenth of numpy's time
-    # (a trap hit's few words), and no numpy where records are not read
+    # each area as u64s in a memoryview (a word read or written in a tenth of numpy's time)
     cells: list[memoryview] = field(init=False)
     address: int = field(init=False)
     committed: set[int] = field(default_factory=set)  # areas whose memory the target faulted in
@@ -49,20 +42,8 @@ class Pool:
         whole.release()
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.view))  # the view's, here
 
-    @functools.cached_property
-    def words(self) -> np.ndarray:
-        """(count, area words) u64 over the shared memory, made at the first use."""
-        return np.frombuffer(self.view, dtype=np.uint64).reshape(self.count, len(self.view) // self.count // 8)
-
-    @functools.cached_property
-    def areas(self) -> list[np.ndarray]:
-        """Each area's row of `words`, made once."""
-        return list(self.words)
-
     def close(self) -> None:
         """Let go of the shared memory (no view of it may be left)."""
-        self.__dict__.pop("areas", None)
-        self.__dict__.pop("words", None)
         for cells in self.cells:
             cells.release()
         self.cells = []
@@ -83,11 +64,6 @@ class AreaRef:
     @functools.cached_property
     def target_addr(self) -> int:
         return self.pool.target_addr + self.offset
-
-    @property
-    def words(self) -> np.ndarray:
-        """The area as u64s (a view of the shared memory)."""
-        return self.pool.areas[self.index]
 
     @property
     def cells(self) -> memoryview:

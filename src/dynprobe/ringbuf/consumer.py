@@ -71,6 +71,8 @@ class TscClock:
         if not self._scale:
             time.sleep(max(0.0, FIRST_CALIBRATION - (time.monotonic_ns() - self._ns0) / 1e9))
             self.recalibrate()
+            if not self._scale:  # (a counter that did not move on: no calibration to be had yet)
+                self._scale = 1.0
         return self._scale
 
     @functools.cached_property
@@ -276,9 +278,10 @@ class _Table:
     `start`), summed over ended threads. Rows are read where they are given out only, a row at a
     time as lists: most of a table is never used."""
 
-    def __init__(self, start: int, width: int) -> None:
+    def __init__(self, start: int, width: int, rows: int) -> None:
         self.start = start
         self.width = width
+        self.rows = rows  # in the layout (past them: another table, or the ring)
         self.sums: list[int] = []
 
     def row_of(self, cells: memoryview, index: int) -> list[int]:
@@ -294,7 +297,7 @@ class _Table:
         """The first `rows` of an area's table added, but for a row holding a count over `most`
         (False: there was one)."""
         width = self.width
-        block: list[int] = cells[self.start : self.start + rows * width].tolist()
+        block: list[int] = cells[self.start : self.start + min(rows, self.rows) * width].tolist()
         possible = not block or max(block) <= most
         if not possible:
             for at in range(0, len(block), width):
@@ -341,8 +344,8 @@ class Consumer:
         # read (past them, only what the program itself wrote)
         self.in_use = in_use or (lambda: (layout.max_probes, layout.max_hists))
         # The counters and histograms of ended threads, summed: a row of each table's after another
-        self.folded = _Table(layout.counters // 8, L.PROBE_COUNTERS)
-        self.folded_hists = _Table(layout.hists // 8, L.HIST_BUCKETS)
+        self.folded = _Table(layout.counters // 8, L.PROBE_COUNTERS, layout.max_probes)
+        self.folded_hists = _Table(layout.hists // 8, L.HIST_BUCKETS, layout.max_hists)
         self.corrupt = 0  # records or rings rejected
         self.folded_waits = 0  # WAITS of the areas of ended threads
         self.records_read = 0  # numbers the next record read (RecordBatch.order)

@@ -42,13 +42,15 @@ def _cache_mtime() -> int:
         return 0
 
 
-# /etc/ld.so.cache (glibc's elf/cache.c, the format since glibc 2.32 writes alone): a header,
-# then entries of (flags, offset of the soname, offset of the path, -, hwcap), the offsets from
-# the start of the file.
+# /etc/ld.so.cache, as glibc's elf/cache.c writes it: a header, then entries of (flags, offset
+# of the soname, offset of the path, -, hwcap), the offsets from the header's start; alone since
+# glibc 2.32, before that after the old format's header and entries (which only it reads).
 _CACHE_MAGIC = b"glibc-ld.so.cache1.1"
 _CACHE_HEADER = struct.Struct("<20sII")  # magic and version, entries, bytes of strings (and more)
 _CACHE_HEADER_SIZE = 48
 _CACHE_ENTRY = struct.Struct("<iIIIQ")
+_OLD_MAGIC = b"ld.so-1.7.0"
+_OLD_HEADER = struct.Struct("<12sI")  # magic, entries of 12 bytes
 _X86_64_LIBC6 = 0x0303  # FLAG_ELF_LIBC6 | FLAG_X8664_LIB64: what `ldconfig -p` calls (libc6,x86-64)
 _MAX_CACHE = 64 << 20
 
@@ -57,26 +59,34 @@ _MAX_CACHE = 64 << 20
 def _ld_cache(mtime: int) -> dict[str, str]:
     try:
         with open("/etc/ld.so.cache", "rb") as cache:
-            data = cache.read(_MAX_CACHE)
+            return parse_ld_cache(cache.read(_MAX_CACHE))
     except OSError:
         return {}
-    if len(data) < _CACHE_HEADER_SIZE:
+
+
+def parse_ld_cache(data: bytes) -> dict[str, str]:
+    """{soname: path} of the x86-64 entries of a loader's cache, the first path of each, as
+    `ldconfig -p` lists them ({} for what is not such a cache)."""
+    base = 0
+    if data.startswith(_OLD_MAGIC) and len(data) >= _OLD_HEADER.size:
+        base = -(-(_OLD_HEADER.size + 12 * _OLD_HEADER.unpack_from(data)[1]) // 8) * 8
+    if len(data) < base + _CACHE_HEADER_SIZE:
         return {}
-    magic, count, _ = _CACHE_HEADER.unpack_from(data)
-    end = _CACHE_HEADER_SIZE + count * _CACHE_ENTRY.size
+    magic, count, _ = _CACHE_HEADER.unpack_from(data, base)
+    end = base + _CACHE_HEADER_SIZE + count * _CACHE_ENTRY.size
     if magic != _CACHE_MAGIC or end > len(data):
         return {}
     paths: dict[str, str] = {}
-    for flags, key, value, _, _ in _CACHE_ENTRY.iter_unpack(data[_CACHE_HEADER_SIZE:end]):
+    for flags, key, value, _, _ in _CACHE_ENTRY.iter_unpack(data[base + _CACHE_HEADER_SIZE : end]):
         if flags & 0xFFFF == _X86_64_LIBC6:
-            soname, path = _c_string(data, key), _c_string(data, value)
+            soname, path = _c_string(data, base + key), _c_string(data, base + value)
             if soname and path:
                 paths.setdefault(soname, path)
     return paths
 
 
 def _c_string(data: bytes, at: int) -> str | None:
-    end = data.find(b"\0", at)
+    end = data.find(b"\0", at, at + 4096)
     return data[at:end].decode(errors="surrogateescape") if 0 <= at < end else None
 
 
