@@ -39,7 +39,6 @@ import mmap
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -54,7 +53,7 @@ from dynprobe.errors import OptimizeRefusal, ProcessError, SessionError, SharedM
 from dynprobe.frozen import frozen
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
-from dynprobe.ringbuf.areas import AreaRef, Pool, ThreadAreas
+from dynprobe.ringbuf.areas import ThreadAreas
 from dynprobe.spec.fetch import FetchContext
 from dynprobe.symbols.maps import Mapping
 from dynprobe.threads import place, start_without_signals
@@ -157,7 +156,6 @@ class Upcalls:
         self._bells: dict[TracedProcess, Doorbell] = {}  # (a fork child shares its parent's)
         self._version = 0  # of _bells: the server looks at them again when it changes
         self._lock = threading.Lock()  # the server reads _bells, the tracing thread changes it
-        self._pools: weakref.WeakKeyDictionary[Pool, int] = weakref.WeakKeyDictionary()  # (see _address)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # Where the server runs (during a run, off the CPU where the target's threads wake up,
@@ -475,7 +473,7 @@ class Upcalls:
                         area.cells,
                         area.pool.view,
                         at + L.UPCALL_FRAME,
-                        self._address(area) + L.UPCALL_STATE,
+                        area.pool.address + area.offset + L.UPCALL_STATE,
                     )
 
     def _asking(self, only: TracedProcess | None = None) -> Iterator[Asker]:
@@ -528,13 +526,6 @@ class Upcalls:
                 sc.futex_wake(asker.state)
             if self._spin and cells[_CPU] == self._cpu:
                 self._make_room(self._cpu)
-
-    def _address(self, area: AreaRef) -> int:
-        """Where `area` is in our memory (its pool's address found once)."""
-        base = self._pools.get(area.pool)
-        if base is None:
-            base = self._pools[area.pool] = ctypes.addressof(ctypes.c_char.from_buffer(area.pool.view))
-        return base + area.offset
 
     def _run_handlers(self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool) -> int | None:
         """The site's pre-handlers and return probes' entry handlers (`post`: its post-handlers,
