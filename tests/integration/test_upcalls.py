@@ -305,22 +305,30 @@ def _factorial(n: int) -> int:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_return_handlers_in_a_recursion_each_see_their_own_entry(ret: str, mode: str) -> None:
-    """fact(200): each return handler gets the data its own entry kept and its own value; the
-    returns come deepest first."""
+@pytest.mark.parametrize(("depth", "maxactive"), [(200, 200), (30, 10)], ids=["all", "past-maxactive"])
+def test_return_handlers_in_a_recursion_each_see_their_own_entry(
+    ret: str, mode: str, depth: int, maxactive: int
+) -> None:
+    """fact(depth) with `maxactive` instances at most: each return handler gets the data its own
+    entry kept and its own value, the returns deepest first; the calls past `maxactive` are
+    missed, their entry handler does not run, and they leave the others' data as it was."""
+    entered: list[int] = []
     seen: list[tuple[object, int]] = []
 
     def entry(hit: Hit) -> None:
+        entered.append(hit.regs.arg(1))
         hit.data = hit.regs.arg(1)
 
     def place(session: dynprobe.Session) -> dynprobe.Probe:
         handler = lambda hit: seen.append((hit.data, hit.retval))  # noqa: E731
-        return session.retprobe("fact", handler=handler, entry=entry, maxactive=200)
+        return session.retprobe("fact", handler=handler, entry=entry, maxactive=maxactive)
 
-    status, out, probe = run([ret, "fact", "200"], mode, place)
-    assert status == 0 and out == f"{_factorial(200)}\n"
-    assert seen == [(n, _factorial(n)) for n in range(1, 201)]
-    assert isinstance(probe, dynprobe.Probe) and probe.hits == 200 and probe.nmissed == 0
+    status, out, probe = run([ret, "fact", str(depth)], mode, place)
+    kept = min(depth, maxactive)  # the outermost calls
+    assert status == 0 and out == f"{_factorial(depth)}\n"
+    assert entered == list(range(depth, depth - kept, -1))
+    assert seen == [(n, _factorial(n)) for n in range(depth - kept + 1, depth + 1)]
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == kept and probe.nmissed == depth - kept
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -349,28 +357,6 @@ def test_return_probes_sharing_a_function_each_get_their_own_entry(ret: str, mod
         assert seen[name] == [((name, n), _factorial(n)) for n in range(1, 51)]
     assert seen["c"] == [(None, _factorial(n)) for n in range(1, 51)]
     assert isinstance(probes, list) and [(p.hits, p.nmissed) for p in probes] == [(50, 0)] * 3
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_an_entry_past_maxactive_runs_no_handler_and_leaves_the_others_data(ret: str, mode: str) -> None:
-    """fact(30) with 10 instances at most: the 20 deepest calls are missed, their entry handler
-    does not run, and the 10 outer calls' returns each get their own entry's data."""
-    entered: list[int] = []
-    seen: list[tuple[object, int]] = []
-
-    def entry(hit: Hit) -> None:
-        entered.append(hit.regs.arg(1))
-        hit.data = hit.regs.arg(1)
-
-    def place(session: dynprobe.Session) -> dynprobe.Probe:
-        handler = lambda hit: seen.append((hit.data, hit.retval))  # noqa: E731
-        return session.retprobe("fact", handler=handler, entry=entry, maxactive=10)
-
-    status, out, probe = run([ret, "fact", "30"], mode, place)
-    assert status == 0 and out == f"{_factorial(30)}\n"
-    assert entered == list(range(30, 20, -1))
-    assert seen == [(n, _factorial(n)) for n in range(21, 31)]
-    assert isinstance(probe, dynprobe.Probe) and probe.hits == 10 and probe.nmissed == 20
 
 
 @pytest.mark.parametrize("mode", MODES)
