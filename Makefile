@@ -13,8 +13,8 @@ EXAMPLES := examples/bin/wordcount examples/bin/app
 
 all: test
 
-# gcc and Python's headers: pip builds output/callwalk.c (setup.py) with the package.
-$(STAMP): pyproject.toml setup.py src/dynprobe/output/callwalk.c
+# gcc and Python's headers: pip builds output/callwalk.c and core/upcalls.c (setup.py) with the package.
+$(STAMP): pyproject.toml setup.py src/dynprobe/output/callwalk.c src/dynprobe/core/upcalls.c
 	@command -v $(CC) >/dev/null && command -v g++ >/dev/null || (apt-get update -qq && apt-get install -y -qq gcc g++)
 	@$(PYTHON) -c "import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))" || \
 	  (apt-get update -qq && apt-get install -y -qq python3-dev)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -215,6 +216,10 @@ def test_a_handler_asks_for_the_loop_only_while_it_runs() -> None:
             run_until(session, lambda: probe.hits > 0, "a hit")
             wanted.set()
             assert tried.wait(60)
+            tried_at = probe.hits  # (the server answers one hit at a time: a later one comes after the report)
+            deadline = time.monotonic() + 60
+            while probe.hits <= tried_at and time.monotonic() < deadline:
+                time.sleep(0.001)
             assert session.warnings == [
                 "t/placing: its handler raised SessionError: placing a probe from a handler served by an upcall "
                 "needs session.run() to be running (reported once)"

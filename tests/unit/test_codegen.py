@@ -29,6 +29,7 @@ from dynprobe.arch.x86_64.codegen.upcall import UpcallReturns, build_upcall
 from dynprobe.arch.x86_64.decode import iter_instructions
 from dynprobe.arch.x86_64.optimize import OptimizePlan, can_optimize, relocate_region_map
 from dynprobe.arch.x86_64.regs import Regs
+from dynprobe.core.upcalls import native
 from dynprobe.errors import OptimizeRefusal
 from dynprobe.ptrace import syscalls as sc
 from dynprobe.ringbuf import layout as L
@@ -778,19 +779,21 @@ def _upcall_site(
 
 
 def _answer(area: NativeArea, handler: Callable[[Regs], None], resume: dict[int, int]) -> threading.Thread:
-    """A tracer's server in a thread: waits for the request, runs `handler` on the frame, sets
-    where the thread goes on (the copy of the site's instruction unless the handler moved it),
-    answers."""
+    """A tracer's server in a thread, as core/upcalls.py's: waits for the request, runs `handler`
+    on a copy of the frame, writes back what it changed (rip only if it moved the thread: where
+    to in the detour's copy of the region, if there; else the thread goes on at the copy of its
+    instruction), answers."""
 
     def serve() -> None:
         while area.word(L.UPCALL_STATE) != L.UPCALL_REQUEST:
             time.sleep(0.0001)
         regs = Regs.from_buffer_copy(area.mem, L.UPCALL_FRAME)
+        asked_at = int(regs.rip)
         handler(regs)
-        regs.rip = resume.get(int(regs.rip), int(regs.rip))
-        area.mem[L.UPCALL_FRAME : L.UPCALL_FRAME + ctypes.sizeof(Regs)] = np.frombuffer(bytes(regs), dtype=np.uint8)
-        area.set_word(L.UPCALL_STATE, L.UPCALL_ANSWERED)
-        sc.futex_wake(area.mem.ctypes.data + L.UPCALL_STATE)
+        if regs.rip != asked_at:
+            regs.rip = resume.get(int(regs.rip), int(regs.rip))
+        native.write_back(area.mem, L.UPCALL_FRAME, regs)
+        native.answer(area.mem, -1)
 
     thread = threading.Thread(target=serve)
     thread.start()
@@ -825,7 +828,9 @@ def test_native_upcall_at_a_return_probes_entry_takes_its_shadow_entry_first(are
     seen: list[tuple[int, ...]] = []
 
     def handler(regs: Regs) -> None:
-        offset = area.word(L.UPCALL_ENTRIES)
+        word = area.word(L.UPCALL_ENTRIES)
+        assert word >> 32 == 2  # (the probe's index)
+        offset = word & 0xFFFF_FFFF
         k, entry = offset // L.SHADOW_ENTRY, LAYOUT.shadow + offset
         slot = ctypes.c_uint64.from_address(int(regs.rsp))
         fields = (L.ENTRY_SLOT, L.ENTRY_RET, L.ENTRY_HANDLER, L.ENTRY_PROBE, L.ENTRY_DATA)
@@ -840,7 +845,23 @@ def test_native_upcall_at_a_return_probes_entry_takes_its_shadow_entry_first(are
     assert point == k * L.TRAMPOLINE_STRIDE and slot == rsp and ret != 0
     assert (to, probe, arg1) == (stub, 2, 7) and area.counter(2, L.PENDING) == 1
     assert area.word(LAYOUT.shadow + k * L.SHADOW_ENTRY + L.ENTRY_TSC) != 0  # (stamped once answered)
-    assert area.word(L.UPCALL_ENTRIES + 8) == 0  # (one return probe: the next word untouched)
+    assert area.word(L.UPCALL_ENTRIES + 8) == L.ENTRIES_END  # (one return probe: the end after it)
+    assert area.word(L.UPCALL_ENTRIES + 16) == 0  # (and nothing past)
+
+
+def test_native_upcall_without_return_probes_ends_the_entry_words_at_once(area: NativeArea) -> None:
+    """A detour made before a return probe came to its site (a thread still in it asks for the
+    site's probes as they are now) writes ENTRIES_END first: no word an earlier upcall left is
+    taken for an entry of this one."""
+    doorbell = np.zeros(mmap.PAGESIZE // 8, dtype=np.uint64)
+    function, resume = _upcall_site(area, doorbell.ctypes.data)
+    for i in range(L.UPCALL_ENTRIES_MAX):
+        area.set_word(L.UPCALL_ENTRIES + 8 * i, 2 << 32)  # (probe 2's entry 0, left by another site)
+    seen: list[int] = []
+    server = _answer(area, lambda regs: seen.append(area.word(L.UPCALL_ENTRIES)), resume)
+    assert area.call_at(function, 7) == 7
+    server.join()
+    assert seen == [L.ENTRIES_END]
 
 
 def test_native_upcall_goes_where_the_handler_sends_it(area: NativeArea) -> None:

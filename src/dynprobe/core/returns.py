@@ -108,10 +108,11 @@ CATCH_ENTRY = "__cxa_begin_catch"
 _SAVED_RAX, _SAVED_RDX = SAVED_AT["rax"], SAVED_AT["rdx"]  # in the trampoline's frame
 _WORDS_PER_ENTRY = L.SHADOW_ENTRY // 8
 # an entry's words (see ringbuf/layout.py), as indices into the list of them
-_SLOT, _RET, _PROBE = L.ENTRY_SLOT // 8, L.ENTRY_RET // 8, L.ENTRY_PROBE // 8
+_RET, _PROBE = L.ENTRY_RET // 8, L.ENTRY_PROBE // 8
 _TSC, _RETURN_TSC, _DATA = L.ENTRY_TSC // 8, L.ENTRY_RETURN_TSC // 8, L.ENTRY_DATA // 8
 _POINTS_BYTES = L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
-_UPCALL_ENTRIES, _UPCALL_RSI = L.UPCALL_ENTRIES // 8, L.UPCALL_RSI // 8
+_UPCALL_RSI = L.UPCALL_RSI // 8
+_UPCALL_ENTRY_WORDS = range(L.UPCALL_ENTRIES // 8, L.UPCALL_ENTRIES // 8 + L.UPCALL_ENTRIES_MAX)
 _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 _UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
@@ -153,6 +154,7 @@ def shadow_stack_enabled(pid: int) -> bool:
 class ReturnProbes:
     def __init__(self, engine: ReturnsEngine) -> None:
         self.engine = engine
+        self._probe_by_index = engine.probe_by_index  # (asked at every return)
         self._shadow: int | None = None  # the shadow stack's first word in a thread area (the layout's, once fixed)
 
     # --- policy -------------------------------------------------------------------------------------
@@ -387,7 +389,7 @@ class ReturnProbes:
         handler), else its data is kept for the return."""
         assert proc.returns is not None
         probe = hit.probe
-        k = self._taken_at_upcall(cells, probe.index, hit.regs.rsp)
+        k = self._taken_at_upcall(cells, probe.index)
         if k is None:
             return
         if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed, anything=True):
@@ -398,16 +400,17 @@ class ReturnProbes:
         else:
             proc.returns.instances[hit.tid, k] = Instance(probe, hit.data)
 
-    def _taken_at_upcall(self, cells: memoryview, index: int, slot: int) -> int | None:
-        """The entry the upcall detour took for probe `index` at return-address `slot` (an
-        offset in UPCALL_ENTRIES, checked: the thread area is the target's to write)."""
-        shadow = self._at(0)
-        for offset in cells[_UPCALL_ENTRIES : _UPCALL_ENTRIES + L.UPCALL_ENTRIES_MAX].tolist():
-            if offset % L.SHADOW_ENTRY or offset >= _SHADOW_BYTES:
-                continue  # (-1: missed)
-            at = shadow + offset // 8
-            if cells[at + _SLOT] == slot and cells[at + _PROBE] & 0xFFFF_FFFF == index:
-                return offset // L.SHADOW_ENTRY
+    @staticmethod
+    def _taken_at_upcall(cells: memoryview, index: int) -> int | None:
+        """The entry the upcall detour took for probe `index` (its word in UPCALL_ENTRIES, which
+        this upcall wrote; an offset checked: the thread area is the target's to write)."""
+        for word in _UPCALL_ENTRY_WORDS:
+            value = cells[word]
+            if value >> 32 == index:
+                offset = value & 0xFFFF_FFFF
+                return offset // L.SHADOW_ENTRY if offset < _SHADOW_BYTES and not offset % L.SHADOW_ENTRY else None
+            if value == L.ENTRIES_END:
+                break
         return None
 
     def stamp_on_resume(self, proc: TracedProcess, tid: int, regs: Regs, stamps: list[int]) -> None:
@@ -463,23 +466,24 @@ class ReturnProbes:
         k = offset // L.SHADOW_ENTRY
         at = self._at(k)
         entry = words[at : at + _WORDS_PER_ENTRY].tolist()  # (read once, before the entry goes)
-        probe = self.engine.probe_by_index(entry[_PROBE] & 0xFFFF_FFFF)
+        probe = self._probe_by_index(entry[_PROBE] & 0xFFFF_FFFF)
         if probe is None:
             return
+        instance = returns.instances.pop((tid, k), None)
         if entry[_PROBE] >> 32 & L.ENTRY_VETOED:
-            returns.instances.pop((tid, k), None)
             return  # (its entry handler vetoed it: nothing runs, nothing is counted)
+        if instance is not None and instance.probe is not probe:
+            instance = None  # (an entry a longjmp left, taken again by another probe's call)
         caller, points = entry[_RET], returns.trampoline.points
         if 0 <= caller - points < _POINTS_BYTES:  # (other return probes of the call hooked it before)
             _, caller = through_entry_points(caller, points, lambda k: int(words[self._at(k) + _RET]))
         base = regs.rsp
-        tracee = proc.tracee
         if cells is not None:
             view = regs
             view.rsi = cells[_UPCALL_RSI]
         else:
             view = Regs.from_buffer_copy(regs)
-            saved = tracee.read(base, 8 * len(SAVED_AT))
+            saved = proc.tracee.read(base, 8 * len(SAVED_AT))
             for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
                 setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
         view.rsp = base + _RETURNED_RSP
@@ -494,9 +498,6 @@ class ReturnProbes:
             returning = ReturnValues(tuple(entry[_DATA : _DATA + len(ARG_REGS)]), caller, self.engine.tsc_to_ns(ticks))
             return dataclasses.replace(made, returning=returning)
 
-        instance = returns.instances.pop((tid, k), None)
-        if instance is not None and instance.probe is not probe:
-            instance = None  # (an entry a longjmp left, taken again by another probe's call)
         if probe.action is not None:
             self.engine.act_in_tracer(probe, proc, tid, function, context(), caller)
         elif probe.on_return is not None and probe.enabled:
@@ -508,6 +509,7 @@ class ReturnProbes:
                 return
             rax, rdx = int(view.rax), int(view.rdx)
             call_handler(probe.on_return, hit, self.engine.handler_failed)
+            tracee = proc.tracee
             if int(view.rax) != rax:
                 tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
             if int(view.rdx) != rdx:

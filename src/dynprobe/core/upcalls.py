@@ -39,11 +39,13 @@ import mmap
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dynprobe.arch.x86_64 import Regs
+from dynprobe.core import _upcalls as native
 from dynprobe.core.probe import Hit, Probe, Site, call_handler
 from dynprobe.core.processes import ProcessTable
 from dynprobe.core.returns import ReturnProbes
@@ -65,13 +67,16 @@ WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it
 # Seconds each side looks for the other before it sleeps, when they run on different CPUs: a
 # thread for its answer, the server for the next request after its last.
 SPIN = 100e-6
+_SPIN_NS = int(SPIN * 1e9)
 MOVE_EVERY = 0.01  # seconds between two moves of the server away from a thread that asks on its CPU
 MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at once
 _STATE = L.UPCALL_STATE // 8
 _RING = L.DOORBELL_RING // 8
 _REGION, _SITE, _CPU, _SLEEPING = (at // 8 for at in (L.UPCALL_REGION, L.UPCALL_SITE, L.UPCALL_CPU, L.UPCALL_SLEEPING))
-_REQUEST, _FRAME_BYTES = L.UPCALL_REQUEST, ctypes.sizeof(Regs)
-_FRAME_RIP, _FRAME_RAX, _FRAME_RDX = ((L.UPCALL_FRAME + field.offset) // 8 for field in (Regs.rip, Regs.rax, Regs.rdx))
+native.set_layout(_STATE, _SLEEPING, _CPU, L.UPCALL_REQUEST, L.UPCALL_ANSWERED)
+_NONE_RANG = -1  # (native.next_request: no doorbell rang within the time given)
+_REQUEST = L.UPCALL_REQUEST
+_FRAME_RAX, _FRAME_RDX = ((L.UPCALL_FRAME + field.offset) // 8 for field in (Regs.rax, Regs.rdx))
 
 
 class UpcallsEngine(Protocol):
@@ -152,6 +157,7 @@ class Upcalls:
 
     def __init__(self, engine: UpcallsEngine) -> None:
         self.engine = engine
+        self._returns, self._failed = engine.returns, engine.handler_failed  # (asked at every hit)
         self._enabled = sc.has_futex_waitv()  # (else Python handlers stay at traps)
         self._bells: dict[TracedProcess, Doorbell] = {}  # (a fork child shares its parent's)
         self._version = 0  # of _bells: the server looks at them again when it changes
@@ -170,10 +176,6 @@ class Upcalls:
         self._placed_on: int | None = None
         self._moved_at = 0.0  # when the server last left a CPU to a thread that asks there
         self._bells_served: list[Doorbell] = []  # the doorbells the server looks at
-        # Acquired and released between storing an answer and looking whether its thread
-        # sleeps: a locked instruction, the full barrier that order needs (Python has no other)
-        fence = threading.Lock()
-        self._fence_acquire, self._fence_release = fence.acquire, fence.release
         # Calls handlers ask the tracing thread to make, and their outcome (under _lock)
         self._jobs: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._taking_jobs = False  # while run() runs
@@ -325,8 +327,8 @@ class Upcalls:
         """Answer requests until stopped. Should it fail, every thread goes on unheard from then."""
         if self._cpus is not None:
             os.sched_setaffinity(0, self._cpus)
-        bells: list[Doorbell] = []
-        pages: list[memoryview] = []  # the doorbells' words
+        bells: list[Doorbell] = []  # (kept here while the server waits on their words)
+        rings = array("Q")  # our addresses of their RING words
         askers: list[Asker] = []
         seen: tuple[int, ...] = ()  # the versions of the doorbells and the thread areas they are of
         try:
@@ -334,7 +336,7 @@ class Upcalls:
                 if not self._serving.is_set():
                     self._serving.wait(WAIT)
                     continue
-                rings = [page[_RING] & 0xFFFFFFFF for page in pages]  # (before the look: a request after it rings)
+                rung = array("I", [bell.rung() for bell in bells])  # (before the look: a request after it rings)
                 try:
                     if (self._version, ThreadAreas.changes) != seen:  # (a thread or process came or went)
                         seen = (self._version, ThreadAreas.changes)
@@ -342,14 +344,14 @@ class Upcalls:
                             bells = self._bells_served = self._distinct()
                         for bell in bells:  # (one made as the server moved may hold its old CPU)
                             bell.on_cpu(self._cpu)
-                        pages = [bell.words for bell in bells]
+                        rings = array("Q", [bell.ring for bell in bells])
                         askers = list(self._areas())
                         continue
                     for asker in askers:
                         if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST and self._serving.is_set():
                             self._answer(asker)
                     self._look_at_cpu(bells)
-                    if self._spin and self._spin_serving(pages, rings, askers, bells, seen):
+                    if self._spin and self._spin_serving(bells, rings, rung, askers, seen):
                         continue
                 except ValueError:  # (a process ended meanwhile: its areas' memory is let go under us)
                     seen = ()
@@ -404,54 +406,40 @@ class Upcalls:
             for bell in bells:
                 bell.on_cpu(cpu)
 
-    def _spin_serving(self, pages: list[memoryview], rings: list[int], askers: list[Asker], bells: list[Doorbell],
+    def _spin_serving(self, bells: list[Doorbell], rings: array[int], rung: array[int], askers: list[Asker],
                       seen: tuple[int, ...]) -> bool:  # fmt: skip
-        """Answer the threads that ask as their doorbells (`pages`, `rings` when last looked at)
-        ring, looking at them again and again, until none has rung for SPIN seconds (False: time
-        to sleep), or the server has its world to look at again (True: threads or doorbells that
-        came or went, looked at on every ring; a run held; the server to stop). Each ring
-        is answered here, without going round the server's loop: the hot path of every hit, in as
-        few steps as Python allows. The GIL is let go now and then, for the tracing thread."""
+        """Answer the threads that ask as their doorbells ring (`bells`; our addresses of their
+        RING words in `rings`, the values `rung` before the last look at the threads), one
+        thread after the other in turn, until none has rung for SPIN seconds (False: time to
+        sleep), or the server has its world to look at again (True: threads or doorbells that
+        came or went, looked at before each answer and on every ring; a run held; the server to
+        stop). The wait and the looks are core/upcalls.c's: the wait lets the GIL go."""
         serving, stopping = self._serving, self._stopping
         version, changes = seen
-        until = time.monotonic() + SPIN
-        answered = 0  # since the last look at the world
-        one = pages[0] if len(pages) == 1 else None  # (the common case, looked at in fewer steps)
+        areas = [asker.cells for asker in askers]
+        answered = 0  # since the last look at where the server runs
+        start = 0
         while True:
-            for _ in range(64):
-                if one is not None:
-                    rang = one[_RING] & 0xFFFFFFFF != rings[0]
-                else:
-                    rang = any(page[_RING] & 0xFFFFFFFF != value for page, value in zip(pages, rings, strict=True))
-                if rang:
-                    break
-            else:
-                if answered:  # (a run of answers over: where the server runs now is looked at)
-                    answered = 0
-                    until = time.monotonic() + SPIN
-                    self._look_at_cpu(bells)
-                elif time.monotonic() >= until:
-                    return False
-                if stopping.is_set() or (self._version, ThreadAreas.changes) != seen:
-                    return True
-                time.sleep(0)
-                continue
-            if one is not None:  # (before the look: a request after it rings)
-                rings[0] = one[_RING] & 0xFFFFFFFF
-            else:
-                rings[:] = [page[_RING] & 0xFFFFFFFF for page in pages]
+            at = native.next_request(rings, rung, areas, start, _SPIN_NS)
             if self._version != version or ThreadAreas.changes != changes:  # (an area given to another thread)
                 return True
-            for asker in askers:  # (none asking: its request was answered before its ring was seen)
-                if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST:
-                    if not serving.is_set():
+            if at >= 0:
+                if not serving.is_set():
+                    return True
+                self._answer(askers[at])
+                start = at + 1
+                answered += 1
+                if answered % 64 == 0:
+                    if stopping.is_set():
                         return True
-                    self._answer(asker)
-            answered += 1
-            if answered % 64 == 0:
+                    self._look_at_cpu(bells)
+            elif at == _NONE_RANG:
+                if not answered:
+                    return False
+                answered = 0  # (a run of answers over: where the server runs now is looked at)
+                self._look_at_cpu(bells)
                 if stopping.is_set():
                     return True
-                self._look_at_cpu(bells)
 
     def _areas(self, only: TracedProcess | None = None) -> Iterator[Asker]:
         """The threads of the processes with doorbells (of `only`, if given), once each (a vfork
@@ -483,78 +471,66 @@ class Upcalls:
                 yield asker
 
     def _answer(self, asker: Asker, *, handlers: bool = True) -> None:
-        """Run the handlers on the thread's frame (a copy, written back, or at a return its
-        return value alone: a handler may keep its hit), set where it goes on, and answer it:
+        """Run the handlers on a copy of the thread's frame, write back what they changed (at a
+        return, the return value alone: a handler may keep its hit), and answer the thread:
         whatever happens, it is answered. The handlers of a process we do not follow (a vfork
         child) do not run."""
         cells, proc = asker.cells, asker.proc
         if cells[_STATE] & 0xFFFFFFFF != _REQUEST:
             return  # (answered meanwhile)
-        view, at = asker.view, asker.frame
-        regs = Regs.from_buffer_copy(view, at)
-        region, site_addr = cells[_REGION], cells[_SITE]
-        asked_at = regs.rip  # the site (before its instruction) or the next one (after)
-        returned = proc is not None and proc.returns is not None and site_addr == proc.returns.upcall_stub
-        site = proc.sites.get(site_addr) if proc is not None and not returned else None
-        returned_rax, returned_rdx = (regs.rax, regs.rdx) if returned else (0, 0)
-        target = asked_at
         try:
             if handlers and proc is not None and proc.follow:
-                if returned:
-                    self.engine.returns.on_return(proc, asker.tid, regs, cells=cells)
-                elif site is not None:
-                    target = self._run_handlers(proc, asker, site, regs, post=asked_at != site_addr) or asked_at
+                view, frame = asker.view, asker.frame
+                regs = Regs.from_buffer_copy(view, frame)
+                site_addr = cells[_SITE]
+                site = proc.sites.get(site_addr)
+                if site is not None:
+                    moved = self._run_handlers(proc, asker, site, regs, post=regs.rip != site_addr)
+                    if moved is not None:  # (in the asking detour's copy of the region, if there)
+                        resume = site.upcall_resume or {}
+                        if resume.get(site_addr) != cells[_REGION]:  # (a detour made before the site's last one)
+                            resume = {site_addr: cells[_REGION]}
+                        regs.rip = resume.get(moved, moved)
+                    native.write_back(view, frame, regs)  # (what the handlers changed)
+                elif proc.returns is not None and site_addr == proc.returns.upcall_stub:
+                    rax, rdx = regs.rax, regs.rdx
+                    self._returns.on_return(proc, asker.tid, regs, cells=cells)
+                    if regs.rax != rax:
+                        cells[_FRAME_RAX] = regs.rax
+                    if regs.rdx != rdx:
+                        cells[_FRAME_RDX] = regs.rdx
         finally:
-            if returned:  # (on to the trampoline's finish, with the return value a handler may have set)
-                if regs.rax != returned_rax:
-                    cells[_FRAME_RAX] = regs.rax
-                if regs.rdx != returned_rdx:
-                    cells[_FRAME_RDX] = regs.rdx
-                cells[_FRAME_RIP] = region
-            else:
-                # On in the asking detour's copy of the region (there as long as a thread is in
-                # the detour); an address the handler chose, as it is.
-                resume = site.upcall_resume if site is not None else None
-                if resume is None or resume.get(site_addr) != region:
-                    resume = {site_addr: region}  # (a detour made before the site's last one)
-                regs.rip = resume.get(target, target)
-                view[at : at + _FRAME_BYTES] = regs
-            cells[_STATE] = L.UPCALL_ANSWERED
-            self._fence_acquire()  # (see the detour's SLEEPING)
-            self._fence_release()
-            if cells[_SLEEPING]:
-                sc.futex_wake(asker.state)
-            if self._spin and cells[_CPU] == self._cpu:
+            if native.answer(cells, self._cpu) and self._spin:
                 self._make_room(self._cpu)
 
     def _run_handlers(self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool) -> int | None:
         """The site's pre-handlers and return probes' entry handlers (`post`: its post-handlers,
-        the instruction done), in order, on the frame; where the thread goes on if a pre-handler
-        returned True (it moved it: the instruction and the post-handlers are skipped) or a
-        post-handler moved it, else None. A hit is counted at its first upcall (a return
-        probe's, at its return)."""
-        now, tid, pid = time.monotonic(), asker.tid, asker.pid
-        probes = [p for p in site.probes if p.enabled]  # (as they are now: a handler may place more)
-        count_here = not post or not self.asks_before(probes)
+        the instruction done), in order, on the frame, each of an enabled probe as the handlers
+        before it left it; where the thread goes on if a pre-handler returned True (it moved it:
+        the instruction and the post-handlers are skipped) or a post-handler moved it, else
+        None. A hit is counted at its first upcall (a return probe's, at its return)."""
+        now, tid, pid, addr = time.monotonic(), asker.tid, asker.pid, site.addr
+        probes = tuple(site.probes)  # (as they are now: a handler may place more)
+        count_here = not post or not self.asks_before([p for p in probes if p.enabled])
         asked_at = regs.rip
         for probe in probes:
+            if not probe.enabled:
+                continue
 
             def context(probe: Probe = probe) -> FetchContext:
                 return self.engine.fetch_context(proc, tid, regs, probe)
 
             if probe.is_return:
                 if not post:
-                    self.engine.returns.entered(proc, Hit(probe, pid, tid, regs, site.addr, now, context), asker.cells)
+                    self._returns.entered(proc, Hit(probe, pid, tid, regs, addr, now, context), asker.cells)
                 continue
             if count_here:
                 probe.trap_hits += 1
             handler = probe.post if post else probe.pre
-            if handler is None:
-                continue
-            hit = Hit(probe, pid, tid, regs, site.addr, now, context)
-            moved = call_handler(handler, hit, self.engine.handler_failed, anything=True)
-            if moved and not post:
-                return int(regs.rip)
+            if handler is not None:
+                hit = Hit(probe, pid, tid, regs, addr, now, context)
+                if call_handler(handler, hit, self._failed, anything=True) and not post:
+                    return int(regs.rip)
         return int(regs.rip) if post and regs.rip != asked_at else None
 
     def place(self, cpus: set[int], *, spin: bool) -> None:

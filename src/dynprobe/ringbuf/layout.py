@@ -85,27 +85,32 @@ STAMP_DISCARD = STAMP_TARGETS + 8 * STAMP_TARGETS_MAX
 # An upcall (core/upcalls.py): a thread at a site whose probes are Python handlers saves its
 # registers in UPCALL_FRAME (struct user_regs_struct: the tracer's Regs over its own mapping of
 # the area), REQUEST in UPCALL_STATE (a futex), rings its process's doorbell (DOORBELL_*) and
-# waits for ANSWERED: then its registers are the frame's, and it goes
-# on at the frame's rip (the tracer put the relocated copy of the site's instruction there).
+# waits for ANSWERED: then its registers are the frame's, and it goes on at the relocated copy
+# of the site's instruction, or at the frame's rip if the tracer changed it (a handler moved it).
 # UPCALL_BUSY: in an upcall (a nested hit, from a signal handler, runs no handler: missed).
 # AREA_SELF: the area's own address, for the futex; SLEEP_TIMEOUT: how long each futex wait
 # (an upcall's, a full ring's) is at most (a struct timespec), after which the thread looks
 # whether the tracer is gone or its time ran out; UPCALL_REGION:
 # where the asking detour's copy of the site's instruction is.
+# The words the tracer reads at every upcall share the frame's last cache line (each line both
+# sides write moves between their CPUs).
 UPCALL_FRAME = 0x200
+UPCALL_SITE = 0x2D8  # the site it asks for (its rip: where it is, the site or the next instruction)
 UPCALL_STATE = 0x2E0
 UPCALL_BUSY = 0x2E8
-AREA_SELF = 0x2F8
+UPCALL_SLEEPING = 0x2F0  # nonzero while it may sleep for its answer (the answer then wakes it)
+UPCALL_RSI = 0x2F8  # at a return: the function's rsi (the frame's is the shadow entry's offset)
 SLEEP_TIMEOUT = 0x300
 UPCALL_REGION = 0x310  # the asking detour's copy of the site's instruction
-UPCALL_SITE = 0x318  # the site it asks for (its rip: where it is, the site or the next instruction)
-UPCALL_CPU = 0x320  # the CPU it asked on
-UPCALL_SLEEPING = 0x328  # nonzero while it may sleep for its answer (the answer then wakes it)
-# At a return probes' entry: the offsets of the shadow entries the detour took for them (-1:
-# none, missed), in the order of the site's return probes
+UPCALL_CPU = 0x320  # the CPU it asked on (read by the tracer only if it sleeps)
+AREA_SELF = 0x328
+# At a return probes' entry: a word for each the detour took a shadow entry for, in the order
+# of the site's return probes: the probe's index in the upper half, the entry's offset in the
+# lower (ENTRIES_MISSED: none); ENTRIES_END after the last, unless all are used
 UPCALL_ENTRIES = 0x330
 UPCALL_ENTRIES_MAX = 4
-UPCALL_RSI = 0x350  # at a return: the function's rsi (the frame's is the shadow entry's offset)
+ENTRIES_MISSED = 0xFFFF_FFFF
+ENTRIES_END = (1 << 64) - 1
 STACK_SLOT = 0x358  # the table slot of the stack the thread's hit just counted (0: none), for its record
 # A bpftrace program's body (arch/x86_64/codegen/lang.py): nonzero while the thread runs one (a
 # signal handler's probes skip theirs), the process's id (`pid`), the operands waiting while

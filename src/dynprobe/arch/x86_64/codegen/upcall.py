@@ -18,14 +18,15 @@ target thread, with its thread area (GS base) and its process's doorbell page:
                                                 the server runs on this CPU ([CPU]), then
                                                 SLEEPING; futex(STATE, WAIT, REQUEST, timeout);
                                                 [GONE] set (no tracer): on, unheard
-    the registers back from the frame; rsp = frame.rsp - 128; push frame.rip; IDLE, not
-    SLEEPING, not BUSY; ret 128
+    the registers back from the frame; frame.rip still where it is: rsp = frame.rsp; IDLE,
+    not SLEEPING, not BUSY; jmp to the relocated copy of the instruction (`Detour.region_copy`);
+    else rsp = frame.rsp - 128; push frame.rip; IDLE, not SLEEPING, not BUSY; ret 128
 
-Where the thread goes on is the frame's rip, which the tracer sets before it answers: the
-relocated copy of the instruction it was at (`Detour.region_copy`), or wherever a handler sent
-it. `ret 128` takes it from below the red zone, so once BUSY is clear the thread needs nothing
-of the frame: a signal's nested hit in those two instructions may have the frame. The flags and
-every register are the frame's. Return probes with Python handlers upcall from their entry (the
+The tracer writes only what a handler changed, rip included (wherever it sent the thread), so
+the frame's cache lines stay the thread's CPU's when nothing was. Either way, once BUSY is clear
+the thread needs nothing of the frame (`ret 128` takes rip from below the red zone): a signal's
+nested hit in those last instructions may have the frame. The flags and every register are the
+frame's. Return probes with Python handlers upcall from their entry (the
 detour takes their shadow entries first, `UpcallReturns`) and from a return stub the trampoline
 calls (`build_return_upcall`).
 
@@ -105,16 +106,25 @@ class UpcallReturns:
     points: int  # the trampoline's entry point 0
 
 
-def _take_entries(asm: Asm, returns: UpcallReturns) -> None:
+def _take_entries(asm: Asm, returns: UpcallReturns | None) -> None:
     """The shadow entries of the site's return probes (the registers are in the frame: all
-    free), each with the entry's arguments, its offset in UPCALL_ENTRIES (-1: missed)."""
+    free), each with the entry's arguments, and for each a word of UPCALL_ENTRIES: its probe's
+    index in the upper half, the entry's offset in the lower (ENTRIES_MISSED: none), then
+    ENTRIES_END unless all of them are used. Every upcall writes them (with no return probes,
+    ENTRIES_END alone): the tracer never reads a word this upcall did not write."""
+    count = 0 if returns is None else len(returns.probes)
+    if count < L.UPCALL_ENTRIES_MAX:
+        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_ENTRIES + 8 * count), -1))  # (END)
+    if returns is None:
+        return
     shadow = returns.layout.shadow
     for i, (index, maxactive) in enumerate(returns.probes):
         word = gs_at(L.UPCALL_ENTRIES + 8 * i)
-        asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, word, -1))
+        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, index << 32 | L.ENTRIES_MISSED))
+        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, word, R.RAX))
 
         def fill(word: iced.MemoryOperand = word) -> None:  # (rsi: the entry's offset)
-            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, word, R.RSI))
+            asm.add(iced.Instruction.create_mem_reg(C.MOV_RM32_R32, word, R.ESI))
             stamp(asm, R.RSI, shadow + L.ENTRY_TSC)  # (again as the thread goes on: see _stamp_entries)
             for n, name in enumerate(ARG_REGS):
                 asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RAX, gs_at(_FRAME[name])))
@@ -130,9 +140,9 @@ def _stamp_entries(asm: Asm, returns: UpcallReturns) -> None:
     upcall's); rax, rdx, rsi and the flags are in the frame."""
     for i in range(len(returns.probes)):
         missed = asm.label()
-        asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSI, gs_at(L.UPCALL_ENTRIES + 8 * i)))
-        asm.add(iced.Instruction.create_reg_reg(C.TEST_RM64_R64, R.RSI, R.RSI))
-        asm.jump(C.JS_REL32_64, missed)
+        asm.add(iced.Instruction.create_reg_mem(C.MOV_R32_RM32, R.ESI, gs_at(L.UPCALL_ENTRIES + 8 * i)))
+        asm.add(iced.Instruction.create_reg_i32(C.CMP_RM32_IMM8, R.ESI, -1))  # (ENTRIES_MISSED)
+        asm.jump(C.JE_REL32_64, missed)
         stamp(asm, R.RSI, returns.layout.shadow + L.ENTRY_TSC)
         asm.bind(missed)
 
@@ -147,7 +157,7 @@ def _upcall(
     `ask` (no handler to run: return probes with no entry handler), only that, and on. `keep`
     writes more for the tracer once the frame is saved (every register free: it is the
     thread's own, a nested one goes by before)."""
-    nested, foreign, out, spin, wait, answered, gone, awake = (asm.label() for _ in range(8))
+    nested, foreign, out, spin, wait, answered, go_on, moved, awake = (asm.label() for _ in range(9))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create(C.PUSHFQ))
     asm.add(iced.Instruction.create_reg(C.PUSH_R64, R.RAX))
@@ -168,12 +178,9 @@ def _upcall(
     asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rsp"]), R.RAX))
     if keep is not None:
         keep(asm)
-    if returns is not None:
-        _take_entries(asm, returns)
+    _take_entries(asm, returns)
     if not ask:
-        asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, unheard))
-        asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(_FRAME["rip"]), R.RAX))
-        asm.jump(C.JMP_REL32_64, answered)
+        asm.jump(C.JMP_REL32_64, go_on)
     for word, value in ((_FRAME["rip"], rip), (L.UPCALL_SITE, site), (L.UPCALL_REGION, region)):
         asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, value))
         asm.add(iced.Instruction.create_mem_reg(C.MOV_RM64_R64, gs_at(word), R.RAX))
@@ -214,7 +221,7 @@ def _upcall(
     asm.jump(C.JE_REL32_64, answered)
     asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RDI, doorbell))
     asm.add(iced.Instruction.create_mem_i32(C.CMP_RM64_IMM8, mem_at(R.RDI, L.DOORBELL_GONE), 0))
-    asm.jump(C.JNE_REL32_64, gone)
+    asm.jump(C.JNE_REL32_64, answered)
     # SLEEPING, then the state once more, with a full barrier between (the tracer stores the
     # state, then looks at SLEEPING: one of the two sees the other's store, no wake-up is lost)
     asm.add(iced.Instruction.create_mem_i32(C.MOV_RM64_IMM32, gs_at(L.UPCALL_SLEEPING), 1))
@@ -231,27 +238,28 @@ def _upcall(
     asm.add(iced.Instruction.create_reg_u32(C.MOV_R32_IMM32, R.EDX, L.UPCALL_REQUEST))
     asm.add(iced.Instruction.create(C.SYSCALL))
     asm.jump(C.JMP_REL32_64, wait)
-    # Answered: the entries' time, the frame's registers, and on at the frame's rip, taken from
-    # below the red zone
+    # Answered: the entries' time, the frame's registers, and on at `unheard` if the frame's rip
+    # is still `rip` (the tracer wrote nothing it need not: the frame's cache lines stay this
+    # CPU's), else at the frame's rip, taken from below the red zone. No tracer left: the
+    # frame as it is (an answer it wrote but did not give, taken as given).
     asm.bind(answered)
     if returns is not None:
         _stamp_entries(asm, returns)
+    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, rip))
+    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, gs_at(_FRAME["rip"])))
+    asm.jump(C.JNE_REL32_64, moved)
+    asm.bind(go_on)
+    _restore(asm)
+    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
+    _leave(asm)
+    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
+    asm.bind(moved)
     _restore(asm)
     asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
     asm.add(iced.Instruction.create_reg_mem(C.LEA_R64_M, R.RSP, mem_at(R.RSP, -_RED_ZONE)))
     asm.add(iced.Instruction.create_mem(C.PUSH_RM64, gs_at(_FRAME["rip"])))
     _leave(asm)
     asm.add(iced.Instruction.create_i32(C.RETNQ_IMM16, _RED_ZONE))
-    # No tracer. An answer it wrote but did not give (it died in between): taken as given.
-    # Else the registers as they were, on unheard.
-    asm.bind(gone)
-    asm.add(iced.Instruction.create_reg_u64(C.MOV_R64_IMM64, R.RAX, rip))
-    asm.add(iced.Instruction.create_reg_mem(C.CMP_R64_RM64, R.RAX, gs_at(_FRAME["rip"])))
-    asm.jump(C.JNE_REL32_64, answered)
-    _restore(asm)
-    asm.add(iced.Instruction.create_reg_mem(C.MOV_R64_RM64, R.RSP, gs_at(_FRAME["rsp"])))
-    _leave(asm)
-    asm.add(iced.Instruction.create_branch(C.JMP_REL32_64, unheard))
     # A nested hit: its handlers miss this one. A GS base that is not ours (the program set its
     # own since): nothing of it is touched, no handler runs, the doorbell's FOREIGN counts it.
     asm.bind(nested)
