@@ -1,10 +1,10 @@
 /* The upcall server's steps that run on every request (core/upcalls.py): waiting for a
- * doorbell to ring, writing back the registers a handler changed, and answering a thread. Each
- * is a few loads and stores on shared memory; in Python each costs what a whole request may
- * cost, and the wait would hold the GIL the tracing thread needs. Handlers, and everything else
- * about a request, stay Python.
+ * doorbell to ring and finding the thread that asks, writing back the registers a handler
+ * changed, and answering the thread. Each is a few loads and stores on shared memory; in
+ * Python each costs what a whole request may cost, and the wait would hold the GIL the tracing
+ * thread needs. Handlers, and everything else about a request, stay Python.
  *
- * The word offsets are layout.py's, given once (`set_layout`). */
+ * The words' offsets and values are layout.py's, given once (`set_layout`). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -15,27 +15,32 @@
 #include <time.h>
 #include <unistd.h>
 
-static Py_ssize_t state_word = -1, sleeping_word, cpu_word, words_needed;
+static Py_ssize_t state_word = -1, sleeping_word, cpu_word, words_needed, prefetch_from, prefetch_to;
 static uint64_t request_value, answered_value;
+static long long spin_ns;
 
-static PyObject *set_layout(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *set_layout(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "set_layout(state, sleeping, cpu, request, answered): word indexes, values");
+    static char *names[] = {"state", "sleeping", "cpu", "request", "answered", "prefetch_from", "prefetch_to",
+                            "spin_ns", NULL};
+    Py_ssize_t state, sleeping, cpu, from, to;
+    unsigned long long request, answered;
+    long long spin;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$nnnKKnnL", names, &state, &sleeping, &cpu, &request,
+                                     &answered, &from, &to, &spin))
+        return NULL;
+    if (PyTuple_GET_SIZE(args) || !kwargs || PyDict_GET_SIZE(kwargs) != 8) {
+        PyErr_SetString(PyExc_TypeError, "set_layout: every value, by name");
         return NULL;
     }
-    Py_ssize_t state = PyLong_AsSsize_t(args[0]), sleeping = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t cpu = PyLong_AsSsize_t(args[2]);
-    unsigned long long request = PyLong_AsUnsignedLongLong(args[3]), answered = PyLong_AsUnsignedLongLong(args[4]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (state < 0 || sleeping < 0 || cpu < 0) {
-        PyErr_SetString(PyExc_ValueError, "word indexes are not negative");
+    if (state < 0 || sleeping < 0 || cpu < 0 || from < 0 || to < from || spin < 0) {
+        PyErr_SetString(PyExc_ValueError, "set_layout: offsets and a time that are not negative");
         return NULL;
     }
     state_word = state, sleeping_word = sleeping, cpu_word = cpu;
-    request_value = request, answered_value = answered;
     words_needed = 1 + (state > sleeping ? (state > cpu ? state : cpu) : (sleeping > cpu ? sleeping : cpu));
+    request_value = request, answered_value = answered;
+    prefetch_from = from, prefetch_to = to, spin_ns = spin;
     Py_RETURN_NONE;
 }
 
@@ -45,16 +50,21 @@ static int64_t now_ns(void) {
     return (int64_t)now.tv_sec * 1000000000 + now.tv_nsec;
 }
 
-/* Whether a doorbell's ring no longer holds the value seen. */
-static int rung(const uint64_t *rings, const uint32_t *seen, Py_ssize_t count) {
+/* `bells`: per doorbell, our address of its RING word and the value last seen there. */
+static uint32_t ring_of(const uint64_t *bells, Py_ssize_t i) {
+    return __atomic_load_n((const uint32_t *)(uintptr_t)bells[2 * i], __ATOMIC_ACQUIRE);
+}
+
+static int rung(const uint64_t *bells, Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++)
-        if (__atomic_load_n((const uint32_t *)(uintptr_t)rings[i], __ATOMIC_ACQUIRE) != seen[i])
+        if (ring_of(bells, i) != bells[2 * i + 1])
             return 1;
     return 0;
 }
 
 /* The first of `askers` (thread areas, as buffers of u64s), from `start` round, whose state is
- * REQUEST, or -1; -2 with an exception set (an area let go: a buffer no longer to be had). */
+ * REQUEST (the lines its answer reads first sent for: they come while the caller gets there),
+ * or -1; -2 with an exception set (an area let go: its buffer no longer to be had). */
 static Py_ssize_t asking(PyObject *askers, Py_ssize_t start) {
     Py_ssize_t count = PyList_GET_SIZE(askers);
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -62,9 +72,12 @@ static Py_ssize_t asking(PyObject *askers, Py_ssize_t start) {
         Py_buffer area;
         if (PyObject_GetBuffer(PyList_GET_ITEM(askers, at), &area, PyBUF_SIMPLE) < 0)
             return -2;
+        const uint64_t *words = area.buf;
         int asks = area.len >= words_needed * 8 &&
-                   (__atomic_load_n(&((const uint64_t *)area.buf)[state_word], __ATOMIC_ACQUIRE) & 0xFFFFFFFF) ==
-                       request_value;
+                   (__atomic_load_n(&words[state_word], __ATOMIC_ACQUIRE) & 0xFFFFFFFF) == request_value;
+        if (asks)
+            for (Py_ssize_t line = prefetch_from; line < prefetch_to && line < area.len; line += 64)
+                __builtin_prefetch((const char *)area.buf + line, 0, 3);
         PyBuffer_Release(&area);
         if (asks)
             return at;
@@ -72,58 +85,51 @@ static Py_ssize_t asking(PyObject *askers, Py_ssize_t start) {
     return -1;
 }
 
-/* next_request(rings, seen, askers, start, budget_ns) -> int: the index in `askers` (a list of
- * the thread areas that may ask, as u64 buffers) of one that asks, looked for from `start` round
- * (each thread in turn); else, once a doorbell rings (`rings`, an array('Q') of our addresses of
- * their RING words, which the caller keeps mapped throughout; `seen`, an array('I') of the
- * values last read, updated before each look at the areas: a request after the look rings
- * again), looked for again, and -2 if none of `askers` asks (a thread the caller does not know
- * of yet may have rung); -1 if no doorbell rings within `budget_ns`. The GIL is let go while it
- * waits; the areas are read only with it held (they may be let go meanwhile: ValueError). */
+/* next_request(bells, askers, start) -> int: the index in `askers` (a list of the thread areas
+ * that may ask, as u64 buffers) of one that asks, looked for from `start` round (each thread in
+ * turn); else, once a doorbell rings, looked for again, and -2 if none of `askers` asks (a thread
+ * the caller does not know of yet may have rung); -1 if no doorbell rings within the spin time.
+ * `bells`: an array('Q'), per doorbell our address of its RING word (the caller keeps it mapped
+ * throughout) and the value last seen there, read again before each look at the areas (a
+ * request after the look rings again). The GIL is let go while it waits; the areas are read only
+ * with it held (they may be let go meanwhile: ValueError). */
 static PyObject *next_request(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 5 || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "next_request(rings, seen, askers: list, start, budget_ns)");
+    if (nargs != 3 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "next_request(bells, askers: list, start)");
         return NULL;
     }
-    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
-    long long budget = PyLong_AsLongLong(args[4]);
-    if (PyErr_Occurred())
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred())
         return NULL;
     if (state_word < 0 || start < 0) {
         PyErr_SetString(PyExc_ValueError, "next_request: set_layout first, and a start not negative");
         return NULL;
     }
-    Py_buffer rings, seen;
-    if (PyObject_GetBuffer(args[0], &rings, PyBUF_SIMPLE) < 0)
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &seen, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&rings);
+    if (view.len % 16) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "next_request: an address and a value seen per doorbell");
         return NULL;
     }
-    Py_ssize_t count = rings.len / 8, found = -1;
-    if (rings.len % 8 || seen.len != count * 4) {
-        PyErr_SetString(PyExc_ValueError, "next_request: an address (u64) and a value seen (u32) per doorbell");
-        found = -3;
-    }
-    const uint64_t *addresses = rings.buf;
-    uint32_t *values = seen.buf;
-    for (int after_ring = 0; found == -1; after_ring = 1) {
-        found = asking(args[2], start);
-        if (found != -1)
-            break;
-        if (after_ring) {
-            found = -2;
+    uint64_t *bells = view.buf;
+    Py_ssize_t count = view.len / 16, found;
+    for (int after_ring = 0;; after_ring = 1) {
+        found = asking(args[1], start);
+        if (found != -1 || after_ring) {
+            found = found == -1 ? -2 : found;
             break;
         }
-        int rang = rung(addresses, values, count);
+        int rang = rung(bells, count);
         if (!rang) {
             Py_BEGIN_ALLOW_THREADS
-            int64_t until = now_ns() + budget;
+            int64_t until = now_ns() + spin_ns;
             while (!rang) {
                 for (int i = 0; i < 64 && !rang; i++) {
                     _mm_pause();
-                    rang = rung(addresses, values, count);
+                    rang = rung(bells, count);
                 }
                 if (!rang && now_ns() >= until)
                     break;
@@ -132,12 +138,11 @@ static PyObject *next_request(PyObject *module, PyObject *const *args, Py_ssize_
         }
         if (!rang)
             break; /* -1 */
-        for (Py_ssize_t j = 0; j < count; j++)
-            values[j] = __atomic_load_n((const uint32_t *)(uintptr_t)addresses[j], __ATOMIC_ACQUIRE);
+        for (Py_ssize_t i = 0; i < count; i++)
+            bells[2 * i + 1] = ring_of(bells, i);
     }
-    PyBuffer_Release(&rings);
-    PyBuffer_Release(&seen);
-    if (found == -3 || (found == -2 && PyErr_Occurred()))
+    PyBuffer_Release(&view);
+    if (found == -2 && PyErr_Occurred())
         return NULL;
     return PyLong_FromSsize_t(found);
 }
@@ -161,19 +166,20 @@ static PyObject *write_back(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyBuffer_Release(&area);
         return NULL;
     }
-    if (at < 0 || at % 8 || regs.len % 8 || at > area.len - regs.len) {
-        PyBuffer_Release(&area);
-        PyBuffer_Release(&regs);
+    int inside = at >= 0 && at % 8 == 0 && regs.len % 8 == 0 && at <= area.len - regs.len;
+    if (inside) {
+        uint64_t *frame = (uint64_t *)((char *)area.buf + at);
+        const uint64_t *changed = regs.buf;
+        for (Py_ssize_t i = 0; i < regs.len / 8; i++)
+            if (frame[i] != changed[i])
+                frame[i] = changed[i];
+    }
+    PyBuffer_Release(&area);
+    PyBuffer_Release(&regs);
+    if (!inside) {
         PyErr_SetString(PyExc_ValueError, "write_back: the frame is not words inside the area");
         return NULL;
     }
-    uint64_t *frame = (uint64_t *)((char *)area.buf + at);
-    const uint64_t *changed = regs.buf;
-    for (Py_ssize_t i = 0; i < regs.len / 8; i++)
-        if (frame[i] != changed[i])
-            frame[i] = changed[i];
-    PyBuffer_Release(&area);
-    PyBuffer_Release(&regs);
     Py_RETURN_NONE;
 }
 
@@ -208,14 +214,13 @@ static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t narg
     int sleeps = __atomic_load_n(&words[sleeping_word], __ATOMIC_SEQ_CST) != 0;
     if (sleeps)
         syscall(SYS_futex, &words[state_word], FUTEX_WAKE, 1, NULL, NULL, 0);
-    /* (one that asks on the server's CPU sleeps at once: one that spun did not ask there) */
     int here = sleeps && __atomic_load_n(&words[cpu_word], __ATOMIC_RELAXED) == (uint64_t)cpu;
     PyBuffer_Release(&area);
     return PyBool_FromLong(here);
 }
 
 static PyMethodDef methods[] = {
-    {"set_layout", (PyCFunction)(void (*)(void))set_layout, METH_FASTCALL, "The area's word indexes."},
+    {"set_layout", (PyCFunction)(void (*)(void))set_layout, METH_VARARGS | METH_KEYWORDS, "The layout's words."},
     {"next_request", (PyCFunction)(void (*)(void))next_request, METH_FASTCALL, "A thread that asks."},
     {"write_back", (PyCFunction)(void (*)(void))write_back, METH_FASTCALL, "A frame's changed words."},
     {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL, "Answer a thread."},

@@ -67,13 +67,21 @@ WAIT = 0.05  # seconds the server sleeps at most between two looks at whether it
 # Seconds each side looks for the other before it sleeps, when they run on different CPUs: a
 # thread for its answer, the server for the next request after its last.
 SPIN = 100e-6
-_SPIN_NS = int(SPIN * 1e9)
 MOVE_EVERY = 0.01  # seconds between two moves of the server away from a thread that asks on its CPU
 MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at once
 _STATE = L.UPCALL_STATE // 8
 _RING = L.DOORBELL_RING // 8
 _REGION, _SITE, _CPU, _SLEEPING = (at // 8 for at in (L.UPCALL_REGION, L.UPCALL_SITE, L.UPCALL_CPU, L.UPCALL_SLEEPING))
-native.set_layout(_STATE, _SLEEPING, _CPU, L.UPCALL_REQUEST, L.UPCALL_ANSWERED)
+native.set_layout(
+    state=_STATE,
+    sleeping=_SLEEPING,
+    cpu=_CPU,
+    request=L.UPCALL_REQUEST,
+    answered=L.UPCALL_ANSWERED,
+    prefetch_from=L.UPCALL_FRAME,
+    prefetch_to=L.UPCALL_STATE,
+    spin_ns=int(SPIN * 1e9),
+)
 _NONE_RANG = -1  # (native.next_request: no doorbell rang within the time given)
 _REQUEST = L.UPCALL_REQUEST
 _FRAME_RAX, _FRAME_RDX = ((L.UPCALL_FRAME + field.offset) // 8 for field in (Regs.rax, Regs.rdx))
@@ -328,7 +336,7 @@ class Upcalls:
         if self._cpus is not None:
             os.sched_setaffinity(0, self._cpus)
         bells: list[Doorbell] = []  # (kept here while the server waits on their words)
-        rings = array("Q")  # our addresses of their RING words
+        watched = array("Q")  # per doorbell, our address of its RING word and the value seen there
         askers: list[Asker] = []
         seen: tuple[int, ...] = ()  # the versions of the doorbells and the thread areas they are of
         try:
@@ -336,7 +344,8 @@ class Upcalls:
                 if not self._serving.is_set():
                     self._serving.wait(WAIT)
                     continue
-                rung = array("I", [bell.rung() for bell in bells])  # (before the look: a request after it rings)
+                for i, bell in enumerate(bells):  # (before the look: a request after it rings)
+                    watched[2 * i + 1] = bell.rung()
                 try:
                     if (self._version, ThreadAreas.changes) != seen:  # (a thread or process came or went)
                         seen = (self._version, ThreadAreas.changes)
@@ -344,14 +353,14 @@ class Upcalls:
                             bells = self._bells_served = self._distinct()
                         for bell in bells:  # (one made as the server moved may hold its old CPU)
                             bell.on_cpu(self._cpu)
-                        rings = array("Q", [bell.ring for bell in bells])
+                        watched = array("Q", [word for bell in bells for word in (bell.ring, bell.rung())])
                         askers = list(self._areas())
                         continue
                     for asker in askers:
                         if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST and self._serving.is_set():
                             self._answer(asker)
                     self._look_at_cpu(bells)
-                    if self._spin and self._spin_serving(bells, rings, rung, askers, seen):
+                    if self._spin and self._spin_serving(bells, watched, askers, seen):
                         continue
                 except ValueError:  # (a process ended meanwhile: its areas' memory is let go under us)
                     seen = ()
@@ -406,11 +415,11 @@ class Upcalls:
             for bell in bells:
                 bell.on_cpu(cpu)
 
-    def _spin_serving(self, bells: list[Doorbell], rings: array[int], rung: array[int], askers: list[Asker],
+    def _spin_serving(self, bells: list[Doorbell], watched: array[int], askers: list[Asker],
                       seen: tuple[int, ...]) -> bool:  # fmt: skip
-        """Answer the threads that ask as their doorbells ring (`bells`; our addresses of their
-        RING words in `rings`, the values `rung` before the last look at the threads), one
-        thread after the other in turn, until none has rung for SPIN seconds (False: time to
+        """Answer the threads that ask as their doorbells ring (`bells`; per doorbell in
+        `watched`, our address of its RING word and the value there before the last look at the
+        threads), one thread after the other in turn, until none has rung for SPIN seconds (False: time to
         sleep), or the server has its world to look at again (True: threads or doorbells that
         came or went, looked at before each answer and on every ring; a run held; the server to
         stop). The wait and the looks are core/upcalls.c's: the wait lets the GIL go."""
@@ -420,7 +429,7 @@ class Upcalls:
         answered = 0  # since the last look at where the server runs
         start = 0
         while True:
-            at = native.next_request(rings, rung, areas, start, _SPIN_NS)
+            at = native.next_request(watched, areas, start)
             if self._version != version or ThreadAreas.changes != changes:  # (an area given to another thread)
                 return True
             if at >= 0:

@@ -1,0 +1,113 @@
+"""core/upcalls.c, the upcall server's C steps, on memory of our own: which thread it finds
+asking and when, what it writes back, how it answers."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+import time
+from array import array
+
+import pytest
+
+from dynprobe.arch.x86_64 import Regs
+from dynprobe.core.upcalls import SPIN, native
+from dynprobe.ringbuf import layout as L
+
+AREA_BYTES = 0x400  # (the header's upcall words, and room after)
+
+
+class Bell:
+    """A doorbell page and thread areas, as the server sees them."""
+
+    def __init__(self, threads: int) -> None:
+        self.page = mmap.mmap(-1, mmap.PAGESIZE)
+        self.words = memoryview(self.page).cast("Q")
+        self.watched = array("Q", [ctypes.addressof(ctypes.c_char.from_buffer(self.page)) + L.DOORBELL_RING, 0])
+        self.pool = mmap.mmap(-1, threads * AREA_BYTES)
+        whole = memoryview(self.pool)
+        self.areas = [whole[i * AREA_BYTES : (i + 1) * AREA_BYTES].cast("Q") for i in range(threads)]
+        whole.release()
+
+    def ask(self, thread: int) -> None:
+        """What a detour does: REQUEST, then the ring."""
+        self.areas[thread][L.UPCALL_STATE // 8] = L.UPCALL_REQUEST
+        self.words[L.DOORBELL_RING // 8] += 1
+
+    def next(self, start: int = 0) -> int:
+        return native.next_request(self.watched, self.areas, start)
+
+
+def test_a_thread_that_asks_is_found_at_once_and_each_in_turn() -> None:
+    bell = Bell(3)
+    bell.ask(0)
+    bell.ask(2)
+    assert bell.next(0) == 0
+    assert bell.next(1) == 2  # (from where the last answer left off: no thread waits behind another)
+    assert bell.next(0) == 0  # (still asking: not answered)
+
+
+def test_nothing_rung_within_the_spin_is_minus_one() -> None:
+    bell = Bell(2)
+    started = time.monotonic()
+    assert bell.next() == -1
+    assert time.monotonic() - started >= SPIN
+
+
+def test_a_ring_with_no_known_thread_asking_is_minus_two_and_seen() -> None:
+    """A thread the server does not know of yet rang: it is told, to look at its world again;
+    the ring is seen, so the next wait waits for the next ring."""
+    bell = Bell(1)
+    bell.words[L.DOORBELL_RING // 8] += 1
+    assert bell.next() == -2
+    assert bell.watched[1] == 1
+    assert bell.next() == -1
+
+
+def test_a_request_made_while_it_waits_wakes_it() -> None:
+    bell = Bell(2)
+
+    def later() -> None:
+        time.sleep(0.05)
+        bell.ask(1)
+
+    thread = threading.Thread(target=later)
+    thread.start()
+    found, deadline = -1, time.monotonic() + 60
+    while found == -1 and time.monotonic() < deadline:  # (each wait a spin long, the GIL let go)
+        found = bell.next()
+    thread.join()
+    assert found == 1
+
+
+def test_an_area_let_go_is_a_value_error() -> None:
+    bell = Bell(2)
+    bell.areas[1].release()
+    with pytest.raises(ValueError):
+        bell.next()
+
+
+def test_the_frame_gets_back_what_a_handler_changed_and_nothing_else() -> None:
+    area = bytearray(range(256)) * (AREA_BYTES // 256)
+    before = bytes(area)
+    regs = Regs.from_buffer_copy(area, L.UPCALL_FRAME)
+    regs.rax, regs.rip = 7, 0x1000
+    native.write_back(area, L.UPCALL_FRAME, regs)
+    end = L.UPCALL_FRAME + ctypes.sizeof(Regs)
+    assert area[L.UPCALL_FRAME : end] == bytes(regs)
+    assert area[: L.UPCALL_FRAME] == before[: L.UPCALL_FRAME] and area[end:] == before[end:]
+    with pytest.raises(ValueError):
+        native.write_back(area, AREA_BYTES - 8, regs)  # (a frame past the area's end)
+
+
+def test_the_answer_wakes_only_a_thread_that_sleeps_and_tells_its_cpu() -> None:
+    area = memoryview(bytearray(AREA_BYTES)).cast("Q")
+    area[L.UPCALL_STATE // 8] = L.UPCALL_REQUEST
+    area[L.UPCALL_CPU // 8] = 3
+    assert native.answer(area, 3) is False  # (it spun: it did not ask on the server's CPU)
+    assert area[L.UPCALL_STATE // 8] == L.UPCALL_ANSWERED
+    area[L.UPCALL_SLEEPING // 8] = 1
+    assert native.answer(area, 3) is True and native.answer(area, 2) is False
+    with pytest.raises(ValueError):
+        native.answer(memoryview(bytearray(16)).cast("Q"), 3)  # (not a whole area)
