@@ -92,6 +92,30 @@ def test_a_handler_returning_true_skips_the_instruction(counter: str, mode: str)
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_a_handler_that_changes_rip_without_returning_true_moves_nothing(counter: str, mode: str, then: str) -> None:
+    """Only True moves the thread: a pre-handler (or an entry handler) that sets rip and
+    returns None, or raises, leaves it at its instruction (the rip of the middle of the jump
+    here: taken, it would crash the program)."""
+
+    def pre(hit: Hit) -> None:
+        hit.regs.rip = hit.address + 2
+        if then == "raises":
+            raise ValueError("after setting rip")
+
+    def entry(hit: Hit) -> None:
+        hit.regs.rip = hit.address + 2
+
+    def place(session: dynprobe.Session) -> object:
+        session.probe("work", pre=pre)
+        return session.retprobe("work", handler=lambda hit: None, entry=entry)
+
+    status, out, probe = run([counter, "7", "1"], mode, place)
+    assert status == 0 and out == "total=49\n"
+    assert isinstance(probe, dynprobe.Probe) and probe.hits == 7
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_handler_fetches_the_probes_arguments(counter: str, mode: str) -> None:
     seen: list[tuple[object, ...]] = []
 
@@ -226,6 +250,31 @@ def test_a_handler_asks_for_the_loop_only_while_it_runs() -> None:
             ]
         out, _ = program.communicate(timeout=60)
         assert program.returncode == 0 and out.startswith("ok "), out
+
+
+def test_a_target_ringing_its_doorbell_without_asking_never_holds_the_detach() -> None:
+    """The doorbell is the target's to write: rung on and on with nobody asking, the server
+    still looks at whether it should stop, and the detach ends; the program goes on. (In a
+    process of its own: a detach that hangs fails the test, not the suite.)"""
+    ringer = build_target("ringer", flags=("-O1", "-pthread"))
+    script = f"""
+import sys, time
+import dynprobe
+from tests.integration.helpers import run_until, started
+with started([{ringer!r}, "3000"], "ready") as program:
+    session = dynprobe.attach(program.pid)
+    session.upcalls = True
+    probe = session.probe("work", pre=lambda hit: None)
+    run_until(session, lambda: probe.hits > 0, "a hit")  # (then the threads run between runs too)
+    assert program.stdout.readline() == "ringing\\n"
+    time.sleep(0.2)  # (the server among the rings)
+    session.close()
+    out, _ = program.communicate(timeout=60)
+    print(program.returncode, probe.hits > 0, out, end="")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"0 True total={3000 * 3000}\n"
 
 
 def test_switching_upcalls_replans_the_sites_placed(counter: str) -> None:

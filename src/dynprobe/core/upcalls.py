@@ -3,12 +3,13 @@
 A site whose enabled probes all have Python handlers takes a jump, like an optimized probe,
 to an upcall detour (arch/x86_64/codegen/upcall.py): the thread saves its registers in its
 thread area's frame, asks, rings its process's doorbell and waits. Here, a server thread runs
-the handlers of each thread that asks on a `Hit` whose registers are the frame's (a copy,
-written back: a handler's register writes are what the thread resumes with), sets where the
-thread goes on (the relocated copy of the site's instruction, or where a handler that returned
-True sent it) and answers. Memory reads and writes go through /proc/PID/mem, as at a stop. A
-return probe's entry and return are upcalls too: the detour keeps the shadow stack, as an
-optimized return probe's does, and core/returns.py runs the handlers (`entered`, `on_return`).
+the handlers of each thread that asks on a `Hit` whose registers are the frame's (a copy:
+what a handler changed is written back, and is what the thread resumes with; rip only where a
+pre-handler that returned True, or a post-handler, sent it) and answers. Its steps that are
+only loads and stores on shared memory are C (core/upcalls.c). Memory reads and writes go
+through /proc/PID/mem, as at a stop. A return probe's entry and return are upcalls too: the
+detour keeps the shadow stack, as an optimized return probe's does, and core/returns.py runs
+the handlers (`entered`, `on_return`).
 
 Waking a sleeping thread costs more than a ptrace stop on this kind of VM, so neither side
 sleeps while hits come often: the server runs on another CPU than the threads that ask, and
@@ -157,7 +158,6 @@ class Asker:
     cells: memoryview  # its area as u64s
     view: mmap.mmap  # its area's pool
     frame: int  # where its frame is in `view`
-    state: int  # our address of its UPCALL_STATE (a futex)
 
 
 class Upcalls:
@@ -357,6 +357,8 @@ class Upcalls:
                         askers = list(self._areas())
                         continue
                     for asker in askers:
+                        if (self._version, ThreadAreas.changes) != seen:  # (an area given to another thread)
+                            break
                         if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST and self._serving.is_set():
                             self._answer(asker)
                     self._look_at_cpu(bells)
@@ -432,23 +434,25 @@ class Upcalls:
             at = native.next_request(watched, areas, start)
             if self._version != version or ThreadAreas.changes != changes:  # (an area given to another thread)
                 return True
-            if at >= 0:
-                if not serving.is_set():
-                    return True
-                self._answer(askers[at])
-                start = at + 1
-                answered += 1
-                if answered % 64 == 0:
-                    if stopping.is_set():
-                        return True
-                    self._look_at_cpu(bells)
-            elif at == _NONE_RANG:
+            if at == _NONE_RANG:
                 if not answered:
                     return False
                 answered = 0  # (a run of answers over: where the server runs now is looked at)
                 self._look_at_cpu(bells)
                 if stopping.is_set():
                     return True
+                continue
+            if at >= 0:
+                if not serving.is_set():
+                    return True
+                self._answer(askers[at])
+                start = at + 1
+            # (a ring no known thread asked for counts too: the doorbell is the target's to ring)
+            answered += 1
+            if answered % 64 == 0:
+                if stopping.is_set():
+                    return True
+                self._look_at_cpu(bells)
 
     def _areas(self, only: TracedProcess | None = None) -> Iterator[Asker]:
         """The threads of the processes with doorbells (of `only`, if given), once each (a vfork
@@ -470,7 +474,6 @@ class Upcalls:
                         area.cells,
                         area.pool.view,
                         at + L.UPCALL_FRAME,
-                        area.pool.address + area.offset + L.UPCALL_STATE,
                     )
 
     def _asking(self, only: TracedProcess | None = None) -> Iterator[Asker]:
@@ -494,8 +497,11 @@ class Upcalls:
                 site_addr = cells[_SITE]
                 site = proc.sites.get(site_addr)
                 if site is not None:
-                    moved = self._run_handlers(proc, asker, site, regs, post=regs.rip != site_addr)
-                    if moved is not None:  # (in the asking detour's copy of the region, if there)
+                    asked_at = regs.rip  # (the site, or the next instruction: after it)
+                    moved = self._run_handlers(proc, asker, site, regs, post=asked_at != site_addr)
+                    if moved is None:
+                        regs.rip = asked_at  # (a pre-handler moves the thread by returning True alone)
+                    else:  # (in the asking detour's copy of the region, if there)
                         resume = site.upcall_resume or {}
                         if resume.get(site_addr) != cells[_REGION]:  # (a detour made before the site's last one)
                             resume = {site_addr: cells[_REGION]}
@@ -573,10 +579,13 @@ class Upcalls:
         self._tell_foreign()
 
     def close(self) -> None:
-        """Our mappings of the doorbells go (the session has let every process go)."""
+        """Our mappings of the doorbells go (the session has let every process go); while a
+        server still runs (its stop was cut short), with the last reference to them, never
+        under its wait, which reads them by address."""
         with self._lock:
-            for bell in {id(b): b for b in self._bells.values()}.values():
-                bell.close()
+            if self._thread is None:
+                for bell in {id(b): b for b in self._bells.values()}.values():
+                    bell.close()
             self._bells.clear()
             self._version += 1
 
