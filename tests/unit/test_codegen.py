@@ -792,8 +792,7 @@ def _answer(area: NativeArea, handler: Callable[[Regs], None], resume: dict[int,
         handler(regs)
         if regs.rip != asked_at:
             regs.rip = resume.get(int(regs.rip), int(regs.rip))
-        native.write_back(area.mem, L.UPCALL_FRAME, regs)
-        native.answer(area.mem, -1)
+        native.answer(area.mem, -1, regs)
 
     thread = threading.Thread(target=serve)
     thread.start()

@@ -88,26 +88,30 @@ def test_an_area_let_go_is_a_value_error() -> None:
         bell.next()
 
 
-def test_the_frame_gets_back_what_a_handler_changed_and_nothing_else() -> None:
+def test_the_answer_writes_back_what_a_handler_changed_and_nothing_else() -> None:
     area = bytearray(range(256)) * (AREA_BYTES // 256)
+    area[L.UPCALL_STATE : L.UPCALL_STATE + 8] = L.UPCALL_REQUEST.to_bytes(8, "little")
+    area[L.UPCALL_SLEEPING : L.UPCALL_SLEEPING + 8] = bytes(8)
     before = bytes(area)
     regs = Regs.from_buffer_copy(area, L.UPCALL_FRAME)
     regs.rax, regs.rip = 7, 0x1000
-    native.write_back(area, L.UPCALL_FRAME, regs)
+    assert native.answer(area, 0, regs) is False
     end = L.UPCALL_FRAME + ctypes.sizeof(Regs)
     assert area[L.UPCALL_FRAME : end] == bytes(regs)
+    state = slice(L.UPCALL_STATE, L.UPCALL_STATE + 8)
+    assert area[state] == L.UPCALL_ANSWERED.to_bytes(8, "little")
+    area[state] = before[state]
     assert area[: L.UPCALL_FRAME] == before[: L.UPCALL_FRAME] and area[end:] == before[end:]
-    with pytest.raises(ValueError):
-        native.write_back(area, AREA_BYTES - 8, regs)  # (a frame past the area's end)
+    assert native.answer(area, 0, None) is False and area[L.UPCALL_FRAME : end] == bytes(regs)
 
 
 def test_the_answer_wakes_only_a_thread_that_sleeps_and_tells_its_cpu() -> None:
     area = memoryview(bytearray(AREA_BYTES)).cast("Q")
     area[L.UPCALL_STATE // 8] = L.UPCALL_REQUEST
     area[L.UPCALL_CPU // 8] = 3
-    assert native.answer(area, 3) is False  # (it spun: it did not ask on the server's CPU)
+    assert native.answer(area, 3, None) is False  # (it spun: it did not ask on the server's CPU)
     assert area[L.UPCALL_STATE // 8] == L.UPCALL_ANSWERED
     area[L.UPCALL_SLEEPING // 8] = 1
-    assert native.answer(area, 3) is True and native.answer(area, 2) is False
+    assert native.answer(area, 3, None) is True and native.answer(area, 2, None) is False
     with pytest.raises(ValueError):
-        native.answer(memoryview(bytearray(16)).cast("Q"), 3)  # (not a whole area)
+        native.answer(memoryview(bytearray(16)).cast("Q"), 3, None)  # (not a whole area)

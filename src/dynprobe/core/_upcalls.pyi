@@ -1,4 +1,4 @@
-"""core/upcalls.c: the upcall server's wait for a request, write-back and answer."""
+"""core/upcalls.c: the upcall server's wait for a request, and its answer."""
 
 from array import array
 
@@ -11,10 +11,9 @@ def set_layout(
     cpu: int,
     request: int,
     answered: int,
-    prefetch_from: int,
+    frame: int,
     prefetch_to: int,
     spin_ns: int,
 ) -> None: ...
 def next_request(bells: array[int], askers: list[memoryview], start: int) -> int: ...
-def write_back(area: Buffer, at: int, regs: Buffer) -> None: ...
-def answer(cells: Buffer, cpu: int) -> bool: ...
+def answer(cells: Buffer, cpu: int, regs: Buffer | None) -> bool: ...

@@ -15,14 +15,14 @@
 #include <time.h>
 #include <unistd.h>
 
-static Py_ssize_t state_word = -1, sleeping_word, cpu_word, words_needed, prefetch_from, prefetch_to;
+static Py_ssize_t state_word = -1, sleeping_word, cpu_word, words_needed, frame_byte, prefetch_to;
 static uint64_t request_value, answered_value;
 static long long spin_ns;
 
 static PyObject *set_layout(PyObject *module, PyObject *args, PyObject *kwargs) {
     (void)module;
-    static char *names[] = {"state", "sleeping", "cpu", "request", "answered", "prefetch_from", "prefetch_to",
-                            "spin_ns", NULL};
+    static char *names[] = {"state", "sleeping", "cpu", "request", "answered", "frame", "prefetch_to", "spin_ns",
+                            NULL};
     Py_ssize_t state, sleeping, cpu, from, to;
     unsigned long long request, answered;
     long long spin;
@@ -33,14 +33,14 @@ static PyObject *set_layout(PyObject *module, PyObject *args, PyObject *kwargs) 
         PyErr_SetString(PyExc_TypeError, "set_layout: every value, by name");
         return NULL;
     }
-    if (state < 0 || sleeping < 0 || cpu < 0 || from < 0 || to < from || spin < 0) {
+    if (state < 0 || sleeping < 0 || cpu < 0 || from < 0 || from % 8 || to < from || spin < 0) {
         PyErr_SetString(PyExc_ValueError, "set_layout: offsets and a time that are not negative");
         return NULL;
     }
     state_word = state, sleeping_word = sleeping, cpu_word = cpu;
     words_needed = 1 + (state > sleeping ? (state > cpu ? state : cpu) : (sleeping > cpu ? sleeping : cpu));
     request_value = request, answered_value = answered;
-    prefetch_from = from, prefetch_to = to, spin_ns = spin;
+    frame_byte = from, prefetch_to = to, spin_ns = spin;
     Py_RETURN_NONE;
 }
 
@@ -76,7 +76,7 @@ static Py_ssize_t asking(PyObject *askers, Py_ssize_t start) {
         int asks = area.len >= words_needed * 8 &&
                    (__atomic_load_n(&words[state_word], __ATOMIC_ACQUIRE) & 0xFFFFFFFF) == request_value;
         if (asks)
-            for (Py_ssize_t line = prefetch_from; line < prefetch_to && line < area.len; line += 64)
+            for (Py_ssize_t line = frame_byte; line < prefetch_to && line < area.len; line += 64)
                 __builtin_prefetch((const char *)area.buf + line, 0, 3);
         PyBuffer_Release(&area);
         if (asks)
@@ -147,51 +147,24 @@ static PyObject *next_request(PyObject *module, PyObject *const *args, Py_ssize_
     return PyLong_FromSsize_t(found);
 }
 
-/* write_back(area, at, regs): the words of the frame at byte `at` of `area` that `regs` (a copy
- * of it a handler may have changed) no longer holds, written: the thread's CPU keeps the cache
- * lines of the others. */
-static PyObject *write_back(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "write_back(area, at, regs)");
-        return NULL;
-    }
-    Py_ssize_t at = PyLong_AsSsize_t(args[1]);
-    if (at == -1 && PyErr_Occurred())
-        return NULL;
-    Py_buffer area, regs;
-    if (PyObject_GetBuffer(args[0], &area, PyBUF_WRITABLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[2], &regs, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&area);
-        return NULL;
-    }
-    int inside = at >= 0 && at % 8 == 0 && regs.len % 8 == 0 && at <= area.len - regs.len;
-    if (inside) {
-        uint64_t *frame = (uint64_t *)((char *)area.buf + at);
-        const uint64_t *changed = regs.buf;
-        for (Py_ssize_t i = 0; i < regs.len / 8; i++)
-            if (frame[i] != changed[i])
-                frame[i] = changed[i];
-    }
-    PyBuffer_Release(&area);
-    PyBuffer_Release(&regs);
-    if (!inside) {
-        PyErr_SetString(PyExc_ValueError, "write_back: the frame is not words inside the area");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+/* The words of `frame` that `changed` (a copy of it a handler may have changed: `count` words)
+ * no longer holds, written: the thread's CPU keeps the cache lines of the others. */
+static void write_back(uint64_t *frame, const uint64_t *changed, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (frame[i] != changed[i])
+            frame[i] = changed[i];
 }
 
-/* answer(cells, cpu) -> bool: answer the thread whose area `cells` is (its state ANSWERED,
- * then, past a full barrier, woken if it said it sleeps: the detour sets SLEEPING and looks at
- * the state again past one of its own, so one of the two sees the other's store); whether it
- * asked on CPU `cpu` (read only if it sleeps: one that asks there sleeps at once, and the word
- * is not in the cache line the server reads anyway). */
+/* answer(cells, cpu, regs) -> bool: answer the thread whose area `cells` is: first the words
+ * of its frame that `regs` (a copy a handler may have changed; None: none) no longer holds
+ * written back, then its state ANSWERED, then, past a full barrier, woken if it said it sleeps
+ * (the detour sets SLEEPING and looks at the state again past one of its own, so one of the two
+ * sees the other's store). Whether it asked on CPU `cpu` (read only if it sleeps: one that asks
+ * there sleeps at once, and the word is not in the cache line the server reads anyway). */
 static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "answer(cells, cpu)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "answer(cells, cpu, regs)");
         return NULL;
     }
     long long cpu = PyLong_AsLongLong(args[1]);
@@ -201,28 +174,37 @@ static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_RuntimeError, "answer: set_layout first");
         return NULL;
     }
-    Py_buffer area;
+    Py_buffer area, regs = {0};
     if (PyObject_GetBuffer(args[0], &area, PyBUF_WRITABLE) < 0)
         return NULL;
-    if (area.len < words_needed * 8) {
+    if (args[2] != Py_None && PyObject_GetBuffer(args[2], &regs, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(&area);
-        PyErr_SetString(PyExc_ValueError, "answer: not a whole thread area");
         return NULL;
     }
-    uint64_t *words = area.buf;
-    __atomic_store_n(&words[state_word], answered_value, __ATOMIC_SEQ_CST);
-    int sleeps = __atomic_load_n(&words[sleeping_word], __ATOMIC_SEQ_CST) != 0;
-    if (sleeps)
-        syscall(SYS_futex, &words[state_word], FUTEX_WAKE, 1, NULL, NULL, 0);
-    int here = sleeps && __atomic_load_n(&words[cpu_word], __ATOMIC_RELAXED) == (uint64_t)cpu;
+    int whole = area.len >= words_needed * 8 && regs.len % 8 == 0 && regs.len <= area.len - frame_byte;
+    if (whole) {
+        uint64_t *words = area.buf;
+        if (regs.buf)
+            write_back((uint64_t *)((char *)area.buf + frame_byte), regs.buf, regs.len / 8);
+        __atomic_store_n(&words[state_word], answered_value, __ATOMIC_SEQ_CST);
+        int sleeps = __atomic_load_n(&words[sleeping_word], __ATOMIC_SEQ_CST) != 0;
+        if (sleeps)
+            syscall(SYS_futex, &words[state_word], FUTEX_WAKE, 1, NULL, NULL, 0);
+        whole = sleeps && __atomic_load_n(&words[cpu_word], __ATOMIC_RELAXED) == (uint64_t)cpu ? 2 : 1;
+    }
+    if (regs.buf)
+        PyBuffer_Release(&regs);
     PyBuffer_Release(&area);
-    return PyBool_FromLong(here);
+    if (!whole) {
+        PyErr_SetString(PyExc_ValueError, "answer: not a whole thread area, or a frame that is not in it");
+        return NULL;
+    }
+    return PyBool_FromLong(whole == 2);
 }
 
 static PyMethodDef methods[] = {
     {"set_layout", (PyCFunction)(void (*)(void))set_layout, METH_VARARGS | METH_KEYWORDS, "The layout's words."},
     {"next_request", (PyCFunction)(void (*)(void))next_request, METH_FASTCALL, "A thread that asks."},
-    {"write_back", (PyCFunction)(void (*)(void))write_back, METH_FASTCALL, "A frame's changed words."},
     {"answer", (PyCFunction)(void (*)(void))answer, METH_FASTCALL, "Answer a thread."},
     {NULL, NULL, 0, NULL},
 };

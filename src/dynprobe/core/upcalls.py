@@ -79,8 +79,8 @@ native.set_layout(
     cpu=_CPU,
     request=L.UPCALL_REQUEST,
     answered=L.UPCALL_ANSWERED,
-    prefetch_from=L.UPCALL_FRAME,
-    prefetch_to=L.UPCALL_STATE,
+    frame=L.UPCALL_FRAME,
+    prefetch_to=L.UPCALL_STATE,  # (the frame's lines but the last, which holds the state)
     spin_ns=int(SPIN * 1e9),
 )
 _NONE_RANG = -1  # (native.next_request: no doorbell rang within the time given)
@@ -490,10 +490,10 @@ class Upcalls:
         cells, proc = asker.cells, asker.proc
         if cells[_STATE] & 0xFFFFFFFF != _REQUEST:
             return  # (answered meanwhile)
+        changed: Regs | None = None  # (the frame as the handlers left it, written back with the answer)
         try:
             if handlers and proc is not None and proc.follow:
-                view, frame = asker.view, asker.frame
-                regs = Regs.from_buffer_copy(view, frame)
+                regs = Regs.from_buffer_copy(asker.view, asker.frame)
                 site_addr = cells[_SITE]
                 site = proc.sites.get(site_addr)
                 if site is not None:
@@ -506,7 +506,7 @@ class Upcalls:
                         if resume.get(site_addr) != cells[_REGION]:  # (a detour made before the site's last one)
                             resume = {site_addr: cells[_REGION]}
                         regs.rip = resume.get(moved, moved)
-                    native.write_back(view, frame, regs)  # (what the handlers changed)
+                    changed = regs
                 elif proc.returns is not None and site_addr == proc.returns.upcall_stub:
                     rax, rdx = regs.rax, regs.rdx
                     self._returns.on_return(proc, asker.tid, regs, cells=cells)
@@ -515,7 +515,7 @@ class Upcalls:
                     if regs.rdx != rdx:
                         cells[_FRAME_RDX] = regs.rdx
         finally:
-            if native.answer(cells, self._cpu) and self._spin:
+            if native.answer(cells, self._cpu, changed) and self._spin:
                 self._make_room(self._cpu)
 
     def _run_handlers(self, proc: TracedProcess, asker: Asker, site: Site, regs: Regs, *, post: bool) -> int | None:
