@@ -173,11 +173,18 @@ def test_a_handler_that_exits_or_closes_the_session_is_reported_and_the_program_
         session.upcalls = True
         exits = session.probe("p:t/exits work", pre=lambda hit: sys.exit(3))
         closes = session.probe("p:t/closes work", pre=lambda hit: session.close())
+        entry_exits = session.probe(
+            "r:t/entry_exits work", on_entry=lambda hit: sys.exit(4), on_return=lambda hit: None
+        )
+        return_exits = session.probe("r:t/return_exits work", on_return=lambda hit: sys.exit(5))
         assert session.run(timeout=60) == 0 and exits.hits == closes.hits == 20
+        assert entry_exits.hits == return_exits.hits == 20  # (a handler that raised vetoes nothing)
         assert session.warnings == [
             "t/exits: its handler raised SystemExit: 3 (reported once)",
             "t/closes: its handler raised SessionError: closing the session from a handler served by an upcall is "
             "not possible: set session.upcalls = False (reported once)",
+            "t/entry_exits: its handler raised SystemExit: 4 (reported once)",
+            "t/return_exits: its handler raised SystemExit: 5 (reported once)",
         ]
 
 
