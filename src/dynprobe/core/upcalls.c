@@ -174,32 +174,35 @@ static PyObject *answer(PyObject *module, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_RuntimeError, "answer: set_layout first");
         return NULL;
     }
-    Py_buffer area, regs = {0};
+    Py_buffer area, regs;
+    int changed = args[2] != Py_None;
     if (PyObject_GetBuffer(args[0], &area, PyBUF_WRITABLE) < 0)
         return NULL;
-    if (args[2] != Py_None && PyObject_GetBuffer(args[2], &regs, PyBUF_SIMPLE) < 0) {
+    if (changed && PyObject_GetBuffer(args[2], &regs, PyBUF_SIMPLE) < 0) {
         PyBuffer_Release(&area);
         return NULL;
     }
-    int whole = area.len >= words_needed * 8 && regs.len % 8 == 0 && regs.len <= area.len - frame_byte;
+    int whole = area.len >= words_needed * 8 &&
+                (!changed || (regs.len % 8 == 0 && regs.len <= area.len - frame_byte));
+    int here = 0;
     if (whole) {
         uint64_t *words = area.buf;
-        if (regs.buf)
+        if (changed)
             write_back((uint64_t *)((char *)area.buf + frame_byte), regs.buf, regs.len / 8);
         __atomic_store_n(&words[state_word], answered_value, __ATOMIC_SEQ_CST);
         int sleeps = __atomic_load_n(&words[sleeping_word], __ATOMIC_SEQ_CST) != 0;
         if (sleeps)
             syscall(SYS_futex, &words[state_word], FUTEX_WAKE, 1, NULL, NULL, 0);
-        whole = sleeps && __atomic_load_n(&words[cpu_word], __ATOMIC_RELAXED) == (uint64_t)cpu ? 2 : 1;
+        here = sleeps && __atomic_load_n(&words[cpu_word], __ATOMIC_RELAXED) == (uint64_t)cpu;
     }
-    if (regs.buf)
+    if (changed)
         PyBuffer_Release(&regs);
     PyBuffer_Release(&area);
     if (!whole) {
         PyErr_SetString(PyExc_ValueError, "answer: not a whole thread area, or a frame that is not in it");
         return NULL;
     }
-    return PyBool_FromLong(whole == 2);
+    return PyBool_FromLong(here);
 }
 
 static PyMethodDef methods[] = {

@@ -421,10 +421,11 @@ class Upcalls:
                       seen: tuple[int, ...]) -> bool:  # fmt: skip
         """Answer the threads that ask as their doorbells ring (`bells`; per doorbell in
         `watched`, our address of its RING word and the value there before the last look at the
-        threads), one thread after the other in turn, until none has rung for SPIN seconds (False: time to
-        sleep), or the server has its world to look at again (True: threads or doorbells that
-        came or went, looked at before each answer and on every ring; a run held; the server to
-        stop). The wait and the looks are core/upcalls.c's: the wait lets the GIL go."""
+        threads), one thread after the other in turn, until none has rung for SPIN seconds
+        (False: time to sleep), or the server has its world to look at again (True: threads or
+        doorbells that came or went, looked at before each answer and on every ring; a run
+        held; the server to stop). The wait and the looks are core/upcalls.c's: the wait lets
+        the GIL go."""
         serving, stopping = self._serving, self._stopping
         version, changes = seen
         areas = [asker.cells for asker in askers]
