@@ -178,6 +178,27 @@ def test_consumer_delivers_and_counts() -> None:
     assert areas.assign(12) == area and int(area.cells[LAYOUT.counter(1, L.HITS) // 8]) == 0
 
 
+def test_an_ended_thread_s_counters_are_folded_for_the_rows_given_out_only() -> None:
+    """The rows the session gave out (`in_use`: probes, histograms) are folded, and no row past
+    them (the target writes its own area); rows given out later are folded from then on."""
+    rows = [2]
+    consumer = Consumer(LAYOUT, lambda batches: None, lambda i: True, lambda message: None, in_use=lambda: (rows[0], 0))
+    areas = make_areas()
+    consumer.add(areas)
+    for tid, (inside, past) in ((10, (3, 7)), (11, (4, 9))):
+        area = areas.assign(tid)
+        area.cells[LAYOUT.counter(1, L.HITS) // 8] = inside
+        area.cells[LAYOUT.counter(5, L.HITS) // 8] = past
+    areas.retire(10)
+    consumer.drain()
+    assert consumer.counters(1) == (3 + 4, 0, 0)  # (thread 11's still live)
+    assert consumer.folded.row(5) == [0] * len(consumer.folded.row(5))
+    rows[0] = 6
+    areas.retire(11)
+    consumer.drain()
+    assert consumer.folded.row(1)[L.HITS] == 7 and consumer.folded.row(5)[L.HITS] == 9
+
+
 @pytest.mark.skipif(not sc.has_futex_waitv(), reason="futex_waitv (Linux 5.16+) is what the test sleeps in")
 def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
     """A writer asleep on its TAIL (WAIT_SLEEPING set) is woken by the pass that took its records."""
@@ -189,7 +210,7 @@ def test_a_pass_wakes_a_writer_asleep_for_room() -> None:
     for v in range(LAYOUT.ring_slots):
         write_record(areas, 10, 1, v)
     words[L.WAIT_SLEEPING // 8] = 1
-    tail = area.pool.address + area.offset + L.TAIL
+    tail = area.address + L.TAIL
     asleep = threading.Thread(target=sc.futex_waitv, args=([(tail, 0)], 60.0))
     asleep.start()
     while not asleep_in(asleep.native_id or 0, sc.SYS_FUTEX_WAITV):

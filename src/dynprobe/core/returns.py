@@ -52,7 +52,7 @@ from dynprobe.arch.x86_64.codegen.returns import (
     return_stub_code,
 )
 from dynprobe.arch.x86_64.codegen.upcall import build_return_upcall
-from dynprobe.arch.x86_64.regs import ARG_REGS
+from dynprobe.arch.x86_64.regs import ARG_REGS, MASK64
 from dynprobe.core.engine import Engine
 from dynprobe.core.probe import Hit, Probe, Site, call_handler
 from dynprobe.core.slots import place_code
@@ -112,23 +112,21 @@ _RET, _PROBE = L.ENTRY_RET // 8, L.ENTRY_PROBE // 8
 _TSC, _RETURN_TSC, _DATA = L.ENTRY_TSC // 8, L.ENTRY_RETURN_TSC // 8, L.ENTRY_DATA // 8
 _POINTS_BYTES = L.SHADOW_CAPACITY * L.TRAMPOLINE_STRIDE
 _UPCALL_RSI = L.UPCALL_RSI // 8
+_FRAME_RAX, _FRAME_RDX = ((L.UPCALL_FRAME + field.offset) // 8 for field in (Regs.rax, Regs.rdx))
 _UPCALL_ENTRY_WORDS = range(L.UPCALL_ENTRIES // 8, L.UPCALL_ENTRIES // 8 + L.UPCALL_ENTRIES_MAX)
 _STUB_ROOM = 32  # for the trap stub (the entry stamp follows)
 _UPCALL_STUB_ROOM = 1280  # for the upcall stub (codegen/upcall.py's build_return_upcall), last
 
 
-_U64 = (1 << 64) - 1
 _RETURNED_RSP = 8 * (len(SAVED_AT) + 1)  # the stack pointer after the return, above a stub's: its frame
 _SHADOW_BYTES = L.SHADOW_CAPACITY * L.SHADOW_ENTRY  # the offsets of shadow entries are below
 
 
-def _more_pending(words: memoryview, at: int) -> None:
-    """One more pending instance in a probe's PENDING counter (a u64 the target also writes)."""
-    words[at] = (words[at] + 1) & _U64
-
-
-def _less_pending(words: memoryview, at: int) -> None:
-    words[at] = (words[at] - 1) & _U64
+def _add_pending(words: memoryview, layout: L.AreaLayout, probe: int, count: int) -> None:
+    """`count` (1 or -1) more pending instances in probe `probe`'s PENDING counter (a u64 the
+    target also writes: it wraps as the target's does)."""
+    at = layout.counter(probe, L.PENDING) // 8
+    words[at] = (words[at] + count) & MASK64
 
 
 def default_maxactive() -> int:
@@ -333,7 +331,7 @@ class ReturnProbes:
             k = same[0]
             old = int(words[base + k * _WORDS_PER_ENTRY + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if old < lay.max_probes:
-                _less_pending(words, lay.counter(old, L.PENDING) // 8)
+                _add_pending(words, lay, old, -1)
             return k
         if 0 in slots:
             return slots.index(0)
@@ -347,7 +345,7 @@ class ReturnProbes:
         at = self._at(k)
         probe = int(words[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
         if probe < lay.max_probes:
-            _less_pending(words, lay.counter(probe, L.PENDING) // 8)
+            _add_pending(words, lay, probe, -1)
         words[at + L.ENTRY_SLOT // 8] = 0
         top = min(int(words[L.SHADOW_TOP // 8]), L.SHADOW_CAPACITY)
         while top and words[lay.shadow // 8 + (top - 1) * _WORDS_PER_ENTRY] == 0:
@@ -448,7 +446,7 @@ class ReturnProbes:
         words[at + L.ENTRY_TSC // 8] = self.engine.read_tsc()
         data = at + L.ENTRY_DATA // 8
         words[data : data + len(ARG_REGS)] = array("Q", [getattr(regs, name) for name in ARG_REGS])
-        _more_pending(words, lay.counter(index, L.PENDING) // 8)
+        _add_pending(words, lay, index, 1)
         proc.tracee.write(slot, proc.returns.trampoline.point(k).to_bytes(8, "little"))
         return k
 
@@ -456,8 +454,8 @@ class ReturnProbes:
         """The trap stub: a return whose part runs here. rsi holds the entry's offset; the
         trampoline's saved registers are on the stack (rax, rdx: the return value). Or the
         upcall stub (`cells`: the thread's area): `regs` is a copy of the frame, whose rax and
-        rdx are the return value (the upcall server writes those back alone) and UPCALL_RSI
-        the function's rsi; it becomes the return handler's."""
+        rdx are the return value (what a handler changed of it is written back into the frame,
+        nothing else) and UPCALL_RSI the function's rsi; it becomes the return handler's."""
         returns = proc.returns
         words = self._words(proc, tid) if cells is None else cells
         offset = regs.rsi
@@ -504,18 +502,22 @@ class ReturnProbes:
             probe.trap_hits += 1
             hit = Hit(probe, pid, tid, view, function, time.monotonic(), context,
                       instance.data if instance else None, caller)  # fmt: skip
-            if cells is not None:
-                call_handler(probe.on_return, hit, self.engine.handler_failed, anything=True)
-                return
-            rax, rdx = int(view.rax), int(view.rdx)
-            call_handler(probe.on_return, hit, self.engine.handler_failed)
-            tracee = proc.tracee
-            if int(view.rax) != rax:
-                tracee.write(base + _SAVED_RAX, (int(view.rax) & ((1 << 64) - 1)).to_bytes(8, "little"))
-            if int(view.rdx) != rdx:
-                tracee.write(base + _SAVED_RDX, (int(view.rdx) & ((1 << 64) - 1)).to_bytes(8, "little"))
+            rax, rdx = view.rax, view.rdx
+            call_handler(probe.on_return, hit, self.engine.handler_failed, anything=cells is not None)
+            if view.rax != rax or view.rdx != rdx:
+                self._return_value_back(proc, base, view, cells)
         else:
             probe.trap_hits += 1
+
+    @staticmethod
+    def _return_value_back(proc: TracedProcess, base: int, view: Regs, cells: memoryview | None) -> None:
+        """The return value a handler changed, where the thread takes it from: the upcall's frame
+        (`cells`: the thread's area), or the trampoline's saved registers (at `base`)."""
+        if cells is not None:
+            cells[_FRAME_RAX], cells[_FRAME_RDX] = view.rax, view.rdx
+        else:
+            proc.tracee.write(base + _SAVED_RAX, view.rax.to_bytes(8, "little"))
+            proc.tracee.write(base + _SAVED_RDX, view.rdx.to_bytes(8, "little"))
 
     # --- unwinding -----------------------------------------------------------------------------------------
     def on_unwind(self, proc: TracedProcess, tid: int, regs: Regs) -> None:
@@ -561,7 +563,7 @@ class ReturnProbes:
         restored = [e for e in self._entries(words) if int(words[e[1] + L.ENTRY_PROBE // 8]) >> 32 & L.ENTRY_RESTORED]
         back = self._swap(proc, words, [e for e in restored if e[2] > rsp], restore=False)
         for k, at, _ in restored:
-            words[at + L.ENTRY_PROBE // 8] &= ~(L.ENTRY_RESTORED << 32) & _U64
+            words[at + L.ENTRY_PROBE // 8] &= ~(L.ENTRY_RESTORED << 32) & MASK64
             if k not in back:
                 self._free(proc, tid, words, k)
 
@@ -645,11 +647,15 @@ class ReturnProbes:
         words = self._words(parent, tid)
         if returns is None:
             return
+        snapshot = None
+        if words is not None:
+            snapshot = array("Q")
+            snapshot.frombytes(words.cast("B"))  # (one copy)
         child.returns = dataclasses.replace(
             returns,
             code=dict(returns.code),
             instances={(child.pid, k): i for (t, k), i in list(returns.instances.items()) if t == tid},
-            snapshot=None if words is None else array("Q", words.tobytes()),
+            snapshot=snapshot,
         )
 
     def thread_area_given(self, proc: TracedProcess, tid: int) -> list[tuple[int, int, int]]:
@@ -677,7 +683,7 @@ class ReturnProbes:
             at = self._at(k)
             index = int(snap[at + L.ENTRY_PROBE // 8]) & 0xFFFF_FFFF
             if snap[at] and index < lay.max_probes:
-                _more_pending(words, lay.counter(index, L.PENDING) // 8)
+                _add_pending(words, lay, index, 1)
                 entries.append((index, int(snap[at]), int(snap[at + L.ENTRY_DATA // 8])))
         return entries
 

@@ -85,7 +85,6 @@ native.set_layout(
 )
 _NONE_RANG = -1  # (native.next_request: no doorbell rang within the time given)
 _REQUEST = L.UPCALL_REQUEST
-_FRAME_RAX, _FRAME_RDX = ((L.UPCALL_FRAME + field.offset) // 8 for field in (Regs.rax, Regs.rdx))
 
 
 class UpcallsEngine(Protocol):
@@ -156,8 +155,6 @@ class Asker:
     proc: TracedProcess | None
     pid: int  # its process's (0: none followed)
     cells: memoryview  # its area as u64s
-    view: mmap.mmap  # its area's pool
-    frame: int  # where its frame is in `view`
 
 
 class Upcalls:
@@ -467,15 +464,7 @@ class Upcalls:
                 if id(area) not in seen:
                     seen.add(id(area))
                     owner = self.engine.processes.process_of(tid)
-                    at = area.offset
-                    yield Asker(
-                        tid,
-                        owner,
-                        owner.pid if owner is not None else 0,
-                        area.cells,
-                        area.pool.view,
-                        at + L.UPCALL_FRAME,
-                    )
+                    yield Asker(tid, owner, owner.pid if owner is not None else 0, area.cells)
 
     def _asking(self, only: TracedProcess | None = None) -> Iterator[Asker]:
         """The threads that ask now (of `only`, if given)."""
@@ -494,7 +483,7 @@ class Upcalls:
         changed: Regs | None = None  # (the frame as the handlers left it, written back with the answer)
         try:
             if handlers and proc is not None and proc.follow:
-                regs = Regs.from_buffer_copy(asker.view, asker.frame)
+                regs = Regs.from_buffer_copy(cells, L.UPCALL_FRAME)
                 site_addr = cells[_SITE]
                 site = proc.sites.get(site_addr)
                 if site is not None:
@@ -509,12 +498,7 @@ class Upcalls:
                         regs.rip = resume.get(moved, moved)
                     changed = regs
                 elif proc.returns is not None and site_addr == proc.returns.upcall_stub:
-                    rax, rdx = regs.rax, regs.rdx
-                    self._returns.on_return(proc, asker.tid, regs, cells=cells)
-                    if regs.rax != rax:
-                        cells[_FRAME_RAX] = regs.rax
-                    if regs.rdx != rdx:
-                        cells[_FRAME_RDX] = regs.rdx
+                    self._returns.on_return(proc, asker.tid, regs, cells=cells)  # (it writes back the return value)
         finally:
             if native.answer(cells, self._cpu, changed) and self._spin:
                 self._make_room(self._cpu)

@@ -65,6 +65,11 @@ class AreaRef:
     def target_addr(self) -> int:
         return self.pool.target_addr + self.offset
 
+    @functools.cached_property
+    def address(self) -> int:
+        """Where the area is here (in our view of its pool)."""
+        return self.pool.address + self.offset
+
     @property
     def cells(self) -> memoryview:
         """The area as u64s, for a word or two (see Pool.cells)."""
@@ -74,7 +79,7 @@ class AreaRef:
         """The thread, if it sleeps waiting for room in its ring (layout.WAIT_SLEEPING), is woken:
         the reader moved TAIL, or the tracer ended the waits."""
         if self.cells[L.WAIT_SLEEPING // 8]:
-            futex_wake(self.pool.address + self.offset + L.TAIL, 1)
+            futex_wake(self.address + L.TAIL, 1)
 
 
 def _publish_held(area: AreaRef, layout: L.AreaLayout) -> None:
@@ -196,7 +201,7 @@ class ThreadAreas:
     def recycle(self, area: AreaRef) -> None:
         """A drained, folded area is clean again (called by the consumer)."""
         lay = self.layout
-        area.pool.view[area.offset : area.offset + lay.ring] = bytes(lay.ring)
+        ctypes.memset(area.address, 0, lay.ring)  # (no copy of zeros the ring's size)
         with self.lock:
             self._free.append(area)
 

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from dynprobe.errors import DynprobeError
+from dynprobe.output.files import read_regular
 from dynprobe.symbols import files
 from dynprobe.symbols.elf import ElfImage, load_elf
 
@@ -58,9 +59,8 @@ _MAX_CACHE = 64 << 20
 @functools.lru_cache(maxsize=1)
 def _ld_cache(mtime: int) -> dict[str, str]:
     try:
-        with open("/etc/ld.so.cache", "rb") as cache:
-            return parse_ld_cache(cache.read(_MAX_CACHE))
-    except OSError:
+        return parse_ld_cache(read_regular("/etc/ld.so.cache", _MAX_CACHE))
+    except OSError:  # (FileTooLarge, NotRegularFile too)
         return {}
 
 
