@@ -66,6 +66,9 @@ def test_what_is_read_back_is_what_parsing_gives(cache: Path, monkeypatch: pytes
         first = analysis(path)
         kept = {name: (cache / name).stat().st_ino for name in os.listdir(cache)}
         assert analysis(path) == first == parsed(path, monkeypatch)
+        targets, taken, eh_ranges = first[8], first[9], first[11]  # (what bisect looks into: sorted)
+        assert targets and taken and eh_ranges
+        assert targets == sorted(targets) and taken == sorted(taken) and list(eh_ranges) == sorted(eh_ranges)
         again = {name: (cache / name).stat().st_ino for name in os.listdir(cache)}
         assert again == kept and kept  # (read back, not written again: a rewrite is a new file, renamed in)
 

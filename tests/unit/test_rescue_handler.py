@@ -35,7 +35,8 @@ HARNESS = textwrap.dedent(
 
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a death by SIGTRAP writes no core file
     from dynprobe.arch.x86_64.rescue import HANDLER_FLAGS, MEM_PATH, build_rescue_handler
-    from dynprobe.core.rescue import _ENTRY
+    from types import SimpleNamespace
+    from dynprobe.core.rescue import Rescue
     from dynprobe.ringbuf import layout as L
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -56,10 +57,13 @@ HARNESS = textwrap.dedent(
         code_page[0x8000 + offset : 0x8000 + offset + len(code)] = code
         return FUNCS + offset
 
-    def table(*entries):
-        rows = b"".join(_ENTRY.pack(*entry) for entry in sorted(entries))
-        page[L.RESCUE_ENTRIES : L.RESCUE_ENTRIES + len(rows)] = rows
-        struct.pack_into("<Q", page, L.RESCUE_TABLE, len(entries))
+    rescue = Rescue(page_at, page, code_at)
+
+    def table(*entries):  # (as the tracer publishes it: sorted, into the half not in use)
+        rescue.publish([
+            SimpleNamespace(addr=addr, original=bytes([first]), rescue_wait=bool(flags & L.RESCUE_WAIT))
+            for addr, first, flags in entries
+        ])
 
     def call(addr):
         return ctypes.CFUNCTYPE(ctypes.c_long)(addr)()
