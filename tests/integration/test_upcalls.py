@@ -395,6 +395,31 @@ def test_return_handlers_in_a_recursion_each_see_their_own_entry(
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_return_handler_fetches_its_entry_s_arguments_now_or_later(ret: str, mode: str) -> None:
+    """fact(8): at each return $arg1 is the n its own entry had and $retval its result; a hit kept
+    and first asked after the run (its shadow entry long taken by other calls, the process gone)
+    still gives its own."""
+    fetched: list[tuple[object, object]] = []
+    kept: list[Hit] = []
+
+    def handler(hit: Hit) -> None:
+        if len(fetched) + len(kept) < 4:
+            kept.append(hit)
+        else:
+            values = hit.fetch()
+            fetched.append((values["n"], values["r"]))
+
+    def place(session: dynprobe.Session) -> dynprobe.Probe:
+        return session.probe("r fact n=$arg1:u64 r=$retval:u64 ns=$latency:u64", on_return=handler)
+
+    status, out, _ = run([ret, "fact", "8"], mode, place)
+    assert status == 0 and out == f"{_factorial(8)}\n"
+    later = [hit.fetch() for hit in kept]
+    assert [(v["n"], v["r"]) for v in later] + fetched == [(n, _factorial(n)) for n in range(1, 9)]
+    assert all(0 <= int(v["ns"]) < 10**9 for v in later)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_return_probes_sharing_a_function_each_get_their_own_entry(ret: str, mode: str) -> None:
     """Three return probes on fact(50), two keeping data at their entry (each its own, a third
     keeping none): each return handler gets its own probe's data for its own call, however the

@@ -163,16 +163,16 @@ class Hit:
     regs: Regs
     address: int
     time: float  # CLOCK_MONOTONIC seconds
-    # What fetches read, or what makes it when first asked: most handlers never ask, and at a
-    # trap stop a microsecond is a twentieth of the hit.
-    context_source: FetchContext | Callable[[], FetchContext]
+    # What fetches read, or what makes it from the hit when first asked: most handlers never
+    # ask, and an upcall costs a few microseconds (a maker is made once, not per hit).
+    context_source: FetchContext | Callable[[Hit], FetchContext]
     data: object = None  # a return probe's instance data: set by the entry handler, read at return
     caller: int | None = None  # at a return: where the function returns to
 
     @property
     def context(self) -> FetchContext:
         if not isinstance(self.context_source, FetchContext):
-            self.context_source = self.context_source()
+            self.context_source = self.context_source(self)
         return self.context_source
 
     @property

@@ -152,7 +152,7 @@ def shadow_stack_enabled(pid: int) -> bool:
 class ReturnProbes:
     def __init__(self, engine: ReturnsEngine) -> None:
         self.engine = engine
-        self._probe_by_index = engine.probe_by_index  # (asked at every return)
+        self._probe_by_index, self._failed = engine.probe_by_index, engine.handler_failed  # (at every hit)
         self._shadow: int | None = None  # the shadow stack's first word in a thread area (the layout's, once fixed)
 
     # --- policy -------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ class ReturnProbes:
         k = self._taken_at_upcall(cells, probe.index)
         if k is None:
             return
-        if probe.on_entry is not None and call_handler(probe.on_entry, hit, self.engine.handler_failed, anything=True):
+        if probe.on_entry is not None and call_handler(probe.on_entry, hit, self._failed, anything=True):
             cells[self._at(k) + L.ENTRY_PROBE // 8] |= L.ENTRY_VETOED << 32
             return
         if hit.data is None:  # (what the return finds: nothing, not an instance a longjmp left)
@@ -463,16 +463,17 @@ class ReturnProbes:
             return
         k = offset // L.SHADOW_ENTRY
         at = self._at(k)
-        entry = words[at : at + _WORDS_PER_ENTRY].tolist()  # (read once, before the entry goes)
-        probe = self._probe_by_index(entry[_PROBE] & 0xFFFF_FFFF)
+        word = words[at + _PROBE]
+        probe = self._probe_by_index(word & 0xFFFF_FFFF)
         if probe is None:
             return
         instance = returns.instances.pop((tid, k), None)
-        if entry[_PROBE] >> 32 & L.ENTRY_VETOED:
+        if word >> 32 & L.ENTRY_VETOED:
             return  # (its entry handler vetoed it: nothing runs, nothing is counted)
         if instance is not None and instance.probe is not probe:
             instance = None  # (an entry a longjmp left, taken again by another probe's call)
-        caller, points = entry[_RET], returns.trampoline.points
+        caller, points = words[at + _RET], returns.trampoline.points
+        entry = words[at : at + _WORDS_PER_ENTRY].tobytes()  # (for its fetches: read before the entry goes)
         if 0 <= caller - points < _POINTS_BYTES:  # (other return probes of the call hooked it before)
             _, caller = through_entry_points(caller, points, lambda k: int(words[self._at(k) + _RET]))
         base = regs.rsp
@@ -486,28 +487,30 @@ class ReturnProbes:
                 setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
         view.rsp = base + _RETURNED_RSP
         view.rip = caller
-        pid = proc.pid
-        function = probe.sites.get(pid, 0)
-
-        def context() -> FetchContext:  # (made if a handler asks: most never do)
-            made = self.engine.fetch_context(proc, tid, view, probe)
-            # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
-            ticks = max(0, entry[_RETURN_TSC] - entry[_TSC])
-            returning = ReturnValues(tuple(entry[_DATA : _DATA + len(ARG_REGS)]), caller, self.engine.tsc_to_ns(ticks))
-            return dataclasses.replace(made, returning=returning)
-
-        if probe.action is not None:
-            self.engine.act_in_tracer(probe, proc, tid, function, context(), caller)
-        elif probe.on_return is not None and probe.enabled:
+        if probe.action is None and (probe.on_return is None or not probe.enabled):
             probe.trap_hits += 1
-            hit = Hit(probe, pid, tid, view, function, time.monotonic(), context,
-                      instance.data if instance else None, caller)  # fmt: skip
+            return
+        function, returning = probe.sites.get(proc.pid, 0), functools.partial(self._returning, proc, entry)
+        hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), returning,
+                  instance.data if instance else None, caller)  # fmt: skip
+        if probe.action is not None:
+            self.engine.act_in_tracer(probe, proc, tid, function, hit.context, caller)
+        elif probe.on_return is not None:
+            probe.trap_hits += 1
             rax, rdx = view.rax, view.rdx
-            call_handler(probe.on_return, hit, self.engine.handler_failed, anything=cells is not None)
+            call_handler(probe.on_return, hit, self._failed, anything=cells is not None)
             if view.rax != rax or view.rdx != rdx:
                 self._return_value_back(proc, base, view, cells)
-        else:
-            probe.trap_hits += 1
+
+    def _returning(self, proc: TracedProcess, entry_bytes: bytes, hit: Hit) -> FetchContext:
+        """What a return's fetches read (made if a handler asks: most never do): its shadow
+        entry as read at the return gives the arguments and the latency."""
+        made = self.engine.fetch_context(proc, hit.tid, hit.regs, hit.probe)
+        entry = memoryview(entry_bytes).cast("Q")
+        # (not ordered: a return stamped in its entry's tick, or on a CPU a little behind, is 0)
+        ticks = max(0, entry[_RETURN_TSC] - entry[_TSC])
+        args = tuple(entry[_DATA : _DATA + len(ARG_REGS)])
+        return dataclasses.replace(made, returning=ReturnValues(args, hit.caller or 0, self.engine.tsc_to_ns(ticks)))
 
     @staticmethod
     def _return_value_back(proc: TracedProcess, base: int, view: Regs, cells: memoryview | None) -> None:

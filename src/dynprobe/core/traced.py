@@ -90,6 +90,7 @@ class TracedProcess:
     status: int | None = None  # exit status once it ended (128+N for a signal)
     leader_status: int | None = None  # set when the leader thread has ended
     slots: SlotCache = field(init=False)
+    pid: int = field(init=False)  # (the tracee's, read at every upcall)
     areas: ThreadAreas | None = None  # thread areas, once a site of this process is optimized
     # GS_IN_USE (the target uses GS itself) or SECCOMP: no thread areas, no optimized probes
     areas_refused: OptimizeRefusal | None = None
@@ -111,15 +112,12 @@ class TracedProcess:
         return self.needed
 
     def __post_init__(self) -> None:
+        self.pid = self.tracee.pid
         self.slots = SlotCache(self._map_region)
         # Where the slot cache maps a new region: the stopped thread its remote mmap runs in, and
         # the stub it runs from until the process has one of ours (Patcher.allocate_slot sets them)
         self.map_tid: int | None = None
         self.scratch: int | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.tracee.pid
 
     def moved_over(self, low: int, high: int) -> Site | None:
         """The site that took along a branch whose bytes meet [low, high), if one did."""

@@ -155,7 +155,7 @@ class Traps:
                 continue
             if not now:
                 now = time.monotonic()
-            source = context or (lambda: self.context(proc, tid, regs, site))
+            source = context or (lambda hit: self.context(proc, tid, hit.regs, site))
             moved = call_handler(probe.pre, Hit(probe, proc.pid, tid, regs, site.addr, now, source), failed)
             # A handler takes its time, and the process goes on meanwhile: another thread's
             # exec or exit_group may have ended this one, whose tid an exec'd thread then

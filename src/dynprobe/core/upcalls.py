@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -153,8 +154,8 @@ class Asker:
 
     tid: int
     proc: TracedProcess | None
-    pid: int  # its process's (0: none followed)
     cells: memoryview  # its area as u64s
+    context: Callable[[Hit], FetchContext]  # what its hits' fetches read, made from the hit if asked
 
 
 class Upcalls:
@@ -464,22 +465,24 @@ class Upcalls:
                 if id(area) not in seen:
                     seen.add(id(area))
                     owner = self.engine.processes.process_of(tid)
-                    yield Asker(tid, owner, owner.pid if owner is not None else 0, area.cells)
+                    yield Asker(tid, owner, area.cells, functools.partial(self._context, owner))
 
     def _asking(self, only: TracedProcess | None = None) -> Iterator[Asker]:
         """The threads that ask now (of `only`, if given)."""
         for asker in self._areas(only):
-            if asker.cells[_STATE] & 0xFFFFFFFF == L.UPCALL_REQUEST:
+            if asker.cells[_STATE] & 0xFFFFFFFF == _REQUEST:
                 yield asker
 
+    def _context(self, proc: TracedProcess | None, hit: Hit) -> FetchContext:
+        assert proc is not None  # (the handlers of a thread of no process followed do not run)
+        return self.engine.fetch_context(proc, hit.tid, hit.regs, hit.probe)
+
     def _answer(self, asker: Asker, *, handlers: bool = True) -> None:
-        """Run the handlers on a copy of the thread's frame, write back what they changed (at a
-        return, the return value alone: a handler may keep its hit), and answer the thread:
-        whatever happens, it is answered. The handlers of a process we do not follow (a vfork
-        child) do not run."""
+        """Run the handlers of the thread that asks on a copy of its frame, write back what they
+        changed (at a return, the return value alone: a handler may keep its hit), and answer
+        the thread: whatever happens, it is answered. The handlers of a process we do not follow
+        (a vfork child) do not run."""
         cells, proc = asker.cells, asker.proc
-        if cells[_STATE] & 0xFFFFFFFF != _REQUEST:
-            return  # (answered meanwhile)
         changed: Regs | None = None  # (the frame as the handlers left it, written back with the answer)
         try:
             if handlers and proc is not None and proc.follow:
@@ -509,17 +512,13 @@ class Upcalls:
         before it left it; where the thread goes on if a pre-handler returned True (it moved it:
         the instruction and the post-handlers are skipped) or a post-handler moved it, else
         None. A hit is counted at its first upcall (a return probe's, at its return)."""
-        now, tid, pid, addr = time.monotonic(), asker.tid, asker.pid, site.addr
+        now, tid, pid, addr, context = time.monotonic(), asker.tid, proc.pid, site.addr, asker.context
         probes = tuple(site.probes)  # (as they are now: a handler may place more)
         count_here = not post or not self.asks_before([p for p in probes if p.enabled])
         asked_at = regs.rip
         for probe in probes:
             if not probe.enabled:
                 continue
-
-            def context(probe: Probe = probe) -> FetchContext:
-                return self.engine.fetch_context(proc, tid, regs, probe)
-
             if probe.is_return:
                 if not post:
                     self._returns.entered(proc, Hit(probe, pid, tid, regs, addr, now, context), asker.cells)
