@@ -396,27 +396,46 @@ def test_return_handlers_in_a_recursion_each_see_their_own_entry(
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_return_handler_fetches_its_entry_s_arguments_now_or_later(ret: str, mode: str) -> None:
-    """fact(8): at each return $arg1 is the n its own entry had and $retval its result; a hit kept
-    and first asked after the run (its shadow entry long taken by other calls, the process gone)
-    still gives its own."""
-    fetched: list[tuple[object, object]] = []
+    """At each return $arg1 is what its own entry had and $retval its result, whenever the hit is
+    first asked: in its handler, in the next call's (whose entry took the same shadow entry:
+    each add() of a loop does), or after the run (the process gone). fact(8): the kept hits'
+    latencies grow with n, each call enclosing the one before."""
+    late: list[tuple[object, object]] = []
+    previous: list[Hit] = []
+
+    def add_returned(hit: Hit) -> None:
+        if previous:
+            values = previous.pop().fetch()
+            late.append((values["a"], values["r"]))
+        previous.append(hit)
+
+    def place_add(session: dynprobe.Session) -> dynprobe.Probe:
+        return session.probe("r add a=$arg1:s64 r=$retval:s64", on_return=add_returned)
+
+    status, out, _ = run([ret, "loop", "50"], mode, place_add)
+    assert status == 0 and out == f"{sum(range(1, 51))}\n"
+    assert late == [(i, i + 1) for i in range(49)] and len(previous) == 1
+
+    now: list[tuple[object, object]] = []
     kept: list[Hit] = []
 
-    def handler(hit: Hit) -> None:
-        if len(fetched) + len(kept) < 4:
+    def fact_returned(hit: Hit) -> None:
+        if len(now) + len(kept) < 4:
             kept.append(hit)
         else:
             values = hit.fetch()
-            fetched.append((values["n"], values["r"]))
+            now.append((values["n"], values["r"]))
 
-    def place(session: dynprobe.Session) -> dynprobe.Probe:
-        return session.probe("r fact n=$arg1:u64 r=$retval:u64 ns=$latency:u64", on_return=handler)
+    def place_fact(session: dynprobe.Session) -> dynprobe.Probe:
+        return session.probe("r fact n=$arg1:u64 r=$retval:u64 ns=$latency:u64", on_return=fact_returned)
 
-    status, out, _ = run([ret, "fact", "8"], mode, place)
+    status, out, _ = run([ret, "fact", "8"], mode, place_fact)
     assert status == 0 and out == f"{_factorial(8)}\n"
-    later = [hit.fetch() for hit in kept]
-    assert [(v["n"], v["r"]) for v in later] + fetched == [(n, _factorial(n)) for n in range(1, 9)]
-    assert all(0 <= int(v["ns"]) < 10**9 for v in later)  # type: ignore[call-overload]
+    after = [hit.fetch() for hit in kept]
+    assert [(v["n"], v["r"]) for v in after] + now == [(n, _factorial(n)) for n in range(1, 9)]
+    # (fact(1) calls nothing: its few ns may read as 0; each later one encloses an upcall or a stop)
+    latencies = [int(v["ns"]) for v in after]  # type: ignore[call-overload]
+    assert 0 < latencies[1] < latencies[2] < latencies[3] < 10**9, latencies
 
 
 @pytest.mark.parametrize("mode", MODES)

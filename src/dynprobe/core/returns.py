@@ -473,7 +473,6 @@ class ReturnProbes:
         if instance is not None and instance.probe is not probe:
             instance = None  # (an entry a longjmp left, taken again by another probe's call)
         caller, points = words[at + _RET], returns.trampoline.points
-        entry = words[at : at + _WORDS_PER_ENTRY].tobytes()  # (for its fetches: read before the entry goes)
         if 0 <= caller - points < _POINTS_BYTES:  # (other return probes of the call hooked it before)
             _, caller = through_entry_points(caller, points, lambda k: int(words[self._at(k) + _RET]))
         base = regs.rsp
@@ -483,13 +482,14 @@ class ReturnProbes:
         else:
             view = Regs.from_buffer_copy(regs)
             saved = proc.tracee.read(base, 8 * len(SAVED_AT))
-            for name, at in SAVED_AT.items():  # the trampoline's own values are in the registers
-                setattr(view, name, int.from_bytes(saved[at : at + 8], "little"))
+            for name, kept_at in SAVED_AT.items():  # the trampoline's own values are in the registers
+                setattr(view, name, int.from_bytes(saved[kept_at : kept_at + 8], "little"))
         view.rsp = base + _RETURNED_RSP
         view.rip = caller
         if probe.action is None and (probe.on_return is None or not probe.enabled):
             probe.trap_hits += 1
             return
+        entry = words[at : at + _WORDS_PER_ENTRY].tobytes()  # (for its fetches: read before the entry goes)
         function, returning = probe.sites.get(proc.pid, 0), functools.partial(self._returning, proc, entry)
         hit = Hit(probe, proc.pid, tid, view, function, time.monotonic(), returning,
                   instance.data if instance else None, caller)  # fmt: skip
