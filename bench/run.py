@@ -566,9 +566,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     args = parser.parse_args()
     scale = 0.1 if args.quick else 1.0
-    n_trap, n_step, n_free, n_kernel, n_opt, n_rec, n_async, n_ret, n_stack = (
+    # (the upcall rows' runs as long as the kernel uprobe's: a few tens of ms would meet one busy moment of
+    # the host or none, and the median of three such runs is that moment's as often as not)
+    n_trap, n_step, n_free, n_kernel, n_opt, n_rec, n_async, n_ret, n_stack, n_upcall = (
         int(x * scale) for x in (20_000, 10_000, 2_000, 200_000, 20_000_000, 2_000_000, 1_000_000, 5_000_000,
-                                 5_000_000)
+                                 5_000_000, 100_000)
     )  # fmt: skip
     seed = seed_binary()
     image = load_elf(seed)
@@ -628,25 +630,25 @@ def main() -> int:
 
     trap_row("trap return: Python entry + return handlers", n_step, [], "r test",
              on_entry=lambda hit: None, on_return=lambda hit: None)  # fmt: skip
-    trap_row("upcall return: Python entry + return handlers (no stop)", n_step, [], "r test",
+    trap_row("upcall return: Python entry + return handlers (no stop)", n_upcall, [], "r test",
              on_entry=lambda hit: None, on_return=lambda hit: None, upcalls=True)  # fmt: skip
-    trap_row("upcall return: a Python return handler alone (one upcall)", n_step, [], "r test",
+    trap_row("upcall return: a Python return handler alone (one upcall)", n_upcall, [], "r test",
              on_return=lambda hit: None, upcalls=True)  # fmt: skip
     trap_row("trap, push rbp (a lasting trap: from its slot)", n_trap, [], "test")
     trap_row("trap, emulated (mov rbp,rsp)", n_trap, [], "test+1")
     trap_row("trap, boosted (mov eax,[rip+x])", n_trap, ["boost"], "test_boost")
     trap_row("trap, post-handler (single-step)", n_step, ["boost"], "test_boost", post=lambda hit: None)
-    trap_row("upcall, post-handler (no stop, no step)", n_step, ["boost"], "test_boost", post=lambda hit: None,
+    trap_row("upcall, post-handler (no stop, no step)", n_upcall, ["boost"], "test_boost", post=lambda hit: None,
              upcalls=True)  # fmt: skip
     trap_row("trap, push rbp + empty Python pre-handler", n_trap, [], "test", pre=lambda hit: None)
-    trap_row("upcall, push rbp + empty Python pre-handler (no stop)", n_trap, [], "test", pre=lambda hit: None,
+    trap_row("upcall, push rbp + empty Python pre-handler (no stop)", n_upcall, [], "test", pre=lambda hit: None,
              upcalls=True)  # fmt: skip
     # 4 threads making a quarter of the calls each, at once: the time of a call of all of them
     elapsed, info = median_run(
-        lambda: traced_seed([seed, str(n_trap // 4), "plain", "4"], "test", pre=lambda hit: None, upcalls=True),
+        lambda: traced_seed([seed, str(n_upcall // 4), "plain", "4"], "test", pre=lambda hit: None, upcalls=True),
         lambda r: r[0],
     )
-    add("upcall, the same, 4 threads at once", n_trap // 4 * 4, elapsed, **info, runs=REPEAT)
+    add("upcall, the same, 4 threads at once", n_upcall // 4 * 4, elapsed, **info, runs=REPEAT)
     add("floor: bare CPython ptrace loop, boosted, placed", n_trap, median_run(lambda: python_floor(seed, n_trap), int))
     trap_row("trap, push rbp, tracer not pinned (cross-CPU)", n_free, [], "test", pin=False)
     # What a user runs: a trap probe counted, and the same probe printing a line per hit
