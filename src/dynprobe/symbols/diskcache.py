@@ -10,6 +10,10 @@ what is missing below the home is made (0700). A file is written under a name of
 effective user's, no larger than its reader allows. Callers check what they read as they would
 a file from elsewhere. The cache is best effort: any failure reads as nothing kept, and a write
 that fails leaves nothing behind. DYNPROBE_CACHE=0 turns it off.
+
+A kind's entries hold at most BUDGET bytes: after a write, those read or written longest ago go
+(a read marks its entry's time), and so do temporary files a write killed midway left behind.
+Entries of an older dynprobe, or of files since changed, are never read again: they go first.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import os
 import pwd
 import re
 import stat
+import time
 from collections.abc import Iterable
 
 _KEY = re.compile(r"[0-9a-f]{64}")  # (a SHA-256: never a path)
+_TEMPORARY = re.compile(r"\.[0-9a-f]{64}\.[0-9a-f]{16}")  # (what `write` names a file until it is whole)
+BUDGET = 256 << 20  # bytes of entries a kind keeps (the largest here take a few MB: python3's analysis)
+LEFT_BEHIND = 3600  # seconds after which a temporary file is no write's any more
 
 
 def _base() -> str | None:
@@ -100,11 +108,14 @@ def read(kind: str, key: str, *, most: int) -> bytes | None:
             if not stat.S_ISREG(info.st_mode) or not _trusted(fd, ours=True) or info.st_size > most:
                 return None
             data = f.read(info.st_size + 1)  # (one more: a file that grew since is not used)
+            if len(data) != info.st_size:
+                return None
+            os.utime(fd)  # (used now: an eviction takes those used longest ago first)
     except OSError:
         return None
     finally:
         os.close(directory)
-    return data if len(data) == info.st_size else None
+    return data
 
 
 def write(kind: str, key: str, chunks: Iterable[bytes]) -> None:
@@ -129,7 +140,33 @@ def write(kind: str, key: str, chunks: Iterable[bytes]) -> None:
             if not renamed:  # (whatever stopped it: nothing half-written is left)
                 with contextlib.suppress(OSError):
                     os.unlink(temporary, dir_fd=directory)
+        _evict(directory, key)
     except OSError:
         pass
     finally:
         os.close(directory)
+
+
+def _evict(directory: int, kept: str) -> None:
+    """The entries of `directory` used longest ago removed until the others fit BUDGET (never
+    `kept`, just written), and the temporary files of writes over LEFT_BEHIND ago."""
+    entries: list[tuple[int, int, str]] = []
+    left_behind = time.time() - LEFT_BEHIND
+    with os.scandir(directory) as found:
+        for entry in found:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            info = entry.stat(follow_symlinks=False)
+            if _KEY.fullmatch(entry.name):
+                entries.append((info.st_mtime_ns, info.st_size, entry.name))
+            elif _TEMPORARY.fullmatch(entry.name) and info.st_mtime < left_behind:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=directory)
+    total = sum(size for _, size, _ in entries)
+    for _, size, name in sorted(entries):
+        if total <= BUDGET:
+            break
+        if name != kept:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=directory)
+            total -= size
