@@ -54,8 +54,11 @@ def test_an_entry_larger_than_the_budget_stays_until_the_next_write(cache: Path)
     assert [p.name for p in cache.iterdir()] == [key(3)]
 
 
-def test_old_temporary_files_go_and_nothing_else_is_touched(cache: Path) -> None:
+def test_old_temporary_files_go_and_nothing_else_is_touched(cache: Path, tmp_path: Path) -> None:
     diskcache.write(KIND, key(1), [b"\1"])
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"y" * 10_000)
+    (cache / key(12)).symlink_to(outside)  # (a link by an entry's name: neither it nor what it names goes)
     old, fresh = cache / f".{key(7)}.{'0' * 16}", cache / f".{key(8)}.{'1' * 16}"
     others = [cache / "notes", cache / f"{key(9)}.bak", cache / key(10)[1:]]
     for path in [old, fresh, *others]:
@@ -65,5 +68,18 @@ def test_old_temporary_files_go_and_nothing_else_is_touched(cache: Path) -> None
     (cache / key(11)).mkdir()  # (a directory by an entry's name is left alone too)
     diskcache.write(KIND, key(2), [b"\2"])
     assert sorted(p.name for p in cache.iterdir()) == sorted(
-        [key(1), key(2), key(11), fresh.name, *(p.name for p in others)]
+        [key(1), key(2), key(11), key(12), fresh.name, *(p.name for p in others)]
     )
+    assert outside.read_bytes() == b"y" * 10_000
+
+
+def test_a_read_where_its_date_cannot_change_still_gives_the_entry(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    diskcache.write(KIND, key(1), [b"\1" * 10])
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    assert diskcache.read(KIND, key(1), most=10) == b"\1" * 10

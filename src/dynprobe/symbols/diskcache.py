@@ -11,9 +11,11 @@ effective user's, no larger than its reader allows. Callers check what they read
 a file from elsewhere. The cache is best effort: any failure reads as nothing kept, and a write
 that fails leaves nothing behind. DYNPROBE_CACHE=0 turns it off.
 
-A kind's entries hold at most BUDGET bytes: after a write, those read or written longest ago go
-(a read marks its entry's time), and so do temporary files a write killed midway left behind.
-Entries of an older dynprobe, or of files since changed, are never read again: they go first.
+A kind's entries hold at most BUDGET bytes, but for the one just written: after a write, those
+read or written longest ago go (a read dates its entry anew: entries of an older dynprobe, or of
+files since changed, are never read again), and so do temporary files a write killed midway left
+over LEFT_BEHIND ago. A kind is named with its format, and the directory of an older format is
+written no more: it keeps what it held.
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def read(kind: str, key: str, *, most: int) -> bytes | None:
             data = f.read(info.st_size + 1)  # (one more: a file that grew since is not used)
             if len(data) != info.st_size:
                 return None
-            os.utime(fd)  # (used now: an eviction takes those used longest ago first)
+            with contextlib.suppress(OSError):  # (used now: an eviction takes those used longest ago first)
+                os.utime(fd)
     except OSError:
         return None
     finally:
@@ -154,9 +157,12 @@ def _evict(directory: int, kept: str) -> None:
     left_behind = time.time() - LEFT_BEHIND
     with os.scandir(directory) as found:
         for entry in found:
-            if not entry.is_file(follow_symlinks=False):
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                info = entry.stat(follow_symlinks=False)
+            except OSError:  # (another run took it away meanwhile)
                 continue
-            info = entry.stat(follow_symlinks=False)
             if _KEY.fullmatch(entry.name):
                 entries.append((info.st_mtime_ns, info.st_size, entry.name))
             elif _TEMPORARY.fullmatch(entry.name) and info.st_mtime < left_behind:
@@ -166,7 +172,12 @@ def _evict(directory: int, kept: str) -> None:
     for _, size, name in sorted(entries):
         if total <= BUDGET:
             break
-        if name != kept:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=directory)
-            total -= size
+        if name == kept:
+            continue
+        try:
+            os.unlink(name, dir_fd=directory)
+        except FileNotFoundError:  # (another run's eviction took it)
+            pass
+        except OSError:
+            continue
+        total -= size
