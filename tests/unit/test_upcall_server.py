@@ -8,11 +8,12 @@ import mmap
 import threading
 import time
 from array import array
+from collections.abc import Iterator
 
 import pytest
 
 from dynprobe.arch.x86_64 import Regs
-from dynprobe.core.upcalls import SPIN, native
+from dynprobe.core.upcalls import NATIVE_LAYOUT, SPIN, Doorbell, native
 from dynprobe.ringbuf import layout as L
 
 AREA_BYTES = 0x400  # (the header's upcall words, and room after)
@@ -22,9 +23,9 @@ class Bell:
     """A doorbell page and thread areas, as the server sees them."""
 
     def __init__(self, threads: int) -> None:
-        self.page = mmap.mmap(-1, mmap.PAGESIZE)
-        self.words = memoryview(self.page).cast("Q")
-        self.watched = array("Q", [ctypes.addressof(ctypes.c_char.from_buffer(self.page)) + L.DOORBELL_RING, 0])
+        self.bell = Doorbell.over(0, mmap.mmap(-1, mmap.PAGESIZE))
+        self.words = self.bell.words
+        self.watched = array("Q", [self.bell.ring, 0])
         self.pool = mmap.mmap(-1, threads * AREA_BYTES)
         whole = memoryview(self.pool)
         self.areas = [whole[i * AREA_BYTES : (i + 1) * AREA_BYTES].cast("Q") for i in range(threads)]
@@ -65,20 +66,25 @@ def test_a_ring_with_no_known_thread_asking_is_minus_two_and_seen() -> None:
     assert bell.next() == -1
 
 
-def test_a_request_made_while_it_waits_wakes_it() -> None:
+@pytest.fixture
+def long_spin() -> Iterator[float]:
+    """The wait's spin made 60 s long for the test (core/upcalls.py's layout, but for the time)."""
+    native.set_layout(**{**NATIVE_LAYOUT, "spin_ns": 60 * 10**9})
+    try:
+        yield 60
+    finally:
+        native.set_layout(**NATIVE_LAYOUT)
+
+
+def test_a_request_made_while_it_waits_ends_the_wait(long_spin: float) -> None:
+    """The ring ends the wait it comes in (the GIL let go meanwhile: the ringing thread runs)."""
     bell = Bell(2)
-
-    def later() -> None:
-        time.sleep(0.05)
-        bell.ask(1)
-
-    thread = threading.Thread(target=later)
-    thread.start()
-    found, deadline = -1, time.monotonic() + 60
-    while found == -1 and time.monotonic() < deadline:  # (each wait a spin long, the GIL let go)
-        found = bell.next()
-    thread.join()
-    assert found == 1
+    later = threading.Timer(0.05, bell.ask, args=(1,))
+    later.start()
+    started = time.monotonic()
+    assert bell.next() == 1
+    assert time.monotonic() - started < long_spin / 2
+    later.join()
 
 
 def test_an_area_let_go_is_a_value_error() -> None:

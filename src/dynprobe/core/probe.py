@@ -164,7 +164,7 @@ class Hit:
     address: int
     time: float  # CLOCK_MONOTONIC seconds
     # What fetches read, or what makes it from the hit when first asked: most handlers never
-    # ask, and an upcall costs a few microseconds (a maker is made once, not per hit).
+    # ask (the upcall server makes its makers once per thread: an upcall costs a few us).
     context_source: FetchContext | Callable[[Hit], FetchContext]
     data: object = None  # a return probe's instance data: set by the entry handler, read at return
     caller: int | None = None  # at a return: where the function returns to

@@ -38,7 +38,8 @@ static PyObject *set_layout(PyObject *module, PyObject *args, PyObject *kwargs) 
         return NULL;
     }
     state_word = state, sleeping_word = sleeping, cpu_word = cpu;
-    words_needed = 1 + (state > sleeping ? (state > cpu ? state : cpu) : (sleeping > cpu ? sleeping : cpu));
+    Py_ssize_t last = state > sleeping ? state : sleeping;
+    words_needed = 1 + (last > cpu ? last : cpu);
     request_value = request, answered_value = answered;
     frame_byte = from, prefetch_to = to, spin_ns = spin;
     Py_RETURN_NONE;

@@ -74,16 +74,17 @@ MAX_DOORBELLS = 128  # futex_waitv's most (FUTEX_WAITV_MAX): processes served at
 _STATE = L.UPCALL_STATE // 8
 _RING = L.DOORBELL_RING // 8
 _REGION, _SITE, _CPU, _SLEEPING = (at // 8 for at in (L.UPCALL_REGION, L.UPCALL_SITE, L.UPCALL_CPU, L.UPCALL_SLEEPING))
-native.set_layout(
-    state=_STATE,
-    sleeping=_SLEEPING,
-    cpu=_CPU,
-    request=L.UPCALL_REQUEST,
-    answered=L.UPCALL_ANSWERED,
-    frame=L.UPCALL_FRAME,
-    prefetch_to=L.UPCALL_STATE,  # (the frame's lines but the last, which holds the state)
-    spin_ns=int(SPIN * 1e9),
-)
+NATIVE_LAYOUT = {  # what core/upcalls.c is told (`native.set_layout`)
+    "state": _STATE,
+    "sleeping": _SLEEPING,
+    "cpu": _CPU,
+    "request": L.UPCALL_REQUEST,
+    "answered": L.UPCALL_ANSWERED,
+    "frame": L.UPCALL_FRAME,
+    "prefetch_to": L.UPCALL_STATE,  # (the frame's lines but the last, which holds the state)
+    "spin_ns": int(SPIN * 1e9),
+}
+native.set_layout(**NATIVE_LAYOUT)
 _NONE_RANG = -1  # (native.next_request: no doorbell rang within the time given)
 _REQUEST = L.UPCALL_REQUEST
 
@@ -334,7 +335,6 @@ class Upcalls:
         if self._cpus is not None:
             os.sched_setaffinity(0, self._cpus)
         bells: list[Doorbell] = []  # (kept here while the server waits on their words)
-        watched = array("Q")  # per doorbell, our address of its RING word and the value seen there
         askers: list[Asker] = []
         seen: tuple[int, ...] = ()  # the versions of the doorbells and the thread areas they are of
         try:
@@ -342,8 +342,9 @@ class Upcalls:
                 if not self._serving.is_set():
                     self._serving.wait(WAIT)
                     continue
-                for i, bell in enumerate(bells):  # (before the look: a request after it rings)
-                    watched[2 * i + 1] = bell.rung()
+                # per doorbell, our address of its RING word and the value there before the look
+                # (a request after the look rings it again)
+                watched = array("Q", [word for bell in bells for word in (bell.ring, bell.rung())])
                 try:
                     if (self._version, ThreadAreas.changes) != seen:  # (a thread or process came or went)
                         seen = (self._version, ThreadAreas.changes)
@@ -351,7 +352,6 @@ class Upcalls:
                             bells = self._bells_served = self._distinct()
                         for bell in bells:  # (one made as the server moved may hold its old CPU)
                             bell.on_cpu(self._cpu)
-                        watched = array("Q", [word for bell in bells for word in (bell.ring, bell.rung())])
                         askers = list(self._areas())
                         continue
                     for asker in askers:
